@@ -1,0 +1,70 @@
+"""The commlib error hierarchy.
+
+Every error derives from :class:`CommError` and its message names the rank and
+the operation (``"rank 2: halo_exchange: ..."``), so a failure in a job of
+hundreds of ranks can be traced from any one rank's log.
+"""
+from __future__ import annotations
+
+__all__ = [
+    "CommError",
+    "ProcessFailed",
+    "CommTimeout",
+    "DatatypeError",
+    "BufferError",
+    "AuthenticationError",
+    "InvalidArgument",
+]
+
+
+class CommError(RuntimeError):
+    """Base of every commlib error.
+
+    Args:
+        message: what went wrong.
+        rank: the rank that raised it (``None`` when not known).
+        op: the operation, e.g. ``"allreduce"`` or ``"HaloExchange.exchange"``.
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, op: str | None = None):
+        self.rank = rank
+        self.op = op
+        prefix = []
+        if rank is not None:
+            prefix.append(f"rank {rank}")
+        if op:
+            prefix.append(op)
+        self.detail = message
+        super().__init__(": ".join(prefix + [message]) if prefix else message)
+
+
+class InvalidArgument(CommError, ValueError):
+    """A call's arguments are wrong (shape, dtype, size, option). Raised before any byte moves."""
+
+
+class ProcessFailed(CommError):
+    """One or more peer processes failed.
+
+    Attributes:
+        failed: ranks (in the communicator the operation ran on) known to have failed.
+    """
+
+    def __init__(self, message: str, *, failed=(), rank=None, op=None):
+        self.failed = tuple(sorted(failed))
+        super().__init__(message, rank=rank, op=op)
+
+
+class CommTimeout(CommError, TimeoutError):
+    """A blocking operation did not complete within its timeout (seconds)."""
+
+
+class DatatypeError(CommError, TypeError):
+    """A datatype is malformed, unsupported, uncommitted, or does not fit the buffer."""
+
+
+class BufferError(CommError):  # noqa: A001 - deliberately shadows the builtin inside commlib
+    """A buffer cannot be used: unsupported type, non-contiguous, wrong device."""
+
+
+class AuthenticationError(CommError):
+    """An elastic peer failed authentication; it is not admitted and is sent nothing."""

@@ -37,3 +37,20 @@ from .errors import (  # noqa: E402
     InvalidArgument,
     ProcessFailed,
 )
+from .buffer import Buffer, as_buffer  # noqa: E402
+from .communicator import (  # noqa: E402
+    ANY_SOURCE,
+    ANY_TAG,
+    PROC_NULL,
+    CartCommunicator,
+    Communicator,
+    init,
+)
+
+
+def __getattr__(name):  # lazy layers: ``commlib.collectives`` etc. on first use
+    import importlib
+
+    if name in ("collectives", "datatypes", "transports", "apps", "device", "config"):
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

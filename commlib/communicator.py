@@ -1,0 +1,249 @@
+"""The user-facing communicator.
+
+:func:`commlib.init` returns a :class:`Communicator` over ``MPI.COMM_WORLD``
+through the MPI transport (:mod:`commlib.transports.mpi`).  Point-to-point
+calls take arrays (numpy, CuPy, numba device arrays, DLPack); device arrays go
+to MPI directly when it is CUDA-aware and are staged through host memory
+otherwise.  :meth:`Communicator.cart_create` builds a Cartesian communicator
+(MPI-4.0 §8.5) for halo exchanges.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from mpi4py import MPI
+
+from commlib.errors import InvalidArgument
+from commlib.transports.base import Request, wait_all
+from commlib.transports.mpi import MPITransport
+
+__all__ = ["Communicator", "CartCommunicator", "init", "PROC_NULL", "ANY_SOURCE", "ANY_TAG"]
+
+PROC_NULL = MPI.PROC_NULL
+ANY_SOURCE = MPI.ANY_SOURCE
+ANY_TAG = MPI.ANY_TAG
+
+
+class Communicator:
+    """A group of ranks that exchange arrays.
+
+    Args:
+        comm: the mpi4py communicator to wrap (default ``MPI.COMM_WORLD``). It is
+            not duplicated: use :meth:`dup` for an isolated tag space.
+        cuda_aware: force CUDA-awareness on or off (None: detect, see
+            :func:`commlib.device.cuda_aware`).
+
+    Attributes:
+        mpi_comm: the underlying ``MPI.Comm`` for interoperating with mpi4py code.
+        transport: the point-to-point transport collectives run on.
+    """
+
+    def __init__(self, comm: MPI.Comm | None = None, *, cuda_aware: bool | None = None):
+        self.mpi_comm = MPI.COMM_WORLD if comm is None else comm
+        self.transport = MPITransport(self.mpi_comm, cuda_aware=cuda_aware)
+
+    # ------------------------------------------------------------ properties
+    @property
+    def rank(self) -> int:
+        """This process's rank in ``[0, size)``."""
+        return self.transport.rank
+
+    @property
+    def size(self) -> int:
+        """Number of ranks."""
+        return self.transport.size
+
+    @property
+    def cuda_aware(self) -> bool:
+        """True when device buffers go to MPI without host staging."""
+        return self.transport.cuda_aware
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} rank={self.rank} size={self.size}>"
+
+    # --------------------------------------------------------- point to point
+    def send(self, buf, dest: int, tag: int = 0) -> None:
+        """Blocking send of a contiguous array.
+
+        Args:
+            buf: contiguous array (host or device); its bytes are sent.
+            dest: destination rank, or ``PROC_NULL``.
+            tag: message tag (>= 0).
+
+        Raises:
+            InvalidArgument: ``dest`` out of range or negative tag.
+            BufferError: unsupported or non-contiguous buffer.
+        """
+        self._check_tag(tag, "send")
+        self.transport.send(buf, dest, tag)
+
+    def recv(self, buf, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> MPI.Status:
+        """Blocking receive into a contiguous array of exactly the message's size in bytes.
+
+        Returns:
+            MPI.Status: source, tag and byte count of the received message.
+        """
+        return self.transport.recv(buf, source, tag)
+
+    def isend(self, buf, dest: int, tag: int = 0) -> Request:
+        """Non-blocking send; do not modify ``buf`` until the request completes.
+
+        Returns:
+            Request: ``wait(timeout=None)`` / ``test()``.
+        """
+        self._check_tag(tag, "isend")
+        return self.transport.isend(buf, dest, tag)
+
+    def irecv(self, buf, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Request:
+        """Non-blocking receive; ``buf`` holds the data after the request completes."""
+        return self.transport.irecv(buf, source, tag)
+
+    def sendrecv(self, sendbuf, dest: int, recvbuf, source: int = ANY_SOURCE, sendtag: int = 0, recvtag: int = ANY_TAG) -> None:
+        """Send ``sendbuf`` to ``dest`` while receiving ``recvbuf`` from ``source`` (no deadlock)."""
+        self._check_tag(sendtag, "sendrecv")
+        self.transport.sendrecv(sendbuf, dest, recvbuf, source, sendtag, recvtag)
+
+    @staticmethod
+    def waitall(requests: Sequence[Request], timeout: float | None = None) -> None:
+        """Wait for every request; ``timeout`` in seconds for all of them together."""
+        wait_all(requests, timeout)
+
+    def barrier(self) -> None:
+        """Block until every rank has entered the barrier."""
+        self.transport.barrier()
+
+    # ----------------------------------------------------------- management
+    def dup(self) -> "Communicator":
+        """A new communicator over the same group with its own tag space."""
+        return Communicator(self.mpi_comm.Dup(), cuda_aware=self.cuda_aware)
+
+    def split(self, color: int, key: int = 0) -> "Communicator":
+        """Split into sub-communicators by ``color`` (``MPI_Comm_split``)."""
+        return Communicator(self.mpi_comm.Split(color, key), cuda_aware=self.cuda_aware)
+
+    def free(self) -> None:
+        """Free the underlying communicator (not for ``COMM_WORLD``)."""
+        self.transport.close()
+
+    def cart_create(self, dims: Sequence[int] | int | None = None, periods: Sequence[bool] | bool = False,
+                    reorder: bool = False, ndims: int | None = None) -> "CartCommunicator":
+        """Create a Cartesian communicator (MPI-4.0 §8.5.1).
+
+        Args:
+            dims: ranks per dimension; entries of 0 (or ``dims=None`` with
+                ``ndims``) are filled by ``MPI.Compute_dims``. The product must
+                equal ``size``. An int means that many dimensions, all free.
+            periods: per-dimension periodicity (one bool applies to every dimension).
+            reorder: let MPI renumber ranks.
+            ndims: number of dimensions when ``dims`` is None (default: the
+                length of ``periods`` if it is a sequence, else 1).
+
+        Returns:
+            CartCommunicator
+
+        Raises:
+            InvalidArgument: dims whose product is not ``size``, or mismatched lengths.
+        """
+        op = "cart_create"
+        if isinstance(dims, int):
+            ndims, dims = dims, None
+        if dims is None:
+            if ndims is None:
+                ndims = len(periods) if isinstance(periods, (list, tuple)) else 1
+            dims = [0] * ndims
+        dims = [int(d) for d in dims]
+        if any(d < 0 for d in dims):
+            raise InvalidArgument(f"dims {dims} has a negative entry", rank=self.rank, op=op)
+        fixed = 1
+        for d in dims:
+            fixed *= d if d else 1
+        if self.size % fixed:
+            raise InvalidArgument(f"dims {dims} cannot be completed for {self.size} ranks", rank=self.rank, op=op)
+        dims = list(MPI.Compute_dims(self.size, dims))
+        prod = 1
+        for d in dims:
+            prod *= d
+        if prod != self.size:
+            raise InvalidArgument(f"dims {dims} multiply to {prod}, not comm size {self.size}", rank=self.rank, op=op)
+        if isinstance(periods, (bool, int)):
+            periods = [bool(periods)] * len(dims)
+        periods = [bool(p) for p in periods]
+        if len(periods) != len(dims):
+            raise InvalidArgument(f"periods has {len(periods)} entries, dims {len(dims)}", rank=self.rank, op=op)
+        cart = self.mpi_comm.Create_cart(dims, periods, reorder=reorder)
+        return CartCommunicator(cart, cuda_aware=self.cuda_aware)
+
+    @staticmethod
+    def _check_tag(tag: int, op: str) -> None:
+        if tag < 0:
+            raise InvalidArgument(f"tag {tag} is negative", op=op)
+
+
+class CartCommunicator(Communicator):
+    """A communicator whose ranks form a Cartesian grid.
+
+    Attributes:
+        dims: ranks per dimension (tuple of int).
+        periods: periodicity per dimension (tuple of bool).
+        coords: this rank's coordinates (tuple of int).
+        ndim: number of dimensions.
+    """
+
+    def __init__(self, comm: MPI.Cartcomm, *, cuda_aware: bool | None = None):
+        super().__init__(comm, cuda_aware=cuda_aware)
+        dims, periods, coords = comm.Get_topo()
+        self.dims = tuple(int(d) for d in dims)
+        self.periods = tuple(bool(p) for p in periods)
+        self.coords = tuple(int(c) for c in coords)
+        self.ndim = len(self.dims)
+
+    def __repr__(self) -> str:
+        return f"<CartCommunicator rank={self.rank} dims={self.dims} periods={self.periods} coords={self.coords}>"
+
+    def rank_of(self, coords: Sequence[int]) -> int:
+        """Rank at ``coords``, wrapping periodic dimensions; ``PROC_NULL`` off a
+        non-periodic edge."""
+        c = []
+        for x, n, p in zip(coords, self.dims, self.periods):
+            if not 0 <= x < n:
+                if not p:
+                    return PROC_NULL
+                x %= n
+            c.append(x)
+        return self.mpi_comm.Get_cart_rank(c)
+
+    def coords_of(self, rank: int) -> tuple[int, ...]:
+        """Coordinates of ``rank``."""
+        return tuple(self.mpi_comm.Get_coords(rank))
+
+    def neighbor(self, offset: Sequence[int]) -> int:
+        """Rank at this rank's coordinates plus ``offset`` (e.g. ``(-1, 1)`` for a
+        corner neighbour), or ``PROC_NULL`` off a non-periodic edge."""
+        if len(offset) != self.ndim:
+            raise InvalidArgument(f"offset {tuple(offset)} has {len(offset)} entries, grid has {self.ndim}",
+                                  rank=self.rank, op="neighbor")
+        return self.rank_of([c + o for c, o in zip(self.coords, offset)])
+
+    def shift(self, direction: int, disp: int = 1) -> tuple[int, int]:
+        """``(source, dest)`` ranks for a shift along ``direction`` (``MPI_Cart_shift``)."""
+        return self.mpi_comm.Shift(direction, disp)
+
+
+def init(comm: MPI.Comm | None = None, *, cuda_aware: bool | None = None, **options) -> Communicator:
+    """Initialize commlib and return a :class:`Communicator`.
+
+    MPI itself is initialized by importing mpi4py (thread level per
+    ``mpi4py.rc``); commlib adds no global state beyond that.
+
+    Args:
+        comm: communicator to wrap (default ``MPI.COMM_WORLD``).
+        cuda_aware: force CUDA-awareness (None: detect).
+        **options: reserved for later modes (``fault_tolerant``); an unknown
+            option raises.
+
+    Raises:
+        InvalidArgument: an unknown option.
+    """
+    if options:
+        raise InvalidArgument(f"unknown option(s) {sorted(options)}", op="init")
+    return Communicator(comm, cuda_aware=cuda_aware)

@@ -1,0 +1,119 @@
+"""The transport contract: point-to-point only.
+
+A transport moves contiguous buffers between ranks: ``send``, ``recv``,
+``isend``, ``irecv``, ``sendrecv`` with a tag, plus ``rank``, ``size``, failure
+detection and ``close``.  Collective algorithms (``commlib.collectives``) are
+written only against this contract, so the same ring serves MPI and TCP.  An
+operation a transport lacks raises ``NotImplementedError("transport 'tcp' does
+not support ...")``, as torch.distributed's c10d ``Backend`` does.
+"""
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from typing import Callable, Sequence
+
+from commlib.errors import CommTimeout
+
+__all__ = ["Request", "Transport", "wait_all"]
+
+
+class Request(ABC):
+    """Handle of a non-blocking operation."""
+
+    @abstractmethod
+    def test(self) -> bool:
+        """Return True (and finish the operation) if it has completed; never blocks."""
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the operation completes.
+
+        Args:
+            timeout: seconds; None waits as long as it takes.
+
+        Raises:
+            CommTimeout: when ``timeout`` passes first.
+        """
+        if timeout is None:
+            self._wait_forever()
+            return
+        deadline = time.monotonic() + timeout
+        pause = 1e-6
+        while not self.test():
+            if time.monotonic() > deadline:
+                raise CommTimeout(f"request not complete after {timeout:.3g} s", op=type(self).__name__ + ".wait")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    def _wait_forever(self) -> None:
+        pause = 1e-6
+        while not self.test():
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+
+class CompletedRequest(Request):
+    """A request that is already done (e.g. a send to ``PROC_NULL``)."""
+
+    def test(self) -> bool:
+        return True
+
+
+def wait_all(requests: Sequence[Request], timeout: float | None = None) -> None:
+    """Wait for every request (see :meth:`Request.wait`)."""
+    if timeout is None:
+        for r in requests:
+            r.wait()
+        return
+    deadline = time.monotonic() + timeout
+    for r in requests:
+        r.wait(max(0.0, deadline - time.monotonic()))
+
+
+class Transport(ABC):
+    """Point-to-point byte mover between the ``size`` ranks of a group.
+
+    Buffers are :class:`commlib.buffer.Buffer`-compatible arrays, contiguous in
+    memory; sizes in bytes must match between sender and receiver.
+    """
+
+    name = "abstract"
+
+    @property
+    @abstractmethod
+    def rank(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def size(self) -> int: ...
+
+    @abstractmethod
+    def isend(self, buf, dest: int, tag: int = 0) -> Request: ...
+
+    @abstractmethod
+    def irecv(self, buf, source: int, tag: int = 0) -> Request: ...
+
+    def send(self, buf, dest: int, tag: int = 0) -> None:
+        self.isend(buf, dest, tag).wait()
+
+    def recv(self, buf, source: int, tag: int = 0) -> None:
+        self.irecv(buf, source, tag).wait()
+
+    def sendrecv(self, sendbuf, dest: int, recvbuf, source: int, sendtag: int = 0, recvtag: int = 0) -> None:
+        r = self.irecv(recvbuf, source, recvtag)
+        s = self.isend(sendbuf, dest, sendtag)
+        r.wait()
+        s.wait()
+
+    def failed_ranks(self) -> tuple[int, ...]:
+        """Ranks this transport knows to have failed (empty when it cannot tell)."""
+        return ()
+
+    def close(self) -> None:
+        """Release the transport's resources."""
+
+    def unsupported(self, what: str) -> NotImplementedError:
+        return NotImplementedError(f"transport '{self.name}' does not support {what}")
+
+
+Callback = Callable[[], None]

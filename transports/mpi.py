@@ -1,0 +1,188 @@
+"""The MPI transport: point-to-point over an mpi4py communicator.
+
+Host buffers go to MPI as they are.  Device buffers go to MPI directly when the
+library is CUDA-aware (:func:`commlib.device.cuda_aware`); otherwise they are
+staged through host memory: a send copies device→host before ``Isend``, a
+receive ``Irecv``s into host memory and copies host→device when the request
+completes.  The producing stream is synchronized before MPI reads a device
+buffer.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+from mpi4py import MPI
+
+from commlib.buffer import Buffer, as_buffer
+from commlib.device import cuda_aware
+from commlib.errors import BufferError, CommError, InvalidArgument
+
+from .base import CompletedRequest, Request, Transport
+
+__all__ = ["MPITransport", "MPIRequest"]
+
+
+class MPIRequest(Request):
+    """Wraps an ``MPI.Request``; ``on_complete`` runs once when it finishes
+    (host→device copy of a staged receive)."""
+
+    __slots__ = ("req", "_on_complete", "_done", "_keep")
+
+    def __init__(self, req: MPI.Request, on_complete: Callable[[], None] | None = None, keep=None):
+        self.req = req
+        self._on_complete = on_complete
+        self._done = False
+        self._keep = keep  # staging buffers must outlive the MPI request
+
+    def _finish(self) -> None:
+        self._done = True
+        if self._on_complete is not None:
+            cb, self._on_complete = self._on_complete, None
+            cb()
+        self._keep = None
+
+    def test(self) -> bool:
+        if self._done:
+            return True
+        if self.req.Test():
+            self._finish()
+            return True
+        return False
+
+    def _wait_forever(self) -> None:
+        if not self._done:
+            self.req.Wait()
+            self._finish()
+
+    def cancel(self) -> None:
+        """Cancel a pending operation (used when recovering from a failure)."""
+        if not self._done:
+            try:
+                self.req.Cancel()
+            except MPI.Exception:
+                pass
+
+
+class MPITransport(Transport):
+    """Point-to-point transport over an ``MPI.Comm``.
+
+    Args:
+        comm: the mpi4py communicator (not duplicated; the caller owns it).
+        cuda_aware: override CUDA-awareness detection (None: detect).
+    """
+
+    name = "mpi"
+
+    def __init__(self, comm: MPI.Comm, cuda_aware: bool | None = None):
+        self.comm = comm
+        self._rank = comm.Get_rank()
+        self._size = comm.Get_size()
+        self.cuda_aware = _detect(cuda_aware)
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    # ----------------------------------------------------------------- helpers
+    def _check_peer(self, peer: int, what: str, op: str) -> None:
+        if peer == MPI.PROC_NULL or (what == "source" and peer == MPI.ANY_SOURCE):
+            return
+        if not 0 <= peer < self._size:
+            raise InvalidArgument(f"{what} {peer} out of range [0, {self._size})", rank=self._rank, op=op)
+
+    def _wrap(self, buf, op: str) -> Buffer:
+        b = as_buffer(buf, op=op, rank=self._rank)
+        if not b.dense:
+            raise BufferError(
+                "buffer is not contiguous; pass datatype= or a contiguous array", rank=self._rank, op=op
+            )
+        return b
+
+    @staticmethod
+    def _mpi_buf(b: Buffer):
+        if b.is_device:
+            return [b.obj, b.nbytes, MPI.BYTE]
+        return [b.byte_view() if b.nbytes else np.empty(0, np.uint8), b.nbytes, MPI.BYTE]
+
+    # --------------------------------------------------------------- contract
+    def isend(self, buf, dest: int, tag: int = 0) -> Request:
+        op = "isend"
+        self._check_peer(dest, "dest", op)
+        b = self._wrap(buf, op)
+        if dest == MPI.PROC_NULL:
+            return CompletedRequest()
+        if b.is_device and not self.cuda_aware:
+            host = b.to_host()
+            return MPIRequest(self.comm.Isend([host, b.nbytes, MPI.BYTE], dest, tag), keep=host)
+        b.synchronize()
+        return MPIRequest(self.comm.Isend(self._mpi_buf(b), dest, tag), keep=b)
+
+    def irecv(self, buf, source: int, tag: int = 0) -> Request:
+        op = "irecv"
+        self._check_peer(source, "source", op)
+        b = self._wrap(buf, op)
+        if source == MPI.PROC_NULL:
+            return CompletedRequest()
+        if b.is_device and not self.cuda_aware:
+            host = np.empty(b.shape, dtype=b.dtype)
+            return MPIRequest(
+                self.comm.Irecv([host, b.nbytes, MPI.BYTE], source, tag), on_complete=lambda: b.from_host(host), keep=host
+            )
+        b.synchronize()
+        return MPIRequest(self.comm.Irecv(self._mpi_buf(b), source, tag), keep=b)
+
+    def send(self, buf, dest: int, tag: int = 0) -> None:
+        op = "send"
+        self._check_peer(dest, "dest", op)
+        b = self._wrap(buf, op)
+        if b.is_device and not self.cuda_aware:
+            self.comm.Send([b.to_host(), b.nbytes, MPI.BYTE], dest, tag)
+            return
+        b.synchronize()
+        self.comm.Send(self._mpi_buf(b), dest, tag)
+
+    def recv(self, buf, source: int, tag: int = 0) -> MPI.Status:
+        op = "recv"
+        self._check_peer(source, "source", op)
+        b = self._wrap(buf, op)
+        status = MPI.Status()
+        if b.is_device and not self.cuda_aware:
+            host = np.empty(b.shape, dtype=b.dtype)
+            self.comm.Recv([host, b.nbytes, MPI.BYTE], source, tag, status)
+            b.from_host(host)
+            return status
+        b.synchronize()
+        self.comm.Recv(self._mpi_buf(b), source, tag, status)
+        return status
+
+    def sendrecv(self, sendbuf, dest: int, recvbuf, source: int, sendtag: int = 0, recvtag: int = 0) -> None:
+        op = "sendrecv"
+        self._check_peer(dest, "dest", op)
+        self._check_peer(source, "source", op)
+        sb = self._wrap(sendbuf, op)
+        rb = self._wrap(recvbuf, op)
+        if (sb.is_device or rb.is_device) and not self.cuda_aware:
+            super().sendrecv(sb, dest, rb, source, sendtag, recvtag)
+            return
+        sb.synchronize()
+        rb.synchronize()
+        self.comm.Sendrecv(self._mpi_buf(sb), dest, sendtag, self._mpi_buf(rb), source, recvtag)
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    def close(self) -> None:
+        if self.comm not in (MPI.COMM_WORLD, MPI.COMM_SELF) and self.comm != MPI.COMM_NULL:
+            try:
+                self.comm.Free()
+            except MPI.Exception as exc:  # pragma: no cover
+                raise CommError(f"MPI_Comm_free failed: {exc}", rank=self._rank, op="close") from exc
+
+
+def _detect(flag: bool | None) -> bool:
+    return cuda_aware() if flag is None else bool(flag)

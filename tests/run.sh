@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Run commlib's whole test suite: serial tests (fault-injection and elastic
+# tests launch their own mpiexec jobs from here), then the MPI tests under
+# mpiexec at 1, 2, 3 and 4 ranks. Every stage is bounded in time, so one hung
+# rank cannot hang the run.
+#
+#   bash tests/run.sh            # everything
+#   RANKS="2 4" bash tests/run.sh
+set -u
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+RANKS=${RANKS:-"1 2 3 4"}
+MPIEXEC=${MPIEXEC:-mpiexec}
+MPIFLAGS=${MPIFLAGS:-"--oversubscribe"}
+if [ "$(id -u)" = 0 ]; then
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+fi
+# Without a GPU, device kernels run in numba's CUDA simulator.
+command -v nvidia-smi >/dev/null 2>&1 || export NUMBA_ENABLE_CUDASIM=${NUMBA_ENABLE_CUDASIM:-1}
+export PYTHONDONTWRITEBYTECODE=1
+status=0
+
+echo "== serial tests"
+timeout 1500 "$PY" -P -m pytest -q -p no:cacheprovider --timeout=600 tests "$@" || status=1
+
+for n in $RANKS; do
+  echo "== MPI tests on $n rank(s)"
+  # shellcheck disable=SC2086
+  timeout 900 "$MPIEXEC" $MPIFLAGS -n "$n" "$PY" -P -m pytest -q -p no:cacheprovider --with-mpi -m mpi \
+    --timeout=300 tests "$@" || status=1
+done
+exit $status

@@ -1,0 +1,865 @@
+"""commlib's derived datatypes: one class per MPI type constructor (MPI-4.0 §5.1).
+
+Every type knows its packed ``size``, its bounds (``lb``, ``ub``, ``extent``,
+``true_lb``, ``true_ub``, ``true_extent``; bytes, computed per the MPI standard,
+including the alignment padding ε of types without explicit bound markers and the
+sticky markers that ``Resized`` sets), its canonical layout (:meth:`canonical`,
+cached) and how to build the equivalent committed ``MPI.Datatype``
+(:meth:`to_mpi`).  Types are immutable; a type caches its canonical form and its
+pack plans, so building it once and packing it every step is cheap.
+
+``base`` arguments accept a commlib type, an ``MPI.Datatype`` (decoded with
+:func:`commlib.datatypes.from_mpi`) or anything ``numpy.dtype()`` accepts.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from commlib.errors import DatatypeError
+
+from . import canonical as _c
+
+__all__ = [
+    "Datatype",
+    "Named",
+    "Contiguous",
+    "Vector",
+    "Hvector",
+    "Indexed",
+    "Hindexed",
+    "IndexedBlock",
+    "HindexedBlock",
+    "Struct",
+    "Subarray",
+    "Darray",
+    "Resized",
+    "as_datatype",
+]
+
+
+def _err(msg: str, op: str):
+    return DatatypeError(msg, op=op)
+
+
+def as_datatype(obj, op: str = "datatype") -> "Datatype":
+    """Coerce ``obj`` to a commlib :class:`Datatype`.
+
+    Args:
+        obj: a commlib type, an ``MPI.Datatype``, or anything ``numpy.dtype()`` accepts.
+        op: operation named in error messages.
+
+    Raises:
+        DatatypeError: when ``obj`` is none of those.
+    """
+    if isinstance(obj, Datatype):
+        return obj
+    if type(obj).__name__ == "Datatype" and type(obj).__module__.startswith("mpi4py"):
+        from .mpi import from_mpi  # noqa: PLC0415
+
+        return from_mpi(obj)
+    try:
+        dt = np.dtype(obj)
+    except TypeError:
+        raise _err(f"cannot use {obj!r} as a datatype (commlib type, MPI.Datatype or numpy dtype)", op) from None
+    return Named(dt)
+
+
+def _ints(seq, what: str, op: str) -> tuple:
+    try:
+        out = tuple(int(x) for x in seq)
+    except (TypeError, ValueError):
+        raise _err(f"{what} must be a sequence of ints, got {seq!r}", op) from None
+    return out
+
+
+def _nonneg(x, what: str, op: str) -> int:
+    try:
+        x = int(x)
+    except (TypeError, ValueError):
+        raise _err(f"{what} must be an int, got {x!r}", op) from None
+    if x < 0:
+        raise _err(f"{what} must be >= 0, got {x}", op)
+    return x
+
+
+class Datatype:
+    """Base of every commlib datatype.
+
+    Attributes:
+        size: bytes of data in one element (the packed size, ``MPI_Type_size``).
+        lb: lower bound in bytes (``MPI_Type_get_extent``).
+        ub: upper bound in bytes; ``extent = ub - lb``.
+        extent: bytes between consecutive elements when ``count > 1``.
+        true_lb: lowest byte offset of data (``MPI_Type_get_true_extent``).
+        true_ub: one past the highest byte offset of data.
+        true_extent: ``true_ub - true_lb``.
+        alignment: largest alignment of the basic types (bytes), for ε.
+        markers: True when the bounds are explicit markers (set by ``Resized``,
+            ``Subarray``, ``Darray``) that nesting keeps, as MPI does.
+    """
+
+    combiner = "ABSTRACT"
+
+    def __init__(self):
+        self._layout = None
+        self._plans = {}
+        self._mpi_cache = None
+
+    # ------------------------------------------------------------ bounds
+    def _set_bounds(self, size, lb, ub, true_lb, true_ub, alignment, markers):
+        self.size = int(size)
+        self.lb = int(lb)
+        self.ub = int(ub)
+        self.extent = self.ub - self.lb
+        self.true_lb = int(true_lb)
+        self.true_ub = int(true_ub)
+        self.true_extent = self.true_ub - self.true_lb
+        self.alignment = int(alignment)
+        self.markers = bool(markers)
+
+    def _bounds_from_copies(self, parts):
+        """Bounds of a type made of copies of children (MPI-4.0 §5.1.6-§5.1.7).
+
+        Args:
+            parts: list of ``(child, dmin, dmax, ncopies)``: ``ncopies`` copies of
+                ``child`` at displacements (bytes) between ``dmin`` and ``dmax``.
+        """
+        parts = [p for p in parts if p[3] > 0]
+        if not parts:
+            self._set_bounds(0, 0, 0, 0, 0, 1, False)
+            return
+        size = sum(t.size * n for t, _, _, n in parts)
+        markers = any(t.markers for t, _, _, _ in parts)
+        src = [p for p in parts if p[0].markers] if markers else parts
+        lb = min(dmin + t.lb for t, dmin, _, _ in src)
+        ub = max(dmax + t.ub for t, _, dmax, _ in src)
+        align = max(t.alignment for t, _, _, _ in parts)
+        if not markers and align > 1:
+            ext = ub - lb
+            if ext % align:
+                ub += align - ext % align  # epsilon: round the extent up to the alignment
+        data = [p for p in parts if p[0].size > 0]
+        if data:
+            tlb = min(dmin + t.true_lb for t, dmin, _, _ in data)
+            tub = max(dmax + t.true_ub for t, _, dmax, _ in data)
+        else:
+            tlb = tub = 0
+        self._set_bounds(size, lb, ub, tlb, tub, align, markers)
+
+    # ------------------------------------------------------------ layout
+    def canonical(self):
+        """The canonical layout of one element, cached on the type.
+
+        Returns:
+            StridedBlock | Blocks: ``{start, counts[], strides[]}`` in bytes when the
+            type map is one strided block of any number of dimensions, otherwise
+            the offsets/lengths form (see :mod:`commlib.datatypes.canonical`).
+        """
+        lay = self._layout
+        if lay is None:
+            lay = self._layout = self._compute_layout()
+        return lay
+
+    def _compute_layout(self):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ MPI
+    def _build_mpi(self):
+        """Return ``(handle, owned)``: an uncommitted MPI.Datatype equal to this type."""
+        raise NotImplementedError  # pragma: no cover
+
+    def to_mpi(self):
+        """A new committed ``MPI.Datatype`` with this type map and bounds.
+
+        The caller owns it and frees it (``Free()``), named types included (a
+        ``Dup`` of the predefined handle is returned for those).
+
+        Raises:
+            DatatypeError: when MPI rejects the construction.
+        """
+        from mpi4py import MPI  # noqa: PLC0415
+
+        try:
+            h, owned = self._build_mpi()
+            if not owned:
+                h = h.Dup()
+            return h.Commit()
+        except MPI.Exception as exc:
+            raise _err(f"MPI could not build {self!r}: {exc}", "to_mpi") from None
+
+    # ------------------------------------------------------------ misc
+    def same_layout(self, other) -> bool:
+        """True when both types pack the same bytes in the same order and have the
+        same size and extent (so ``count > 1`` packs alike too)."""
+        other = as_datatype(other)
+        return (
+            self.size == other.size
+            and self.extent == other.extent
+            and self.lb == other.lb
+            and self.canonical() == other.canonical()
+        )
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self._repr_args()})"
+
+    def _repr_args(self) -> str:
+        return ""
+
+
+# --------------------------------------------------------------------- named
+
+
+def _dtype_runs(dt: np.dtype, base: int, offs: list, lens: list):
+    if dt.fields is None and dt.subdtype is None:
+        if dt.itemsize:
+            offs.append(base)
+            lens.append(dt.itemsize)
+        return
+    if dt.subdtype is not None:
+        sub, shape = dt.subdtype
+        for i in range(int(np.prod(shape))):
+            _dtype_runs(sub, base + i * sub.itemsize, offs, lens)
+        return
+    fields = sorted(((v[1], v[0]) for v in dt.fields.values() if len(v) >= 2), key=lambda x: x[0])
+    for off, fdt in fields:
+        _dtype_runs(fdt, base + off, offs, lens)
+
+
+class Named(Datatype):
+    """A basic (named) type given as a numpy dtype, e.g. ``Named(numpy.float64)``.
+
+    Structured dtypes are accepted too: their fields (in offset order) are the
+    type map and their ``itemsize`` the extent, like mpi4py's
+    ``dtlib.from_numpy_dtype`` and the MPI pair types ``MPI_DOUBLE_INT``, ...
+
+    Args:
+        dtype: anything ``numpy.dtype()`` accepts.
+        mpi: the predefined ``MPI.Datatype`` this was decoded from, if any (kept
+            so :meth:`to_mpi` returns a ``Dup`` of the same handle).
+        size: override of the packed size in bytes (named MPI types whose numpy
+            equivalent differs, e.g. ``MPI_WCHAR``).
+
+    Raises:
+        DatatypeError: for an object dtype or a zero-size dtype.
+    """
+
+    combiner = "NAMED"
+
+    def __init__(self, dtype, *, mpi=None, size=None):
+        super().__init__()
+        op = "Named"
+        try:
+            dt = np.dtype(dtype)
+        except TypeError:
+            raise _err(f"not a numpy dtype: {dtype!r}", op) from None
+        if dt.hasobject:
+            raise _err(f"object dtype {dt} has no fixed byte layout", op)
+        self.dtype = dt
+        self._mpi = mpi
+        if size is not None:
+            n = int(size)
+            self._runs = ([0], [n]) if n else ([], [])
+            self._set_bounds(n, 0, n, 0, n, 1, False)
+            return
+        offs: list = []
+        lens: list = []
+        _dtype_runs(dt, 0, offs, lens)
+        self._runs = (offs, lens)
+        total = sum(lens)
+        tlb = min(offs) if offs else 0
+        tub = max(o + n for o, n in zip(offs, lens)) if offs else 0
+        self._set_bounds(total, 0, dt.itemsize, tlb, tub, max(dt.alignment, 1), False)
+
+    def _compute_layout(self):
+        return _c.regularize(np.array(self._runs[0], np.int64), np.array(self._runs[1], np.int64))
+
+    def _build_mpi(self):
+        from mpi4py import MPI  # noqa: PLC0415
+
+        if self._mpi is not None:
+            return self._mpi, False
+        dt = self.dtype
+        if dt.fields is None and dt.subdtype is None:
+            if dt.kind == "V":
+                return MPI.BYTE.Create_contiguous(dt.itemsize), True
+            code = dt.char
+            try:
+                t = MPI.Datatype.fromcode(code)
+            except (KeyError, ValueError):
+                t = MPI.BYTE.Create_contiguous(dt.itemsize)
+                return t, True
+            if t.size != dt.itemsize:  # pragma: no cover - exotic platforms
+                return MPI.BYTE.Create_contiguous(dt.itemsize), True
+            return t, False
+        # structured: a struct of the leaf runs as bytes would lose the basic
+        # types; rebuild field by field.
+        if dt.subdtype is not None:
+            sub, shape = dt.subdtype
+            inner, owned = Named(sub)._build_mpi()
+            t = inner.Create_contiguous(int(np.prod(shape)))
+            if owned:
+                inner.Free()
+            return t, True
+        fields = sorted(((v[1], v[0]) for v in dt.fields.values() if len(v) >= 2), key=lambda x: x[0])
+        handles = [Named(f)._build_mpi() for _, f in fields]
+        st = MPI.Datatype.Create_struct([1] * len(fields), [o for o, _ in fields], [h for h, _ in handles])
+        for h, owned in handles:
+            if owned:
+                h.Free()
+        t = st.Create_resized(0, dt.itemsize)
+        st.Free()
+        return t, True
+
+    def _repr_args(self):
+        return str(self.dtype)
+
+
+# --------------------------------------------------------------------- regular
+
+
+class Hvector(Datatype):
+    """``count`` blocks of ``blocklength`` elements, ``stride`` bytes apart
+    (``MPI_Type_create_hvector``).
+
+    Args:
+        count: number of blocks (>= 0).
+        blocklength: elements per block (>= 0).
+        stride: bytes between block starts (any sign).
+        base: element type.
+
+    Raises:
+        DatatypeError: for negative counts or an unusable base.
+    """
+
+    combiner = "HVECTOR"
+
+    def __init__(self, count, blocklength, stride, base):
+        super().__init__()
+        op = type(self).__name__
+        self.count = self._nb = _nonneg(count, "count", op)
+        self.blocklength = self._bl = _nonneg(blocklength, "blocklength", op)
+        self.base = as_datatype(base, op)
+        self.stride_bytes = int(stride) * self._stride_unit()
+        self.stride = int(stride)
+        ext = self.base.extent
+        c, b, s = self.count, self.blocklength, self.stride_bytes
+        span_lo = min(0, (c - 1) * s) + min(0, (b - 1) * ext) if c and b else 0
+        span_hi = max(0, (c - 1) * s) + max(0, (b - 1) * ext) if c and b else 0
+        self._bounds_from_copies([(self.base, span_lo, span_hi, c * b)])
+
+    def _stride_unit(self):
+        return 1
+
+    def _compute_layout(self):
+        return _c.replicate(self.base.canonical(), (self._bl, self._nb), (self.base.extent, self.stride_bytes))
+
+    def _build_mpi(self):
+        inner, owned = self.base._build_mpi()
+        t = inner.Create_hvector(self._nb, self._bl, self.stride_bytes)
+        if owned:
+            inner.Free()
+        return t, True
+
+    def _repr_args(self):
+        return f"{self.count}, {self.blocklength}, {self.stride}, {self.base!r}"
+
+
+class Vector(Hvector):
+    """``count`` blocks of ``blocklength`` elements, ``stride`` *elements* (base
+    extents) apart (``MPI_Type_vector``).
+
+    Args:
+        count: number of blocks (>= 0).
+        blocklength: elements per block (>= 0).
+        stride: base extents between block starts (any sign).
+        base: element type.
+    """
+
+    combiner = "VECTOR"
+
+    def _stride_unit(self):
+        return self.base.extent
+
+    def _build_mpi(self):
+        inner, owned = self.base._build_mpi()
+        t = inner.Create_vector(self._nb, self._bl, self.stride)
+        if owned:
+            inner.Free()
+        return t, True
+
+
+class Contiguous(Hvector):
+    """``count`` elements back to back (``MPI_Type_contiguous``).
+
+    Args:
+        count: number of elements (>= 0).
+        base: element type.
+    """
+
+    combiner = "CONTIGUOUS"
+
+    def __init__(self, count, base):
+        b = as_datatype(base, "Contiguous")
+        super().__init__(1, count, b.extent, b)
+        self.count = self.blocklength
+
+    def _build_mpi(self):
+        inner, owned = self.base._build_mpi()
+        t = inner.Create_contiguous(self._bl)
+        if owned:
+            inner.Free()
+        return t, True
+
+    def _repr_args(self):
+        return f"{self._bl}, {self.base!r}"
+
+
+class Hindexed(Datatype):
+    """Blocks of ``blocklengths[i]`` elements at ``displacements[i]`` bytes
+    (``MPI_Type_create_hindexed``).
+
+    Args:
+        blocklengths: ints >= 0, one per block.
+        displacements: ints, bytes, same length.
+        base: element type.
+
+    Raises:
+        DatatypeError: for mismatched lengths or negative block lengths.
+    """
+
+    combiner = "HINDEXED"
+    _unit_name = "bytes"
+
+    def __init__(self, blocklengths, displacements, base):
+        super().__init__()
+        op = type(self).__name__
+        self.base = as_datatype(base, op)
+        bl = _ints(blocklengths, "blocklengths", op)
+        dp = _ints(displacements, "displacements", op)
+        if len(bl) != len(dp):
+            raise _err(f"{len(bl)} blocklengths but {len(dp)} displacements", op)
+        if any(b < 0 for b in bl):
+            raise _err("blocklengths must be >= 0", op)
+        self.blocklengths = bl
+        self.displacements = dp
+        unit = self._disp_unit()
+        ext = self.base.extent
+        parts = []
+        for b, d in zip(bl, dp):
+            if b:
+                d0 = d * unit
+                dl = d0 + (b - 1) * ext
+                parts.append((self.base, min(d0, dl), max(d0, dl), b))
+        self._bounds_from_copies(parts)
+
+    def _disp_unit(self):
+        return 1
+
+    def _compute_layout(self):
+        unit = self._disp_unit()
+        ext = self.base.extent
+        pairs = [(b, d * unit) for b, d in zip(self.blocklengths, self.displacements) if b]
+        if not pairs:
+            return _c.EMPTY
+        base = self.base.canonical()
+        lens = {b for b, _ in pairs}
+        if len(lens) == 1:
+            b = pairs[0][0]
+            return _c.replicate(base, (b,), (ext,), displs=np.array([d for _, d in pairs], np.int64))
+        if isinstance(base, _c.StridedBlock) and base.ndim == 1 and base.block == ext:
+            # dense base: each block is one run of b * ext bytes
+            offs = np.array([d + base.start for _, d in pairs], np.int64)
+            lns = np.array([b * ext for b, _ in pairs], np.int64)
+            return _c.regularize(offs, lns)
+        return _c.concatenate([_c.replicate(base, (b,), (ext,)).shifted(d) for b, d in pairs])
+
+    def _build_mpi(self):
+        inner, owned = self.base._build_mpi()
+        t = inner.Create_hindexed(list(self.blocklengths), list(self.displacements))
+        if owned:
+            inner.Free()
+        return t, True
+
+    def _repr_args(self):
+        return f"{list(self.blocklengths)}, {list(self.displacements)}, {self.base!r}"
+
+
+class Indexed(Hindexed):
+    """Blocks of ``blocklengths[i]`` elements at ``displacements[i]`` base extents
+    (``MPI_Type_indexed``)."""
+
+    combiner = "INDEXED"
+
+    def _disp_unit(self):
+        return self.base.extent
+
+    def _build_mpi(self):
+        inner, owned = self.base._build_mpi()
+        t = inner.Create_indexed(list(self.blocklengths), list(self.displacements))
+        if owned:
+            inner.Free()
+        return t, True
+
+
+class HindexedBlock(Hindexed):
+    """Blocks of one ``blocklength`` at ``displacements[i]`` bytes
+    (``MPI_Type_create_hindexed_block``)."""
+
+    combiner = "HINDEXED_BLOCK"
+
+    def __init__(self, blocklength, displacements, base):
+        bl = _nonneg(blocklength, "blocklength", type(self).__name__)
+        dp = _ints(displacements, "displacements", type(self).__name__)
+        super().__init__([bl] * len(dp), dp, base)
+        self.blocklength = bl
+
+    def _build_mpi(self):
+        inner, owned = self.base._build_mpi()
+        t = inner.Create_hindexed_block(self.blocklength, list(self.displacements))
+        if owned:
+            inner.Free()
+        return t, True
+
+    def _repr_args(self):
+        return f"{self.blocklength}, {list(self.displacements)}, {self.base!r}"
+
+
+class IndexedBlock(HindexedBlock):
+    """Blocks of one ``blocklength`` at ``displacements[i]`` base extents
+    (``MPI_Type_create_indexed_block``)."""
+
+    combiner = "INDEXED_BLOCK"
+
+    def _disp_unit(self):
+        return self.base.extent
+
+    def _build_mpi(self):
+        inner, owned = self.base._build_mpi()
+        t = inner.Create_indexed_block(self.blocklength, list(self.displacements))
+        if owned:
+            inner.Free()
+        return t, True
+
+
+class Struct(Datatype):
+    """Blocks of ``blocklengths[i]`` elements of ``types[i]`` at
+    ``displacements[i]`` bytes (``MPI_Type_create_struct``).
+
+    Args:
+        blocklengths: ints >= 0.
+        displacements: ints, bytes.
+        types: element types (commlib types, MPI datatypes or numpy dtypes).
+
+    Raises:
+        DatatypeError: for mismatched lengths or negative block lengths.
+    """
+
+    combiner = "STRUCT"
+
+    def __init__(self, blocklengths, displacements, types):
+        super().__init__()
+        op = "Struct"
+        bl = _ints(blocklengths, "blocklengths", op)
+        dp = _ints(displacements, "displacements", op)
+        ts = [as_datatype(t, op) for t in types]
+        if not (len(bl) == len(dp) == len(ts)):
+            raise _err(f"{len(bl)} blocklengths, {len(dp)} displacements, {len(ts)} types", op)
+        if any(b < 0 for b in bl):
+            raise _err("blocklengths must be >= 0", op)
+        self.blocklengths, self.displacements, self.types = bl, dp, tuple(ts)
+        parts = []
+        for b, d, t in zip(bl, dp, ts):
+            if b:
+                dl = d + (b - 1) * t.extent
+                parts.append((t, min(d, dl), max(d, dl), b))
+        self._bounds_from_copies(parts)
+
+    def _compute_layout(self):
+        return _c.concatenate(
+            [
+                _c.replicate(t.canonical(), (b,), (t.extent,)).shifted(d)
+                for b, d, t in zip(self.blocklengths, self.displacements, self.types)
+                if b
+            ]
+        )
+
+    def _build_mpi(self):
+        from mpi4py import MPI  # noqa: PLC0415
+
+        hs = [t._build_mpi() for t in self.types]
+        t = MPI.Datatype.Create_struct(list(self.blocklengths), list(self.displacements), [h for h, _ in hs])
+        for h, owned in hs:
+            if owned:
+                h.Free()
+        return t, True
+
+    def _repr_args(self):
+        return f"{list(self.blocklengths)}, {list(self.displacements)}, {list(self.types)!r}"
+
+
+class Resized(Datatype):
+    """``base`` with its lower bound and extent set (``MPI_Type_create_resized``).
+
+    The column idiom: ``Resized(Vector(n, 1, m, float64), 0, 8)`` packs
+    ``count`` consecutive columns of an ``n x m`` C array.
+
+    Args:
+        base: the type.
+        lb: new lower bound, bytes.
+        extent: new extent, bytes.
+    """
+
+    combiner = "RESIZED"
+
+    def __init__(self, base, lb, extent):
+        super().__init__()
+        self.base = as_datatype(base, "Resized")
+        self.new_lb = int(lb)
+        self.new_extent = int(extent)
+        b = self.base
+        self._set_bounds(b.size, self.new_lb, self.new_lb + self.new_extent, b.true_lb, b.true_ub, b.alignment, True)
+
+    def _compute_layout(self):
+        return self.base.canonical()
+
+    def _build_mpi(self):
+        inner, owned = self.base._build_mpi()
+        t = inner.Create_resized(self.new_lb, self.new_extent)
+        if owned:
+            inner.Free()
+        return t, True
+
+    def _repr_args(self):
+        return f"{self.base!r}, {self.new_lb}, {self.new_extent}"
+
+
+# --------------------------------------------------------------------- arrays
+
+
+def _order(order, op):
+    if isinstance(order, str):
+        o = order.upper()
+        if o in ("C", "ORDER_C"):
+            return "C"
+        if o in ("F", "FORTRAN", "ORDER_FORTRAN"):
+            return "F"
+    else:
+        from mpi4py import MPI  # noqa: PLC0415
+
+        if order == MPI.ORDER_C:
+            return "C"
+        if order == MPI.ORDER_FORTRAN:
+            return "F"
+    raise _err(f"order must be 'C' or 'F' (or MPI.ORDER_C/ORDER_FORTRAN), got {order!r}", op)
+
+
+def _array_type(self, sizes, base, idx_lists, order):
+    """Shared by Subarray and Darray: elements at the product of per-dimension
+    index lists of a ``sizes`` array of ``base``, resized to ``[0, prod(sizes)*extent)``."""
+    ext = base.extent
+    n = len(sizes)
+    # element stride (in base extents) of each dimension
+    el = [0] * n
+    acc = 1
+    dims = range(n - 1, -1, -1) if order == "C" else range(n)
+    for d in dims:
+        el[d] = acc
+        acc *= sizes[d]
+    total = acc
+    # fastest dimension first
+    fast = list(dims)
+    self._fast = fast
+    self._el = el
+    nelem = 1
+    for lst in idx_lists:
+        nelem *= len(lst)
+    parts = []
+    if nelem:
+        lo = sum(min(lst) * el[d] * ext for d, lst in enumerate(idx_lists))
+        hi = sum(max(lst) * el[d] * ext for d, lst in enumerate(idx_lists))
+        if ext < 0:
+            lo, hi = hi, lo
+        parts.append((base, lo, hi, nelem))
+    tmp = Datatype.__new__(Datatype)
+    tmp._bounds_from_copies(parts)
+    self._set_bounds(tmp.size, 0, total * ext, tmp.true_lb, tmp.true_ub, tmp.alignment, True)
+
+
+class Subarray(Datatype):
+    """A ``subsizes`` block at ``starts`` of a ``sizes`` array of ``base``
+    (``MPI_Type_create_subarray``).
+
+    The lower bound is 0 and the extent the whole array, ``prod(sizes) *
+    base.extent`` bytes (MPI-4.0 §5.1.3).
+
+    Args:
+        sizes: array shape, ints > 0.
+        subsizes: block shape, ``1 <= subsizes[i] <= sizes[i]``.
+        starts: block origin, ``0 <= starts[i] <= sizes[i] - subsizes[i]``.
+        base: element type.
+        order: ``"C"`` (row major) or ``"F"`` (column major), or the MPI constants.
+
+    Raises:
+        DatatypeError: when the block does not fit the array.
+    """
+
+    combiner = "SUBARRAY"
+
+    def __init__(self, sizes, subsizes, starts, base, order="C"):
+        super().__init__()
+        op = "Subarray"
+        self.base = as_datatype(base, op)
+        self.sizes = _ints(sizes, "sizes", op)
+        self.subsizes = _ints(subsizes, "subsizes", op)
+        self.starts = _ints(starts, "starts", op)
+        self.order = _order(order, op)
+        n = len(self.sizes)
+        if n == 0 or len(self.subsizes) != n or len(self.starts) != n:
+            raise _err(f"sizes, subsizes and starts need one entry per dimension (>= 1), got "
+                       f"{self.sizes}, {self.subsizes}, {self.starts}", op)
+        for d in range(n):
+            if self.sizes[d] < 1 or self.subsizes[d] < 1 or self.subsizes[d] > self.sizes[d]:
+                raise _err(f"dimension {d}: need 1 <= subsizes <= sizes, got {self.subsizes[d]} of {self.sizes[d]}", op)
+            if self.starts[d] < 0 or self.starts[d] + self.subsizes[d] > self.sizes[d]:
+                raise _err(f"dimension {d}: start {self.starts[d]} + subsize {self.subsizes[d]} "
+                           f"exceeds size {self.sizes[d]}", op)
+        idx = [range(s, s + c) for s, c in zip(self.starts, self.subsizes)]
+        _array_type(self, self.sizes, self.base, idx, self.order)
+
+    def _compute_layout(self):
+        ext = self.base.extent
+        start = sum(self.starts[d] * self._el[d] * ext for d in range(len(self.sizes)))
+        counts = tuple(self.subsizes[d] for d in self._fast)
+        strides = tuple(self._el[d] * ext for d in self._fast)
+        return _c.replicate(self.base.canonical(), counts, strides).shifted(start)
+
+    def _build_mpi(self):
+        from mpi4py import MPI  # noqa: PLC0415
+
+        inner, owned = self.base._build_mpi()
+        order = MPI.ORDER_C if self.order == "C" else MPI.ORDER_FORTRAN
+        t = inner.Create_subarray(list(self.sizes), list(self.subsizes), list(self.starts), order=order)
+        if owned:
+            inner.Free()
+        return t, True
+
+    def _repr_args(self):
+        return f"{list(self.sizes)}, {list(self.subsizes)}, {list(self.starts)}, {self.base!r}, order={self.order!r}"
+
+
+DISTRIBUTE_BLOCK, DISTRIBUTE_CYCLIC, DISTRIBUTE_NONE, DISTRIBUTE_DFLT_DARG = "block", "cyclic", "none", -1
+
+
+def _distrib(x, op):
+    if isinstance(x, str):
+        v = x.lower()
+        if v in ("block", "cyclic", "none"):
+            return v
+    else:
+        from mpi4py import MPI  # noqa: PLC0415
+
+        m = {MPI.DISTRIBUTE_BLOCK: "block", MPI.DISTRIBUTE_CYCLIC: "cyclic", MPI.DISTRIBUTE_NONE: "none"}
+        if x in m:
+            return m[x]
+    raise _err(f"distribution must be 'block', 'cyclic' or 'none' (or MPI.DISTRIBUTE_*), got {x!r}", op)
+
+
+class Darray(Datatype):
+    """The block of a ``gsizes`` array that process ``rank`` of a ``psizes`` grid
+    owns under HPF-style distributions (``MPI_Type_create_darray``, MPI-4.0 §5.1.4).
+
+    Processes are numbered row-major in the grid whatever ``order`` is.  Lower
+    bound 0, extent ``prod(gsizes) * base.extent``.
+
+    Args:
+        size: number of processes, ``prod(psizes)``.
+        rank: this process, ``0 <= rank < size``.
+        gsizes: global array shape.
+        distribs: per dimension ``"block"``, ``"cyclic"`` or ``"none"`` (or the
+            ``MPI.DISTRIBUTE_*`` constants).
+        dargs: per dimension block size, or -1 (``MPI.DISTRIBUTE_DFLT_DARG``).
+        psizes: process grid shape.
+        base: element type.
+        order: ``"C"`` or ``"F"``.
+
+    Raises:
+        DatatypeError: on inconsistent arguments (grid size, a block distribution
+            that does not cover the dimension, ``"none"`` with ``psizes[i] > 1``).
+    """
+
+    combiner = "DARRAY"
+
+    def __init__(self, size, rank, gsizes, distribs, dargs, psizes, base, order="C"):
+        super().__init__()
+        op = "Darray"
+        self.base = as_datatype(base, op)
+        self.nprocs = int(size)
+        self.rank = int(rank)
+        self.gsizes = _ints(gsizes, "gsizes", op)
+        self.distribs = tuple(_distrib(x, op) for x in distribs)
+        self.dargs = _ints(dargs, "dargs", op)
+        self.psizes = _ints(psizes, "psizes", op)
+        self.order = _order(order, op)
+        n = len(self.gsizes)
+        if not (len(self.distribs) == len(self.dargs) == len(self.psizes) == n) or n == 0:
+            raise _err("gsizes, distribs, dargs and psizes need one entry per dimension", op)
+        if math.prod(self.psizes) != self.nprocs:
+            raise _err(f"prod(psizes)={math.prod(self.psizes)} != size={self.nprocs}", op)
+        if not 0 <= self.rank < self.nprocs:
+            raise _err(f"rank {self.rank} out of range for size {self.nprocs}", op)
+        coords = []
+        r = self.rank
+        for p in reversed(self.psizes):  # row-major process grid
+            coords.append(r % p)
+            r //= p
+        coords.reverse()
+        idx = []
+        for d in range(n):
+            g, p, c, k = self.gsizes[d], self.psizes[d], coords[d], self.dargs[d]
+            dist = self.distribs[d]
+            if dist == "none":
+                if p != 1:
+                    raise _err(f"dimension {d}: DISTRIBUTE_NONE needs psizes[{d}] == 1", op)
+                idx.append(range(g))
+            elif dist == "block":
+                b = -(-g // p) if k == DISTRIBUTE_DFLT_DARG else k
+                if b <= 0 or b * p < g:
+                    raise _err(f"dimension {d}: block size {b} x {p} processes does not cover {g}", op)
+                idx.append(range(min(c * b, g), min((c + 1) * b, g)))
+            else:
+                b = 1 if k == DISTRIBUTE_DFLT_DARG else k
+                if b <= 0:
+                    raise _err(f"dimension {d}: cyclic block size must be > 0", op)
+                idx.append([i for i in range(g) if (i // b) % p == c])
+        self._idx = idx
+        _array_type(self, self.gsizes, self.base, idx, self.order)
+
+    def _compute_layout(self):
+        ext = self.base.extent
+        disp = np.zeros(1, np.int64)
+        for d in reversed(self._fast):  # slowest first, so later dims end up faster
+            lst = np.asarray(list(self._idx[d]), np.int64) * (self._el[d] * ext)
+            disp = (disp[:, None] + lst[None, :]).ravel()
+        if disp.size == 0:
+            return _c.EMPTY
+        return _c.replicate(self.base.canonical(), displs=disp)
+
+    def _build_mpi(self):
+        from mpi4py import MPI  # noqa: PLC0415
+
+        inner, owned = self.base._build_mpi()
+        m = {"block": MPI.DISTRIBUTE_BLOCK, "cyclic": MPI.DISTRIBUTE_CYCLIC, "none": MPI.DISTRIBUTE_NONE}
+        order = MPI.ORDER_C if self.order == "C" else MPI.ORDER_FORTRAN
+        dargs = [MPI.DISTRIBUTE_DFLT_DARG if a == DISTRIBUTE_DFLT_DARG else a for a in self.dargs]
+        t = inner.Create_darray(self.nprocs, self.rank, list(self.gsizes), [m[x] for x in self.distribs],
+                                dargs, list(self.psizes), order=order)
+        if owned:
+            inner.Free()
+        return t, True
+
+    def _repr_args(self):
+        return (f"{self.nprocs}, {self.rank}, {list(self.gsizes)}, {list(self.distribs)}, {list(self.dargs)}, "
+                f"{list(self.psizes)}, {self.base!r}, order={self.order!r}")

@@ -1,0 +1,122 @@
+"""Argument checks shared by the attention algorithms.
+
+Every check depends only on arguments that are the same on every rank of a
+correct call (shapes, dtypes, options, ``comm.size``), and runs before any
+message is posted, so a bad call raises the same :class:`InvalidArgument` on
+every rank instead of deadlocking the ring.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from commlib.errors import InvalidArgument
+
+from .blocks import SUPPORTED_DTYPES, compute_dtype, get_array_module
+from .layout import check_layout, local_seq_len
+
+__all__ = ["AttnSpec", "validate"]
+
+
+@dataclass
+class AttnSpec:
+    """Validated dimensions of an attention call."""
+
+    batch: int
+    seq_local: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    group: int
+    seq_len: int
+    scale: float
+    dtype: np.dtype
+    cdtype: np.dtype
+    xp: object
+
+
+def _dtype_name(x) -> str:
+    try:
+        return np.dtype(x.dtype).name
+    except TypeError:  # pragma: no cover - exotic dtype objects
+        return str(x.dtype)
+
+
+def validate(comm, q, k, v, *, causal, layout, softmax_scale, seq_len, tile, op, extra=None) -> AttnSpec:
+    """Check an attention call and return its :class:`AttnSpec`.
+
+    Args:
+        extra: ``{name: (array, expected_shape, dtype or None)}`` for the
+            backward's ``out``, ``lse`` and ``dout`` (dtype None: float32 or float64).
+
+    Raises:
+        InvalidArgument: naming ``comm.rank`` and ``op``.
+    """
+    rank = comm.rank
+    size = comm.size
+
+    def bad(msg):
+        return InvalidArgument(msg, rank=rank, op=op)
+
+    check_layout(layout, rank=rank, op=op)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise bad(f"{name} must be a numpy or CuPy array, got {type(x).__name__}")
+        if x.ndim != 4:
+            raise bad(f"{name} must be 4-d (batch, seq_local, heads, head_dim), got shape {tuple(x.shape)}")
+    xp = get_array_module(q)
+    for name, x in (("k", k), ("v", v)):
+        if get_array_module(x) is not xp:
+            raise bad(f"q and {name} live in different array modules (numpy vs CuPy)")
+    dname = _dtype_name(q)
+    if dname not in SUPPORTED_DTYPES:
+        raise bad(f"dtype {dname} is not supported; use one of {SUPPORTED_DTYPES}")
+    for name, x in (("k", k), ("v", v)):
+        if _dtype_name(x) != dname:
+            raise bad(f"{name} has dtype {_dtype_name(x)}, q has {dname}")
+    bsz, L, h, d = (int(s) for s in q.shape)
+    if tuple(k.shape) != tuple(v.shape):
+        raise bad(f"k shape {tuple(k.shape)} differs from v shape {tuple(v.shape)}")
+    kb, kl, hk, kd = (int(s) for s in k.shape)
+    if kb != bsz or kl != L or kd != d:
+        raise bad(f"k/v shape {tuple(k.shape)} does not match q shape {tuple(q.shape)} in batch, seq_local or head_dim")
+    if hk < 1 or h % hk:
+        raise bad(f"heads {h} is not a multiple of kv_heads {hk}")
+    if layout == "zigzag" and L % 2:
+        raise bad(f"zigzag needs an even seq_local, got {L} (pad with shard_sequence)")
+    n = size * L if seq_len is None else seq_len
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise bad(f"seq_len must be a non-negative int, got {seq_len!r}")
+    n = int(n)
+    if local_seq_len(n, size, layout) != L:
+        raise bad(f"seq_local {L} does not match seq_len {n} on {size} ranks with layout {layout!r} "
+                  f"(expected {local_seq_len(n, size, layout)}; shard with shard_sequence)")
+    if softmax_scale is None:
+        scale = d ** -0.5 if d else 1.0
+    else:
+        try:
+            scale = float(softmax_scale)
+        except (TypeError, ValueError):
+            raise bad(f"softmax_scale must be a positive float, got {softmax_scale!r}") from None
+        if not (math.isfinite(scale) and scale > 0):
+            raise bad(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
+    if isinstance(tile, bool) or not isinstance(tile, (int, np.integer)) or tile < 1:
+        raise bad(f"tile must be a positive int, got {tile!r}")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise bad(f"causal must be a bool, got {causal!r}")
+    for name, (x, shape, dt) in (extra or {}).items():
+        if not hasattr(x, "shape"):
+            raise bad(f"{name} must be an array, got {type(x).__name__}")
+        if get_array_module(x) is not xp:
+            raise bad(f"q and {name} live in different array modules (numpy vs CuPy)")
+        if tuple(x.shape) != tuple(shape):
+            raise bad(f"{name} has shape {tuple(x.shape)}, expected {tuple(shape)}")
+        xd = _dtype_name(x)
+        if dt is None:
+            if xd not in ("float32", "float64"):
+                raise bad(f"{name} must be float32 or float64, got {xd}")
+        elif xd != dt:
+            raise bad(f"{name} has dtype {xd}, expected {dt}")
+    return AttnSpec(bsz, L, h, hk, d, h // hk, n, scale, np.dtype(q.dtype), compute_dtype(q.dtype), xp)

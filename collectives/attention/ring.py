@@ -1,0 +1,244 @@
+"""Ring attention: exact attention over a sequence sharded across the ranks.
+
+Each rank keeps its queries; the K/V shards travel around the ring (rank
+``r`` sends to ``r + 1`` and receives from ``r - 1``).  At step ``s`` rank ``r``
+holds the K/V shard of rank ``(r - s) mod P`` and folds it into its
+online-softmax state; after ``P`` steps it has seen every key.  Double
+buffering: the next shard's ``isend``/``irecv`` are posted *before* the current
+shard is computed, so communication hides behind the block math.
+
+The backward keeps the queries, ``dout`` and the global ``lse`` in place and
+sends K/V around the ring again; each block's ``dk``/``dv`` accumulator travels
+with it (in the accumulation dtype) and, after ``P`` hops, arrives back at the
+block's owner.  The K/V exchange of the next step is posted before the
+current block's gradients are computed, and the incoming ``dk``/``dv`` is
+received while the local contribution is computed.
+
+Papers: Ring Attention (Liu, Zaharia, Abbeel 2023, arXiv:2310.01889); Striped
+Attention (Brandon et al. 2023, arXiv:2311.09431); the zigzag layout of
+ring-flash-attention (github.com/zhuzilin/ring-flash-attention).  Unlike the
+latter, partial results are merged in float32 or float64, never in the input
+half-precision dtype.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .blocks import ForwardAccumulator, backward_block, forward_block, from_heads_major, tile_plan, to_heads_major
+from .common import validate
+from .layout import sequence_positions
+
+__all__ = ["ring_attention", "ring_attention_backward", "ring_plan_work"]
+
+_TAG_KV = 0x5A71
+_TAG_DKV = 0x5A72
+
+
+def _heads_major_kv(k, v, spec):
+    """K and V packed into one contiguous ``(2, B, Hkv, L, D)`` buffer in the
+    input dtype: one message per ring step."""
+    xp = spec.xp
+    kv = xp.empty((2, spec.batch, spec.kv_heads, spec.seq_local, spec.head_dim), dtype=spec.dtype)
+    kv[0] = k.transpose(0, 2, 1, 3)
+    kv[1] = v.transpose(0, 2, 1, 3)
+    return kv
+
+
+def ring_plan_work(size: int, seq_len: int, seq_local: int, layout: str, causal: bool, tile: int = 128):
+    """Score entries (per batch and head) each rank computes at each ring step,
+    from the tile plans alone (no data, no communication).
+
+    Returns:
+        numpy.ndarray: int64 ``(size, size)``: ``[rank, step]``.  The critical
+        path of a ring is ``work.max(axis=0).sum()`` (every step waits for its
+        slowest rank); the balance is that over ``work.sum() / size``.
+    """
+    work = np.zeros((size, size), dtype=np.int64)
+    pos = [sequence_positions(layout, r, size, seq_local) for r in range(size)]
+    for r in range(size):
+        for s in range(size):
+            work[r, s] = tile_plan(pos[r], pos[(r - s) % size], seq_len, causal, tile).work
+    return work
+
+
+def _new_stats(stats, kind):
+    if stats is None:
+        return None
+    stats.clear()
+    stats.update(kind=kind, steps=[], total_s=0.0)
+    return stats
+
+
+def ring_attention(comm, q, k, v, causal: bool = False, layout: str = "contiguous", softmax_scale=None, *,
+                   seq_len: int | None = None, tile: int = 128, timeout: float | None = None, stats: dict | None = None):
+    """Exact attention over a sequence sharded across ``comm``'s ranks.
+
+    Args:
+        comm: :class:`commlib.Communicator` (only its point-to-point calls are used).
+        q: local queries ``(batch, seq_local, heads, head_dim)``; numpy or CuPy;
+            float16, bfloat16 (ml_dtypes), float32 or float64.
+        k: local keys ``(batch, seq_local, kv_heads, head_dim)``, same dtype;
+            ``heads % kv_heads == 0`` (grouped-query attention: K/V travel
+            unreplicated).
+        v: local values, shaped like ``k``.
+        causal: mask key positions after the query's position.
+        layout: ``"contiguous"``, ``"striped"`` or ``"zigzag"``: how the global
+            sequence is spread over the ranks (:mod:`.layout`).
+        softmax_scale: default ``head_dim ** -0.5``.
+        seq_len: true global length when the shards were padded by
+            :func:`shard_sequence` (default ``size * seq_local``).  Padded keys
+            are masked and padded query rows give 0.
+        tile: query rows per tile; fully masked tiles are skipped.
+        timeout: seconds to wait for any one ring step's messages (None: forever).
+        stats: optional dict, filled with per-step ``source``, ``work``
+            (score entries computed), ``visible`` (unmasked pairs),
+            ``compute_s`` and ``wait_s``, and ``total_s``.
+
+    Returns:
+        tuple: ``out`` ``(batch, seq_local, heads, head_dim)`` in the input dtype,
+        ``lse`` ``(batch, heads, seq_local)`` in float64 for float64 inputs, else
+        float32.  Rows that see no key (padding) give out 0 and lse ``-inf``.
+
+    Raises:
+        InvalidArgument: bad shapes, dtypes, layout, ``seq_len``, scale or tile
+            (raised on every rank before any communication).
+        CommTimeout: a step's messages did not complete in ``timeout``.
+    """
+    op = "ring_attention"
+    spec = validate(comm, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
+                    seq_len=seq_len, tile=tile, op=op)
+    xp, P, r = spec.xp, comm.size, comm.rank
+    st = _new_stats(stats, "forward")
+    t_start = time.perf_counter()
+    L = spec.seq_local
+    nbh = spec.batch * spec.heads
+    qpos = sequence_positions(layout, r, P, L)
+    qh = to_heads_major(q, spec.kv_heads, spec.cdtype, xp)
+    qh *= spec.scale
+    state = ForwardAccumulator(qh.shape, spec.cdtype, xp)
+    cur = _heads_major_kv(k, v, spec)
+    nxt = xp.empty_like(cur) if P > 1 else None
+    dst, src_rank = (r + 1) % P, (r - 1) % P
+    for step in range(P):
+        owner = (r - step) % P
+        reqs = []
+        if step < P - 1:  # double buffering: post the next block before computing this one
+            reqs = [comm.irecv(nxt, src_rank, _TAG_KV), comm.isend(cur, dst, _TAG_KV)]
+        t0 = time.perf_counter()
+        kpos = sequence_positions(layout, owner, P, L)
+        plan = tile_plan(qpos, kpos, spec.seq_len, causal, tile)
+        if plan.tiles:
+            forward_block(qh, cur[0].astype(spec.cdtype, copy=False), cur[1].astype(spec.cdtype, copy=False),
+                          plan, qpos, kpos, state)
+        t1 = time.perf_counter()
+        comm.waitall(reqs, timeout)
+        t2 = time.perf_counter()
+        if st is not None:
+            st["steps"].append(dict(step=step, source=owner, work=plan.work * nbh, visible=plan.visible * nbh,
+                                    compute_s=t1 - t0, wait_s=t2 - t1))
+        if step < P - 1:
+            cur, nxt = nxt, cur
+    out, lse = state.finalize()
+    out = from_heads_major(out, spec.dtype, xp)
+    lse = lse.reshape(spec.batch, spec.heads, L)
+    if st is not None:
+        st["total_s"] = time.perf_counter() - t_start
+    return out, lse
+
+
+def ring_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = False, layout: str = "contiguous",
+                            softmax_scale=None, *, seq_len: int | None = None, tile: int = 128,
+                            timeout: float | None = None, stats: dict | None = None):
+    """Gradients of :func:`ring_attention`.
+
+    Args:
+        comm, q, k, v, causal, layout, softmax_scale, seq_len, tile, timeout, stats:
+            as in :func:`ring_attention` (the same values as the forward call).
+        out: the forward output ``(batch, seq_local, heads, head_dim)``, input dtype.
+        lse: the forward lse ``(batch, heads, seq_local)``, float32 or float64.
+        dout: gradient of the loss with respect to ``out``, shaped and typed like ``q``.
+
+    Returns:
+        tuple: ``(dq, dk, dv)`` shaped and typed like ``q``, ``k``, ``v``; ``dk``
+        and ``dv`` are summed over each query group.  Accumulation is in float32
+        (float64 for float64 inputs), including the ``dk``/``dv`` that travel.
+
+    Raises:
+        InvalidArgument: as in :func:`ring_attention`, or ``out``/``lse``/``dout``
+            of the wrong shape or dtype.
+        CommTimeout: a step's messages did not complete in ``timeout``.
+    """
+    op = "ring_attention_backward"
+    qshape = tuple(q.shape) if hasattr(q, "shape") else None
+    qd = np.dtype(q.dtype).name if hasattr(q, "dtype") else None
+    extra = {}
+    if qshape is not None and len(qshape) == 4:
+        extra = {"out": (out, qshape, qd), "dout": (dout, qshape, qd),
+                 "lse": (lse, (qshape[0], qshape[2], qshape[1]), None)}
+    spec = validate(comm, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
+                    seq_len=seq_len, tile=tile, op=op, extra=extra)
+    xp, P, r = spec.xp, comm.size, comm.rank
+    st = _new_stats(stats, "backward")
+    t_start = time.perf_counter()
+    L, hk, g = spec.seq_local, spec.kv_heads, spec.group
+    nbh = spec.batch * spec.heads
+    cdt = spec.cdtype
+    qpos = sequence_positions(layout, r, P, L)
+    qh = to_heads_major(q, hk, cdt, xp)
+    qh *= spec.scale
+    doh = to_heads_major(dout, hk, cdt, xp)
+    dh = (doh * to_heads_major(out, hk, cdt, xp)).sum(axis=-1)
+    lseh = xp.ascontiguousarray(xp.asarray(lse).astype(cdt, copy=False).reshape(spec.batch, hk, g, L))
+    dqh = xp.zeros_like(qh)
+    dkv_shape = (2, spec.batch, hk, L, spec.head_dim)
+    cur = _heads_major_kv(k, v, spec)
+    nxt = xp.empty_like(cur) if P > 1 else None
+    dst, src_rank = (r + 1) % P, (r - 1) % P
+    dkv_in = None      # request + buffer of the travelling dk/dv arriving for this step
+    dkv_sends = []     # sends still in flight (their buffers must stay untouched)
+    dkv = None
+    for step in range(P):
+        owner = (r - step) % P
+        reqs = []
+        if step < P - 1:  # post the next K/V block before computing this one
+            reqs = [comm.irecv(nxt, src_rank, _TAG_KV), comm.isend(cur, dst, _TAG_KV)]
+        if P > 1:  # the dk/dv that will arrive for the next step (or, at the last, our own)
+            nxt_buf = xp.empty(dkv_shape, dtype=cdt)
+            nxt_req = comm.irecv(nxt_buf, src_rank, _TAG_DKV)
+        t0 = time.perf_counter()
+        kpos = sequence_positions(layout, owner, P, L)
+        plan = tile_plan(qpos, kpos, spec.seq_len, causal, tile)
+        dkv = xp.zeros(dkv_shape, dtype=cdt)
+        if plan.tiles:
+            backward_block(qh, cur[0].astype(cdt, copy=False), cur[1].astype(cdt, copy=False), doh, lseh, dh,
+                           plan, qpos, kpos, dqh, dkv[0], dkv[1])
+        t1 = time.perf_counter()
+        if dkv_in is not None:  # add what the previous holders accumulated for this block
+            req, buf = dkv_in
+            req.wait(timeout)
+            dkv += buf
+        if P > 1:
+            while dkv_sends:  # at most one dk/dv in flight: memory stays O(seq_local)
+                dkv_sends.pop().wait(timeout)
+            dkv_sends.append(comm.isend(dkv, dst, _TAG_DKV))
+            dkv_in = (nxt_req, nxt_buf)
+        comm.waitall(reqs, timeout)
+        t2 = time.perf_counter()
+        if st is not None:
+            st["steps"].append(dict(step=step, source=owner, work=plan.work * nbh, visible=plan.visible * nbh,
+                                    compute_s=t1 - t0, wait_s=t2 - t1))
+        if step < P - 1:
+            cur, nxt = nxt, cur
+    if P > 1:  # our own block's dk/dv, back from its last holder
+        req, dkv = dkv_in
+        req.wait(timeout)
+        comm.waitall(dkv_sends, timeout)
+    dqh *= spec.scale
+    dq = from_heads_major(dqh, spec.dtype, xp)
+    dk = xp.ascontiguousarray(dkv[0].transpose(0, 2, 1, 3).astype(spec.dtype, copy=False))
+    dv = xp.ascontiguousarray(dkv[1].transpose(0, 2, 1, 3).astype(spec.dtype, copy=False))
+    if st is not None:
+        st["total_s"] = time.perf_counter() - t_start
+    return dq, dk, dv

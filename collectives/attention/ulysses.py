@@ -1,0 +1,223 @@
+"""DeepSpeed-Ulysses attention: all-to-all from sequence shards to head shards.
+
+Each rank starts with ``seq_local`` tokens of all heads.  An all-to-all
+(written here as a pairwise exchange over the communicator's
+``isend``/``irecv``) gives it the whole sequence for ``heads / P`` query heads
+and ``kv_heads / P`` key/value heads; it runs ordinary blocked attention
+(:func:`.blocks.attention_forward`) locally, and a second all-to-all returns
+the output to sequence shards.  Communication per rank is ``O(seq/P)`` per
+tensor regardless of ``P`` on a full-bisection network; the price is that
+``heads`` and ``kv_heads`` must both divide by ``P``.
+
+Paper: DeepSpeed-Ulysses (Jacobs et al. 2023, arXiv:2309.14509).
+
+Any of the layouts of :mod:`.layout` may be used for the shards: after the
+all-to-all the sequence is put in natural order, so causal work is balanced
+across ranks whatever the layout (every rank holds the full sequence).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from commlib.errors import InvalidArgument
+
+from .blocks import attention_backward, attention_forward
+from .common import validate
+from .layout import sequence_positions
+
+__all__ = ["ulysses_attention", "ulysses_attention_backward", "alltoall_pairwise"]
+
+_TAG_A2A = 0x5A73
+
+
+def alltoall_pairwise(comm, sendparts, recvparts, *, tag: int = _TAG_A2A, timeout: float | None = None) -> None:
+    """Pairwise all-to-all over point-to-point calls.
+
+    At round ``i`` (1..P-1) rank ``r`` exchanges with ``r + i`` (send) and
+    ``r - i`` (receive); all rounds are posted non-blocking and waited together.
+
+    Args:
+        comm: :class:`commlib.Communicator`.
+        sendparts: ``P`` contiguous arrays; ``sendparts[j]`` goes to rank ``j``.
+        recvparts: ``P`` contiguous arrays; ``recvparts[j]`` receives from rank
+            ``j`` (``recvparts[rank]`` gets a copy of ``sendparts[rank]``).
+        tag: message tag.
+        timeout: seconds for the whole exchange.
+
+    Raises:
+        CommTimeout: ``timeout`` passed.
+    """
+    P, r = comm.size, comm.rank
+    reqs = []
+    for i in range(1, P):
+        src = (r - i) % P
+        reqs.append(comm.irecv(recvparts[src], src, tag))
+    for i in range(1, P):
+        dst = (r + i) % P
+        reqs.append(comm.isend(sendparts[dst], dst, tag))
+    recvparts[r][...] = sendparts[r]
+    comm.waitall(reqs, timeout)
+
+
+def _seq_to_heads(comm, x, xp, timeout):
+    """``(B, L, H, D)`` sequence shard -> ``(B, P*L, H/P, D)`` head shard (rank order)."""
+    P = comm.size
+    b, n, h, d = x.shape
+    hp = h // P
+    send = [xp.ascontiguousarray(x[:, :, j * hp:(j + 1) * hp]) for j in range(P)]
+    recv = [xp.empty((b, n, hp, d), dtype=x.dtype) for _ in range(P)]
+    alltoall_pairwise(comm, send, recv, timeout=timeout)
+    return xp.concatenate(recv, axis=1)
+
+
+def _heads_to_seq(comm, y, xp, timeout):
+    """``(B, P*L, h, D)`` head shard (rank order) -> ``(B, L, P*h, D)`` sequence shard."""
+    P = comm.size
+    b, n, hp, d = y.shape
+    L = n // P
+    send = [xp.ascontiguousarray(y[:, j * L:(j + 1) * L]) for j in range(P)]
+    recv = [xp.empty((b, L, hp, d), dtype=y.dtype) for _ in range(P)]
+    alltoall_pairwise(comm, send, recv, timeout=timeout)
+    return xp.concatenate(recv, axis=2)
+
+
+def _lse_to_heads(comm, lse, xp, timeout):
+    """``(B, H, L)`` -> ``(B, H/P, P*L)``."""
+    P = comm.size
+    b, h, n = lse.shape
+    hp = h // P
+    send = [xp.ascontiguousarray(lse[:, j * hp:(j + 1) * hp]) for j in range(P)]
+    recv = [xp.empty((b, hp, n), dtype=lse.dtype) for _ in range(P)]
+    alltoall_pairwise(comm, send, recv, timeout=timeout)
+    return xp.concatenate(recv, axis=2)
+
+
+def _lse_to_seq(comm, lse, xp, timeout):
+    """``(B, h, P*L)`` -> ``(B, P*h, L)``."""
+    P = comm.size
+    b, hp, n = lse.shape
+    L = n // P
+    send = [xp.ascontiguousarray(lse[:, :, j * L:(j + 1) * L]) for j in range(P)]
+    recv = [xp.empty((b, hp, L), dtype=lse.dtype) for _ in range(P)]
+    alltoall_pairwise(comm, send, recv, timeout=timeout)
+    return xp.concatenate(recv, axis=1)
+
+
+def _check_heads(comm, spec, op):
+    P = comm.size
+    if spec.heads % P or spec.kv_heads % P:
+        raise InvalidArgument(
+            f"Ulysses needs heads ({spec.heads}) and kv_heads ({spec.kv_heads}) divisible by the "
+            f"number of ranks ({P}); use ring_attention instead", rank=comm.rank, op=op)
+
+
+def _order(layout, P, L, xp):
+    """Permutation from rank-order gathered tokens to natural order, and back."""
+    pos = np.concatenate([sequence_positions(layout, s, P, L) for s in range(P)])
+    perm = np.argsort(pos, kind="stable")
+    inv = np.empty_like(perm)
+    inv[perm] = np.arange(len(perm))
+    return xp.asarray(perm), xp.asarray(inv)
+
+
+def ulysses_attention(comm, q, k, v, causal: bool = False, layout: str = "contiguous", softmax_scale=None, *,
+                      seq_len: int | None = None, tile: int = 128, timeout: float | None = None,
+                      stats: dict | None = None):
+    """Exact sequence-parallel attention by all-to-all over heads (DeepSpeed-Ulysses).
+
+    Args:
+        comm: :class:`commlib.Communicator` (only point-to-point calls are used).
+        q: local queries ``(batch, seq_local, heads, head_dim)``, numpy or CuPy,
+            float16 / bfloat16 / float32 / float64.
+        k, v: ``(batch, seq_local, kv_heads, head_dim)``; ``heads % kv_heads == 0``.
+        causal, layout, softmax_scale, seq_len, tile: as in
+            :func:`commlib.collectives.attention.ring_attention`.
+        timeout: seconds for each all-to-all.
+        stats: optional dict, filled with ``work`` (score entries computed),
+            ``compute_s``, ``comm_s`` and ``total_s``.
+
+    Returns:
+        tuple: ``out`` like ``q`` and ``lse`` ``(batch, heads, seq_local)``
+        (float32, or float64 for float64 inputs).
+
+    Raises:
+        InvalidArgument: as ``ring_attention``, and when ``heads`` or ``kv_heads``
+            is not divisible by ``comm.size`` (before any communication).
+        CommTimeout: an all-to-all did not complete in ``timeout``.
+    """
+    op = "ulysses_attention"
+    spec = validate(comm, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
+                    seq_len=seq_len, tile=tile, op=op)
+    _check_heads(comm, spec, op)
+    xp, P, L = spec.xp, comm.size, spec.seq_local
+    t0 = time.perf_counter()
+    perm, inv = _order(layout, P, L, xp)
+    qg = _seq_to_heads(comm, xp.ascontiguousarray(q), xp, timeout)[:, perm]
+    kg = _seq_to_heads(comm, xp.ascontiguousarray(k), xp, timeout)[:, perm]
+    vg = _seq_to_heads(comm, xp.ascontiguousarray(v), xp, timeout)[:, perm]
+    t1 = time.perf_counter()
+    out, lse = attention_forward(qg, kg, vg, causal, spec.scale, seq_len=spec.seq_len, tile=tile,
+                                 positions=np.arange(P * L, dtype=np.int64))
+    t2 = time.perf_counter()
+    out = _heads_to_seq(comm, xp.ascontiguousarray(out[:, inv]), xp, timeout)
+    lse = _lse_to_seq(comm, xp.ascontiguousarray(lse[:, :, inv]), xp, timeout)
+    t3 = time.perf_counter()
+    if stats is not None:
+        from .blocks import tile_plan  # noqa: PLC0415
+
+        pos = np.arange(P * L, dtype=np.int64)
+        work = tile_plan(pos, pos, spec.seq_len, causal, tile).work * spec.batch * spec.heads // P
+        stats.clear()
+        stats.update(kind="forward", work=work, compute_s=t2 - t1, comm_s=(t1 - t0) + (t3 - t2), total_s=t3 - t0)
+    return out, lse
+
+
+def ulysses_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = False, layout: str = "contiguous",
+                               softmax_scale=None, *, seq_len: int | None = None, tile: int = 128,
+                               timeout: float | None = None, stats: dict | None = None):
+    """Gradients of :func:`ulysses_attention`.
+
+    Args:
+        out, lse, dout: the forward's output, lse, and the output gradient, in
+            sequence shards as returned by :func:`ulysses_attention`.
+        Others: as in :func:`ulysses_attention`.
+
+    Returns:
+        tuple: ``(dq, dk, dv)`` shaped and typed like ``q``, ``k``, ``v``.
+
+    Raises:
+        InvalidArgument: as :func:`ulysses_attention`, or ``out``/``lse``/``dout``
+            of the wrong shape or dtype.
+        CommTimeout: an all-to-all did not complete in ``timeout``.
+    """
+    op = "ulysses_attention_backward"
+    extra = {}
+    if hasattr(q, "shape") and len(q.shape) == 4:
+        qshape, qd = tuple(q.shape), np.dtype(q.dtype).name
+        extra = {"out": (out, qshape, qd), "dout": (dout, qshape, qd),
+                 "lse": (lse, (qshape[0], qshape[2], qshape[1]), None)}
+    spec = validate(comm, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
+                    seq_len=seq_len, tile=tile, op=op, extra=extra)
+    _check_heads(comm, spec, op)
+    xp, P, L = spec.xp, comm.size, spec.seq_local
+    t0 = time.perf_counter()
+    perm, inv = _order(layout, P, L, xp)
+    g = {}
+    for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)):
+        g[name] = _seq_to_heads(comm, xp.ascontiguousarray(x), xp, timeout)[:, perm]
+    lseg = _lse_to_heads(comm, xp.ascontiguousarray(xp.asarray(lse).astype(spec.cdtype, copy=False)), xp,
+                         timeout)[:, :, perm]
+    t1 = time.perf_counter()
+    dq, dk, dv = attention_backward(g["q"], g["k"], g["v"], g["out"], lseg, g["dout"], causal, spec.scale,
+                                    seq_len=spec.seq_len, tile=tile, positions=np.arange(P * L, dtype=np.int64))
+    t2 = time.perf_counter()
+    dq = _heads_to_seq(comm, xp.ascontiguousarray(dq[:, inv]), xp, timeout)
+    dk = _heads_to_seq(comm, xp.ascontiguousarray(dk[:, inv]), xp, timeout)
+    dv = _heads_to_seq(comm, xp.ascontiguousarray(dv[:, inv]), xp, timeout)
+    t3 = time.perf_counter()
+    if stats is not None:
+        stats.clear()
+        stats.update(kind="backward", compute_s=t2 - t1, comm_s=(t1 - t0) + (t3 - t2), total_s=t3 - t0)
+    return dq, dk, dv

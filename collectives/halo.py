@@ -27,7 +27,7 @@ import numpy as np
 from commlib.buffer import as_buffer
 from commlib.errors import InvalidArgument
 from commlib.validate import check_all as _agree
-from commlib.transports.base import Request, wait_all
+from commlib.transports.base import Request
 from commlib.transports.mpi import MPITransport
 
 __all__ = ["HaloExchange", "HaloRequest"]
@@ -179,20 +179,34 @@ class HaloExchange:
             bufs.append(b)
         return bufs, device
 
-    def _message_buffers(self, nfields: int, device: bool):
+    def _plan_for(self, nfields: int, device: bool):
+        """Message buffers and persistent MPI requests for ``nfields`` fields,
+        built on first use and reused every step."""
         key = (nfields, device)
         got = self._buffers.get(key)
-        if got is None:
-            got = []
-            for nb in self.neighbours:
-                n = nb.nbytes * nfields
-                if device:
-                    from numba import cuda  # noqa: PLC0415
+        if got is not None:
+            return got
+        staged = device and not self._transport.cuda_aware
+        msgs, sreqs, rreqs = [], [], []
+        for nb in self.neighbours:
+            n = nb.nbytes * nfields
+            if device:
+                from numba import cuda  # noqa: PLC0415
 
-                    got.append((cuda.device_array(n, np.uint8), cuda.device_array(n, np.uint8)))
-                else:
-                    got.append((np.empty(n, np.uint8), np.empty(n, np.uint8)))
-            self._buffers[key] = got
+                dsend, drecv = cuda.device_array(n, np.uint8), cuda.device_array(n, np.uint8)
+            else:
+                dsend = drecv = None
+            hsend = np.empty(n, np.uint8) if (staged or not device) else None
+            hrecv = np.empty(n, np.uint8) if (staged or not device) else None
+            send = dsend if device else hsend
+            recv = drecv if device else hrecv
+            msgs.append((send, recv, hsend, hrecv))
+            wire_s = hsend if hsend is not None else dsend
+            wire_r = hrecv if hrecv is not None else drecv
+            sreqs.append(self._transport.send_init(wire_s, nb.rank, nb.send_tag))
+            rreqs.append(self._transport.recv_init(wire_r, nb.rank, nb.recv_tag))
+        got = (msgs, sreqs, rreqs, staged)
+        self._buffers[key] = got
         return got
 
     # -------------------------------------------------------------- exchange
@@ -201,7 +215,8 @@ class HaloExchange:
 
         Every field's edge cells are packed before ``start`` returns, so the
         caller may update interior cells right away (overlap); the ghost cells
-        are written by ``HaloRequest.wait()``.
+        are written by ``HaloRequest.wait()``.  Messages use persistent MPI
+        requests (``MPI_Send_init``/``MPI_Recv_init``) set up on first use.
 
         Args:
             *fields: arrays of shape ``self.shape`` and dtype ``self.dtype``,
@@ -213,60 +228,81 @@ class HaloExchange:
                 rank together, so a rank with a wrong field cannot leave the
                 others waiting; later calls check locally.
         """
+        from mpi4py import MPI  # noqa: PLC0415
+
         from commlib.datatypes import pack  # noqa: PLC0415
 
         op = "HaloExchange.exchange"
-        sig = tuple((tuple(getattr(f, "shape", ())), str(getattr(f, "dtype", ""))) for f in fields)
+        sig = tuple((getattr(f, "shape", None), getattr(f, "dtype", None)) for f in fields)
         if sig not in self._validated:
             try:
-                bufs, device = self._check_fields(fields, op)
+                self._check_fields(fields, op)
                 problem = None
             except InvalidArgument as exc:
                 problem = exc.detail
             _agree(self.cart, problem, op)
             self._validated.add(sig)
-        bufs, device = self._check_fields(fields, op)
-        msgs = self._message_buffers(len(bufs), device)
-        t = self._transport
-        recvs: list[Request] = []
-        for nb, (_, rbuf) in zip(self.neighbours, msgs):
-            recvs.append(t.irecv(rbuf, nb.rank, nb.recv_tag))
-        sends: list[Request] = []
-        for nb, (sbuf, _) in zip(self.neighbours, msgs):
-            for i, b in enumerate(bufs):
-                pack(b.obj, nb.send_type, out=sbuf[i * nb.nbytes:(i + 1) * nb.nbytes])
-            sends.append(t.isend(sbuf, nb.rank, nb.send_tag))
-        return HaloRequest(self, bufs, msgs, recvs, sends)
+        device = self._fast_check(fields, op)
+        msgs, sreqs, rreqs, staged = self._plan_for(len(fields), device)
+        if rreqs:
+            MPI.Prequest.Startall(rreqs)
+        for k, nb in enumerate(self.neighbours):
+            send, _, hsend, _ = msgs[k]
+            n = nb.nbytes
+            for i, f in enumerate(fields):
+                pack(f, nb.send_type, out=send[i * n:(i + 1) * n])
+            if staged:
+                send.copy_to_host(hsend)
+            sreqs[k].Start()
+        return HaloRequest(self, fields, msgs, sreqs, rreqs, staged)
+
+    def _fast_check(self, fields, op) -> bool:
+        """Local per-call check (cheap for numpy); returns True for device fields."""
+        if all(type(f) is np.ndarray for f in fields):
+            for i, f in enumerate(fields):
+                if f.shape != self.shape or f.dtype != self.dtype or not f.flags.c_contiguous:
+                    self._check_fields(fields, op)  # raises with the precise message
+            return False
+        return self._check_fields(fields, op)[1]
 
     def exchange(self, *fields, timeout: float | None = None) -> None:
         """Fill the ghost cells of ``fields`` (``start(*fields).wait(timeout)``)."""
         self.start(*fields).wait(timeout)
 
     def free(self) -> None:
-        """Release the plan's private communicator."""
+        """Release the persistent requests and the plan's private communicator."""
+        for _, sreqs, rreqs, _ in self._buffers.values():
+            for r in sreqs + rreqs:
+                r.Free()
+        self._buffers.clear()
         self._transport.close()
 
 
 class HaloRequest(Request):
     """An exchange in flight; ``wait()`` writes the ghost cells."""
 
-    def __init__(self, plan: HaloExchange, bufs, msgs, recvs, sends):
-        self._plan, self._bufs, self._msgs = plan, bufs, msgs
-        self._recvs, self._sends = recvs, sends
+    def __init__(self, plan: HaloExchange, fields, msgs, sreqs, rreqs, staged):
+        self._plan, self._fields, self._msgs = plan, fields, msgs
+        self._sreqs, self._rreqs, self._staged = sreqs, rreqs, staged
         self._done = False
 
     def _unpack(self):
         from commlib.datatypes import unpack  # noqa: PLC0415
 
-        for nb, (_, rbuf) in zip(self._plan.neighbours, self._msgs):
-            for i, b in enumerate(self._bufs):
-                unpack(rbuf[i * nb.nbytes:(i + 1) * nb.nbytes], nb.recv_type, b.obj)
+        for nb, (_, recv, _, hrecv) in zip(self._plan.neighbours, self._msgs):
+            if self._staged:
+                recv.copy_to_device(hrecv)
+            n = nb.nbytes
+            for i, f in enumerate(self._fields):
+                unpack(recv[i * n:(i + 1) * n], nb.recv_type, f)
         self._done = True
 
     def test(self) -> bool:
+        from mpi4py import MPI  # noqa: PLC0415
+
         if self._done:
             return True
-        if all(r.test() for r in self._recvs) and all(s.test() for s in self._sends):
+        if MPI.Request.Testall(self._rreqs + self._sreqs):
             self._unpack()
             return True
         return False
@@ -277,10 +313,15 @@ class HaloRequest(Request):
         Raises:
             CommTimeout: when the neighbours' messages do not arrive in time.
         """
+        from mpi4py import MPI  # noqa: PLC0415
+
         if self._done:
             return
-        wait_all(self._recvs + self._sends, timeout)
-        self._unpack()
+        if timeout is None:
+            MPI.Request.Waitall(self._rreqs + self._sreqs)
+            self._unpack()
+        else:
+            Request.wait(self, timeout)
 
 
 def _direction_index(offset) -> int:

@@ -13,6 +13,7 @@ from typing import Sequence
 
 from mpi4py import MPI
 
+from commlib.collective_api import CollectiveMixin
 from commlib.errors import InvalidArgument
 from commlib.transports.base import Request, wait_all
 from commlib.transports.mpi import MPITransport
@@ -24,7 +25,7 @@ ANY_SOURCE = MPI.ANY_SOURCE
 ANY_TAG = MPI.ANY_TAG
 
 
-class Communicator:
+class Communicator(CollectiveMixin):
     """A group of ranks that exchange arrays.
 
     Args:
@@ -107,10 +108,6 @@ class Communicator:
     def waitall(requests: Sequence[Request], timeout: float | None = None) -> None:
         """Wait for every request; ``timeout`` in seconds for all of them together."""
         wait_all(requests, timeout)
-
-    def barrier(self) -> None:
-        """Block until every rank has entered the barrier."""
-        self.transport.barrier()
 
     # ----------------------------------------------------------- management
     def dup(self) -> "Communicator":
@@ -229,7 +226,8 @@ class CartCommunicator(Communicator):
         return self.mpi_comm.Shift(direction, disp)
 
 
-def init(comm: MPI.Comm | None = None, *, cuda_aware: bool | None = None, **options) -> Communicator:
+def init(comm: MPI.Comm | None = None, *, cuda_aware: bool | None = None, fault_tolerant: bool = False,
+         on_failure: str = "shrink", timeout: float | None = None, **options) -> Communicator:
     """Initialize commlib and return a :class:`Communicator`.
 
     MPI itself is initialized by importing mpi4py (thread level per
@@ -238,12 +236,35 @@ def init(comm: MPI.Comm | None = None, *, cuda_aware: bool | None = None, **opti
     Args:
         comm: communicator to wrap (default ``MPI.COMM_WORLD``).
         cuda_aware: force CUDA-awareness (None: detect).
-        **options: reserved for later modes (``fault_tolerant``); an unknown
-            option raises.
+        fault_tolerant: survive rank failures in collectives.  Under ULFM
+            (``mpiexec --with-ft ulfm``; see :func:`commlib.collectives.ft.ft_mode`)
+            the survivors revoke, agree, shrink and retry, and the call returns
+            the result over the surviving ranks (``size``/``rank`` then describe
+            the shrunk group).  Without ULFM every wait is bounded and a dead
+            peer raises ``ProcessFailed``/``CommTimeout`` on every survivor.
+            The communicator is a duplicate of ``comm``.
+        on_failure: ``"shrink"`` (default: recover and return) or ``"raise"``
+            (recover the communicator, then raise ``ProcessFailed`` listing the
+            failed ranks on every survivor).
+        timeout: seconds any wait may take in fault-tolerant mode before it
+            counts as a failure (default ``COMMLIB_TIMEOUT``, 60).
+        **options: an unknown option raises.
 
     Raises:
         InvalidArgument: an unknown option.
     """
     if options:
         raise InvalidArgument(f"unknown option(s) {sorted(options)}", op="init")
-    return Communicator(comm, cuda_aware=cuda_aware)
+    if not fault_tolerant:
+        return Communicator(comm, cuda_aware=cuda_aware)
+    from commlib.collectives.ft import FaultTolerance, ft_mode  # noqa: PLC0415
+    from commlib.config import config  # noqa: PLC0415
+
+    ft = FaultTolerance(ft_mode(), on_failure=on_failure, timeout=float(timeout or config.timeout))
+    base = MPI.COMM_WORLD if comm is None else comm
+    dup = base.Dup()
+    dup.Set_errhandler(MPI.ERRORS_RETURN)
+    c = Communicator(dup, cuda_aware=cuda_aware)
+    c._ft = ft
+    c._coll_transport()  # duplicate now, while every rank is alive
+    return c

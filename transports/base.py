@@ -105,6 +105,18 @@ class Transport(ABC):
         r.wait()
         s.wait()
 
+    def waitall(self, requests: Sequence[Request], timeout: float | None = None) -> None:
+        """Wait for every request of one algorithm step (collectives call this).
+
+        Args:
+            requests: requests returned by this transport's ``isend``/``irecv``.
+            timeout: seconds for all of them together; None waits as long as it takes.
+
+        Raises:
+            CommTimeout: when ``timeout`` passes first.
+        """
+        wait_all(requests, timeout)
+
     def failed_ranks(self) -> tuple[int, ...]:
         """Ranks this transport knows to have failed (empty when it cannot tell)."""
         return ()

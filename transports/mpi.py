@@ -176,6 +176,43 @@ class MPITransport(Transport):
     def barrier(self) -> None:
         self.comm.Barrier()
 
+    # ------------------------------------------------- persistent requests
+    def send_init(self, buf, dest: int, tag: int = 0) -> MPI.Prequest:
+        """A persistent send (``MPI_Send_init``) of a host buffer (or a device
+        buffer when MPI is CUDA-aware), for exchanges repeated every step.
+        Start with ``MPI.Prequest.Startall``; complete with ``MPI.Request.Waitall``.
+
+        Raises:
+            BufferError: a device buffer without CUDA-aware MPI (stage it first).
+        """
+        return self._persistent(buf, dest, tag, "send_init")
+
+    def recv_init(self, buf, source: int, tag: int = 0) -> MPI.Prequest:
+        """A persistent receive (``MPI_Recv_init``); see :meth:`send_init`."""
+        return self._persistent(buf, source, tag, "recv_init")
+
+    def _persistent(self, buf, peer, tag, op):
+        self._check_peer(peer, "dest" if op == "send_init" else "source", op)
+        b = self._wrap(buf, op)
+        if b.is_device and not self.cuda_aware:
+            raise BufferError("persistent requests on device buffers need CUDA-aware MPI; stage through host",
+                              rank=self._rank, op=op)
+        init = self.comm.Send_init if op == "send_init" else self.comm.Recv_init
+        return init(self._mpi_buf(b), peer, tag)
+
+    def waitall(self, requests, timeout: float | None = None) -> None:
+        """Wait for ``requests`` with one ``MPI_Waitall`` (``timeout=None``) or by
+        polling ``MPI_Testall`` until ``timeout`` seconds pass (bounded waits of
+        fault-tolerant mode).  MPI errors (e.g. ``MPI_ERR_PROC_FAILED`` under
+        ULFM) propagate as ``MPI.Exception``; see :mod:`commlib.transports.failures`.
+
+        Raises:
+            CommTimeout: when ``timeout`` passes first.
+        """
+        from .failures import mpi_waitall  # noqa: PLC0415
+
+        mpi_waitall(requests, timeout, rank=self._rank)
+
     def close(self) -> None:
         if self.comm not in (MPI.COMM_WORLD, MPI.COMM_SELF) and self.comm != MPI.COMM_NULL:
             try:

@@ -1,0 +1,54 @@
+"""Ring allgather (the second half of the ring allreduce).
+
+Patarasuk & Yuan, J. Parallel Distrib. Comput. 69(2), 2009; also Thakur,
+Rabenseifner & Gropp, "Optimization of collective communication operations in
+MPICH", IJHPCA 19(1), 2005, §4.1.  In ``n - 1`` steps each rank forwards to
+``(r + 1) % n`` the block it received in the previous step.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._common import TAGS, waitall
+
+__all__ = ["allgather_ring", "allgather_ring_inplace"]
+
+
+def allgather_ring_inplace(transport, work: np.ndarray, bounds: np.ndarray, owner_shift: int = 0, *,
+                           timeout: float | None = None) -> None:
+    """Circulate the chunks of ``work`` so that every rank ends with all of them.
+
+    Args:
+        transport: the point-to-point transport.
+        work: 1-D contiguous host array; on entry chunk ``(r + owner_shift) % n``
+            is valid on rank r; on return every chunk is.
+        bounds: chunk offsets, shape ``(n + 1,)``.
+        owner_shift: which chunk rank r starts with (0: chunk r).
+        timeout: seconds per step (None: unbounded).
+    """
+    n, r = transport.size, transport.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    tag = TAGS["ag"]
+    for s in range(n - 1):
+        sc = (r + owner_shift - s) % n
+        rc = (r + owner_shift - s - 1) % n
+        rq = transport.irecv(work[bounds[rc]:bounds[rc + 1]], left, tag)
+        sq = transport.isend(work[bounds[sc]:bounds[sc + 1]], right, tag)
+        waitall(transport, [rq, sq], timeout)
+
+
+def allgather_ring(transport, sendbuf: np.ndarray, recvbuf: np.ndarray, *, timeout: float | None = None) -> None:
+    """``MPI_Allgather`` by the ring algorithm.
+
+    Args:
+        transport: the point-to-point transport (n ranks).
+        sendbuf: 1-D contiguous host array of ``count`` elements.
+        recvbuf: 1-D contiguous host array of ``n * count`` elements, same dtype;
+            block ``i`` receives rank ``i``'s ``sendbuf``.
+        timeout: seconds per step (None: unbounded).
+    """
+    n, r = transport.size, transport.rank
+    count = sendbuf.size
+    bounds = np.arange(n + 1, dtype=np.int64) * count
+    recvbuf[bounds[r]:bounds[r + 1]] = sendbuf
+    allgather_ring_inplace(transport, recvbuf, bounds, timeout=timeout)

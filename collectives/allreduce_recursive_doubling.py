@@ -1,0 +1,80 @@
+"""Recursive-doubling allreduce, for small vectors.
+
+Thakur, Rabenseifner & Gropp, "Optimization of collective communication
+operations in MPICH", IJHPCA 19(1):49-66, 2005, §4.4.  ``log2(p')`` steps of a
+full-vector exchange with partner ``r XOR 2^k``, where ``p'`` is the largest power
+of two <= n.  With ``rem = n - p'`` extra ranks, ranks ``2i`` and ``2i + 1`` for
+``i < rem`` first combine into rank ``2i + 1``, and rank ``2i`` receives the result
+at the end.
+
+Reduction order: a fixed binary tree over the (combined) ranks; at each node
+the lower-rank partial is the left operand, so both partners compute the same
+bits and every rank ends bit-identical.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._common import TAGS, waitall
+from .ops import get_op
+
+__all__ = ["allreduce_recursive_doubling"]
+
+
+def _combine(op, mine: np.ndarray, other: np.ndarray, other_is_lower: bool) -> None:
+    if other_is_lower:
+        # mine <- other (op) mine, computed into other then copied: keeps operand order
+        op.ufunc(other, mine, out=mine)
+    else:
+        op.ufunc(mine, other, out=mine)
+
+
+def allreduce_recursive_doubling(transport, buf: np.ndarray, op="sum", *, timeout: float | None = None) -> None:
+    """Allreduce ``buf`` in place by recursive doubling.
+
+    Args:
+        transport: a :class:`commlib.transports.base.Transport` (n ranks).
+        buf: 1-D contiguous host array, same count and dtype on every rank;
+            on return holds the reduction over all ranks.
+        op: operator name or :class:`~.ops.Op`.
+        timeout: seconds per step (None: unbounded).
+
+    Raises:
+        CommTimeout: a step did not complete within ``timeout``.
+        MPI.Exception / ProcessFailed: a peer failed.
+    """
+    op = get_op(op)
+    n, r = transport.size, transport.rank
+    if n == 1:
+        op.finalize(buf, 1)
+        return
+    p2 = 1 << (n.bit_length() - 1)
+    rem = n - p2
+    tmp = np.empty_like(buf)
+    # fold the extra ranks in
+    if r < 2 * rem:
+        if r % 2 == 0:
+            waitall(transport, [transport.isend(buf, r + 1, TAGS["rd_pre"])], timeout)
+            newrank = -1
+        else:
+            waitall(transport, [transport.irecv(tmp, r - 1, TAGS["rd_pre"])], timeout)
+            _combine(op, buf, tmp, True)
+            newrank = r // 2
+    else:
+        newrank = r - rem
+    if newrank >= 0:
+        mask = 1
+        while mask < p2:
+            newpeer = newrank ^ mask
+            peer = newpeer * 2 + 1 if newpeer < rem else newpeer + rem
+            rq = transport.irecv(tmp, peer, TAGS["rd"])
+            sq = transport.isend(buf, peer, TAGS["rd"])
+            waitall(transport, [rq, sq], timeout)
+            _combine(op, buf, tmp, peer < r)
+            mask <<= 1
+        op.finalize(buf, n)
+    if r < 2 * rem:
+        if r % 2:
+            waitall(transport, [transport.isend(buf, r - 1, TAGS["rd_post"])], timeout)
+        else:
+            waitall(transport, [transport.irecv(buf, r + 1, TAGS["rd_post"])], timeout)

@@ -1,0 +1,52 @@
+"""Ring allreduce: ring reduce-scatter followed by ring allgather.
+
+Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
+workstations", J. Parallel Distrib. Comput. 69(2):117-124, 2009.  Each rank
+sends ``2 (n - 1) / n`` times the vector, the lower bound for allreduce, which is
+why nccl-tests report allreduce *bus bandwidth* as ``algbw * 2 (n - 1) / n``.
+Latency is ``2 (n - 1)`` steps, so :mod:`.allreduce_recursive_doubling` wins for
+small vectors.
+
+Reduction order is fixed (see :func:`.reduce_scatter_ring.ring_order`) and the
+allgather copies the same reduced bits to every rank, so the result is
+bit-identical on all ranks.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._common import chunk_bounds
+from .allgather_ring import allgather_ring_inplace
+from .ops import get_op
+from .reduce_scatter_ring import reduce_scatter_ring_inplace
+
+__all__ = ["allreduce_ring"]
+
+
+def allreduce_ring(transport, buf: np.ndarray, op="sum", *, timeout: float | None = None) -> None:
+    """Allreduce ``buf`` in place by the ring algorithm.
+
+    Args:
+        transport: a :class:`commlib.transports.base.Transport` (n ranks).
+        buf: 1-D contiguous host array, ``count`` elements of any dtype ``op``
+            supports (see :mod:`.ops`); same count and dtype on every rank.
+            On return it holds the reduction over all ranks.
+        op: ``"sum"``, ``"prod"``, ``"min"``, ``"max"``, ``"avg"``, ``"band"``,
+            ``"bor"``, ``"bxor"`` or an :class:`~.ops.Op`.
+        timeout: seconds each of the ``2 (n - 1)`` steps may take (None: unbounded).
+
+    Raises:
+        CommTimeout: a step did not complete within ``timeout``.
+        MPI.Exception / ProcessFailed: a peer failed (transport-dependent).
+    """
+    op = get_op(op)
+    n = transport.size
+    if n == 1:
+        op.finalize(buf, 1)
+        return
+    bounds = chunk_bounds(buf.size, n)
+    reduce_scatter_ring_inplace(transport, buf, op, bounds, timeout=timeout)
+    r = transport.rank
+    if op.mean:
+        op.finalize(buf[bounds[r]:bounds[r + 1]], n)
+    allgather_ring_inplace(transport, buf, bounds, timeout=timeout)

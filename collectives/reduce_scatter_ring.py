@@ -1,0 +1,90 @@
+"""Ring reduce-scatter (the first half of the ring allreduce).
+
+Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
+workstations", J. Parallel Distrib. Comput. 69(2), 2009: the vector is cut into
+``n`` chunks; in ``n - 1`` steps every rank sends one chunk to its right
+neighbour ``(r + 1) % n``, receives one from its left neighbour and adds its own
+contribution.  Each rank sends and receives ``(n - 1)/n`` of the vector.
+
+Reduction order (fixed, hence bit-identical results): chunk ``c`` is accumulated
+along the ring starting at rank ``c + 1``::
+
+    x[c+1] (op) x[c+2] (op) ... (op) x[c]      (ranks mod n, left to right)
+
+and ends, fully reduced, on rank ``c``.  :func:`ring_order` gives that order.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._common import TAGS, chunk_bounds, waitall
+from .ops import get_op
+
+__all__ = ["reduce_scatter_ring", "reduce_scatter_ring_inplace", "ring_order"]
+
+
+def ring_order(chunk: int, size: int) -> list[int]:
+    """Ranks in the order their contributions to ``chunk`` are combined."""
+    return [(chunk + 1 + k) % size for k in range(size)]
+
+
+def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds: np.ndarray, *,
+                                timeout: float | None = None, tmp: np.ndarray | None = None) -> None:
+    """Reduce-scatter ``work`` in place over the ring.
+
+    Args:
+        transport: a :class:`commlib.transports.base.Transport`.
+        work: 1-D contiguous host array, this rank's contribution; overwritten.
+            On return ``work[bounds[r]:bounds[r+1]]`` holds the reduced chunk
+            ``r`` (other chunks hold partial sums).
+        op: :class:`commlib.collectives.ops.Op` or name.
+        bounds: chunk offsets, shape ``(size + 1,)`` (see ``chunk_bounds``).
+        timeout: seconds per step (None: unbounded).
+        tmp: scratch of at least the largest chunk (allocated when None).
+
+    Raises:
+        CommTimeout: a step did not finish within ``timeout``.
+        MPI.Exception / ProcessFailed: from the transport, when a peer fails.
+    """
+    op = get_op(op)
+    n, r = transport.size, transport.rank
+    if n == 1:
+        return
+    if tmp is None:
+        tmp = np.empty(int(np.max(np.diff(bounds))), dtype=work.dtype)
+    right, left = (r + 1) % n, (r - 1) % n
+    tag = TAGS["rs"]
+    for s in range(n - 1):
+        sc = (r - s - 1) % n
+        rc = (r - s - 2) % n
+        rlen = int(bounds[rc + 1] - bounds[rc])
+        rbuf = tmp[:rlen]
+        rq = transport.irecv(rbuf, left, tag)
+        sq = transport.isend(work[bounds[sc]:bounds[sc + 1]], right, tag)
+        waitall(transport, [rq, sq], timeout)
+        op.reduce(work[bounds[rc]:bounds[rc + 1]], rbuf)
+
+
+def reduce_scatter_ring(transport, sendbuf: np.ndarray, recvbuf: np.ndarray, op="sum", *,
+                        timeout: float | None = None) -> None:
+    """``MPI_Reduce_scatter_block`` by the ring algorithm.
+
+    Args:
+        transport: the point-to-point transport (``size`` = n ranks).
+        sendbuf: 1-D contiguous host array of ``n * count`` elements; block ``i``
+            (elements ``[i*count, (i+1)*count)``) goes to rank ``i``. Not modified.
+        recvbuf: 1-D contiguous host array of ``count`` elements, same dtype;
+            receives block ``rank`` reduced over all ranks (order: :func:`ring_order`).
+        op: operator name or :class:`Op`; ``avg`` divides by n.
+        timeout: seconds per step (None: unbounded).
+    """
+    op = get_op(op)
+    n = transport.size
+    count = recvbuf.size
+    work = np.array(sendbuf, copy=True)
+    bounds = np.arange(n + 1, dtype=np.int64) * count
+    reduce_scatter_ring_inplace(transport, work, op, bounds, timeout=timeout)
+    r = transport.rank
+    mine = work[bounds[r]:bounds[r + 1]]
+    op.finalize(mine, n)
+    recvbuf[...] = mine

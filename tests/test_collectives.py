@@ -1,0 +1,314 @@
+"""Collective algorithms against mpi4py's own collectives (the oracle).
+
+Run at several sizes, e.g.::
+
+    for n in 1 2 3 4; do
+      mpiexec --oversubscribe -n $n python -m pytest --with-mpi -q tests/test_collectives.py
+    done
+
+Every rank draws the same random inputs for a given (test, rank) seed, so no
+rank ever waits on another that skipped a case.
+"""
+import zlib
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.timeout(120)]
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+MPI = pytest.importorskip("mpi4py.MPI")
+
+import commlib  # noqa: E402
+from commlib.collectives import ops as ops_mod  # noqa: E402
+from commlib.collectives._common import chunk_bounds  # noqa: E402
+from commlib.collectives.reduce_scatter_ring import ring_order  # noqa: E402
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+FLOATS = [np.dtype(np.float16), BF16, np.dtype(np.float32), np.dtype(np.float64)]
+INTS = [np.dtype(t) for t in (np.int8, np.uint8, np.int16, np.int32, np.uint32, np.int64, np.uint64)]
+SIZES = [0, 1, 3, 17, 1000, 4099]
+
+
+@pytest.fixture(scope="module")
+def comm():
+    return commlib.init()
+
+
+def _data(dtype, count, rank, seed, op="sum"):
+    rng = np.random.default_rng(seed * 1000 + rank)
+    if dtype in FLOATS:
+        x = rng.uniform(-1, 1, count) if op != "prod" else rng.uniform(0.5, 1.5, count)
+        return x.astype(dtype)
+    info = np.iinfo(dtype)
+    if op == "prod":
+        return rng.integers(0, 3, count).astype(dtype)
+    # no overflow: signed overflow is undefined in MPI (Open MPI's AVX sum saturates int8)
+    lim = min(info.max // 8, 1000)
+    return rng.integers(max(info.min, -lim), lim, count, endpoint=True).astype(dtype)
+
+
+def _all_inputs(comm, dtype, count, seed, op):
+    return [_data(dtype, count, r, seed, op) for r in range(comm.size)]
+
+
+def _bit_identical(comm, arr):
+    blobs = comm.mpi_comm.allgather(np.ascontiguousarray(arr).tobytes())
+    assert all(b == blobs[0] for b in blobs), f"results differ across ranks (rank {comm.rank})"
+
+
+def _ring_oracle(inputs, op):
+    o = ops_mod.get_op(op)
+    n = len(inputs)
+    out = np.empty_like(inputs[0])
+    b = chunk_bounds(out.size, n)
+    for c in range(n):
+        order = ring_order(c, n)
+        acc = inputs[order[0]][b[c]:b[c + 1]].copy()
+        for r in order[1:]:
+            o.reduce(acc, inputs[r][b[c]:b[c + 1]])
+        o.finalize(acc, n)
+        out[b[c]:b[c + 1]] = acc
+    return out
+
+
+def _mpi_allreduce(comm, x, op):
+    dt = ops_mod.mpi_datatype(x.dtype)
+    if dt is None:
+        return None
+    out = np.empty_like(x)
+    comm.mpi_comm.Allreduce([x, dt], [out, dt], ops_mod.mpi_op(ops_mod.get_op(op)))
+    if op == "avg":
+        out = (out / np.asarray(comm.size, dtype=x.dtype)).astype(x.dtype)
+    return out
+
+
+CASES = [(d, op) for d in FLOATS for op in ("sum", "prod", "min", "max", "avg")] + \
+        [(d, op) for d in INTS for op in ("sum", "prod", "min", "max", "band", "bor", "bxor")]
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling", "auto"])
+@pytest.mark.parametrize("dtype,op", CASES, ids=[f"{d.name}-{o}" for d, o in CASES])
+def test_allreduce(comm, dtype, op, algorithm):
+    for i, count in enumerate(SIZES):
+        seed = zlib.crc32(f"{dtype.name}-{op}-{count}".encode()) % 10007
+        x = _data(dtype, count, comm.rank, seed, op)
+        inputs = _all_inputs(comm, dtype, count, seed, op)
+        out = np.zeros_like(x)
+        res = comm.allreduce(x, out, op=op, algorithm=algorithm)
+        assert res is out
+        np.testing.assert_array_equal(x, inputs[comm.rank])  # sendbuf untouched
+        _bit_identical(comm, out)
+        ref = _mpi_allreduce(comm, x, op)
+        exact = dtype in INTS or op in ("min", "max")
+        if algorithm == "ring" or comm.size == 1:
+            np.testing.assert_array_equal(out.view(np.uint8), _ring_oracle(inputs, op).view(np.uint8))
+        if exact:
+            if ref is not None:
+                np.testing.assert_array_equal(out, ref)
+        else:
+            # floats: MPI's order differs; compare in float64 within the dtype's rounding
+            f64 = [v.astype(np.float64) for v in inputs]
+            if op == "prod":
+                expect = np.prod(f64, axis=0)
+            else:
+                expect = np.sum(f64, axis=0) / (comm.size if op == "avg" else 1)
+            eps = {"float16": 4e-3, "bfloat16": 3e-2, "float32": 1e-6, "float64": 1e-14}[dtype.name]
+            np.testing.assert_allclose(out.astype(np.float64), expect, rtol=eps * comm.size * 4,
+                                       atol=eps * comm.size * 4)
+            if ref is not None and dtype.name in ("float32", "float64"):
+                np.testing.assert_allclose(out, ref, rtol=eps * 8 * comm.size, atol=eps * 8 * comm.size)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling", "mpi"])
+def test_allreduce_inplace_shapes(comm, algorithm):
+    x = (np.arange(6 * 5, dtype=np.float64).reshape(6, 5) + comm.rank).copy()
+    ref = _mpi_allreduce(comm, x, "sum")
+    res = comm.allreduce(x, op="sum", algorithm=algorithm)
+    assert res is x
+    np.testing.assert_array_equal(x, ref)
+    f = np.asfortranarray(np.ones((4, 3), np.int32) * (comm.rank + 1))
+    comm.allreduce(f, op="max", algorithm=algorithm)
+    assert (f == comm.size).all()
+
+
+def test_allreduce_mpi_op_objects(comm):
+    x = np.full(5, comm.rank + 1, np.int64)
+    comm.allreduce(x, op=MPI.SUM)
+    assert (x == comm.size * (comm.size + 1) // 2).all()
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16, np.dtype(np.int32)])
+@pytest.mark.parametrize("count_per", [0, 1, 5, 333])
+@pytest.mark.parametrize("algorithm", ["ring", "mpi"])
+def test_reduce_scatter(comm, dtype, count_per, algorithm):
+    if algorithm == "mpi" and dtype == BF16:
+        pytest.skip("MPI has no bfloat16")
+    n = comm.size
+    x = _data(dtype, count_per * n, comm.rank, 7)
+    out = comm.reduce_scatter(x, op="sum", algorithm=algorithm)
+    assert out.shape == (count_per,)
+    if algorithm == "ring":
+        full = _ring_oracle(_all_inputs(comm, dtype, count_per * n, 7, "sum"), "sum")
+        np.testing.assert_array_equal(out.view(np.uint8), full[comm.rank * count_per:(comm.rank + 1) * count_per].view(np.uint8))
+    if dtype != BF16:
+        dt = ops_mod.mpi_datatype(dtype)
+        ref = np.empty(count_per, dtype)
+        comm.mpi_comm.Reduce_scatter_block([x, dt], [ref, dt], MPI.SUM)
+        if dtype.kind == "i":
+            np.testing.assert_array_equal(out, ref)
+        else:
+            np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_reduce_scatter_uneven(comm):
+    n = comm.size
+    count = 3 * n + 1
+    x = np.arange(count, dtype=np.int64) * (comm.rank + 1)
+    out = comm.reduce_scatter(x, op="sum")
+    b = chunk_bounds(count, n)
+    expect = np.arange(count, dtype=np.int64)[b[comm.rank]:b[comm.rank + 1]] * (n * (n + 1) // 2)
+    np.testing.assert_array_equal(out, expect)
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16, np.dtype(np.float64), np.dtype(np.uint8)])
+@pytest.mark.parametrize("shape", [(0,), (1,), (7, 3)])
+@pytest.mark.parametrize("algorithm", ["ring", "mpi", "auto"])
+def test_allgather(comm, dtype, shape, algorithm):
+    x = _data(dtype, int(np.prod(shape)), comm.rank, 3).reshape(shape)
+    out = comm.allgather(x, algorithm=algorithm)
+    assert out.shape == (comm.size,) + shape
+    ref = np.empty((comm.size,) + shape, dtype)
+    comm.mpi_comm.Allgather([x.view(np.uint8), MPI.BYTE], [ref.view(np.uint8), MPI.BYTE])
+    np.testing.assert_array_equal(out.view(np.uint8), ref.view(np.uint8))
+    rb = np.empty((comm.size,) + shape, dtype)
+    assert comm.allgather(x, rb, algorithm=algorithm) is rb
+    np.testing.assert_array_equal(rb.view(np.uint8), ref.view(np.uint8))
+
+
+@pytest.mark.parametrize("count", [0, 1, 1000, 300_000])
+@pytest.mark.parametrize("algorithm", ["binomial", "mpi"])
+def test_bcast(comm, count, algorithm):
+    from commlib.collectives.bcast_binomial import bcast_binomial
+    for root in range(comm.size):
+        x = _data(np.dtype(np.float32), count, comm.rank, root)
+        ref = x.copy()
+        comm.mpi_comm.Bcast(ref, root=root)
+        assert comm.bcast(x, root=root, algorithm=algorithm) is x
+        np.testing.assert_array_equal(x, ref)
+    # small segments: the pipelined path
+    x = np.arange(10_000, dtype=np.int32) if comm.rank == 0 else np.zeros(10_000, np.int32)
+    bcast_binomial(comm._coll_transport(), x, 0, segment_bytes=4096)
+    np.testing.assert_array_equal(x, np.arange(10_000, dtype=np.int32))
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float64), BF16, np.dtype(np.int16)])
+@pytest.mark.parametrize("per", [0, 1, 513])
+@pytest.mark.parametrize("algorithm", ["pairwise", "mpi"])
+def test_alltoall(comm, dtype, per, algorithm):
+    n = comm.size
+    x = _data(dtype, n * per, comm.rank, 11).reshape(n, per)
+    out = comm.alltoall(x, algorithm=algorithm)
+    ref = np.empty_like(x)
+    comm.mpi_comm.Alltoall([x.view(np.uint8), MPI.BYTE], [ref.view(np.uint8), MPI.BYTE])
+    np.testing.assert_array_equal(out.view(np.uint8), ref.view(np.uint8))
+
+
+@pytest.mark.parametrize("algorithm", ["dissemination", "mpi", "auto"])
+def test_barrier(comm, algorithm):
+    for _ in range(3):
+        comm.barrier(algorithm=algorithm)
+
+
+def test_nonblocking(comm):
+    x = np.full(1000, comm.rank + 1, np.float64)
+    y = np.zeros(1000)
+    req = comm.iallreduce(x, y, op="sum")
+    assert req.wait(timeout=60) is y
+    assert (y == comm.size * (comm.size + 1) / 2).all()
+    reqs = [comm.iallreduce(np.full(10, i, np.int32), op="max") for i in range(3)]
+    for i, r in enumerate(reqs):
+        assert (r.wait(60) == i).all()
+    rb = np.empty(comm.size * 2, np.int64)
+    comm.iallgather(np.full(2, comm.rank, np.int64), rb).wait(60)
+    np.testing.assert_array_equal(rb, np.repeat(np.arange(comm.size), 2))
+
+
+def test_numba_simulator_buffers(comm):
+    """Device buffers (numba's CUDA simulator here) are staged through host."""
+    from numba import cuda
+    h = np.full(100, comm.rank + 1.0, np.float32)
+    d = cuda.to_device(h)
+    comm.allreduce(d, op="sum", algorithm="ring")
+    np.testing.assert_array_equal(d.copy_to_host(), np.full(100, comm.size * (comm.size + 1) / 2, np.float32))
+    out = cuda.device_array(100 * comm.size, np.float32)
+    comm.allgather(cuda.to_device(h), out)
+    np.testing.assert_array_equal(out.copy_to_host(), np.repeat(np.arange(1, comm.size + 1, dtype=np.float32), 100))
+
+
+# ------------------------------------------------------------------ bad input
+def _raises_everywhere(comm, fn, match):
+    with pytest.raises(commlib.InvalidArgument, match=match) as ei:
+        fn()
+    assert f"rank {comm.rank}" in str(ei.value)
+    # the communicator still works afterwards (no stray messages)
+    x = np.ones(3)
+    comm.allreduce(x)
+    assert (x == comm.size).all()
+
+
+def test_op_unfit_for_dtype(comm):
+    _raises_everywhere(comm, lambda: comm.allreduce(np.ones(4), op="bxor"), "integer dtype")
+    _raises_everywhere(comm, lambda: comm.allreduce(np.ones(4, np.int32), op="avg"), "floating")
+    _raises_everywhere(comm, lambda: comm.allreduce(np.ones(4), op="nope"), "unknown op")
+
+
+def test_op_unfit_on_one_rank_only(comm):
+    dtype = np.int32 if comm.rank == 0 else np.float32
+    match = "integer dtype" if comm.rank and comm.size > 1 else ("passed invalid|differs" if comm.size > 1 else "x")
+    if comm.size == 1:
+        pytest.skip("needs 2 ranks")
+    with pytest.raises(commlib.InvalidArgument):
+        comm.allreduce(np.ones(4, dtype), op="bxor")
+
+
+def test_root_out_of_range(comm):
+    _raises_everywhere(comm, lambda: comm.bcast(np.ones(3), root=comm.size), "out of range")
+    _raises_everywhere(comm, lambda: comm.bcast(np.ones(3), root=-1), "out of range")
+
+
+def test_mismatched_counts(comm):
+    if comm.size == 1:
+        pytest.skip("needs 2 ranks")
+    _raises_everywhere(comm, lambda: comm.allreduce(np.ones(4 + (comm.rank == 1))), "count differs")
+    _raises_everywhere(comm, lambda: comm.allgather(np.ones(4 + (comm.rank == 1))), "count differs")
+
+
+def test_mismatched_dtypes(comm):
+    if comm.size == 1:
+        pytest.skip("needs 2 ranks")
+    _raises_everywhere(comm, lambda: comm.allreduce(np.ones(4, np.float32 if comm.rank else np.float64)),
+                       "dtype differs")
+    _raises_everywhere(comm, lambda: comm.allreduce(np.ones(4, np.float16 if comm.rank else BF16)),
+                       "dtype differs")
+
+
+def test_mismatched_root_and_op(comm):
+    if comm.size == 1:
+        pytest.skip("needs 2 ranks")
+    _raises_everywhere(comm, lambda: comm.bcast(np.ones(4), root=comm.rank % 2), "root differs")
+    _raises_everywhere(comm, lambda: comm.allreduce(np.ones(4), op="sum" if comm.rank else "max"), "op differs")
+    _raises_everywhere(comm, lambda: comm.allreduce(np.ones(4), algorithm="ring" if comm.rank else "recursive_doubling"),
+                       "algorithm differs")
+
+
+def test_unknown_algorithm(comm):
+    _raises_everywhere(comm, lambda: comm.allreduce(np.ones(4), algorithm="tree"), "algorithm")
+
+
+def test_bfloat16_has_no_mpi_path(comm):
+    _raises_everywhere(comm, lambda: comm.allreduce(np.ones(4, BF16), algorithm="mpi"), "no datatype")
+
+
+def test_recvbuf_mismatch(comm):
+    _raises_everywhere(comm, lambda: comm.allreduce(np.ones(4), np.ones(5)), "does not match")

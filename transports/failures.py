@@ -1,0 +1,124 @@
+"""Failure detection for the MPI transport.
+
+Under ULFM (User-Level Failure Mitigation; Bland, Bouteiller, Herault, Bosilca &
+Dongarra, "Post-failure recovery of MPI communication capability: design and
+rationale", IJHPCA 27(3), 2013) an operation involving a dead process completes
+with an error of class ``MPI_ERR_PROC_FAILED`` (or ``MPI_ERR_PROC_FAILED_PENDING``
+for a wildcard receive), and every operation on a communicator some survivor
+revoked completes with ``MPI_ERR_REVOKED``.  Without ULFM a dead peer is only
+noticed by a wait that does not end, so every wait in fault-tolerant mode is
+bounded (:func:`mpi_waitall` with a ``timeout`` in seconds).
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from mpi4py import MPI
+
+from commlib.errors import CommError, CommTimeout, ProcessFailed
+
+from .base import Request, wait_all
+
+__all__ = ["mpi_waitall", "failure_class", "is_process_failure", "is_revoked", "to_comm_error", "mpi_failed_ranks"]
+
+
+def _cls(name: str) -> int | None:
+    v = getattr(MPI, name, None)
+    return int(v) if v is not None else None
+
+
+_PROC_FAILED = {c for c in (_cls("ERR_PROC_FAILED"), _cls("ERR_PROC_FAILED_PENDING")) if c is not None}
+_REVOKED = {c for c in (_cls("ERR_REVOKED"),) if c is not None}
+
+
+def failure_class(exc: BaseException) -> int | None:
+    """The MPI error class of an ``MPI.Exception`` (None for other exceptions)."""
+    if isinstance(exc, MPI.Exception):
+        try:
+            return int(exc.Get_error_class())
+        except Exception:  # pragma: no cover
+            return None
+    return None
+
+
+def is_process_failure(exc: BaseException) -> bool:
+    """True for ``MPI_ERR_PROC_FAILED(_PENDING)`` or ``MPI_ERR_REVOKED``, or a
+    commlib :class:`ProcessFailed` / :class:`CommTimeout`."""
+    if isinstance(exc, (ProcessFailed, CommTimeout)):
+        return True
+    c = failure_class(exc)
+    return c is not None and (c in _PROC_FAILED or c in _REVOKED)
+
+
+def is_revoked(exc: BaseException) -> bool:
+    """True for ``MPI_ERR_REVOKED``."""
+    c = failure_class(exc)
+    return c is not None and c in _REVOKED
+
+
+def to_comm_error(exc: BaseException, *, rank=None, op=None, failed=()) -> CommError:
+    """Translate an exception from a transport into the commlib hierarchy."""
+    if isinstance(exc, CommError):
+        return exc
+    c = failure_class(exc)
+    if c is not None and (c in _PROC_FAILED or c in _REVOKED):
+        what = "communicator revoked by a survivor" if c in _REVOKED else "a peer process failed"
+        return ProcessFailed(f"{what} ({exc})", failed=failed, rank=rank, op=op)
+    return CommError(str(exc), rank=rank, op=op)
+
+
+def mpi_failed_ranks(comm: MPI.Comm) -> tuple[int, ...]:
+    """Ranks of ``comm`` the local ULFM runtime knows to have failed (empty
+    without ULFM).  Uses ``MPI_Comm_get_failed`` (mpi4py ``Comm.Get_failed``)."""
+    try:
+        grp = comm.Get_failed()
+    except (NotImplementedError, AttributeError, MPI.Exception):
+        return ()
+    try:
+        n = grp.Get_size()
+        if n == 0:
+            return ()
+        ranks = MPI.Group.Translate_ranks(grp, list(range(n)), comm.Get_group())
+        return tuple(sorted(int(r) for r in ranks if r != MPI.UNDEFINED))
+    finally:
+        grp.Free()
+
+
+def mpi_waitall(requests: Sequence[Request], timeout: float | None = None, *, rank=None) -> None:
+    """Complete MPI transport requests with one MPI call or a bounded poll.
+
+    Args:
+        requests: :class:`commlib.transports.mpi.MPIRequest` objects (others are
+            waited for one by one).
+        timeout: seconds for all of them together; None: ``MPI_Waitall``.
+
+    Raises:
+        CommTimeout: the requests did not all complete within ``timeout``.
+        MPI.Exception: an MPI error, e.g. ``MPI_ERR_PROC_FAILED`` under ULFM.
+    """
+    from .mpi import MPIRequest  # noqa: PLC0415
+
+    pending = [r for r in requests if not (isinstance(r, MPIRequest) and r._done)]
+    if not pending:
+        return
+    if not all(isinstance(r, MPIRequest) for r in pending):
+        wait_all(pending, timeout)
+        return
+    mreqs = [r.req for r in pending]
+    if timeout is None:
+        MPI.Request.Waitall(mreqs)
+    else:
+        deadline = time.monotonic() + timeout
+        spins = 0
+        while not MPI.Request.Testall(mreqs):
+            spins += 1
+            if spins > 64:
+                if time.monotonic() > deadline:
+                    raise CommTimeout(
+                        f"{len(mreqs)} request(s) not complete after {timeout:.3g} s (peer dead or stalled?)",
+                        rank=rank, op="waitall",
+                    )
+                time.sleep(0) if spins < 2048 else time.sleep(2e-4)
+    for r in pending:
+        r._finish()

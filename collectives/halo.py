@@ -19,6 +19,7 @@ The plan (neighbours, datatypes, message buffers) is built once and reused.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Sequence
 
@@ -228,10 +229,7 @@ class HaloExchange:
                 rank together, so a rank with a wrong field cannot leave the
                 others waiting; later calls check locally.
         """
-        from mpi4py import MPI  # noqa: PLC0415
-
-        from commlib.datatypes import pack  # noqa: PLC0415
-
+        pack = _datatypes().pack
         op = "HaloExchange.exchange"
         sig = tuple((getattr(f, "shape", None), getattr(f, "dtype", None)) for f in fields)
         if sig not in self._validated:
@@ -245,7 +243,7 @@ class HaloExchange:
         device = self._fast_check(fields, op)
         msgs, sreqs, rreqs, staged = self._plan_for(len(fields), device)
         if rreqs:
-            MPI.Prequest.Startall(rreqs)
+            _MPI().Prequest.Startall(rreqs)
         for k, nb in enumerate(self.neighbours):
             send, _, hsend, _ = msgs[k]
             n = nb.nbytes
@@ -287,8 +285,7 @@ class HaloRequest(Request):
         self._done = False
 
     def _unpack(self):
-        from commlib.datatypes import unpack  # noqa: PLC0415
-
+        unpack = _datatypes().unpack
         for nb, (_, recv, _, hrecv) in zip(self._plan.neighbours, self._msgs):
             if self._staged:
                 recv.copy_to_device(hrecv)
@@ -298,11 +295,9 @@ class HaloRequest(Request):
         self._done = True
 
     def test(self) -> bool:
-        from mpi4py import MPI  # noqa: PLC0415
-
         if self._done:
             return True
-        if MPI.Request.Testall(self._rreqs + self._sreqs):
+        if _MPI().Request.Testall(self._rreqs + self._sreqs):
             self._unpack()
             return True
         return False
@@ -313,15 +308,27 @@ class HaloRequest(Request):
         Raises:
             CommTimeout: when the neighbours' messages do not arrive in time.
         """
-        from mpi4py import MPI  # noqa: PLC0415
-
         if self._done:
             return
         if timeout is None:
-            MPI.Request.Waitall(self._rreqs + self._sreqs)
+            _MPI().Request.Waitall(self._rreqs + self._sreqs)
             self._unpack()
         else:
             Request.wait(self, timeout)
+
+
+@functools.lru_cache(maxsize=None)
+def _datatypes():
+    import commlib.datatypes  # noqa: PLC0415 - lazily: the engine pulls in numba
+
+    return commlib.datatypes
+
+
+@functools.lru_cache(maxsize=None)
+def _MPI():  # noqa: N802
+    from mpi4py import MPI  # noqa: PLC0415
+
+    return MPI
 
 
 def _direction_index(offset) -> int:

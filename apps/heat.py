@@ -401,8 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dims", type=int, choices=(2, 3), default=3, help="spatial dimensions (default 3)")
     p.add_argument("--grid", type=int, nargs="+", default=None, metavar="N",
                    help="global interior points: one N for every dimension or one per dimension "
-                        "(default 256 in 2-D, 64 in 3-D)")
-    p.add_argument("--steps", type=int, default=300, help="time steps (default 300)")
+                        "(default 512 in 2-D, 96 in 3-D)")
+    p.add_argument("--steps", type=int, default=500, help="time steps (default 500)")
     p.add_argument("--t-final", type=float, default=None,
                    help="model time to reach instead of --steps (steps follow from the stable dt)")
     p.add_argument("--alpha", type=float, default=1.0, help="diffusivity (default 1.0)")
@@ -420,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    grid = args.grid or ([256] if args.dims == 2 else [64])
+    grid = args.grid or ([512] if args.dims == 2 else [96])
     if len(grid) == 1:
         grid = grid * args.dims
     if len(grid) != args.dims:

@@ -1,0 +1,153 @@
+"""Communicator point-to-point, Cartesian topology and buffers, against mpi4py."""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import commlib
+from commlib.buffer import as_buffer
+from commlib.errors import BufferError, InvalidArgument
+
+
+# ------------------------------------------------------------------ serial
+def test_buffer_numpy_views():
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    b = as_buffer(a)
+    assert (b.kind, b.is_device, b.nbytes, b.contiguous) == ("numpy", False, 48, True)
+    assert np.shares_memory(b.byte_view(), a)
+    f = as_buffer(np.asfortranarray(a))
+    assert f.f_contiguous and not f.contiguous and f.dense
+    s = as_buffer(a[:, ::2])
+    assert not s.dense
+    with pytest.raises(BufferError):
+        s.byte_view()
+
+
+def test_buffer_dlpack_and_buffer_protocol():
+    class Exporter:  # a foreign host array reachable only through DLPack
+        def __init__(self, arr):
+            self._a = arr
+
+        def __dlpack__(self, **kw):
+            return self._a.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return self._a.__dlpack_device__()
+
+    a = np.arange(5.0)
+    b = as_buffer(Exporter(a))
+    assert b.kind == "dlpack" and not b.is_device and b.nbytes == 40
+    assert np.shares_memory(b.array(), a)
+    m = as_buffer(bytearray(b"abcd"))
+    assert m.nbytes == 4 and m.dtype == np.uint8
+    with pytest.raises(BufferError, match="unsupported buffer type"):
+        as_buffer(object())
+
+
+def test_buffer_simulator_device_array():
+    from numba import cuda
+
+    d = cuda.to_device(np.arange(6, dtype=np.int64).reshape(2, 3))
+    b = as_buffer(d)
+    assert b.is_device and b.kind in ("numba-sim", "numba") and b.shape == (2, 3) and b.nbytes == 48
+    assert np.array_equal(b.to_host(), np.arange(6).reshape(2, 3))
+    b.from_host(np.full((2, 3), 7, np.int64))
+    assert (d.copy_to_host() == 7).all()
+
+
+def test_init_rejects_unknown_option():
+    with pytest.raises(InvalidArgument, match="unknown option"):
+        commlib.init(fast=True)
+
+
+def test_cart_create_bad_dims():
+    comm = commlib.init(MPI.COMM_SELF)
+    with pytest.raises(InvalidArgument, match="cart_create"):
+        comm.cart_create(dims=[2, 1])
+    with pytest.raises(InvalidArgument, match="periods"):
+        comm.cart_create(dims=[1, 1], periods=[True])
+
+
+# ---------------------------------------------------------------------- MPI
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", [np.float64, np.int32, np.complex64])
+def test_sendrecv_ring_host(dtype):
+    comm = commlib.init()
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    send = (np.arange(17) + 100 * comm.rank).astype(dtype)
+    recv = np.empty_like(send)
+    comm.sendrecv(send, right, recv, left, sendtag=5, recvtag=5)
+    assert np.array_equal(recv, (np.arange(17) + 100 * left).astype(dtype))
+    r = comm.irecv(recv, left, tag=6)
+    s = comm.isend(send * 2, right, tag=6)
+    comm.waitall([r, s], timeout=30)
+    assert np.array_equal(recv, ((np.arange(17) + 100 * left) * 2).astype(dtype))
+    assert r.test() and s.test()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_blocking_send_recv_and_status():
+    comm = commlib.init()
+    if comm.rank == 0:
+        for peer in range(1, comm.size):
+            comm.send(np.full(4, peer, np.int64), peer, tag=9)
+    else:
+        buf = np.empty(4, np.int64)
+        st = comm.recv(buf, 0, 9)
+        assert (buf == comm.rank).all() and st.Get_source() == 0 and st.Get_count(MPI.BYTE) == 32
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(120)
+def test_device_buffers_staged():
+    """numba device arrays (the CUDA simulator here) travel through host staging."""
+    from numba import cuda
+
+    comm = commlib.init()
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    d_send = cuda.to_device(np.arange(8.0) + comm.rank)
+    d_recv = cuda.device_array(8)
+    r = comm.irecv(d_recv, left, 1)
+    s = comm.isend(d_send, right, 1)
+    r.wait(30)
+    s.wait(30)
+    assert np.array_equal(d_recv.copy_to_host(), np.arange(8.0) + left)
+    h = np.empty(8)
+    comm.sendrecv(d_send, right, h, left, 2, 2)  # device to host across ranks
+    assert np.array_equal(h, np.arange(8.0) + left)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(60)
+def test_bad_arguments_raise_before_sending():
+    comm = commlib.init()
+    with pytest.raises(InvalidArgument, match=f"rank {comm.rank}: isend: dest {comm.size} out of range"):
+        comm.isend(np.zeros(2), comm.size)
+    with pytest.raises(BufferError, match="not contiguous"):
+        comm.send(np.zeros((4, 4))[:, 1], 0)
+    with pytest.raises(InvalidArgument, match="negative"):
+        comm.send(np.zeros(2), 0, tag=-3)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(60)
+def test_cart_create_matches_mpi():
+    comm = commlib.init()
+    cart = comm.cart_create(ndims=3, periods=[True, False, True])
+    assert list(cart.dims) == list(MPI.Compute_dims(comm.size, 3))
+    ref = comm.mpi_comm.Create_cart(cart.dims, cart.periods)
+    assert tuple(ref.Get_coords(ref.Get_rank())) == cart.coords
+    for d in range(3):
+        assert cart.shift(d, 1) == ref.Shift(d, 1)
+        off = [0, 0, 0]
+        off[d] = 1
+        assert cart.neighbor(off) == ref.Shift(d, 1)[1]
+    # a corner neighbour, wrapped only on periodic dimensions
+    off = (1, -1, 1)
+    want = [c + o for c, o in zip(cart.coords, off)]
+    inside = 0 <= want[1] < cart.dims[1]
+    expect = ref.Get_cart_rank([want[0] % cart.dims[0], want[1], want[2] % cart.dims[2]]) if inside else MPI.PROC_NULL
+    assert cart.neighbor(off) == expect
+    ref.Free()
+    cart.free()

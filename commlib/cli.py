@@ -67,7 +67,33 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_info = sub.add_parser("info", help="versions, MPI library, ULFM / CUDA-awareness, GPUs")
     p_info.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p_cal = sub.add_parser(
+        "calibrate",
+        help="measure the datatype send-strategy tables (run with mpiexec -n 2)",
+        description="Ping-pong between ranks 0 and 1 for every send strategy over message sizes x "
+                    "contiguous block lengths; writes the tables the strategy model interpolates. "
+                    "Point commlib at the file with COMMLIB_MODEL=PATH.",
+    )
+    p_cal.add_argument("--out", default="commlib-model.json", help="output JSON (default commlib-model.json)")
+    p_cal.add_argument("--sizes", type=int, nargs="+", default=[64, 1024, 16384, 262144, 4 << 20],
+                       help="message sizes in bytes")
+    p_cal.add_argument("--blocks", type=int, nargs="+", default=[1, 8, 64, 512, 4096],
+                       help="contiguous block lengths in bytes")
+    p_cal.add_argument("--repeat", type=int, default=20, help="round trips per point (best is kept)")
+    p_cal.add_argument("--device", action="store_true", help="also measure device strategies (needs a GPU)")
     args = parser.parse_args(argv)
+    if args.cmd == "calibrate":
+        import commlib  # noqa: PLC0415
+        from commlib.datatypes.strategy import calibrate  # noqa: PLC0415
+
+        comm = commlib.init()
+        rec = calibrate(comm, args.sizes, args.blocks, repeat=args.repeat, device=args.device,
+                        progress=comm.rank == 0 and sys.stderr.isatty())
+        if comm.rank == 0:
+            with open(args.out, "w", encoding="utf-8") as fh:
+                json.dump(rec, fh, indent=1)
+            print(f"wrote {args.out}: {', '.join(f'{loc}: {sorted(t)}' for loc, t in rec['tables'].items())}")
+        return 0
     if args.cmd == "info":
         rec = info()
         if args.json:

@@ -63,46 +63,82 @@ class Communicator(CollectiveMixin):
         return f"<{type(self).__name__} rank={self.rank} size={self.size}>"
 
     # --------------------------------------------------------- point to point
-    def send(self, buf, dest: int, tag: int = 0) -> None:
-        """Blocking send of a contiguous array.
+    def send(self, buf, dest: int, tag: int = 0, *, datatype=None, count: int = 1) -> None:
+        """Blocking send.
 
         Args:
-            buf: contiguous array (host or device); its bytes are sent.
+            buf: array (host or device), contiguous in memory. Without
+                ``datatype`` all its bytes are sent; with it, ``count`` elements
+                of ``datatype`` laid over its bytes (first byte = displacement 0).
             dest: destination rank, or ``PROC_NULL``.
             tag: message tag (>= 0).
+            datatype: a commlib datatype (``commlib.datatypes``) or a committed
+                ``MPI.Datatype`` describing non-contiguous data; the strategy
+                model picks MPI's datatype engine or commlib's pack kernels
+                (on the device for device arrays), see
+                :mod:`commlib.datatypes.strategy`.
+            count: number of ``datatype`` elements.
 
         Raises:
             InvalidArgument: ``dest`` out of range or negative tag.
             BufferError: unsupported or non-contiguous buffer.
+            DatatypeError: ``count`` elements of ``datatype`` do not fit ``buf``,
+                or the datatype is unusable; nothing is sent.
         """
+        if datatype is not None:
+            self.isend(buf, dest, tag, datatype=datatype, count=count).wait()
+            return
         self._check_tag(tag, "send")
         self.transport.send(buf, dest, tag)
 
-    def recv(self, buf, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> MPI.Status:
-        """Blocking receive into a contiguous array of exactly the message's size in bytes.
+    def recv(self, buf, source: int = ANY_SOURCE, tag: int = ANY_TAG, *, datatype=None, count: int = 1):
+        """Blocking receive into ``buf`` (all its bytes, or ``count`` elements of
+        ``datatype`` as in :meth:`send`).
 
         Returns:
-            MPI.Status: source, tag and byte count of the received message.
+            MPI.Status (without ``datatype``): source, tag and byte count.
         """
+        if datatype is not None:
+            self.irecv(buf, source, tag, datatype=datatype, count=count).wait()
+            return None
         return self.transport.recv(buf, source, tag)
 
-    def isend(self, buf, dest: int, tag: int = 0) -> Request:
-        """Non-blocking send; do not modify ``buf`` until the request completes.
+    def isend(self, buf, dest: int, tag: int = 0, *, datatype=None, count: int = 1) -> Request:
+        """Non-blocking send (arguments as :meth:`send`); do not modify ``buf``
+        until the request completes.
 
         Returns:
             Request: ``wait(timeout=None)`` / ``test()``.
         """
         self._check_tag(tag, "isend")
+        if datatype is not None:
+            from .typed_p2p import typed_isend  # noqa: PLC0415
+
+            return typed_isend(self, buf, dest, datatype, count, tag)
         return self.transport.isend(buf, dest, tag)
 
-    def irecv(self, buf, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Request:
-        """Non-blocking receive; ``buf`` holds the data after the request completes."""
+    def irecv(self, buf, source: int = ANY_SOURCE, tag: int = ANY_TAG, *, datatype=None, count: int = 1) -> Request:
+        """Non-blocking receive (arguments as :meth:`recv`); ``buf`` holds the data
+        after the request completes."""
+        if datatype is not None:
+            from .typed_p2p import typed_irecv  # noqa: PLC0415
+
+            return typed_irecv(self, buf, source, datatype, count, tag)
         return self.transport.irecv(buf, source, tag)
 
-    def sendrecv(self, sendbuf, dest: int, recvbuf, source: int = ANY_SOURCE, sendtag: int = 0, recvtag: int = ANY_TAG) -> None:
-        """Send ``sendbuf`` to ``dest`` while receiving ``recvbuf`` from ``source`` (no deadlock)."""
+    def sendrecv(self, sendbuf, dest: int, recvbuf, source: int = ANY_SOURCE, sendtag: int = 0,
+                 recvtag: int = ANY_TAG, *, sendtype=None, sendcount: int = 1, recvtype=None,
+                 recvcount: int = 1) -> None:
+        """Send ``sendbuf`` to ``dest`` while receiving ``recvbuf`` from ``source`` (no deadlock).
+        ``sendtype``/``recvtype`` with their counts describe non-contiguous data as in :meth:`send`."""
         self._check_tag(sendtag, "sendrecv")
-        self.transport.sendrecv(sendbuf, dest, recvbuf, source, sendtag, recvtag)
+        if sendtype is None and recvtype is None:
+            self.transport.sendrecv(sendbuf, dest, recvbuf, source, sendtag, recvtag)
+            return
+        r = self.irecv(recvbuf, source, recvtag, datatype=recvtype, count=recvcount)
+        s = self.isend(sendbuf, dest, sendtag, datatype=sendtype, count=sendcount)
+        r.wait()
+        s.wait()
 
     @staticmethod
     def waitall(requests: Sequence[Request], timeout: float | None = None) -> None:

@@ -26,6 +26,7 @@ from .types import Datatype, as_datatype
 __all__ = ["pack", "unpack", "plan_for"]
 
 _WORD = {8: np.uint64, 4: np.uint32, 2: np.uint16, 1: np.uint8}
+_U8 = np.empty(0, np.uint8).dtype
 _TILE_LIMIT = 1 << 16  # tile an irregular element over count when this small
 _ENUM_LIMIT = 1 << 24  # blocks enumerated for the exact overlap check
 
@@ -53,7 +54,7 @@ class Plan:
     """
 
     __slots__ = ("kind", "nbytes", "lo", "hi", "word", "layout", "count", "extent", "_words",
-                 "_overlap", "_dev", "start")
+                 "_overlap", "_dev", "start", "host", "host_unpack", "_at")
 
     def __init__(self, t: Datatype, count: int):
         self.count = count
@@ -65,6 +66,8 @@ class Plan:
         lay = t.canonical()
         if self.nbytes == 0:
             self.kind, self.layout, self.lo, self.hi, self.word, self.start = "empty", _c.EMPTY, 0, 0, 8, 0
+            self._at = {}
+            self.host = self.host_unpack = None
             return
         if isinstance(lay, _c.Blocks) and lay.nblocks * count <= _TILE_LIMIT and count > 1:
             lay = _c.replicate(lay, (count,), (t.extent,))
@@ -87,6 +90,30 @@ class Plan:
             self.start = 0
             acc = int(np.bitwise_or.reduce(lay.offsets)) | int(np.bitwise_or.reduce(lay.lengths)) | abs(t.extent)
             self.word = _word_of((acc,))
+        self._at = {}
+        self.host = self.host_at(0)
+        self.host_unpack = self.host_at(0, unpack=True)
+
+    def host_at(self, origin: int, unpack: bool = False):
+        """``(kernel, *args)`` for the host kernel with the type map at ``origin`` bytes."""
+        key = (origin, unpack)
+        r = self._at.get(key)
+        if r is None:
+            w = self.word
+            while w > 1 and origin % w:
+                w //= 2
+            wit = _WORD[w](0)
+            if self.kind in ("strided", "contig"):
+                c0, oc, os = self.words(w)
+                prm = np.array([(self.start + origin) // w, c0, oc.shape[0], *oc, *os], np.int64)
+                r = (_host.unpack_strided if unpack else _host.pack_strided, wit, prm)
+            else:
+                offs, lens, ext = self.words(w)
+                prm = np.array([origin // w, self.count, ext], np.int64)
+                r = (_host.unpack_blocks if unpack else _host.pack_blocks, wit, prm, offs, lens)
+            if len(self._at) < 64:
+                self._at[key] = r
+        return r
 
     # ----------------------------------------------------------- word scaling
     def words(self, w: int):
@@ -94,7 +121,7 @@ class Plan:
         r = self._words.get(w)
         if r is None:
             lay = self.layout
-            if self.kind == "strided":
+            if self.kind in ("strided", "contig"):
                 r = (lay.counts[0] // w,
                      np.array(lay.counts[1:], np.int64),
                      np.array([s // w for s in lay.strides[1:]], np.int64))
@@ -143,6 +170,15 @@ class Plan:
         return bool(np.any(o[:-1] + n[:-1] > o[1:]))
 
 
+def _all_types():
+    from . import types as _t  # noqa: PLC0415
+
+    return frozenset(v for v in vars(_t).values() if isinstance(v, type) and issubclass(v, Datatype))
+
+
+_TYPES = _all_types()
+
+
 def plan_for(datatype, count: int = 1) -> Plan:
     """The cached :class:`Plan` for ``count`` elements of ``datatype``."""
     t = datatype if isinstance(datatype, Datatype) else as_datatype(datatype, "pack")
@@ -173,19 +209,39 @@ def _resolve(datatype, count, op):
     return t, p
 
 
+_NUMBA_OK: dict = {}
+
+
+def _numba_ok(dt) -> bool:
+    """Whether the host kernels take arrays of this dtype as they are (native
+    bool, integer, float32/64, complex64/128); others are passed as byte views."""
+    ok = _NUMBA_OK.get(dt)
+    if ok is None:
+        ok = _NUMBA_OK[dt] = bool(dt.isnative and dt.char in "?bBhHiIlLqQfdFD")
+    return ok
+
+
+def _host_array(buf, op):
+    """``buf`` itself when the kernels can take it (contiguous, a dtype numba
+    types), else a 1-D uint8 view of its memory; raises for non-contiguous."""
+    fl = buf.flags
+    if not (fl.c_contiguous or fl.f_contiguous):
+        raise BufferError(
+            f"buffer of shape {buf.shape} and strides {buf.strides} is not contiguous in memory; "
+            "pack reads raw bytes from its first byte (describe the strides with the datatype instead)",
+            op=op,
+        )
+    if _numba_ok(buf.dtype):
+        return buf
+    return buf.reshape(-1, order="C" if fl.c_contiguous else "F").view(np.uint8)
+
+
 def _host_bytes(buf, op):
     """1-D uint8 view of a host array's memory (no copy)."""
-    if buf.flags.c_contiguous:
-        if buf.ndim == 1 and buf.dtype.itemsize == 1:
-            return buf if buf.dtype == np.uint8 else buf.view(np.uint8)
-        return buf.reshape(-1).view(np.uint8)
-    if buf.flags.f_contiguous:
-        return buf.reshape(-1, order="F").view(np.uint8)
-    raise BufferError(
-        f"buffer of shape {buf.shape} and strides {buf.strides} is not contiguous in memory; "
-        "pack reads raw bytes from its first byte (describe the strides with the datatype instead)",
-        op=op,
-    )
+    b = _host_array(buf, op)
+    if b.ndim == 1 and b.dtype == np.uint8:
+        return b
+    return b.reshape(-1, order="C" if b.flags.c_contiguous else "F").view(np.uint8)
 
 
 def _short(t) -> str:
@@ -200,22 +256,6 @@ def _fit_error(t, p, count, nbytes, origin, op, what="buffer"):
         f"(true_lb={t.true_lb}, true_extent={t.true_extent}, extent={t.extent}); nothing was written",
         op=op,
     )
-
-
-def _wview(u8, w):
-    if w == 1:
-        return u8
-    n = u8.shape[0]
-    if n % w:
-        u8 = u8[: n - n % w]
-    return u8.view(_WORD[w])
-
-
-def _eff_word(p, origin):
-    w = p.word
-    while w > 1 and origin % w:
-        w //= 2
-    return w
 
 
 def pack(buf, datatype, count=1, out=None, *, origin=0):
@@ -243,37 +283,30 @@ def pack(buf, datatype, count=1, out=None, *, origin=0):
             unsupported combiner) or does not fit ``buf``/``out``; nothing is written.
         BufferError: ``buf`` or ``out`` is not a usable array.
     """
-    t, p = _resolve(datatype, count, "pack")
-    if type(buf) is np.ndarray:
-        u8 = _host_bytes(buf, "pack")
-    else:
+    t = datatype
+    p = t._plans.get(count) if type(t) in _TYPES else None
+    if p is None:
+        t, p = _resolve(datatype, count, "pack")
+    if type(buf) is not np.ndarray:
         return _pack_device(buf, t, p, count, out, origin)
+    arr = _host_array(buf, "pack")
     nb = p.nbytes
-    if p.lo + origin < 0 or p.hi + origin > u8.shape[0]:
+    if p.lo + origin < 0 or p.hi + origin > buf.nbytes:
         if nb:
-            raise _fit_error(t, p, count, u8.shape[0], origin, "pack")
+            raise _fit_error(t, p, count, buf.nbytes, origin, "pack")
     if out is None:
-        out = np.empty(nb, np.uint8)
-    else:
-        out = _check_out(out, nb, "pack")
-    kind = p.kind
-    if kind == "contig":
-        s = p.start + origin
-        out[:nb] = u8[s:s + nb]
-    elif kind == "strided":
-        w = p.word if not origin else _eff_word(p, origin)
-        c0, oc, os = p.words(w)
-        _host.pack_strided(_wview(u8, w), _wview(out, w) if out.shape[0] == nb else _wview(out[:nb], w),
-                           (p.start + origin) // w, c0, oc, os)
-    elif kind == "blocks":
-        w = p.word if not origin else _eff_word(p, origin)
-        offs, lens, ext = p.words(w)
-        _host.pack_blocks(_wview(u8, w), _wview(out[:nb], w), origin // w, offs, lens, p.count, ext)
-    return out if out.shape[0] == nb else out[:nb]
+        out = np.empty(nb, _U8)
+    elif type(out) is not np.ndarray or out.dtype is not _U8 or out.shape != (nb,) or out.strides != (1,):
+        out = _check_out(out, nb, "pack")[:nb]
+    if nb:
+        k = p.host if not origin else p.host_at(origin)
+        k[0](arr, out, *k[1:])
+    return out
 
 
 def _check_out(out, nb, op):
-    if type(out) is not np.ndarray or out.dtype != np.uint8 or out.ndim != 1 or not out.flags.c_contiguous:
+    if type(out) is not np.ndarray or out.dtype != np.uint8 or out.ndim != 1 or not (
+            out.flags.c_contiguous or out.shape[0] <= 1):
         raise BufferError("out must be a contiguous 1-D numpy uint8 array for a host buffer", op=op)
     if out.shape[0] < nb:
         raise DatatypeError(f"out holds {out.shape[0]} bytes, the packed data needs {nb}", op=op)
@@ -302,38 +335,30 @@ def unpack(packed, datatype, buf, count=1, *, origin=0):
             targets); nothing is written.
         BufferError: ``buf`` or ``packed`` is not a usable array.
     """
-    t, p = _resolve(datatype, count, "unpack")
+    t = datatype
+    p = t._plans.get(count) if type(t) in _TYPES else None
+    if p is None:
+        t, p = _resolve(datatype, count, "unpack")
     if type(buf) is not np.ndarray:
         return _unpack_device(packed, t, p, buf, count, origin)
-    u8 = _host_bytes(buf, "unpack")
+    arr = _host_array(buf, "unpack")
     nb = p.nbytes
     if type(packed) is not np.ndarray:
         raise BufferError(f"packed must be a numpy array for a host buffer, got {type(packed).__name__}",
                           op="unpack")
-    src = _host_bytes(packed, "unpack")
-    if src.shape[0] < nb:
-        raise DatatypeError(f"packed holds {src.shape[0]} bytes, {count} element(s) of {_short(t)} "
+    src = _host_array(packed, "unpack")
+    if packed.nbytes < nb:
+        raise DatatypeError(f"packed holds {packed.nbytes} bytes, {count} element(s) of {_short(t)} "
                             f"need {nb}; nothing was written", op="unpack")
     if nb == 0:
         return buf
-    if p.lo + origin < 0 or p.hi + origin > u8.shape[0]:
-        raise _fit_error(t, p, count, u8.shape[0], origin, "unpack")
+    if p.lo + origin < 0 or p.hi + origin > buf.nbytes:
+        raise _fit_error(t, p, count, buf.nbytes, origin, "unpack")
     if p.overlaps():
         raise DatatypeError(f"{count} element(s) of {_short(t)} write some bytes more than once "
                             "(overlapping unpack targets); nothing was written", op="unpack")
-    kind = p.kind
-    if kind == "contig":
-        s = p.start + origin
-        u8[s:s + nb] = src[:nb]
-    elif kind == "strided":
-        w = p.word if not origin else _eff_word(p, origin)
-        c0, oc, os = p.words(w)
-        _host.unpack_strided(_wview(src[:nb] if src.shape[0] != nb else src, w), _wview(u8, w),
-                             (p.start + origin) // w, c0, oc, os)
-    else:
-        w = p.word if not origin else _eff_word(p, origin)
-        offs, lens, ext = p.words(w)
-        _host.unpack_blocks(_wview(src[:nb], w), _wview(u8, w), origin // w, offs, lens, p.count, ext)
+    k = p.host_unpack if not origin else p.host_at(origin, unpack=True)
+    k[0](src, arr, *k[1:])
     return buf
 
 

@@ -127,20 +127,33 @@ class Datatype:
             parts: list of ``(child, dmin, dmax, ncopies)``: ``ncopies`` copies of
                 ``child`` at displacements (bytes) between ``dmin`` and ``dmax``.
         """
-        parts = [p for p in parts if p[3] > 0]
+        # copies of an empty type (size 0) add nothing, not even bound markers
+        # (Open MPI: contiguous(1, an empty darray) has extent 0)
+        parts = [p for p in parts if p[3] > 0 and p[0].size > 0]
         if not parts:
             self._set_bounds(0, 0, 0, 0, 0, 1, False)
             return
         size = sum(t.size * n for t, _, _, n in parts)
         markers = any(t.markers for t, _, _, _ in parts)
-        src = [p for p in parts if p[0].markers] if markers else parts
-        lb = min(dmin + t.lb for t, dmin, _, _ in src)
-        ub = max(dmax + t.ub for t, _, dmax, _ in src)
         align = max(t.alignment for t, _, _, _ in parts)
-        if not markers and align > 1:
-            ext = ub - lb
-            if ext % align:
-                ub += align - ext % align  # epsilon: round the extent up to the alignment
+        if markers:
+            src = [p for p in parts if p[0].markers]
+            lb = min(dmin + t.lb for t, dmin, _, _ in src)
+            ub = max(dmax + t.ub for t, _, dmax, _ in src)
+        else:
+            # one block at a time, padding the extent to the running alignment
+            # after each (what Open MPI's opal_datatype_add does; with blocks
+            # added in order this can exceed a single final rounding)
+            lb = ub = None
+            al = 1
+            for t, dmin, dmax, _ in parts:
+                lo, hi = dmin + t.lb, dmax + t.ub
+                lb = lo if lb is None else min(lb, lo)
+                ub = hi if ub is None else max(ub, hi)
+                al = max(al, t.alignment)
+                eps = (ub - lb) % al
+                if eps:
+                    ub += al - eps
         data = [p for p in parts if p[0].size > 0]
         if data:
             tlb = min(dmin + t.true_lb for t, dmin, _, _ in data)

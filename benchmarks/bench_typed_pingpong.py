@@ -26,7 +26,7 @@ from _util import geomean, write_json  # noqa: E402
 import commlib  # noqa: E402
 from commlib import datatypes as dts  # noqa: E402
 from commlib.datatypes.strategy import default_model  # noqa: E402
-from commlib.typed_p2p import typed_isend, typed_irecv  # noqa: E402
+from commlib.typed_p2p import typed_recv, typed_send  # noqa: E402
 
 
 def pingpong(comm, fn_send, fn_recv, repeat):
@@ -74,10 +74,10 @@ def main(argv=None):
             times = {"mpi4py": pingpong(comm, m_send, m_recv, args.repeat)}
             for strat in ("mpi", "pack", None):
                 def c_send(peer, s=strat):
-                    typed_isend(comm, buf, peer, t, 1, 0, strategy=s).wait()
+                    typed_send(comm, buf, peer, t, 1, 0, strategy=s)
 
                 def c_recv(peer, s=strat):
-                    typed_irecv(comm, buf, peer, t, 1, 0, strategy=s).wait()
+                    typed_recv(comm, buf, peer, t, 1, 0, strategy=s)
 
                 times[strat or "auto"] = pingpong(comm, c_send, c_recv, args.repeat)
             mt.Free()

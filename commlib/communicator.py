@@ -85,10 +85,12 @@ class Communicator(CollectiveMixin):
             DatatypeError: ``count`` elements of ``datatype`` do not fit ``buf``,
                 or the datatype is unusable; nothing is sent.
         """
-        if datatype is not None:
-            self.isend(buf, dest, tag, datatype=datatype, count=count).wait()
-            return
         self._check_tag(tag, "send")
+        if datatype is not None:
+            from .typed_p2p import typed_send  # noqa: PLC0415
+
+            typed_send(self, buf, dest, datatype, count, tag)
+            return
         self.transport.send(buf, dest, tag)
 
     def recv(self, buf, source: int = ANY_SOURCE, tag: int = ANY_TAG, *, datatype=None, count: int = 1):
@@ -99,7 +101,9 @@ class Communicator(CollectiveMixin):
             MPI.Status (without ``datatype``): source, tag and byte count.
         """
         if datatype is not None:
-            self.irecv(buf, source, tag, datatype=datatype, count=count).wait()
+            from .typed_p2p import typed_recv  # noqa: PLC0415
+
+            typed_recv(self, buf, source, datatype, count, tag)
             return None
         return self.transport.recv(buf, source, tag)
 

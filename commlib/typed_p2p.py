@@ -55,7 +55,10 @@ def resolve(comm, buf, datatype, count, op):
 
 def locality_of(comm, peer: int) -> str:
     """``"intra"`` when ``peer`` shares this rank's node, else ``"inter"``."""
-    return "intra" if peer in _node_peers(comm.mpi_comm) else "inter"
+    peers = comm.__dict__.get("_node_peers")
+    if peers is None:
+        peers = comm.__dict__["_node_peers"] = _node_peers(comm.mpi_comm)
+    return "intra" if peer in peers else "inter"
 
 
 _node_cache: dict = {}
@@ -98,23 +101,21 @@ def _pack_out(b, p, strategy):
     return cuda.mapped_array(p.nbytes, np.uint8)
 
 
-def typed_isend(comm, buf, dest, datatype, count=1, tag=0, strategy=None) -> Request:
-    """Non-blocking send of ``count`` elements of ``datatype`` from ``buf``; see module doc."""
+def _prepare_send(comm, buf, dest, datatype, count, strategy, op):
+    """Validate and pack (or not): returns the MPI buffer spec to send and what
+    must stay alive until the send completes; None for ``PROC_NULL``."""
     from commlib.datatypes import pack  # noqa: PLC0415
 
-    op = "isend"
     comm.transport._check_peer(dest, "dest", op)
     b, t, p = resolve(comm, buf, datatype, count, op)
     if dest == MPI.PROC_NULL:
-        return CompletedRequest()
+        return None
     s = _choose(comm, b, t, count, dest, strategy)
-    mc = comm.mpi_comm
     if s == "mpi":
         if b.is_device and not comm.cuda_aware:
             raise DatatypeError("strategy 'mpi' on a device buffer needs CUDA-aware MPI", rank=comm.rank, op=op)
         b.synchronize()
-        mt = _mpi_type_cached(t)
-        return MPIRequest(mc.Isend([_mpi_bytes(b), count, mt], dest, tag), keep=b)
+        return [_mpi_bytes(b), count, _mpi_type_cached(t)], b
     packed = pack(b.obj, t, count, out=_pack_out(b, p, s))
     if b.is_device and s in ("staged", "mapped"):
         if s == "staged":
@@ -126,25 +127,23 @@ def typed_isend(comm, buf, dest, datatype, count=1, tag=0, strategy=None) -> Req
             packed = np.asarray(packed.copy_to_host() if hasattr(packed, "copy_to_host") else packed)
     elif b.is_device:
         as_buffer(packed).synchronize()
-    return MPIRequest(mc.Isend([packed, p.nbytes, MPI.PACKED], dest, tag), keep=packed)
+    return [packed, p.nbytes, MPI.PACKED], packed
 
 
-def typed_irecv(comm, buf, source, datatype, count=1, tag=MPI.ANY_TAG, strategy=None) -> Request:
-    """Non-blocking receive of ``count`` elements of ``datatype`` into ``buf``."""
+def _prepare_recv(comm, buf, source, datatype, count, strategy, op):
+    """Validate; returns ``(MPI buffer spec, on_complete or None, keep)``, None for ``PROC_NULL``."""
     from commlib.datatypes import unpack  # noqa: PLC0415
 
-    op = "irecv"
     comm.transport._check_peer(source, "source", op)
     b, t, p = resolve(comm, buf, datatype, count, op)
     if source == MPI.PROC_NULL:
-        return CompletedRequest()
+        return None
     s = _choose(comm, b, t, count, source, strategy)
-    mc = comm.mpi_comm
     if s == "mpi":
         if b.is_device and not comm.cuda_aware:
             raise DatatypeError("strategy 'mpi' on a device buffer needs CUDA-aware MPI", rank=comm.rank, op=op)
         b.synchronize()
-        return MPIRequest(mc.Irecv([_mpi_bytes(b), count, _mpi_type_cached(t)], source, tag), keep=b)
+        return [_mpi_bytes(b), count, _mpi_type_cached(t)], None, b
     if b.is_device and s == "device":
         from numba import cuda  # noqa: PLC0415
 
@@ -160,14 +159,38 @@ def typed_irecv(comm, buf, source, datatype, count=1, tag=MPI.ANY_TAG, strategy=
     else:
         wire = np.empty(p.nbytes, np.uint8)
         done = lambda: unpack(wire, t, b.obj, count)  # noqa: E731
-    return MPIRequest(mc.Irecv([wire, p.nbytes, MPI.PACKED], source, tag), on_complete=done, keep=wire)
+    return [wire, p.nbytes, MPI.PACKED], done, wire
+
+
+def typed_isend(comm, buf, dest, datatype, count=1, tag=0, strategy=None) -> Request:
+    """Non-blocking send of ``count`` elements of ``datatype`` from ``buf``; see module doc."""
+    got = _prepare_send(comm, buf, dest, datatype, count, strategy, "isend")
+    if got is None:
+        return CompletedRequest()
+    spec, keep = got
+    return MPIRequest(comm.mpi_comm.Isend(spec, dest, tag), keep=keep)
+
+
+def typed_irecv(comm, buf, source, datatype, count=1, tag=MPI.ANY_TAG, strategy=None) -> Request:
+    """Non-blocking receive of ``count`` elements of ``datatype`` into ``buf``."""
+    got = _prepare_recv(comm, buf, source, datatype, count, strategy, "irecv")
+    if got is None:
+        return CompletedRequest()
+    spec, done, keep = got
+    return MPIRequest(comm.mpi_comm.Irecv(spec, source, tag), on_complete=done, keep=keep)
 
 
 def typed_send(comm, buf, dest, datatype, count=1, tag=0, strategy=None) -> None:
-    """Blocking form of :func:`typed_isend`."""
-    typed_isend(comm, buf, dest, datatype, count, tag, strategy).wait()
+    """Blocking send of ``count`` elements of ``datatype`` from ``buf``."""
+    got = _prepare_send(comm, buf, dest, datatype, count, strategy, "send")
+    if got is not None:
+        comm.mpi_comm.Send(got[0], dest, tag)
 
 
 def typed_recv(comm, buf, source, datatype, count=1, tag=MPI.ANY_TAG, strategy=None) -> None:
-    """Blocking form of :func:`typed_irecv`."""
-    typed_irecv(comm, buf, source, datatype, count, tag, strategy).wait()
+    """Blocking receive of ``count`` elements of ``datatype`` into ``buf``."""
+    got = _prepare_recv(comm, buf, source, datatype, count, strategy, "recv")
+    if got is not None:
+        comm.mpi_comm.Recv(got[0], source, tag)
+        if got[1] is not None:
+            got[1]()

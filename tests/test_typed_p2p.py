@@ -157,7 +157,7 @@ def test_typed_communicator_api_and_mpi_datatype():
 def test_typed_buffer_too_small_raises_before_sending():
     comm = commlib.init()
     t = dts.Vector(4, 1, 3, np.float64)  # touches bytes [0, 80)
-    with pytest.raises(DatatypeError, match=rf"rank {comm.rank}: isend: .*holds 72"):
+    with pytest.raises(DatatypeError, match=rf"rank {comm.rank}: send: .*holds 72"):
         comm.send(np.zeros(9), (comm.rank + 1) % comm.size, datatype=t)
     with pytest.raises(DatatypeError, match="irecv"):
         comm.irecv(np.zeros(10), 0, datatype=t, count=2)

@@ -1,0 +1,80 @@
+"""Device pack/unpack (numba.cuda kernels) against MPI_Pack, run in the CUDA
+simulator when there is no GPU (tests/conftest.py sets NUMBA_ENABLE_CUDASIM=1
+before numba.cuda is first imported; set here too when run on its own)."""
+from __future__ import annotations
+
+import os
+import shutil
+
+if not os.environ.get("COMMLIB_REAL_GPU") and shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from numba import cuda  # noqa: E402
+
+from commlib import datatypes as dts  # noqa: E402
+from commlib.datatypes.testing import datatypes, layout_buffer, mpi_pack, mpi_unpack  # noqa: E402
+from commlib.errors import DatatypeError  # noqa: E402
+
+pytestmark = [
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(not cuda.is_available(), reason="no GPU and the CUDA simulator is not enabled"),
+]
+
+
+def check_device(t, count, seed=0):
+    rng = np.random.default_rng(seed)
+    buf, origin = layout_buffer(t, count, rng, slack=3)
+    m = t.to_mpi()
+    try:
+        ref = mpi_pack(m, buf, origin, count)
+        dbuf = cuda.to_device(buf)
+        got = dts.pack(dbuf, t, count, origin=origin)
+        assert hasattr(got, "copy_to_host") and got.shape == (count * t.size,)
+        np.testing.assert_array_equal(got.copy_to_host(), ref, err_msg=repr(t))
+        if count * t.size and not dts.plan_for(t, count).overlaps():
+            target = rng.integers(0, 256, size=buf.size, dtype=np.uint8)
+            want = mpi_unpack(m, ref, target, origin, count)
+            dtarget = cuda.to_device(target)
+            dts.unpack(cuda.to_device(ref), t, dtarget, count, origin=origin)
+            np.testing.assert_array_equal(dtarget.copy_to_host(), want, err_msg=repr(t))
+    finally:
+        m.Free()
+
+
+@pytest.mark.parametrize("t,count", [
+    (dts.Vector(5, 2, 3, np.float64), 2),
+    (dts.Vector(4, 3, -5, np.int16), 1),
+    (dts.Subarray([6, 7, 8], [2, 3, 4], [1, 2, 3], np.float32), 2),
+    (dts.Subarray([3, 4, 5, 6], [2, 2, 3, 2], [1, 0, 1, 2], np.uint8, order="F"), 1),
+    (dts.Resized(dts.Vector(4, 1, 6, np.float64), 0, 8), 3),
+    (dts.Struct([1, 2, 1], [0, 8, 20], [np.float64, np.int32, np.uint8]), 3),
+    (dts.Indexed([3, 1, 2], [7, 0, 12], np.int32), 2),
+    (dts.Darray(4, 3, [7, 5], ["cyclic", "block"], [2, -1], [2, 2], np.float64), 1),
+])
+def test_device_pack_matches_mpi(t, count):
+    check_device(t, count)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.filter_too_much])
+@given(datatypes(depth=3), st.integers(1, 2), st.integers(0, 2**31))
+def test_device_nested_types_match_mpi(t, count, seed):
+    check_device(t, count, seed)
+
+
+def test_device_out_and_validation():
+    a = np.arange(60, dtype=np.float64)
+    d = cuda.to_device(a)
+    t = dts.Vector(6, 2, 5, np.float64)
+    out = cuda.device_array(t.size + 8, dtype=np.uint8)
+    got = dts.pack(d, t, out=out)
+    np.testing.assert_array_equal(got.copy_to_host().view(np.float64), a.reshape(12, 5)[:6, :2].ravel())
+    with pytest.raises(DatatypeError, match="pack"):
+        dts.pack(cuda.to_device(np.zeros(20)), t)
+    with pytest.raises(DatatypeError, match="overlapping"):
+        dts.unpack(cuda.to_device(np.zeros(48, np.uint8)), dts.Hvector(3, 2, 8, np.float64), d)
+    np.testing.assert_array_equal(d.copy_to_host(), a)  # nothing written

@@ -108,18 +108,23 @@ def _eff_word(p, origin):
 
 
 def _check_out(out, nb):
+    """A device uint8 array of at least ``nb`` bytes: the caller's ``out`` (a numba
+    device array, mapped/pinned host memory from ``cuda.mapped_array`` included,
+    or anything with ``__cuda_array_interface__``) or a new one."""
+    from commlib.errors import DatatypeError  # noqa: PLC0415
+
     if out is None:
         return cuda.device_array(nb, dtype=np.uint8)
-    from commlib.buffer import as_buffer  # noqa: PLC0415
-
-    b = as_buffer(out, op="pack")
-    if not b.is_device or b.dtype != np.uint8 or len(b.shape) != 1 or not b.contiguous:
+    arr = out
+    if not hasattr(arr, "copy_to_host"):
+        if not hasattr(arr, "__cuda_array_interface__"):
+            raise BufferError("out must be a 1-D uint8 device array for a device buffer", op="pack")
+        arr = cuda.as_cuda_array(arr)
+    if np.dtype(arr.dtype) != np.uint8 or len(arr.shape) != 1 or (
+            arr.shape[0] > 1 and tuple(arr.strides) != (1,)):
         raise BufferError("out must be a contiguous 1-D uint8 device array for a device buffer", op="pack")
-    if b.shape[0] < nb:
-        from commlib.errors import DatatypeError  # noqa: PLC0415
-
-        raise DatatypeError(f"out holds {b.shape[0]} bytes, the packed data needs {nb}", op="pack")
-    arr = out if hasattr(out, "copy_to_host") else cuda.as_cuda_array(out)
+    if arr.shape[0] < nb:
+        raise DatatypeError(f"out holds {arr.shape[0]} bytes, the packed data needs {nb}", op="pack")
     return arr
 
 

@@ -16,8 +16,8 @@ dispatches few arguments:
 * strided: ``prm = [start, c0, nd, oc[0..nd), os[0..nd)]`` — ``c0`` words per
   contiguous block, ``oc``/``os`` counts and strides of the ``nd`` outer
   dimensions, fastest first, any number of them;
-* blocks: ``prm = [start, count, extent]`` and ``offs``/``lens`` (runs of one
-  element); ``count`` elements ``extent`` words apart.
+* blocks: ``prm = [start, count, extent, n, offs[0..n), lens[0..n)]`` — the
+  ``n`` runs of one element; ``count`` elements ``extent`` words apart.
 """
 from __future__ import annotations
 
@@ -194,14 +194,16 @@ def unpack_strided(packed, buf, wit, prm):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True)
-def pack_blocks(buf, out, wit, prm, offs, lens):  # pragma: no cover - compiled
+def pack_blocks(buf, out, wit, prm):  # pragma: no cover - compiled
     src = _words(buf, wit)
     dst = _words(out, wit)
     start = prm[0]
     count = prm[1]
     extent = prm[2]
+    n = prm[3]
+    offs = prm[4:4 + n]
+    lens = prm[4 + n:4 + 2 * n]
     p = 0
-    n = offs.shape[0]
     for e in range(count):
         b = start + e * extent
         for i in range(n):
@@ -217,14 +219,16 @@ def pack_blocks(buf, out, wit, prm, offs, lens):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True)
-def unpack_blocks(packed, buf, wit, prm, offs, lens):  # pragma: no cover - compiled
+def unpack_blocks(packed, buf, wit, prm):  # pragma: no cover - compiled
     src = _words(packed, wit)
     dst = _words(buf, wit)
     start = prm[0]
     count = prm[1]
     extent = prm[2]
+    n = prm[3]
+    offs = prm[4:4 + n]
+    lens = prm[4 + n:4 + 2 * n]
     p = 0
-    n = offs.shape[0]
     for e in range(count):
         b = start + e * extent
         for i in range(n):

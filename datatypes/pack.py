@@ -54,7 +54,7 @@ class Plan:
     """
 
     __slots__ = ("kind", "nbytes", "lo", "hi", "word", "layout", "count", "extent", "_words",
-                 "_overlap", "_dev", "start", "host", "host_unpack", "_at")
+                 "_overlap", "_dev", "start", "hk", "uk", "hw", "hp", "_at")
 
     def __init__(self, t: Datatype, count: int):
         self.count = count
@@ -67,7 +67,7 @@ class Plan:
         if self.nbytes == 0:
             self.kind, self.layout, self.lo, self.hi, self.word, self.start = "empty", _c.EMPTY, 0, 0, 8, 0
             self._at = {}
-            self.host = self.host_unpack = None
+            self.hk = self.uk = self.hw = self.hp = None
             return
         if isinstance(lay, _c.Blocks) and lay.nblocks * count <= _TILE_LIMIT and count > 1:
             lay = _c.replicate(lay, (count,), (t.extent,))
@@ -91,13 +91,14 @@ class Plan:
             acc = int(np.bitwise_or.reduce(lay.offsets)) | int(np.bitwise_or.reduce(lay.lengths)) | abs(t.extent)
             self.word = _word_of((acc,))
         self._at = {}
-        self.host = self.host_at(0)
-        self.host_unpack = self.host_at(0, unpack=True)
+        # the hot path reads these four slots: pack kernel, unpack kernel,
+        # word witness, parameter array (origin 0)
+        self.hk, self.uk, self.hw, self.hp = self.host_at(0)
 
-    def host_at(self, origin: int, unpack: bool = False):
-        """``(kernel, *args)`` for the host kernel with the type map at ``origin`` bytes."""
-        key = (origin, unpack)
-        r = self._at.get(key)
+    def host_at(self, origin: int):
+        """``(pack kernel, unpack kernel, word witness, prm)`` with the type map
+        ``origin`` bytes into the buffer (cached)."""
+        r = self._at.get(origin)
         if r is None:
             w = self.word
             while w > 1 and origin % w:
@@ -106,13 +107,13 @@ class Plan:
             if self.kind in ("strided", "contig"):
                 c0, oc, os = self.words(w)
                 prm = np.array([(self.start + origin) // w, c0, oc.shape[0], *oc, *os], np.int64)
-                r = (_host.unpack_strided if unpack else _host.pack_strided, wit, prm)
+                r = (_host.pack_strided, _host.unpack_strided, wit, prm)
             else:
                 offs, lens, ext = self.words(w)
-                prm = np.array([origin // w, self.count, ext], np.int64)
-                r = (_host.unpack_blocks if unpack else _host.pack_blocks, wit, prm, offs, lens)
+                prm = np.concatenate((np.array([origin // w, self.count, ext, offs.shape[0]], np.int64), offs, lens))
+                r = (_host.pack_blocks, _host.unpack_blocks, wit, prm)
             if len(self._at) < 64:
-                self._at[key] = r
+                self._at[origin] = r
         return r
 
     # ----------------------------------------------------------- word scaling
@@ -170,15 +171,6 @@ class Plan:
         return bool(np.any(o[:-1] + n[:-1] > o[1:]))
 
 
-def _all_types():
-    from . import types as _t  # noqa: PLC0415
-
-    return frozenset(v for v in vars(_t).values() if isinstance(v, type) and issubclass(v, Datatype))
-
-
-_TYPES = _all_types()
-
-
 def plan_for(datatype, count: int = 1) -> Plan:
     """The cached :class:`Plan` for ``count`` elements of ``datatype``."""
     t = datatype if isinstance(datatype, Datatype) else as_datatype(datatype, "pack")
@@ -219,6 +211,17 @@ def _numba_ok(dt) -> bool:
     if ok is None:
         ok = _NUMBA_OK[dt] = bool(dt.isnative and dt.char in "?bBhHiIlLqQfdFD")
     return ok
+
+
+_KERNEL_DTYPES = frozenset(np.dtype(c) for c in "?bBhHiIlLqQfdFD")
+
+
+def _not_contiguous(buf, op):
+    return BufferError(
+        f"buffer of shape {buf.shape} and strides {buf.strides} is not contiguous in memory; "
+        "pack reads raw bytes from its first byte (describe the strides with the datatype instead)",
+        op=op,
+    )
 
 
 def _host_array(buf, op):
@@ -283,24 +286,31 @@ def pack(buf, datatype, count=1, out=None, *, origin=0):
             unsupported combiner) or does not fit ``buf``/``out``; nothing is written.
         BufferError: ``buf`` or ``out`` is not a usable array.
     """
-    t = datatype
-    p = t._plans.get(count) if type(t) in _TYPES else None
-    if p is None:
+    try:
+        p = datatype._plans[count]
+        t = datatype
+    except (AttributeError, KeyError, TypeError):
         t, p = _resolve(datatype, count, "pack")
-    if type(buf) is not np.ndarray:
+    if buf.__class__ is not np.ndarray:
         return _pack_device(buf, t, p, count, out, origin)
-    arr = _host_array(buf, "pack")
+    fl = buf.flags
+    if not (fl.c_contiguous or fl.f_contiguous):
+        raise _not_contiguous(buf, "pack")
+    arr = buf if buf.dtype in _KERNEL_DTYPES else _host_array(buf, "pack")
     nb = p.nbytes
     if p.lo + origin < 0 or p.hi + origin > buf.nbytes:
         if nb:
             raise _fit_error(t, p, count, buf.nbytes, origin, "pack")
     if out is None:
         out = np.empty(nb, _U8)
-    elif type(out) is not np.ndarray or out.dtype is not _U8 or out.shape != (nb,) or out.strides != (1,):
+    elif out.__class__ is not np.ndarray or out.dtype is not _U8 or out.shape != (nb,) or out.strides != (1,):
         out = _check_out(out, nb, "pack")[:nb]
     if nb:
-        k = p.host if not origin else p.host_at(origin)
-        k[0](arr, out, *k[1:])
+        if origin:
+            k = p.host_at(origin)
+            k[0](arr, out, k[2], k[3])
+        else:
+            p.hk(arr, out, p.hw, p.hp)
     return out
 
 
@@ -335,30 +345,42 @@ def unpack(packed, datatype, buf, count=1, *, origin=0):
             targets); nothing is written.
         BufferError: ``buf`` or ``packed`` is not a usable array.
     """
-    t = datatype
-    p = t._plans.get(count) if type(t) in _TYPES else None
-    if p is None:
+    try:
+        p = datatype._plans[count]
+        t = datatype
+    except (AttributeError, KeyError, TypeError):
         t, p = _resolve(datatype, count, "unpack")
-    if type(buf) is not np.ndarray:
+    if buf.__class__ is not np.ndarray:
         return _unpack_device(packed, t, p, buf, count, origin)
-    arr = _host_array(buf, "unpack")
+    fl = buf.flags
+    if not (fl.c_contiguous or fl.f_contiguous):
+        raise _not_contiguous(buf, "unpack")
+    arr = buf if buf.dtype in _KERNEL_DTYPES else _host_array(buf, "unpack")
     nb = p.nbytes
-    if type(packed) is not np.ndarray:
+    if packed.__class__ is not np.ndarray:
         raise BufferError(f"packed must be a numpy array for a host buffer, got {type(packed).__name__}",
                           op="unpack")
-    src = _host_array(packed, "unpack")
+    src = packed if packed.dtype in _KERNEL_DTYPES else _host_array(packed, "unpack")
     if packed.nbytes < nb:
         raise DatatypeError(f"packed holds {packed.nbytes} bytes, {count} element(s) of {_short(t)} "
                             f"need {nb}; nothing was written", op="unpack")
+    if not (packed.flags.c_contiguous or packed.flags.f_contiguous):
+        raise _not_contiguous(packed, "unpack")
     if nb == 0:
         return buf
     if p.lo + origin < 0 or p.hi + origin > buf.nbytes:
         raise _fit_error(t, p, count, buf.nbytes, origin, "unpack")
-    if p.overlaps():
+    ov = p._overlap
+    if ov is None:
+        ov = p.overlaps()
+    if ov:
         raise DatatypeError(f"{count} element(s) of {_short(t)} write some bytes more than once "
                             "(overlapping unpack targets); nothing was written", op="unpack")
-    k = p.host_unpack if not origin else p.host_at(origin, unpack=True)
-    k[0](src, arr, *k[1:])
+    if origin:
+        k = p.host_at(origin)
+        k[1](src, arr, k[2], k[3])
+    else:
+        p.uk(src, arr, p.hw, p.hp)
     return buf
 
 

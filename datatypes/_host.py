@@ -30,7 +30,7 @@ from numba.extending import intrinsic
 __all__ = ["pack_strided", "unpack_strided", "pack_blocks", "unpack_blocks"]
 
 #: blocks of at least this many bytes are copied with llvm.memcpy (libc memcpy)
-MEMCPY_BYTES = 128
+MEMCPY_BYTES = 256
 
 
 @intrinsic
@@ -116,6 +116,27 @@ def pack_strided(buf, out, wit, prm):  # pragma: no cover - compiled
                     dst[pu] = src[qu]
                     dst[pu + 1] = src[qu + 1]
                 p += 2 * n1
+            elif c0 == 4:
+                for i1 in range(n1):
+                    qu = uint64(b2 + i1 * s1)
+                    pu = uint64(p + 4 * i1)
+                    for k in range(uint64(4)):
+                        dst[pu + k] = src[qu + k]
+                p += 4 * n1
+            elif c0 == 8:
+                for i1 in range(n1):
+                    qu = uint64(b2 + i1 * s1)
+                    pu = uint64(p + 8 * i1)
+                    for k in range(uint64(8)):
+                        dst[pu + k] = src[qu + k]
+                p += 8 * n1
+            elif c0 == 16:
+                for i1 in range(n1):
+                    qu = uint64(b2 + i1 * s1)
+                    pu = uint64(p + 16 * i1)
+                    for k in range(uint64(16)):
+                        dst[pu + k] = src[qu + k]
+                p += 16 * n1
             else:
                 q = b2
                 for _i1 in range(n1):
@@ -174,6 +195,27 @@ def unpack_strided(packed, buf, wit, prm):  # pragma: no cover - compiled
                     dst[qu] = src[pu]
                     dst[qu + 1] = src[pu + 1]
                 p += 2 * n1
+            elif c0 == 4:
+                for i1 in range(n1):
+                    qu = uint64(b2 + i1 * s1)
+                    pu = uint64(p + 4 * i1)
+                    for k in range(uint64(4)):
+                        dst[qu + k] = src[pu + k]
+                p += 4 * n1
+            elif c0 == 8:
+                for i1 in range(n1):
+                    qu = uint64(b2 + i1 * s1)
+                    pu = uint64(p + 8 * i1)
+                    for k in range(uint64(8)):
+                        dst[qu + k] = src[pu + k]
+                p += 8 * n1
+            elif c0 == 16:
+                for i1 in range(n1):
+                    qu = uint64(b2 + i1 * s1)
+                    pu = uint64(p + 16 * i1)
+                    for k in range(uint64(16)):
+                        dst[qu + k] = src[pu + k]
+                p += 16 * n1
             else:
                 q = b2
                 for _i1 in range(n1):

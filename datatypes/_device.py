@@ -101,7 +101,7 @@ def _args(p, w):
 
 
 def _eff_word(p, origin):
-    w = p.word
+    w = min(p.word, 8)
     while w > 1 and origin % w:
         w //= 2
     return w

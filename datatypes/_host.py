@@ -2,7 +2,8 @@
 
 Every kernel works in *words*: it views the buffers (any dtype, C- or
 F-contiguous, passed as they are so the Python side does no reshaping) as the
-widest unsigned integer type (8, 4, 2 or 1 bytes; ``wit`` is a zero of that type)
+widest word type (16 bytes as complex128 — copied as bits, never computed
+on — then uint64, uint32, uint16, uint8; ``wit`` is a zero of that type)
 that divides the block length, the start, every stride and the extent, so a
 64-byte block moves as eight ``uint64`` loads and stores; blocks of
 ``MEMCPY_BYTES`` or more go through ``llvm.memcpy``.  x86-64 and AArch64 allow
@@ -56,7 +57,7 @@ def _words(typingctx, arr, wit):
     ``arr`` must be C- or F-contiguous (its data pointer is then its first byte);
     trailing bytes that do not fill a word are left out.
     """
-    if not isinstance(arr, types.Array) or not isinstance(wit, types.Integer):
+    if not isinstance(arr, types.Array) or not isinstance(wit, (types.Integer, types.Complex)):
         return None
     retty = types.Array(wit, 1, "C")
     sig = retty(arr, wit)
@@ -114,7 +115,7 @@ def pack_strided(buf, out, wit, prm):  # pragma: no cover - compiled
                     qu = uint64(b2 + i1 * s1)
                     pu = uint64(p + 2 * i1)
                     dst[pu] = src[qu]
-                    dst[pu + 1] = src[qu + 1]
+                    dst[pu + uint64(1)] = src[qu + uint64(1)]
                 p += 2 * n1
             elif c0 == 4:
                 for i1 in range(n1):
@@ -193,7 +194,7 @@ def unpack_strided(packed, buf, wit, prm):  # pragma: no cover - compiled
                     qu = uint64(b2 + i1 * s1)
                     pu = uint64(p + 2 * i1)
                     dst[qu] = src[pu]
-                    dst[qu + 1] = src[pu + 1]
+                    dst[qu + uint64(1)] = src[pu + uint64(1)]
                 p += 2 * n1
             elif c0 == 4:
                 for i1 in range(n1):

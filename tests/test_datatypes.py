@@ -311,3 +311,18 @@ def test_bad_buffers_and_constructor_args():
         dts.Named(object)
     with pytest.raises(DatatypeError, match="count"):
         dts.pack(np.zeros(4), dts.Named(np.float64), count=-1)
+
+
+def test_sixteen_byte_words_copy_nan_bit_patterns_unchanged():
+    """16-byte blocks move as complex128 words: every bit pattern (signalling
+    NaNs, NaN payloads, negative zero) must come through unchanged."""
+    pats = np.array([0x7FF0000000000001, 0xFFFFFFFFFFFFFFFF, 0x7FF4000000000000, 0x8000000000000000,
+                     0xFFF0000000000001, 0x7FF8000000000123, 1, 0], dtype=np.uint64)
+    a = np.tile(pats, 8)
+    t = dts.Vector(8, 2, 4, np.uint64)  # 16-byte blocks, 32-byte stride
+    assert dts.plan_for(t).word == 16
+    got = dts.pack(a, t).view(np.uint64)
+    np.testing.assert_array_equal(got, a.reshape(-1, 4)[:8, :2].ravel())
+    b = np.zeros_like(a)
+    dts.unpack(got.view(np.uint8), t, b)
+    np.testing.assert_array_equal(b.reshape(-1, 4)[:8, :2], a.reshape(-1, 4)[:8, :2])

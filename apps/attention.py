@@ -113,7 +113,7 @@ def parse_args(argv=None):
                    "in full (dk and dv included)")
     p.add_argument("--iters", type=int, default=3, help="timed iterations")
     p.add_argument("--warmup", type=int, default=1, help="untimed iterations (the first measures memory)")
-    p.add_argument("--tile", type=int, default=256, help="query rows per tile (fully masked tiles are skipped)")
+    p.add_argument("--tile", type=int, default=128, help="query rows per tile (fully masked tiles are skipped)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic inputs")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for any ring step")
     p.add_argument("--json", metavar="PATH", default=None, help="write the report (rank 0) as JSON")

@@ -64,7 +64,15 @@ def as_datatype(obj, op: str = "datatype") -> "Datatype":
         dt = np.dtype(obj)
     except TypeError:
         raise _err(f"cannot use {obj!r} as a datatype (commlib type, MPI.Datatype or numpy dtype)", op) from None
-    return Named(dt)
+    t = _NAMED.get(dt)
+    if t is None:  # one Named per dtype, so its pack plans are cached across calls
+        t = Named(dt)
+        if len(_NAMED) < 1024:
+            _NAMED[dt] = t
+    return t
+
+
+_NAMED: dict = {}
 
 
 def _ints(seq, what: str, op: str) -> tuple:

@@ -74,7 +74,7 @@ def test_subarrays_match_mpi(t, count, seed):
     check_against_mpi(t, count, seed)
 
 
-@settings(max_examples=int(150 * SCALE), deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=int(300 * SCALE), deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                    HealthCheck.filter_too_much])
 @given(datatypes(depth=3), st.integers(1, 3), st.integers(0, 2**31))
 def test_nested_types_match_mpi(t, count, seed):
@@ -82,7 +82,7 @@ def test_nested_types_match_mpi(t, count, seed):
     check_against_mpi(t, count, seed)
 
 
-@settings(max_examples=int(25 * SCALE), deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=int(60 * SCALE), deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.filter_too_much])
 @given(datatypes(depth=4), st.integers(1, 2), st.integers(0, 2**31))
 def test_deep_types_match_mpi(t, count, seed):

@@ -59,7 +59,7 @@ def test_device_pack_matches_mpi(t, count):
     check_device(t, count)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.filter_too_much])
 @given(datatypes(depth=3), st.integers(1, 2), st.integers(0, 2**31))
 def test_device_nested_types_match_mpi(t, count, seed):

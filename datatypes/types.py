@@ -14,7 +14,6 @@ pack plans, so building it once and packing it every step is cheap.
 from __future__ import annotations
 
 import math
-from typing import Sequence
 
 import numpy as np
 

@@ -20,7 +20,7 @@ Example::
 """
 from .canonical import Blocks, StridedBlock
 from .mpi import from_mpi
-from .pack import pack, plan_for, unpack
+from .pack import Packer, pack, plan_for, unpack
 from .types import (
     Contiguous,
     Darray,
@@ -57,6 +57,7 @@ __all__ = [
     "pack",
     "unpack",
     "plan_for",
+    "Packer",
     "StridedBlock",
     "Blocks",
 ]

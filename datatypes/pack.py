@@ -23,7 +23,7 @@ from . import _host
 from . import canonical as _c
 from .types import Datatype, as_datatype
 
-__all__ = ["pack", "unpack", "plan_for"]
+__all__ = ["pack", "unpack", "plan_for", "Packer"]
 
 # 16-byte words move as complex128: loads and stores of SSE/NEON registers copy
 # the bits unchanged (no arithmetic touches them), and a 16-byte block becomes
@@ -440,3 +440,69 @@ def _unpack_device(packed, t, p, buf, count, origin):
                             "(overlapping unpack targets); nothing was written", op="unpack")
     _device.unpack(src, p, u8, origin)
     return buf
+
+
+class Packer:
+    """Pack and unpack one ``(datatype, buffer, count)`` over and over, with every
+    check done once, at construction — for hot loops such as a halo exchange
+    that packs the same faces of the same field every step.
+
+    The packer keeps references to ``buf`` and its output array, so the memory
+    stays valid; build a new packer when the field array is replaced.
+
+    Args:
+        datatype: a commlib type, a committed ``MPI.Datatype`` or a numpy dtype.
+        buf: the buffer (host or device array, as for :func:`pack`).
+        count: number of elements.
+        out: optional preallocated 1-D uint8 array (same side as ``buf``) of at
+            least ``count * datatype.size`` bytes; allocated when omitted.
+        origin: byte offset in ``buf`` of displacement 0.
+
+    Attributes:
+        out: the 1-D uint8 array of ``count * datatype.size`` bytes that
+            :meth:`pack` fills and :meth:`unpack` reads by default.
+        nbytes: packed bytes.
+
+    Raises:
+        DatatypeError, BufferError: as :func:`pack` (and, for :meth:`unpack`,
+            overlapping targets are reported at the first :meth:`unpack`).
+    """
+
+    __slots__ = ("datatype", "buf", "count", "origin", "out", "nbytes", "_plan", "_host", "_arr")
+
+    def __init__(self, datatype, buf, count=1, out=None, *, origin=0):
+        self.out = pack(buf, datatype, count, out, origin=origin)  # validates everything once
+        t, p = _resolve(datatype, count, "Packer")
+        self.datatype, self.buf, self.count, self.origin = t, buf, count, int(origin)
+        self.nbytes = p.nbytes
+        self._plan = p
+        self._host = None
+        if buf.__class__ is np.ndarray and p.nbytes:
+            arr = buf if buf.dtype in _KERNEL_DTYPES else _host_array(buf, "Packer")
+            k = p.host_at(self.origin)
+            self._arr = arr
+            self._host = (k[0], k[1], arr, self.out, k[2], k[3])
+
+    def pack(self):
+        """Pack ``buf`` into :attr:`out` and return it."""
+        h = self._host
+        if h is not None:
+            h[0](h[2], h[3], h[4], h[5])
+            return self.out
+        return pack(self.buf, self.datatype, self.count, self.out, origin=self.origin)
+
+    __call__ = pack
+
+    def unpack(self, packed=None):
+        """Unpack ``packed`` (default :attr:`out`) into ``buf`` and return ``buf``."""
+        h = self._host
+        if h is not None and (packed is None or packed is self.out):
+            p = self._plan
+            if p._overlap is None and p.overlaps() or p._overlap:
+                raise DatatypeError(f"{self.count} element(s) of {_short(self.datatype)} write some bytes "
+                                    "more than once (overlapping unpack targets); nothing was written",
+                                    op="Packer.unpack")
+            h[1](h[3], h[2], h[4], h[5])
+            return self.buf
+        return unpack(self.out if packed is None else packed, self.datatype, self.buf, self.count,
+                      origin=self.origin)

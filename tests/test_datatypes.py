@@ -326,3 +326,22 @@ def test_sixteen_byte_words_copy_nan_bit_patterns_unchanged():
     b = np.zeros_like(a)
     dts.unpack(got.view(np.uint8), t, b)
     np.testing.assert_array_equal(b.reshape(-1, 4)[:8, :2], a.reshape(-1, 4)[:8, :2])
+
+
+def test_packer_binds_checks_once():
+    a = np.arange(8 * 9 * 10, dtype=np.float64).reshape(8, 9, 10)
+    t = dts.Subarray([8, 9, 10], [6, 1, 8], [1, 4, 1], np.float64)
+    pk = dts.Packer(t, a)
+    np.testing.assert_array_equal(pk.pack(), dts.pack(a, t))
+    a[1:7, 4, 1:9] += 1.0
+    np.testing.assert_array_equal(pk().view(np.float64), a[1:7, 4, 1:9].ravel())
+    pk.out[:] = 0
+    pk.unpack()
+    assert (a[1:7, 4, 1:9] == 0).all() and a.sum() > 0
+    with pytest.raises(DatatypeError):
+        dts.Packer(t, np.zeros(10))
+    ov = dts.Packer(dts.Hvector(3, 2, 8, np.float64), np.zeros(6))
+    with pytest.raises(DatatypeError, match="overlapping"):
+        ov.unpack()
+    po = dts.Packer(dts.Vector(3, 1, -2, np.float64), np.arange(5.0), origin=32)
+    np.testing.assert_array_equal(po.pack().view(np.float64), [4.0, 2.0, 0.0])

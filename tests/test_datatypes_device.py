@@ -78,3 +78,13 @@ def test_device_out_and_validation():
     with pytest.raises(DatatypeError, match="overlapping"):
         dts.unpack(cuda.to_device(np.zeros(48, np.uint8)), dts.Hvector(3, 2, 8, np.float64), d)
     np.testing.assert_array_equal(d.copy_to_host(), a)  # nothing written
+
+
+def test_device_packer():
+    a = np.arange(6 * 7, dtype=np.float64).reshape(6, 7)
+    d = cuda.to_device(a)
+    t = dts.Resized(dts.Vector(6, 1, 7, np.float64), 0, 8)
+    pk = dts.Packer(t, d, count=2)
+    np.testing.assert_array_equal(pk.pack().copy_to_host().view(np.float64), a[:, :2].T.ravel())
+    pk.unpack(cuda.to_device(np.zeros(pk.nbytes, np.uint8)))
+    assert (d.copy_to_host()[:, :2] == 0).all()

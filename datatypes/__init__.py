@@ -8,6 +8,11 @@ combiner and any number of dimensions); ``pack``/``unpack`` move the bytes with
 numba kernels on the host and numba.cuda kernels on the device, byte-identical
 to ``MPI_Pack``.
 
+Pack with ``pack(buf, datatype, count=1, out=None, *, origin=0)``; in hot loops
+bind the checks once with ``Packer(datatype, buf, count)`` and call it.  The
+canonical form of a type is ``datatype.canonical()``; ``plan_for(datatype,
+count)`` shows the cached plan (kind, word width, byte range touched).
+
 Example::
 
     import numpy as np

@@ -67,6 +67,9 @@ def validate(comm, q, k, v, *, causal, layout, softmax_scale, seq_len, tile, op,
         if x.ndim != 4:
             raise bad(f"{name} must be 4-d (batch, seq_local, heads, head_dim), got shape {tuple(x.shape)}")
     xp = get_array_module(q)
+    if xp is np and not isinstance(q, np.ndarray):
+        raise bad(f"q is a {type(q).__name__}: pass numpy or CuPy arrays (cupy.asarray wraps numba device "
+                  "arrays without a copy)")
     for name, x in (("k", k), ("v", v)):
         if get_array_module(x) is not xp:
             raise bad(f"q and {name} live in different array modules (numpy vs CuPy)")

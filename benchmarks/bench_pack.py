@@ -188,7 +188,7 @@ def main(argv=None):
     ap.add_argument("--total", type=int, default=1 << 20, help="packed bytes per shape (default 1 MiB)")
     ap.add_argument("--blocks", type=int, nargs="+", default=BLOCKS, help="block lengths in bytes")
     ap.add_argument("--dims", type=int, nargs="+", default=DIMS, help="numbers of strided dimensions")
-    ap.add_argument("--repeat", type=int, default=7, help="interleaved trials per shape; best is kept")
+    ap.add_argument("--repeat", type=int, default=15, help="interleaved trials per shape; best is kept")
     ap.add_argument("--min-time", type=float, default=2e-3, help="seconds per timed trial (sets the loop count)")
     ap.add_argument("--quick", action="store_true", help="fewer shapes and trials (smoke run)")
     ap.add_argument("--json", metavar="PATH", help="write every measurement and the summary as JSON")

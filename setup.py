@@ -4,7 +4,7 @@ The top-level folders are the layers; they install as subpackages of the one
 import root ``commlib`` (see ``package_dir``), so nothing generic such as
 ``transports`` lands in site-packages.
 """
-from setuptools import setup
+from setuptools import find_packages, setup
 
 LAYERS = {
     "commlib": "commlib",
@@ -13,6 +13,16 @@ LAYERS = {
     "commlib.collectives": "collectives",
     "commlib.apps": "apps",
 }
+
+
+def _packages():
+    """Every layer and its subpackages (e.g. ``commlib.collectives.attention``)."""
+    pkgs = []
+    for name, folder in LAYERS.items():
+        pkgs.append(name)
+        pkgs += [f"{name}.{sub}" for sub in find_packages(folder)]
+    return pkgs
+
 
 setup(
     name="commlib",
@@ -23,7 +33,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     package_dir=LAYERS,
-    packages=list(LAYERS),
+    packages=_packages(),
+    package_data={"commlib.datatypes": ["*.json"]},
     install_requires=[
         "mpi4py>=4.0",
         "numpy>=1.24",

@@ -48,9 +48,15 @@ from .communicator import (  # noqa: E402
 )
 
 
+_ATTENTION = ("ring_attention", "ring_attention_backward", "ulysses_attention", "ulysses_attention_backward",
+              "shard_sequence", "unshard_sequence")
+
+
 def __getattr__(name):  # lazy layers: ``commlib.collectives`` etc. on first use
     import importlib
 
+    if name in _ATTENTION:
+        return getattr(importlib.import_module(f"{__name__}.collectives"), name)
     if name in ("collectives", "datatypes", "transports", "apps", "device", "config"):
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -42,7 +42,7 @@ def info() -> dict:
     try:
         from mpi4py import MPI  # noqa: PLC0415
 
-        rec["mpi_library"] = MPI.Get_library_version().strip().splitlines()[0]
+        rec["mpi_library"] = MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0].strip()
         rec["mpi_standard"] = "%d.%d" % MPI.Get_version()
         rec["mpi_library_path"] = device.mpi_library_path()
         rec["world_size"] = MPI.COMM_WORLD.Get_size()

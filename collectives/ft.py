@@ -21,13 +21,16 @@ Without ULFM (MPICH, or Open MPI launched without ``--with-ft ulfm``) a dead pee
 shows as a wait that does not end: every wait is bounded and every survivor
 raises :class:`~commlib.errors.ProcessFailed` or
 :class:`~commlib.errors.CommTimeout` within a bounded time, after which the
-communicator is marked broken (later calls raise at once) and MPI_Finalize is
-skipped at exit so the process cannot hang there.
+communicator is marked broken (later calls raise at once).  After any failure
+MPI_Finalize is bounded in time at exit (:func:`bound_finalize_at_exit`), so
+``mpiexec`` returns within seconds of the survivors finishing.
 """
 from __future__ import annotations
 
 import atexit
+import math
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -35,7 +38,7 @@ from typing import Callable
 
 from commlib.errors import CommError, CommTimeout, InvalidArgument, ProcessFailed
 
-__all__ = ["ft_mode", "ft_mode_info", "FaultTolerance", "skip_finalize_at_exit", "ON_FAILURE"]
+__all__ = ["ft_mode", "ft_mode_info", "FaultTolerance", "bound_finalize_at_exit", "run_collective", "ON_FAILURE"]
 
 ON_FAILURE = ("shrink", "raise")
 
@@ -95,43 +98,42 @@ def ft_mode_info() -> dict:
     return info
 
 
-_skip_installed = False
-_exit_code = [0]
+_watchdog_installed = False
 
 
-def skip_finalize_at_exit() -> None:
-    """Make the interpreter leave with ``os._exit`` after the other atexit
-    handlers, skipping mpi4py's ``MPI_Finalize`` (which waits for a dead peer
-    when the MPI has no ULFM).  Exit status: 1 after an uncaught exception, the
-    ``sys.exit`` code otherwise (0)."""
-    global _skip_installed
-    if _skip_installed:
+def bound_finalize_at_exit(seconds: float | None = None) -> None:
+    """Bound the time ``MPI_Finalize`` may take at interpreter exit.
+
+    After a failure Open MPI 5's ``MPI_Finalize`` can spin forever in its PMIx
+    fence waiting for the dead processes (open-mpi/ompi#11404, #9434; seen here
+    in about one run in three with two failures), and without ULFM the finalize
+    of a broken job can hang too.  This registers an atexit handler that flushes
+    stdio and arms ``alarm(2)`` with the default SIGALRM action: mpi4py's
+    finalizer (which runs after every atexit handler) still runs and usually
+    completes at once; if it hangs, the kernel ends the process after
+    ``seconds`` (default ``COMMLIB_FINALIZE_TIMEOUT``, 3 s), so ``mpiexec``
+    returns within seconds.  ``seconds=0`` disables it.  Installed by the
+    fault-tolerant collectives after the first failure.
+    """
+    global _watchdog_installed
+    if seconds is None:
+        seconds = float(os.environ.get("COMMLIB_FINALIZE_TIMEOUT", "3"))
+    if _watchdog_installed or seconds <= 0 or not hasattr(signal, "alarm"):
         return
-    _skip_installed = True
-    prev_hook = sys.excepthook
+    _watchdog_installed = True
 
-    def hook(tp, val, tb):
-        _exit_code[0] = 1
-        prev_hook(tp, val, tb)
-
-    sys.excepthook = hook
-    prev_exit = sys.exit
-
-    def _exit(code=0):
-        _exit_code[0] = code if isinstance(code, int) else (0 if code is None else 1)
-        prev_exit(code)
-
-    sys.exit = _exit
-
-    def _leave():
+    def _arm():
         try:
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
-            os._exit(_exit_code[0])
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.alarm(max(1, math.ceil(seconds)))
 
-    # registered after mpi4py's finalizer, so it runs before it (LIFO)
-    atexit.register(_leave)
+    atexit.register(_arm)
+
+
+skip_finalize_at_exit = bound_finalize_at_exit  # former name
 
 
 @dataclass
@@ -174,6 +176,11 @@ def _is_failure(exc: BaseException) -> bool:
     return is_process_failure(exc)
 
 
+def _dbg(comm, *a):
+    if os.environ.get("COMMLIB_FT_DEBUG"):
+        print(f"[ft {comm.rank}/{comm.size}]", *a, file=sys.stderr, flush=True)
+
+
 def run_collective(comm, opname: str, attempt: Callable, restore: Callable | None = None):
     """Run one collective on ``comm``, recovering from failures in FT mode.
 
@@ -210,8 +217,13 @@ def run_collective(comm, opname: str, attempt: Callable, restore: Callable | Non
             from commlib.transports.failures import mpi_failed_ranks, to_comm_error  # noqa: PLC0415
 
             err = to_comm_error(exc, rank=comm.rank, op=opname, failed=mpi_failed_ranks(tp.comm))
+            if isinstance(err, CommTimeout):
+                err = CommTimeout(f"{err.detail} in {err.op or 'wait'}; a peer probably died (no ULFM to tell)",
+                                  rank=comm.rank, op=opname)
+            elif isinstance(err, ProcessFailed) and err.op != opname:
+                err = ProcessFailed(err.detail, failed=err.failed, rank=comm.rank, op=opname)
             ft.broken = str(err)
-            skip_finalize_at_exit()
+            bound_finalize_at_exit()
             raise err from (exc if err is not exc else None)
 
     from mpi4py import MPI  # noqa: PLC0415
@@ -242,6 +254,7 @@ def run_collective(comm, opname: str, attempt: Callable, restore: Callable | Non
                 else:
                     flag &= ~_NO_ERROR
                     err = exc
+            _dbg(comm, opname, "agree", flag)
             try:
                 agreed = tp.comm.Agree(flag)
             except MPI.Exception:
@@ -253,6 +266,7 @@ def run_collective(comm, opname: str, attempt: Callable, restore: Callable | Non
                     tp.comm.Ack_failed()
                 except Exception:  # noqa: BLE001
                     pass
+            _dbg(comm, opname, "agreed", agreed)
             if agreed & _OK:
                 if err is not None:
                     raise err
@@ -263,8 +277,11 @@ def run_collective(comm, opname: str, attempt: Callable, restore: Callable | Non
                 if t_fail is not None:
                     ft.recoveries.append((time.monotonic() - t_fail, ft.failed))
                 return result
-            # --- recover: shrink and retry
+            # --- recover: shrink and retry (and bound MPI_Finalize at exit, which
+            # can otherwise wait forever for the dead ranks)
+            bound_finalize_at_exit()
             lost_world, survivors = comm._shrink(tp, call_group)
+            _dbg(comm, opname, "shrunk", lost_world, survivors)
             if restore is not None:
                 restore()
             if lost_world:

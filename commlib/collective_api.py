@@ -114,6 +114,7 @@ class CollectiveMixin:
             except Exception:  # noqa: BLE001
                 pass
         new = old.Shrink()
+        new.Set_errhandler(MPI.ERRORS_RETURN)  # a shrunk comm gets MPI_ERRORS_ARE_FATAL otherwise
         old_grp, new_grp = old.Get_group(), new.Get_group()
         world_grp = MPI.COMM_WORLD.Get_group()
         try:
@@ -127,6 +128,7 @@ class CollectiveMixin:
             for g in (old_grp, new_grp, world_grp):
                 g.Free()
         user = new.Dup()
+        user.Set_errhandler(MPI.ERRORS_RETURN)
         self.mpi_comm = user
         self.transport = MPITransport(user, cuda_aware=self.cuda_aware)
         self._coll_tp = MPITransport(new, cuda_aware=self.cuda_aware)

@@ -106,19 +106,30 @@ def mpi_waitall(requests: Sequence[Request], timeout: float | None = None, *, ra
         wait_all(pending, timeout)
         return
     mreqs = [r.req for r in pending]
-    if timeout is None:
-        MPI.Request.Waitall(mreqs)
-    else:
-        deadline = time.monotonic() + timeout
-        spins = 0
-        while not MPI.Request.Testall(mreqs):
-            spins += 1
-            if spins > 64:
-                if time.monotonic() > deadline:
-                    raise CommTimeout(
-                        f"{len(mreqs)} request(s) not complete after {timeout:.3g} s (peer dead or stalled?)",
-                        rank=rank, op="waitall",
-                    )
-                time.sleep(0) if spins < 2048 else time.sleep(2e-4)
+    statuses = [MPI.Status() for _ in mreqs]
+    try:
+        if timeout is None:
+            MPI.Request.Waitall(mreqs, statuses)
+        else:
+            deadline = time.monotonic() + timeout
+            spins = 0
+            while not MPI.Request.Testall(mreqs, statuses):
+                spins += 1
+                if spins > 64:
+                    if time.monotonic() > deadline:
+                        raise CommTimeout(
+                            f"{len(mreqs)} request(s) not complete after {timeout:.3g} s (peer dead or stalled?)",
+                            rank=rank, op="waitall",
+                        )
+                    time.sleep(0) if spins < 2048 else time.sleep(2e-4)
+    except MPI.Exception as exc:
+        # MPI_ERR_IN_STATUS: the real error class is in the statuses
+        if failure_class(exc) == _cls("ERR_IN_STATUS"):
+            codes = [s.Get_error() for s in statuses]
+            classes = {MPI.Get_error_class(c) for c in codes if c not in (MPI.SUCCESS, _cls("ERR_PENDING"))}
+            if classes & (_PROC_FAILED | _REVOKED):
+                what = "communicator revoked" if classes <= _REVOKED else "a peer process failed"
+                raise ProcessFailed(f"{what} (error classes {sorted(classes)})", rank=rank, op="waitall") from exc
+        raise
     for r in pending:
         r._finish()

@@ -1,0 +1,221 @@
+"""Fault-injection worker, launched by tests/test_ft.py under mpiexec.
+
+Runs a fixed sequence of collectives in fault-tolerant mode; the victim ranks
+die (``os._exit`` or SIGKILL) at a chosen point: before a call, at the k-th
+point-to-point send inside a call (any algorithm step, header exchange
+included) or after a call.  Every survivor checks each result against an oracle
+computed from the inputs of the ranks the call ended with (the algorithms'
+fixed reduction order makes exact oracles possible) and prints one JSON line::
+
+    FTRESULT {"rank": ..., "ok": true, "hashes": [...], "failed": [...], ...}
+
+Usage: ft_worker.py SPEC_JSON   with SPEC = {"victims": [[rank, call, point, how], ...],
+                                              "mode": "recover" | "expect_error", "seed": int}
+``point`` is -1 (before the call), k >= 0 (at the k-th send; after the call if
+the call makes fewer), ``how`` is "exit" or "kill".
+"""
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import commlib
+from commlib.collectives._common import chunk_bounds
+from commlib.collectives.ops import get_op
+from commlib.collectives.reduce_scatter_ring import ring_order
+from commlib.transports.mpi import MPITransport
+
+SPEC = json.loads(sys.argv[1])
+from mpi4py import MPI  # noqa: E402
+
+WORLD = MPI.COMM_WORLD.Get_rank()
+NWORLD = MPI.COMM_WORLD.Get_size()
+victim = [v for v in SPEC["victims"] if v[0] == WORLD]
+victim = victim[0] if victim else None
+
+_sends = {"armed": False, "left": 0}
+
+
+def die():
+    how = victim[3]
+    sys.stdout.flush()
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(int(os.environ.get("FT_EXIT_CODE", "17")))
+
+
+_orig_isend = MPITransport.isend
+
+
+def _isend(self, buf, dest, tag=0):
+    if _sends["armed"]:
+        if _sends["left"] == 0:
+            die()
+        _sends["left"] -= 1
+    return _orig_isend(self, buf, dest, tag)
+
+
+MPITransport.isend = _isend
+
+
+def ring_oracle(inputs, op="sum"):
+    o = get_op(op)
+    n = len(inputs)
+    out = np.empty_like(inputs[0])
+    b = chunk_bounds(out.size, n)
+    for c in range(n):
+        order = ring_order(c, n)
+        acc = inputs[order[0]][b[c]:b[c + 1]].copy()
+        for r in order[1:]:
+            o.reduce(acc, inputs[r][b[c]:b[c + 1]])
+        o.finalize(acc, n)
+        out[b[c]:b[c + 1]] = acc
+    return out
+
+
+def data(kind, wr, call, n_at_call):
+    rng = np.random.default_rng(1000 * call + wr + 7 * SPEC["seed"])
+    if kind == "f32":
+        return rng.uniform(-1, 1, 1003).astype(np.float32)
+    if kind == "f32big":
+        return rng.uniform(-1, 1, 50_000).astype(np.float32)
+    if kind == "intf64":
+        return rng.integers(-100, 100, 37).astype(np.float64)
+    if kind == "rs":
+        return rng.uniform(-1, 1, 61).astype(np.float32)
+    if kind == "ag":
+        return rng.integers(0, 1 << 30, 9).astype(np.int32)
+    if kind == "bc":
+        return rng.uniform(-1, 1, 3000).astype(np.float64)
+    if kind == "a2a":
+        return rng.integers(0, 1 << 40, (n_at_call, 5)).astype(np.int64)
+    raise ValueError(kind)
+
+
+CALLS = ["allreduce_ring", "allreduce_rd", "reduce_scatter", "allgather", "bcast", "alltoall",
+         "barrier", "allreduce_auto"]
+
+
+def group(comm):
+    failed = set(comm.failed_ranks)
+    return [r for r in range(NWORLD) if r not in failed]
+
+
+def run_call(comm, call, i):
+    g0 = group(comm)
+    n0 = len(g0)
+    me0 = g0.index(WORLD)
+    if call == "allreduce_ring":
+        x = data("f32", WORLD, i, n0)
+        out = comm.allreduce(x, np.empty_like(x), op="sum", algorithm="ring")
+        g = group(comm)
+        ref = ring_oracle([data("f32", w, i, n0) for w in g])
+    elif call == "allreduce_rd":
+        x = data("intf64", WORLD, i, n0)
+        out = comm.allreduce(x, op="sum", algorithm="recursive_doubling")
+        g = group(comm)
+        ref = np.sum([data("intf64", w, i, n0) for w in g], axis=0)
+    elif call == "allreduce_auto":
+        x = data("f32big", WORLD, i, n0)
+        out = comm.allreduce(x, op="avg")  # > 32 KiB: ring
+        g = group(comm)
+        ref = ring_oracle([data("f32big", w, i, n0) for w in g], "avg")
+    elif call == "reduce_scatter":
+        x = data("rs", WORLD, i, n0)
+        out = comm.reduce_scatter(x, op="sum")
+        g = group(comm)
+        full = ring_oracle([data("rs", w, i, n0) for w in g])
+        b = chunk_bounds(full.size, len(g))
+        r = g.index(WORLD)
+        ref = full[b[r]:b[r + 1]]
+    elif call == "allgather":
+        out = comm.allgather(data("ag", WORLD, i, n0))
+        g = group(comm)
+        ref = np.stack([data("ag", w, i, n0) for w in g])
+    elif call == "bcast":
+        x = data("bc", WORLD, i, n0) if WORLD == 0 else np.zeros(3000)
+        out = comm.bcast(x, root=0)
+        g = group(comm)
+        ref = data("bc", 0, i, n0)
+    elif call == "alltoall":
+        out = comm.alltoall(data("a2a", WORLD, i, n0))
+        g = group(comm)
+        ref = np.stack([data("a2a", w, i, n0)[me0] for w in g])
+    elif call == "barrier":
+        comm.barrier()
+        g = group(comm)
+        out = ref = np.zeros(1)
+    else:
+        raise ValueError(call)
+    ok = out.shape == ref.shape and out.tobytes() == ref.tobytes()
+    assert comm.size == len(g) and comm.rank == g.index(WORLD), (comm.size, comm.rank, g)
+    return ok, hashlib.sha1(out.tobytes()).hexdigest()[:12]
+
+
+def dbg(*a):
+    if os.environ.get("FTDEBUG"):
+        print(f"[{WORLD}]", *a, file=sys.stderr, flush=True)
+
+
+def _onterm(sig, frm):
+    dbg("got signal", sig)
+    os._exit(99)
+
+
+def main():
+    signal.signal(signal.SIGTERM, _onterm)
+    timeout = float(os.environ.get("COMMLIB_TIMEOUT", "10"))
+    comm = commlib.init(fault_tolerant=True, timeout=timeout, on_failure=SPEC.get("on_failure", "shrink"))
+    lost_seen = []
+    comm.add_failure_callback(lambda failed, c: lost_seen.append(list(failed)))
+    res = {"rank": WORLD, "ok": True, "hashes": [], "mode": comm.fault_tolerant, "bad": []}
+    t_start = time.monotonic()
+    try:
+        for i, call in enumerate(CALLS):
+            if victim and victim[1] == i and victim[2] < 0:
+                die()
+            if victim and victim[1] == i:
+                _sends["armed"], _sends["left"] = True, victim[2]
+            t0 = time.monotonic()
+            dbg("call", i, call)
+            try:
+                ok, h = run_call(comm, call, i)
+            except commlib.ProcessFailed as exc:
+                if SPEC.get("on_failure") != "raise":
+                    raise
+                res.setdefault("raised", []).append([i, list(exc.failed)])
+                ok, h = run_call(comm, call, i)  # the shrunk communicator works
+            _sends["armed"] = False
+            if victim and victim[1] == i:
+                die()  # "after": the call made fewer sends than k
+            res["hashes"].append(h)
+            if not ok:
+                res["ok"] = False
+                res["bad"].append(call)
+            res.setdefault("t", []).append(round(time.monotonic() - t0, 4))
+        dbg("final barrier")
+        comm.barrier()  # a victim that died after the last call is noticed here
+    except commlib.CommError as exc:
+        res["ok"] = False
+        res["error"] = type(exc).__name__
+        res["message"] = str(exc)[:300]
+        res["elapsed"] = round(time.monotonic() - t_start, 3)
+    res["failed"] = list(comm.failed_ranks)
+    res["callbacks"] = lost_seen
+    res["recoveries"] = [round(t, 4) for t, _ in (comm._ft.recoveries if comm._ft else [])]
+    line = json.dumps(res)
+    out_dir = os.environ.get("FT_OUT_DIR")
+    if out_dir:  # launchers may interleave the ranks' stdout lines
+        tmp = os.path.join(out_dir, f".rank{WORLD}.json")
+        with open(tmp, "w") as fh:
+            fh.write(line)
+        os.replace(tmp, os.path.join(out_dir, f"rank{WORLD}.json"))
+    print("FTRESULT " + line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""Fault-injection tests: ranks die during collectives, survivors must cope.
+
+A driver (plain ``pytest``, no mpiexec) launches many small jobs of
+``tests/ft_worker.py``, each with a hard timeout, so a hanging rank can never
+hang the suite:
+
+- Open MPI with ULFM: ``mpiexec --with-ft ulfm --mca btl tcp,self --prtemca
+  state_base_error_non_zero_exit 0`` (else prterun ends the whole job when a
+  rank exits with a non-zero status, as ``os._exit(17)`` does); 3 to 6
+  ranks, one or two victims killed (``os._exit`` or SIGKILL) before, during
+  (at a random point-to-point send: any ring/tree step or the header
+  exchange) or after a random collective.  Every survivor must finish every
+  call with the exact result over the surviving ranks' inputs (bit-identical
+  across survivors), see the same failed set, get the failure callback, and
+  ``mpiexec`` must return within seconds.  ``COMMLIB_FT_CASES`` (default 56)
+  sets the number of randomized cases, ``COMMLIB_FT_SEED`` the seed (printed).
+- MPICH (no ULFM): a victim ``os._exit``\\ s; every survivor must raise
+  ``CommTimeout``/``ProcessFailed`` within the timeout and the job must end; a
+  SIGKILLed victim makes hydra end the job at once.
+
+Run: ``python -m pytest -q tests/test_ft.py`` (with either venv's python).
+"""
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+import mpi4py
+
+mpi4py.rc.initialize = False
+from mpi4py import MPI  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+WORKER = str(HERE / "ft_worker.py")
+BIN = Path(sys.executable).parent
+MPIEXEC = str(BIN / "mpiexec")
+LIB = MPI.Get_library_version()
+IS_OMPI = "Open MPI" in LIB
+IS_MPICH = "MPICH" in LIB
+NCALLS = 8
+REPLICATED = {0, 1, 3, 4, 6, 7}  # calls whose result is the same on every rank
+
+SEED = int(os.environ.get("COMMLIB_FT_SEED", str(int(time.time()) % 100000)))
+NCASES = int(os.environ.get("COMMLIB_FT_CASES", "56"))
+
+
+def _ulfm_symbols():
+    from commlib.device import ulfm_available
+
+    return ulfm_available()
+
+
+def _run(nprocs, spec, timeout=45, env_extra=None, ulfm=True):
+    env = dict(os.environ, COMMLIB_TIMEOUT=env_extra.pop("COMMLIB_TIMEOUT", "10") if env_extra else "10",
+               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1")
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    env.update(env_extra or {})
+    if IS_OMPI:
+        cmd = [MPIEXEC, "--oversubscribe"]
+        if ulfm:
+            # a rank that exits non-zero must not make prterun end the job
+            cmd += ["--with-ft", "ulfm", "--mca", "btl", "tcp,self", "--prtemca", "state_base_error_non_zero_exit", "0"]
+    else:
+        cmd = [MPIEXEC, "-disable-auto-cleanup"]
+    cmd += ["-n", str(nprocs), sys.executable, WORKER, json.dumps(spec)]
+    out_dir = tempfile.mkdtemp(prefix="commlib-ft-")
+    env["FT_OUT_DIR"] = out_dir
+    t0 = time.monotonic()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        pytest.fail(f"mpiexec did not return within {timeout} s (spec {spec}):\n{out.decode(errors='replace')[-3000:]}")
+    wall = time.monotonic() - t0
+    text = out.decode(errors="replace")
+    results = {}
+    for f in Path(out_dir).glob("rank*.json"):
+        r = json.loads(f.read_text())
+        results[r["rank"]] = r
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return results, wall, text, p.returncode
+
+
+def _cases(n):
+    rng = random.Random(SEED)
+    cases = []
+    for i in range(n):
+        nprocs = rng.randint(3, 6)
+        nfail = 1 if (nprocs == 3 or rng.random() < 0.5) else 2
+        victims = rng.sample(range(1, nprocs), nfail)  # rank 0 is the bcast root
+        spec = []
+        for v in victims:
+            call = rng.randrange(NCALLS)
+            u = rng.random()
+            point = -1 if u < 0.15 else (10_000 if u > 0.85 else rng.randrange(14))
+            spec.append([v, call, point, rng.choice(["exit", "kill"])])
+        cases.append((nprocs, spec, i))
+    return cases
+
+
+needs_ulfm = pytest.mark.skipif(not (IS_OMPI and _ulfm_symbols()), reason="needs Open MPI with ULFM")
+
+
+def _check_recovered(nprocs, spec, results, wall, text, on_failure="shrink"):
+    victims = sorted(v[0] for v in spec)
+    survivors = [r for r in range(nprocs) if r not in victims]
+    missing = [r for r in survivors if r not in results]
+    assert not missing, f"survivors {missing} printed no result (spec {spec}):\n{text[-4000:]}"
+    for r in survivors:
+        res = results[r]
+        assert res["mode"] == "ulfm"
+        assert res["ok"], f"rank {r}: {res} (spec {spec})\n{text[-3000:]}"
+        assert len(res["hashes"]) == NCALLS
+        assert res["failed"] == victims, (res["failed"], victims)
+        assert sorted(x for cb in res["callbacks"] for x in cb) == victims
+        assert all(t < 2.0 for t in res["recoveries"]), res["recoveries"]
+    for c in REPLICATED:
+        hs = {results[r]["hashes"][c] for r in survivors}
+        assert len(hs) == 1, f"call {c}: results differ across survivors {hs} (spec {spec})"
+    assert wall < 30, f"job took {wall:.1f} s"
+
+
+@needs_ulfm
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("nprocs,spec,case", _cases(NCASES), ids=lambda x: None)
+def test_random_kill_points(nprocs, spec, case):
+    """Randomized kill points (seed in COMMLIB_FT_SEED; printed on failure)."""
+    results, wall, text, _ = _run(nprocs, {"victims": spec, "seed": SEED + case})
+    _check_recovered(nprocs, spec, results, wall, text + f"\n[seed {SEED}, case {case}]")
+
+
+# Deterministic corners: before / first step / mid ring / after, for each collective.
+CORNERS = [(4, [[2, c, p, how]]) for c in range(NCALLS) for p, how in ((-1, "kill"), (0, "exit"), (3, "kill"), (10_000, "exit"))]
+CORNERS += [(6, [[1, 0, 2, "kill"], [4, 0, 5, "kill"]]),   # two failures in the same call
+            (5, [[3, 7, 1, "exit"], [4, 2, 0, "kill"]]),
+            (3, [[1, 0, 1, "kill"], [2, 5, -1, "exit"]])]  # down to one rank
+
+
+@needs_ulfm
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("nprocs,spec", CORNERS)
+def test_kill_corners(nprocs, spec):
+    results, wall, text, _ = _run(nprocs, {"victims": spec, "seed": 3})
+    _check_recovered(nprocs, spec, results, wall, text)
+
+
+@needs_ulfm
+@pytest.mark.timeout(60)
+def test_no_failure_clean_exit():
+    results, wall, text, rc = _run(4, {"victims": [], "seed": 5})
+    assert rc == 0, text[-2000:]
+    assert sorted(results) == [0, 1, 2, 3] and all(r["ok"] and not r["failed"] for r in results.values())
+
+
+@needs_ulfm
+@pytest.mark.timeout(60)
+def test_on_failure_raise():
+    spec = [[2, 1, 1, "kill"]]
+    results, wall, text, _ = _run(4, {"victims": spec, "seed": 9, "on_failure": "raise"})
+    for r in (0, 1, 3):
+        res = results[r]
+        assert res["raised"] == [[1, [2]]], res
+        assert res["ok"], res  # later calls run on the shrunk communicator
+    assert wall < 30
+
+
+@pytest.mark.skipif(not IS_MPICH, reason="bounded-error checks run under MPICH (no ULFM)")
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("call,point", [(0, 3), (1, 0), (2, 2), (3, 1), (4, -1), (5, 4), (6, 0), (7, 10_000)])
+def test_no_ulfm_bounded_error(call, point):
+    """Without ULFM a dead peer (os._exit) makes every survivor raise within the timeout."""
+    spec = [[2, call, point, "exit"]]
+    results, wall, text, _ = _run(4, {"victims": spec, "seed": 1}, env_extra={"COMMLIB_TIMEOUT": "2"})
+    for r in (0, 1, 3):
+        res = results.get(r)
+        assert res is not None, f"rank {r} printed nothing:\n{text[-3000:]}"
+        assert res["mode"] == "timeout"
+        if point == 10_000 and call == NCALLS - 1:
+            continue  # died after the last call: nothing left to fail
+        assert res["error"] in ("CommTimeout", "ProcessFailed"), res
+        assert f"rank {res['rank']}" in res["message"] or "rank" in res["message"]
+        assert res["elapsed"] < 2 * 2 * 4 + 5, res
+    assert wall < 40, wall
+
+
+@pytest.mark.skipif(not IS_MPICH, reason="MPICH only")
+@pytest.mark.timeout(60)
+def test_no_ulfm_sigkill_ends_job():
+    """Under hydra a SIGKILLed rank ends the whole job at once: bounded, no hang."""
+    results, wall, text, rc = _run(4, {"victims": [[1, 0, 2, "kill"]], "seed": 1}, env_extra={"COMMLIB_TIMEOUT": "2"})
+    assert rc != 0 and wall < 20

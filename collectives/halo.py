@@ -181,32 +181,51 @@ class HaloExchange:
         return bufs, device
 
     def _plan_for(self, nfields: int, device: bool):
-        """Message buffers and persistent MPI requests for ``nfields`` fields,
-        built on first use and reused every step."""
+        """Message buffers, batched pack plans and persistent MPI requests for
+        ``nfields`` fields, built on first use and reused every step.
+
+        All messages live in one send and one receive buffer: neighbour ``k``'s
+        message is a slice holding its region of field 0, then field 1, ...
+        Packing is one :class:`commlib.datatypes.batch.BatchPack` call for every
+        neighbour and field together (one per direction), not one per piece.
+        """
         key = (nfields, device)
         got = self._buffers.get(key)
         if got is not None:
             return got
-        staged = device and not self._transport.cuda_aware
-        msgs, sreqs, rreqs = [], [], []
-        for nb in self.neighbours:
-            n = nb.nbytes * nfields
-            if device:
-                from numba import cuda  # noqa: PLC0415
+        from commlib.datatypes.batch import BatchPack  # noqa: PLC0415
 
-                dsend, drecv = cuda.device_array(n, np.uint8), cuda.device_array(n, np.uint8)
-            else:
-                dsend = drecv = None
-            hsend = np.empty(n, np.uint8) if (staged or not device) else None
-            hrecv = np.empty(n, np.uint8) if (staged or not device) else None
-            send = dsend if device else hsend
-            recv = drecv if device else hrecv
-            msgs.append((send, recv, hsend, hrecv))
-            wire_s = hsend if hsend is not None else dsend
-            wire_r = hrecv if hrecv is not None else drecv
-            sreqs.append(self._transport.send_init(wire_s, nb.rank, nb.send_tag))
-            rreqs.append(self._transport.recv_init(wire_r, nb.rank, nb.recv_tag))
-        got = (msgs, sreqs, rreqs, staged)
+        staged = device and not self._transport.cuda_aware
+        spieces, rpieces, offsets, spans = [], [], [], []
+        pos = 0
+        for nb in self.neighbours:
+            spans.append((pos, pos + nb.nbytes * nfields))
+            for i in range(nfields):
+                spieces.append((i, nb.send_type))
+                rpieces.append((i, nb.recv_type))
+                offsets.append(pos)
+                pos += nb.nbytes
+        total = pos
+        if device:
+            from numba import cuda  # noqa: PLC0415
+
+            dsend, drecv = cuda.device_array(max(total, 1), np.uint8), cuda.device_array(max(total, 1), np.uint8)
+        else:
+            dsend = drecv = None
+        hsend = np.empty(max(total, 1), np.uint8) if (staged or not device) else None
+        hrecv = np.empty(max(total, 1), np.uint8) if (staged or not device) else None
+        wire_s = hsend if hsend is not None else dsend
+        wire_r = hrecv if hrecv is not None else drecv
+        sreqs = [self._transport.send_init(wire_s[a:b], nb.rank, nb.send_tag)
+                 for nb, (a, b) in zip(self.neighbours, spans)]
+        rreqs = [self._transport.recv_init(wire_r[a:b], nb.rank, nb.recv_tag)
+                 for nb, (a, b) in zip(self.neighbours, spans)]
+        got = _Plan()
+        got.packer, got.unpacker = BatchPack(spieces, offsets), BatchPack(rpieces, offsets)
+        got.send = dsend if device else hsend
+        got.recv = drecv if device else hrecv
+        got.hsend, got.hrecv = hsend, hrecv
+        got.sreqs, got.rreqs, got.staged = sreqs, rreqs, staged
         self._buffers[key] = got
         return got
 
@@ -229,7 +248,6 @@ class HaloExchange:
                 rank together, so a rank with a wrong field cannot leave the
                 others waiting; later calls check locally.
         """
-        pack = _datatypes().pack
         op = "HaloExchange.exchange"
         sig = tuple((getattr(f, "shape", None), getattr(f, "dtype", None)) for f in fields)
         if sig not in self._validated:
@@ -241,18 +259,15 @@ class HaloExchange:
             _agree(self.cart, problem, op)
             self._validated.add(sig)
         device = self._fast_check(fields, op)
-        msgs, sreqs, rreqs, staged = self._plan_for(len(fields), device)
-        if rreqs:
-            _MPI().Prequest.Startall(rreqs)
-        for k, nb in enumerate(self.neighbours):
-            send, _, hsend, _ = msgs[k]
-            n = nb.nbytes
-            for i, f in enumerate(fields):
-                pack(f, nb.send_type, out=send[i * n:(i + 1) * n])
-            if staged:
-                send.copy_to_host(hsend)
-            sreqs[k].Start()
-        return HaloRequest(self, fields, msgs, sreqs, rreqs, staged)
+        plan = self._plan_for(len(fields), device)
+        if plan.rreqs:
+            _MPI().Prequest.Startall(plan.rreqs)
+        plan.packer.pack(fields, plan.send)
+        if plan.staged:
+            plan.send.copy_to_host(plan.hsend)
+        if plan.sreqs:
+            _MPI().Prequest.Startall(plan.sreqs)
+        return HaloRequest(fields, plan)
 
     def _fast_check(self, fields, op) -> bool:
         """Local per-call check (cheap for numpy); returns True for device fields."""
@@ -269,35 +284,36 @@ class HaloExchange:
 
     def free(self) -> None:
         """Release the persistent requests and the plan's private communicator."""
-        for _, sreqs, rreqs, _ in self._buffers.values():
-            for r in sreqs + rreqs:
+        for plan in self._buffers.values():
+            for r in plan.sreqs + plan.rreqs:
                 r.Free()
         self._buffers.clear()
         self._transport.close()
 
 
+class _Plan:
+    __slots__ = ("packer", "unpacker", "send", "recv", "hsend", "hrecv", "sreqs", "rreqs", "staged")
+
+
 class HaloRequest(Request):
     """An exchange in flight; ``wait()`` writes the ghost cells."""
 
-    def __init__(self, plan: HaloExchange, fields, msgs, sreqs, rreqs, staged):
-        self._plan, self._fields, self._msgs = plan, fields, msgs
-        self._sreqs, self._rreqs, self._staged = sreqs, rreqs, staged
+    def __init__(self, fields, plan: _Plan):
+        self._fields, self._plan = fields, plan
+        self._reqs = plan.rreqs + plan.sreqs
         self._done = False
 
     def _unpack(self):
-        unpack = _datatypes().unpack
-        for nb, (_, recv, _, hrecv) in zip(self._plan.neighbours, self._msgs):
-            if self._staged:
-                recv.copy_to_device(hrecv)
-            n = nb.nbytes
-            for i, f in enumerate(self._fields):
-                unpack(recv[i * n:(i + 1) * n], nb.recv_type, f)
+        plan = self._plan
+        if plan.staged:
+            plan.recv.copy_to_device(plan.hrecv)
+        plan.unpacker.unpack(plan.recv, self._fields)
         self._done = True
 
     def test(self) -> bool:
         if self._done:
             return True
-        if _MPI().Request.Testall(self._rreqs + self._sreqs):
+        if _MPI().Request.Testall(self._reqs):
             self._unpack()
             return True
         return False
@@ -311,17 +327,10 @@ class HaloRequest(Request):
         if self._done:
             return
         if timeout is None:
-            _MPI().Request.Waitall(self._rreqs + self._sreqs)
+            _MPI().Request.Waitall(self._reqs)
             self._unpack()
         else:
             Request.wait(self, timeout)
-
-
-@functools.lru_cache(maxsize=None)
-def _datatypes():
-    import commlib.datatypes  # noqa: PLC0415 - lazily: the engine pulls in numba
-
-    return commlib.datatypes
 
 
 @functools.lru_cache(maxsize=None)

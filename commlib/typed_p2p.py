@@ -89,8 +89,12 @@ def _choose(comm, b, t, count, peer, strategy):
     return default_model().choose(t, count, device=b.is_device, locality=loc, cuda_aware=comm.cuda_aware)
 
 
-def _mpi_bytes(b):
-    return b.obj if b.is_device else b.byte_view()
+def _mpi_spec(comm, b, t, count, op):
+    """``[buffer, count, MPI datatype]`` for the "mpi" strategy (MPI's own engine)."""
+    if b.is_device and not comm.cuda_aware:
+        raise DatatypeError("strategy 'mpi' on a device buffer needs CUDA-aware MPI", rank=comm.rank, op=op)
+    b.synchronize()
+    return [b.obj if b.is_device else b.byte_view(), count, _mpi_type_cached(t)]
 
 
 def _pack_out(b, p, strategy):
@@ -112,10 +116,7 @@ def _prepare_send(comm, buf, dest, datatype, count, strategy, op):
         return None
     s = _choose(comm, b, t, count, dest, strategy)
     if s == "mpi":
-        if b.is_device and not comm.cuda_aware:
-            raise DatatypeError("strategy 'mpi' on a device buffer needs CUDA-aware MPI", rank=comm.rank, op=op)
-        b.synchronize()
-        return [_mpi_bytes(b), count, _mpi_type_cached(t)], b
+        return _mpi_spec(comm, b, t, count, op), b
     packed = pack(b.obj, t, count, out=_pack_out(b, p, s))
     if b.is_device and s in ("staged", "mapped"):
         if s == "staged":
@@ -140,10 +141,7 @@ def _prepare_recv(comm, buf, source, datatype, count, strategy, op):
         return None
     s = _choose(comm, b, t, count, source, strategy)
     if s == "mpi":
-        if b.is_device and not comm.cuda_aware:
-            raise DatatypeError("strategy 'mpi' on a device buffer needs CUDA-aware MPI", rank=comm.rank, op=op)
-        b.synchronize()
-        return [_mpi_bytes(b), count, _mpi_type_cached(t)], None, b
+        return _mpi_spec(comm, b, t, count, op), None, b
     if b.is_device and s == "device":
         from numba import cuda  # noqa: PLC0415
 

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Run every benchmark once and keep the JSON and plots in results/ (or $OUT).
+# Each benchmark measures its own baseline in the same run and prints ratios.
+#
+#   bash benchmarks/run_all.sh            # 2 and 4 ranks where it matters
+#   OUT=/tmp/bench bash benchmarks/run_all.sh
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-results}
+mkdir -p "$OUT"
+MPIEXEC=${MPIEXEC:-mpiexec}
+PY=${PYTHON:-python}
+if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
+run() { echo; echo "== $*"; "$@" || echo "!! failed: $*"; }
+M() { local n=$1; shift; run "$MPIEXEC" --oversubscribe -n "$n" "$PY" "$@"; }
+
+run "$PY" benchmarks/bench_pack.py --json "$OUT/pack.json" --plot "$OUT/pack.png"
+M 2 benchmarks/bench_typed_pingpong.py --json "$OUT/pingpong.json" --plot "$OUT/pingpong.png"
+for n in 2 4; do
+  M "$n" benchmarks/bench_heat.py --json "$OUT/heat_p$n.json"
+  M "$n" benchmarks/bench_halo.py --json "$OUT/halo_p$n.json"
+  M "$n" benchmarks/bench_halo3d.py --json "$OUT/halo3d_p$n.json" --plot "$OUT/halo3d_p$n.png"
+  M "$n" benchmarks/bench_attention.py --json "$OUT/attention_p$n.json"
+  M "$n" benchmarks/bench_allreduce.py --json "$OUT/allreduce_p$n.json"
+done
+echo; echo "results in $OUT/"

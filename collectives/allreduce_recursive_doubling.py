@@ -29,7 +29,8 @@ def _combine(op, mine: np.ndarray, other: np.ndarray, other_is_lower: bool) -> N
         op.ufunc(mine, other, out=mine)
 
 
-def allreduce_recursive_doubling(transport, buf: np.ndarray, op="sum", *, timeout: float | None = None) -> None:
+def allreduce_recursive_doubling(transport, buf: np.ndarray, op="sum", *, sendbuf: np.ndarray | None = None,
+                                 timeout: float | None = None) -> None:
     """Allreduce ``buf`` in place by recursive doubling.
 
     Args:
@@ -37,6 +38,7 @@ def allreduce_recursive_doubling(transport, buf: np.ndarray, op="sum", *, timeou
         buf: 1-D contiguous host array, same count and dtype on every rank;
             on return holds the reduction over all ranks.
         op: operator name or :class:`~.ops.Op`.
+        sendbuf: input when not ``buf`` (copied into ``buf`` first).
         timeout: seconds per step (None: unbounded).
 
     Raises:
@@ -45,6 +47,8 @@ def allreduce_recursive_doubling(transport, buf: np.ndarray, op="sum", *, timeou
     """
     op = get_op(op)
     n, r = transport.size, transport.rank
+    if sendbuf is not None:
+        buf[...] = sendbuf
     if n == 1:
         op.finalize(buf, 1)
         return

@@ -23,7 +23,8 @@ from .reduce_scatter_ring import reduce_scatter_ring_inplace
 __all__ = ["allreduce_ring"]
 
 
-def allreduce_ring(transport, buf: np.ndarray, op="sum", *, timeout: float | None = None) -> None:
+def allreduce_ring(transport, buf: np.ndarray, op="sum", *, sendbuf: np.ndarray | None = None,
+                   timeout: float | None = None) -> None:
     """Allreduce ``buf`` in place by the ring algorithm.
 
     Args:
@@ -33,6 +34,8 @@ def allreduce_ring(transport, buf: np.ndarray, op="sum", *, timeout: float | Non
             On return it holds the reduction over all ranks.
         op: ``"sum"``, ``"prod"``, ``"min"``, ``"max"``, ``"avg"``, ``"band"``,
             ``"bor"``, ``"bxor"`` or an :class:`~.ops.Op`.
+        sendbuf: this rank's input when it is not ``buf`` (out of place: same
+            count and dtype, not modified; nothing is copied up front).
         timeout: seconds each of the ``2 (n - 1)`` steps may take (None: unbounded).
 
     Raises:
@@ -42,10 +45,12 @@ def allreduce_ring(transport, buf: np.ndarray, op="sum", *, timeout: float | Non
     op = get_op(op)
     n = transport.size
     if n == 1:
+        if sendbuf is not None:
+            buf[...] = sendbuf
         op.finalize(buf, 1)
         return
     bounds = chunk_bounds(buf.size, n)
-    reduce_scatter_ring_inplace(transport, buf, op, bounds, timeout=timeout)
+    reduce_scatter_ring_inplace(transport, buf, op, bounds, timeout=timeout, src=sendbuf)
     r = transport.rank
     if op.mean:
         op.finalize(buf[bounds[r]:bounds[r + 1]], n)

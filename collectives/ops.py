@@ -21,6 +21,7 @@ buffer's own dtype (a float16 sum accumulates in float16, as MPI and NCCL do).
 """
 from __future__ import annotations
 
+import functools
 import zlib
 from dataclasses import dataclass
 from typing import Callable
@@ -41,17 +42,20 @@ except Exception:  # pragma: no cover
 _FLOAT_NAMES = {"float16", "float32", "float64", "bfloat16"}
 
 
+@functools.lru_cache(maxsize=256)
 def is_floating(dtype) -> bool:
     """True for float16/32/64 and bfloat16 (which numpy sees as kind ``'V'``)."""
     dtype = np.dtype(dtype)
     return dtype.name in _FLOAT_NAMES
 
 
+@functools.lru_cache(maxsize=256)
 def is_integer(dtype) -> bool:
     """True for signed/unsigned integers and bool."""
     return np.dtype(dtype).kind in "iub"
 
 
+@functools.lru_cache(maxsize=256)
 def dtype_code(dtype) -> int:
     """A small integer naming ``dtype`` identically in every process (used by the
     argument-consistency header; numpy's ``dtype.num`` is not stable for
@@ -89,6 +93,8 @@ class Op:
     def check(self, dtype, *, rank=None, op: str = "reduce") -> None:
         """Raise :class:`InvalidArgument` when this operator does not fit ``dtype``."""
         dtype = np.dtype(dtype)
+        if (self.name, dtype) in _CHECKED:
+            return
         if not (is_floating(dtype) or is_integer(dtype)):
             raise InvalidArgument(f"dtype {dtype.name} is not supported by reductions", rank=rank, op=op)
         if self.name in ("band", "bor", "bxor") and not is_integer(dtype):
@@ -97,6 +103,10 @@ class Op:
             raise InvalidArgument(f"op 'avg' needs a floating dtype, got {dtype.name}", rank=rank, op=op)
         if self.name in ("sum", "prod") and dtype.kind == "b":
             raise InvalidArgument(f"op '{self.name}' is not defined for bool; use 'bor'/'band'", rank=rank, op=op)
+        _CHECKED.add((self.name, dtype))
+
+
+_CHECKED: set = set()
 
 
 OPS: dict[str, Op] = {

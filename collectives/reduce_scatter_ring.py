@@ -29,7 +29,8 @@ def ring_order(chunk: int, size: int) -> list[int]:
 
 
 def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds: np.ndarray, *,
-                                timeout: float | None = None, tmp: np.ndarray | None = None) -> None:
+                                timeout: float | None = None, tmp: np.ndarray | None = None,
+                                src: np.ndarray | None = None) -> None:
     """Reduce-scatter ``work`` in place over the ring.
 
     Args:
@@ -41,6 +42,9 @@ def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds: np.ndar
         bounds: chunk offsets, shape ``(size + 1,)`` (see ``chunk_bounds``).
         timeout: seconds per step (None: unbounded).
         tmp: scratch of at least the largest chunk (allocated when None).
+        src: this rank's contribution when it is not ``work`` (same size and
+            dtype; not modified): saves copying it into ``work`` first.  Chunk
+            ``(r - 1) % n`` of ``work`` is then left unset (an allgather fills it).
 
     Raises:
         CommTimeout: a step did not finish within ``timeout``.
@@ -54,15 +58,17 @@ def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds: np.ndar
         tmp = np.empty(int(np.max(np.diff(bounds))), dtype=work.dtype)
     right, left = (r + 1) % n, (r - 1) % n
     tag = TAGS["rs"]
+    local = work if src is None else src
     for s in range(n - 1):
         sc = (r - s - 1) % n
         rc = (r - s - 2) % n
         rlen = int(bounds[rc + 1] - bounds[rc])
         rbuf = tmp[:rlen]
         rq = transport.irecv(rbuf, left, tag)
-        sq = transport.isend(work[bounds[sc]:bounds[sc + 1]], right, tag)
+        sq = transport.isend((local if s == 0 else work)[bounds[sc]:bounds[sc + 1]], right, tag)
         waitall(transport, [rq, sq], timeout)
-        op.reduce(work[bounds[rc]:bounds[rc + 1]], rbuf)
+        a, b = bounds[rc], bounds[rc + 1]
+        op.ufunc(local[a:b], rbuf, out=work[a:b])  # own contribution (op) partial from the left
 
 
 def reduce_scatter_ring(transport, sendbuf: np.ndarray, recvbuf: np.ndarray, op="sum", *,
@@ -81,9 +87,11 @@ def reduce_scatter_ring(transport, sendbuf: np.ndarray, recvbuf: np.ndarray, op=
     op = get_op(op)
     n = transport.size
     count = recvbuf.size
-    work = np.array(sendbuf, copy=True)
+    work = np.empty_like(sendbuf)
     bounds = np.arange(n + 1, dtype=np.int64) * count
-    reduce_scatter_ring_inplace(transport, work, op, bounds, timeout=timeout)
+    if n == 1:
+        work[...] = sendbuf
+    reduce_scatter_ring_inplace(transport, work, op, bounds, timeout=timeout, src=sendbuf)
     r = transport.rank
     mine = work[bounds[r]:bounds[r + 1]]
     op.finalize(mine, n)

@@ -127,8 +127,14 @@ class CollectiveMixin:
         finally:
             for g in (old_grp, new_grp, world_grp):
                 g.Free()
-        user = new.Dup()
-        user.Set_errhandler(MPI.ERRORS_RETURN)
+        try:
+            user = new.Dup()
+            user.Set_errhandler(MPI.ERRORS_RETURN)
+            # no survivor leaves (and maybe dies) while another still creates
+            # communicators: Open MPI 5.0 can crash handling a failure then
+            new.Barrier()
+        except MPI.Exception:
+            user = new  # another failure: the next attempt notices and shrinks again
         self.mpi_comm = user
         self.transport = MPITransport(user, cuda_aware=self.cuda_aware)
         self._coll_tp = MPITransport(new, cuda_aware=self.cuda_aware)
@@ -173,7 +179,13 @@ class CollectiveMixin:
         if err_flag:
             vals = [0] * len(vals)
         v = np.array(vals + [-x for x in vals] + [-err_flag, -(tp.rank + 1) * err_flag], dtype=np.int64)
-        allreduce_recursive_doubling(tp, v, "min", timeout=timeout)
+        if self._ft is None and hasattr(tp, "comm"):
+            # not fault tolerant: MPI's own (unbounded) allreduce is the cheapest
+            from mpi4py import MPI  # noqa: PLC0415
+
+            tp.comm.Allreduce(MPI.IN_PLACE, [v, MPI.INT64_T], MPI.MIN)
+        else:  # bounded waits over the transport
+            allreduce_recursive_doubling(tp, v, "min", timeout=timeout)
         k = len(vals)
         if v[-2] != 0:
             if local_error is not None:
@@ -275,12 +287,11 @@ class CollectiveMixin:
 
         src = _Staged(sb)
         dst = src if inplace else _Staged(rb)
+        # The input must survive a retry: out of place it does (sendbuf is only
+        # read); in place, fault-tolerant mode reduces from a copy.
+        source = None if not inplace else (np.array(src.host, copy=True) if self._ft is not None else None)
         if not inplace:
-            dst.host[...] = src.host
-        saved = np.array(dst.host, copy=True) if self._ft is not None else None
-
-        def restore():
-            dst.host[...] = saved
+            source = src.host
 
         def attempt(tp, timeout, survivors):
             self._check_header(tp, opname, fields, None, timeout)
@@ -288,18 +299,22 @@ class CollectiveMixin:
             if algo == "ring":
                 from commlib.collectives.allreduce_ring import allreduce_ring  # noqa: PLC0415
 
-                allreduce_ring(tp, work, o, timeout=timeout)
+                allreduce_ring(tp, work, o, sendbuf=source, timeout=timeout)
             elif algo == "recursive_doubling":
                 from commlib.collectives.allreduce_recursive_doubling import allreduce_recursive_doubling  # noqa: PLC0415
 
-                allreduce_recursive_doubling(tp, work, o, timeout=timeout)
+                allreduce_recursive_doubling(tp, work, o, sendbuf=source, timeout=timeout)
             else:
                 from mpi4py import MPI  # noqa: PLC0415
 
-                tp.comm.Allreduce(MPI.IN_PLACE, [work, _ops.mpi_datatype(work.dtype)], _ops.mpi_op(o))
+                dt = _ops.mpi_datatype(work.dtype)
+                if source is None:
+                    tp.comm.Allreduce(MPI.IN_PLACE, [work, dt], _ops.mpi_op(o))
+                else:
+                    tp.comm.Allreduce([source, dt], [work, dt], _ops.mpi_op(o))
                 o.finalize(work, tp.size)
 
-        self._run(opname, attempt, restore)
+        self._run(opname, attempt)
         dst.flush()
         return sendbuf if inplace else recvbuf
 

@@ -306,5 +306,7 @@ def init(comm: MPI.Comm | None = None, *, cuda_aware: bool | None = None, fault_
     dup.Set_errhandler(MPI.ERRORS_RETURN)
     c = Communicator(dup, cuda_aware=cuda_aware)
     c._ft = ft
-    c._coll_transport()  # duplicate now, while every rank is alive
+    c._coll_transport().comm.Barrier()  # duplicate now, while every rank is alive
+    # (the barrier: no rank returns, and maybe fails, while another is still
+    # creating communicators; Open MPI 5.0 can crash handling a failure then)
     return c

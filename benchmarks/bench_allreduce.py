@@ -1,0 +1,104 @@
+"""Allreduce bandwidth: commlib's algorithms against ``MPI.Comm.Allreduce``.
+
+OSU/nccl-tests style: for each message size (4 B .. 64 MiB of float32 by
+default) every variant runs interleaved in the same job, best of ``--trials``
+trials, each trial ``iters`` calls (fewer for large messages); the result is
+checked against MPI's own Allreduce on every size.  Reported per size:
+
+- time (us), algbw = bytes / time (GB/s), busbw = algbw * 2 (n - 1) / n
+  (the factor nccl-tests use for allreduce: the bytes each rank must move);
+- ratio = commlib busbw / MPI busbw, side by side from one run.
+
+Run::
+
+    mpiexec --oversubscribe -n 2 python benchmarks/bench_allreduce.py --json ar2.json
+    mpiexec --oversubscribe -n 4 python benchmarks/bench_allreduce.py --json ar4.json
+
+Options: ``--min-bytes``, ``--max-bytes``, ``--trials``, ``--variants
+ring,recursive_doubling,auto,mpi``, ``--no-check-args`` (skip commlib's
+argument-consistency header exchange, see ``commlib.collective_api``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _util import write_json  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--min-bytes", type=int, default=4)
+    ap.add_argument("--max-bytes", type=int, default=64 << 20)
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--variants", default="ring,recursive_doubling,auto")
+    ap.add_argument("--no-check-args", action="store_true")
+    ap.add_argument("--fault-tolerant", action="store_true", help="run commlib variants in FT mode")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.no_check_args:
+        os.environ["COMMLIB_CHECK_ARGS"] = "0"
+
+    import commlib
+    from mpi4py import MPI
+
+    comm = commlib.init(fault_tolerant=args.fault_tolerant)
+    mpi = comm.mpi_comm.Dup()
+    n, rank = comm.size, comm.rank
+    variants = [v for v in args.variants.split(",") if v]
+    factor = 2 * (n - 1) / n if n > 1 else 1.0
+    rows = []
+    nbytes = args.min_bytes
+    while nbytes <= args.max_bytes:
+        count = max(1, nbytes // 4)
+        rng = np.random.default_rng(rank)
+        x = rng.integers(-8, 8, count).astype(np.float32)  # exact sums: any order agrees
+        ref = np.empty_like(x)
+        mpi.Allreduce(x, ref, MPI.SUM)
+        iters = max(2, min(200, int(4e6 // max(nbytes, 1))))
+        out = np.empty_like(x)
+        fns = {"MPI.Allreduce": lambda: mpi.Allreduce(x, out, MPI.SUM)}
+        for v in variants:
+            fns[v] = (lambda v=v: comm.allreduce(x, out, op="sum", algorithm=v))
+        best = {k: float("inf") for k in fns}
+        for _ in range(args.trials):
+            for k, fn in fns.items():  # interleaved: same noise for every variant
+                fn()
+                if k != "MPI.Allreduce":
+                    assert np.array_equal(out, ref), f"{k} wrong at {nbytes} B"
+                mpi.Barrier()
+                t = time.perf_counter()
+                for _ in range(iters):
+                    fn()
+                dt = (time.perf_counter() - t) / iters
+                dt = mpi.allreduce(dt, op=MPI.MAX)
+                best[k] = min(best[k], dt)
+        row = {"bytes": count * 4, "iters": iters}
+        for k, dt in best.items():
+            algbw = count * 4 / dt / 1e9
+            row[k] = {"time_us": dt * 1e6, "algbw_GBps": algbw, "busbw_GBps": algbw * factor}
+        for v in variants:
+            row[v]["ratio_vs_mpi"] = row[v]["busbw_GBps"] / row["MPI.Allreduce"]["busbw_GBps"]
+        rows.append(row)
+        if rank == 0:
+            cells = "  ".join(f"{v}: {row[v]['busbw_GBps']:7.3f} ({row[v]['ratio_vs_mpi']:.2f}x)" for v in variants)
+            print(f"{count * 4:>10d} B  MPI {row['MPI.Allreduce']['busbw_GBps']:7.3f} GB/s  {cells}", flush=True)
+        nbytes *= 4 if nbytes < (1 << 20) else 2
+    if rank == 0:
+        big = [r for r in rows if r["bytes"] >= (1 << 20)]
+        summary = {v: {"min_ratio_ge_1MiB": min((r[v]["ratio_vs_mpi"] for r in big), default=None),
+                       "median_ratio_ge_1MiB": float(np.median([r[v]["ratio_vs_mpi"] for r in big])) if big else None}
+                   for v in variants}
+        print("ratios at >= 1 MiB (commlib busbw / MPI busbw):", summary)
+        write_json(args.json, {"benchmark": "allreduce", "ranks": n, "mpi": MPI.Get_library_version().split("\n")[0].strip("\x00 "),
+                               "fault_tolerant": comm.fault_tolerant, "check_args": not args.no_check_args,
+                               "busbw_factor": factor, "rows": rows, "summary": summary})
+
+
+if __name__ == "__main__":
+    main()

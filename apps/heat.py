@@ -32,9 +32,9 @@ import numpy as np
 
 import commlib
 from commlib.collectives import HaloExchange
-from commlib.errors import InvalidArgument
+from commlib.errors import InvalidArgument, ProcessFailed
 
-__all__ = ["HeatResult", "decompose", "solve", "main", "BACKENDS"]
+__all__ = ["HeatResult", "decompose", "solve", "solve_ft", "main", "BACKENDS"]
 
 BACKENDS = ("numpy", "numba", "cuda")
 
@@ -371,6 +371,205 @@ def gather_field(comm, grid, local, root=0):
         cart.Free()
 
 
+# --------------------------------------------------------- fault tolerance
+def _kill_self():
+    import os  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def solve_ft(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final=None,
+             checkpoint_every=20, kill=(), progress=False):
+    """Run the solver so that it survives rank failures (ULFM).
+
+    Every ``checkpoint_every`` steps each rank keeps a copy of its owned block
+    and sends one to its buddy, rank ``(r + 1) % size`` (in-memory buddy
+    checkpointing), committed only when every survivor agreed the exchange
+    succeeded.  When a rank dies (seen as an MPI error in the halo exchange,
+    or as :class:`commlib.ProcessFailed` from a checkpoint or the final
+    reductions), the survivors revoke the Cartesian communicator, shrink
+    ``comm`` (:meth:`commlib.Communicator.recover`), rebuild the field of the
+    last checkpoint from the owners' and buddies' copies, re-decompose the grid
+    over the remaining ranks and go on from that step.  FTCS does the same
+    arithmetic per cell whatever the decomposition, so the final field equals a
+    failure-free run bit for bit.  A block is lost only when its owner and its
+    buddy both die between two checkpoints.
+
+    Args:
+        comm: ``commlib.init(fault_tolerant=True, on_failure="raise")`` under
+            ``mpiexec --with-ft ulfm``.
+        grid, steps, alpha, backend, cfl, t_final, progress: as :func:`solve`
+            (backends ``"numpy"`` and ``"numba"``).
+        checkpoint_every: steps between checkpoints (K).
+        kill: ``(world_rank, step)`` pairs: that rank SIGKILLs itself when it is
+            about to take that step (fault injection for tests and demos).
+
+    Returns:
+        (HeatResult, local_field): as :func:`solve`; ``extra`` holds
+        ``failed`` (lost COMM_WORLD ranks), ``recoveries`` (count) and
+        ``recovery_s`` (seconds from detection to resumed stepping, each).
+
+    Raises:
+        InvalidArgument: as :func:`solve`, or ``comm`` not fault tolerant.
+        ProcessFailed: a block and its buddy copy were both lost.
+    """
+    from mpi4py import MPI  # noqa: PLC0415
+
+    op = "heat.solve_ft"
+    grid = [int(n) for n in grid]
+    if comm.fault_tolerant != "ulfm":
+        raise InvalidArgument("--fault-tolerant needs ULFM: mpiexec --with-ft ulfm --mca btl tcp,self",
+                              rank=comm.rank, op=op)
+    if backend not in ("numpy", "numba"):
+        raise InvalidArgument("fault-tolerant mode runs the numpy and numba backends", rank=comm.rank, op=op)
+    if checkpoint_every < 1:
+        raise InvalidArgument("checkpoint_every must be >= 1", rank=comm.rank, op=op)
+    d = len(grid)
+    dx = [1.0 / (n + 1) for n in grid]
+    dt = cfl / (2.0 * alpha * sum(1.0 / h ** 2 for h in dx))
+    if t_final is not None:
+        steps = max(1, math.ceil(t_final / dt - 1e-12))
+        dt = t_final / steps
+    steps = int(steps)
+    c = np.array([alpha * dt / h ** 2 for h in dx], dtype=np.float64)
+    update = _UPDATES[backend]
+    world = MPI.COMM_WORLD.Get_rank()
+    kills = {int(s) for r, s in kill if int(r) == world}
+
+    full = None          # field to restart from (global, after a recovery)
+    step = 0
+    ck = None            # committed checkpoint
+    stats = {"recoveries": 0, "recovery_s": []}
+    t_start = time.perf_counter()
+    t_detect = None
+    while True:
+        cart = halo = None
+        try:
+            cart = comm.cart_create(dims=[0] * d, periods=[False] * d)
+            n, r = comm.size, comm.rank
+            shape, offset = block_of(grid, cart.dims, cart.coords)
+            if min(shape) < 1:
+                raise InvalidArgument(f"{n} ranks leave an empty block on grid {grid}", rank=r, op=op)
+            halo = HaloExchange(cart, shape, width=1, corners=False, dtype=np.float64)
+            u = np.zeros(halo.shape)
+            box = tuple(slice(o, o + m) for o, m in zip(offset, shape))
+            u[halo.interior] = exact_solution(grid, offset, shape, 0.0, alpha) if full is None else full[box]
+            full = None
+            un = u.copy()
+            inner_lo, inner_hi = interior_region(shape, halo.width)
+            shell = shell_regions(shape, halo.width)
+            # geometry of every rank's block in this epoch (for the buddy copies)
+            geo = [block_of(grid, cart.dims, cart.coords_of(q)) for q in range(n)]
+            members = [int(x) for x in MPI.Group.Translate_ranks(
+                comm.mpi_comm.Get_group(), list(range(n)), MPI.COMM_WORLD.Get_group())]
+            if t_detect is not None:
+                stats["recovery_s"].append(time.perf_counter() - t_detect)
+                t_detect = None
+            last_ck = None
+            while True:
+                if step % checkpoint_every == 0 and last_ck != step or step == steps and last_ck != step:
+                    # buddy checkpoint: my block to r+1, r-1's block to me; both kept
+                    mine = np.ascontiguousarray(u[halo.interior])
+                    left = (r - 1) % n
+                    theirs = np.empty(geo[left][0], dtype=np.float64)
+                    comm.sendrecv_resilient(mine, (r + 1) % n, theirs, left, name="heat.checkpoint")
+                    ck = {"step": step, "members": members, "geo": geo,
+                          "blocks": {members[r]: mine, members[left]: theirs}}
+                    last_ck = step
+                if step == steps:
+                    break
+                if step in kills:
+                    _kill_self()
+                req = halo.start(u)
+                update(u, un, c, inner_lo, inner_hi)
+                req.wait()
+                for lo, hi in shell:
+                    update(u, un, c, lo, hi)
+                u, un = un, u
+                step += 1
+            local = u[halo.interior].copy()
+            t = steps * dt
+            ex = exact_solution(grid, offset, shape, t, alpha)
+            err = local - ex
+            sums = comm.allreduce(np.array([float(np.sum(err * err)), float(np.sum(ex * ex))]), op="sum")
+            maxes = comm.allreduce(np.array([float(np.max(np.abs(err)))]), op="max")
+            break
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure: recover collectively
+            from commlib.transports.failures import is_process_failure  # noqa: PLC0415
+
+            if isinstance(exc, InvalidArgument) or not (is_process_failure(exc) or isinstance(exc, MPI.Exception)):
+                raise
+            t_detect = time.perf_counter()
+            # revoke what the halo traffic runs on, so survivors blocked on a
+            # live neighbour are released and join the recovery
+            halo_tp = getattr(halo, "_transport", None)
+            for mc in (getattr(halo_tp, "comm", None), getattr(cart, "mpi_comm", None)):
+                if mc is not None:
+                    try:
+                        mc.Revoke()
+                    except Exception:  # noqa: BLE001
+                        pass
+            if not getattr(exc, "recovered", False):
+                comm.recover()
+            stats["recoveries"] += 1
+            full, step = _restore_checkpoint(comm, grid, ck, op)
+    wall = time.perf_counter() - t_start
+    vol = float(np.prod(dx))
+    cells = int(np.prod(grid))
+    res = HeatResult(
+        grid=grid, ranks=comm.size, dims=list(cart.dims), backend=backend, steps=steps, alpha=alpha,
+        dt=dt, t_final=steps * dt, l2_error=math.sqrt(sums[0] * vol), max_error=float(maxes[0]),
+        rel_l2_error=math.sqrt(sums[0] / sums[1]) if sums[1] > 0 else float("nan"),
+        mlups=cells * steps / wall / 1e6, comm_fraction=float("nan"), wall_s=wall,
+        extra={"fault_tolerant": True, "failed": list(comm.failed_ranks), "checkpoint_every": checkpoint_every,
+               "recoveries": stats["recoveries"], "recovery_s": stats["recovery_s"]},
+    )
+    try:
+        halo.free()
+        cart.free()
+    except Exception:  # noqa: BLE001
+        pass
+    return res, local
+
+
+def _restore_checkpoint(comm, grid, ck, op):
+    """Rebuild the global field of the last committed checkpoint on every survivor.
+
+    Each survivor contributes the blocks it holds (its own and its buddy copy)
+    through one fault-tolerant allgather of fixed-size records; returns
+    ``(field, step)``.
+    """
+    if ck is None:
+        return None, 0
+    geo, members = ck["geo"], ck["members"]
+    maxlen = max(int(np.prod(s)) for s, _ in geo)
+    rec = np.full((2, 1 + maxlen), -1.0)
+    for slot, (w, data) in enumerate(sorted(ck["blocks"].items())[:2]):
+        rec[slot, 0] = w
+        rec[slot, 1:1 + data.size] = data.reshape(-1)
+    allrec = comm.allgather(rec).reshape(-1, 1 + maxlen)
+    field_ = np.empty(grid, dtype=np.float64)
+    have = set()
+    for row in allrec:
+        w = int(row[0])
+        if w < 0 or w in have:
+            continue
+        q = members.index(w)
+        shape, offset = geo[q]
+        box = tuple(slice(o, o + m) for o, m in zip(offset, shape))
+        field_[box] = row[1:1 + int(np.prod(shape))].reshape(shape)
+        have.add(w)
+    missing = sorted(set(members) - have)
+    if missing:
+        raise ProcessFailed(f"checkpoint blocks of COMM_WORLD ranks {missing} lost (owner and buddy both failed)",
+                            failed=comm.failed_ranks, rank=comm.rank, op=op)
+    return field_, ck["step"]
+
+
 def plot_midplane(field_, path, title=""):
     """Save a PNG of the field's mid-plane (the middle slice of the last axis in 3-D)."""
     import matplotlib  # noqa: PLC0415
@@ -415,6 +614,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true",
                    help="gather the field and compare bit for bit with a single-process run")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--fault-tolerant", action="store_true",
+                   help="survive rank failures (ULFM: mpiexec --with-ft ulfm --mca btl tcp,self): in-memory buddy "
+                        "checkpoints, shrink, re-decompose, restore")
+    p.add_argument("--checkpoint-every", type=int, default=20, metavar="K",
+                   help="steps between buddy checkpoints in --fault-tolerant mode (default 20)")
+    p.add_argument("--kill", action="append", default=[], metavar="RANK:STEP",
+                   help="fault injection: COMM_WORLD rank RANK SIGKILLs itself before step STEP (repeatable)")
     return p
 
 
@@ -425,10 +631,16 @@ def main(argv=None) -> int:
         grid = grid * args.dims
     if len(grid) != args.dims:
         build_parser().error(f"--grid takes 1 or {args.dims} sizes, got {len(grid)}")
-    comm = commlib.init()
-    res, local = solve(comm, grid, steps=args.steps, alpha=args.alpha, backend=args.backend, cfl=args.cfl,
-                       t_final=args.t_final, progress=not args.no_progress and sys.stderr.isatty(),
-                       overlap=not args.no_overlap)
+    if args.fault_tolerant:
+        comm = commlib.init(fault_tolerant=True, on_failure="raise")
+        kill = [tuple(int(x) for x in k.split(":")) for k in args.kill]
+        res, local = solve_ft(comm, grid, steps=args.steps, alpha=args.alpha, backend=args.backend, cfl=args.cfl,
+                              t_final=args.t_final, checkpoint_every=args.checkpoint_every, kill=kill)
+    else:
+        comm = commlib.init()
+        res, local = solve(comm, grid, steps=args.steps, alpha=args.alpha, backend=args.backend, cfl=args.cfl,
+                           t_final=args.t_final, progress=not args.no_progress and sys.stderr.isatty(),
+                           overlap=not args.no_overlap)
     full = None
     if args.verify or args.plot:
         full = gather_field(comm, grid, local)
@@ -449,6 +661,9 @@ def main(argv=None) -> int:
         print(f"  {res.mlups:.1f} MLUPS, wall {res.wall_s:.3f} s, comm fraction {res.comm_fraction:.1%}")
         if res.verified is not None:
             print(f"  single-process check: {'bit-identical' if res.verified else 'MISMATCH'}")
+        if res.extra.get("fault_tolerant"):
+            print(f"  fault tolerant: lost COMM_WORLD ranks {res.extra['failed']}, {res.extra['recoveries']} "
+                  f"recovery(ies), recovery times {[round(x, 3) for x in res.extra['recovery_s']]} s")
         if args.json:
             with open(args.json, "w", encoding="utf-8") as fh:
                 json.dump(asdict(res), fh, indent=2)

@@ -38,7 +38,8 @@ from typing import Callable
 
 from commlib.errors import CommError, CommTimeout, InvalidArgument, ProcessFailed
 
-__all__ = ["ft_mode", "ft_mode_info", "FaultTolerance", "bound_finalize_at_exit", "run_collective", "ON_FAILURE"]
+__all__ = ["ft_mode", "ft_mode_info", "FaultTolerance", "bound_finalize_at_exit", "run_collective", "recover",
+           "ON_FAILURE"]
 
 ON_FAILURE = ("shrink", "raise")
 
@@ -176,12 +177,62 @@ def _is_failure(exc: BaseException) -> bool:
     return is_process_failure(exc)
 
 
+def recover(comm) -> tuple:
+    """Collective recovery after the application itself saw a failure.
+
+    For failures found outside commlib's collectives (an ``MPI.Exception`` of
+    class ``MPI_ERR_PROC_FAILED``/``MPI_ERR_REVOKED`` in the application's own
+    point-to-point or halo traffic): revoke ``comm``, agree, shrink.  Every
+    survivor must call it (or be inside a collective of ``comm``, which the
+    revoke interrupts; use ``on_failure="raise"`` so such a collective raises
+    :class:`ProcessFailed` with ``recovered = True`` instead of retrying).
+    Revoke any other communicator the application uses (e.g. a Cartesian one)
+    first, so that survivors blocked on it join.
+
+    Returns:
+        tuple: ``COMM_WORLD`` ranks lost (sorted; may be empty after a false alarm).
+
+    Raises:
+        InvalidArgument: ``comm`` is not fault tolerant under ULFM.
+    """
+    ft: FaultTolerance | None = comm._ft
+    if ft is None or ft.mode != "ulfm":
+        raise InvalidArgument("recover() needs commlib.init(fault_tolerant=True) under ULFM",
+                              rank=comm.rank, op="recover")
+    from mpi4py import MPI  # noqa: PLC0415
+
+    tp = comm._coll_transport()
+    try:
+        tp.comm.Revoke()
+    except Exception:  # noqa: BLE001
+        pass
+    _dbg(comm, "recover: agree")
+    try:
+        tp.comm.Agree(0)
+    except MPI.Exception:
+        try:
+            tp.comm.Ack_failed()
+        except Exception:  # noqa: BLE001
+            pass
+    bound_finalize_at_exit()
+    grp = tp.comm.Get_group()
+    try:
+        lost, _ = comm._shrink(tp, grp)
+    finally:
+        grp.Free()
+    _dbg(comm, "recover: shrunk, lost", lost)
+    return lost
+
+
 def _dbg(comm, *a):
     if os.environ.get("COMMLIB_FT_DEBUG"):
-        print(f"[ft {comm.rank}/{comm.size}]", *a, file=sys.stderr, flush=True)
+        from mpi4py import MPI  # noqa: PLC0415
+
+        print(f"[ft w{MPI.COMM_WORLD.Get_rank()} {comm.rank}/{comm.size}]", *a, file=sys.stderr, flush=True)
 
 
-def run_collective(comm, opname: str, attempt: Callable, restore: Callable | None = None):
+def run_collective(comm, opname: str, attempt: Callable, restore: Callable | None = None,
+                   on_failure: str | None = None):
     """Run one collective on ``comm``, recovering from failures in FT mode.
 
     Args:
@@ -192,6 +243,7 @@ def run_collective(comm, opname: str, attempt: Callable, restore: Callable | Non
             ranks of the call's original communicator still alive, in the order
             of the current one (``range(size)`` before any failure).
         restore: called before each retry to restore the input buffers.
+        on_failure: override the communicator's ``on_failure`` for this call.
 
     Returns:
         whatever ``attempt`` returns.
@@ -285,9 +337,11 @@ def run_collective(comm, opname: str, attempt: Callable, restore: Callable | Non
             if restore is not None:
                 restore()
             if lost_world:
-                if ft.on_failure == "raise":
-                    raise ProcessFailed(f"rank(s) {list(lost_world)} of COMM_WORLD failed; communicator shrunk "
+                if (on_failure or ft.on_failure) == "raise":
+                    exc = ProcessFailed(f"rank(s) {list(lost_world)} of COMM_WORLD failed; communicator shrunk "
                                         f"to {comm.size} ranks", failed=lost_world, rank=comm.rank, op=opname)
+                    exc.recovered = True  # already shrunk: do not call comm.recover() again
+                    raise exc
     finally:
         try:
             call_group.Free()

@@ -155,6 +155,47 @@ class CollectiveMixin:
                                   rank=self.rank, op="add_failure_callback")
         self._ft.callbacks.append(fn)
 
+    def sendrecv_resilient(self, sendbuf, dest: int, recvbuf, source: int, name: str = "sendrecv_resilient"):
+        """Exchange with ``dest``/``source`` as one fault-tolerant step (every rank calls it).
+
+        The exchange runs on the collectives' communicator with bounded waits
+        and, in fault-tolerant mode, ends with an agreement: it returns on every
+        rank only if it succeeded on every rank (e.g. a buddy checkpoint is then
+        safe to commit).  On a failure the communicator is shrunk and
+        :class:`ProcessFailed` (``recovered = True``) is raised on every survivor;
+        it is not retried, since ``dest``/``source`` mean other ranks afterwards.
+
+        Args:
+            sendbuf, recvbuf: contiguous arrays (host or device; device staged).
+            dest, source: ranks of this communicator.
+            name: operation name for errors.
+        """
+        sb = self._wrap(sendbuf, name, "sendbuf")
+        rb = self._wrap(recvbuf, name, "recvbuf")
+        for peer, what in ((dest, "dest"), (source, "source")):
+            if not 0 <= int(peer) < self.size:
+                raise InvalidArgument(f"{what} {peer} out of range [0, {self.size})", rank=self.rank, op=name)
+        src, dst = _Staged(sb), _Staged(rb)
+
+        def attempt(tp, timeout, survivors):
+            from commlib.collectives._common import waitall  # noqa: PLC0415
+
+            rq = tp.irecv(dst.host, int(source), 161)
+            sq = tp.isend(src.host, int(dest), 161)
+            waitall(tp, [rq, sq], timeout)
+
+        self._run(name, attempt, on_failure="raise")
+        dst.flush()
+        return recvbuf
+
+    def recover(self) -> tuple:
+        """Revoke, agree and shrink after the application saw a failure in its
+        own traffic; every survivor calls it.  Returns the lost ``COMM_WORLD``
+        ranks.  See :func:`commlib.collectives.ft.recover`."""
+        from commlib.collectives.ft import recover  # noqa: PLC0415
+
+        return recover(self)
+
     @property
     def failed_ranks(self) -> tuple:
         """``COMM_WORLD`` ranks lost so far (fault-tolerant mode; else empty)."""
@@ -221,10 +262,10 @@ class CollectiveMixin:
     def _algo_code(opname, algorithm) -> int:
         return ALGORITHMS[opname].index(algorithm) + 1
 
-    def _run(self, opname, attempt, restore=None):
+    def _run(self, opname, attempt, restore=None, on_failure=None):
         from commlib.collectives.ft import run_collective  # noqa: PLC0415
 
-        return run_collective(self, opname, attempt, restore)
+        return run_collective(self, opname, attempt, restore, on_failure)
 
     def _wrap(self, obj, opname, what="buffer") -> Buffer:
         b = as_buffer(obj, op=opname, rank=self.rank)

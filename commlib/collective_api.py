@@ -38,8 +38,9 @@ ALGORITHMS = {
 
 AUTO_THRESHOLDS = {
     # allreduce: recursive doubling up to this many bytes, ring above
-    # (measured: benchmarks/bench_allreduce.py, 2 and 4 ranks, TCP and shared memory)
-    "allreduce_rd_max_bytes": 32 * 1024,
+    # (measured with benchmarks/bench_allreduce.py at 2 and 4 ranks, shared
+    # memory, 2 cores: the two cross between 64 and 256 KiB)
+    "allreduce_rd_max_bytes": 256 * 1024,
 }
 
 _KIND = {"allreduce": 1, "reduce_scatter": 2, "allgather": 3, "bcast": 4, "alltoall": 5, "barrier": 6}
@@ -220,8 +221,9 @@ class CollectiveMixin:
         if err_flag:
             vals = [0] * len(vals)
         v = np.array(vals + [-x for x in vals] + [-err_flag, -(tp.rank + 1) * err_flag], dtype=np.int64)
-        if self._ft is None and hasattr(tp, "comm"):
-            # not fault tolerant: MPI's own (unbounded) allreduce is the cheapest
+        if (self._ft is None or self._ft.mode == "ulfm") and hasattr(tp, "comm"):
+            # MPI's own allreduce is the cheapest; under ULFM no MPI call blocks
+            # forever after a failure (it errs, or a survivor's revoke interrupts it)
             from mpi4py import MPI  # noqa: PLC0415
 
             tp.comm.Allreduce(MPI.IN_PLACE, [v, MPI.INT64_T], MPI.MIN)
@@ -287,7 +289,7 @@ class CollectiveMixin:
                 ``"band"``, ``"bor"``, ``"bxor"`` (integers), or an ``MPI.Op``.
             algorithm: ``"ring"`` (Patarasuk & Yuan 2009), ``"recursive_doubling"``
                 (Thakur, Rabenseifner & Gropp 2005), ``"mpi"`` (``MPI_Allreduce``)
-                or ``"auto"`` (recursive doubling up to 32 KiB, ring above).
+                or ``"auto"`` (recursive doubling up to 256 KiB, ring above).
 
         Returns:
             The array holding the result (``recvbuf``, or ``sendbuf`` in place).

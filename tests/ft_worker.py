@@ -82,7 +82,7 @@ def data(kind, wr, call, n_at_call):
     if kind == "f32":
         return rng.uniform(-1, 1, 1003).astype(np.float32)
     if kind == "f32big":
-        return rng.uniform(-1, 1, 50_000).astype(np.float32)
+        return rng.uniform(-1, 1, 100_000).astype(np.float32)  # 400 KB: "auto" picks the ring
     if kind == "intf64":
         return rng.integers(-100, 100, 37).astype(np.float64)
     if kind == "rs":
@@ -121,7 +121,7 @@ def run_call(comm, call, i):
         ref = np.sum([data("intf64", w, i, n0) for w in g], axis=0)
     elif call == "allreduce_auto":
         x = data("f32big", WORLD, i, n0)
-        out = comm.allreduce(x, op="avg")  # > 32 KiB: ring
+        out = comm.allreduce(x, op="avg")  # > 256 KiB: ring
         g = group(comm)
         ref = ring_oracle([data("f32big", w, i, n0) for w in g], "avg")
     elif call == "reduce_scatter":

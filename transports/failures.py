@@ -121,7 +121,7 @@ def mpi_waitall(requests: Sequence[Request], timeout: float | None = None, *, ra
                             f"{len(mreqs)} request(s) not complete after {timeout:.3g} s (peer dead or stalled?)",
                             rank=rank, op="waitall",
                         )
-                    time.sleep(0) if spins < 2048 else time.sleep(2e-4)
+                    time.sleep(0)  # yield (oversubscribed ranks); a longer sleep adds latency per step
     except MPI.Exception as exc:
         # MPI_ERR_IN_STATUS: the real error class is in the statuses
         if failure_class(exc) == _cls("ERR_IN_STATUS"):

@@ -124,7 +124,7 @@ def recovery(args):
     samples, detect, walls = [], [], []
     for i in range(args.runs):
         out = tempfile.mkdtemp(prefix="commlib-ftbench-")
-        k = int(rng.integers(0, 2 * (args.ranks - 1) + 2))  # header steps + ring steps
+        k = int(rng.integers(0, 2 * (args.ranks - 1)))  # one of the ring's 2 (n - 1) sends
         cmd = [mpiexec, "--oversubscribe", "--with-ft", "ulfm", "--mca", "btl", "tcp,self",
                "--prtemca", "state_base_error_non_zero_exit", "0", "-n", str(args.ranks),
                sys.executable, os.path.abspath(__file__), "recovery-worker", "--out", out,

@@ -506,13 +506,11 @@ def solve_ft(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final
             t_detect = time.perf_counter()
             # revoke what the halo traffic runs on, so survivors blocked on a
             # live neighbour are released and join the recovery
-            halo_tp = getattr(halo, "_transport", None)
-            for mc in (getattr(halo_tp, "comm", None), getattr(cart, "mpi_comm", None)):
-                if mc is not None:
-                    try:
-                        mc.Revoke()
-                    except Exception:  # noqa: BLE001
-                        pass
+            halo.revoke()
+            try:
+                cart.mpi_comm.Revoke()
+            except Exception:  # noqa: BLE001 - no ULFM, or already revoked
+                pass
             if not getattr(exc, "recovered", False):
                 comm.recover()
             stats["recoveries"] += 1

@@ -18,9 +18,27 @@ from .attention import (
     ulysses_attention_backward,
     unshard_sequence,
 )
+from .allgather_ring import allgather_ring
+from .allreduce_recursive_doubling import allreduce_recursive_doubling
+from .allreduce_ring import allreduce_ring
+from .alltoall_pairwise import alltoall_pairwise
+from .barrier import barrier_dissemination
+from .bcast_binomial import bcast_binomial
 from .halo import HaloExchange, HaloRequest
+from .ops import OPS, Op, get_op
+from .reduce_scatter_ring import reduce_scatter_ring
 
 __all__ = [
+    "allreduce_ring",
+    "allreduce_recursive_doubling",
+    "reduce_scatter_ring",
+    "allgather_ring",
+    "bcast_binomial",
+    "alltoall_pairwise",
+    "barrier_dissemination",
+    "OPS",
+    "Op",
+    "get_op",
     "HaloExchange",
     "HaloRequest",
     "LAYOUTS",
@@ -33,12 +51,18 @@ __all__ = [
     "ulysses_attention_backward",
     "unshard_sequence",
     "ft_mode",
+    "ft_mode_info",
+    "FaultTolerance",
+    "recover",
+    "bound_finalize_at_exit",
 ]
+
+_FT = ("ft_mode", "ft_mode_info", "FaultTolerance", "recover", "bound_finalize_at_exit")
 
 
 def __getattr__(name):
-    if name == "ft_mode":  # lazily: ft pulls in the ULFM machinery
-        from .ft import ft_mode
+    if name in _FT:  # lazily: ft pulls in the ULFM machinery
+        from . import ft
 
-        return ft_mode
+        return getattr(ft, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

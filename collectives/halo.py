@@ -282,6 +282,21 @@ class HaloExchange:
         """Fill the ghost cells of ``fields`` (``start(*fields).wait(timeout)``)."""
         self.start(*fields).wait(timeout)
 
+    @property
+    def mpi_comm(self):
+        """The plan's private ``MPI.Comm`` (a duplicate of the Cartesian communicator)."""
+        return self._transport.comm
+
+    def revoke(self) -> None:
+        """Revoke the plan's communicator (ULFM ``MPIX_Comm_revoke``), so ranks
+        blocked in an exchange with a failed neighbour return with an error and
+        can join the recovery.  A no-op where the MPI has no ULFM.  The plan
+        cannot be used afterwards; build a new one on the shrunk communicator."""
+        try:
+            self._transport.comm.Revoke()
+        except (NotImplementedError, Exception):  # noqa: BLE001 - no ULFM, or already revoked
+            pass
+
     def free(self) -> None:
         """Release the persistent requests and the plan's private communicator."""
         for plan in self._buffers.values():

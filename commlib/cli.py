@@ -50,11 +50,14 @@ def info() -> dict:
         rec["mpi_library"] = f"unavailable ({exc})"
     rec["ulfm"] = device.ulfm_available()
     try:
-        from commlib.collectives import ft_mode  # noqa: PLC0415
+        from commlib.collectives import ft_mode_info  # noqa: PLC0415
 
-        rec["fault_tolerance"] = ft_mode()
-    except Exception:
-        rec["fault_tolerance"] = "ulfm" if rec["ulfm"] else "timeout"
+        ft = ft_mode_info()
+        rec["fault_tolerance"] = ft["mode"]
+        if ft.get("hint"):
+            rec["fault_tolerance_hint"] = ft["hint"]
+    except Exception as exc:  # noqa: BLE001 - info must print whatever is broken
+        rec["fault_tolerance"] = f"unknown ({exc})"
     rec["cuda_aware_query"] = device.cuda_support_query()
     rec["cuda_aware"] = device.cuda_aware()
     rec["cuda_simulator"] = device.simulator_enabled()

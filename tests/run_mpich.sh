@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The suite's MPICH leg: a second venv with the MPICH wheel (no ULFM), where
+# the fault-injection tests check the bounded-time error instead of recovery,
+# and the collectives run against MPICH's own. Bounded in time like run.sh.
+#
+#   bash tests/run_mpich.sh            # makes .venv-mpich on first use
+set -u
+cd "$(dirname "$0")/.."
+VENV=${MPICH_VENV:-.venv-mpich}
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV" || exit 1
+  "$VENV/bin/pip" install -q ".[mpich,test]" || exit 1
+fi
+PY="$VENV/bin/python"
+lib=$("$PY" -c "from mpi4py import MPI; print(MPI.Get_library_version().split()[0])")
+[ "$lib" = MPICH ] || { echo "mpi4py in $VENV is not linked to MPICH ($lib)" >&2; exit 1; }
+command -v nvidia-smi >/dev/null 2>&1 || export NUMBA_ENABLE_CUDASIM=${NUMBA_ENABLE_CUDASIM:-1}
+export PYTHONDONTWRITEBYTECODE=1
+status=0
+echo "== MPICH: serial collectives and bounded-error fault tests"
+timeout 900 "$PY" -P -m pytest -q -p no:cacheprovider --timeout=300 \
+  tests/test_collectives_unit.py tests/test_ft.py tests/test_communicator.py || status=1
+for n in ${RANKS:-2 3}; do
+  echo "== MPICH: MPI tests on $n rank(s)"
+  timeout 600 "$VENV/bin/mpiexec" -n "$n" "$PY" -P -m pytest -q -p no:cacheprovider --with-mpi -m mpi \
+    --timeout=300 tests/test_collectives.py tests/test_communicator.py tests/test_halo.py || status=1
+done
+exit $status

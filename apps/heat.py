@@ -69,6 +69,20 @@ def exact_solution(grid, offset, shape, t, alpha):
     return u * math.exp(-d * math.pi ** 2 * alpha * t)
 
 
+def time_step(grid, alpha, cfl, steps, t_final=None):
+    """FTCS step for ``grid``: ``(dx per dimension, dt, steps, c)`` where
+    ``dt = cfl / (2 alpha sum 1/dx_i^2)`` (the stability limit times ``cfl``),
+    shortened so ``steps * dt == t_final`` when ``t_final`` is given, and
+    ``c_i = alpha dt / dx_i^2`` (float64 array)."""
+    dx = [1.0 / (n + 1) for n in grid]
+    dt = cfl / (2.0 * alpha * sum(1.0 / h ** 2 for h in dx))
+    if t_final is not None:
+        steps = max(1, math.ceil(t_final / dt - 1e-12))
+        dt = t_final / steps
+    c = np.array([alpha * dt / h ** 2 for h in dx], dtype=np.float64)
+    return dx, dt, int(steps), c
+
+
 # ------------------------------------------------------------------ kernels
 def _numpy_update(u, un, c, lo, hi):
     d = u.ndim
@@ -253,13 +267,7 @@ def solve(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final=No
         raise InvalidArgument(f"need 0 < cfl <= 1 and alpha > 0 (got cfl={cfl}, alpha={alpha})",
                               rank=comm.rank, op=op)
     d = len(grid)
-    dx = [1.0 / (n + 1) for n in grid]
-    dt = cfl / (2.0 * alpha * sum(1.0 / h ** 2 for h in dx))
-    if t_final is not None:
-        steps = max(1, math.ceil(t_final / dt - 1e-12))
-        dt = t_final / steps
-    steps = int(steps)
-    c = np.array([alpha * dt / h ** 2 for h in dx], dtype=np.float64)
+    dx, dt, steps, c = time_step(grid, alpha, cfl, steps, t_final)
 
     cart, shape, offset = _setup(comm, grid, backend)
     halo = HaloExchange(cart, shape, width=1, corners=False, dtype=np.float64)
@@ -427,13 +435,7 @@ def solve_ft(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final
     if checkpoint_every < 1:
         raise InvalidArgument("checkpoint_every must be >= 1", rank=comm.rank, op=op)
     d = len(grid)
-    dx = [1.0 / (n + 1) for n in grid]
-    dt = cfl / (2.0 * alpha * sum(1.0 / h ** 2 for h in dx))
-    if t_final is not None:
-        steps = max(1, math.ceil(t_final / dt - 1e-12))
-        dt = t_final / steps
-    steps = int(steps)
-    c = np.array([alpha * dt / h ** 2 for h in dx], dtype=np.float64)
+    dx, dt, steps, c = time_step(grid, alpha, cfl, steps, t_final)
     update = _UPDATES[backend]
     world = MPI.COMM_WORLD.Get_rank()
     kills = {int(s) for r, s in kill if int(r) == world}

@@ -60,3 +60,12 @@ def __getattr__(name):  # lazy layers: ``commlib.collectives`` etc. on first use
     if name in ("collectives", "datatypes", "transports", "apps", "device", "config"):
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "init", "Communicator", "CartCommunicator", "PROC_NULL", "ANY_SOURCE", "ANY_TAG",
+    "Buffer", "as_buffer",
+    "CommError", "InvalidArgument", "ProcessFailed", "CommTimeout", "DatatypeError", "BufferError",
+    "AuthenticationError",
+    *_ATTENTION,
+]

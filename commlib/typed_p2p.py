@@ -83,6 +83,28 @@ def _mpi_type_cached(t):
 def _choose(comm, b, t, count, peer, strategy):
     if strategy is not None:
         return strategy
+    if not _FORCED():
+        memo = comm.__dict__.setdefault("_strategy_memo", {})
+        from commlib.datatypes import strategy as _strategy  # noqa: PLC0415
+
+        key = (id(t), count, b.is_device, peer, _strategy.generation)
+        got = memo.get(key)
+        if got is not None and got[0] is t:
+            return got[1]
+        s = _choose_uncached(comm, b, t, count, peer)
+        if len(memo) < 4096:
+            memo[key] = (t, s)
+        return s
+    return _choose_uncached(comm, b, t, count, peer)
+
+
+def _FORCED():  # noqa: N802
+    import os  # noqa: PLC0415
+
+    return os.environ.get("COMMLIB_DATATYPE_STRATEGY")
+
+
+def _choose_uncached(comm, b, t, count, peer):
     from commlib.datatypes.strategy import default_model  # noqa: PLC0415
 
     loc = "intra" if peer in (MPI.PROC_NULL, MPI.ANY_SOURCE) else locality_of(comm, peer)

@@ -167,18 +167,26 @@ def default_model() -> Model:
     return _model
 
 
+generation = 0  # bumped by set_model, so callers' cached choices expire
+
+
 def set_model(model: Model | None) -> None:
     """Replace the process-wide model (None: reload from the environment)."""
-    global _model
+    global _model, generation
     _model = model
+    generation += 1
 
 
 # ------------------------------------------------------------ calibration
 def _probe_type(nbytes: int, block: int):
-    """A vector of ``nbytes/block`` blocks of ``block`` bytes, stride 2 blocks."""
+    """A vector of ``nbytes/block`` blocks of ``block`` bytes, stride 2 blocks,
+    over float64 elements when the block allows (MPI's engine treats a block
+    of doubles and a block of bytes differently), else bytes."""
     from .types import Vector  # noqa: PLC0415
 
     block = min(block, nbytes)
+    if block % 8 == 0:
+        return Vector(max(1, nbytes // block), block // 8, 2 * block // 8, np.float64)
     return Vector(max(1, nbytes // block), block, 2 * block, np.uint8)
 
 
@@ -218,35 +226,40 @@ def calibrate(comm, sizes: Iterable[int] = (64, 1024, 16384, 262144, 4 << 20),
         from tqdm import tqdm  # noqa: PLC0415
 
         bar = tqdm(total=len(strategies) * len(sizes) * len(blocks), desc="calibrate", unit="pt")
-    for strat in strategies:
-        dev = strat in DEVICE_STRATEGIES
-        secs = np.zeros((len(sizes), len(blocks)))
-        for i, nb in enumerate(sizes):
-            for j, bl in enumerate(blocks):
-                t = _probe_type(nb, bl)
-                span = max(t.extent, 1)
-                host = np.zeros(span, np.uint8)
-                if dev:
+    # Strategies are interleaved round by round at every point, so drift in
+    # the machine's load biases none of them; each keeps its best round trip.
+    secs = {s: np.zeros((len(sizes), len(blocks))) for s in strategies}
+    for i, nb in enumerate(sizes):
+        for j, bl in enumerate(blocks):
+            t = _probe_type(nb, bl)
+            host = np.zeros(max(t.extent, 1), np.uint8)
+            bufs = {}
+            for strat in strategies:
+                if strat in DEVICE_STRATEGIES:
                     from numba import cuda  # noqa: PLC0415
 
-                    buf = cuda.to_device(host)
+                    bufs[strat] = cuda.to_device(host)
                 else:
-                    buf = host
-                best = math.inf
-                comm.barrier()
-                for _ in range(repeat):
+                    bufs[strat] = host
+            best = dict.fromkeys(strategies, math.inf)
+            for _ in range(repeat):
+                for strat in strategies:
+                    buf = bufs[strat]
+                    comm.barrier()
                     if comm.rank == 0:
                         a = time.perf_counter()
                         typed_send(comm, buf, 1, t, 1, 0, strategy=strat)
                         typed_recv(comm, buf, 1, t, 1, 0, strategy=strat)
-                        best = min(best, (time.perf_counter() - a) / 2)
+                        best[strat] = min(best[strat], (time.perf_counter() - a) / 2)
                     elif comm.rank == 1:
                         typed_recv(comm, buf, 0, t, 1, 0, strategy=strat)
                         typed_send(comm, buf, 0, t, 1, 0, strategy=strat)
-                secs[i, j] = best
-                if bar is not None:
-                    bar.update(1)
-        out[strat] = {"bytes": sizes, "block": blocks, "seconds": secs.tolist()}
+            for strat in strategies:
+                secs[strat][i, j] = best[strat]
+            if bar is not None:
+                bar.update(len(strategies))
+    for strat in strategies:
+        out[strat] = {"bytes": sizes, "block": blocks, "seconds": secs[strat].tolist()}
     if bar is not None:
         bar.close()
     rec = {"tables": {loc: out},

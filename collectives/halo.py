@@ -184,10 +184,13 @@ class HaloExchange:
         """Message buffers, batched pack plans and persistent MPI requests for
         ``nfields`` fields, built on first use and reused every step.
 
-        All messages live in one send and one receive buffer: neighbour ``k``'s
-        message is a slice holding its region of field 0, then field 1, ...
-        Packing is one :class:`commlib.datatypes.batch.BatchPack` call for every
-        neighbour and field together (one per direction), not one per piece.
+        All messages live in one buffer, sends first, then receives: neighbour
+        ``k``'s message is a slice holding its region of field 0, then field 1,
+        ...  Packing is one :class:`commlib.datatypes.batch.BatchPack` call for
+        every neighbour and field together (one per direction), not one per
+        piece.  A neighbour that is this rank itself (a periodic dimension of
+        one rank) gets no message: its ghost cells are unpacked straight from
+        the packed send slice of the opposite direction.
         """
         key = (nfields, device)
         got = self._buffers.get(key)
@@ -195,37 +198,43 @@ class HaloExchange:
             return got
         from commlib.datatypes.batch import BatchPack  # noqa: PLC0415
 
+        me = self.rank
         staged = device and not self._transport.cuda_aware
-        spieces, rpieces, offsets, spans = [], [], [], []
+        spieces, soffs, sspan = [], [], {}
         pos = 0
-        for nb in self.neighbours:
-            spans.append((pos, pos + nb.nbytes * nfields))
+        for k, nb in enumerate(self.neighbours):
+            sspan[nb.offset] = (pos, pos + nb.nbytes * nfields)
             for i in range(nfields):
                 spieces.append((i, nb.send_type))
-                rpieces.append((i, nb.recv_type))
-                offsets.append(pos)
+                soffs.append(pos)
                 pos += nb.nbytes
-        total = pos
+        send_total = pos
+        rpieces, roffs, rspans = [], [], []
+        for nb in self.neighbours:
+            if nb.rank == me:  # read the packed message for the opposite direction
+                base = sspan[tuple(-o for o in nb.offset)][0]
+                rspans.append(None)
+            else:
+                base = pos
+                rspans.append((pos, pos + nb.nbytes * nfields))
+                pos += nb.nbytes * nfields
+            for i in range(nfields):
+                rpieces.append((i, nb.recv_type))
+                roffs.append(base + i * nb.nbytes)
+        total = max(pos, 1)
         if device:
             from numba import cuda  # noqa: PLC0415
 
-            dsend, drecv = cuda.device_array(max(total, 1), np.uint8), cuda.device_array(max(total, 1), np.uint8)
+            wire = cuda.device_array(total, np.uint8)
         else:
-            dsend = drecv = None
-        hsend = np.empty(max(total, 1), np.uint8) if (staged or not device) else None
-        hrecv = np.empty(max(total, 1), np.uint8) if (staged or not device) else None
-        wire_s = hsend if hsend is not None else dsend
-        wire_r = hrecv if hrecv is not None else drecv
-        sreqs = [self._transport.send_init(wire_s[a:b], nb.rank, nb.send_tag)
-                 for nb, (a, b) in zip(self.neighbours, spans)]
-        rreqs = [self._transport.recv_init(wire_r[a:b], nb.rank, nb.recv_tag)
-                 for nb, (a, b) in zip(self.neighbours, spans)]
+            wire = np.empty(total, np.uint8)
+        host = np.empty(total, np.uint8) if staged else wire
+        remote = [(nb, sspan[nb.offset], r) for nb, r in zip(self.neighbours, rspans) if nb.rank != me]
         got = _Plan()
-        got.packer, got.unpacker = BatchPack(spieces, offsets), BatchPack(rpieces, offsets)
-        got.send = dsend if device else hsend
-        got.recv = drecv if device else hrecv
-        got.hsend, got.hrecv = hsend, hrecv
-        got.sreqs, got.rreqs, got.staged = sreqs, rreqs, staged
+        got.packer, got.unpacker = BatchPack(spieces, soffs), BatchPack(rpieces, roffs)
+        got.wire, got.host, got.send_total, got.staged = wire, host, send_total, staged
+        got.sreqs = [self._transport.send_init(host[a:b], nb.rank, nb.send_tag) for nb, (a, b), _ in remote]
+        got.rreqs = [self._transport.recv_init(host[a:b], nb.rank, nb.recv_tag) for nb, _, (a, b) in remote]
         self._buffers[key] = got
         return got
 
@@ -262,9 +271,10 @@ class HaloExchange:
         plan = self._plan_for(len(fields), device)
         if plan.rreqs:
             _MPI().Prequest.Startall(plan.rreqs)
-        plan.packer.pack(fields, plan.send)
+        plan.packer.pack(fields, plan.wire)
         if plan.staged:
-            plan.send.copy_to_host(plan.hsend)
+            n = plan.send_total
+            plan.wire[:n].copy_to_host(plan.host[:n])
         if plan.sreqs:
             _MPI().Prequest.Startall(plan.sreqs)
         return HaloRequest(fields, plan)
@@ -307,7 +317,7 @@ class HaloExchange:
 
 
 class _Plan:
-    __slots__ = ("packer", "unpacker", "send", "recv", "hsend", "hrecv", "sreqs", "rreqs", "staged")
+    __slots__ = ("packer", "unpacker", "wire", "host", "send_total", "sreqs", "rreqs", "staged")
 
 
 class HaloRequest(Request):
@@ -321,8 +331,9 @@ class HaloRequest(Request):
     def _unpack(self):
         plan = self._plan
         if plan.staged:
-            plan.recv.copy_to_device(plan.hrecv)
-        plan.unpacker.unpack(plan.recv, self._fields)
+            n = plan.send_total
+            plan.wire[n:].copy_to_device(plan.host[n:])
+        plan.unpacker.unpack(plan.wire, self._fields)
         self._done = True
 
     def test(self) -> bool:

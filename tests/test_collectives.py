@@ -22,7 +22,7 @@ MPI = pytest.importorskip("mpi4py.MPI")
 import commlib  # noqa: E402
 from commlib.collectives import ops as ops_mod  # noqa: E402
 from commlib.collectives._common import chunk_bounds  # noqa: E402
-from commlib.collectives.reduce_scatter_ring import ring_order  # noqa: E402
+from oracles import ring_oracle  # noqa: E402 - tests/oracles.py
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FLOATS = [np.dtype(np.float16), BF16, np.dtype(np.float32), np.dtype(np.float64)]
@@ -57,21 +57,6 @@ def _bit_identical(comm, arr):
     assert all(b == blobs[0] for b in blobs), f"results differ across ranks (rank {comm.rank})"
 
 
-def _ring_oracle(inputs, op):
-    o = ops_mod.get_op(op)
-    n = len(inputs)
-    out = np.empty_like(inputs[0])
-    b = chunk_bounds(out.size, n)
-    for c in range(n):
-        order = ring_order(c, n)
-        acc = inputs[order[0]][b[c]:b[c + 1]].copy()
-        for r in order[1:]:
-            o.reduce(acc, inputs[r][b[c]:b[c + 1]])
-        o.finalize(acc, n)
-        out[b[c]:b[c + 1]] = acc
-    return out
-
-
 def _mpi_allreduce(comm, x, op):
     dt = ops_mod.mpi_datatype(x.dtype)
     if dt is None:
@@ -102,7 +87,7 @@ def test_allreduce(comm, dtype, op, algorithm):
         ref = _mpi_allreduce(comm, x, op)
         exact = dtype in INTS or op in ("min", "max")
         if algorithm == "ring" or comm.size == 1:
-            np.testing.assert_array_equal(out.view(np.uint8), _ring_oracle(inputs, op).view(np.uint8))
+            np.testing.assert_array_equal(out.view(np.uint8), ring_oracle(inputs, op).view(np.uint8))
         if exact:
             if ref is not None:
                 np.testing.assert_array_equal(out, ref)
@@ -149,7 +134,7 @@ def test_reduce_scatter(comm, dtype, count_per, algorithm):
     out = comm.reduce_scatter(x, op="sum", algorithm=algorithm)
     assert out.shape == (count_per,)
     if algorithm == "ring":
-        full = _ring_oracle(_all_inputs(comm, dtype, count_per * n, 7, "sum"), "sum")
+        full = ring_oracle(_all_inputs(comm, dtype, count_per * n, 7, "sum"), "sum")
         np.testing.assert_array_equal(out.view(np.uint8), full[comm.rank * count_per:(comm.rank + 1) * count_per].view(np.uint8))
     if dtype != BF16:
         dt = ops_mod.mpi_datatype(dtype)

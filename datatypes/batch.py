@@ -92,6 +92,9 @@ class BatchPack:
                 lens = np.array([sizes[m] for m, _ in live], np.int64)
                 self._fused = (_WORD[word](0), prms, which, offs, lens)
         self._checked: set = set()
+        # a piece whose type map writes some byte twice must raise on unpack
+        # (per-piece unpack does): keep such batches off the fused path
+        self._unpack_fused = self._fused is not None and not any(p.overlaps() for _, p in live)
 
     def _fusable(self, bufs) -> bool:
         if self._fused is None or not bufs:
@@ -134,7 +137,7 @@ class BatchPack:
         if packed.shape[0] < self.nbytes:
             raise DatatypeError(f"packed holds {packed.shape[0]} bytes, the batch needs {self.nbytes}",
                                 op="BatchPack.unpack")
-        if self._fusable(bufs) and type(packed) is np.ndarray:
+        if self._unpack_fused and self._fusable(bufs) and type(packed) is np.ndarray:
             wit, prms, which, offs, lens = self._fused
             _unpack_many(packed, bufs, wit, prms, which, offs, lens)
             return

@@ -98,3 +98,14 @@ def test_batch_bad_input():
     small = BatchPack([(0, dts.Subarray((8, 8), (2, 2), (6, 6), np.float64))])
     with pytest.raises(DatatypeError, match="nothing was written"):
         small.pack((np.zeros((4, 4)),), np.zeros(small.nbytes, np.uint8))
+
+
+def test_batch_unpack_refuses_overlapping_targets():
+    """A piece that writes some byte twice raises, as per-piece unpack does."""
+    twice = dts.Hvector(2, 1, 0, np.float64)  # the same 8 bytes twice (stride 0)
+    bp = BatchPack([(0, twice)])
+    buf = np.zeros(4)
+    packed = np.zeros(bp.nbytes, np.uint8)
+    bp.pack((buf,), packed)  # reading twice is fine
+    with pytest.raises(DatatypeError, match="more than once"):
+        bp.unpack(packed, (buf,))

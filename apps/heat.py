@@ -225,7 +225,14 @@ class HeatResult:
 
 def _setup(comm, grid, backend):
     d = len(grid)
-    cart = comm.cart_create(dims=[0] * d, periods=[False] * d)
+    from mpi4py import MPI  # noqa: PLC0415
+
+    dims = list(MPI.Compute_dims(comm.size, [0] * d))
+    for i, (n, p) in enumerate(zip(grid, dims)):
+        if n < p:  # same verdict on every rank: grid and dims are global
+            raise InvalidArgument(f"grid {list(grid)} has {n} point(s) in dimension {i} but {p} ranks along it "
+                                  f"(dims {dims}); use a larger --grid or fewer ranks", rank=comm.rank, op="heat.solve")
+    cart = comm.cart_create(dims=dims, periods=[False] * d)
     shape, offset = block_of(grid, cart.dims, cart.coords)
     return cart, shape, offset
 
@@ -625,6 +632,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    try:
+        return _main(argv)
+    except commlib.CommError as exc:
+        # every rank raises the same argument error; report it once, no traceback
+        if exc.rank in (None, 0):
+            print(f"heat: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     grid = args.grid or ([512] if args.dims == 2 else [96])
     if len(grid) == 1:

@@ -100,3 +100,13 @@ def test_cli_json_and_plot(tmp_path):
         assert key in rec
     assert rec["verified"] is True and rec["grid"] == [12, 12]
     assert png.stat().st_size > 1000
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_grid_smaller_than_ranks_fails_on_every_rank():
+    comm = commlib.init()
+    with pytest.raises(InvalidArgument, match=rf"rank {comm.rank}: heat.solve: grid \[1, 1\] has 1 point"):
+        heat.solve(comm, (1, 1), steps=1, backend="numpy")
+    assert heat.main(["--dims", "2", "--grid", "1", "--steps", "1", "--no-progress"]) == 2
+    comm.barrier()  # every rank got here: nobody was left waiting

@@ -415,3 +415,19 @@ def test_cupy_ring_matches_numpy(selfcomm):  # pragma: no cover - needs a GPU
                                           cupy.asarray(do), causal=True, layout=layout)
         for g, w in zip(grads, dense_backward(q, k, v, do, True, 8 ** -0.5)):
             assert_close(cupy.asnumpy(g), w, 1e-10, "grad")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_mismatched_shapes_across_ranks_fail_everywhere(world):
+    """One rank with a different head_dim (or one rank alone with bad input):
+    every rank raises before any K/V moves, nobody is left waiting."""
+    rng = np.random.default_rng(world.rank)
+    d = 8 if world.rank == world.size - 1 else 4
+    q = rng.standard_normal((1, 4, 2, d))
+    with pytest.raises(InvalidArgument, match=r"ring_attention: ranks disagree on the call \(head_dim"):
+        A.ring_attention(world, q, q[:, :, :1], q[:, :, :1])
+    k = q[:, :, :1] if world.rank else q[:, :3, :1]  # rank 0 alone: k shorter than q
+    with pytest.raises(InvalidArgument, match="ring_attention"):
+        A.ring_attention(world, q, k, q[:, :, :1])
+    world.barrier()

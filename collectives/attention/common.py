@@ -1,9 +1,11 @@
 """Argument checks shared by the attention algorithms.
 
-Every check depends only on arguments that are the same on every rank of a
-correct call (shapes, dtypes, options, ``comm.size``), and runs before any
-message is posted, so a bad call raises the same :class:`InvalidArgument` on
-every rank instead of deadlocking the ring.
+Each rank first checks its own arguments; then the ranks exchange a small
+signature of the call (ok flag, shapes, dtype, options: one ring all-gather of
+a few int64 over the communicator's point-to-point calls, P-1 steps) before
+any K/V message is posted.  So a bad call — on one rank or on all, including
+shapes that differ between ranks — raises :class:`InvalidArgument` on every
+rank instead of deadlocking the ring.
 """
 from __future__ import annotations
 
@@ -44,8 +46,62 @@ def _dtype_name(x) -> str:
         return str(x.dtype)
 
 
+_TAG_SIG = 0x5A60
+_LAYOUT_CODE = {"contiguous": 0, "striped": 1, "zigzag": 2}
+_SIG_FIELDS = ("batch", "seq_local", "heads", "kv_heads", "head_dim", "dtype", "causal", "layout", "seq_len",
+               "tile", "softmax_scale")
+
+
 def validate(comm, q, k, v, *, causal, layout, softmax_scale, seq_len, tile, op, extra=None) -> AttnSpec:
-    """Check an attention call and return its :class:`AttnSpec`.
+    """Check an attention call on every rank together and return its :class:`AttnSpec`.
+
+    Raises:
+        InvalidArgument: on every rank alike when any rank's arguments are bad
+            (that rank names its problem, the others name that rank) or when
+            the ranks' shapes, dtypes or options differ.
+    """
+    problem, spec = None, None
+    try:
+        spec = _validate_local(comm, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
+                               seq_len=seq_len, tile=tile, op=op, extra=extra)
+    except InvalidArgument as exc:
+        problem = exc
+    if comm.size > 1:
+        _agree_on_call(comm, spec, problem, causal, layout, tile, op)
+    if problem is not None:
+        raise problem
+    return spec
+
+
+def _agree_on_call(comm, spec, problem, causal, layout, tile, op) -> None:
+    """Ring all-gather of every rank's call signature; raise alike on a mismatch."""
+    P, r = comm.size, comm.rank
+    table = np.zeros((P, 1 + len(_SIG_FIELDS)), np.int64)
+    if problem is None:
+        table[r] = [1, spec.batch, spec.seq_local, spec.heads, spec.kv_heads, spec.head_dim,
+                    spec.dtype.num, int(bool(causal)), _LAYOUT_CODE.get(layout, -1), spec.seq_len, int(tile),
+                    int(np.float64(spec.scale).view(np.int64))]
+    right, left = (r + 1) % P, (r - 1) % P
+    for step in range(P - 1):
+        send_row, recv_row = (r - step) % P, (r - step - 1) % P
+        reqs = [comm.irecv(table[recv_row], left, _TAG_SIG), comm.isend(table[send_row], right, _TAG_SIG)]
+        comm.waitall(reqs, None)
+    bad = [i for i in range(P) if table[i, 0] == 0]
+    if bad:
+        if problem is not None:
+            raise problem
+        raise InvalidArgument(f"rank(s) {bad} rejected the call (see their error); nothing was sent",
+                              rank=r, op=op)
+    differ = [i for i in range(P) if not np.array_equal(table[i], table[0])]
+    if differ:
+        cols = [j for j in range(1, table.shape[1]) if len(set(table[:, j].tolist())) > 1]
+        what = ", ".join(f"{_SIG_FIELDS[j - 1]} {table[:, j].tolist()}" for j in cols)
+        raise InvalidArgument(f"ranks disagree on the call ({what}, by rank); every rank must pass the same "
+                              "shapes, dtype and options", rank=r, op=op)
+
+
+def _validate_local(comm, q, k, v, *, causal, layout, softmax_scale, seq_len, tile, op, extra=None) -> AttnSpec:
+    """Check this rank's arguments and return its :class:`AttnSpec`.
 
     Args:
         extra: ``{name: (array, expected_shape, dtype or None)}`` for the

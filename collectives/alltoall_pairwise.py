@@ -10,7 +10,29 @@ import numpy as np
 
 from ._common import TAGS, waitall
 
-__all__ = ["alltoall_pairwise"]
+__all__ = ["alltoall_pairwise", "alltoall_pairwise_parts"]
+
+
+def alltoall_pairwise_parts(transport, sendparts, recvparts, *, timeout: float | None = None) -> None:
+    """Pairwise-exchange all-to-all over separate per-rank arrays.
+
+    Args:
+        transport: anything with ``rank``, ``size``, ``isend``, ``irecv`` and
+            ``waitall`` (a transport, or a :class:`commlib.Communicator`).
+        sendparts: ``n`` contiguous arrays; ``sendparts[i]`` goes to rank ``i``.
+        recvparts: ``n`` contiguous arrays (host or device, same kind as the
+            sends); ``recvparts[i]`` receives rank ``i``'s part for this rank,
+            ``recvparts[rank]`` gets a copy of ``sendparts[rank]``.
+        timeout: seconds per step (None: unbounded).
+    """
+    n, r = transport.size, transport.rank
+    recvparts[r][...] = sendparts[r]
+    tag = TAGS["a2a"]
+    for k in range(1, n):
+        dst, src = (r + k) % n, (r - k) % n
+        rq = transport.irecv(recvparts[src], src, tag)
+        sq = transport.isend(sendparts[dst], dst, tag)
+        waitall(transport, [rq, sq], timeout)
 
 
 def alltoall_pairwise(transport, sendbuf: np.ndarray, recvbuf: np.ndarray, *, timeout: float | None = None) -> None:
@@ -24,12 +46,7 @@ def alltoall_pairwise(transport, sendbuf: np.ndarray, recvbuf: np.ndarray, *, ti
             not overlapping ``sendbuf``; block ``i`` receives rank ``i``'s block ``rank``.
         timeout: seconds per step (None: unbounded).
     """
-    n, r = transport.size, transport.rank
+    n = transport.size
     count = sendbuf.size // n
-    recvbuf[r * count:(r + 1) * count] = sendbuf[r * count:(r + 1) * count]
-    tag = TAGS["a2a"]
-    for k in range(1, n):
-        dst, src = (r + k) % n, (r - k) % n
-        rq = transport.irecv(recvbuf[src * count:(src + 1) * count], src, tag)
-        sq = transport.isend(sendbuf[dst * count:(dst + 1) * count], dst, tag)
-        waitall(transport, [rq, sq], timeout)
+    alltoall_pairwise_parts(transport, [sendbuf[i * count:(i + 1) * count] for i in range(n)],
+                            [recvbuf[i * count:(i + 1) * count] for i in range(n)], timeout=timeout)

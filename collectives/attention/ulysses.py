@@ -23,42 +23,31 @@ import numpy as np
 
 from commlib.errors import InvalidArgument
 
+from ..alltoall_pairwise import alltoall_pairwise_parts
+
 from .blocks import attention_backward, attention_forward
 from .common import validate
 from .layout import sequence_positions
 
 __all__ = ["ulysses_attention", "ulysses_attention_backward", "alltoall_pairwise"]
 
-_TAG_A2A = 0x5A73
 
 
-def alltoall_pairwise(comm, sendparts, recvparts, *, tag: int = _TAG_A2A, timeout: float | None = None) -> None:
-    """Pairwise all-to-all over point-to-point calls.
-
-    At round ``i`` (1..P-1) rank ``r`` exchanges with ``r + i`` (send) and
-    ``r - i`` (receive); all rounds are posted non-blocking and waited together.
+def alltoall_pairwise(comm, sendparts, recvparts, *, timeout: float | None = None) -> None:
+    """Pairwise all-to-all of per-rank parts over ``comm``'s point-to-point calls
+    (:func:`commlib.collectives.alltoall_pairwise.alltoall_pairwise_parts`;
+    Thakur, Rabenseifner & Gropp 2005).
 
     Args:
         comm: :class:`commlib.Communicator`.
         sendparts: ``P`` contiguous arrays; ``sendparts[j]`` goes to rank ``j``.
-        recvparts: ``P`` contiguous arrays; ``recvparts[j]`` receives from rank
-            ``j`` (``recvparts[rank]`` gets a copy of ``sendparts[rank]``).
-        tag: message tag.
-        timeout: seconds for the whole exchange.
+        recvparts: ``P`` contiguous arrays; ``recvparts[j]`` receives from rank ``j``.
+        timeout: seconds per exchange step.
 
     Raises:
         CommTimeout: ``timeout`` passed.
     """
-    P, r = comm.size, comm.rank
-    reqs = []
-    for i in range(1, P):
-        src = (r - i) % P
-        reqs.append(comm.irecv(recvparts[src], src, tag))
-    for i in range(1, P):
-        dst = (r + i) % P
-        reqs.append(comm.isend(sendparts[dst], dst, tag))
-    recvparts[r][...] = sendparts[r]
-    comm.waitall(reqs, timeout)
+    alltoall_pairwise_parts(comm, sendparts, recvparts, timeout=timeout)
 
 
 def _seq_to_heads(comm, x, xp, timeout):

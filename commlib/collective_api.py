@@ -331,10 +331,13 @@ class CollectiveMixin:
         src = _Staged(sb)
         dst = src if inplace else _Staged(rb)
         # The input must survive a retry: out of place it does (sendbuf is only
-        # read); in place, fault-tolerant mode reduces from a copy.
-        source = None if not inplace else (np.array(src.host, copy=True) if self._ft is not None else None)
-        if not inplace:
-            source = src.host
+        # read); in place, fault-tolerant mode keeps a snapshot and restores it
+        # before a retry, so the fast in-place algorithm runs on the user's buffer.
+        source = None if inplace else src.host
+        snapshot = np.array(src.host, copy=True) if (inplace and self._ft is not None) else None
+
+        def restore():
+            np.copyto(dst.host, snapshot)
 
         def attempt(tp, timeout, survivors):
             self._check_header(tp, opname, fields, None, timeout)
@@ -357,7 +360,7 @@ class CollectiveMixin:
                     tp.comm.Allreduce([source, dt], [work, dt], _ops.mpi_op(o))
                 o.finalize(work, tp.size)
 
-        self._run(opname, attempt)
+        self._run(opname, attempt, restore if snapshot is not None else None)
         dst.flush()
         return sendbuf if inplace else recvbuf
 

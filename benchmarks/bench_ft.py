@@ -51,7 +51,7 @@ def overhead(args):
         out = np.empty_like(x)
         ref = np.empty_like(x)
         plain.mpi_comm.Allreduce(x, ref, MPI.SUM)
-        iters = max(2, min(100, int(2e6 // nbytes)))
+        iters = max(4, min(100, int(8e6 // nbytes)))
         fns = {}
         for algo in args.algorithms.split(","):
             fns[f"plain-{algo}"] = (lambda a=algo: plain.allreduce(x, out, algorithm=a))
@@ -155,7 +155,7 @@ def main(argv=None):
     ap.add_argument("part", choices=["overhead", "recovery", "recovery-worker"])
     ap.add_argument("--min-bytes", type=int, default=1024)
     ap.add_argument("--max-bytes", type=int, default=64 << 20)
-    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--trials", type=int, default=15)
     ap.add_argument("--algorithms", default="ring,auto")
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--ranks", type=int, default=4)

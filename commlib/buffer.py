@@ -12,6 +12,7 @@ protocol.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +73,7 @@ class Buffer:
     @property
     def size(self) -> int:
         """Number of elements."""
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     @property
     def dense(self) -> bool:
@@ -218,13 +219,13 @@ def as_buffer(obj, *, op: str = "as_buffer", rank: int | None = None) -> Buffer:
         mod = type(obj).__module__.split(".")[0]
         kind = "cupy" if mod == "cupy" else ("numba" if mod == "numba" or mod == "numba_cuda" else "dlpack")
         c, f = _contiguity(shape, strides, dtype.itemsize)
-        return Buffer(obj, kind, True, dtype, shape, strides, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, c, f)
+        return Buffer(obj, kind, True, dtype, shape, strides, math.prod(shape) * dtype.itemsize, c, f)
     if _is_simulator_array(obj):
         dtype = np.dtype(obj.dtype)
         shape = tuple(obj.shape)
         strides = tuple(obj.strides)
         c, f = _contiguity(shape, strides, dtype.itemsize)
-        return Buffer(obj, "numba-sim", True, dtype, shape, strides, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, c, f)
+        return Buffer(obj, "numba-sim", True, dtype, shape, strides, math.prod(shape) * dtype.itemsize, c, f)
     if hasattr(obj, "__dlpack_device__"):
         dev = obj.__dlpack_device__()[0]
         if dev == _DLPACK_CPU:

@@ -264,6 +264,24 @@ def backward_block(qh, kh, vh, doh, lseh, dh, plan: TilePlan, qpos, kpos, dqh, d
 
 
 # -------------------------------------------------- single-rank blocked attention
+def _single_rank_inputs(q, k, v, softmax_scale, positions, seq_len):
+    """Shared set-up of the single-rank kernels: array module, accumulation
+    dtype, shape, kv heads, scale, positions, true length, and heads-major
+    ``q * scale``, ``k``, ``v`` in the accumulation dtype."""
+    xp = get_array_module(q)
+    cdt = compute_dtype(q.dtype)
+    bsz, n, h, d = q.shape
+    hk = k.shape[2]
+    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    pos = np.arange(n, dtype=np.int64) if positions is None else np.asarray(positions, dtype=np.int64)
+    slen = int(pos[-1]) + 1 if seq_len is None and n else (0 if seq_len is None else int(seq_len))
+    qh = to_heads_major(q, hk, cdt, xp)
+    qh *= scale
+    kh = to_heads_major(k, hk, cdt, xp)[:, :, 0]
+    vh = to_heads_major(v, hk, cdt, xp)[:, :, 0]
+    return xp, cdt, (bsz, n, h, d), hk, scale, pos, slen, qh, kh, vh
+
+
 def attention_forward(q, k, v, causal=False, softmax_scale=None, *, positions=None, seq_len=None, tile=128):
     """Blocked attention on one rank (no communication): the single-rank
     baseline and the local kernel of Ulysses.
@@ -281,17 +299,8 @@ def attention_forward(q, k, v, causal=False, softmax_scale=None, *, positions=No
         tuple: ``out`` like ``q`` (input dtype) and ``lse`` ``(batch, heads, seq)``
         in the accumulation dtype.
     """
-    xp = get_array_module(q)
-    cdt = compute_dtype(q.dtype)
-    bsz, n, h, d = q.shape
-    hk = k.shape[2]
-    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
-    pos = np.arange(n, dtype=np.int64) if positions is None else np.asarray(positions, dtype=np.int64)
-    slen = int(pos[-1]) + 1 if seq_len is None and n else (0 if seq_len is None else int(seq_len))
-    qh = to_heads_major(q, hk, cdt, xp)
-    qh *= scale
-    kh = to_heads_major(k, hk, cdt, xp)[:, :, 0]
-    vh = to_heads_major(v, hk, cdt, xp)[:, :, 0]
+    xp, cdt, (bsz, n, h, d), hk, scale, pos, slen, qh, kh, vh = _single_rank_inputs(
+        q, k, v, softmax_scale, positions, seq_len)
     state = ForwardAccumulator(qh.shape, cdt, xp)
     plan = tile_plan(pos, pos, slen, causal, tile)
     forward_block(qh, kh, vh, plan, pos, pos, state)
@@ -306,17 +315,8 @@ def attention_backward(q, k, v, out, lse, dout, causal=False, softmax_scale=None
     Returns:
         tuple: ``(dq, dk, dv)`` shaped and typed like ``q``, ``k``, ``v``.
     """
-    xp = get_array_module(q)
-    cdt = compute_dtype(q.dtype)
-    bsz, n, h, d = q.shape
-    hk = k.shape[2]
-    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
-    pos = np.arange(n, dtype=np.int64) if positions is None else np.asarray(positions, dtype=np.int64)
-    slen = int(pos[-1]) + 1 if seq_len is None and n else (0 if seq_len is None else int(seq_len))
-    qh = to_heads_major(q, hk, cdt, xp)
-    qh *= scale
-    kh = to_heads_major(k, hk, cdt, xp)[:, :, 0]
-    vh = to_heads_major(v, hk, cdt, xp)[:, :, 0]
+    xp, cdt, (bsz, n, h, d), hk, scale, pos, slen, qh, kh, vh = _single_rank_inputs(
+        q, k, v, softmax_scale, positions, seq_len)
     doh = to_heads_major(dout, hk, cdt, xp)
     dh = (doh * to_heads_major(out, hk, cdt, xp)).sum(axis=-1)
     lseh = xp.asarray(lse, dtype=cdt).reshape(bsz, hk, h // hk, n)

@@ -292,14 +292,14 @@ def solve(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final=No
     shell = shell_regions(shape, width)
     everything = (tuple(width), tuple(w + n for n, w in zip(shape, width)))
 
+    # Compile the kernels before the clock starts (numba JIT on first call).
+    update(u, un, c, everything[0], tuple(x + 1 for x in everything[0]))
     bar = None
     if progress and comm.rank == 0:
         from tqdm import tqdm  # noqa: PLC0415
 
         bar = tqdm(total=steps, desc=f"heat {d}-D {backend} x{comm.size}", unit="step", leave=False,
                    mininterval=0.5)
-    # Compile the kernels before the clock starts (numba JIT on first call).
-    update(u, un, c, everything[0], tuple(x + 1 for x in everything[0]))
     comm.barrier()
     t_comm = 0.0
     t0 = time.perf_counter()
@@ -656,7 +656,7 @@ def _main(argv=None) -> int:
     else:
         comm = commlib.init()
         res, local = solve(comm, grid, steps=args.steps, alpha=args.alpha, backend=args.backend, cfl=args.cfl,
-                           t_final=args.t_final, progress=not args.no_progress and sys.stderr.isatty(),
+                           t_final=args.t_final, progress=not args.no_progress,
                            overlap=not args.no_overlap)
     full = None
     if args.verify or args.plot:

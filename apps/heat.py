@@ -223,7 +223,7 @@ class HeatResult:
     extra: dict = field(default_factory=dict)
 
 
-def _setup(comm, grid, backend):
+def _setup(comm, grid):
     d = len(grid)
     from mpi4py import MPI  # noqa: PLC0415
 
@@ -276,7 +276,7 @@ def solve(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final=No
     d = len(grid)
     dx, dt, steps, c = time_step(grid, alpha, cfl, steps, t_final)
 
-    cart, shape, offset = _setup(comm, grid, backend)
+    cart, shape, offset = _setup(comm, grid)
     halo = HaloExchange(cart, shape, width=1, corners=False, dtype=np.float64)
     width = halo.width
     u0 = np.zeros(halo.shape)
@@ -361,7 +361,6 @@ def gather_field(comm, grid, local, root=0):
     so only the float64 data travels (no pickling).
     """
     d = len(grid)
-    dims = comm.mpi_comm.Get_size()
     from mpi4py import MPI  # noqa: PLC0415
 
     dims = MPI.Compute_dims(comm.size, [0] * d)

@@ -33,7 +33,6 @@ from commlib.transports.mpi import MPITransport
 
 __all__ = ["HaloExchange", "HaloRequest"]
 
-_PROC_NULL = -2  # MPI.PROC_NULL in mpi4py; checked against the real one in __init__
 
 
 class _Neighbour:
@@ -101,7 +100,6 @@ class HaloExchange:
         self.width = width
         self.corners = bool(corners)
         self.shape = tuple(n + 2 * w for n, w in zip(local_shape, width))
-        self._proc_null = MPI.PROC_NULL
         # A private communicator: halo tags cannot meet the application's.
         self._transport = MPITransport(cart.mpi_comm.Dup(), cuda_aware=cart.cuda_aware)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from typing import Callable, Sequence
+from typing import Sequence
 
 from commlib.errors import CommTimeout
 
@@ -37,17 +37,17 @@ class Request(ABC):
         if timeout is None:
             self._wait_forever()
             return
-        deadline = time.monotonic() + timeout
+        self._poll(time.monotonic() + timeout, timeout)
+
+    def _wait_forever(self) -> None:
+        self._poll(float("inf"), None)
+
+    def _poll(self, deadline: float, timeout) -> None:
+        """Test with exponential back-off (1 us to 1 ms) until done or ``deadline``."""
         pause = 1e-6
         while not self.test():
             if time.monotonic() > deadline:
                 raise CommTimeout(f"request not complete after {timeout:.3g} s", op=type(self).__name__ + ".wait")
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
-
-    def _wait_forever(self) -> None:
-        pause = 1e-6
-        while not self.test():
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
 
@@ -127,5 +127,3 @@ class Transport(ABC):
     def unsupported(self, what: str) -> NotImplementedError:
         return NotImplementedError(f"transport '{self.name}' does not support {what}")
 
-
-Callback = Callable[[], None]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["chunk_bounds", "waitall", "TAGS"]
+__all__ = ["chunk_bounds", "chunk_bounds_list", "waitall", "exchange", "TAGS"]
 
 # Tags of the collective algorithms.  They run on a communicator of their own
 # (Communicator duplicates one for collectives), so these cannot meet user tags.
@@ -35,6 +35,38 @@ def chunk_bounds(count: int, parts: int) -> np.ndarray:
     b = np.zeros(parts + 1, dtype=np.int64)
     np.cumsum(sizes, out=b[1:])
     return b
+
+
+def chunk_bounds_list(count: int, parts: int) -> list[int]:
+    """:func:`chunk_bounds` as a list of Python ints (cheaper to slice with in
+    an algorithm's per-step loop)."""
+    base, extra = divmod(count, parts)
+    return [i * base + min(i, extra) for i in range(parts + 1)]
+
+
+def exchange(transport, sendbuf, dest: int, recvbuf, source: int, tag: int, timeout, overlap=None) -> None:
+    """One algorithm step: send ``sendbuf`` to ``dest`` while receiving
+    ``recvbuf`` from ``source`` (same ``tag``).
+
+    Unbounded (``timeout=None``) and with nothing to overlap, this is the
+    transport's blocking ``sendrecv``: one MPI call, the least Python on the
+    step's critical path (every microsecond there is paid once per rank around
+    a ring).  Otherwise the receive and the send are posted, ``overlap()`` runs
+    while they are in flight (e.g. a fault-tolerant snapshot), and the step
+    waits at most ``timeout`` seconds.
+
+    Raises:
+        CommTimeout: the step did not complete within ``timeout``.
+        MPI.Exception / ProcessFailed: from the transport, when a peer fails.
+    """
+    if timeout is None and overlap is None:
+        transport.sendrecv(sendbuf, dest, recvbuf, source, tag, tag)
+        return
+    rq = transport.irecv(recvbuf, source, tag)
+    sq = transport.isend(sendbuf, dest, tag)
+    if overlap is not None:
+        overlap()
+    waitall(transport, [rq, sq], timeout)
 
 
 def waitall(transport, requests, timeout) -> None:

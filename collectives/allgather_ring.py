@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common import TAGS, waitall
+from ._common import TAGS, exchange
 
 __all__ = ["allgather_ring", "allgather_ring_inplace"]
 
 
-def allgather_ring_inplace(transport, work: np.ndarray, bounds: np.ndarray, owner_shift: int = 0, *,
+def allgather_ring_inplace(transport, work: np.ndarray, bounds, owner_shift: int = 0, *,
                            timeout: float | None = None) -> None:
     """Circulate the chunks of ``work`` so that every rank ends with all of them.
 
@@ -22,19 +22,19 @@ def allgather_ring_inplace(transport, work: np.ndarray, bounds: np.ndarray, owne
         transport: the point-to-point transport.
         work: 1-D contiguous host array; on entry chunk ``(r + owner_shift) % n``
             is valid on rank r; on return every chunk is.
-        bounds: chunk offsets, shape ``(n + 1,)``.
+        bounds: chunk offsets, ``n + 1`` ints.
         owner_shift: which chunk rank r starts with (0: chunk r).
         timeout: seconds per step (None: unbounded).
     """
     n, r = transport.size, transport.rank
+    bounds = [int(x) for x in bounds]
     right, left = (r + 1) % n, (r - 1) % n
     tag = TAGS["ag"]
     for s in range(n - 1):
         sc = (r + owner_shift - s) % n
         rc = (r + owner_shift - s - 1) % n
-        rq = transport.irecv(work[bounds[rc]:bounds[rc + 1]], left, tag)
-        sq = transport.isend(work[bounds[sc]:bounds[sc + 1]], right, tag)
-        waitall(transport, [rq, sq], timeout)
+        exchange(transport, work[bounds[sc]:bounds[sc + 1]], right, work[bounds[rc]:bounds[rc + 1]], left, tag,
+                 timeout)
 
 
 def allgather_ring(transport, sendbuf: np.ndarray, recvbuf: np.ndarray, *, timeout: float | None = None) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common import chunk_bounds
+from ._common import chunk_bounds_list
 from .allgather_ring import allgather_ring_inplace
 from .ops import get_op
 from .reduce_scatter_ring import reduce_scatter_ring_inplace
@@ -24,7 +24,7 @@ __all__ = ["allreduce_ring"]
 
 
 def allreduce_ring(transport, buf: np.ndarray, op="sum", *, sendbuf: np.ndarray | None = None,
-                   timeout: float | None = None) -> None:
+                   timeout: float | None = None, save=None) -> None:
     """Allreduce ``buf`` in place by the ring algorithm.
 
     Args:
@@ -37,6 +37,10 @@ def allreduce_ring(transport, buf: np.ndarray, op="sum", *, sendbuf: np.ndarray 
         sendbuf: this rank's input when it is not ``buf`` (out of place: same
             count and dtype, not modified; nothing is copied up front).
         timeout: seconds each of the ``2 (n - 1)`` steps may take (None: unbounded).
+        save: a :class:`.ft.LazySnapshot` of ``buf`` (in place only): every
+            chunk is saved before it is first overwritten, overlapped with the
+            reduce-scatter's transfers, so a fault-tolerant retry can restore
+            the input without a memcpy up front.
 
     Raises:
         CommTimeout: a step did not complete within ``timeout``.
@@ -45,12 +49,15 @@ def allreduce_ring(transport, buf: np.ndarray, op="sum", *, sendbuf: np.ndarray 
     op = get_op(op)
     n = transport.size
     if n == 1:
+        if save is not None and sendbuf is None and op.mean:
+            save.save_all()
         if sendbuf is not None:
             buf[...] = sendbuf
         op.finalize(buf, 1)
         return
-    bounds = chunk_bounds(buf.size, n)
-    reduce_scatter_ring_inplace(transport, buf, op, bounds, timeout=timeout, src=sendbuf)
+    bounds = chunk_bounds_list(buf.size, n)
+    reduce_scatter_ring_inplace(transport, buf, op, bounds, timeout=timeout, src=sendbuf,
+                                save=save if sendbuf is None else None)
     r = transport.rank
     if op.mean:
         op.finalize(buf[bounds[r]:bounds[r + 1]], n)

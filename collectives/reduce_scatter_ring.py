@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common import TAGS, chunk_bounds, waitall
+from ._common import TAGS, exchange
 from .ops import get_op
 
 __all__ = ["reduce_scatter_ring", "reduce_scatter_ring_inplace", "ring_order"]
@@ -28,9 +28,9 @@ def ring_order(chunk: int, size: int) -> list[int]:
     return [(chunk + 1 + k) % size for k in range(size)]
 
 
-def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds: np.ndarray, *,
+def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds, *,
                                 timeout: float | None = None, tmp: np.ndarray | None = None,
-                                src: np.ndarray | None = None) -> None:
+                                src: np.ndarray | None = None, save=None) -> None:
     """Reduce-scatter ``work`` in place over the ring.
 
     Args:
@@ -39,12 +39,17 @@ def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds: np.ndar
             On return ``work[bounds[r]:bounds[r+1]]`` holds the reduced chunk
             ``r`` (other chunks hold partial sums).
         op: :class:`commlib.collectives.ops.Op` or name.
-        bounds: chunk offsets, shape ``(size + 1,)`` (see ``chunk_bounds``).
+        bounds: chunk offsets, ``size + 1`` ints (see ``chunk_bounds``).
         timeout: seconds per step (None: unbounded).
-        tmp: scratch of at least the largest chunk (allocated when None).
+        tmp: scratch of at least the largest chunk (allocated when None or smaller).
         src: this rank's contribution when it is not ``work`` (same size and
             dtype; not modified): saves copying it into ``work`` first.  Chunk
             ``(r - 1) % n`` of ``work`` is then left unset (an allgather fills it).
+        save: a :class:`.ft.LazySnapshot` of ``work`` (in place only): each
+            chunk is copied into it just before it is first overwritten, while
+            that step's messages are in flight, so the copy hides behind the
+            transfer.  The last step also saves chunk ``(r - 1) % n``, the
+            one the allgather overwrites first.
 
     Raises:
         CommTimeout: a step did not finish within ``timeout``.
@@ -54,21 +59,29 @@ def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds: np.ndar
     n, r = transport.size, transport.rank
     if n == 1:
         return
-    if tmp is None:
-        tmp = np.empty(int(np.max(np.diff(bounds))), dtype=work.dtype)
+    bounds = [int(x) for x in bounds]
+    maxlen = max(bounds[i + 1] - bounds[i] for i in range(n))
+    if tmp is None or tmp.size < maxlen:
+        tmp = np.empty(maxlen, dtype=work.dtype)
     right, left = (r + 1) % n, (r - 1) % n
     tag = TAGS["rs"]
     local = work if src is None else src
+    ufunc = op.ufunc
     for s in range(n - 1):
         sc = (r - s - 1) % n
         rc = (r - s - 2) % n
-        rlen = int(bounds[rc + 1] - bounds[rc])
-        rbuf = tmp[:rlen]
-        rq = transport.irecv(rbuf, left, tag)
-        sq = transport.isend((local if s == 0 else work)[bounds[sc]:bounds[sc + 1]], right, tag)
-        waitall(transport, [rq, sq], timeout)
         a, b = bounds[rc], bounds[rc + 1]
-        op.ufunc(local[a:b], rbuf, out=work[a:b])  # own contribution (op) partial from the left
+        rbuf = tmp[:b - a]
+        overlap = None
+        if save is not None:
+            chunks = [(a, b)] + ([(bounds[left], bounds[left + 1])] if s == n - 2 else [])
+
+            def overlap(chunks=chunks):
+                for lo, hi in chunks:
+                    save.save(lo, hi)
+        exchange(transport, (local if s == 0 else work)[bounds[sc]:bounds[sc + 1]], right, rbuf, left, tag,
+                 timeout, overlap)
+        ufunc(local[a:b], rbuf, out=work[a:b])  # own contribution (op) partial from the left
 
 
 def reduce_scatter_ring(transport, sendbuf: np.ndarray, recvbuf: np.ndarray, op="sum", *,

@@ -333,11 +333,10 @@ class CollectiveMixin:
         # The input must survive a retry: out of place it does (sendbuf is only
         # read); in place, fault-tolerant mode keeps a snapshot and restores it
         # before a retry, so the fast in-place algorithm runs on the user's buffer.
+        # The ring saves each chunk lazily, just before it first overwrites it,
+        # behind that step's transfer (LazySnapshot); the others copy up front.
         source = None if inplace else src.host
-        snapshot = np.array(src.host, copy=True) if (inplace and self._ft is not None) else None
-
-        def restore():
-            np.copyto(dst.host, snapshot)
+        snapshot = self._snapshot(dst.host) if (inplace and self._ft is not None) else None
 
         def attempt(tp, timeout, survivors):
             self._check_header(tp, opname, fields, None, timeout)
@@ -345,8 +344,11 @@ class CollectiveMixin:
             if algo == "ring":
                 from commlib.collectives.allreduce_ring import allreduce_ring  # noqa: PLC0415
 
-                allreduce_ring(tp, work, o, sendbuf=source, timeout=timeout)
-            elif algo == "recursive_doubling":
+                allreduce_ring(tp, work, o, sendbuf=source, timeout=timeout, save=snapshot)
+                return
+            if snapshot is not None:
+                snapshot.save_all()
+            if algo == "recursive_doubling":
                 from commlib.collectives.allreduce_recursive_doubling import allreduce_recursive_doubling  # noqa: PLC0415
 
                 allreduce_recursive_doubling(tp, work, o, sendbuf=source, timeout=timeout)
@@ -360,9 +362,21 @@ class CollectiveMixin:
                     tp.comm.Allreduce([source, dt], [work, dt], _ops.mpi_op(o))
                 o.finalize(work, tp.size)
 
-        self._run(opname, attempt, restore if snapshot is not None else None)
+        self._run(opname, attempt, snapshot.restore if snapshot is not None else None)
         dst.flush()
         return sendbuf if inplace else recvbuf
+
+    def _snapshot(self, buf: np.ndarray):
+        """A :class:`~commlib.collectives.ft.LazySnapshot` of ``buf`` whose copy
+        lives in a scratch buffer kept by the communicator (grown as needed), so
+        repeated fault-tolerant calls do not pay fresh page faults each time."""
+        from commlib.collectives.ft import LazySnapshot  # noqa: PLC0415
+
+        scratch = self.__dict__.get("_ft_scratch")
+        if scratch is None or scratch.nbytes < buf.nbytes:
+            scratch = np.empty(buf.nbytes, dtype=np.uint8)
+            self._ft_scratch = scratch
+        return LazySnapshot(buf, scratch)
 
     # -------------------------------------------------------- reduce_scatter
     def reduce_scatter(self, sendbuf, recvbuf=None, op="sum", algorithm: str = "auto"):

@@ -117,6 +117,33 @@ def test_allreduce_inplace_shapes(comm, algorithm):
     assert (f == comm.size).all()
 
 
+@pytest.mark.parametrize("count", [0, 3, 1000, 4099])
+def test_ring_lazy_snapshot_saves_input_before_overwrite(comm, count):
+    """The in-place ring saves every chunk before first writing it: after the
+    call the snapshot covers the whole buffer, holds this rank's *input* (a
+    copy taken after a write would hold partial sums), and restore() puts the
+    input back bit for bit (what a fault-tolerant retry relies on)."""
+    from commlib.collectives.allreduce_ring import allreduce_ring
+    from commlib.collectives.ft import LazySnapshot
+
+    x = _data(np.dtype(np.float32), count, comm.rank, 77)
+    buf = x.copy()
+    snap = LazySnapshot(buf)
+    allreduce_ring(comm._coll_transport(), buf, "sum", save=snap)
+    np.testing.assert_array_equal(buf, ring_oracle([_data(np.dtype(np.float32), count, r, 77)
+                                                     for r in range(comm.size)]))
+    covered = np.zeros(count, bool)
+    for a, b in snap.ranges:
+        assert not covered[a:b].any(), "a chunk was saved twice"
+        covered[a:b] = True
+        np.testing.assert_array_equal(snap.copy[a:b], x[a:b])
+    if comm.size > 1:
+        assert covered.all()
+    snap.restore()
+    np.testing.assert_array_equal(buf[covered], x[covered])
+    assert snap.ranges == []
+
+
 def test_allreduce_mpi_op_objects(comm):
     x = np.full(5, comm.rank + 1, np.int64)
     comm.allreduce(x, op=MPI.SUM)

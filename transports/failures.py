@@ -20,7 +20,8 @@ from commlib.errors import CommError, CommTimeout, ProcessFailed
 
 from .base import Request, wait_all
 
-__all__ = ["mpi_waitall", "failure_class", "is_process_failure", "is_revoked", "to_comm_error", "mpi_failed_ranks"]
+__all__ = ["mpi_waitall", "failure_class", "is_process_failure", "is_revoked", "to_comm_error", "mpi_failed_ranks",
+           "raise_classified"]
 
 
 def _cls(name: str) -> int | None:
@@ -123,13 +124,20 @@ def mpi_waitall(requests: Sequence[Request], timeout: float | None = None, *, ra
                         )
                     time.sleep(0)  # yield (oversubscribed ranks); a longer sleep adds latency per step
     except MPI.Exception as exc:
-        # MPI_ERR_IN_STATUS: the real error class is in the statuses
-        if failure_class(exc) == _cls("ERR_IN_STATUS"):
-            codes = [s.Get_error() for s in statuses]
-            classes = {MPI.Get_error_class(c) for c in codes if c not in (MPI.SUCCESS, _cls("ERR_PENDING"))}
-            if classes & (_PROC_FAILED | _REVOKED):
-                what = "communicator revoked" if classes <= _REVOKED else "a peer process failed"
-                raise ProcessFailed(f"{what} (error classes {sorted(classes)})", rank=rank, op="waitall") from exc
-        raise
+        raise_classified(exc, statuses, rank)
     for r in pending:
         r._finish()
+
+
+def raise_classified(exc: MPI.Exception, statuses, rank=None):
+    """Re-raise the error of an ``MPI_Waitall``/``MPI_Testall``: a process
+    failure or revocation hidden behind ``MPI_ERR_IN_STATUS`` (the real classes
+    are in the statuses) becomes :class:`ProcessFailed`; anything else is
+    raised unchanged."""
+    if failure_class(exc) == _cls("ERR_IN_STATUS"):
+        codes = [s.Get_error() for s in statuses]
+        classes = {MPI.Get_error_class(c) for c in codes if c not in (MPI.SUCCESS, _cls("ERR_PENDING"))}
+        if classes & (_PROC_FAILED | _REVOKED):
+            what = "communicator revoked" if classes <= _REVOKED else "a peer process failed"
+            raise ProcessFailed(f"{what} (error classes {sorted(classes)})", rank=rank, op="waitall") from exc
+    raise exc

@@ -19,6 +19,9 @@ from commlib.device import cuda_aware
 from commlib.errors import BufferError, CommError, InvalidArgument
 
 from .base import CompletedRequest, Request, Transport
+from .failures import mpi_waitall, raise_classified
+
+_BYTE = MPI.BYTE
 
 __all__ = ["MPITransport", "MPIRequest"]
 
@@ -79,6 +82,7 @@ class MPITransport(Transport):
         self._rank = comm.Get_rank()
         self._size = comm.Get_size()
         self.cuda_aware = _detect(cuda_aware)
+        self._statuses: list = []  # reused by waitall
 
     @property
     def rank(self) -> int:
@@ -112,8 +116,9 @@ class MPITransport(Transport):
     # --------------------------------------------------------------- contract
     def isend(self, buf, dest: int, tag: int = 0) -> Request:
         if type(buf) is np.ndarray and buf.flags.c_contiguous and 0 <= dest < self._size:
-            v = buf.reshape(-1).view(np.uint8)  # fast path (collectives' hot loop): host, contiguous
-            return MPIRequest(self.comm.Isend([v, MPI.BYTE], dest, tag), keep=v)
+            # fast path (collectives' hot loop): host, C-contiguous; every
+            # microsecond here is paid once per rank along a ring's critical path
+            return MPIRequest(self.comm.Isend([buf, _BYTE], dest, tag), keep=buf)
         op = "isend"
         self._check_peer(dest, "dest", op)
         b = self._wrap(buf, op)
@@ -127,8 +132,7 @@ class MPITransport(Transport):
 
     def irecv(self, buf, source: int, tag: int = 0) -> Request:
         if type(buf) is np.ndarray and buf.flags.c_contiguous and buf.flags.writeable and 0 <= source < self._size:
-            v = buf.reshape(-1).view(np.uint8)  # fast path (collectives' hot loop): host, contiguous
-            return MPIRequest(self.comm.Irecv([v, MPI.BYTE], source, tag), keep=v)
+            return MPIRequest(self.comm.Irecv([buf, _BYTE], source, tag), keep=buf)  # fast path, as isend
         op = "irecv"
         self._check_peer(source, "source", op)
         b = self._wrap(buf, op)
@@ -167,6 +171,12 @@ class MPITransport(Transport):
         return status
 
     def sendrecv(self, sendbuf, dest: int, recvbuf, source: int, sendtag: int = 0, recvtag: int = 0) -> None:
+        if (type(sendbuf) is np.ndarray and type(recvbuf) is np.ndarray and sendbuf.flags.c_contiguous
+                and recvbuf.flags.c_contiguous and recvbuf.flags.writeable
+                and 0 <= dest < self._size and 0 <= source < self._size):
+            # fast path (one step of a collective): host, C-contiguous, one MPI call
+            self.comm.Sendrecv([sendbuf, _BYTE], dest, sendtag, [recvbuf, _BYTE], source, recvtag)
+            return
         op = "sendrecv"
         self._check_peer(dest, "dest", op)
         self._check_peer(source, "source", op)
@@ -215,8 +225,25 @@ class MPITransport(Transport):
         Raises:
             CommTimeout: when ``timeout`` passes first.
         """
-        from .failures import mpi_waitall  # noqa: PLC0415
-
+        if timeout is None:
+            # fast path (collectives' hot loop, not fault tolerant): one
+            # Waitall on reused status objects; every microsecond here is paid
+            # once per rank along a ring's critical path
+            try:
+                reqs = [r.req for r in requests]
+            except AttributeError:  # not all MPIRequest: the general path
+                mpi_waitall(requests, timeout, rank=self._rank)
+                return
+            st = self._statuses
+            while len(st) < len(reqs):
+                st.append(MPI.Status())
+            try:
+                MPI.Request.Waitall(reqs, st[:len(reqs)])
+            except MPI.Exception as exc:
+                raise_classified(exc, st[:len(reqs)], self._rank)
+            for r in requests:
+                r._finish()
+            return
         mpi_waitall(requests, timeout, rank=self._rank)
 
     def close(self) -> None:

@@ -96,17 +96,24 @@ def recovery_worker(args):
     x = np.random.default_rng(world).integers(-8, 8, (1 << 20) // 4).astype(np.float32)
     comm.allreduce(x, np.empty_like(x), algorithm="ring")  # warm up
     state = {"left": args.kill_at if world == args.victim else -1}
-    orig = MPITransport.isend
+    orig_isend, orig_sendrecv = MPITransport.isend, MPITransport.sendrecv
 
-    def isend(self, buf, dest, tag=0):
+    def count_send():
         if state["left"] == 0:
             with open(os.path.join(args.out, "kill"), "w") as fh:
                 fh.write(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
         state["left"] -= 1
-        return orig(self, buf, dest, tag)
 
-    MPITransport.isend = isend
+    def isend(self, buf, dest, tag=0):
+        count_send()
+        return orig_isend(self, buf, dest, tag)
+
+    def sendrecv(self, sendbuf, dest, recvbuf, source, sendtag=0, recvtag=0):
+        count_send()
+        return orig_sendrecv(self, sendbuf, dest, recvbuf, source, sendtag, recvtag)
+
+    MPITransport.isend, MPITransport.sendrecv = isend, sendrecv
     out = comm.allreduce(x, np.empty_like(x), algorithm="ring")
     t_done = time.time()
     survivors = [r for r in range(MPI.COMM_WORLD.Get_size()) if r not in comm.failed_ranks]

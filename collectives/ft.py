@@ -5,10 +5,15 @@ Herault, Bosilca & Dongarra, "Post-failure recovery of MPI communication
 capability: design and rationale", IJHPCA 27(3):244-254, 2013), as shipped in
 Open MPI 5 (``mpiexec --with-ft ulfm``):
 
-1. every wait of an attempt is bounded (``timeout`` seconds); a rank that sees
-   ``MPI_ERR_PROC_FAILED``, ``MPI_ERR_REVOKED`` or a timeout **revokes** the
-   communicator (``MPIX_Comm_revoke``), which interrupts the survivors still
-   blocked on live-but-waiting peers;
+1. an attempt runs on blocking MPI calls, which ULFM guarantees to return
+   ``MPI_ERR_PROC_FAILED`` or ``MPI_ERR_REVOKED`` instead of hanging on a dead
+   peer; a rank that sees one **revokes** the communicator
+   (``MPIX_Comm_revoke``), which interrupts the survivors still blocked on
+   live-but-waiting peers.  A watchdog thread (NCCL's idea, on ULFM's revoke)
+   bounds the attempt to ``timeout`` seconds: past it, it revokes the
+   communicator, and the survivors raise :class:`~commlib.errors.CommTimeout`
+   (a stalled, live peer).  Without ``MPI_THREAD_MULTIPLE`` every wait is
+   polled and bounded instead;
 2. every survivor then calls ``MPIX_Comm_agree`` on a success flag (bitwise AND
    over the survivors, uniform even when processes fail during it), so a rank that
    finished its part never returns while another retries;
@@ -32,6 +37,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -47,6 +53,7 @@ ON_FAILURE = ("shrink", "raise")
 _OK = 1          # no failure seen
 _NO_BADARG = 2   # no InvalidArgument
 _NO_ERROR = 4    # no other exception
+_NO_TIMEOUT = 8  # no watchdog fired
 
 
 def _ompi_ft_enabled() -> bool:
@@ -146,7 +153,9 @@ class FaultTolerance:
         on_failure: ``"shrink"`` (recover and return the result over the
             survivors) or ``"raise"`` (recover the communicator, then raise
             :class:`ProcessFailed` listing the failed ranks on every survivor).
-        timeout: seconds each wait may take before it counts as a failure.
+        timeout: seconds one attempt of a collective may take (ULFM, enforced
+            by the watchdog), or each wait (``"timeout"`` mode, or no
+            ``MPI_THREAD_MULTIPLE``), before it counts as a failure.
         callbacks: ``fn(failed, comm)`` called on every survivor after a shrink,
             with ``failed`` the lost ranks numbered as in ``COMM_WORLD``.
         failed: every ``COMM_WORLD`` rank lost so far (sorted tuple).
@@ -224,8 +233,11 @@ def recover(comm) -> tuple:
     return lost
 
 
+_DEBUG = bool(os.environ.get("COMMLIB_FT_DEBUG"))  # read once: a lookup per call costs ~1 us
+
+
 def _dbg(comm, *a):
-    if os.environ.get("COMMLIB_FT_DEBUG"):
+    if _DEBUG:
         from mpi4py import MPI  # noqa: PLC0415
 
         print(f"[ft w{MPI.COMM_WORLD.Get_rank()} {comm.rank}/{comm.size}]", *a, file=sys.stderr, flush=True)
@@ -276,6 +288,85 @@ class LazySnapshot:
         self.ranges.clear()
 
 
+class _Watchdog:
+    """Revokes a communicator whose collective attempt outlives its deadline.
+
+    One daemon thread per process, woken only when an armed deadline is
+    earlier than the one it sleeps towards, so arming and disarming around
+    every call costs two lock round trips and no thread switch.  This lets a
+    ULFM-mode attempt use blocking MPI calls (one call per step, as a plain
+    collective) and still end within ``timeout`` when a peer is alive but
+    stalled.  Needs ``MPI_THREAD_MULTIPLE`` (``MPIX_Comm_revoke`` from this
+    thread while the caller is inside MPI).
+    """
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._deadline: float | None = None
+        self._comm = None
+        self._fired = False
+        self._wake: float | None = None  # when the thread wakes next (None: on notify only)
+        self._thread: threading.Thread | None = None
+
+    def arm(self, comm, timeout: float) -> None:
+        """Revoke ``comm`` unless :meth:`disarm` comes within ``timeout`` seconds."""
+        with self._cv:
+            self._comm = comm
+            self._deadline = time.monotonic() + timeout
+            self._fired = False
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="commlib-ft-watchdog", daemon=True)
+                self._thread.start()
+            elif self._wake is None or self._wake > self._deadline:
+                self._cv.notify()
+
+    def disarm(self) -> bool:
+        """Stop watching; True when the deadline passed (the communicator was revoked)."""
+        with self._cv:
+            self._deadline = None
+            self._comm = None
+            fired, self._fired = self._fired, False
+            return fired
+
+    def _loop(self) -> None:
+        with self._cv:
+            while True:
+                if self._deadline is None:
+                    self._wake = None
+                    self._cv.wait()
+                    continue
+                now = time.monotonic()
+                if now < self._deadline:
+                    self._wake = self._deadline
+                    self._cv.wait(self._deadline - now)
+                    continue
+                comm, self._comm, self._deadline = self._comm, None, None
+                self._fired = True
+                self._cv.release()
+                try:
+                    comm.Revoke()
+                except Exception:  # noqa: BLE001 - already revoked or freed
+                    pass
+                finally:
+                    self._cv.acquire()
+
+
+_WATCHDOG: _Watchdog | None = None
+
+
+def _watchdog() -> _Watchdog | None:
+    """The process's watchdog, or None without ``MPI_THREAD_MULTIPLE`` or with
+    ``COMMLIB_FT_WATCHDOG=0`` (then every wait is polled and bounded)."""
+    global _WATCHDOG
+    if _WATCHDOG is None:
+        from mpi4py import MPI  # noqa: PLC0415
+
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE or os.environ.get("COMMLIB_FT_WATCHDOG", "1") == "0":
+            return None
+        _WATCHDOG = _Watchdog()
+    return _WATCHDOG
+
+
 def run_collective(comm, opname: str, attempt: Callable, restore: Callable | None = None,
                    on_failure: str | None = None):
     """Run one collective on ``comm``, recovering from failures in FT mode.
@@ -295,7 +386,9 @@ def run_collective(comm, opname: str, attempt: Callable, restore: Callable | Non
 
     Raises:
         ProcessFailed: ``on_failure="raise"`` (after shrinking), or ``"timeout"`` mode.
-        CommTimeout: a wait ran out of time in ``"timeout"`` mode.
+        CommTimeout: a wait ran out of time in ``"timeout"`` mode; or, under
+            ULFM, an attempt passed ``timeout`` with no process lost (on every
+            survivor, after the communicator was rebuilt).
         InvalidArgument: inconsistent arguments (on every rank).
     """
     ft: FaultTolerance | None = comm._ft
@@ -328,14 +421,18 @@ def run_collective(comm, opname: str, attempt: Callable, restore: Callable | Non
     call_group = comm._coll_transport().comm.Get_group()
     survivors = list(range(comm.size))
     t_fail = None
+    wd = _watchdog()
     try:
         while True:
             tp = comm._coll_transport()
-            flag = _OK | _NO_BADARG | _NO_ERROR
+            flag = _OK | _NO_BADARG | _NO_ERROR | _NO_TIMEOUT
             result = None
             err: BaseException | None = None
+            if wd is not None:
+                wd.arm(tp.comm, ft.timeout)
             try:
-                result = attempt(tp, ft.timeout, survivors)
+                # blocking steps under the watchdog, else bounded polled waits
+                result = attempt(tp, None if wd is not None else ft.timeout, survivors)
             except InvalidArgument as exc:
                 flag &= ~_NO_BADARG
                 err = exc
@@ -351,6 +448,13 @@ def run_collective(comm, opname: str, attempt: Callable, restore: Callable | Non
                 else:
                     flag &= ~_NO_ERROR
                     err = exc
+            if wd is not None and wd.disarm():
+                # past the deadline: the watchdog revoked the communicator (even
+                # if this rank's part had just finished, the others may not have)
+                flag &= ~(_OK | _NO_TIMEOUT)
+                err = None
+                if t_fail is None:
+                    t_fail = time.monotonic()
             _dbg(comm, opname, "agree", flag)
             try:
                 agreed = tp.comm.Agree(flag)
@@ -381,6 +485,10 @@ def run_collective(comm, opname: str, attempt: Callable, restore: Callable | Non
             _dbg(comm, opname, "shrunk", lost_world, survivors)
             if restore is not None:
                 restore()
+            if not agreed & _NO_TIMEOUT and not lost_world:
+                raise CommTimeout(f"a rank's attempt passed the {ft.timeout:g} s timeout with no process lost "
+                                  "(a stalled peer?); the communicator was revoked and rebuilt",
+                                  rank=comm.rank, op=opname)
             if lost_world:
                 if (on_failure or ft.on_failure) == "raise":
                     exc = ProcessFailed(f"rank(s) {list(lost_world)} of COMM_WORLD failed; communicator shrunk "

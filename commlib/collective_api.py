@@ -11,8 +11,8 @@ collectives.  In fault-tolerant mode (``commlib.init(fault_tolerant=True)``)
 the run goes through :func:`commlib.collectives.ft.run_collective`: bounded
 waits, and under ULFM revoke/agree/shrink/retry.
 
-Set ``COMMLIB_CHECK_ARGS=0`` to skip the header exchange (saves one
-``log2(n)``-step round per call).
+Set ``COMMLIB_CHECK_ARGS=0`` before importing commlib to skip the header
+exchange (saves one ``log2(n)``-step round per call).
 """
 from __future__ import annotations
 
@@ -47,8 +47,12 @@ _KIND = {"allreduce": 1, "reduce_scatter": 2, "allgather": 3, "bcast": 4, "allto
 _HEADER_FIELDS = ("operation", "count", "dtype", "op", "root", "algorithm")
 
 
+# read once, at import (an os.environ lookup costs ~1 us, paid on every call)
+_CHECK_ARGS = os.environ.get("COMMLIB_CHECK_ARGS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def _check_args_enabled() -> bool:
-    return os.environ.get("COMMLIB_CHECK_ARGS", "1").strip().lower() not in ("0", "false", "no", "off")
+    return _CHECK_ARGS
 
 
 class _Staged:
@@ -89,6 +93,7 @@ class CollectiveMixin:
             from commlib.transports.mpi import MPITransport  # noqa: PLC0415
 
             tp = MPITransport(self.mpi_comm.Dup(), cuda_aware=self.cuda_aware)
+            tp.fault_tolerant = self._ft is not None
             self._coll_tp = tp
         return tp
 
@@ -139,6 +144,7 @@ class CollectiveMixin:
         self.mpi_comm = user
         self.transport = MPITransport(user, cuda_aware=self.cuda_aware)
         self._coll_tp = MPITransport(new, cuda_aware=self.cuda_aware)
+        self._coll_tp.fault_tolerant = True
         ft = self._ft
         if lost_world:
             ft.failed = tuple(sorted(set(ft.failed) | set(lost_world)))
@@ -215,8 +221,6 @@ class CollectiveMixin:
             if local_error is not None:
                 raise local_error
             return
-        from commlib.collectives.allreduce_recursive_doubling import allreduce_recursive_doubling  # noqa: PLC0415
-
         vals = [int(fields.get(k, 0)) for k in _HEADER_FIELDS]
         if err_flag:
             vals = [0] * len(vals)
@@ -228,14 +232,17 @@ class CollectiveMixin:
 
             tp.comm.Allreduce(MPI.IN_PLACE, [v, MPI.INT64_T], MPI.MIN)
         else:  # bounded waits over the transport
+            from commlib.collectives.allreduce_recursive_doubling import allreduce_recursive_doubling  # noqa: PLC0415
+
             allreduce_recursive_doubling(tp, v, "min", timeout=timeout)
         k = len(vals)
+        v = v.tolist()  # Python ints: the checks below cost no numpy scalar ops
         if v[-2] != 0:
             if local_error is not None:
                 raise local_error
-            raise InvalidArgument(f"rank {-int(v[-1]) - 1} (at least) passed invalid arguments",
+            raise InvalidArgument(f"rank {-v[-1] - 1} (at least) passed invalid arguments",
                                   rank=tp.rank, op=opname)
-        lo, hi = v[:k], -v[k:2 * k]
+        lo, hi = v[:k], [-x for x in v[k:2 * k]]
         bad = [f"{_HEADER_FIELDS[i]} differs across ranks (min {lo[i]}, max {hi[i]}; mine {vals[i]})"
                for i in range(k) if lo[i] != hi[i]]
         if bad:

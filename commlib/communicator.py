@@ -286,8 +286,12 @@ def init(comm: MPI.Comm | None = None, *, cuda_aware: bool | None = None, fault_
         on_failure: ``"shrink"`` (default: recover and return) or ``"raise"``
             (recover the communicator, then raise ``ProcessFailed`` listing the
             failed ranks on every survivor).
-        timeout: seconds any wait may take in fault-tolerant mode before it
-            counts as a failure (default ``COMMLIB_TIMEOUT``, 60).
+        timeout: seconds, fault-tolerant mode (default ``COMMLIB_TIMEOUT``, 60).
+            Under ULFM: the most one attempt of a collective may take; past it
+            a watchdog thread revokes the communicator and every survivor
+            raises ``CommTimeout`` (dead peers are reported by ULFM itself,
+            long before).  Without ULFM, or without ``MPI_THREAD_MULTIPLE``:
+            the most any wait may take before it counts as a failure.
         **options: an unknown option raises.
 
     Raises:

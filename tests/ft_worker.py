@@ -2,7 +2,7 @@
 
 Runs a fixed sequence of collectives in fault-tolerant mode; the victim ranks
 die (``os._exit`` or SIGKILL) at a chosen point: before a call, at the k-th
-point-to-point send inside a call (any algorithm step, header exchange
+point-to-point send inside a call (``isend`` or ``sendrecv``: any algorithm step, header exchange
 included) or after a call.  Every survivor checks each result against an oracle
 computed from the inputs of the ranks the call ended with (the algorithms'
 fixed reduction order makes exact oracles possible) and prints one JSON line::
@@ -12,7 +12,8 @@ fixed reduction order makes exact oracles possible) and prints one JSON line::
 Usage: ft_worker.py SPEC_JSON   with SPEC = {"victims": [[rank, call, point, how], ...],
                                               "mode": "recover" | "expect_error", "seed": int}
 ``point`` is -1 (before the call), k >= 0 (at the k-th send; after the call if
-the call makes fewer), ``how`` is "exit" or "kill".
+the call makes fewer), ``how`` is "exit", "kill" or "stall" (sleep ``FT_STALL``
+seconds there, alive, then go on).
 """
 import hashlib
 import json
@@ -42,6 +43,11 @@ _sends = {"armed": False, "left": 0}
 def die():
     how = victim[3]
     sys.stdout.flush()
+    if how == "stall":  # alive but silent for FT_STALL seconds, then carry on
+        _sends["armed"] = False
+        victim[1] = -1  # stall once
+        time.sleep(float(os.environ.get("FT_STALL", "5")))
+        return
     if how == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     os._exit(int(os.environ.get("FT_EXIT_CODE", "17")))
@@ -50,15 +56,28 @@ def die():
 _orig_isend = MPITransport.isend
 
 
-def _isend(self, buf, dest, tag=0):
+def _count_send():
     if _sends["armed"]:
         if _sends["left"] == 0:
             die()
         _sends["left"] -= 1
+
+
+def _isend(self, buf, dest, tag=0):
+    _count_send()
     return _orig_isend(self, buf, dest, tag)
 
 
+_orig_sendrecv = MPITransport.sendrecv
+
+
+def _sendrecv(self, sendbuf, dest, recvbuf, source, sendtag=0, recvtag=0):
+    _count_send()
+    return _orig_sendrecv(self, sendbuf, dest, recvbuf, source, sendtag, recvtag)
+
+
 MPITransport.isend = _isend
+MPITransport.sendrecv = _sendrecv
 
 
 def data(kind, wr, call, n_at_call):

@@ -174,6 +174,26 @@ def test_on_failure_raise():
     assert wall < 30
 
 
+@needs_ulfm
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("call,point", [(0, 1), (5, 0)])
+def test_stalled_peer_times_out(call, point):
+    """A live rank that stops answering mid-collective (no ULFM failure to
+    report): the watchdog revokes after COMMLIB_TIMEOUT, and once the stalled
+    rank is back every rank, itself included, raises CommTimeout: no one hangs,
+    no one returns a result the others lack."""
+    spec = [[2, call, point, "stall"]]
+    results, wall, text, rc = _run(4, {"victims": spec, "seed": 3},
+                                   env_extra={"COMMLIB_TIMEOUT": "2", "FT_STALL": "6"})
+    assert sorted(results) == [0, 1, 2, 3], text[-3000:]
+    for r, res in results.items():
+        assert res.get("error") == "CommTimeout", res
+        assert "timeout" in res["message"], res
+        assert res["failed"] == [], res
+        assert len(res["hashes"]) == call, res  # the calls before it all succeeded
+    assert wall < 60, wall
+
+
 @pytest.mark.skipif(not IS_MPICH, reason="bounded-error checks run under MPICH (no ULFM)")
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("call,point", [(0, 3), (1, 0), (2, 2), (3, 1), (4, -1), (5, 4), (6, 0), (7, 10_000)])

@@ -78,6 +78,12 @@ class Transport(ABC):
     """
 
     name = "abstract"
+    #: set on the transports of fault-tolerant communicators: collectives then
+    #: keep explicit requests for every step and complete them by polling,
+    #: never by a blocking ``sendrecv`` or ``MPI_Waitall`` (under Open MPI 5's
+    #: ULFM those abort the whole job, "Send error after request freed", when
+    #: a peer dies mid-step); failures are still reported at once.
+    fault_tolerant = False
 
     @property
     @abstractmethod

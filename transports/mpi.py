@@ -22,6 +22,8 @@ from .base import CompletedRequest, Request, Transport
 from .failures import mpi_waitall, raise_classified
 
 _BYTE = MPI.BYTE
+# requests abandoned while pending (see MPIRequest.__del__); never freed
+_ABANDONED: list = []
 
 __all__ = ["MPITransport", "MPIRequest"]
 
@@ -57,6 +59,16 @@ class MPIRequest(Request):
         if not self._done:
             self.req.Wait()
             self._finish()
+
+    def __del__(self):
+        # mpi4py frees an active request when its object dies; a send freed
+        # that way and failing later (a peer died) makes Open MPI's ULFM abort
+        # the whole job ("Send error after request freed").  Requests dropped
+        # while still pending (an error left them behind) are kept instead.
+        if not self._done:
+            req = self.req
+            if req is not None and req != MPI.REQUEST_NULL:
+                _ABANDONED.append(req)
 
     def cancel(self) -> None:
         """Cancel a pending operation (used when recovering from a failure)."""
@@ -217,18 +229,18 @@ class MPITransport(Transport):
         return init(self._mpi_buf(b), peer, tag)
 
     def waitall(self, requests, timeout: float | None = None) -> None:
-        """Wait for ``requests`` with one ``MPI_Waitall`` (``timeout=None``) or by
-        polling ``MPI_Testall`` until ``timeout`` seconds pass (bounded waits of
-        fault-tolerant mode).  MPI errors (e.g. ``MPI_ERR_PROC_FAILED`` under
+        """Wait for ``requests`` with one ``MPI_Waitall`` (``timeout=None``; a
+        ``MPI_Testall`` spin on a fault-tolerant transport, see
+        ``Transport.fault_tolerant``) or by polling ``MPI_Testall`` until
+        ``timeout`` seconds pass (bounded waits).  MPI errors (e.g. ``MPI_ERR_PROC_FAILED`` under
         ULFM) propagate as ``MPI.Exception``; see :mod:`commlib.transports.failures`.
 
         Raises:
             CommTimeout: when ``timeout`` passes first.
         """
         if timeout is None:
-            # fast path (collectives' hot loop, not fault tolerant): one
-            # Waitall on reused status objects; every microsecond here is paid
-            # once per rank along a ring's critical path
+            # fast path (collectives' hot loop): reused status objects; every
+            # microsecond here is paid once per rank along a ring's critical path
             try:
                 reqs = [r.req for r in requests]
             except AttributeError:  # not all MPIRequest: the general path
@@ -238,9 +250,14 @@ class MPITransport(Transport):
             while len(st) < len(reqs):
                 st.append(MPI.Status())
             try:
-                MPI.Request.Waitall(reqs, st[:len(reqs)])
+                st = st[:len(reqs)]
+                if not self.fault_tolerant:
+                    MPI.Request.Waitall(reqs, st)
+                else:  # see Transport.fault_tolerant; the watchdog bounds it
+                    while not MPI.Request.Testall(reqs, st):
+                        pass
             except MPI.Exception as exc:
-                raise_classified(exc, st[:len(reqs)], self._rank)
+                raise_classified(exc, st, self._rank)
             for r in requests:
                 r._finish()
             return

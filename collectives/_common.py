@@ -48,19 +48,18 @@ def exchange(transport, sendbuf, dest: int, recvbuf, source: int, tag: int, time
     """One algorithm step: send ``sendbuf`` to ``dest`` while receiving
     ``recvbuf`` from ``source`` (same ``tag``).
 
-    Unbounded (``timeout=None``), with nothing to overlap, on a transport that
-    is not fault tolerant (``Transport.fault_tolerant``), this is the
-    transport's blocking ``sendrecv``: one MPI call, the least Python on the
-    step's critical path (every microsecond there is paid once per rank around
-    a ring).  Otherwise the receive and the send are posted, ``overlap()`` runs
-    while they are in flight (e.g. a fault-tolerant snapshot), and the step
-    waits at most ``timeout`` seconds.
+    Unbounded (``timeout=None``) and with nothing to overlap, this is the
+    transport's ``sendrecv``: for the MPI transport one call, the least Python
+    on the step's critical path (every microsecond there is paid once per rank
+    around a ring).  Otherwise the receive and the send are posted,
+    ``overlap()`` runs while they are in flight (e.g. a fault-tolerant
+    snapshot), and the step waits at most ``timeout`` seconds.
 
     Raises:
         CommTimeout: the step did not complete within ``timeout``.
         MPI.Exception / ProcessFailed: from the transport, when a peer fails.
     """
-    if timeout is None and overlap is None and not transport.fault_tolerant:
+    if timeout is None and overlap is None:
         transport.sendrecv(sendbuf, dest, recvbuf, source, tag, tag)
         return
     rq = transport.irecv(recvbuf, source, tag)

@@ -78,11 +78,11 @@ class Transport(ABC):
     """
 
     name = "abstract"
-    #: set on the transports of fault-tolerant communicators: collectives then
-    #: keep explicit requests for every step and complete them by polling,
-    #: never by a blocking ``sendrecv`` or ``MPI_Waitall`` (under Open MPI 5's
-    #: ULFM those abort the whole job, "Send error after request freed", when
-    #: a peer dies mid-step); failures are still reported at once.
+    #: set on the transports of fault-tolerant communicators: the MPI
+    #: transport then completes ``sendrecv`` and unbounded ``waitall`` by
+    #: spinning on ``MPI_Testall``, never by a blocking ``MPI_Sendrecv`` or
+    #: ``MPI_Waitall`` (under Open MPI 5's ULFM those abort the whole job,
+    #: "Send error after request freed", when a peer dies mid-step).
     fault_tolerant = False
 
     @property

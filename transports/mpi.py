@@ -187,7 +187,23 @@ class MPITransport(Transport):
                 and recvbuf.flags.c_contiguous and recvbuf.flags.writeable
                 and 0 <= dest < self._size and 0 <= source < self._size):
             # fast path (one step of a collective): host, C-contiguous, one MPI call
-            self.comm.Sendrecv([sendbuf, _BYTE], dest, sendtag, [recvbuf, _BYTE], source, recvtag)
+            if not self.fault_tolerant:
+                self.comm.Sendrecv([sendbuf, _BYTE], dest, sendtag, [recvbuf, _BYTE], source, recvtag)
+                return
+            # fault tolerant (see Transport.fault_tolerant): explicit requests,
+            # completed by a Testall spin; on an error the pending one is kept
+            reqs = [self.comm.Irecv([recvbuf, _BYTE], source, recvtag),
+                    self.comm.Isend([sendbuf, _BYTE], dest, sendtag)]
+            st = self._statuses
+            while len(st) < 2:
+                st.append(MPI.Status())
+            st = st[:2]
+            try:
+                while not MPI.Request.Testall(reqs, st):
+                    pass
+            except MPI.Exception as exc:
+                _ABANDONED.extend(q for q in reqs if q != MPI.REQUEST_NULL)
+                raise_classified(exc, st, self._rank)
             return
         op = "sendrecv"
         self._check_peer(dest, "dest", op)

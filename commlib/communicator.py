@@ -271,7 +271,9 @@ def init(comm: MPI.Comm | None = None, *, cuda_aware: bool | None = None, fault_
     """Initialize commlib and return a :class:`Communicator`.
 
     MPI itself is initialized by importing mpi4py (thread level per
-    ``mpi4py.rc``); commlib adds no global state beyond that.
+    ``mpi4py.rc``), or here (``MPI_THREAD_MULTIPLE``) when
+    ``mpi4py.rc.initialize = False`` left it uninitialized; commlib adds no
+    global state beyond that.
 
     Args:
         comm: communicator to wrap (default ``MPI.COMM_WORLD``).
@@ -299,6 +301,8 @@ def init(comm: MPI.Comm | None = None, *, cuda_aware: bool | None = None, fault_
     """
     if options:
         raise InvalidArgument(f"unknown option(s) {sorted(options)}", op="init")
+    if not MPI.Is_initialized():  # mpi4py.rc.initialize = False, and nobody has yet
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)
     if not fault_tolerant:
         return Communicator(comm, cuda_aware=cuda_aware)
     from commlib.collectives.ft import FaultTolerance, ft_mode  # noqa: PLC0415

@@ -12,7 +12,7 @@ checked against MPI's own Allreduce on every size.  Reported per size:
 Run::
 
     mpiexec --oversubscribe -n 2 python benchmarks/bench_allreduce.py --json ar2.json
-    mpiexec --oversubscribe -n 4 python benchmarks/bench_allreduce.py --json ar4.json
+    mpiexec --oversubscribe -n 4 python benchmarks/bench_allreduce.py --json ar4.json --plot ar4.png
 
 Options: ``--min-bytes``, ``--max-bytes``, ``--trials``, ``--variants
 ring,recursive_doubling,auto,mpi``, ``--no-check-args`` (skip commlib's
@@ -40,6 +40,7 @@ def main(argv=None):
     ap.add_argument("--no-check-args", action="store_true")
     ap.add_argument("--fault-tolerant", action="store_true", help="run commlib variants in FT mode")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None, help="PNG: busbw and ratio to MPI against message size")
     args = ap.parse_args(argv)
     if args.no_check_args:
         os.environ["COMMLIB_CHECK_ARGS"] = "0"
@@ -98,6 +99,32 @@ def main(argv=None):
         write_json(args.json, {"benchmark": "allreduce", "ranks": n, "mpi": MPI.Get_library_version().split("\n")[0].strip("\x00 "),
                                "fault_tolerant": comm.fault_tolerant, "check_args": not args.no_check_args,
                                "busbw_factor": factor, "rows": rows, "summary": summary})
+        if args.plot:
+            plot(rows, ["MPI.Allreduce"] + variants, n, args.plot)
+
+
+def plot(rows, keys, n, path):
+    """busbw (GB/s) and commlib/MPI busbw ratio against message size (bytes)."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    x = [r["bytes"] for r in rows]
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(7, 7), sharex=True)
+    for i, k in enumerate(keys):  # one colour per variant in both panels
+        a1.plot(x, [r[k]["busbw_GBps"] for r in rows], "o-" if k == "MPI.Allreduce" else ".-", label=k, ms=3,
+                color=f"C{i}")
+        if k != "MPI.Allreduce":
+            a2.plot(x, [r[k]["ratio_vs_mpi"] for r in rows], ".-", label=k, ms=3, color=f"C{i}")
+    a2.axhline(0.8, color="grey", ls=":", label="target 0.8x (>= 1 MiB)")
+    a2.axvline(1 << 20, color="grey", ls="--", lw=0.8)
+    a1.set(xscale="log", yscale="log", ylabel="busbw (GB/s)", title=f"allreduce float32 sum, {n} ranks")
+    a2.set(xscale="log", xlabel="message size (bytes)", ylabel="busbw / MPI busbw")
+    a1.legend(fontsize=8)
+    a2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

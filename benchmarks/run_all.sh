@@ -21,10 +21,10 @@ for n in 2 4; do
   M "$n" benchmarks/bench_halo.py --json "$OUT/halo_p$n.json"
   M "$n" benchmarks/bench_halo3d.py --json "$OUT/halo3d_p$n.json" --plot "$OUT/halo3d_p$n.png"
   M "$n" benchmarks/bench_attention.py --json "$OUT/attention_p$n.json"
-  M "$n" benchmarks/bench_allreduce.py --json "$OUT/allreduce_p$n.json"
+  M "$n" benchmarks/bench_allreduce.py --json "$OUT/allreduce_p$n.json" --plot "$OUT/allreduce_p$n.png"
 done
 # fault-tolerant mode: overhead without failure (under ULFM) and recovery time
 run "$MPIEXEC" --oversubscribe --with-ft ulfm --mca btl tcp,self --prtemca state_base_error_non_zero_exit 0 \
-  -n 4 "$PY" benchmarks/bench_ft.py overhead --json "$OUT/ft_overhead.json"
+  -n 2 "$PY" benchmarks/bench_ft.py overhead --trials 25 --min-bytes 1048576 --json "$OUT/ft_overhead.json"
 run "$PY" benchmarks/bench_ft.py recovery --runs "${RUNS:-20}" --json "$OUT/ft_recovery.json"
 echo; echo "results in $OUT/"

@@ -66,9 +66,12 @@ class MPIRequest(Request):
         # the whole job ("Send error after request freed").  Requests dropped
         # while still pending (an error left them behind) are kept instead.
         if not self._done:
-            req = self.req
-            if req is not None and req != MPI.REQUEST_NULL:
-                _ABANDONED.append(req)
+            try:
+                req = self.req
+                if req is not None and req != MPI.REQUEST_NULL:
+                    _ABANDONED.append(req)
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass
 
     def cancel(self) -> None:
         """Cancel a pending operation (used when recovering from a failure)."""

@@ -292,8 +292,9 @@ class _Watchdog:
     """Revokes a communicator whose collective attempt outlives its deadline.
 
     One daemon thread per process, woken only when an armed deadline is
-    earlier than the one it sleeps towards, so arming and disarming around
-    every call costs two lock round trips and no thread switch.  This lets a
+    earlier than the time it sleeps towards, so arming and disarming around
+    every call costs two lock round trips and no thread switch (the thread
+    itself wakes about once per ``timeout``).  This lets a
     ULFM-mode attempt use blocking MPI calls (one call per step, as a plain
     collective) and still end within ``timeout`` when a peer is alive but
     stalled.  Needs ``MPI_THREAD_MULTIPLE`` (``MPIX_Comm_revoke`` from this
@@ -305,7 +306,8 @@ class _Watchdog:
         self._deadline: float | None = None
         self._comm = None
         self._fired = False
-        self._wake: float | None = None  # when the thread wakes next (None: on notify only)
+        self._wake: float | None = None  # when the thread wakes next
+        self._idle = 60.0  # seconds the thread sleeps while disarmed (the last timeout)
         self._thread: threading.Thread | None = None
 
     def arm(self, comm, timeout: float) -> None:
@@ -313,6 +315,7 @@ class _Watchdog:
         with self._cv:
             self._comm = comm
             self._deadline = time.monotonic() + timeout
+            self._idle = timeout
             self._fired = False
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="commlib-ft-watchdog", daemon=True)
@@ -332,8 +335,11 @@ class _Watchdog:
         with self._cv:
             while True:
                 if self._deadline is None:
-                    self._wake = None
-                    self._cv.wait()
+                    # idle: sleep a timeout's length, not "until notified", so
+                    # that the next arm (deadline = now + timeout, later than
+                    # this wake) needs no notify and no thread switch
+                    self._wake = time.monotonic() + self._idle
+                    self._cv.wait(self._idle)
                     continue
                 now = time.monotonic()
                 if now < self._deadline:

@@ -5,9 +5,10 @@ Herault, Bosilca & Dongarra, "Post-failure recovery of MPI communication
 capability: design and rationale", IJHPCA 27(3):244-254, 2013), as shipped in
 Open MPI 5 (``mpiexec --with-ft ulfm``):
 
-1. an attempt runs on blocking MPI calls, which ULFM guarantees to return
-   ``MPI_ERR_PROC_FAILED`` or ``MPI_ERR_REVOKED`` instead of hanging on a dead
-   peer; a rank that sees one **revokes** the communicator
+1. an attempt runs without per-step deadlines (its steps spin on
+   ``MPI_Testall``), as ULFM reports a dead peer as ``MPI_ERR_PROC_FAILED`` or
+   ``MPI_ERR_REVOKED`` instead of hanging; a rank that sees one **revokes** the
+   communicator
    (``MPIX_Comm_revoke``), which interrupts the survivors still blocked on
    live-but-waiting peers.  A watchdog thread (NCCL's idea, on ULFM's revoke)
    bounds the attempt to ``timeout`` seconds: past it, it revokes the
@@ -295,9 +296,9 @@ class _Watchdog:
     earlier than the time it sleeps towards, so arming and disarming around
     every call costs two lock round trips and no thread switch (the thread
     itself wakes about once per ``timeout``).  This lets a
-    ULFM-mode attempt use blocking MPI calls (one call per step, as a plain
-    collective) and still end within ``timeout`` when a peer is alive but
-    stalled.  Needs ``MPI_THREAD_MULTIPLE`` (``MPIX_Comm_revoke`` from this
+    ULFM-mode attempt run its steps without deadlines of their own (as cheap
+    as a plain collective's) and still end within ``timeout`` when a peer is
+    alive but stalled.  Needs ``MPI_THREAD_MULTIPLE`` (``MPIX_Comm_revoke`` from this
     thread while the caller is inside MPI).
     """
 
@@ -437,7 +438,7 @@ def run_collective(comm, opname: str, attempt: Callable, restore: Callable | Non
             if wd is not None:
                 wd.arm(tp.comm, ft.timeout)
             try:
-                # blocking steps under the watchdog, else bounded polled waits
+                # unbounded steps under the watchdog, else bounded polled waits
                 result = attempt(tp, None if wd is not None else ft.timeout, survivors)
             except InvalidArgument as exc:
                 flag &= ~_NO_BADARG

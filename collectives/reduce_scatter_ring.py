@@ -15,6 +15,8 @@ and ends, fully reduced, on rank ``c``.  :func:`ring_order` gives that order.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ._common import TAGS, exchange
@@ -75,13 +77,15 @@ def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds, *,
         overlap = None
         if save is not None:
             chunks = [(a, b)] + ([(bounds[left], bounds[left + 1])] if s == n - 2 else [])
-
-            def overlap(chunks=chunks):
-                for lo, hi in chunks:
-                    save.save(lo, hi)
+            overlap = functools.partial(_save_chunks, save, chunks)
         exchange(transport, (local if s == 0 else work)[bounds[sc]:bounds[sc + 1]], right, rbuf, left, tag,
                  timeout, overlap)
         ufunc(local[a:b], rbuf, out=work[a:b])  # own contribution (op) partial from the left
+
+
+def _save_chunks(save, chunks) -> None:
+    for lo, hi in chunks:
+        save.save(lo, hi)
 
 
 def reduce_scatter_ring(transport, sendbuf: np.ndarray, recvbuf: np.ndarray, op="sum", *,

@@ -440,8 +440,6 @@ class CollectiveMixin:
             n, r = tp.size, tp.rank
             bounds = chunk_bounds(src.host.size, n)
             if algo == "mpi":
-                from mpi4py import MPI  # noqa: PLC0415
-
                 out = np.empty(int(bounds[r + 1] - bounds[r]), dtype=src.host.dtype)
                 dt = _ops.mpi_datatype(out.dtype)
                 tp.comm.Reduce_scatter_block([src.host, dt], [out, dt], _ops.mpi_op(o))

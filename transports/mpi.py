@@ -192,21 +192,9 @@ class MPITransport(Transport):
             # fast path (one step of a collective): host, C-contiguous, one MPI call
             if not self.fault_tolerant:
                 self.comm.Sendrecv([sendbuf, _BYTE], dest, sendtag, [recvbuf, _BYTE], source, recvtag)
-                return
-            # fault tolerant (see Transport.fault_tolerant): explicit requests,
-            # completed by a Testall spin; on an error the pending one is kept
-            reqs = [self.comm.Irecv([recvbuf, _BYTE], source, recvtag),
-                    self.comm.Isend([sendbuf, _BYTE], dest, sendtag)]
-            st = self._statuses
-            while len(st) < 2:
-                st.append(MPI.Status())
-            st = st[:2]
-            try:
-                while not MPI.Request.Testall(reqs, st):
-                    pass
-            except MPI.Exception as exc:
-                _ABANDONED.extend(q for q in reqs if q != MPI.REQUEST_NULL)
-                raise_classified(exc, st, self._rank)
+            else:  # explicit requests (see Transport.fault_tolerant)
+                self._complete([self.comm.Irecv([recvbuf, _BYTE], source, recvtag),
+                                self.comm.Isend([sendbuf, _BYTE], dest, sendtag)])
             return
         op = "sendrecv"
         self._check_peer(dest, "dest", op)
@@ -248,11 +236,12 @@ class MPITransport(Transport):
         return init(self._mpi_buf(b), peer, tag)
 
     def waitall(self, requests, timeout: float | None = None) -> None:
-        """Wait for ``requests`` with one ``MPI_Waitall`` (``timeout=None``; a
+        """Wait for ``requests``: with ``timeout=None`` one ``MPI_Waitall`` (a
         ``MPI_Testall`` spin on a fault-tolerant transport, see
-        ``Transport.fault_tolerant``) or by polling ``MPI_Testall`` until
-        ``timeout`` seconds pass (bounded waits).  MPI errors (e.g. ``MPI_ERR_PROC_FAILED`` under
-        ULFM) propagate as ``MPI.Exception``; see :mod:`commlib.transports.failures`.
+        ``Transport.fault_tolerant``); else by polling ``MPI_Testall`` until
+        ``timeout`` seconds pass.  A process failure or revocation raises
+        :class:`~commlib.errors.ProcessFailed`; other MPI errors propagate as ``MPI.Exception``
+        (see :mod:`commlib.transports.failures`).
 
         Raises:
             CommTimeout: when ``timeout`` passes first.
@@ -265,22 +254,32 @@ class MPITransport(Transport):
             except AttributeError:  # not all MPIRequest: the general path
                 mpi_waitall(requests, timeout, rank=self._rank)
                 return
-            st = self._statuses
-            while len(st) < len(reqs):
-                st.append(MPI.Status())
-            try:
-                st = st[:len(reqs)]
-                if not self.fault_tolerant:
-                    MPI.Request.Waitall(reqs, st)
-                else:  # see Transport.fault_tolerant; the watchdog bounds it
-                    while not MPI.Request.Testall(reqs, st):
-                        pass
-            except MPI.Exception as exc:
-                raise_classified(exc, st, self._rank)
+            self._complete(reqs)
             for r in requests:
                 r._finish()
             return
         mpi_waitall(requests, timeout, rank=self._rank)
+
+    def _complete(self, reqs: list) -> None:
+        """Complete ``MPI.Request`` objects with no deadline, on reused status
+        objects: one ``MPI_Waitall``, or on a fault-tolerant transport a
+        ``MPI_Testall`` spin (see ``Transport.fault_tolerant``; the FT watchdog
+        bounds it).  An error is classified (``raise_classified``) and the
+        requests still pending are kept alive, never freed.
+        """
+        st = self._statuses
+        while len(st) < len(reqs):
+            st.append(MPI.Status())
+        st = st[:len(reqs)]
+        try:
+            if not self.fault_tolerant:
+                MPI.Request.Waitall(reqs, st)
+            else:
+                while not MPI.Request.Testall(reqs, st):
+                    pass
+        except MPI.Exception as exc:
+            _ABANDONED.extend(q for q in reqs if q != MPI.REQUEST_NULL)
+            raise_classified(exc, st, self._rank)
 
     def close(self) -> None:
         if self.comm not in (MPI.COMM_WORLD, MPI.COMM_SELF) and self.comm != MPI.COMM_NULL:

@@ -47,6 +47,31 @@ _KIND = {"allreduce": 1, "reduce_scatter": 2, "allgather": 3, "bcast": 4, "allto
 _HEADER_FIELDS = ("operation", "count", "dtype", "op", "root", "algorithm")
 
 
+def _field_name(opname: str, i: int, value: int):
+    """A header field's value as the user wrote it (operation, algorithm, op
+    and dtype names instead of their codes), for argument-mismatch errors."""
+    field = _HEADER_FIELDS[i]
+    if field == "operation":
+        return next((k for k, v in _KIND.items() if v == value), value)
+    if field == "algorithm":
+        names = ALGORITHMS.get(opname, ())
+        return names[value - 1] if 0 < value <= len(names) else value
+    from commlib.collectives import ops as _ops  # noqa: PLC0415
+
+    if field == "op":
+        return next((o.name for o in _ops.OPS.values() if o.code == value), value)
+    if field == "dtype":
+        import ml_dtypes  # noqa: PLC0415
+
+        for d in [*np.sctypeDict.values(), ml_dtypes.bfloat16]:
+            try:
+                if _ops.dtype_code(d) == value:
+                    return np.dtype(d).name
+            except TypeError:
+                continue
+    return value
+
+
 # read once, at import (an os.environ lookup costs ~1 us, paid on every call)
 _CHECK_ARGS = os.environ.get("COMMLIB_CHECK_ARGS", "1").strip().lower() not in ("0", "false", "no", "off")
 
@@ -243,7 +268,8 @@ class CollectiveMixin:
             raise InvalidArgument(f"rank {-v[-1] - 1} (at least) passed invalid arguments",
                                   rank=tp.rank, op=opname)
         lo, hi = v[:k], [-x for x in v[k:2 * k]]
-        bad = [f"{_HEADER_FIELDS[i]} differs across ranks (min {lo[i]}, max {hi[i]}; mine {vals[i]})"
+        bad = [f"{_HEADER_FIELDS[i]} differs across ranks (at least {_field_name(opname, i, lo[i])} and "
+               f"{_field_name(opname, i, hi[i])}; this rank {_field_name(opname, i, vals[i])})"
                for i in range(k) if lo[i] != hi[i]]
         if bad:
             raise InvalidArgument("; ".join(bad), rank=tp.rank, op=opname)

@@ -52,6 +52,10 @@ SEED = int(os.environ.get("COMMLIB_FT_SEED", str(int(time.time()) % 100000)))
 NCASES = int(os.environ.get("COMMLIB_FT_CASES", "56"))
 
 
+# the byte transfer layers of the ULFM jobs (COMMLIB_TEST_FT_BTL overrides)
+FT_BTL = os.environ.get("COMMLIB_TEST_FT_BTL", "tcp,self")
+
+
 def _ulfm_symbols():
     from commlib.device import ulfm_available
 
@@ -67,7 +71,7 @@ def _run(nprocs, spec, timeout=45, env_extra=None, ulfm=True):
         cmd = [MPIEXEC, "--oversubscribe"]
         if ulfm:
             # a rank that exits non-zero must not make prterun end the job
-            cmd += ["--with-ft", "ulfm", "--mca", "btl", "tcp,self", "--prtemca", "state_base_error_non_zero_exit", "0"]
+            cmd += ["--with-ft", "ulfm", "--mca", "btl", FT_BTL, "--prtemca", "state_base_error_non_zero_exit", "0"]
     else:
         cmd = [MPIEXEC, "-disable-auto-cleanup"]
     cmd += ["-n", str(nprocs), sys.executable, WORKER, json.dumps(spec)]

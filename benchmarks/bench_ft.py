@@ -4,8 +4,8 @@ Two parts, one script:
 
 ``overhead`` (run under mpiexec): the same allreduce (float32 sum, 1 KiB ..
 64 MiB) on a plain communicator and on a fault-tolerant one
-(``commlib.init(fault_tolerant=True)``: bounded waits, an ``MPIX_Comm_agree``
-per call, a snapshot of in-place input), interleaved in one job, best of
+(``commlib.init(fault_tolerant=True)``: a watchdog instead of per-step
+deadlines, an ``MPIX_Comm_agree`` per call, a snapshot of in-place input), interleaved in one job, best of
 ``--trials`` (each ~20 ms of calls); prints the median over trials of the
 paired ``ft/plain`` time ratio (the target: <= 1.10 at >= 1 MiB), and next
 to it the *floor* no fault-tolerant protocol can go below, measured in the

@@ -117,25 +117,23 @@ def overhead(args):
 def _agree_and_copy(ft, x, reps: int = 200):
     """Median seconds of one ``MPIX_Comm_agree`` on ``ft``'s collective
     communicator (all ranks together) and of one memcpy of ``x`` (this rank)."""
-    import time as _t
-
     comm = ft._coll_transport().comm
     if ft.fault_tolerant != "ulfm":
         agree = 0.0
     else:
         ts = []
         for _ in range(reps):
-            t = _t.perf_counter()
+            t = time.perf_counter()
             comm.Agree(1)
-            ts.append(_t.perf_counter() - t)
+            ts.append(time.perf_counter() - t)
         agree = float(np.median(ts))
     snap = np.empty_like(x)
     np.copyto(snap, x)  # fault its pages in first: the FT scratch is kept between calls
     ts = []
     for _ in range(max(5, min(reps, int(2e8 // max(x.nbytes, 1))))):
-        t = _t.perf_counter()
+        t = time.perf_counter()
         np.copyto(snap, x)
-        ts.append(_t.perf_counter() - t)
+        ts.append(time.perf_counter() - t)
     return agree, float(np.median(ts))
 
 

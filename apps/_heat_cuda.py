@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from numba import cuda
 
-from commlib.errors import InvalidArgument
+from commlib.core.errors import InvalidArgument
 
 
 @cuda.jit

@@ -32,7 +32,7 @@ import numpy as np
 
 import commlib
 from commlib.collectives import HaloExchange
-from commlib.errors import InvalidArgument, ProcessFailed
+from commlib.core.errors import InvalidArgument, ProcessFailed
 
 __all__ = ["HeatResult", "decompose", "solve", "solve_ft", "main", "BACKENDS"]
 

@@ -12,7 +12,7 @@ Open MPI 5 (``mpiexec --with-ft ulfm``):
    (``MPIX_Comm_revoke``), which interrupts the survivors still blocked on
    live-but-waiting peers.  A watchdog thread (NCCL's idea, on ULFM's revoke)
    bounds the attempt to ``timeout`` seconds: past it, it revokes the
-   communicator, and the survivors raise :class:`~commlib.errors.CommTimeout`
+   communicator, and the survivors raise :class:`~commlib.core.errors.CommTimeout`
    (a stalled, live peer).  Without ``MPI_THREAD_MULTIPLE`` every wait is
    polled and bounded instead;
 2. every survivor then calls ``MPIX_Comm_agree`` on a success flag (bitwise AND
@@ -25,8 +25,8 @@ Open MPI 5 (``mpiexec --with-ft ulfm``):
 
 Without ULFM (MPICH, or Open MPI launched without ``--with-ft ulfm``) a dead peer
 shows as a wait that does not end: every wait is bounded and every survivor
-raises :class:`~commlib.errors.ProcessFailed` or
-:class:`~commlib.errors.CommTimeout` within a bounded time, after which the
+raises :class:`~commlib.core.errors.ProcessFailed` or
+:class:`~commlib.core.errors.CommTimeout` within a bounded time, after which the
 communicator is marked broken (later calls raise at once).  After any failure
 MPI_Finalize is bounded in time at exit (:func:`bound_finalize_at_exit`), so
 ``mpiexec`` returns within seconds of the survivors finishing.
@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from commlib.errors import CommError, CommTimeout, InvalidArgument, ProcessFailed
+from commlib.core.errors import CommError, CommTimeout, InvalidArgument, ProcessFailed
 
 __all__ = ["ft_mode", "ft_mode_info", "FaultTolerance", "bound_finalize_at_exit", "run_collective", "recover",
            "ON_FAILURE", "LazySnapshot"]
@@ -75,7 +75,7 @@ def ft_mode() -> str:
     forced = os.environ.get("COMMLIB_FT_MODE", "").strip().lower()
     if forced in ("ulfm", "timeout"):
         return forced
-    from commlib.device import ulfm_available  # noqa: PLC0415
+    from commlib.core.device import ulfm_available  # noqa: PLC0415
 
     if not ulfm_available():
         return "timeout"
@@ -93,7 +93,7 @@ def ft_mode_info() -> dict:
     """Details for ``commlib info``: ``{"mode", "ulfm_symbols", "ulfm_enabled", "library", "hint"}``."""
     from mpi4py import MPI  # noqa: PLC0415
 
-    from commlib.device import ulfm_available  # noqa: PLC0415
+    from commlib.core.device import ulfm_available  # noqa: PLC0415
 
     mode = ft_mode()
     lib = MPI.Get_library_version().splitlines()[0].strip()

@@ -25,8 +25,8 @@ from typing import Sequence
 
 import numpy as np
 
-from commlib.buffer import as_buffer
-from commlib.errors import InvalidArgument
+from commlib.core.buffer import as_buffer
+from commlib.core.errors import InvalidArgument
 from commlib.validate import check_all as _agree
 from commlib.transports.base import Request
 from commlib.transports.mpi import MPITransport

@@ -28,7 +28,7 @@ from typing import Callable
 
 import numpy as np
 
-from commlib.errors import InvalidArgument
+from commlib.core.errors import InvalidArgument
 
 __all__ = ["Op", "OPS", "get_op", "dtype_code", "is_floating", "is_integer", "mpi_op", "mpi_datatype"]
 

@@ -27,7 +27,7 @@ def info() -> dict:
     """Collect the provenance record (a JSON-serializable dict)."""
     import commlib  # noqa: PLC0415
 
-    from . import device  # noqa: PLC0415
+    from .core import device  # noqa: PLC0415
 
     rec = {
         "commlib": commlib.__version__,

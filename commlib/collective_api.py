@@ -2,7 +2,7 @@
 
 Each method validates its arguments, checks that every rank passed the same
 count, dtype, op, root and algorithm (a small header exchange over the
-transport, so a mismatch raises :class:`~commlib.errors.InvalidArgument` on
+transport, so a mismatch raises :class:`~commlib.core.errors.InvalidArgument` on
 every rank instead of deadlocking or returning garbage), stages device buffers
 through host memory, and runs one algorithm of :mod:`commlib.collectives`
 (``algorithm="ring"``, ``"recursive_doubling"``, ...), or MPI's own collective
@@ -22,8 +22,8 @@ from typing import Callable
 
 import numpy as np
 
-from commlib.buffer import Buffer, as_buffer
-from commlib.errors import BufferError, CommError, InvalidArgument, ProcessFailed
+from commlib.core.buffer import Buffer, as_buffer
+from commlib.core.errors import BufferError, CommError, InvalidArgument, ProcessFailed
 
 __all__ = ["CollectiveMixin", "ALGORITHMS", "AUTO_THRESHOLDS"]
 
@@ -774,7 +774,7 @@ class _ThreadRequest:
         Raises:
             CommTimeout: ``timeout`` passed first.
         """
-        from commlib.errors import CommTimeout  # noqa: PLC0415
+        from commlib.core.errors import CommTimeout  # noqa: PLC0415
 
         if not self._done.wait(timeout):
             raise CommTimeout(f"collective not complete after {timeout} s", op="wait")

@@ -14,7 +14,7 @@ from typing import Sequence
 from mpi4py import MPI
 
 from commlib.collective_api import CollectiveMixin
-from commlib.errors import InvalidArgument
+from commlib.core.errors import InvalidArgument
 from commlib.transports.base import Request, wait_all
 from commlib.transports.mpi import MPITransport
 
@@ -32,7 +32,7 @@ class Communicator(CollectiveMixin):
         comm: the mpi4py communicator to wrap (default ``MPI.COMM_WORLD``). It is
             not duplicated: use :meth:`dup` for an isolated tag space.
         cuda_aware: force CUDA-awareness on or off (None: detect, see
-            :func:`commlib.device.cuda_aware`).
+            :func:`commlib.core.device.cuda_aware`).
 
     Attributes:
         mpi_comm: the underlying ``MPI.Comm`` for interoperating with mpi4py code.
@@ -306,7 +306,7 @@ def init(comm: MPI.Comm | None = None, *, cuda_aware: bool | None = None, fault_
     if not fault_tolerant:
         return Communicator(comm, cuda_aware=cuda_aware)
     from commlib.collectives.ft import FaultTolerance, ft_mode  # noqa: PLC0415
-    from commlib.config import config  # noqa: PLC0415
+    from commlib.core.config import config  # noqa: PLC0415
 
     ft = FaultTolerance(ft_mode(), on_failure=on_failure, timeout=float(timeout or config.timeout))
     base = MPI.COMM_WORLD if comm is None else comm

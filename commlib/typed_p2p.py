@@ -17,8 +17,8 @@ import functools
 import numpy as np
 from mpi4py import MPI
 
-from commlib.buffer import as_buffer
-from commlib.errors import DatatypeError
+from commlib.core.buffer import as_buffer
+from commlib.core.errors import DatatypeError
 from commlib.transports.base import CompletedRequest, Request
 from commlib.transports.mpi import MPIRequest
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import InvalidArgument
+from .core.errors import InvalidArgument
 
 __all__ = ["check_all"]
 

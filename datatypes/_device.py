@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import config, cuda
 
-from commlib.errors import BufferError
+from commlib.core.errors import BufferError
 
 __all__ = ["pack", "unpack"]
 
@@ -111,7 +111,7 @@ def _check_out(out, nb):
     """A device uint8 array of at least ``nb`` bytes: the caller's ``out`` (a numba
     device array, mapped/pinned host memory from ``cuda.mapped_array`` included,
     or anything with ``__cuda_array_interface__``) or a new one."""
-    from commlib.errors import DatatypeError  # noqa: PLC0415
+    from commlib.core.errors import DatatypeError  # noqa: PLC0415
 
     if out is None:
         return cuda.device_array(nb, dtype=np.uint8)

@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 from numba import njit
 
-from commlib.errors import DatatypeError
+from commlib.core.errors import DatatypeError
 
 from . import _host
 from .pack import _WORD, pack, plan_for, unpack

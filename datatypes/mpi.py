@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from commlib.errors import DatatypeError
+from commlib.core.errors import DatatypeError
 
 from . import types as _t
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from commlib.errors import BufferError, DatatypeError
+from commlib.core.errors import BufferError, DatatypeError
 
 from . import _host
 from . import canonical as _c
@@ -392,7 +392,7 @@ def unpack(packed, datatype, buf, count=1, *, origin=0):
 
 
 def _device_bytes(buf, op):
-    from commlib.buffer import as_buffer  # noqa: PLC0415
+    from commlib.core.buffer import as_buffer  # noqa: PLC0415
 
     b = as_buffer(buf, op=op)
     if not b.is_device:

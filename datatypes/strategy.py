@@ -35,7 +35,7 @@ from typing import Iterable
 
 import numpy as np
 
-from commlib.errors import DatatypeError
+from commlib.core.errors import DatatypeError
 
 __all__ = [
     "HOST_STRATEGIES",

@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from commlib.errors import DatatypeError
+from commlib.core.errors import DatatypeError
 
 from . import canonical as _c
 

@@ -20,7 +20,7 @@ from mpi4py import MPI
 import commlib
 from commlib.collectives import attention as A
 from commlib.collectives.attention import blocks, ring
-from commlib.errors import InvalidArgument
+from commlib.core.errors import InvalidArgument
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 

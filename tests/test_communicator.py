@@ -4,8 +4,8 @@ import pytest
 from mpi4py import MPI
 
 import commlib
-from commlib.buffer import as_buffer
-from commlib.errors import BufferError, InvalidArgument
+from commlib.core.buffer import as_buffer
+from commlib.core.errors import BufferError, InvalidArgument
 
 
 # ------------------------------------------------------------------ serial

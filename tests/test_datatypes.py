@@ -12,7 +12,7 @@ from mpi4py import MPI
 
 from commlib import datatypes as dts
 from commlib.datatypes.testing import datatypes, layout_buffer, mpi_pack, mpi_unpack, subarrays, vectors
-from commlib.errors import BufferError, DatatypeError
+from commlib.core.errors import BufferError, DatatypeError
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,7 +8,7 @@ from mpi4py import MPI
 
 from commlib import datatypes as dts
 from commlib.datatypes.batch import BatchPack
-from commlib.errors import DatatypeError
+from commlib.core.errors import DatatypeError
 
 pytestmark = pytest.mark.timeout(120)
 

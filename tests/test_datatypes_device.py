@@ -17,7 +17,7 @@ from numba import cuda  # noqa: E402
 
 from commlib import datatypes as dts  # noqa: E402
 from commlib.datatypes.testing import datatypes, layout_buffer, mpi_pack, mpi_unpack  # noqa: E402
-from commlib.errors import DatatypeError  # noqa: E402
+from commlib.core.errors import DatatypeError  # noqa: E402
 
 pytestmark = [
     pytest.mark.timeout(180),

@@ -57,7 +57,7 @@ FT_BTL = os.environ.get("COMMLIB_TEST_FT_BTL", "tcp,self")
 
 
 def _ulfm_symbols():
-    from commlib.device import ulfm_available
+    from commlib.core.device import ulfm_available
 
     return ulfm_available()
 

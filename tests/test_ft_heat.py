@@ -21,7 +21,7 @@ import mpi4py
 mpi4py.rc.initialize = False
 from mpi4py import MPI  # noqa: E402
 
-from commlib.device import ulfm_available  # noqa: E402
+from commlib.core.device import ulfm_available  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not ("Open MPI" in MPI.Get_library_version() and ulfm_available()),
                                 reason="needs Open MPI with ULFM")

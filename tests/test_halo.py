@@ -15,7 +15,7 @@ import pytest
 import commlib
 from commlib.apps.heat import block_of
 from commlib.collectives import HaloExchange
-from commlib.errors import InvalidArgument
+from commlib.core.errors import InvalidArgument
 
 SENTINEL = -1.0
 

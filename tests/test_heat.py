@@ -8,7 +8,7 @@ from mpi4py import MPI
 
 import commlib
 from commlib.apps import heat
-from commlib.errors import InvalidArgument
+from commlib.core.errors import InvalidArgument
 
 
 @pytest.mark.mpi(min_size=1)

@@ -8,7 +8,7 @@ from mpi4py import MPI
 import commlib
 from commlib import datatypes as dts
 from commlib.datatypes.strategy import Model, block_length
-from commlib.errors import DatatypeError
+from commlib.core.errors import DatatypeError
 
 
 def types_under_test():

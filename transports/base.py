@@ -13,7 +13,7 @@ import time
 from abc import ABC, abstractmethod
 from typing import Sequence
 
-from commlib.errors import CommTimeout
+from commlib.core.errors import CommTimeout
 
 __all__ = ["Request", "Transport", "wait_all"]
 
@@ -73,7 +73,7 @@ def wait_all(requests: Sequence[Request], timeout: float | None = None) -> None:
 class Transport(ABC):
     """Point-to-point byte mover between the ``size`` ranks of a group.
 
-    Buffers are :class:`commlib.buffer.Buffer`-compatible arrays, contiguous in
+    Buffers are :class:`commlib.core.buffer.Buffer`-compatible arrays, contiguous in
     memory; sizes in bytes must match between sender and receiver.
     """
 

@@ -17,7 +17,7 @@ from typing import Sequence
 
 from mpi4py import MPI
 
-from commlib.errors import CommError, CommTimeout, ProcessFailed
+from commlib.core.errors import CommError, CommTimeout, ProcessFailed
 
 from .base import Request, wait_all
 

@@ -1,7 +1,7 @@
 """The MPI transport: point-to-point over an mpi4py communicator.
 
 Host buffers go to MPI as they are.  Device buffers go to MPI directly when the
-library is CUDA-aware (:func:`commlib.device.cuda_aware`); otherwise they are
+library is CUDA-aware (:func:`commlib.core.device.cuda_aware`); otherwise they are
 staged through host memory: a send copies device→host before ``Isend``, a
 receive ``Irecv``s into host memory and copies host→device when the request
 completes.  The producing stream is synchronized before MPI reads a device
@@ -14,9 +14,9 @@ from typing import Callable
 import numpy as np
 from mpi4py import MPI
 
-from commlib.buffer import Buffer, as_buffer
-from commlib.device import cuda_aware
-from commlib.errors import BufferError, CommError, InvalidArgument
+from commlib.core.buffer import Buffer, as_buffer
+from commlib.core.device import cuda_aware
+from commlib.core.errors import BufferError, CommError, InvalidArgument
 
 from .base import CompletedRequest, Request, Transport
 from .failures import mpi_waitall, raise_classified
@@ -240,7 +240,7 @@ class MPITransport(Transport):
         ``MPI_Testall`` spin on a fault-tolerant transport, see
         ``Transport.fault_tolerant``); else by polling ``MPI_Testall`` until
         ``timeout`` seconds pass.  A process failure or revocation raises
-        :class:`~commlib.errors.ProcessFailed`; other MPI errors propagate as ``MPI.Exception``
+        :class:`~commlib.core.errors.ProcessFailed`; other MPI errors propagate as ``MPI.Exception``
         (see :mod:`commlib.transports.failures`).
 
         Raises:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from commlib.errors import InvalidArgument
+from commlib.core.errors import InvalidArgument
 
 from .blocks import SUPPORTED_DTYPES, compute_dtype, get_array_module
 from .layout import check_layout, local_seq_len

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from commlib.errors import InvalidArgument
+from commlib.core.errors import InvalidArgument
 
 __all__ = [
     "LAYOUTS",

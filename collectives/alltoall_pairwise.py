@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common import TAGS, waitall
+from ._common import next_tag, waitall
 
 __all__ = ["alltoall_pairwise", "alltoall_pairwise_parts"]
 
@@ -27,7 +27,7 @@ def alltoall_pairwise_parts(transport, sendparts, recvparts, *, timeout: float |
     """
     n, r = transport.size, transport.rank
     recvparts[r][...] = sendparts[r]
-    tag = TAGS["a2a"]
+    tag = next_tag(transport)
     for k in range(1, n):
         dst, src = (r + k) % n, (r - k) % n
         rq = transport.irecv(recvparts[src], src, tag)

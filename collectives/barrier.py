@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common import TAGS, waitall
+from ._common import next_tag, waitall
 
 __all__ = ["barrier_dissemination"]
 
@@ -25,8 +25,9 @@ def barrier_dissemination(transport, *, timeout: float | None = None) -> None:
     out = np.zeros(1, np.uint8)
     inb = np.zeros(1, np.uint8)
     dist = 1
+    tag = next_tag(transport)
     while dist < n:
-        rq = transport.irecv(inb, (r - dist) % n, TAGS["barrier"])
-        sq = transport.isend(out, (r + dist) % n, TAGS["barrier"])
+        rq = transport.irecv(inb, (r - dist) % n, tag)
+        sq = transport.isend(out, (r + dist) % n, tag)
         waitall(transport, [rq, sq], timeout)
         dist <<= 1

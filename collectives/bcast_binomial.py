@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common import TAGS, waitall
+from ._common import next_tag, waitall
 
 __all__ = ["bcast_binomial", "binomial_tree", "DEFAULT_SEGMENT_BYTES"]
 
@@ -59,7 +59,7 @@ def bcast_binomial(transport, buf: np.ndarray, root: int = 0, *, segment_bytes: 
     item = buf.dtype.itemsize
     seg = max(1, segment_bytes // item) if segment_bytes and segment_bytes > 0 else buf.size
     starts = list(range(0, buf.size, seg))
-    tag = TAGS["bcast"]
+    tag = next_tag(transport)
     rreqs = []
     if parent is not None:
         rreqs = [transport.irecv(buf[s:s + seg], parent, tag) for s in starts]

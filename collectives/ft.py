@@ -43,7 +43,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from mpi4py import MPI
+
+from commlib.core.config import config
+from commlib.core.device import ulfm_available
 from commlib.core.errors import CommError, CommTimeout, InvalidArgument, ProcessFailed
+from commlib.transports.failures import is_process_failure
 
 __all__ = ["ft_mode", "ft_mode_info", "FaultTolerance", "bound_finalize_at_exit", "run_collective", "recover",
            "ON_FAILURE", "LazySnapshot"]
@@ -72,15 +77,11 @@ def ft_mode() -> str:
         waits, and a dead peer raises ``ProcessFailed``/``CommTimeout`` on every
         survivor.  ``COMMLIB_FT_MODE=ulfm|timeout`` overrides the detection.
     """
-    forced = os.environ.get("COMMLIB_FT_MODE", "").strip().lower()
+    forced = config.ft_mode
     if forced in ("ulfm", "timeout"):
         return forced
-    from commlib.core.device import ulfm_available  # noqa: PLC0415
-
     if not ulfm_available():
         return "timeout"
-    from mpi4py import MPI  # noqa: PLC0415
-
     lib = MPI.Get_library_version()
     if "Open MPI" in lib:
         return "ulfm" if _ompi_ft_enabled() else "timeout"
@@ -91,10 +92,6 @@ def ft_mode() -> str:
 
 def ft_mode_info() -> dict:
     """Details for ``commlib info``: ``{"mode", "ulfm_symbols", "ulfm_enabled", "library", "hint"}``."""
-    from mpi4py import MPI  # noqa: PLC0415
-
-    from commlib.core.device import ulfm_available  # noqa: PLC0415
-
     mode = ft_mode()
     lib = MPI.Get_library_version().splitlines()[0].strip()
     info = {"mode": mode, "ulfm_symbols": ulfm_available(), "ulfm_enabled": _ompi_ft_enabled(), "library": lib}
@@ -126,7 +123,7 @@ def bound_finalize_at_exit(seconds: float | None = None) -> None:
     """
     global _watchdog_installed
     if seconds is None:
-        seconds = float(os.environ.get("COMMLIB_FINALIZE_TIMEOUT", "3"))
+        seconds = config.finalize_timeout
     if _watchdog_installed or seconds <= 0 or not hasattr(signal, "alarm"):
         return
     _watchdog_installed = True
@@ -182,22 +179,25 @@ class FaultTolerance:
 
 
 def _is_failure(exc: BaseException) -> bool:
-    from commlib.transports.failures import is_process_failure  # noqa: PLC0415
-
     return is_process_failure(exc)
 
 
 def recover(comm) -> tuple:
     """Collective recovery after the application itself saw a failure.
 
-    For failures found outside commlib's collectives (an ``MPI.Exception`` of
-    class ``MPI_ERR_PROC_FAILED``/``MPI_ERR_REVOKED`` in the application's own
-    point-to-point or halo traffic): revoke ``comm``, agree, shrink.  Every
-    survivor must call it (or be inside a collective of ``comm``, which the
-    revoke interrupts; use ``on_failure="raise"`` so such a collective raises
+    For failures found outside commlib's collectives (a
+    :class:`~commlib.ProcessFailed` in the application's own point-to-point or
+    halo traffic): revoke the communicator, agree, shrink.  Every survivor
+    must call it (or be inside a collective of ``comm``, which the revoke
+    interrupts; use ``on_failure="raise"`` so such a collective raises
     :class:`ProcessFailed` with ``recovered = True`` instead of retrying).
     Revoke any other communicator the application uses (e.g. a Cartesian one)
     first, so that survivors blocked on it join.
+
+    Args:
+        comm: an object speaking the fault-tolerance protocol (see
+            :func:`run_collective`): ``ft``, ``rank``, ``collective_transport()``,
+            ``shrink(transport)``.
 
     Returns:
         tuple: ``COMM_WORLD`` ranks lost (sorted; may be empty after a false alarm).
@@ -205,42 +205,25 @@ def recover(comm) -> tuple:
     Raises:
         InvalidArgument: ``comm`` is not fault tolerant under ULFM.
     """
-    ft: FaultTolerance | None = comm._ft
+    ft: FaultTolerance | None = comm.ft
     if ft is None or ft.mode != "ulfm":
         raise InvalidArgument("recover() needs commlib.init(fault_tolerant=True) under ULFM",
                               rank=comm.rank, op="recover")
-    from mpi4py import MPI  # noqa: PLC0415
-
-    tp = comm._coll_transport()
-    try:
-        tp.comm.Revoke()
-    except Exception:  # noqa: BLE001
-        pass
+    tp = comm.collective_transport()
+    tp.revoke()
     _dbg(comm, "recover: agree")
     try:
-        tp.comm.Agree(0)
-    except MPI.Exception:
-        try:
-            tp.comm.Ack_failed()
-        except Exception:  # noqa: BLE001
-            pass
+        tp.agree(0)
+    except CommError:
+        tp.ack_failed()
     bound_finalize_at_exit()
-    grp = tp.comm.Get_group()
-    try:
-        lost, _ = comm._shrink(tp, grp)
-    finally:
-        grp.Free()
+    lost, _ = comm.shrink(tp)
     _dbg(comm, "recover: shrunk, lost", lost)
     return lost
 
 
-_DEBUG = bool(os.environ.get("COMMLIB_FT_DEBUG"))  # read once: a lookup per call costs ~1 us
-
-
 def _dbg(comm, *a):
-    if _DEBUG:
-        from mpi4py import MPI  # noqa: PLC0415
-
+    if config.ft_debug:
         print(f"[ft w{MPI.COMM_WORLD.Get_rank()} {comm.rank}/{comm.size}]", *a, file=sys.stderr, flush=True)
 
 
@@ -312,7 +295,7 @@ class _Watchdog:
         self._thread: threading.Thread | None = None
 
     def arm(self, comm, timeout: float) -> None:
-        """Revoke ``comm`` unless :meth:`disarm` comes within ``timeout`` seconds."""
+        """Revoke ``comm`` (a transport) unless :meth:`disarm` comes within ``timeout`` seconds."""
         with self._cv:
             self._comm = comm
             self._deadline = time.monotonic() + timeout
@@ -351,9 +334,7 @@ class _Watchdog:
                 self._fired = True
                 self._cv.release()
                 try:
-                    comm.Revoke()
-                except Exception:  # noqa: BLE001 - already revoked or freed
-                    pass
+                    comm.revoke()  # the transport's ULFM revoke; never raises
                 finally:
                     self._cv.acquire()
 
@@ -366,9 +347,7 @@ def _watchdog() -> _Watchdog | None:
     ``COMMLIB_FT_WATCHDOG=0`` (then every wait is polled and bounded)."""
     global _WATCHDOG
     if _WATCHDOG is None:
-        from mpi4py import MPI  # noqa: PLC0415
-
-        if MPI.Query_thread() < MPI.THREAD_MULTIPLE or os.environ.get("COMMLIB_FT_WATCHDOG", "1") == "0":
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE or not config.ft_watchdog:
             return None
         _WATCHDOG = _Watchdog()
     return _WATCHDOG
@@ -378,8 +357,14 @@ def run_collective(comm, opname: str, attempt: Callable, restore: Callable | Non
                    on_failure: str | None = None):
     """Run one collective on ``comm``, recovering from failures in FT mode.
 
+    ``comm`` speaks a small protocol (``commlib.Communicator`` implements it):
+    ``ft`` (a :class:`FaultTolerance` or None), ``rank``, ``size``,
+    ``collective_transport()`` (the transport commlib's collectives run on) and
+    ``shrink(transport)`` (ULFM recovery: returns ``(lost_world_ranks,
+    kept)``, ``kept[i]`` the old rank of new rank ``i``).
+
     Args:
-        comm: the :class:`~commlib.Communicator`.
+        comm: the communicator.
         opname: operation name for errors (``"allreduce"``...).
         attempt: ``attempt(transport, timeout, survivors)`` runs the whole
             collective once and returns its result; ``survivors`` lists the
@@ -398,112 +383,96 @@ def run_collective(comm, opname: str, attempt: Callable, restore: Callable | Non
             survivor, after the communicator was rebuilt).
         InvalidArgument: inconsistent arguments (on every rank).
     """
-    ft: FaultTolerance | None = comm._ft
+    ft: FaultTolerance | None = comm.ft
     if ft is None:
-        return attempt(comm._coll_transport(), None, list(range(comm.size)))
+        return attempt(comm.collective_transport(), None, range(comm.size))
     if ft.broken:
         raise ProcessFailed(f"communicator unusable after an earlier failure ({ft.broken})",
                             failed=ft.failed, rank=comm.rank, op=opname)
     if ft.mode == "timeout":
-        tp = comm._coll_transport()
+        tp = comm.collective_transport()
         try:
             return attempt(tp, ft.timeout, list(range(comm.size)))
         except Exception as exc:  # noqa: BLE001
             if isinstance(exc, InvalidArgument) or not _is_failure(exc):
                 raise
-            from commlib.transports.failures import mpi_failed_ranks, to_comm_error  # noqa: PLC0415
-
-            err = to_comm_error(exc, rank=comm.rank, op=opname, failed=mpi_failed_ranks(tp.comm))
+            err = exc if isinstance(exc, CommError) else CommError(str(exc), rank=comm.rank, op=opname)
             if isinstance(err, CommTimeout):
                 err = CommTimeout(f"{err.detail} in {err.op or 'wait'}; a peer probably died (no ULFM to tell)",
                                   rank=comm.rank, op=opname)
             elif isinstance(err, ProcessFailed) and err.op != opname:
-                err = ProcessFailed(err.detail, failed=err.failed, rank=comm.rank, op=opname)
+                err = ProcessFailed(err.detail, failed=err.failed or tp.failed_ranks(), rank=comm.rank, op=opname)
             ft.broken = str(err)
             bound_finalize_at_exit()
             raise err from (exc if err is not exc else None)
 
-    from mpi4py import MPI  # noqa: PLC0415
-
-    call_group = comm._coll_transport().comm.Get_group()
     survivors = list(range(comm.size))
     t_fail = None
     wd = _watchdog()
-    try:
-        while True:
-            tp = comm._coll_transport()
-            flag = _OK | _NO_BADARG | _NO_ERROR | _NO_TIMEOUT
-            result = None
-            err: BaseException | None = None
-            if wd is not None:
-                wd.arm(tp.comm, ft.timeout)
-            try:
-                # unbounded steps under the watchdog, else bounded polled waits
-                result = attempt(tp, None if wd is not None else ft.timeout, survivors)
-            except InvalidArgument as exc:
-                flag &= ~_NO_BADARG
-                err = exc
-            except Exception as exc:  # noqa: BLE001
-                if _is_failure(exc):
-                    flag &= ~_OK
-                    if t_fail is None:
-                        t_fail = time.monotonic()
-                    try:
-                        tp.comm.Revoke()
-                    except Exception:  # noqa: BLE001
-                        pass
-                else:
-                    flag &= ~_NO_ERROR
-                    err = exc
-            if wd is not None and wd.disarm():
-                # past the deadline: the watchdog revoked the communicator (even
-                # if this rank's part had just finished, the others may not have)
-                flag &= ~(_OK | _NO_TIMEOUT)
-                err = None
-                if t_fail is None:
-                    t_fail = time.monotonic()
-            _dbg(comm, opname, "agree", flag)
-            try:
-                agreed = tp.comm.Agree(flag)
-            except MPI.Exception:
-                # a failure not yet acknowledged: uniform across survivors
-                agreed = flag & ~_OK
-                if t_fail is None:
-                    t_fail = time.monotonic()
-                try:
-                    tp.comm.Ack_failed()
-                except Exception:  # noqa: BLE001
-                    pass
-            _dbg(comm, opname, "agreed", agreed)
-            if agreed & _OK:
-                if err is not None:
-                    raise err
-                if not agreed & _NO_BADARG:
-                    raise InvalidArgument("another rank passed invalid arguments", rank=comm.rank, op=opname)
-                if not agreed & _NO_ERROR:
-                    raise CommError("another rank raised an error in the collective", rank=comm.rank, op=opname)
-                if t_fail is not None:
-                    ft.recoveries.append((time.monotonic() - t_fail, ft.failed))
-                return result
-            # --- recover: shrink and retry (and bound MPI_Finalize at exit, which
-            # can otherwise wait forever for the dead ranks)
-            bound_finalize_at_exit()
-            lost_world, survivors = comm._shrink(tp, call_group)
-            _dbg(comm, opname, "shrunk", lost_world, survivors)
-            if restore is not None:
-                restore()
-            if not agreed & _NO_TIMEOUT and not lost_world:
-                raise CommTimeout(f"a rank's attempt passed the {ft.timeout:g} s timeout with no process lost "
-                                  "(a stalled peer?); the communicator was revoked and rebuilt",
-                                  rank=comm.rank, op=opname)
-            if lost_world:
-                if (on_failure or ft.on_failure) == "raise":
-                    exc = ProcessFailed(f"rank(s) {list(lost_world)} of COMM_WORLD failed; communicator shrunk "
-                                        f"to {comm.size} ranks", failed=lost_world, rank=comm.rank, op=opname)
-                    exc.recovered = True  # already shrunk: do not call comm.recover() again
-                    raise exc
-    finally:
+    while True:
+        tp = comm.collective_transport()
+        flag = _OK | _NO_BADARG | _NO_ERROR | _NO_TIMEOUT
+        result = None
+        err: BaseException | None = None
+        if wd is not None:
+            wd.arm(tp, ft.timeout)
         try:
-            call_group.Free()
-        except Exception:  # noqa: BLE001
-            pass
+            # unbounded steps under the watchdog, else bounded polled waits
+            result = attempt(tp, None if wd is not None else ft.timeout, survivors)
+        except InvalidArgument as exc:
+            flag &= ~_NO_BADARG
+            err = exc
+        except Exception as exc:  # noqa: BLE001
+            if _is_failure(exc):
+                flag &= ~_OK
+                if t_fail is None:
+                    t_fail = time.monotonic()
+                tp.revoke()
+            else:
+                flag &= ~_NO_ERROR
+                err = exc
+        if wd is not None and wd.disarm():
+            # past the deadline: the watchdog revoked the communicator (even
+            # if this rank's part had just finished, the others may not have)
+            flag &= ~(_OK | _NO_TIMEOUT)
+            err = None
+            if t_fail is None:
+                t_fail = time.monotonic()
+        _dbg(comm, opname, "agree", flag)
+        try:
+            agreed = tp.agree(flag)
+        except CommError:
+            # a failure not yet acknowledged: uniform across survivors
+            agreed = flag & ~_OK
+            if t_fail is None:
+                t_fail = time.monotonic()
+            tp.ack_failed()
+        _dbg(comm, opname, "agreed", agreed)
+        if agreed & _OK:
+            if err is not None:
+                raise err
+            if not agreed & _NO_BADARG:
+                raise InvalidArgument("another rank passed invalid arguments", rank=comm.rank, op=opname)
+            if not agreed & _NO_ERROR:
+                raise CommError("another rank raised an error in the collective", rank=comm.rank, op=opname)
+            if t_fail is not None:
+                ft.recoveries.append((time.monotonic() - t_fail, ft.failed))
+            return result
+        # --- recover: shrink and retry (and bound MPI_Finalize at exit, which
+        # can otherwise wait forever for the dead ranks)
+        bound_finalize_at_exit()
+        lost_world, kept = comm.shrink(tp)
+        survivors = [survivors[k] for k in kept]
+        _dbg(comm, opname, "shrunk", lost_world, survivors)
+        if restore is not None:
+            restore()
+        if not agreed & _NO_TIMEOUT and not lost_world:
+            raise CommTimeout(f"a rank's attempt passed the {ft.timeout:g} s timeout with no process lost "
+                              "(a stalled peer?); the communicator was revoked and rebuilt",
+                              rank=comm.rank, op=opname)
+        if lost_world:
+            if (on_failure or ft.on_failure) == "raise":
+                exc = ProcessFailed(f"rank(s) {list(lost_world)} of COMM_WORLD failed; communicator shrunk "
+                                    f"to {comm.size} ranks", failed=lost_world, rank=comm.rank, op=opname)
+                exc.recovered = True  # already shrunk: do not call comm.recover() again
+                raise exc

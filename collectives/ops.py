@@ -30,7 +30,7 @@ import numpy as np
 
 from commlib.core.errors import InvalidArgument
 
-__all__ = ["Op", "OPS", "get_op", "dtype_code", "is_floating", "is_integer", "mpi_op", "mpi_datatype"]
+__all__ = ["Op", "OPS", "get_op", "dtype_code", "dtype_name", "is_floating", "is_integer", "mpi_op", "mpi_datatype"]
 
 try:  # ml_dtypes is a hard dependency, but keep the module importable without it
     import ml_dtypes as _mld
@@ -62,6 +62,17 @@ def dtype_code(dtype) -> int:
     user-defined dtypes such as bfloat16)."""
     dtype = np.dtype(dtype)
     return (zlib.crc32(dtype.str.encode() + dtype.name.encode()) & 0x3FFFFFFF) + 1
+
+
+def dtype_name(code: int):
+    """The name of the dtype whose :func:`dtype_code` is ``code`` (the code itself when unknown)."""
+    for d in [*np.sctypeDict.values(), *([_BFLOAT16] if _BFLOAT16 is not None else [])]:
+        try:
+            if dtype_code(d) == code:
+                return np.dtype(d).name
+        except TypeError:
+            continue
+    return code
 
 
 @dataclass(frozen=True)

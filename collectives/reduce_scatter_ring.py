@@ -19,7 +19,7 @@ import functools
 
 import numpy as np
 
-from ._common import TAGS, exchange
+from ._common import next_tag, exchange
 from .ops import get_op
 
 __all__ = ["reduce_scatter_ring", "reduce_scatter_ring_inplace", "ring_order"]
@@ -66,7 +66,7 @@ def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds, *,
     if tmp is None or tmp.size < maxlen:
         tmp = np.empty(maxlen, dtype=work.dtype)
     right, left = (r + 1) % n, (r - 1) % n
-    tag = TAGS["rs"]
+    tag = next_tag(transport)
     local = work if src is None else src
     ufunc = op.ufunc
     for s in range(n - 1):

@@ -31,6 +31,7 @@ from .communicator import (
     PROC_NULL,
     CartCommunicator,
     Communicator,
+    compute_dims,
     init,
 )
 
@@ -52,7 +53,7 @@ def __getattr__(name):  # lazy layers: ``commlib.collectives`` etc. on first use
 
 
 __all__ = [
-    "init", "Communicator", "CartCommunicator", "PROC_NULL", "ANY_SOURCE", "ANY_TAG",
+    "init", "compute_dims", "Communicator", "CartCommunicator", "PROC_NULL", "ANY_SOURCE", "ANY_TAG",
     "Buffer", "as_buffer",
     "CommError", "InvalidArgument", "ProcessFailed", "CommTimeout", "DatatypeError", "BufferError",
     "AuthenticationError",

@@ -14,11 +14,15 @@ from typing import Sequence
 from mpi4py import MPI
 
 from commlib.collective_api import CollectiveMixin
+from commlib.collectives.ft import FaultTolerance, ft_mode
+from commlib.core.config import config
 from commlib.core.errors import InvalidArgument
+from commlib.core.tags import check_user_tag
 from commlib.transports.base import Request, wait_all
-from commlib.transports.mpi import MPITransport
+from commlib.transports.mpi import MPIRequest, MPITransport
+from commlib.typed_p2p import _MPITypes, typed_irecv, typed_isend, typed_recv, typed_send
 
-__all__ = ["Communicator", "CartCommunicator", "init", "PROC_NULL", "ANY_SOURCE", "ANY_TAG"]
+__all__ = ["Communicator", "CartCommunicator", "init", "compute_dims", "PROC_NULL", "ANY_SOURCE", "ANY_TAG"]
 
 PROC_NULL = MPI.PROC_NULL
 ANY_SOURCE = MPI.ANY_SOURCE
@@ -39,9 +43,22 @@ class Communicator(CollectiveMixin):
         transport: the point-to-point transport collectives run on.
     """
 
-    def __init__(self, comm: MPI.Comm | None = None, *, cuda_aware: bool | None = None):
-        self.mpi_comm = MPI.COMM_WORLD if comm is None else comm
-        self.transport = MPITransport(self.mpi_comm, cuda_aware=cuda_aware)
+    def __init__(self, comm: MPI.Comm | None = None, *, cuda_aware: bool | None = None,
+                 transport: MPITransport | None = None):
+        if transport is None:
+            transport = MPITransport(MPI.COMM_WORLD if comm is None else comm, cuda_aware=cuda_aware)
+        self.transport = transport
+        self._coll_tp = None
+        self._ft = None
+        self._strategy_memo: dict = {}
+        self._worker = None
+        self._ft_scratch = None
+        self._mpi_types = _MPITypes()
+
+    @property
+    def mpi_comm(self) -> MPI.Comm:
+        """The underlying ``MPI.Comm``, for interoperating with mpi4py code."""
+        return self.transport.comm
 
     # ------------------------------------------------------------ properties
     @property
@@ -86,9 +103,8 @@ class Communicator(CollectiveMixin):
                 or the datatype is unusable; nothing is sent.
         """
         self._check_tag(tag, "send")
+        self.transport._check_peer(dest, "dest", "send")
         if datatype is not None:
-            from .typed_p2p import typed_send  # noqa: PLC0415
-
             typed_send(self, buf, dest, datatype, count, tag)
             return
         self.transport.send(buf, dest, tag)
@@ -100,9 +116,9 @@ class Communicator(CollectiveMixin):
         Returns:
             MPI.Status (without ``datatype``): source, tag and byte count.
         """
+        self._check_tag(tag, "recv", anywild=True)
+        self.transport._check_peer(source, "source", "recv")
         if datatype is not None:
-            from .typed_p2p import typed_recv  # noqa: PLC0415
-
             typed_recv(self, buf, source, datatype, count, tag)
             return None
         return self.transport.recv(buf, source, tag)
@@ -115,18 +131,17 @@ class Communicator(CollectiveMixin):
             Request: ``wait(timeout=None)`` / ``test()``.
         """
         self._check_tag(tag, "isend")
+        self.transport._check_peer(dest, "dest", "isend")
         if datatype is not None:
-            from .typed_p2p import typed_isend  # noqa: PLC0415
-
             return typed_isend(self, buf, dest, datatype, count, tag)
         return self.transport.isend(buf, dest, tag)
 
     def irecv(self, buf, source: int = ANY_SOURCE, tag: int = ANY_TAG, *, datatype=None, count: int = 1) -> Request:
         """Non-blocking receive (arguments as :meth:`recv`); ``buf`` holds the data
         after the request completes."""
+        self._check_tag(tag, "irecv", anywild=True)
+        self.transport._check_peer(source, "source", "irecv")
         if datatype is not None:
-            from .typed_p2p import typed_irecv  # noqa: PLC0415
-
             return typed_irecv(self, buf, source, datatype, count, tag)
         return self.transport.irecv(buf, source, tag)
 
@@ -136,30 +151,42 @@ class Communicator(CollectiveMixin):
         """Send ``sendbuf`` to ``dest`` while receiving ``recvbuf`` from ``source`` (no deadlock).
         ``sendtype``/``recvtype`` with their counts describe non-contiguous data as in :meth:`send`."""
         self._check_tag(sendtag, "sendrecv")
+        self._check_tag(recvtag, "sendrecv", anywild=True)
         if sendtype is None and recvtype is None:
             self.transport.sendrecv(sendbuf, dest, recvbuf, source, sendtag, recvtag)
             return
         r = self.irecv(recvbuf, source, recvtag, datatype=recvtype, count=recvcount)
         s = self.isend(sendbuf, dest, sendtag, datatype=sendtype, count=sendcount)
-        r.wait()
-        s.wait()
+        self.transport.waitall([r, s], op="sendrecv")
 
-    @staticmethod
-    def waitall(requests: Sequence[Request], timeout: float | None = None) -> None:
-        """Wait for every request; ``timeout`` in seconds for all of them together."""
-        wait_all(requests, timeout)
+    def waitall(self, requests: Sequence[Request], timeout: float | None = None) -> None:
+        """Wait for every request; ``timeout`` in seconds for all of them together.
+
+        Raises:
+            CommTimeout: ``timeout`` passed first.
+            ProcessFailed / CommError: a request failed (classified, naming the rank).
+        """
+        if all(isinstance(r, MPIRequest) for r in requests):
+            self.transport.waitall(requests, timeout)
+        else:
+            wait_all(requests, timeout)
 
     # ----------------------------------------------------------- management
     def dup(self) -> "Communicator":
-        """A new communicator over the same group with its own tag space."""
-        return Communicator(self.mpi_comm.Dup(), cuda_aware=self.cuda_aware)
+        """A new communicator over the same group with its own tag space (collective)."""
+        return Communicator(transport=self.transport.dup())
 
     def split(self, color: int, key: int = 0) -> "Communicator":
-        """Split into sub-communicators by ``color`` (``MPI_Comm_split``)."""
-        return Communicator(self.mpi_comm.Split(color, key), cuda_aware=self.cuda_aware)
+        """Split into sub-communicators by ``color`` (``MPI_Comm_split``, collective)."""
+        return Communicator(transport=self.transport.split(color, key))
 
     def free(self) -> None:
-        """Free the underlying communicator (not for ``COMM_WORLD``)."""
+        """Free the underlying communicator (not for ``COMM_WORLD``) and the
+        MPI datatypes committed for its typed sends."""
+        self._mpi_types.free()
+        if self._coll_tp is not None:
+            self._coll_tp.close()
+            self._coll_tp = None
         self.transport.close()
 
     def cart_create(self, dims: Sequence[int] | int | None = None, periods: Sequence[bool] | bool = False,
@@ -207,13 +234,29 @@ class Communicator(CollectiveMixin):
         periods = [bool(p) for p in periods]
         if len(periods) != len(dims):
             raise InvalidArgument(f"periods has {len(periods)} entries, dims {len(dims)}", rank=self.rank, op=op)
-        cart = self.mpi_comm.Create_cart(dims, periods, reorder=reorder)
-        return CartCommunicator(cart, cuda_aware=self.cuda_aware)
+        return CartCommunicator(transport=self.transport.create_cart(dims, periods, reorder))
 
-    @staticmethod
-    def _check_tag(tag: int, op: str) -> None:
-        if tag < 0:
-            raise InvalidArgument(f"tag {tag} is negative", op=op)
+    # ------------------------------------------------------ group facts
+    @property
+    def world_ranks(self) -> tuple[int, ...]:
+        """The ``COMM_WORLD`` rank of each member, in this communicator's rank order."""
+        return self.transport.world_ranks()
+
+    def revoke(self) -> None:
+        """Interrupt every pending and later operation on this communicator on
+        every rank (ULFM ``MPIX_Comm_revoke``), so that ranks blocked on a dead
+        peer return with :class:`~commlib.ProcessFailed` and can join recovery.
+        A no-op where the MPI library has no ULFM."""
+        self.transport.revoke()
+
+    def abort(self, errorcode: int = 1) -> None:
+        """End every process of the job (``MPI_Abort``) with ``errorcode``."""
+        self.transport.abort(errorcode)
+
+    def _check_tag(self, tag: int, op: str, anywild: bool = False) -> None:
+        problem = check_user_tag(tag, anywild=anywild, ub=self.transport.tag_ub)
+        if problem:
+            raise InvalidArgument(problem, rank=self.rank, op=op)
 
 
 class CartCommunicator(Communicator):
@@ -226,9 +269,10 @@ class CartCommunicator(Communicator):
         ndim: number of dimensions.
     """
 
-    def __init__(self, comm: MPI.Cartcomm, *, cuda_aware: bool | None = None):
-        super().__init__(comm, cuda_aware=cuda_aware)
-        dims, periods, coords = comm.Get_topo()
+    def __init__(self, comm: MPI.Cartcomm | None = None, *, cuda_aware: bool | None = None,
+                 transport: MPITransport | None = None):
+        super().__init__(comm, cuda_aware=cuda_aware, transport=transport)
+        dims, periods, coords = self.mpi_comm.Get_topo()
         self.dims = tuple(int(d) for d in dims)
         self.periods = tuple(bool(p) for p in periods)
         self.coords = tuple(int(c) for c in coords)
@@ -264,6 +308,26 @@ class CartCommunicator(Communicator):
     def shift(self, direction: int, disp: int = 1) -> tuple[int, int]:
         """``(source, dest)`` ranks for a shift along ``direction`` (``MPI_Cart_shift``)."""
         return self.mpi_comm.Shift(direction, disp)
+
+
+def compute_dims(nnodes: int, dims: Sequence[int] | int) -> tuple[int, ...]:
+    """A balanced Cartesian grid of ``nnodes`` ranks (``MPI_Dims_create``, MPI-4.0 §8.5.2).
+
+    Args:
+        nnodes: number of ranks.
+        dims: number of dimensions, or one entry per dimension (0: free).
+
+    Returns:
+        tuple of int: ranks per dimension, non-increasing over the free entries.
+
+    Raises:
+        InvalidArgument: ``nnodes`` cannot be split so.
+    """
+    d = [0] * dims if isinstance(dims, int) else [int(x) for x in dims]
+    try:
+        return tuple(int(x) for x in MPI.Compute_dims(int(nnodes), d))
+    except MPI.Exception as exc:
+        raise InvalidArgument(f"{nnodes} ranks cannot fill dims {d}: {exc}", op="compute_dims") from None
 
 
 def init(comm: MPI.Comm | None = None, *, cuda_aware: bool | None = None, fault_tolerant: bool = False,
@@ -305,16 +369,13 @@ def init(comm: MPI.Comm | None = None, *, cuda_aware: bool | None = None, fault_
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
     if not fault_tolerant:
         return Communicator(comm, cuda_aware=cuda_aware)
-    from commlib.collectives.ft import FaultTolerance, ft_mode  # noqa: PLC0415
-    from commlib.core.config import config  # noqa: PLC0415
-
     ft = FaultTolerance(ft_mode(), on_failure=on_failure, timeout=float(timeout or config.timeout))
-    base = MPI.COMM_WORLD if comm is None else comm
-    dup = base.Dup()
-    dup.Set_errhandler(MPI.ERRORS_RETURN)
-    c = Communicator(dup, cuda_aware=cuda_aware)
+    base = MPITransport(MPI.COMM_WORLD if comm is None else comm, cuda_aware=cuda_aware)
+    tp = base.dup()
+    tp.set_errors_return()
+    c = Communicator(transport=tp)
     c._ft = ft
-    c._coll_transport().comm.Barrier()  # duplicate now, while every rank is alive
+    c.collective_transport().native_barrier()  # duplicate now, while every rank is alive
     # (the barrier: no rank returns, and maybe fails, while another is still
     # creating communicators; Open MPI 5.0 can crash handling a failure then)
     return c

@@ -12,17 +12,46 @@ signature, so any pair of strategies interoperates.
 """
 from __future__ import annotations
 
-import functools
-
 import numpy as np
-from mpi4py import MPI
 
 from commlib.core.buffer import as_buffer
+from commlib.core.config import config
 from commlib.core.errors import DatatypeError
-from commlib.transports.base import CompletedRequest, Request
-from commlib.transports.mpi import MPIRequest
+from commlib.datatypes import as_datatype, pack, plan_for, unpack
+from commlib.datatypes import strategy as _strategy
+from commlib.datatypes.strategy import default_model
+from commlib.transports.base import CompletedRequest, Request, Wire
+from commlib.transports.mpi import ANY_SOURCE, ANY_TAG, PROC_NULL
 
 __all__ = ["typed_send", "typed_recv", "typed_isend", "typed_irecv", "locality_of", "resolve"]
+
+
+def cuda_mapped(nbytes: int):
+    """Pinned, device-mapped host memory of ``nbytes`` bytes (numba.cuda; loaded on first use)."""
+    from numba import cuda  # noqa: PLC0415 - numba.cuda loads only for device buffers
+
+    return cuda.mapped_array(nbytes, np.uint8)
+
+
+def device_synchronize() -> None:
+    """Wait for every kernel launched so far (the mapped-memory pack writes host memory)."""
+    from numba import cuda  # noqa: PLC0415 - as cuda_mapped
+
+    cuda.synchronize()
+
+
+def device_empty(nbytes: int):
+    """Device memory of ``nbytes`` bytes (numba.cuda; loaded on first use)."""
+    from numba import cuda  # noqa: PLC0415 - as cuda_mapped
+
+    return cuda.device_array(nbytes, np.uint8)
+
+
+def to_device(host: np.ndarray):
+    """Copy of a host array in device memory (numba.cuda; loaded on first use)."""
+    from numba import cuda  # noqa: PLC0415 - as cuda_mapped
+
+    return cuda.to_device(host)
 
 
 def resolve(comm, buf, datatype, count, op):
@@ -33,8 +62,6 @@ def resolve(comm, buf, datatype, count, op):
             ``buf`` (bytes touched outside it); raised before any byte moves.
         BufferError: ``buf`` is not contiguous in memory.
     """
-    from commlib.datatypes import as_datatype, plan_for  # noqa: PLC0415
-
     try:
         t = as_datatype(datatype, op)
     except DatatypeError as exc:
@@ -54,163 +81,135 @@ def resolve(comm, buf, datatype, count, op):
 
 
 def locality_of(comm, peer: int) -> str:
-    """``"intra"`` when ``peer`` shares this rank's node, else ``"inter"``."""
-    peers = comm.__dict__.get("_node_peers")
-    if peers is None:
-        peers = comm.__dict__["_node_peers"] = _node_peers(comm.mpi_comm)
-    return "intra" if peer in peers else "inter"
+    """``"intra"`` when ``peer`` shares this rank's node, else ``"inter"`` (from
+    the node map the transport learned, collectively, when it was created)."""
+    return "intra" if peer in comm.transport.node_peers else "inter"
 
 
-_node_cache: dict = {}
+class _MPITypes:
+    """Committed MPI types of commlib datatypes, per communicator, freed with it
+    (not an ``lru_cache`` that keeps every committed type for ever)."""
 
+    __slots__ = ("types",)
 
-def _node_peers(mpi_comm) -> frozenset:
-    key = mpi_comm.py2f()
-    got = _node_cache.get(key)
-    if got is None:
-        node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
-        ranks = MPI.Group.Translate_ranks(node.Get_group(), list(range(node.Get_size())), mpi_comm.Get_group())
-        node.Free()
-        got = _node_cache[key] = frozenset(ranks)
-    return got
+    def __init__(self):
+        self.types: dict = {}
 
+    def get(self, t):
+        got = self.types.get(t)
+        if got is None:
+            if len(self.types) >= 256:  # bounded: free the oldest
+                old = next(iter(self.types))
+                self.types.pop(old).Free()
+            got = self.types[t] = t.to_mpi()
+        return got
 
-@functools.lru_cache(maxsize=None)
-def _mpi_type_cached(t):
-    return t.to_mpi()
+    def free(self) -> None:
+        for mt in self.types.values():
+            mt.Free()
+        self.types.clear()
 
 
 def _choose(comm, b, t, count, peer, strategy):
     if strategy is not None:
         return strategy
-    if not _FORCED():
-        memo = comm.__dict__.setdefault("_strategy_memo", {})
-        from commlib.datatypes import strategy as _strategy  # noqa: PLC0415
-
-        key = (id(t), count, b.is_device, peer, _strategy.generation)
-        got = memo.get(key)
-        if got is not None and got[0] is t:
-            return got[1]
-        s = _choose_uncached(comm, b, t, count, peer)
-        if len(memo) < 4096:
-            memo[key] = (t, s)
-        return s
-    return _choose_uncached(comm, b, t, count, peer)
-
-
-def _FORCED():  # noqa: N802
-    import os  # noqa: PLC0415
-
-    return os.environ.get("COMMLIB_DATATYPE_STRATEGY")
+    forced = config.datatype_strategy
+    if forced:
+        return forced
+    memo = comm._strategy_memo
+    key = (id(t), count, b.is_device, peer, _strategy.generation)
+    got = memo.get(key)
+    if got is not None and got[0] is t:
+        return got[1]
+    loc = "intra" if peer in (PROC_NULL, ANY_SOURCE) else locality_of(comm, peer)
+    s = default_model().choose(t, count, device=b.is_device, locality=loc, cuda_aware=comm.cuda_aware)
+    if len(memo) < 4096:
+        memo[key] = (t, s)
+    return s
 
 
-def _choose_uncached(comm, b, t, count, peer):
-    from commlib.datatypes.strategy import default_model  # noqa: PLC0415
-
-    loc = "intra" if peer in (MPI.PROC_NULL, MPI.ANY_SOURCE) else locality_of(comm, peer)
-    return default_model().choose(t, count, device=b.is_device, locality=loc, cuda_aware=comm.cuda_aware)
-
-
-def _mpi_spec(comm, b, t, count, op):
-    """``[buffer, count, MPI datatype]`` for the "mpi" strategy (MPI's own engine)."""
+def _mpi_wire(comm, b, t, count, op) -> Wire:
+    """The "mpi" strategy: ``count`` elements of the MPI datatype over ``b`` (MPI's own engine)."""
     if b.is_device and not comm.cuda_aware:
         raise DatatypeError("strategy 'mpi' on a device buffer needs CUDA-aware MPI", rank=comm.rank, op=op)
-    b.synchronize()
-    return [b.obj if b.is_device else b.byte_view(), count, _mpi_type_cached(t)]
+    return Wire(b.obj if b.is_device else b.byte_view(), count, comm._mpi_types.get(t))
 
 
-def _pack_out(b, p, strategy):
-    if strategy in ("pack", "staged", "device"):
-        return None
-    from numba import cuda  # noqa: PLC0415  - "mapped": pinned host memory the kernel writes
-
-    return cuda.mapped_array(p.nbytes, np.uint8)
-
-
-def _prepare_send(comm, buf, dest, datatype, count, strategy, op):
-    """Validate and pack (or not): returns the MPI buffer spec to send and what
-    must stay alive until the send completes; None for ``PROC_NULL``."""
-    from commlib.datatypes import pack  # noqa: PLC0415
-
-    comm.transport._check_peer(dest, "dest", op)
+def _prepare(comm, buf, peer, datatype, count, strategy, op, receive):
+    """Validate ``(buf, datatype, count)`` and choose the strategy: ``(Buffer,
+    type, plan, strategy)``, or None for ``PROC_NULL``."""
     b, t, p = resolve(comm, buf, datatype, count, op)
-    if dest == MPI.PROC_NULL:
+    if peer == PROC_NULL:
         return None
-    s = _choose(comm, b, t, count, dest, strategy)
-    if s == "mpi":
-        return _mpi_spec(comm, b, t, count, op), b
-    packed = pack(b.obj, t, count, out=_pack_out(b, p, s))
-    if b.is_device and s in ("staged", "mapped"):
-        if s == "staged":
-            packed = packed.copy_to_host()
-        else:
-            from numba import cuda  # noqa: PLC0415
-
-            cuda.synchronize()
-            packed = np.asarray(packed.copy_to_host() if hasattr(packed, "copy_to_host") else packed)
-    elif b.is_device:
-        as_buffer(packed).synchronize()
-    return [packed, p.nbytes, MPI.PACKED], packed
+    return b, t, p, _choose(comm, b, t, count, peer, strategy)
 
 
-def _prepare_recv(comm, buf, source, datatype, count, strategy, op):
-    """Validate; returns ``(MPI buffer spec, on_complete or None, keep)``, None for ``PROC_NULL``."""
-    from commlib.datatypes import unpack  # noqa: PLC0415
-
-    comm.transport._check_peer(source, "source", op)
-    b, t, p = resolve(comm, buf, datatype, count, op)
-    if source == MPI.PROC_NULL:
+def _send_wire(comm, buf, dest, datatype, count, strategy, op) -> Wire | None:
+    """Validate and pack (or not): the :class:`Wire` message to send; None for ``PROC_NULL``."""
+    got = _prepare(comm, buf, dest, datatype, count, strategy, op, False)
+    if got is None:
         return None
-    s = _choose(comm, b, t, count, source, strategy)
+    b, t, p, s = got
     if s == "mpi":
-        return _mpi_spec(comm, b, t, count, op), None, b
+        return _mpi_wire(comm, b, t, count, op)
+    if s == "mapped" and b.is_device:
+        # pinned host memory the device kernel writes; synchronized before MPI reads it
+        packed = pack(b.obj, t, count, out=cuda_mapped(p.nbytes))
+        device_synchronize()
+        return Wire(np.asarray(packed.copy_to_host() if hasattr(packed, "copy_to_host") else packed),
+                    p.nbytes, "packed")
+    packed = pack(b.obj, t, count)
+    if b.is_device and s == "staged":
+        return Wire(as_buffer(packed).to_host(), p.nbytes, "packed")
+    return Wire(packed, p.nbytes, "packed")  # the transport synchronizes device memory before sending
+
+
+def _recv_wire(comm, buf, source, datatype, count, strategy, op):
+    """Validate; ``(Wire to receive into, unpack-on-completion or None)``; None for ``PROC_NULL``."""
+    got = _prepare(comm, buf, source, datatype, count, strategy, op, True)
+    if got is None:
+        return None
+    b, t, p, s = got
+    if s == "mpi":
+        return _mpi_wire(comm, b, t, count, op), None
     if b.is_device and s == "device":
-        from numba import cuda  # noqa: PLC0415
-
-        wire = cuda.device_array(p.nbytes, np.uint8)
-        done = lambda: unpack(wire, t, b.obj, count)  # noqa: E731
-    elif b.is_device:
-        wire = np.empty(p.nbytes, np.uint8)
-
-        def done():
-            from numba import cuda  # noqa: PLC0415
-
-            unpack(cuda.to_device(wire), t, b.obj, count)
-    else:
-        wire = np.empty(p.nbytes, np.uint8)
-        done = lambda: unpack(wire, t, b.obj, count)  # noqa: E731
-    return [wire, p.nbytes, MPI.PACKED], done, wire
+        wire = device_empty(p.nbytes)
+        return Wire(wire, p.nbytes, "packed"), lambda: unpack(wire, t, b.obj, count)
+    wire = np.empty(p.nbytes, np.uint8)
+    if b.is_device:
+        return Wire(wire, p.nbytes, "packed"), lambda: unpack(to_device(wire), t, b.obj, count)
+    return Wire(wire, p.nbytes, "packed"), lambda: unpack(wire, t, b.obj, count)
 
 
 def typed_isend(comm, buf, dest, datatype, count=1, tag=0, strategy=None) -> Request:
     """Non-blocking send of ``count`` elements of ``datatype`` from ``buf``; see module doc."""
-    got = _prepare_send(comm, buf, dest, datatype, count, strategy, "isend")
-    if got is None:
-        return CompletedRequest()
-    spec, keep = got
-    return MPIRequest(comm.mpi_comm.Isend(spec, dest, tag), keep=keep)
+    w = _send_wire(comm, buf, dest, datatype, count, strategy, "isend")
+    return CompletedRequest() if w is None else comm.transport.isend(w, dest, tag)
 
 
-def typed_irecv(comm, buf, source, datatype, count=1, tag=MPI.ANY_TAG, strategy=None) -> Request:
+def typed_irecv(comm, buf, source, datatype, count=1, tag=ANY_TAG, strategy=None) -> Request:
     """Non-blocking receive of ``count`` elements of ``datatype`` into ``buf``."""
-    got = _prepare_recv(comm, buf, source, datatype, count, strategy, "irecv")
+    got = _recv_wire(comm, buf, source, datatype, count, strategy, "irecv")
     if got is None:
         return CompletedRequest()
-    spec, done, keep = got
-    return MPIRequest(comm.mpi_comm.Irecv(spec, source, tag), on_complete=done, keep=keep)
+    w, done = got
+    req = comm.transport.irecv(w, source, tag)
+    if done is not None:
+        req.add_done_callback(lambda _r: done())
+    return req
 
 
 def typed_send(comm, buf, dest, datatype, count=1, tag=0, strategy=None) -> None:
     """Blocking send of ``count`` elements of ``datatype`` from ``buf``."""
-    got = _prepare_send(comm, buf, dest, datatype, count, strategy, "send")
-    if got is not None:
-        comm.mpi_comm.Send(got[0], dest, tag)
+    w = _send_wire(comm, buf, dest, datatype, count, strategy, "send")
+    if w is not None:
+        comm.transport.send(w, dest, tag)
 
 
-def typed_recv(comm, buf, source, datatype, count=1, tag=MPI.ANY_TAG, strategy=None) -> None:
+def typed_recv(comm, buf, source, datatype, count=1, tag=ANY_TAG, strategy=None) -> None:
     """Blocking receive of ``count`` elements of ``datatype`` into ``buf``."""
-    got = _prepare_recv(comm, buf, source, datatype, count, strategy, "recv")
+    got = _recv_wire(comm, buf, source, datatype, count, strategy, "recv")
     if got is not None:
-        comm.mpi_comm.Recv(got[0], source, tag)
+        comm.transport.recv(got[0], source, tag)
         if got[1] is not None:
             got[1]()

@@ -1,66 +1,201 @@
-"""The transport contract: point-to-point only.
+"""The transport contract: the only door to the wire.
 
-A transport moves contiguous buffers between ranks: ``send``, ``recv``,
-``isend``, ``irecv``, ``sendrecv`` with a tag, plus ``rank``, ``size``, failure
-detection and ``close``.  Collective algorithms (``commlib.collectives``) are
-written only against this contract, so the same ring serves MPI and TCP.  An
-operation a transport lacks raises ``NotImplementedError("transport 'tcp' does
-not support ...")``, as torch.distributed's c10d ``Backend`` does.
+A transport moves bytes between the ``size`` ranks of a group.  Everything in
+commlib that communicates (the collective algorithms, the halo exchange,
+attention, typed sends, fault-tolerance recovery, the apps through the user
+API) goes through a :class:`Transport`; only the transport modules
+(:mod:`commlib.transports.mpi`, later ``tcp``) call the wire library.  A test
+greps the package for communication calls anywhere else.
+
+The contract:
+
+* point to point: ``isend``/``irecv`` (and blocking ``send``/``recv``/
+  ``sendrecv``) of a contiguous array, or of a :class:`Wire` message: raw
+  bytes, bytes packed by :mod:`commlib.datatypes` (``"packed"``), or, on the
+  MPI transport only, ``count`` elements of an ``MPI.Datatype``;
+* persistent requests: ``send_init``/``recv_init``, started by ``startall``;
+* ``waitall(requests, timeout)``: completes them; every failure comes out as a
+  classified :class:`~commlib.CommError` (:class:`~commlib.ProcessFailed`,
+  :class:`~commlib.CommTimeout`, ...) naming the rank and the operation, never
+  as the wire library's own exception;
+* device buffers: the producing stream is synchronized (``synchronize``)
+  before a send reads a device buffer;
+* optional native collectives (``native_allreduce`` ...): a transport that has
+  none raises :meth:`Transport.unsupported`, as torch.distributed's c10d
+  ``Backend`` does;
+* facts about the group (``node_peers``, ``cuda_aware``, ``tag_ub``) are
+  computed once, collectively, when the transport is created, never inside a
+  point-to-point call;
+* tags: each transport owns a :class:`~commlib.core.tags.TagAllocator`
+  (``tags``) for the operations commlib runs on it.
+
+Requests are one handle type, :class:`Request`, which also speaks
+``concurrent.futures.Future``'s interface (``done``, ``result``,
+``exception``, ``add_done_callback``), as mpi4py.futures does.
 """
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from typing import Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from commlib.core.errors import CommTimeout
+from commlib.core.tags import USER_TAG_MAX, TagAllocator
 
-__all__ = ["Request", "Transport", "wait_all"]
+__all__ = ["Request", "CompletedRequest", "FutureRequest", "Transport", "Wire", "wait_all"]
+
+
+class Wire(NamedTuple):
+    """A message as it goes on the wire.
+
+    Attributes:
+        obj: the memory (host or device array, contiguous).
+        count: elements of ``datatype`` (bytes for ``"byte"`` / ``"packed"``).
+        datatype: ``"byte"``, ``"packed"`` (bytes made by ``commlib.datatypes.pack``;
+            MPI's ``MPI_PACKED``, which matches any type signature, MPI-4.0 §5.2),
+            or an ``MPI.Datatype`` (MPI transport only).
+    """
+
+    obj: Any
+    count: int
+    datatype: Any = "byte"
 
 
 class Request(ABC):
-    """Handle of a non-blocking operation."""
+    """Handle of a non-blocking operation (point to point or collective).
+
+    ``test()``/``wait(timeout)`` as MPI's; ``done()``, ``result(timeout)``,
+    ``exception(timeout)``, ``add_done_callback(fn)``, ``cancel()`` and
+    ``cancelled()`` as ``concurrent.futures.Future``'s.
+    """
 
     @abstractmethod
     def test(self) -> bool:
-        """Return True (and finish the operation) if it has completed; never blocks."""
+        """Return True (and finish the operation) if it has completed; never blocks.
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until the operation completes.
+        Raises:
+            CommError: the operation failed.
+        """
+
+    def wait(self, timeout: float | None = None):
+        """Block until the operation completes; returns its result (None for point to point).
 
         Args:
             timeout: seconds; None waits as long as it takes.
 
         Raises:
             CommTimeout: when ``timeout`` passes first.
+            CommError: the operation failed.
         """
-        if timeout is None:
-            self._wait_forever()
-            return
-        self._poll(time.monotonic() + timeout, timeout)
-
-    def _wait_forever(self) -> None:
-        self._poll(float("inf"), None)
-
-    def _poll(self, deadline: float, timeout) -> None:
-        """Test with exponential back-off (1 us to 1 ms) until done or ``deadline``."""
+        deadline = float("inf") if timeout is None else time.monotonic() + timeout
         pause = 1e-6
         while not self.test():
             if time.monotonic() > deadline:
                 raise CommTimeout(f"request not complete after {timeout:.3g} s", op=type(self).__name__ + ".wait")
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
+        if self._callbacks:
+            self._fire()
+        return self._value()
+
+    def _value(self):
+        return None
+
+    # ------------------------------------------ concurrent.futures.Future API
+    def done(self) -> bool:
+        """True when complete (successfully or not)."""
+        try:
+            done = self.test()
+        except Exception:  # noqa: BLE001 - a failed operation is done
+            done = True
+        if done and self._callbacks:
+            self._fire()
+        return done
+
+    def result(self, timeout: float | None = None):
+        """The operation's result, waiting up to ``timeout`` seconds (``Future.result``)."""
+        return self.wait(timeout)
+
+    def exception(self, timeout: float | None = None):
+        """The error the operation raised, or None (``Future.exception``)."""
+        try:
+            self.wait(timeout)
+        except CommTimeout:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            return exc
+        return None
+
+    def add_done_callback(self, fn: Callable[["Request"], None]) -> None:
+        """Call ``fn(self)`` once complete: at once when already done, else from
+        the ``wait``/``done``/``result`` call that sees it complete."""
+        if self.done():
+            fn(self)
+            return
+        if self._callbacks is None:
+            self._callbacks = []
+        self._callbacks.append(fn)
+
+    _callbacks = None
+
+    def _fire(self) -> None:
+        cbs, self._callbacks = self._callbacks, None
+        for fn in cbs or ():
+            fn(self)
+
+    def cancel(self) -> bool:
+        """Requests cannot be cancelled once posted (``False``), as MPI's after a match."""
+        return False
+
+    def cancelled(self) -> bool:
+        return False
+
+    def running(self) -> bool:
+        return not self.done()
 
 
 class CompletedRequest(Request):
-    """A request that is already done (e.g. a send to ``PROC_NULL``)."""
+    """A request that is already done (e.g. a send to ``PROC_NULL``), with an optional result."""
+
+    def __init__(self, value=None):
+        self._result = value
 
     def test(self) -> bool:
         return True
 
+    def _value(self):
+        return self._result
+
+
+class FutureRequest(Request):
+    """A :class:`Request` over a ``concurrent.futures.Future`` (a collective
+    running on a worker thread, see ``Communicator.iallreduce``)."""
+
+    def __init__(self, future):
+        self.future = future
+
+    def test(self) -> bool:
+        if not self.future.done():
+            return False
+        exc = self.future.exception()
+        if exc is not None:
+            raise exc
+        return True
+
+    def wait(self, timeout: float | None = None):
+        import concurrent.futures as cf  # noqa: PLC0415 - only non-blocking collectives use it
+
+        try:
+            return self.future.result(timeout)
+        except cf.TimeoutError:
+            raise CommTimeout(f"collective not complete after {timeout} s", op="wait") from None
+
+    def add_done_callback(self, fn) -> None:
+        self.future.add_done_callback(lambda _f: fn(self))
+
 
 def wait_all(requests: Sequence[Request], timeout: float | None = None) -> None:
-    """Wait for every request (see :meth:`Request.wait`)."""
+    """Wait for every request (see :meth:`Request.wait`); ``timeout`` in seconds for all."""
     if timeout is None:
         for r in requests:
             r.wait()
@@ -73,17 +208,31 @@ def wait_all(requests: Sequence[Request], timeout: float | None = None) -> None:
 class Transport(ABC):
     """Point-to-point byte mover between the ``size`` ranks of a group.
 
-    Buffers are :class:`commlib.core.buffer.Buffer`-compatible arrays, contiguous in
-    memory; sizes in bytes must match between sender and receiver.
+    Buffers are :class:`commlib.core.buffer.Buffer`-compatible arrays,
+    contiguous in memory, or :class:`Wire` messages; sizes in bytes must match
+    between sender and receiver.
+
+    Attributes:
+        name: ``"mpi"``, ``"tcp"``...
+        fault_tolerant: set on the transports of fault-tolerant communicators
+            (the MPI transport then completes every wait by polling, see
+            :mod:`commlib.transports.mpi`).
+        tags: the tag allocator of operations commlib runs on this transport.
+        node_peers: ranks on this rank's node (frozenset), computed at creation.
+        cuda_aware: device buffers go to the wire without host staging.
     """
 
     name = "abstract"
-    #: set on the transports of fault-tolerant communicators: the MPI
-    #: transport then completes ``sendrecv`` and unbounded ``waitall`` by
-    #: spinning on ``MPI_Testall``, never by a blocking ``MPI_Sendrecv`` or
-    #: ``MPI_Waitall`` (under Open MPI 5's ULFM those abort the whole job,
-    #: "Send error after request freed", when a peer dies mid-step).
     fault_tolerant = False
+    cuda_aware = False
+    node_peers: frozenset = frozenset()
+    tag_ub: int = USER_TAG_MAX
+    #: threads may call the transport concurrently (non-blocking collectives
+    #: then run on a worker thread)
+    thread_multiple = False
+
+    def __init__(self):
+        self.tags = TagAllocator(0, self.tag_ub)
 
     @property
     @abstractmethod
@@ -93,43 +242,90 @@ class Transport(ABC):
     @abstractmethod
     def size(self) -> int: ...
 
+    # ------------------------------------------------------- point to point
     @abstractmethod
-    def isend(self, buf, dest: int, tag: int = 0) -> Request: ...
+    def isend(self, buf, dest: int, tag: int = 0) -> Request:
+        """Start sending ``buf`` (array or :class:`Wire`) to ``dest``."""
 
     @abstractmethod
-    def irecv(self, buf, source: int, tag: int = 0) -> Request: ...
+    def irecv(self, buf, source: int, tag: int = 0) -> Request:
+        """Start receiving into ``buf`` (array or :class:`Wire`) from ``source``."""
 
     def send(self, buf, dest: int, tag: int = 0) -> None:
-        self.isend(buf, dest, tag).wait()
+        self.waitall([self.isend(buf, dest, tag)])
 
-    def recv(self, buf, source: int, tag: int = 0) -> None:
-        self.irecv(buf, source, tag).wait()
+    def recv(self, buf, source: int, tag: int = 0):
+        self.waitall([self.irecv(buf, source, tag)])
 
     def sendrecv(self, sendbuf, dest: int, recvbuf, source: int, sendtag: int = 0, recvtag: int = 0) -> None:
-        r = self.irecv(recvbuf, source, recvtag)
-        s = self.isend(sendbuf, dest, sendtag)
-        r.wait()
-        s.wait()
+        self.waitall([self.irecv(recvbuf, source, recvtag), self.isend(sendbuf, dest, sendtag)])
 
-    def waitall(self, requests: Sequence[Request], timeout: float | None = None) -> None:
-        """Wait for every request of one algorithm step (collectives call this).
+    def waitall(self, requests: Sequence[Request], timeout: float | None = None, op: str = "waitall") -> None:
+        """Wait for every request of one step.
 
         Args:
-            requests: requests returned by this transport's ``isend``/``irecv``.
+            requests: requests returned by this transport.
             timeout: seconds for all of them together; None waits as long as it takes.
+            op: operation name for errors.
 
         Raises:
             CommTimeout: when ``timeout`` passes first.
+            ProcessFailed: a peer failed (or the group was revoked).
+            CommError: any other failure.
         """
         wait_all(requests, timeout)
 
+    # --------------------------------------------------- persistent requests
+    def send_init(self, buf, dest: int, tag: int = 0) -> Request:
+        """A persistent send of ``buf`` (started by :meth:`startall`, completed by :meth:`waitall`)."""
+        raise self.unsupported("persistent requests")
+
+    def recv_init(self, buf, source: int, tag: int = 0) -> Request:
+        """A persistent receive into ``buf``; see :meth:`send_init`."""
+        raise self.unsupported("persistent requests")
+
+    def startall(self, requests: Sequence[Request]) -> None:
+        """Start persistent requests."""
+        raise self.unsupported("persistent requests")
+
+    # ---------------------------------------------------------------- device
+    def synchronize(self, buf) -> None:
+        """Make the device work that produced ``buf`` complete before the wire reads it."""
+
+    # --------------------------------------------------- native collectives
+    def native_allreduce(self, sendbuf, recvbuf, op) -> None:
+        """The wire library's own allreduce (``sendbuf=None``: in place)."""
+        raise self.unsupported("native allreduce")
+
+    def native_reduce_scatter_block(self, sendbuf, recvbuf, op) -> None:
+        raise self.unsupported("native reduce_scatter")
+
+    def native_allgather(self, sendbuf, recvbuf) -> None:
+        raise self.unsupported("native allgather")
+
+    def native_bcast(self, buf, root: int) -> None:
+        raise self.unsupported("native bcast")
+
+    def native_alltoall(self, sendbuf, recvbuf) -> None:
+        raise self.unsupported("native alltoall")
+
+    def native_barrier(self) -> None:
+        raise self.unsupported("native barrier")
+
+    def has_native(self, what: str) -> bool:
+        """True when ``native_<what>`` is implemented."""
+        return getattr(type(self), f"native_{what}", None) is not getattr(Transport, f"native_{what}", None)
+
+    # ---------------------------------------------------------- the group
     def failed_ranks(self) -> tuple[int, ...]:
         """Ranks this transport knows to have failed (empty when it cannot tell)."""
         return ()
+
+    def revoke(self) -> None:
+        """Interrupt every pending and future operation on the group (ULFM's revoke); no-op without."""
 
     def close(self) -> None:
         """Release the transport's resources."""
 
     def unsupported(self, what: str) -> NotImplementedError:
         return NotImplementedError(f"transport '{self.name}' does not support {what}")
-

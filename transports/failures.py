@@ -7,21 +7,16 @@ with an error of class ``MPI_ERR_PROC_FAILED`` (or ``MPI_ERR_PROC_FAILED_PENDING
 for a wildcard receive), and every operation on a communicator some survivor
 revoked completes with ``MPI_ERR_REVOKED``.  Without ULFM a dead peer is only
 noticed by a wait that does not end, so every wait in fault-tolerant mode is
-bounded (:func:`mpi_waitall` with a ``timeout`` in seconds).
+bounded (``MPITransport.waitall`` with a ``timeout`` in seconds).
 """
 from __future__ import annotations
-
-import os
-import time
-from typing import Sequence
 
 from mpi4py import MPI
 
 from commlib.core.errors import CommError, CommTimeout, ProcessFailed
 
-from .base import Request, wait_all
 
-__all__ = ["mpi_waitall", "failure_class", "is_process_failure", "is_revoked", "to_comm_error", "mpi_failed_ranks",
+__all__ = ["failure_class", "is_process_failure", "is_revoked", "to_comm_error", "mpi_failed_ranks",
            "raise_classified"]
 
 
@@ -87,60 +82,18 @@ def mpi_failed_ranks(comm: MPI.Comm) -> tuple[int, ...]:
         grp.Free()
 
 
-def mpi_waitall(requests: Sequence[Request], timeout: float | None = None, *, rank=None) -> None:
-    """Complete MPI transport requests with one MPI call or a bounded poll.
+def raise_classified(exc: MPI.Exception, statuses=(), rank=None, op: str = "waitall"):
+    """Raise the error of an MPI call as a classified :class:`CommError`.
 
-    Args:
-        requests: :class:`commlib.transports.mpi.MPIRequest` objects (others are
-            waited for one by one).
-        timeout: seconds for all of them together; None: ``MPI_Waitall``.
-
-    Raises:
-        CommTimeout: the requests did not all complete within ``timeout``.
-        MPI.Exception: an MPI error, e.g. ``MPI_ERR_PROC_FAILED`` under ULFM.
+    A process failure or revocation (also when hidden behind
+    ``MPI_ERR_IN_STATUS``: the real classes are in ``statuses``) becomes
+    :class:`ProcessFailed`; anything else a :class:`CommError` carrying MPI's
+    message.  The ``MPI.Exception`` is chained as the cause.
     """
-    from .mpi import MPIRequest  # noqa: PLC0415
-
-    pending = [r for r in requests if not (isinstance(r, MPIRequest) and r._done)]
-    if not pending:
-        return
-    if not all(isinstance(r, MPIRequest) for r in pending):
-        wait_all(pending, timeout)
-        return
-    mreqs = [r.req for r in pending]
-    statuses = [MPI.Status() for _ in mreqs]
-    try:
-        if timeout is None:
-            MPI.Request.Waitall(mreqs, statuses)
-        else:
-            deadline = time.monotonic() + timeout
-            spins = 0
-            while not MPI.Request.Testall(mreqs, statuses):
-                spins += 1
-                if spins > 64:
-                    if time.monotonic() > deadline:
-                        raise CommTimeout(
-                            f"{len(mreqs)} request(s) not complete after {timeout:.3g} s (peer dead or stalled?)",
-                            rank=rank, op="waitall",
-                        )
-                    # yield the core (oversubscribed ranks) without a timer:
-                    # time.sleep(0) here made a 1-4 MiB ring 17-120% slower
-                    os.sched_yield()
-    except MPI.Exception as exc:
-        raise_classified(exc, statuses, rank)
-    for r in pending:
-        r._finish()
-
-
-def raise_classified(exc: MPI.Exception, statuses, rank=None):
-    """Re-raise the error of an ``MPI_Waitall``/``MPI_Testall``: a process
-    failure or revocation hidden behind ``MPI_ERR_IN_STATUS`` (the real classes
-    are in the statuses) becomes :class:`ProcessFailed`; anything else is
-    raised unchanged."""
     if failure_class(exc) == _cls("ERR_IN_STATUS"):
         codes = [s.Get_error() for s in statuses]
         classes = {MPI.Get_error_class(c) for c in codes if c not in (MPI.SUCCESS, _cls("ERR_PENDING"))}
         if classes & (_PROC_FAILED | _REVOKED):
             what = "communicator revoked" if classes <= _REVOKED else "a peer process failed"
-            raise ProcessFailed(f"{what} (error classes {sorted(classes)})", rank=rank, op="waitall") from exc
-    raise exc
+            raise ProcessFailed(f"{what} (error classes {sorted(classes)})", rank=rank, op=op) from exc
+    raise to_comm_error(exc, rank=rank, op=op) from exc

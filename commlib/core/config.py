@@ -1,12 +1,30 @@
-"""Run-time configuration, read from the environment once and overridable in code.
+"""Run-time configuration: every ``COMMLIB_*`` environment variable, read once.
 
-Environment variables:
+The one place commlib reads its environment (the README lists the same table).
+Values are read when this module is imported; code may override them on
+:data:`config` (e.g. ``commlib.core.config.config.timeout = 5``) before creating
+communicators.
 
-- ``COMMLIB_CUDA_AWARE``: ``auto`` (default: ask the MPI library), ``1`` (trust
-  that MPI reads device pointers), ``0`` (always stage device buffers through
-  host memory).
-- ``COMMLIB_TIMEOUT``: seconds a blocking wait in fault-tolerant or elastic mode
-  may take before :class:`commlib.CommTimeout` (default 60).
+==============================  =========  =====================================================
+variable                        default    meaning
+==============================  =========  =====================================================
+``COMMLIB_CUDA_AWARE``          ``auto``   ``auto`` (ask MPI: ``MPIX_Query_cuda_support``), ``1``
+                                           (MPI reads device pointers), ``0`` (stage via host)
+``COMMLIB_TIMEOUT``             ``60``     seconds a blocking wait may take in fault-tolerant
+                                           mode before :class:`~commlib.CommTimeout`
+``COMMLIB_CHECK_ARGS``          ``1``      ``0`` skips the cross-rank argument agreement of the
+                                           large-message collectives (small ones carry it free)
+``COMMLIB_FT_MODE``             (detect)   ``ulfm`` or ``timeout``: force the fault-tolerance mode
+``COMMLIB_FT_WATCHDOG``         ``1``      ``0``: no watchdog thread; every wait is polled instead
+``COMMLIB_FT_DEBUG``            (off)      any value: trace fault-tolerance steps on stderr
+``COMMLIB_FINALIZE_TIMEOUT``    ``3``      seconds ``MPI_Finalize`` may take at exit after a failure
+``COMMLIB_DATATYPE_STRATEGY``   (model)    ``mpi|pack|device|mapped|staged``: force how typed
+                                           sends move non-contiguous data
+``COMMLIB_MODEL``               (built-in) path of a strategy model measured by
+                                           ``commlib calibrate``
+``COMMLIB_SMALL_BYTES``         ``4096``   largest allreduce / reduce_scatter / bcast payload
+                                           (bytes) sent in one round with its argument header
+==============================  =========  =====================================================
 """
 from __future__ import annotations
 
@@ -15,22 +33,56 @@ from dataclasses import dataclass, field
 
 __all__ = ["Config", "config"]
 
+_FALSE = ("0", "false", "no", "off")
+
 
 def _env_str(name: str, default: str) -> str:
     return os.environ.get(name, default).strip().lower()
 
 
+def _env_flag(name: str, default: bool) -> bool:
+    v = os.environ.get(name)
+    if v is None or not v.strip():
+        return default
+    return v.strip().lower() not in _FALSE
+
+
 @dataclass
 class Config:
-    """commlib settings.
+    """commlib settings (see the module docstring for each variable).
 
     Attributes:
-        cuda_aware: ``"auto"``, ``"1"`` or ``"0"`` (see module doc).
-        timeout: seconds for bounded waits (fault-tolerant / elastic mode).
+        cuda_aware: ``"auto"``, ``"1"`` or ``"0"``.
+        timeout: seconds for bounded waits (fault-tolerant mode).
+        check_args: run the cross-rank argument agreement of large collectives.
+        ft_mode: ``"ulfm"``, ``"timeout"`` or ``""`` (detect).
+        ft_watchdog: use the watchdog thread under ULFM.
+        ft_debug: trace fault-tolerance steps on stderr.
+        finalize_timeout: seconds, bound on ``MPI_Finalize`` after a failure.
+        datatype_strategy: forced typed-send strategy, or ``""`` (the model decides).
+        model: path of a calibrated strategy model, or ``""``.
+        small_bytes: one-round threshold of the small collectives, bytes.
     """
 
     cuda_aware: str = field(default_factory=lambda: _env_str("COMMLIB_CUDA_AWARE", "auto"))
     timeout: float = field(default_factory=lambda: float(os.environ.get("COMMLIB_TIMEOUT", "60")))
+    check_args: bool = field(default_factory=lambda: _env_flag("COMMLIB_CHECK_ARGS", True))
+    ft_mode: str = field(default_factory=lambda: _env_str("COMMLIB_FT_MODE", ""))
+    ft_watchdog: bool = field(default_factory=lambda: _env_flag("COMMLIB_FT_WATCHDOG", True))
+    ft_debug: bool = field(default_factory=lambda: bool(os.environ.get("COMMLIB_FT_DEBUG")))
+    finalize_timeout: float = field(default_factory=lambda: float(os.environ.get("COMMLIB_FINALIZE_TIMEOUT", "3")))
+    model: str = field(default_factory=lambda: os.environ.get("COMMLIB_MODEL", "").strip())
+    small_bytes: int = field(default_factory=lambda: int(os.environ.get("COMMLIB_SMALL_BYTES", "4096")))
+    forced_strategy: str | None = None
+
+    @property
+    def datatype_strategy(self) -> str:
+        """The forced typed-send strategy (``""``: the model decides).  Read from
+        ``COMMLIB_DATATYPE_STRATEGY`` at each use, so a job (or a test) may set it
+        late; assigning ``forced_strategy`` overrides it."""
+        if self.forced_strategy is not None:
+            return self.forced_strategy
+        return _env_str("COMMLIB_DATATYPE_STRATEGY", "")
 
 
 config = Config()

@@ -1,0 +1,187 @@
+"""The collective engine: one table of collective specifications and the first round every call makes.
+
+Every collective call (``Communicator.allreduce``, ``reduce_scatter``,
+``allgather``, ``bcast``, ``alltoall``) runs the same steps:
+
+1. **validate** this rank's arguments locally (never raising yet);
+2. **first round**: one all-gather of a fixed-size *row* per rank holding the
+   call's header (:mod:`commlib.core.agreement`: error flag, operation, count,
+   dtype, op, root, algorithm) and, for a small allreduce / reduce_scatter /
+   bcast, the payload itself.  The row has the same size on every rank
+   whatever its arguments (:func:`row_bytes`), so ranks whose calls differ
+   still make matching calls; every rank reads every header and raises the
+   same :class:`~commlib.InvalidArgument` before any payload byte of a large
+   call moves;
+3. **small calls end here**: the payloads are in the gathered rows and each
+   rank reduces them locally in rank order (0, 1, ..., size-1), so every rank
+   computes the same bits: one round of messages instead of two;
+4. **large calls** choose an algorithm (:data:`SPECS` thresholds) and run it
+   over the transport, under fault tolerance (:func:`commlib.collectives.ft.run_collective`).
+
+The all-gather is the transport's native one when it has one and waits need
+no bound, else the ring all-gather over the transport with bounded waits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from commlib.core import agreement as _hdr
+from commlib.core.config import config
+from commlib.core.errors import CommError, InvalidArgument
+
+from . import ops as _ops
+from .allgather_ring import allgather_ring
+
+__all__ = ["CollectiveSpec", "SPECS", "row_bytes", "first_round", "reduce_rows", "describe_field"]
+
+
+@dataclass(frozen=True)
+class CollectiveSpec:
+    """What the engine knows about one collective.
+
+    Attributes:
+        name: the operation (``"allreduce"``...).
+        code: its number in the header (``operation`` field).
+        algorithms: accepted ``algorithm=`` values; ``"auto"`` first, then the default.
+        small: True when a small call travels inside the first round.
+        thresholds: ``(max_bytes, algorithm)`` pairs ``"auto"`` picks from, in order;
+            the default algorithm above them all.
+        snapshot: True when fault-tolerant mode must keep the input for a retry
+            (the operation overwrites its input in place).
+    """
+
+    name: str
+    code: int
+    algorithms: tuple
+    small: bool = False
+    thresholds: tuple = field(default_factory=tuple)
+    snapshot: bool = False
+
+    def choose(self, algorithm: str, nbytes: int = 0, *, rank=None) -> str:
+        """The algorithm to run for ``algorithm`` (``"auto"`` by size in bytes).
+
+        Raises:
+            InvalidArgument: an algorithm this collective does not have.
+        """
+        if algorithm not in self.algorithms:
+            raise InvalidArgument(f"algorithm {algorithm!r} not in {self.algorithms}", rank=rank, op=self.name)
+        if algorithm != "auto":
+            return algorithm
+        for max_bytes, algo in self.thresholds:
+            if nbytes <= max_bytes:
+                return algo
+        return self.algorithms[1]
+
+    def algorithm_code(self, algorithm: str) -> int:
+        return self.algorithms.index(algorithm) + 1
+
+
+#: the collectives, their algorithms and "auto" thresholds (allreduce: recursive
+#: doubling up to 256 KiB, ring above; measured with benchmarks/bench_allreduce.py
+#: at 2 and 4 ranks, shared memory, 2 cores: the two cross between 64 and 256 KiB)
+SPECS = {s.name: s for s in (
+    CollectiveSpec("allreduce", 1, ("auto", "ring", "recursive_doubling", "mpi"), small=True,
+                   thresholds=((256 * 1024, "recursive_doubling"),), snapshot=True),
+    CollectiveSpec("reduce_scatter", 2, ("auto", "ring", "mpi"), small=True),
+    CollectiveSpec("allgather", 3, ("auto", "ring", "mpi")),
+    CollectiveSpec("bcast", 4, ("auto", "binomial", "mpi"), small=True, snapshot=True),
+    CollectiveSpec("alltoall", 5, ("auto", "pairwise", "mpi")),
+    CollectiveSpec("barrier", 6, ("auto", "dissemination", "mpi")),
+)}
+
+_NFIELDS = len(_hdr.FIELDS)
+_HEAD = 8 * (1 + _NFIELDS)  # bytes: error flag + fields, int64
+
+
+def small_capacity(size: int) -> int:
+    """Payload bytes a first-round row carries on a group of ``size`` ranks:
+    ``COMMLIB_SMALL_BYTES``, capped so that a row gathered from every rank stays
+    within 64 KiB (the first round must stay cheap for large calls too)."""
+    return max(0, min(config.small_bytes, 65536 // max(size, 1) - _HEAD)) // 8 * 8
+
+
+def row_bytes(size: int) -> int:
+    """Bytes of one rank's first-round row on a group of ``size`` ranks (the same on every rank)."""
+    return _HEAD + small_capacity(size)
+
+
+def describe_field(opname: str):
+    """A formatter for mismatch messages: header codes shown as the user wrote them."""
+    spec = SPECS[opname]
+
+    def describe(name: str, value: int):
+        if name == "operation":
+            return next((k for k, v in SPECS.items() if v.code == value), value)
+        if name == "algorithm":
+            return spec.algorithms[value - 1] if 0 < value <= len(spec.algorithms) else value
+        if name == "op":
+            return next((o.name for o in _ops.OPS.values() if o.code == value), value)
+        if name == "dtype":
+            return _ops.dtype_name(value)
+        return value
+
+    return describe
+
+
+def first_round(transport, opname: str, values, local_error: CommError | None, payload: np.ndarray | None,
+                timeout: float | None):
+    """The first round of a collective: header agreement, carrying a small payload.
+
+    Args:
+        transport: the group's transport.
+        opname: the operation.
+        values: this rank's header (ints in :data:`commlib.core.agreement.FIELDS` order).
+        local_error: this rank's argument error, or None.
+        payload: 1-D host array whose bytes ride along (at most
+            :func:`small_capacity` bytes), or None.
+        timeout: seconds each wait may take (None: unbounded; native all-gather).
+
+    Returns:
+        np.ndarray: the gathered rows' payload parts, uint8, shape ``(size, capacity)``.
+
+    Raises:
+        CommError: ``local_error`` on its rank, ``InvalidArgument`` on the others;
+            ``InvalidArgument`` everywhere when the headers differ.
+        ProcessFailed / CommTimeout: from the transport.
+    """
+    n = transport.size
+    rb = row_bytes(n)
+    row = np.zeros(rb, np.uint8)
+    head = row[:_HEAD].view(np.int64)
+    if local_error is not None:
+        head[0] = 1
+    else:
+        head[1:] = values
+        if payload is not None:
+            row[_HEAD:_HEAD + payload.nbytes] = payload.view(np.uint8)
+    rows = np.empty(n * rb, np.uint8)
+    if timeout is None and transport.has_native("allgather"):
+        transport.native_allgather(row, rows)
+    else:
+        allgather_ring(transport, row, rows, timeout=timeout)
+    rows = rows.reshape(n, rb)
+    verdict = _hdr.from_rows(np.ascontiguousarray(rows[:, :_HEAD]).view(np.int64))
+    if not verdict.ok or local_error is not None:
+        _hdr.raise_if_bad(verdict, values, rank=transport.rank, op=opname, local_error=local_error,
+                          describe=describe_field(opname))
+    return rows[:, _HEAD:]
+
+
+def reduce_rows(payloads: np.ndarray, dtype, count: int, op, out: np.ndarray) -> None:
+    """Reduce the ranks' payloads in rank order into ``out`` (bit-identical on every rank).
+
+    Args:
+        payloads: uint8, shape ``(size, capacity)`` from :func:`first_round`.
+        dtype, count: the elements in each payload.
+        op: an :class:`~commlib.collectives.ops.Op`.
+        out: 1-D host array of ``count`` elements of ``dtype``.
+    """
+    n = payloads.shape[0]
+    nb = count * np.dtype(dtype).itemsize
+    parts = np.ascontiguousarray(payloads[:, :nb]).view(dtype)
+    out[...] = parts[0]
+    for i in range(1, n):
+        op.reduce(out, parts[i])
+    op.finalize(out, n)

@@ -1,0 +1,114 @@
+"""Argument agreement: the data side of "fail on every rank alike".
+
+A collective call is correct only if every rank passed the same operation,
+count, dtype, reduction op, root and algorithm, and no rank's arguments were
+invalid.  Each rank encodes its call as a *header* of ints (plus an error flag);
+the ranks exchange headers (the collectives layer does that, in
+:mod:`commlib.collectives.agreement`, by one ``MIN`` reduction or inside the
+data message of a small collective), and :func:`verdict` turns what came back
+into one identical decision on every rank: go on, or raise the same
+:class:`~commlib.InvalidArgument` everywhere before any payload byte moves.
+
+Two wire forms carry the same information:
+
+* *min-max vector*: ``[v, -v, -err, -(rank+1)*err]`` reduced with ``MIN`` gives
+  every field's minimum and maximum and the highest erring rank (one
+  ``allreduce`` of ``2n+2`` int64s);
+* *rows*: one ``[err, v...]`` row per rank, gathered (rides along with the
+  payload of a small collective).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .errors import CommError, InvalidArgument
+
+__all__ = ["FIELDS", "Verdict", "minmax_vector", "from_minmax", "from_rows", "raise_if_bad"]
+
+#: the header fields of a collective call, in wire order
+FIELDS = ("operation", "count", "dtype", "op", "root", "algorithm")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the ranks' headers say, identical on every rank.
+
+    Attributes:
+        bad_rank: a rank whose arguments were invalid (the highest), or None.
+        lo, hi: per field, the smallest and largest value any rank passed.
+    """
+
+    bad_rank: int | None
+    lo: tuple
+    hi: tuple
+
+    @property
+    def ok(self) -> bool:
+        return self.bad_rank is None and self.lo == self.hi
+
+
+def minmax_vector(values: Sequence[int], error: bool, rank: int) -> np.ndarray:
+    """This rank's header in min-max form (int64, length ``2*len(values)+2``).
+
+    Args:
+        values: the header fields (ints); ignored when ``error``.
+        error: this rank's arguments are invalid.
+        rank: this rank.
+    """
+    vals = [0] * len(values) if error else [int(x) for x in values]
+    e = 1 if error else 0
+    return np.array(vals + [-x for x in vals] + [-e, -(rank + 1) * e], dtype=np.int64)
+
+
+def from_minmax(reduced: np.ndarray, n: int) -> Verdict:
+    """Read a ``MIN``-reduced :func:`minmax_vector` of ``n`` fields."""
+    v = reduced.tolist()
+    bad = -v[2 * n + 1] - 1 if v[2 * n] != 0 else None
+    return Verdict(bad, tuple(v[:n]), tuple(-x for x in v[n:2 * n]))
+
+
+def from_rows(rows: np.ndarray) -> Verdict:
+    """Read gathered ``[err, v...]`` rows (int64, shape ``(size, 1 + n)``)."""
+    err = np.flatnonzero(rows[:, 0])
+    bad = int(err[-1]) if err.size else None
+    if bad is not None:
+        n = rows.shape[1] - 1
+        return Verdict(bad, (0,) * n, (0,) * n)
+    return Verdict(None, tuple(rows[:, 1:].min(axis=0).tolist()), tuple(rows[:, 1:].max(axis=0).tolist()))
+
+
+def raise_if_bad(verdict: Verdict, values: Sequence[int], *, rank: int, op: str,
+                 local_error: CommError | None = None, names: Sequence[str] = FIELDS,
+                 describe: Callable[[str, int], object] | None = None, exc_type=InvalidArgument) -> None:
+    """Raise on every rank alike when the verdict is not ok.
+
+    Args:
+        verdict: from :func:`from_minmax` or :func:`from_rows`.
+        values: this rank's header fields (for the message).
+        rank, op: for the error message.
+        local_error: this rank's own argument error, re-raised as is.
+        names: field names, in header order.
+        describe: ``describe(name, value)`` gives a value as the user wrote it
+            (an op's or dtype's name rather than its code).
+        exc_type: the error class for the other ranks.
+
+    Raises:
+        CommError: ``local_error`` on the rank that had one; ``exc_type``
+            naming the erring rank, or every field that differs, elsewhere.
+    """
+    if verdict.bad_rank is not None:
+        if local_error is not None:
+            raise local_error
+        raise exc_type(f"rank {verdict.bad_rank} (at least) passed invalid arguments (see its error); "
+                       "nothing was sent", rank=rank, op=op)
+    if local_error is not None:  # pragma: no cover - the verdict already named a bad rank
+        raise local_error
+    if verdict.lo == verdict.hi:
+        return
+    d = describe or (lambda _name, v: v)
+    bad = [f"{name} differs across ranks (at least {d(name, lo)} and {d(name, hi)}; this rank {d(name, mine)})"
+           for name, lo, hi, mine in zip(names, verdict.lo, verdict.hi, values) if lo != hi]
+    raise exc_type("; ".join(bad), rank=rank, op=op)

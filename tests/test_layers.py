@@ -1,0 +1,92 @@
+"""The architecture's rules, checked on the installed package (docs/ARCHITECTURE.md).
+
+* layers import downward only and sibling modules import without cycles
+  (import-linter's contracts in ``.importlinter``);
+* only the transports call MPI to communicate: no module outside
+  ``commlib.transports`` makes a point-to-point, collective, persistent-request,
+  communicator-creation or ULFM call on an mpi4py object.
+"""
+import importlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAYERS = ("core", "transports", "datatypes", "collectives", "apps")
+
+# mpi4py's communication methods (capitalized: the buffer interface; commlib's
+# own API is lower case), and its lower-case pickle-based ones called on a
+# communicator object
+_CAPITAL = ("Send", "Recv", "Isend", "Irecv", "Sendrecv", "Sendrecv_replace", "Ssend", "Bsend", "Rsend",
+            "Issend", "Send_init", "Recv_init", "Start", "Startall", "Wait", "Waitall", "Waitany", "Waitsome",
+            "Test", "Testall", "Testany", "Bcast", "Allreduce", "Reduce", "Allgather", "Allgatherv", "Gather",
+            "Gatherv", "Scatter", "Scatterv", "Alltoall", "Alltoallv", "Reduce_scatter", "Reduce_scatter_block",
+            "Barrier", "Ibarrier", "Iallreduce", "Agree", "Iagree", "Revoke", "Shrink", "Ack_failed", "Probe",
+            "Iprobe", "Mprobe", "Improbe", "Dup", "Split", "Split_type", "Create_cart", "Create_group", "Abort")
+CAPITAL_CALL = re.compile(r"\.(" + "|".join(_CAPITAL) + r")\(")
+PICKLE_CALL = re.compile(r"(mpi_comm|COMM_WORLD|COMM_SELF|\.comm)\.(send|recv|isend|irecv|sendrecv|bcast|"
+                         r"allreduce|allgather|gather|scatter|alltoall|reduce|barrier)\(")
+
+
+def _layer_dirs():
+    import commlib
+
+    out = {"commlib": commlib.__path__[0]}
+    for layer in LAYERS:
+        out[layer] = importlib.import_module(f"commlib.{layer}").__path__[0]
+    return out
+
+
+def _sources():
+    seen = set()
+    for name, folder in _layer_dirs().items():
+        for base, dirs, files in os.walk(folder):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            for f in files:
+                if f.endswith(".py"):
+                    p = os.path.realpath(os.path.join(base, f))
+                    if p not in seen:
+                        seen.add(p)
+                        yield name, p
+
+
+def test_only_transports_communicate():
+    transports = os.path.realpath(_layer_dirs()["transports"])
+    offenders = []
+    for _, path in _sources():
+        if path.startswith(transports + os.sep):
+            continue
+        with open(path, encoding="utf-8") as fh:
+            for i, line in enumerate(fh, 1):
+                code = line.split("#", 1)[0]
+                if CAPITAL_CALL.search(code) or PICKLE_CALL.search(code):
+                    offenders.append(f"{path}:{i}: {line.strip()}")
+    assert not offenders, "communication outside commlib.transports:\n" + "\n".join(offenders)
+
+
+def test_grep_catches_a_bypass(tmp_path):
+    """The patterns above find the calls they exist for (the test can fail)."""
+    for line in ("self.mpi_comm.Allreduce(MPI.IN_PLACE, v, MPI.MIN)", "tp.comm.Revoke()",
+                 "MPI.Prequest.Startall(reqs)", "comm.mpi_comm.bcast(ok, root=0)", "cart.Send(x, dest=0)"):
+        assert CAPITAL_CALL.search(line) or PICKLE_CALL.search(line), line
+    for line in ("comm.allreduce(x)", "tp.native_barrier()", "self.transport.startall(reqs)"):
+        assert not (CAPITAL_CALL.search(line) or PICKLE_CALL.search(line)), line
+
+
+def test_no_path_extension_hack():
+    import commlib
+
+    with open(os.path.join(commlib.__path__[0], "__init__.py"), encoding="utf-8") as fh:
+        assert "__path__.append" not in fh.read()
+
+
+@pytest.mark.skipif(shutil.which("lint-imports", path=os.path.dirname(sys.executable)) is None,
+                    reason="import-linter not installed (pip install '.[test]')")
+def test_import_contracts():
+    r = subprocess.run(["bash", os.path.join(ROOT, "tests", "lint_layers.sh")], capture_output=True, text=True,
+                       env=dict(os.environ, PYTHON=sys.executable), timeout=300)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]

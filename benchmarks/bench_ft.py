@@ -117,7 +117,7 @@ def overhead(args):
 def _agree_and_copy(ft, x, reps: int = 200):
     """Median seconds of one ``MPIX_Comm_agree`` on ``ft``'s collective
     communicator (all ranks together) and of one memcpy of ``x`` (this rank)."""
-    comm = ft._coll_transport().comm
+    comm = ft.collective_transport().comm
     if ft.fault_tolerant != "ulfm":
         agree = 0.0
     else:
@@ -172,7 +172,7 @@ def recovery_worker(args):
                                      for r in survivors], axis=0))
     with open(os.path.join(args.out, f"rank{world}"), "w") as fh:
         json.dump({"t_done": t_done, "ok": bool(ok), "failed": list(comm.failed_ranks),
-                   "detect_to_return": [t for t, _ in comm._ft.recoveries]}, fh)
+                   "detect_to_return": [t for t, _ in comm.ft.recoveries]}, fh)
 
 
 def recovery(args):

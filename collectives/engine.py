@@ -32,6 +32,7 @@ from commlib.core.config import config
 from commlib.core.errors import CommError, InvalidArgument
 
 from . import ops as _ops
+from ._common import chunk_bounds_list
 from .allgather_ring import allgather_ring
 
 __all__ = ["CollectiveSpec", "SPECS", "row_bytes", "first_round", "reduce_rows", "describe_field"]
@@ -170,7 +171,12 @@ def first_round(transport, opname: str, values, local_error: CommError | None, p
 
 
 def reduce_rows(payloads: np.ndarray, dtype, count: int, op, out: np.ndarray) -> None:
-    """Reduce the ranks' payloads in rank order into ``out`` (bit-identical on every rank).
+    """Reduce the ranks' payloads into ``out`` in the ring's order (bit-identical on every rank).
+
+    Element ``j`` of chunk ``c`` (``chunk_bounds(count, size)``) combines the
+    ranks in :func:`~commlib.collectives.reduce_scatter_ring.ring_order` ``(c)``,
+    the order the ring allreduce and reduce_scatter use, so a small call and a
+    ring call of the same data give the same bits.
 
     Args:
         payloads: uint8, shape ``(size, capacity)`` from :func:`first_round`.
@@ -181,7 +187,17 @@ def reduce_rows(payloads: np.ndarray, dtype, count: int, op, out: np.ndarray) ->
     n = payloads.shape[0]
     nb = count * np.dtype(dtype).itemsize
     parts = np.ascontiguousarray(payloads[:, :nb]).view(dtype)
-    out[...] = parts[0]
-    for i in range(1, n):
-        op.reduce(out, parts[i])
+    if n == 1:
+        out[...] = parts[0]
+    elif n == 2:  # ring_order(c, 2) is (c + 1, c): chunk 0 from rank 1 first, chunk 1 from rank 0
+        h = chunk_bounds_list(count, 2)[1]
+        op.ufunc(parts[1, :h], parts[0, :h], out=out[:h])
+        op.ufunc(parts[0, h:], parts[1, h:], out=out[h:])
+    else:
+        b = chunk_bounds_list(count, n)
+        chunk = np.repeat(np.arange(n), np.diff(b))  # chunk of each element
+        cols = np.arange(count)
+        out[...] = parts[(chunk + 1) % n, cols]
+        for k in range(1, n):
+            op.ufunc(out, parts[(chunk + 1 + k) % n, cols], out=out)
     op.finalize(out, n)

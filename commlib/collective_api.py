@@ -228,7 +228,9 @@ class CollectiveMixin:
                 rows = first_round(tp, opname, v, local_error, payload, timeout)
             elif local_error is not None:
                 raise local_error
-            return run(tp, timeout, survivors, rows)
+            elif payload is not None:  # one rank: its own payload is the result
+                rows = payload.view(np.uint8).reshape(1, -1)
+            return run(tp, timeout, survivors, rows if payload is not None else None)
 
         try:
             return run_collective(self, opname, attempt, restore, on_failure)

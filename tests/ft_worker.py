@@ -209,7 +209,7 @@ def main():
         res["elapsed"] = round(time.monotonic() - t_start, 3)
     res["failed"] = list(comm.failed_ranks)
     res["callbacks"] = lost_seen
-    res["recoveries"] = [round(t, 4) for t, _ in (comm._ft.recoveries if comm._ft else [])]
+    res["recoveries"] = [round(t, 4) for t, _ in (comm.ft.recoveries if comm.ft else [])]
     line = json.dumps(res)
     out_dir = os.environ.get("FT_OUT_DIR")
     if out_dir:  # launchers may interleave the ranks' stdout lines

@@ -129,7 +129,7 @@ def test_ring_lazy_snapshot_saves_input_before_overwrite(comm, count):
     x = _data(np.dtype(np.float32), count, comm.rank, 77)
     buf = x.copy()
     snap = LazySnapshot(buf)
-    allreduce_ring(comm._coll_transport(), buf, "sum", save=snap)
+    allreduce_ring(comm.collective_transport(), buf, "sum", save=snap)
     np.testing.assert_array_equal(buf, ring_oracle([_data(np.dtype(np.float32), count, r, 77)
                                                      for r in range(comm.size)]))
     covered = np.zeros(count, bool)
@@ -210,7 +210,7 @@ def test_bcast(comm, count, algorithm):
         np.testing.assert_array_equal(x, ref)
     # small segments: the pipelined path
     x = np.arange(10_000, dtype=np.int32) if comm.rank == 0 else np.zeros(10_000, np.int32)
-    bcast_binomial(comm._coll_transport(), x, 0, segment_bytes=4096)
+    bcast_binomial(comm.collective_transport(), x, 0, segment_bytes=4096)
     np.testing.assert_array_equal(x, np.arange(10_000, dtype=np.int32))
 
 

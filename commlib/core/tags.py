@@ -69,6 +69,8 @@ def check_user_tag(tag, *, anywild: bool = False, ub: int = USER_TAG_MAX) -> str
             return f"tag {tag!r} is not an int"
     if anywild and tag == -1:
         return None
-    if not 0 <= tag <= ub:
+    if tag < 0:
+        return f"tag {tag} is negative (tags are 0..{ub}" + (", or ANY_TAG)" if anywild else ")")
+    if tag > ub:
         return f"tag {tag} is outside [0, {ub}]" + (" (or ANY_TAG)" if anywild else "")
     return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from numba import cuda
 
-from commlib.core.errors import InvalidArgument
+from commlib import InvalidArgument
 
 
 @cuda.jit

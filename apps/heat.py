@@ -8,7 +8,7 @@ dimension (``dx_i = 1/(N_i+1)``) and the stable time step
 ``dt = cfl / (2 alpha sum_i 1/dx_i^2)``.  FTCS is second order in space and
 first order in time; with ``dt ~ dx^2`` the error falls as O(dx^2).
 
-The grid is split over the ranks by ``MPI.Compute_dims`` (remainders spread
+The grid is split over the ranks by :func:`commlib.compute_dims` (remainders spread
 over the first ranks of each dimension); ghost cells are filled by
 :class:`commlib.collectives.HaloExchange`, whose message packing uses
 commlib's own datatypes; the interior update overlaps the exchange.  Every
@@ -31,8 +31,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 import commlib
+from commlib import CommTimeout, InvalidArgument, ProcessFailed
 from commlib.collectives import HaloExchange
-from commlib.core.errors import InvalidArgument, ProcessFailed
 
 __all__ = ["HeatResult", "decompose", "solve", "solve_ft", "main", "BACKENDS"]
 
@@ -225,9 +225,7 @@ class HeatResult:
 
 def _setup(comm, grid):
     d = len(grid)
-    from mpi4py import MPI  # noqa: PLC0415
-
-    dims = list(MPI.Compute_dims(comm.size, [0] * d))
+    dims = list(commlib.compute_dims(comm.size, d))
     for i, (n, p) in enumerate(zip(grid, dims)):
         if n < p:  # same verdict on every rank: grid and dims are global
             raise InvalidArgument(f"grid {list(grid)} has {n} point(s) in dimension {i} but {p} ranks along it "
@@ -335,12 +333,9 @@ def solve(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final=No
     t = steps * dt
     err = local - exact_solution(grid, offset, shape, t, alpha)
     ex = exact_solution(grid, offset, shape, t, alpha)
-    from mpi4py import MPI  # noqa: PLC0415
-
-    sums = np.array([float(np.sum(err * err)), float(np.sum(ex * ex))])
-    comm.mpi_comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
-    maxes = np.array([float(np.max(np.abs(err))) if err.size else 0.0, wall, t_comm / wall if wall else 0.0])
-    comm.mpi_comm.Allreduce(MPI.IN_PLACE, maxes, op=MPI.MAX)
+    sums = comm.allreduce(np.array([float(np.sum(err * err)), float(np.sum(ex * ex))]), op="sum")
+    maxes = comm.allreduce(np.array([float(np.max(np.abs(err))) if err.size else 0.0, wall,
+                                     t_comm / wall if wall else 0.0]), op="max")
     vol = float(np.prod(dx))
     cells = int(np.prod(grid))
     res = HeatResult(
@@ -354,35 +349,37 @@ def solve(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final=No
     return res, local
 
 
+_GATHER_TAG = 77  # user tag of gather_field's blocks
+
+
 def gather_field(comm, grid, local, root=0):
     """Assemble the global field on ``root`` from every rank's block (None elsewhere).
 
     Each rank's block geometry is recomputed from its Cartesian coordinates,
-    so only the float64 data travels (no pickling).
+    so only the float64 data travels (no pickling).  The blocks move on a
+    Cartesian communicator of their own (the same layout as :func:`solve`'s),
+    so the gather's messages cannot match anything else in flight on ``comm``.
     """
     d = len(grid)
-    from mpi4py import MPI  # noqa: PLC0415
-
-    dims = MPI.Compute_dims(comm.size, [0] * d)
-    cart = comm.mpi_comm.Create_cart(dims, [False] * d)
+    dims = commlib.compute_dims(comm.size, d)
+    cart = comm.cart_create(dims=dims, periods=[False] * d)
     try:
-        if comm.rank != root:
-            cart.Send(np.ascontiguousarray(local), dest=root, tag=77)
+        if cart.rank != root:
+            cart.send(np.ascontiguousarray(local, dtype=np.float64), dest=root, tag=_GATHER_TAG)
             return None
         out = np.empty(grid, dtype=np.float64)
-        for r in range(comm.size):
-            coords = cart.Get_coords(r)
-            shape, offset = block_of(grid, dims, coords)
+        for r in range(cart.size):
+            shape, offset = block_of(grid, cart.dims, cart.coords_of(r))
             box = tuple(slice(o, o + n) for o, n in zip(offset, shape))
-            if r == cart.Get_rank():
+            if r == cart.rank:
                 out[box] = local
             else:
                 buf = np.empty(shape, dtype=np.float64)
-                cart.Recv(buf, source=r, tag=77)
+                cart.recv(buf, source=r, tag=_GATHER_TAG)
                 out[box] = buf
         return out
     finally:
-        cart.Free()
+        cart.free()
 
 
 # --------------------------------------------------------- fault tolerance
@@ -401,9 +398,9 @@ def solve_ft(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final
     Every ``checkpoint_every`` steps each rank keeps a copy of its owned block
     and sends one to its buddy, rank ``(r + 1) % size`` (in-memory buddy
     checkpointing), committed only when every survivor agreed the exchange
-    succeeded.  When a rank dies (seen as an MPI error in the halo exchange,
-    or as :class:`commlib.ProcessFailed` from a checkpoint or the final
-    reductions), the survivors revoke the Cartesian communicator, shrink
+    succeeded.  When a rank dies (seen as :class:`commlib.ProcessFailed` or
+    :class:`commlib.CommTimeout` from the halo exchange, a checkpoint or the
+    final reductions), the survivors revoke the Cartesian communicator, shrink
     ``comm`` (:meth:`commlib.Communicator.recover`), rebuild the field of the
     last checkpoint from the owners' and buddies' copies, re-decompose the grid
     over the remaining ranks and go on from that step.  FTCS does the same
@@ -429,8 +426,6 @@ def solve_ft(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final
         InvalidArgument: as :func:`solve`, or ``comm`` not fault tolerant.
         ProcessFailed: a block and its buddy copy were both lost.
     """
-    from mpi4py import MPI  # noqa: PLC0415
-
     op = "heat.solve_ft"
     grid = [int(n) for n in grid]
     if comm.fault_tolerant != "ulfm":
@@ -443,7 +438,7 @@ def solve_ft(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final
     d = len(grid)
     dx, dt, steps, c = time_step(grid, alpha, cfl, steps, t_final)
     update = _UPDATES[backend]
-    world = MPI.COMM_WORLD.Get_rank()
+    world = comm.world_ranks[comm.rank]
     kills = {int(s) for r, s in kill if int(r) == world}
 
     full = None          # field to restart from (global, after a recovery)
@@ -470,8 +465,7 @@ def solve_ft(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final
             shell = shell_regions(shape, halo.width)
             # geometry of every rank's block in this epoch (for the buddy copies)
             geo = [block_of(grid, cart.dims, cart.coords_of(q)) for q in range(n)]
-            members = [int(x) for x in MPI.Group.Translate_ranks(
-                comm.mpi_comm.Get_group(), list(range(n)), MPI.COMM_WORLD.Get_group())]
+            members = [int(x) for x in comm.world_ranks]
             if t_detect is not None:
                 stats["recovery_s"].append(time.perf_counter() - t_detect)
                 t_detect = None
@@ -504,21 +498,17 @@ def solve_ft(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final
             sums = comm.allreduce(np.array([float(np.sum(err * err)), float(np.sum(ex * ex))]), op="sum")
             maxes = comm.allreduce(np.array([float(np.max(np.abs(err)))]), op="max")
             break
-        except KeyboardInterrupt:
-            raise
-        except Exception as exc:  # noqa: BLE001 - any failure: recover collectively
-            from commlib.transports.failures import is_process_failure  # noqa: PLC0415
-
-            if isinstance(exc, InvalidArgument) or not (is_process_failure(exc) or isinstance(exc, MPI.Exception)):
-                raise
+        except (ProcessFailed, CommTimeout) as exc:  # a peer died (or was revoked): recover collectively
             t_detect = time.perf_counter()
             # revoke what the halo traffic runs on, so survivors blocked on a
             # live neighbour are released and join the recovery
-            halo.revoke()
-            try:
-                cart.mpi_comm.Revoke()
-            except Exception:  # noqa: BLE001 - no ULFM, or already revoked
-                pass
+            if halo is not None:
+                halo.revoke()
+            if cart is not None:
+                try:
+                    cart.revoke()
+                except commlib.CommError:  # already revoked, or its peers gone
+                    pass
             if not getattr(exc, "recovered", False):
                 comm.recover()
             stats["recoveries"] += 1
@@ -662,13 +652,13 @@ def _main(argv=None) -> int:
         full = gather_field(comm, grid, local)
     if args.verify:
         ok = None
+        solo = comm.split(color=comm.rank)  # collective: a 1-rank communicator on every rank
         if comm.rank == 0:
-            from mpi4py import MPI  # noqa: PLC0415
-
-            _, ref = solve(commlib.init(MPI.COMM_SELF), grid, steps=res.steps, alpha=args.alpha,
+            _, ref = solve(solo, grid, steps=res.steps, alpha=args.alpha,
                            backend=args.backend, cfl=args.cfl, t_final=args.t_final)
             ok = bool(np.array_equal(full, ref))
-        res.verified = comm.mpi_comm.bcast(ok, root=0)
+        solo.free()
+        res.verified = bool(comm.bcast(np.array([1 if ok else 0], dtype=np.int32), root=0)[0])
     if comm.rank == 0:
         print(f"heat {len(grid)}-D grid {'x'.join(map(str, grid))} on {res.ranks} rank(s) dims "
               f"{'x'.join(map(str, res.dims))}, backend {res.backend}")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import pickle
 import resource
 import sys
 import time
@@ -38,7 +39,7 @@ import tracemalloc
 import numpy as np
 
 import commlib
-from commlib.collectives.attention import (
+from commlib.collectives import (
     LAYOUTS,
     local_seq_len,
     ring_attention,
@@ -186,7 +187,6 @@ def run(args, comm=None):
     """Run the app; returns the report dict on rank 0 (None elsewhere)."""
     comm = comm or commlib.init()
     rank, P = comm.rank, comm.size
-    mpi = comm.mpi_comm
     dtype = _np_dtype(args.dtype)
     L = local_seq_len(args.seq, P, args.layout)
     pos = sequence_positions(args.layout, rank, P, L)
@@ -232,8 +232,8 @@ def run(args, comm=None):
         times_b.append(tb)
     # slowest rank per iteration
     tf_all, tb_all = np.array(times_f), np.array(times_b)
-    mpi.Allreduce(_in_place(), tf_all, op=_max_op())
-    mpi.Allreduce(_in_place(), tb_all, op=_max_op())
+    comm.allreduce(tf_all, op="max")
+    comm.allreduce(tb_all, op="max")
 
     check = None
     if args.check:
@@ -243,10 +243,10 @@ def run(args, comm=None):
     mine = dict(rank=rank, peak_bytes=int(peak), inputs_bytes=int(inputs_bytes), max_rss_bytes=int(rss),
                 fwd_steps=fstats.get("steps"), bwd_steps=bstats.get("steps") if args.backward else None,
                 fwd_work=fstats.get("work"), bwd_compute_s=bstats.get("compute_s"))
-    everyone = mpi.gather(mine, root=0)
-    checks = mpi.gather(check, root=0)
+    gathered = _gather_objects(comm, (mine, check), root=0)
     if rank != 0:
         return None
+    everyone, checks = [g[0] for g in gathered], [g[1] for g in gathered]
     med_f = float(np.median(tf_all))
     med_b = float(np.median(tb_all)) if args.backward else 0.0
     tokens = args.batch * args.seq
@@ -276,16 +276,18 @@ def run(args, comm=None):
     return report
 
 
-def _in_place():
-    from mpi4py import MPI  # noqa: PLC0415
-
-    return MPI.IN_PLACE
-
-
-def _max_op():
-    from mpi4py import MPI  # noqa: PLC0415
-
-    return MPI.MAX
+def _gather_objects(comm, obj, root=0):
+    """Gather one picklable object per rank on ``root`` (a list in rank order;
+    None elsewhere): the pickles' lengths by one allgather, then the pickles,
+    padded to the longest, by another."""
+    blob = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+    sizes = comm.allgather(np.array([blob.size], dtype=np.int64)).reshape(-1)
+    padded = np.zeros(int(sizes.max()), dtype=np.uint8)
+    padded[:blob.size] = blob
+    blobs = comm.allgather(padded)
+    if comm.rank != root:
+        return None
+    return [pickle.loads(blobs[r, :int(n)].tobytes()) for r, n in enumerate(sizes)]  # noqa: S301 - our own ranks
 
 
 def _balance(steps_per_rank):
@@ -387,7 +389,7 @@ def main(argv=None) -> int:
 
         traceback.print_exc()
         print(f"rank {comm.rank}: attention app: {exc!r}; aborting the job", file=sys.stderr, flush=True)
-        comm.mpi_comm.Abort(3)
+        comm.abort(3)
     if rep is not None:
         if not args.quiet:
             print_report(rep)

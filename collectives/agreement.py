@@ -1,62 +1,93 @@
-"""The one argument-agreement protocol: collectives, halo exchanges and attention use it.
+"""The one argument-agreement protocol: the collective engine, halo exchanges and attention use it.
 
-Every rank encodes its call as a header (:mod:`commlib.core.agreement`); one
-exchange over the transport makes every rank see every rank's header, and all
-raise the same :class:`~commlib.InvalidArgument` before any payload moves when
-a rank's arguments were invalid or the headers differ.  The exchange is MPI's
-own allreduce when the transport has one and waits need no bound (under ULFM a
-dead peer makes it err, it never hangs), else a recursive-doubling allreduce
-over the transport with every wait bounded by ``timeout`` seconds.  Small
-collectives skip this round: they carry the header inside their data message
-(:mod:`commlib.collectives.engine`).
+Every rank encodes its call as a header of ints plus an error flag
+(:mod:`commlib.core.agreement`); one all-gather of a fixed-size row per rank
+makes every rank see every header, and all raise the same
+:class:`~commlib.InvalidArgument` before any payload moves when a rank's
+arguments were invalid or the headers differ.  A row may carry a small
+payload after the header (the engine's one-round small collectives); its size
+depends only on the header length and ``capacity``, never on the arguments,
+so ranks whose calls differ still make matching calls.
+
+The all-gather is the transport's native one when it has one and waits need
+no bound (under ULFM a dead peer makes it err, it never hangs), else the ring
+all-gather over the transport with every wait bounded by ``timeout`` seconds.
 """
 from __future__ import annotations
 
 from typing import Callable, Sequence
 
+import numpy as np
+
 from commlib.core import agreement as _hdr
 from commlib.core.errors import CommError, InvalidArgument
 
-from .allreduce_recursive_doubling import allreduce_recursive_doubling
+from .allgather_ring import allgather_ring
 
-__all__ = ["agree_header", "check_all"]
+__all__ = ["agree", "agree_header", "check_all"]
 
 
-def agree_header(transport, values: Sequence[int], *, op: str, local_error: CommError | None = None,
-                 timeout: float | None = None, names: Sequence[str] = _hdr.FIELDS,
-                 describe: Callable[[str, int], object] | None = None, exc_type=InvalidArgument) -> None:
-    """Check that every rank passed the same header and none erred.
+def agree(transport, values: Sequence[int], *, op: str, local_error: CommError | None = None,
+          payload: np.ndarray | None = None, capacity: int = 0, timeout: float | None = None,
+          names: Sequence[str] = _hdr.FIELDS, describe: Callable[[str, int], object] | None = None,
+          exc_type=InvalidArgument) -> np.ndarray:
+    """Check that every rank passed the same header and none erred; carry a small payload.
 
     Args:
         transport: the group's :class:`~commlib.transports.base.Transport`.
-        values: this rank's header fields (ints).
+        values: this rank's header fields (ints; the same count on every rank).
         op: operation name for errors.
         local_error: this rank's own argument error, or None.
-        timeout: seconds each wait may take (None: native exchange when available).
+        payload: 1-D host array of at most ``capacity`` bytes carried in the row, or None.
+        capacity: payload bytes per row (the same on every rank).
+        timeout: seconds each wait may take (None: native all-gather when available).
         names, describe: field names and a value formatter for the message.
         exc_type: the error class raised on the other ranks.
+
+    Returns:
+        np.ndarray: uint8, shape ``(size, capacity)``: every rank's payload bytes.
 
     Raises:
         CommError: ``local_error`` on the rank that had it and ``exc_type`` on
             every other rank; or ``exc_type`` everywhere when headers differ.
         ProcessFailed / CommTimeout: from the transport.
     """
-    if transport.size == 1:
-        if local_error is not None:
-            raise local_error
-        return
-    n = len(values)
-    v = _hdr.minmax_vector(values, local_error is not None, transport.rank)
-    if timeout is None and transport.has_native("allreduce"):
-        transport.native_allreduce(None, v, "min")
+    n, head = transport.size, 8 * (1 + len(values))
+    rb = head + capacity
+    row = np.zeros(rb, np.uint8)
+    h = row[:head].view(np.int64)
+    if local_error is not None:
+        h[0] = 1
     else:
-        allreduce_recursive_doubling(transport, v, "min", timeout=timeout)
-    _hdr.raise_if_bad(_hdr.from_minmax(v, n), values, rank=transport.rank, op=op, local_error=local_error,
-                      names=names, describe=describe, exc_type=exc_type)
+        h[1:] = values
+        if payload is not None:
+            row[head:head + payload.nbytes] = payload.view(np.uint8)
+    if n == 1:
+        rows = row
+    else:
+        rows = np.empty(n * rb, np.uint8)
+        if timeout is None and transport.has_native("allgather"):
+            transport.native_allgather(row, rows)
+        else:
+            allgather_ring(transport, row, rows, timeout=timeout)
+    rows = rows.reshape(n, rb)
+    verdict = _hdr.from_rows(np.ascontiguousarray(rows[:, :head]).view(np.int64))
+    if not verdict.ok or local_error is not None:
+        _hdr.raise_if_bad(verdict, values, rank=transport.rank, op=op, local_error=local_error, names=names,
+                          describe=describe, exc_type=exc_type)
+    return rows[:, head:]
+
+
+def agree_header(transport, values: Sequence[int], *, op: str, local_error: CommError | None = None,
+                 timeout: float | None = None, names: Sequence[str] = _hdr.FIELDS,
+                 describe: Callable[[str, int], object] | None = None, exc_type=InvalidArgument) -> None:
+    """:func:`agree` without a payload (argument agreement only)."""
+    agree(transport, values, op=op, local_error=local_error, timeout=timeout, names=names, describe=describe,
+          exc_type=exc_type)
 
 
 def check_all(transport, problem: str | None, op: str, exc_type=InvalidArgument, timeout: float | None = None) -> None:
-    """Collectively check a local condition (one int per rank on the wire).
+    """Collectively check a local condition (one flag per rank on the wire).
 
     Args:
         transport: the group's transport.
@@ -70,4 +101,4 @@ def check_all(transport, problem: str | None, op: str, exc_type=InvalidArgument,
             problem reports it, the others name the rank that rejected the call.
     """
     local = exc_type(problem, rank=transport.rank, op=op) if problem else None
-    agree_header(transport, (), op=op, local_error=local, timeout=timeout, exc_type=exc_type)
+    agree(transport, (), op=op, local_error=local, timeout=timeout, exc_type=exc_type)

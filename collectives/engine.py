@@ -18,8 +18,8 @@ Every collective call (``Communicator.allreduce``, ``reduce_scatter``,
 4. **large calls** choose an algorithm (:data:`SPECS` thresholds) and run it
    over the transport, under fault tolerance (:func:`commlib.collectives.ft.run_collective`).
 
-The all-gather is the transport's native one when it has one and waits need
-no bound, else the ring all-gather over the transport with bounded waits.
+The first round is the one argument-agreement protocol of
+:mod:`commlib.collectives.agreement`, given room for a payload.
 """
 from __future__ import annotations
 
@@ -27,13 +27,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from commlib.core import agreement as _hdr
+from commlib.core.agreement import FIELDS
 from commlib.core.config import config
 from commlib.core.errors import CommError, InvalidArgument
 
 from . import ops as _ops
 from ._common import chunk_bounds_list
-from .allgather_ring import allgather_ring
+from .agreement import agree
 
 __all__ = ["CollectiveSpec", "SPECS", "row_bytes", "first_round", "reduce_rows", "describe_field"]
 
@@ -92,7 +92,7 @@ SPECS = {s.name: s for s in (
     CollectiveSpec("barrier", 6, ("auto", "dissemination", "mpi")),
 )}
 
-_NFIELDS = len(_hdr.FIELDS)
+_NFIELDS = len(FIELDS)
 _HEAD = 8 * (1 + _NFIELDS)  # bytes: error flag + fields, int64
 
 
@@ -128,46 +128,27 @@ def describe_field(opname: str):
 
 def first_round(transport, opname: str, values, local_error: CommError | None, payload: np.ndarray | None,
                 timeout: float | None):
-    """The first round of a collective: header agreement, carrying a small payload.
+    """The first round of a collective: :func:`~commlib.collectives.agreement.agree`
+    on the call's header, with room for :func:`small_capacity` payload bytes.
 
     Args:
         transport: the group's transport.
         opname: the operation.
         values: this rank's header (ints in :data:`commlib.core.agreement.FIELDS` order).
         local_error: this rank's argument error, or None.
-        payload: 1-D host array whose bytes ride along (at most
-            :func:`small_capacity` bytes), or None.
+        payload: 1-D host array whose bytes ride along, or None.
         timeout: seconds each wait may take (None: unbounded; native all-gather).
 
     Returns:
-        np.ndarray: the gathered rows' payload parts, uint8, shape ``(size, capacity)``.
+        np.ndarray: the gathered payloads, uint8, shape ``(size, capacity)``.
 
     Raises:
         CommError: ``local_error`` on its rank, ``InvalidArgument`` on the others;
             ``InvalidArgument`` everywhere when the headers differ.
         ProcessFailed / CommTimeout: from the transport.
     """
-    n = transport.size
-    rb = row_bytes(n)
-    row = np.zeros(rb, np.uint8)
-    head = row[:_HEAD].view(np.int64)
-    if local_error is not None:
-        head[0] = 1
-    else:
-        head[1:] = values
-        if payload is not None:
-            row[_HEAD:_HEAD + payload.nbytes] = payload.view(np.uint8)
-    rows = np.empty(n * rb, np.uint8)
-    if timeout is None and transport.has_native("allgather"):
-        transport.native_allgather(row, rows)
-    else:
-        allgather_ring(transport, row, rows, timeout=timeout)
-    rows = rows.reshape(n, rb)
-    verdict = _hdr.from_rows(np.ascontiguousarray(rows[:, :_HEAD]).view(np.int64))
-    if not verdict.ok or local_error is not None:
-        _hdr.raise_if_bad(verdict, values, rank=transport.rank, op=opname, local_error=local_error,
-                          describe=describe_field(opname))
-    return rows[:, _HEAD:]
+    return agree(transport, values, op=opname, local_error=local_error, payload=payload,
+                 capacity=small_capacity(transport.size), timeout=timeout, describe=describe_field(opname))
 
 
 def reduce_rows(payloads: np.ndarray, dtype, count: int, op, out: np.ndarray) -> None:

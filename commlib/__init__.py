@@ -36,16 +36,23 @@ from .communicator import (
 )
 
 
+from .collectives import (
+    ring_attention,
+    ring_attention_backward,
+    shard_sequence,
+    ulysses_attention,
+    ulysses_attention_backward,
+    unshard_sequence,
+)
+
 _ATTENTION = ("ring_attention", "ring_attention_backward", "ulysses_attention", "ulysses_attention_backward",
               "shard_sequence", "unshard_sequence")
 
 
-def __getattr__(name):  # lazy layers: ``commlib.collectives`` etc. on first use
+def __getattr__(name):  # ``commlib.apps`` etc. on first use (apps pull in argparse, matplotlib)
     import importlib
 
-    if name in _ATTENTION:
-        return getattr(importlib.import_module(f"{__name__}.collectives"), name)
-    if name in ("collectives", "datatypes", "transports", "apps"):
+    if name in ("datatypes", "transports", "apps", "collectives"):
         return importlib.import_module(f"{__name__}.{name}")
     if name in ("device", "config"):
         return importlib.import_module(f"{__name__}.core.{name}")

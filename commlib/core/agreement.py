@@ -3,19 +3,11 @@
 A collective call is correct only if every rank passed the same operation,
 count, dtype, reduction op, root and algorithm, and no rank's arguments were
 invalid.  Each rank encodes its call as a *header* of ints (plus an error flag);
-the ranks exchange headers (the collectives layer does that, in
-:mod:`commlib.collectives.agreement`, by one ``MIN`` reduction or inside the
-data message of a small collective), and :func:`verdict` turns what came back
-into one identical decision on every rank: go on, or raise the same
+the ranks gather one ``[err, v...]`` row each (the collectives layer does
+that, in :mod:`commlib.collectives.agreement`, with room for a small payload),
+and :func:`from_rows` and :func:`raise_if_bad` turn what came back into one
+identical decision on every rank: go on, or raise the same
 :class:`~commlib.InvalidArgument` everywhere before any payload byte moves.
-
-Two wire forms carry the same information:
-
-* *min-max vector*: ``[v, -v, -err, -(rank+1)*err]`` reduced with ``MIN`` gives
-  every field's minimum and maximum and the highest erring rank (one
-  ``allreduce`` of ``2n+2`` int64s);
-* *rows*: one ``[err, v...]`` row per rank, gathered (rides along with the
-  payload of a small collective).
 """
 from __future__ import annotations
 
@@ -26,7 +18,7 @@ import numpy as np
 
 from .errors import CommError, InvalidArgument
 
-__all__ = ["FIELDS", "Verdict", "minmax_vector", "from_minmax", "from_rows", "raise_if_bad"]
+__all__ = ["FIELDS", "Verdict", "from_rows", "raise_if_bad"]
 
 #: the header fields of a collective call, in wire order
 FIELDS = ("operation", "count", "dtype", "op", "root", "algorithm")
@@ -50,26 +42,6 @@ class Verdict:
         return self.bad_rank is None and self.lo == self.hi
 
 
-def minmax_vector(values: Sequence[int], error: bool, rank: int) -> np.ndarray:
-    """This rank's header in min-max form (int64, length ``2*len(values)+2``).
-
-    Args:
-        values: the header fields (ints); ignored when ``error``.
-        error: this rank's arguments are invalid.
-        rank: this rank.
-    """
-    vals = [0] * len(values) if error else [int(x) for x in values]
-    e = 1 if error else 0
-    return np.array(vals + [-x for x in vals] + [-e, -(rank + 1) * e], dtype=np.int64)
-
-
-def from_minmax(reduced: np.ndarray, n: int) -> Verdict:
-    """Read a ``MIN``-reduced :func:`minmax_vector` of ``n`` fields."""
-    v = reduced.tolist()
-    bad = -v[2 * n + 1] - 1 if v[2 * n] != 0 else None
-    return Verdict(bad, tuple(v[:n]), tuple(-x for x in v[n:2 * n]))
-
-
 def from_rows(rows: np.ndarray) -> Verdict:
     """Read gathered ``[err, v...]`` rows (int64, shape ``(size, 1 + n)``)."""
     err = np.flatnonzero(rows[:, 0])
@@ -86,7 +58,7 @@ def raise_if_bad(verdict: Verdict, values: Sequence[int], *, rank: int, op: str,
     """Raise on every rank alike when the verdict is not ok.
 
     Args:
-        verdict: from :func:`from_minmax` or :func:`from_rows`.
+        verdict: from :func:`from_rows`.
         values: this rank's header fields (for the message).
         rank, op: for the error message.
         local_error: this rank's own argument error, re-raised as is.

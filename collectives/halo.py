@@ -16,23 +16,33 @@ flight at once, as in TEMPI's 26-neighbour exchange (Pearson et al., HPDC'22),
 rather than the dimension-by-dimension scheme that serializes ``d`` rounds.
 
 The plan (neighbours, datatypes, message buffers) is built once and reused.
+Every message goes through the transport contract
+(:mod:`commlib.transports.base`): the plan owns a private duplicate of the
+Cartesian communicator's transport, its messages are persistent requests of
+that transport (``send_init``/``recv_init``, ``startall``, ``waitall``) with
+tags from its :class:`~commlib.core.tags.TagAllocator`, so any failure of an
+exchange reaches the caller as a classified :class:`~commlib.CommError`
+(:class:`~commlib.ProcessFailed`, :class:`~commlib.CommTimeout`, ...) naming
+the rank and ``HaloExchange.exchange``.
 """
 from __future__ import annotations
 
-import functools
 import itertools
 from typing import Sequence
 
 import numpy as np
 
 from commlib.core.buffer import as_buffer
-from commlib.core.errors import InvalidArgument
-from commlib.validate import check_all as _agree
+from commlib.core.errors import CommError, InvalidArgument, ProcessFailed
+from commlib.datatypes import Subarray
+from commlib.datatypes.batch import BatchPack
 from commlib.transports.base import Request
-from commlib.transports.mpi import MPITransport
+
+from .agreement import check_all
 
 __all__ = ["HaloExchange", "HaloRequest"]
 
+_EXCHANGE = "HaloExchange.exchange"
 
 
 class _Neighbour:
@@ -51,9 +61,11 @@ class HaloExchange:
             fills faces only (star stencil).
         dtype: element dtype of the fields.
 
-    Construction is collective over ``cart`` (it validates the geometry on every
-    rank together and duplicates the communicator so halo tags never collide
-    with the application's messages).
+    Construction is collective over ``cart``: it validates the geometry on
+    every rank together and duplicates the communicator's transport
+    (``cart.transport.dup()``), so halo tags never meet the application's
+    messages; the tags themselves come from that private transport's
+    allocator.
 
     Raises:
         InvalidArgument: on every rank alike, naming the offending rank(s), when
@@ -63,14 +75,12 @@ class HaloExchange:
 
     def __init__(self, cart, local_shape: Sequence[int], width: int | Sequence[int] = 1,
                  corners: bool = True, dtype=np.float64):
-        from mpi4py import MPI  # noqa: PLC0415
-
-        from commlib.datatypes import Subarray  # noqa: PLC0415
-
         op = "HaloExchange"
         self.cart = cart
         self.rank = cart.rank
         self.dtype = np.dtype(dtype)
+        self._buffers: dict = {}
+        self._freed = False
         ndim = getattr(cart, "ndim", None)
         problem = None
         if ndim is None:
@@ -93,15 +103,22 @@ class HaloExchange:
                     problem = (f"halo width {w} in dimension {i} is wider than the local block "
                                f"({n} cells); use fewer ranks along it or a narrower halo")
                     break
-        _agree(cart, problem, op)
+        # A private transport (a duplicate communicator): halo tags cannot meet
+        # the application's, and the agreement below runs off the user's comm.
+        self._transport = cart.transport.dup()
+        try:
+            check_all(self._transport, problem, op)
+        except CommError:
+            self._transport.close()
+            raise
 
         self.ndim = ndim
         self.local_shape = local_shape
         self.width = width
         self.corners = bool(corners)
         self.shape = tuple(n + 2 * w for n, w in zip(local_shape, width))
-        # A private communicator: halo tags cannot meet the application's.
-        self._transport = MPITransport(cart.mpi_comm.Dup(), cuda_aware=cart.cuda_aware)
+        # one tag per direction of travel (3**ndim offsets), reserved once
+        tag0 = self._transport.tags.slot(3 ** ndim)
 
         self.neighbours: list[_Neighbour] = []
         for off in itertools.product((-1, 0, 1), repeat=ndim):
@@ -112,7 +129,7 @@ class HaloExchange:
             if any(o and w == 0 for o, w in zip(off, width)):
                 continue
             peer = cart.neighbor(off)
-            if peer == MPI.PROC_NULL:
+            if not 0 <= peer < cart.size:  # PROC_NULL: off a non-periodic edge
                 continue
             nb = _Neighbour()
             nb.offset = off
@@ -129,10 +146,9 @@ class HaloExchange:
             nb.recv_type = Subarray(self.shape, sub, r_start, self.dtype)
             nb.nbytes = int(np.prod(sub)) * self.dtype.itemsize
             # The tag names the direction of travel from the sender.
-            nb.send_tag = _direction_index(off)
-            nb.recv_tag = _direction_index(tuple(-o for o in off))
+            nb.send_tag = tag0 + _direction_index(off)
+            nb.recv_tag = tag0 + _direction_index(tuple(-o for o in off))
             self.neighbours.append(nb)
-        self._buffers: dict = {}
         self._validated: set = set()
 
     # ---------------------------------------------------------------- helpers
@@ -147,6 +163,7 @@ class HaloExchange:
         host = np.full(self.shape, fill, dtype=self.dtype)
         if like is None or not as_buffer(like).is_device:
             return host
+        # the GPU modules are imported only when device fields are in use
         if type(like).__module__.startswith("cupy"):
             import cupy  # noqa: PLC0415
 
@@ -179,7 +196,7 @@ class HaloExchange:
         return bufs, device
 
     def _plan_for(self, nfields: int, device: bool):
-        """Message buffers, batched pack plans and persistent MPI requests for
+        """Message buffers, batched pack plans and persistent requests for
         ``nfields`` fields, built on first use and reused every step.
 
         All messages live in one buffer, sends first, then receives: neighbour
@@ -188,16 +205,18 @@ class HaloExchange:
         every neighbour and field together (one per direction), not one per
         piece.  A neighbour that is this rank itself (a periodic dimension of
         one rank) gets no message: its ghost cells are unpacked straight from
-        the packed send slice of the opposite direction.
+        the packed send slice of the opposite direction.  The requests are the
+        private transport's persistent ones (``send_init``/``recv_init``) on
+        that buffer: in device memory when MPI is CUDA-aware, else on a host
+        copy it is staged through.
         """
         key = (nfields, device)
         got = self._buffers.get(key)
         if got is not None:
             return got
-        from commlib.datatypes.batch import BatchPack  # noqa: PLC0415
-
         me = self.rank
-        staged = device and not self._transport.cuda_aware
+        tp = self._transport
+        staged = device and not tp.cuda_aware
         spieces, soffs, sspan = [], [], {}
         pos = 0
         for k, nb in enumerate(self.neighbours):
@@ -221,7 +240,7 @@ class HaloExchange:
                 roffs.append(base + i * nb.nbytes)
         total = max(pos, 1)
         if device:
-            from numba import cuda  # noqa: PLC0415
+            from numba import cuda  # noqa: PLC0415 - the GPU module, only for device fields
 
             wire = cuda.device_array(total, np.uint8)
         else:
@@ -231,8 +250,11 @@ class HaloExchange:
         got = _Plan()
         got.packer, got.unpacker = BatchPack(spieces, soffs), BatchPack(rpieces, roffs)
         got.wire, got.host, got.send_total, got.staged = wire, host, send_total, staged
-        got.sreqs = [self._transport.send_init(host[a:b], nb.rank, nb.send_tag) for nb, (a, b), _ in remote]
-        got.rreqs = [self._transport.recv_init(host[a:b], nb.rank, nb.recv_tag) for nb, _, (a, b) in remote]
+        got.sync = device and not staged  # the wire itself is device memory MPI reads
+        got.transport = tp
+        got.sreqs = [tp.send_init(host[a:b], nb.rank, nb.send_tag) for nb, (a, b), _ in remote]
+        got.rreqs = [tp.recv_init(host[a:b], nb.rank, nb.recv_tag) for nb, _, (a, b) in remote]
+        got.reqs = got.rreqs + got.sreqs
         self._buffers[key] = got
         return got
 
@@ -242,8 +264,9 @@ class HaloExchange:
 
         Every field's edge cells are packed before ``start`` returns, so the
         caller may update interior cells right away (overlap); the ghost cells
-        are written by ``HaloRequest.wait()``.  Messages use persistent MPI
-        requests (``MPI_Send_init``/``MPI_Recv_init``) set up on first use.
+        are written by ``HaloRequest.wait()``.  Messages are the private
+        transport's persistent requests (``MPI_Send_init``/``MPI_Recv_init``),
+        set up on first use.
 
         Args:
             *fields: arrays of shape ``self.shape`` and dtype ``self.dtype``,
@@ -251,35 +274,43 @@ class HaloExchange:
 
         Raises:
             InvalidArgument: wrong shape, dtype, contiguity, or mixed devices.
-                The first call with a given set of field shapes checks on every
-                rank together, so a rank with a wrong field cannot leave the
-                others waiting; later calls check locally.
+                Until a call with this many fields has succeeded, the check is
+                made on every rank together, so a rank with a wrong field
+                cannot leave the others waiting; later calls check locally.
+            CommError: the transport failed to start the messages
+                (:class:`~commlib.ProcessFailed` when a peer is gone).
         """
-        op = "HaloExchange.exchange"
-        sig = tuple((getattr(f, "shape", None), getattr(f, "dtype", None)) for f in fields)
-        if sig not in self._validated:
-            try:
-                self._check_fields(fields, op)
-                problem = None
-            except InvalidArgument as exc:
-                problem = exc.detail
-            _agree(self.cart, problem, op)
-            self._validated.add(sig)
-        device = self._fast_check(fields, op)
-        plan = self._plan_for(len(fields), device)
-        if plan.rreqs:
-            _MPI().Prequest.Startall(plan.rreqs)
-        plan.packer.pack(fields, plan.wire)
-        if plan.staged:
-            n = plan.send_total
-            plan.wire[:n].copy_to_host(plan.host[:n])
-        if plan.sreqs:
-            _MPI().Prequest.Startall(plan.sreqs)
+        op = _EXCHANGE
+        nfields = len(fields)
+        first = nfields not in self._validated
+        problem = None
+        try:
+            device = self._fast_check(fields, op)
+        except InvalidArgument as exc:
+            if not first:
+                raise
+            problem = exc.detail
+        if first:
+            check_all(self._transport, problem, op)
+            self._validated.add(nfields)
+        plan = self._plan_for(nfields, device)
+        tp = plan.transport
+        try:
+            tp.startall(plan.rreqs)
+            plan.packer.pack(fields, plan.wire)
+            if plan.staged:
+                n = plan.send_total
+                plan.wire[:n].copy_to_host(plan.host[:n])
+            elif plan.sync:  # the pack kernels must finish before MPI reads the wire
+                tp.synchronize(plan.wire)
+            tp.startall(plan.sreqs)
+        except CommError as exc:
+            raise _as_raised_by(exc, op, self.rank) from exc
         return HaloRequest(fields, plan)
 
     def _fast_check(self, fields, op) -> bool:
         """Local per-call check (cheap for numpy); returns True for device fields."""
-        if all(type(f) is np.ndarray for f in fields):
+        if fields and all(type(f) is np.ndarray for f in fields):
             for i, f in enumerate(fields):
                 if f.shape != self.shape or f.dtype != self.dtype or not f.flags.c_contiguous:
                     self._check_fields(fields, op)  # raises with the precise message
@@ -292,7 +323,8 @@ class HaloExchange:
 
     @property
     def mpi_comm(self):
-        """The plan's private ``MPI.Comm`` (a duplicate of the Cartesian communicator)."""
+        """The plan's private ``MPI.Comm`` (a duplicate of the Cartesian communicator),
+        for interoperating with mpi4py code."""
         return self._transport.comm
 
     def revoke(self) -> None:
@@ -300,22 +332,23 @@ class HaloExchange:
         blocked in an exchange with a failed neighbour return with an error and
         can join the recovery.  A no-op where the MPI has no ULFM.  The plan
         cannot be used afterwards; build a new one on the shrunk communicator."""
-        try:
-            self._transport.comm.Revoke()
-        except (NotImplementedError, Exception):  # noqa: BLE001 - no ULFM, or already revoked
-            pass
+        self._transport.revoke()
 
     def free(self) -> None:
-        """Release the persistent requests and the plan's private communicator."""
+        """Release the persistent requests and the plan's private communicator
+        (idempotent)."""
+        if self._freed:
+            return
+        self._freed = True
         for plan in self._buffers.values():
-            for r in plan.sreqs + plan.rreqs:
-                r.Free()
+            self._transport.free_requests(plan.reqs)
         self._buffers.clear()
         self._transport.close()
 
 
 class _Plan:
-    __slots__ = ("packer", "unpacker", "wire", "host", "send_total", "sreqs", "rreqs", "staged")
+    __slots__ = ("packer", "unpacker", "wire", "host", "send_total", "sreqs", "rreqs", "reqs", "staged", "sync",
+                 "transport")
 
 
 class HaloRequest(Request):
@@ -323,7 +356,6 @@ class HaloRequest(Request):
 
     def __init__(self, fields, plan: _Plan):
         self._fields, self._plan = fields, plan
-        self._reqs = plan.rreqs + plan.sreqs
         self._done = False
 
     def _unpack(self):
@@ -335,33 +367,51 @@ class HaloRequest(Request):
         self._done = True
 
     def test(self) -> bool:
+        """True (and the ghost cells written) once every message has completed.
+
+        Raises:
+            CommError: a message failed (:class:`~commlib.ProcessFailed` when a
+                peer is gone), naming the rank and ``HaloExchange.exchange``.
+        """
         if self._done:
             return True
-        if _MPI().Request.Testall(self._reqs):
-            self._unpack()
-            return True
-        return False
+        try:
+            if not all(r.test() for r in self._plan.reqs):
+                return False
+        except CommError as exc:
+            raise _as_raised_by(exc, _EXCHANGE, self._plan.transport.rank) from exc
+        self._unpack()
+        return True
 
     def wait(self, timeout: float | None = None) -> None:
         """Complete the exchange; ``timeout`` in seconds (None: no limit).
 
         Raises:
             CommTimeout: when the neighbours' messages do not arrive in time.
+            ProcessFailed: a neighbour failed (or the plan was revoked).
+            CommError: any other failure of the transport.
         """
         if self._done:
             return
-        if timeout is None:
-            _MPI().Request.Waitall(self._reqs)
-            self._unpack()
-        else:
-            Request.wait(self, timeout)
+        self._plan.transport.waitall(self._plan.reqs, timeout, op=_EXCHANGE)
+        self._unpack()
+        if self._callbacks:
+            self._fire()
 
 
-@functools.lru_cache(maxsize=None)
-def _MPI():  # noqa: N802
-    from mpi4py import MPI  # noqa: PLC0415
-
-    return MPI
+def _as_raised_by(exc: CommError, op: str, rank: int) -> CommError:
+    """``exc`` (from a transport step such as ``startall``) as an error of the
+    call ``op``, keeping its class (and a :class:`ProcessFailed`'s ranks)."""
+    if exc.op == op:
+        return exc
+    msg = f"{exc.op}: {exc.detail}" if exc.op else exc.detail
+    rank = exc.rank if exc.rank is not None else rank
+    try:
+        if isinstance(exc, ProcessFailed):
+            return type(exc)(msg, failed=exc.failed, rank=rank, op=op)
+        return type(exc)(msg, rank=rank, op=op)
+    except TypeError:  # a subclass with another signature
+        return CommError(msg, rank=rank, op=op)
 
 
 def _direction_index(offset) -> int:

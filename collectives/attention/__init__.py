@@ -1,8 +1,9 @@
 """Sequence-parallel attention over a :class:`commlib.Communicator`.
 
 Exact attention for a sequence sharded across ranks, forward and backward,
-on numpy or CuPy arrays, written only against the communicator's
-point-to-point calls:
+on numpy or CuPy arrays, written only against the transport contract's
+point-to-point calls, on the communicator's collectives transport with tags
+from its allocator (:mod:`.transport`):
 
 * :func:`ring_attention` / :func:`ring_attention_backward`: K/V shards travel
   around a ring with double buffering (Ring Attention, Liu et al. 2023), in the

@@ -1,9 +1,10 @@
 """Argument checks shared by the attention algorithms.
 
-Each rank first checks its own arguments; then the ranks exchange a small
-signature of the call (ok flag, shapes, dtype, options: one ring all-gather of
-a few int64 over the communicator's point-to-point calls, P-1 steps) before
-any K/V message is posted.  So a bad call — on one rank or on all, including
+Each rank first checks its own arguments; then the ranks agree through
+:mod:`commlib.collectives.agreement` (the protocol the collectives use), before
+any K/V message is posted: first that no rank's arguments were invalid, then
+that every rank passed the same shapes, dtype and options (a header of
+attention's own fields).  So a bad call — on one rank or on all, including
 shapes that differ between ranks — raises :class:`InvalidArgument` on every
 rank instead of deadlocking the ring.
 """
@@ -16,8 +17,9 @@ import numpy as np
 
 from commlib.core.errors import InvalidArgument
 
+from ..agreement import agree_header
 from .blocks import SUPPORTED_DTYPES, compute_dtype, get_array_module
-from .layout import check_layout, local_seq_len
+from .layout import LAYOUTS, check_layout, local_seq_len
 
 __all__ = ["AttnSpec", "validate"]
 
@@ -46,14 +48,41 @@ def _dtype_name(x) -> str:
         return str(x.dtype)
 
 
-_TAG_SIG = 0x5A60
-_LAYOUT_CODE = {"contiguous": 0, "striped": 1, "zigzag": 2}
+#: the header fields of an attention call, in wire order
 _SIG_FIELDS = ("batch", "seq_local", "heads", "kv_heads", "head_dim", "dtype", "causal", "layout", "seq_len",
                "tile", "softmax_scale")
 
 
-def validate(comm, q, k, v, *, causal, layout, softmax_scale, seq_len, tile, op, extra=None) -> AttnSpec:
+def _header(spec: AttnSpec, causal, layout, tile) -> tuple:
+    """``spec`` and the options as the ints of :data:`_SIG_FIELDS` (the scale by its float64 bits)."""
+    return (spec.batch, spec.seq_local, spec.heads, spec.kv_heads, spec.head_dim,
+            SUPPORTED_DTYPES.index(spec.dtype.name), int(bool(causal)), LAYOUTS.index(layout), spec.seq_len,
+            int(tile), int(np.float64(spec.scale).view(np.int64)))
+
+
+def _describe(name: str, value: int):
+    """A header field's value as the caller wrote it."""
+    if name == "dtype":
+        return SUPPORTED_DTYPES[value]
+    if name == "layout":
+        return repr(LAYOUTS[value])
+    if name == "causal":
+        return bool(value)
+    if name == "softmax_scale":
+        return float(np.int64(value).view(np.float64))
+    return value
+
+
+def _disagreement(message: str, *, rank, op) -> InvalidArgument:
+    return InvalidArgument(f"ranks disagree on the call ({message}); every rank must pass the same shapes, "
+                           "dtype and options", rank=rank, op=op)
+
+
+def validate(transport, q, k, v, *, causal, layout, softmax_scale, seq_len, tile, op, extra=None) -> AttnSpec:
     """Check an attention call on every rank together and return its :class:`AttnSpec`.
+
+    Args:
+        transport: the call's transport (:func:`.transport.transport_of`).
 
     Raises:
         InvalidArgument: on every rank alike when any rank's arguments are bad
@@ -62,45 +91,19 @@ def validate(comm, q, k, v, *, causal, layout, softmax_scale, seq_len, tile, op,
     """
     problem, spec = None, None
     try:
-        spec = _validate_local(comm, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
+        spec = _validate_local(transport, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
                                seq_len=seq_len, tile=tile, op=op, extra=extra)
     except InvalidArgument as exc:
         problem = exc
-    if comm.size > 1:
-        _agree_on_call(comm, spec, problem, causal, layout, tile, op)
-    if problem is not None:
-        raise problem
+    # Two rounds of one small allreduce each: did any rank refuse (its header
+    # would mean nothing then), and do the headers agree, in attention's words.
+    agree_header(transport, (), op=op, local_error=problem)
+    agree_header(transport, _header(spec, causal, layout, tile), op=op, names=_SIG_FIELDS, describe=_describe,
+                 exc_type=_disagreement)
     return spec
 
 
-def _agree_on_call(comm, spec, problem, causal, layout, tile, op) -> None:
-    """Ring all-gather of every rank's call signature; raise alike on a mismatch."""
-    P, r = comm.size, comm.rank
-    table = np.zeros((P, 1 + len(_SIG_FIELDS)), np.int64)
-    if problem is None:
-        table[r] = [1, spec.batch, spec.seq_local, spec.heads, spec.kv_heads, spec.head_dim,
-                    spec.dtype.num, int(bool(causal)), _LAYOUT_CODE.get(layout, -1), spec.seq_len, int(tile),
-                    int(np.float64(spec.scale).view(np.int64))]
-    right, left = (r + 1) % P, (r - 1) % P
-    for step in range(P - 1):
-        send_row, recv_row = (r - step) % P, (r - step - 1) % P
-        reqs = [comm.irecv(table[recv_row], left, _TAG_SIG), comm.isend(table[send_row], right, _TAG_SIG)]
-        comm.waitall(reqs, None)
-    bad = [i for i in range(P) if table[i, 0] == 0]
-    if bad:
-        if problem is not None:
-            raise problem
-        raise InvalidArgument(f"rank(s) {bad} rejected the call (see their error); nothing was sent",
-                              rank=r, op=op)
-    differ = [i for i in range(P) if not np.array_equal(table[i], table[0])]
-    if differ:
-        cols = [j for j in range(1, table.shape[1]) if len(set(table[:, j].tolist())) > 1]
-        what = ", ".join(f"{_SIG_FIELDS[j - 1]} {table[:, j].tolist()}" for j in cols)
-        raise InvalidArgument(f"ranks disagree on the call ({what}, by rank); every rank must pass the same "
-                              "shapes, dtype and options", rank=r, op=op)
-
-
-def _validate_local(comm, q, k, v, *, causal, layout, softmax_scale, seq_len, tile, op, extra=None) -> AttnSpec:
+def _validate_local(transport, q, k, v, *, causal, layout, softmax_scale, seq_len, tile, op, extra=None) -> AttnSpec:
     """Check this rank's arguments and return its :class:`AttnSpec`.
 
     Args:
@@ -108,10 +111,10 @@ def _validate_local(comm, q, k, v, *, causal, layout, softmax_scale, seq_len, ti
             backward's ``out``, ``lse`` and ``dout`` (dtype None: float32 or float64).
 
     Raises:
-        InvalidArgument: naming ``comm.rank`` and ``op``.
+        InvalidArgument: naming ``transport.rank`` and ``op``.
     """
-    rank = comm.rank
-    size = comm.size
+    rank = transport.rank
+    size = transport.size
 
     def bad(msg):
         return InvalidArgument(msg, rank=rank, op=op)

@@ -24,6 +24,9 @@ import numpy as np
 
 from commlib.core.errors import InvalidArgument
 
+from .blocks import get_array_module
+from .transport import transport_of
+
 __all__ = [
     "LAYOUTS",
     "check_layout",
@@ -34,8 +37,6 @@ __all__ = [
 ]
 
 LAYOUTS = ("contiguous", "striped", "zigzag")
-
-_TAG_GATHER = 0x5A70
 
 
 def check_layout(layout, *, rank=None, op="attention") -> str:
@@ -112,8 +113,6 @@ def shard_sequence(x, comm, layout: str = "contiguous", *, axis: int = 1):
     check_layout(layout, rank=comm.rank, op=op)
     if not -x.ndim <= axis < x.ndim:
         raise InvalidArgument(f"axis {axis} out of range for a {x.ndim}-d array", rank=comm.rank, op=op)
-    from .blocks import get_array_module  # noqa: PLC0415
-
     xp = get_array_module(x)
     axis %= x.ndim
     n = x.shape[axis]
@@ -135,7 +134,8 @@ def unshard_sequence(x_local, comm, layout: str = "contiguous", seq_len: int | N
     """Gather every rank's shard into the global array, on every rank.
 
     The inverse of :func:`shard_sequence`: an allgather written over the
-    communicator's ``isend``/``irecv``, then reordering by position and dropping
+    ``isend``/``irecv`` of the communicator's collectives transport (see
+    :func:`.transport.transport_of`), then reordering by position and dropping
     the padding.
 
     Args:
@@ -154,14 +154,15 @@ def unshard_sequence(x_local, comm, layout: str = "contiguous", seq_len: int | N
         InvalidArgument: unknown layout, bad axis, or ``seq_local`` inconsistent
             with ``seq_len``.
         CommTimeout: ``timeout`` passed.
+        CommError: a peer failed (``ProcessFailed``) or another transport error.
     """
     op = "unshard_sequence"
-    rank, size = comm.rank, comm.size
+    tp = transport_of(comm)
+    tag = tp.tags.slot(1)
+    rank, size = tp.rank, tp.size
     check_layout(layout, rank=rank, op=op)
     if not -x_local.ndim <= axis < x_local.ndim:
         raise InvalidArgument(f"axis {axis} out of range for a {x_local.ndim}-d array", rank=rank, op=op)
-    from .blocks import get_array_module  # noqa: PLC0415
-
     xp = get_array_module(x_local)
     axis %= x_local.ndim
     L = x_local.shape[axis]
@@ -177,10 +178,10 @@ def unshard_sequence(x_local, comm, layout: str = "contiguous", seq_len: int | N
     for i in range(1, size):
         src = (rank - i) % size
         parts[src] = xp.empty_like(mine)
-        reqs.append(comm.irecv(parts[src], src, _TAG_GATHER))
+        reqs.append(tp.irecv(parts[src], src, tag))
     for i in range(1, size):
-        reqs.append(comm.isend(mine, (rank + i) % size, _TAG_GATHER))
-    comm.waitall(reqs, timeout)
+        reqs.append(tp.isend(mine, (rank + i) % size, tag))
+    tp.waitall(reqs, timeout, op=op)
     shape = list(mine.shape)
     shape[axis] = size * L
     full = xp.empty(shape, dtype=mine.dtype)

@@ -29,11 +29,14 @@ import numpy as np
 from .blocks import ForwardAccumulator, backward_block, forward_block, from_heads_major, tile_plan, to_heads_major
 from .common import validate
 from .layout import sequence_positions
+from .transport import transport_of
 
 __all__ = ["ring_attention", "ring_attention_backward", "ring_plan_work"]
 
-_TAG_KV = 0x5A71
-_TAG_DKV = 0x5A72
+# Tags, as offsets in the block each call takes from its transport's allocator.
+_TAG_KV = 0   # the K/V shards going round
+_TAG_DKV = 1  # the backward's travelling dk/dv
+_TAG_WIDTH = 2
 
 
 def _heads_major_kv(k, v, spec):
@@ -76,7 +79,9 @@ def ring_attention(comm, q, k, v, causal: bool = False, layout: str = "contiguou
     """Exact attention over a sequence sharded across ``comm``'s ranks.
 
     Args:
-        comm: :class:`commlib.Communicator` (only its point-to-point calls are used).
+        comm: :class:`commlib.Communicator`; the messages go over its
+            collectives transport (see :func:`.transport.transport_of`), with
+            tags of their own.
         q: local queries ``(batch, seq_local, heads, head_dim)``; numpy or CuPy;
             float16, bfloat16 (ml_dtypes), float32 or float64.
         k: local keys ``(batch, seq_local, kv_heads, head_dim)``, same dtype;
@@ -105,11 +110,14 @@ def ring_attention(comm, q, k, v, causal: bool = False, layout: str = "contiguou
         InvalidArgument: bad shapes, dtypes, layout, ``seq_len``, scale or tile
             (raised on every rank before any communication).
         CommTimeout: a step's messages did not complete in ``timeout``.
+        ProcessFailed: a peer failed (any other transport failure: :class:`~commlib.CommError`).
     """
     op = "ring_attention"
-    spec = validate(comm, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
+    tp = transport_of(comm)
+    tag_kv = tp.tags.slot(_TAG_WIDTH) + _TAG_KV
+    spec = validate(tp, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
                     seq_len=seq_len, tile=tile, op=op)
-    xp, P, r = spec.xp, comm.size, comm.rank
+    xp, P, r = spec.xp, tp.size, tp.rank
     st = _new_stats(stats, "forward")
     t_start = time.perf_counter()
     L = spec.seq_local
@@ -125,7 +133,7 @@ def ring_attention(comm, q, k, v, causal: bool = False, layout: str = "contiguou
         owner = (r - step) % P
         reqs = []
         if step < P - 1:  # double buffering: post the next block before computing this one
-            reqs = [comm.irecv(nxt, src_rank, _TAG_KV), comm.isend(cur, dst, _TAG_KV)]
+            reqs = [tp.irecv(nxt, src_rank, tag_kv), tp.isend(cur, dst, tag_kv)]
         t0 = time.perf_counter()
         kpos = sequence_positions(layout, owner, P, L)
         plan = tile_plan(qpos, kpos, spec.seq_len, causal, tile)
@@ -133,7 +141,7 @@ def ring_attention(comm, q, k, v, causal: bool = False, layout: str = "contiguou
             forward_block(qh, cur[0].astype(spec.cdtype, copy=False), cur[1].astype(spec.cdtype, copy=False),
                           plan, qpos, kpos, state)
         t1 = time.perf_counter()
-        comm.waitall(reqs, timeout)
+        tp.waitall(reqs, timeout, op=op)
         t2 = time.perf_counter()
         if st is not None:
             st["steps"].append(dict(step=step, source=owner, work=plan.work * nbh, visible=plan.visible * nbh,
@@ -169,17 +177,21 @@ def ring_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = False,
         InvalidArgument: as in :func:`ring_attention`, or ``out``/``lse``/``dout``
             of the wrong shape or dtype.
         CommTimeout: a step's messages did not complete in ``timeout``.
+        ProcessFailed: a peer failed (any other transport failure: :class:`~commlib.CommError`).
     """
     op = "ring_attention_backward"
+    tp = transport_of(comm)
+    tag0 = tp.tags.slot(_TAG_WIDTH)
+    tag_kv, tag_dkv = tag0 + _TAG_KV, tag0 + _TAG_DKV
     qshape = tuple(q.shape) if hasattr(q, "shape") else None
     qd = np.dtype(q.dtype).name if hasattr(q, "dtype") else None
     extra = {}
     if qshape is not None and len(qshape) == 4:
         extra = {"out": (out, qshape, qd), "dout": (dout, qshape, qd),
                  "lse": (lse, (qshape[0], qshape[2], qshape[1]), None)}
-    spec = validate(comm, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
+    spec = validate(tp, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
                     seq_len=seq_len, tile=tile, op=op, extra=extra)
-    xp, P, r = spec.xp, comm.size, comm.rank
+    xp, P, r = spec.xp, tp.size, tp.rank
     st = _new_stats(stats, "backward")
     t_start = time.perf_counter()
     L, hk, g = spec.seq_local, spec.kv_heads, spec.group
@@ -203,10 +215,10 @@ def ring_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = False,
         owner = (r - step) % P
         reqs = []
         if step < P - 1:  # post the next K/V block before computing this one
-            reqs = [comm.irecv(nxt, src_rank, _TAG_KV), comm.isend(cur, dst, _TAG_KV)]
+            reqs = [tp.irecv(nxt, src_rank, tag_kv), tp.isend(cur, dst, tag_kv)]
         if P > 1:  # the dk/dv that will arrive for the next step (or, at the last, our own)
             nxt_buf = xp.empty(dkv_shape, dtype=cdt)
-            nxt_req = comm.irecv(nxt_buf, src_rank, _TAG_DKV)
+            nxt_req = tp.irecv(nxt_buf, src_rank, tag_dkv)
         t0 = time.perf_counter()
         kpos = sequence_positions(layout, owner, P, L)
         plan = tile_plan(qpos, kpos, spec.seq_len, causal, tile)
@@ -217,14 +229,14 @@ def ring_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = False,
         t1 = time.perf_counter()
         if dkv_in is not None:  # add what the previous holders accumulated for this block
             req, buf = dkv_in
-            req.wait(timeout)
+            tp.waitall([req], timeout, op=op)
             dkv += buf
         if P > 1:
-            while dkv_sends:  # at most one dk/dv in flight: memory stays O(seq_local)
-                dkv_sends.pop().wait(timeout)
-            dkv_sends.append(comm.isend(dkv, dst, _TAG_DKV))
+            # at most one dk/dv in flight: memory stays O(seq_local)
+            tp.waitall(dkv_sends, timeout, op=op)
+            dkv_sends = [tp.isend(dkv, dst, tag_dkv)]
             dkv_in = (nxt_req, nxt_buf)
-        comm.waitall(reqs, timeout)
+        tp.waitall(reqs, timeout, op=op)
         t2 = time.perf_counter()
         if st is not None:
             st["steps"].append(dict(step=step, source=owner, work=plan.work * nbh, visible=plan.visible * nbh,
@@ -233,8 +245,8 @@ def ring_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = False,
             cur, nxt = nxt, cur
     if P > 1:  # our own block's dk/dv, back from its last holder
         req, dkv = dkv_in
-        req.wait(timeout)
-        comm.waitall(dkv_sends, timeout)
+        tp.waitall([req], timeout, op=op)
+        tp.waitall(dkv_sends, timeout, op=op)
     dqh *= spec.scale
     dq = from_heads_major(dqh, spec.dtype, xp)
     dk = xp.ascontiguousarray(dkv[0].transpose(0, 2, 1, 3).astype(spec.dtype, copy=False))

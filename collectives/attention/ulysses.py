@@ -1,8 +1,9 @@
 """DeepSpeed-Ulysses attention: all-to-all from sequence shards to head shards.
 
 Each rank starts with ``seq_local`` tokens of all heads.  An all-to-all
-(written here as a pairwise exchange over the communicator's
-``isend``/``irecv``) gives it the whole sequence for ``heads / P`` query heads
+(the collectives' pairwise exchange,
+:func:`commlib.collectives.alltoall_pairwise.alltoall_pairwise_parts`, over
+the communicator's collectives transport) gives it the whole sequence for ``heads / P`` query heads
 and ``kv_heads / P`` key/value heads; it runs ordinary blocked attention
 (:func:`.blocks.attention_forward`) locally, and a second all-to-all returns
 the output to sequence shards.  Communication per rank is ``O(seq/P)`` per
@@ -24,82 +25,82 @@ import numpy as np
 from commlib.core.errors import InvalidArgument
 
 from ..alltoall_pairwise import alltoall_pairwise_parts
-
-from .blocks import attention_backward, attention_forward
+from .blocks import attention_backward, attention_forward, tile_plan
 from .common import validate
 from .layout import sequence_positions
+from .transport import transport_of
 
 __all__ = ["ulysses_attention", "ulysses_attention_backward", "alltoall_pairwise"]
 
 
-
 def alltoall_pairwise(comm, sendparts, recvparts, *, timeout: float | None = None) -> None:
-    """Pairwise all-to-all of per-rank parts over ``comm``'s point-to-point calls
+    """Pairwise all-to-all of per-rank parts over ``comm``'s collectives transport
     (:func:`commlib.collectives.alltoall_pairwise.alltoall_pairwise_parts`;
     Thakur, Rabenseifner & Gropp 2005).
 
     Args:
-        comm: :class:`commlib.Communicator`.
+        comm: :class:`commlib.Communicator` (or a transport; see :func:`.transport.transport_of`).
         sendparts: ``P`` contiguous arrays; ``sendparts[j]`` goes to rank ``j``.
         recvparts: ``P`` contiguous arrays; ``recvparts[j]`` receives from rank ``j``.
         timeout: seconds per exchange step.
 
     Raises:
         CommTimeout: ``timeout`` passed.
+        CommError: a peer failed (``ProcessFailed``) or another transport error.
     """
-    alltoall_pairwise_parts(comm, sendparts, recvparts, timeout=timeout)
+    alltoall_pairwise_parts(transport_of(comm), sendparts, recvparts, timeout=timeout)
 
 
-def _seq_to_heads(comm, x, xp, timeout):
+def _seq_to_heads(tp, x, xp, timeout):
     """``(B, L, H, D)`` sequence shard -> ``(B, P*L, H/P, D)`` head shard (rank order)."""
-    P = comm.size
+    P = tp.size
     b, n, h, d = x.shape
     hp = h // P
     send = [xp.ascontiguousarray(x[:, :, j * hp:(j + 1) * hp]) for j in range(P)]
     recv = [xp.empty((b, n, hp, d), dtype=x.dtype) for _ in range(P)]
-    alltoall_pairwise(comm, send, recv, timeout=timeout)
+    alltoall_pairwise_parts(tp, send, recv, timeout=timeout)
     return xp.concatenate(recv, axis=1)
 
 
-def _heads_to_seq(comm, y, xp, timeout):
+def _heads_to_seq(tp, y, xp, timeout):
     """``(B, P*L, h, D)`` head shard (rank order) -> ``(B, L, P*h, D)`` sequence shard."""
-    P = comm.size
+    P = tp.size
     b, n, hp, d = y.shape
     L = n // P
     send = [xp.ascontiguousarray(y[:, j * L:(j + 1) * L]) for j in range(P)]
     recv = [xp.empty((b, L, hp, d), dtype=y.dtype) for _ in range(P)]
-    alltoall_pairwise(comm, send, recv, timeout=timeout)
+    alltoall_pairwise_parts(tp, send, recv, timeout=timeout)
     return xp.concatenate(recv, axis=2)
 
 
-def _lse_to_heads(comm, lse, xp, timeout):
+def _lse_to_heads(tp, lse, xp, timeout):
     """``(B, H, L)`` -> ``(B, H/P, P*L)``."""
-    P = comm.size
+    P = tp.size
     b, h, n = lse.shape
     hp = h // P
     send = [xp.ascontiguousarray(lse[:, j * hp:(j + 1) * hp]) for j in range(P)]
     recv = [xp.empty((b, hp, n), dtype=lse.dtype) for _ in range(P)]
-    alltoall_pairwise(comm, send, recv, timeout=timeout)
+    alltoall_pairwise_parts(tp, send, recv, timeout=timeout)
     return xp.concatenate(recv, axis=2)
 
 
-def _lse_to_seq(comm, lse, xp, timeout):
+def _lse_to_seq(tp, lse, xp, timeout):
     """``(B, h, P*L)`` -> ``(B, P*h, L)``."""
-    P = comm.size
+    P = tp.size
     b, hp, n = lse.shape
     L = n // P
     send = [xp.ascontiguousarray(lse[:, :, j * L:(j + 1) * L]) for j in range(P)]
     recv = [xp.empty((b, hp, L), dtype=lse.dtype) for _ in range(P)]
-    alltoall_pairwise(comm, send, recv, timeout=timeout)
+    alltoall_pairwise_parts(tp, send, recv, timeout=timeout)
     return xp.concatenate(recv, axis=1)
 
 
-def _check_heads(comm, spec, op):
-    P = comm.size
+def _check_heads(tp, spec, op):
+    P = tp.size
     if spec.heads % P or spec.kv_heads % P:
         raise InvalidArgument(
             f"Ulysses needs heads ({spec.heads}) and kv_heads ({spec.kv_heads}) divisible by the "
-            f"number of ranks ({P}); use ring_attention instead", rank=comm.rank, op=op)
+            f"number of ranks ({P}); use ring_attention instead", rank=tp.rank, op=op)
 
 
 def _order(layout, P, L, xp):
@@ -117,7 +118,8 @@ def ulysses_attention(comm, q, k, v, causal: bool = False, layout: str = "contig
     """Exact sequence-parallel attention by all-to-all over heads (DeepSpeed-Ulysses).
 
     Args:
-        comm: :class:`commlib.Communicator` (only point-to-point calls are used).
+        comm: :class:`commlib.Communicator`; the all-to-alls go over its
+            collectives transport (see :func:`.transport.transport_of`).
         q: local queries ``(batch, seq_local, heads, head_dim)``, numpy or CuPy,
             float16 / bfloat16 / float32 / float64.
         k, v: ``(batch, seq_local, kv_heads, head_dim)``; ``heads % kv_heads == 0``.
@@ -135,27 +137,27 @@ def ulysses_attention(comm, q, k, v, causal: bool = False, layout: str = "contig
         InvalidArgument: as ``ring_attention``, and when ``heads`` or ``kv_heads``
             is not divisible by ``comm.size`` (before any communication).
         CommTimeout: an all-to-all did not complete in ``timeout``.
+        ProcessFailed: a peer failed (any other transport failure: :class:`~commlib.CommError`).
     """
     op = "ulysses_attention"
-    spec = validate(comm, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
+    tp = transport_of(comm)
+    spec = validate(tp, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
                     seq_len=seq_len, tile=tile, op=op)
-    _check_heads(comm, spec, op)
-    xp, P, L = spec.xp, comm.size, spec.seq_local
+    _check_heads(tp, spec, op)
+    xp, P, L = spec.xp, tp.size, spec.seq_local
     t0 = time.perf_counter()
     perm, inv = _order(layout, P, L, xp)
-    qg = _seq_to_heads(comm, xp.ascontiguousarray(q), xp, timeout)[:, perm]
-    kg = _seq_to_heads(comm, xp.ascontiguousarray(k), xp, timeout)[:, perm]
-    vg = _seq_to_heads(comm, xp.ascontiguousarray(v), xp, timeout)[:, perm]
+    qg = _seq_to_heads(tp, xp.ascontiguousarray(q), xp, timeout)[:, perm]
+    kg = _seq_to_heads(tp, xp.ascontiguousarray(k), xp, timeout)[:, perm]
+    vg = _seq_to_heads(tp, xp.ascontiguousarray(v), xp, timeout)[:, perm]
     t1 = time.perf_counter()
     out, lse = attention_forward(qg, kg, vg, causal, spec.scale, seq_len=spec.seq_len, tile=tile,
                                  positions=np.arange(P * L, dtype=np.int64))
     t2 = time.perf_counter()
-    out = _heads_to_seq(comm, xp.ascontiguousarray(out[:, inv]), xp, timeout)
-    lse = _lse_to_seq(comm, xp.ascontiguousarray(lse[:, :, inv]), xp, timeout)
+    out = _heads_to_seq(tp, xp.ascontiguousarray(out[:, inv]), xp, timeout)
+    lse = _lse_to_seq(tp, xp.ascontiguousarray(lse[:, :, inv]), xp, timeout)
     t3 = time.perf_counter()
     if stats is not None:
-        from .blocks import tile_plan  # noqa: PLC0415
-
         pos = np.arange(P * L, dtype=np.int64)
         work = tile_plan(pos, pos, spec.seq_len, causal, tile).work * spec.batch * spec.heads // P
         stats.clear()
@@ -180,31 +182,33 @@ def ulysses_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = Fal
         InvalidArgument: as :func:`ulysses_attention`, or ``out``/``lse``/``dout``
             of the wrong shape or dtype.
         CommTimeout: an all-to-all did not complete in ``timeout``.
+        ProcessFailed: a peer failed (any other transport failure: :class:`~commlib.CommError`).
     """
     op = "ulysses_attention_backward"
+    tp = transport_of(comm)
     extra = {}
     if hasattr(q, "shape") and len(q.shape) == 4:
         qshape, qd = tuple(q.shape), np.dtype(q.dtype).name
         extra = {"out": (out, qshape, qd), "dout": (dout, qshape, qd),
                  "lse": (lse, (qshape[0], qshape[2], qshape[1]), None)}
-    spec = validate(comm, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
+    spec = validate(tp, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
                     seq_len=seq_len, tile=tile, op=op, extra=extra)
-    _check_heads(comm, spec, op)
-    xp, P, L = spec.xp, comm.size, spec.seq_local
+    _check_heads(tp, spec, op)
+    xp, P, L = spec.xp, tp.size, spec.seq_local
     t0 = time.perf_counter()
     perm, inv = _order(layout, P, L, xp)
     g = {}
     for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)):
-        g[name] = _seq_to_heads(comm, xp.ascontiguousarray(x), xp, timeout)[:, perm]
-    lseg = _lse_to_heads(comm, xp.ascontiguousarray(xp.asarray(lse).astype(spec.cdtype, copy=False)), xp,
+        g[name] = _seq_to_heads(tp, xp.ascontiguousarray(x), xp, timeout)[:, perm]
+    lseg = _lse_to_heads(tp, xp.ascontiguousarray(xp.asarray(lse).astype(spec.cdtype, copy=False)), xp,
                          timeout)[:, :, perm]
     t1 = time.perf_counter()
     dq, dk, dv = attention_backward(g["q"], g["k"], g["v"], g["out"], lseg, g["dout"], causal, spec.scale,
                                     seq_len=spec.seq_len, tile=tile, positions=np.arange(P * L, dtype=np.int64))
     t2 = time.perf_counter()
-    dq = _heads_to_seq(comm, xp.ascontiguousarray(dq[:, inv]), xp, timeout)
-    dk = _heads_to_seq(comm, xp.ascontiguousarray(dk[:, inv]), xp, timeout)
-    dv = _heads_to_seq(comm, xp.ascontiguousarray(dv[:, inv]), xp, timeout)
+    dq = _heads_to_seq(tp, xp.ascontiguousarray(dq[:, inv]), xp, timeout)
+    dk = _heads_to_seq(tp, xp.ascontiguousarray(dk[:, inv]), xp, timeout)
+    dv = _heads_to_seq(tp, xp.ascontiguousarray(dv[:, inv]), xp, timeout)
     t3 = time.perf_counter()
     if stats is not None:
         stats.clear()

@@ -24,6 +24,7 @@ from .allreduce_ring import allreduce_ring
 from .alltoall_pairwise import alltoall_pairwise
 from .barrier import barrier_dissemination
 from .bcast_binomial import bcast_binomial
+from .ft import FaultTolerance, bound_finalize_at_exit, ft_mode, ft_mode_info, recover
 from .halo import HaloExchange, HaloRequest
 from .ops import OPS, Op, get_op
 from .reduce_scatter_ring import reduce_scatter_ring
@@ -57,12 +58,3 @@ __all__ = [
     "bound_finalize_at_exit",
 ]
 
-_FT = ("ft_mode", "ft_mode_info", "FaultTolerance", "recover", "bound_finalize_at_exit")
-
-
-def __getattr__(name):
-    if name in _FT:  # lazily: ft pulls in the ULFM machinery
-        from . import ft
-
-        return getattr(ft, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

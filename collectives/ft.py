@@ -43,6 +43,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 from mpi4py import MPI
 
 from commlib.core.config import config
@@ -246,8 +247,6 @@ class LazySnapshot:
     __slots__ = ("buf", "copy", "ranges")
 
     def __init__(self, buf, scratch=None):
-        import numpy as np  # noqa: PLC0415
-
         self.buf = buf
         if scratch is None:
             self.copy = np.empty_like(buf)

@@ -29,6 +29,7 @@ from typing import Callable
 import numpy as np
 
 from commlib.core.errors import InvalidArgument
+from commlib.transports import mpi as _mpi
 
 __all__ = ["Op", "OPS", "get_op", "dtype_code", "dtype_name", "is_floating", "is_integer", "mpi_op", "mpi_datatype"]
 
@@ -143,16 +144,9 @@ def get_op(op, *, rank=None, opname: str = "reduce") -> Op:
     if isinstance(op, Op):
         return op
     if not isinstance(op, str):
-        try:
-            from mpi4py import MPI  # noqa: PLC0415
-
-            table = [(MPI.SUM, "sum"), (MPI.PROD, "prod"), (MPI.MIN, "min"), (MPI.MAX, "max"),
-                     (MPI.BAND, "band"), (MPI.BOR, "bor"), (MPI.BXOR, "bxor")]
-            for k, v in table:
-                if op == k:
-                    return OPS[v]
-        except Exception:  # pragma: no cover
-            pass
+        name = _mpi.op_name(op)
+        if name is not None:
+            return OPS[name]
         raise InvalidArgument(f"unknown op {op!r}; expected one of {sorted(OPS)}", rank=rank, op=opname)
     o = OPS.get(op.lower())
     if o is None:
@@ -162,19 +156,9 @@ def get_op(op, *, rank=None, opname: str = "reduce") -> Op:
 
 def mpi_op(op: Op):
     """The ``MPI.Op`` for ``op`` (``avg`` maps to ``MPI.SUM``; divide afterwards)."""
-    from mpi4py import MPI  # noqa: PLC0415
-
-    return {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX,
-            "band": MPI.BAND, "bor": MPI.BOR, "bxor": MPI.BXOR}[op.name]
+    return _mpi.mpi_op(op.name)
 
 
 def mpi_datatype(dtype):
-    """The ``MPI.Datatype`` for a numpy dtype, or None when MPI cannot reduce it
-    (bfloat16, float16)."""
-    from mpi4py import MPI  # noqa: PLC0415
-
-    dtype = np.dtype(dtype)
-    if dtype.name == "float16" or dtype.kind not in "iubf":  # no MPI reductions on these
-        return None
-    key = f"{dtype.kind.replace('b', 'b')}{dtype.itemsize}"
-    return MPI._typedict.get(key)  # predefined datatypes (reductions need them)
+    """The predefined ``MPI.Datatype`` MPI can reduce for ``dtype``, or None (bfloat16, float16)."""
+    return _mpi.MPITransport.native_dtype(dtype)

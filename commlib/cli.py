@@ -12,6 +12,13 @@ import json
 import platform
 import sys
 
+from mpi4py import MPI
+
+import commlib
+from commlib.calibrate import calibrate
+from commlib.collectives import ft_mode_info
+from commlib.core import device
+
 __all__ = ["info", "main"]
 
 
@@ -25,10 +32,6 @@ def _version(mod: str) -> str | None:
 
 def info() -> dict:
     """Collect the provenance record (a JSON-serializable dict)."""
-    import commlib  # noqa: PLC0415
-
-    from .core import device  # noqa: PLC0415
-
     rec = {
         "commlib": commlib.__version__,
         "python": platform.python_version(),
@@ -40,8 +43,6 @@ def info() -> dict:
         "cupy": _version("cupy"),
     }
     try:
-        from mpi4py import MPI  # noqa: PLC0415
-
         rec["mpi_library"] = MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0].strip()
         rec["mpi_standard"] = "%d.%d" % MPI.Get_version()
         rec["mpi_library_path"] = device.mpi_library_path()
@@ -50,8 +51,6 @@ def info() -> dict:
         rec["mpi_library"] = f"unavailable ({exc})"
     rec["ulfm"] = device.ulfm_available()
     try:
-        from commlib.collectives import ft_mode_info  # noqa: PLC0415
-
         ft = ft_mode_info()
         rec["fault_tolerance"] = ft["mode"]
         if ft.get("hint"):
@@ -86,9 +85,6 @@ def main(argv=None) -> int:
     p_cal.add_argument("--device", action="store_true", help="also measure device strategies (needs a GPU)")
     args = parser.parse_args(argv)
     if args.cmd == "calibrate":
-        import commlib  # noqa: PLC0415
-        from commlib.datatypes.strategy import calibrate  # noqa: PLC0415
-
         comm = commlib.init()
         rec = calibrate(comm, args.sizes, args.blocks, repeat=args.repeat, device=args.device,
                         progress=comm.rank == 0 and sys.stderr.isatty())

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, NamedTuple, Sequence
 
 from commlib.core.errors import CommTimeout
@@ -183,11 +184,9 @@ class FutureRequest(Request):
         return True
 
     def wait(self, timeout: float | None = None):
-        import concurrent.futures as cf  # noqa: PLC0415 - only non-blocking collectives use it
-
         try:
             return self.future.result(timeout)
-        except cf.TimeoutError:
+        except FutureTimeout:
             raise CommTimeout(f"collective not complete after {timeout} s", op="wait") from None
 
     def add_done_callback(self, fn) -> None:

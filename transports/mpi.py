@@ -35,7 +35,7 @@ PROC_NULL, ANY_SOURCE, ANY_TAG = MPI.PROC_NULL, MPI.ANY_SOURCE, MPI.ANY_TAG
 # requests abandoned while pending (see MPIRequest.__del__); never freed
 _ABANDONED: list = []
 
-__all__ = ["MPITransport", "MPIRequest", "PROC_NULL", "ANY_SOURCE", "ANY_TAG"]
+__all__ = ["MPITransport", "MPIRequest", "PROC_NULL", "ANY_SOURCE", "ANY_TAG", "mpi_op", "op_name"]
 
 
 class MPIRequest(Request):
@@ -432,8 +432,7 @@ class MPITransport(Transport):
         dtype = np.dtype(dtype)
         if dtype.name == "float16" or dtype.kind not in "iubf":  # no MPI reductions on these
             return None
-        key = "?" if dtype.kind == "b" else dtype.char
-        return MPI._typedict.get(key)
+        return MPI._typedict.get(f"{dtype.kind}{dtype.itemsize}")  # predefined (reductions need them)
 
     def _native(self, op: str, fn, *args) -> None:
         try:
@@ -585,6 +584,19 @@ class MPITransport(Transport):
 
 _OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX,
         "band": MPI.BAND, "bor": MPI.BOR, "bxor": MPI.BXOR}
+
+
+def mpi_op(name: str) -> MPI.Op:
+    """The ``MPI.Op`` of a reduction named ``name`` (``"avg"``: ``MPI_SUM``; divide afterwards)."""
+    return _OPS[name]
+
+
+def op_name(op) -> str | None:
+    """The name (``"sum"``...) of a predefined ``MPI.Op`` such as ``MPI.SUM``, or None."""
+    for name, o in _OPS.items():
+        if name != "avg" and op == o:
+            return name
+    return None
 
 
 def _detect(flag: bool | None) -> bool:

@@ -12,6 +12,8 @@ never be matched by the next one.
 """
 from __future__ import annotations
 
+import operator
+
 __all__ = ["TagAllocator", "USER_TAG_MAX", "check_user_tag"]
 
 #: the largest tag MPI guarantees on every implementation (``MPI_TAG_UB`` >= 32767)
@@ -62,8 +64,6 @@ def check_user_tag(tag, *, anywild: bool = False, ub: int = USER_TAG_MAX) -> str
     """
     if not isinstance(tag, int) or isinstance(tag, bool):
         try:
-            import operator  # noqa: PLC0415 - rare path
-
             tag = operator.index(tag)
         except TypeError:
             return f"tag {tag!r} is not an int"

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from commlib.core.agreement import FIELDS
+from commlib.core.agreement import FIELDS, from_rows, raise_if_bad
 from commlib.core.config import config
 from commlib.core.errors import CommError, InvalidArgument
 
@@ -149,6 +149,18 @@ def first_round(transport, opname: str, values, local_error: CommError | None, p
     """
     return agree(transport, values, op=opname, local_error=local_error, payload=payload,
                  capacity=small_capacity(transport.size), timeout=timeout, describe=describe_field(opname))
+
+
+def h_values(header_bytes: np.ndarray) -> list:
+    """The header fields of a first-round row's header bytes (without the error flag)."""
+    return header_bytes.view(np.int64)[1:].tolist()
+
+
+def first_round_verdict(transport, opname: str, headers: np.ndarray, values) -> None:
+    """Raise, on every rank alike, what gathered first-round ``headers`` (uint8,
+    shape ``(size, header bytes)``) say is wrong with the call; see :func:`first_round`."""
+    verdict = from_rows(np.ascontiguousarray(headers).view(np.int64))
+    raise_if_bad(verdict, values, rank=transport.rank, op=opname, describe=describe_field(opname))
 
 
 def reduce_rows(payloads: np.ndarray, dtype, count: int, op, out: np.ndarray) -> None:

@@ -31,7 +31,15 @@ from commlib.collectives.allreduce_ring import allreduce_ring
 from commlib.collectives.alltoall_pairwise import alltoall_pairwise
 from commlib.collectives.barrier import barrier_dissemination
 from commlib.collectives.bcast_binomial import bcast_binomial
-from commlib.collectives.engine import SPECS, first_round, reduce_rows, small_capacity
+from commlib.collectives.engine import (
+    _HEAD,
+    SPECS,
+    first_round,
+    first_round_verdict,
+    h_values,
+    reduce_rows,
+    small_capacity,
+)
 from commlib.collectives.ft import LazySnapshot, recover, run_collective
 from commlib.collectives.reduce_scatter_ring import reduce_scatter_ring_inplace
 from commlib.core.buffer import Buffer, as_buffer
@@ -259,7 +267,7 @@ class CollectiveMixin:
             algorithm: ``"ring"`` (Patarasuk & Yuan 2009), ``"recursive_doubling"``
                 (Thakur, Rabenseifner & Gropp 2005), ``"mpi"`` (the transport's
                 native ``MPI_Allreduce``) or ``"auto"``: up to
-                ``COMMLIB_SMALL_BYTES`` (4096) bytes one round that gathers every
+                ``COMMLIB_SMALL_BYTES`` (1024) bytes one round that gathers every
                 rank's data with the argument header and reduces it locally in
                 rank order; recursive doubling up to 256 KiB; ring above.
 
@@ -274,6 +282,11 @@ class CollectiveMixin:
             BufferError: unsupported or non-contiguous buffers.
             ProcessFailed / CommTimeout: fault-tolerant mode, see ``commlib.init``.
         """
+        if (algorithm == "auto" and type(sendbuf) is np.ndarray and self._ft is None
+                and (recvbuf is None or type(recvbuf) is np.ndarray)):
+            done = self._small_allreduce(sendbuf, recvbuf, op)
+            if done is not None:
+                return done
         opname, spec = "allreduce", SPECS["allreduce"]
         inplace = recvbuf is None or recvbuf is sendbuf
         st = {}
@@ -338,6 +351,36 @@ class CollectiveMixin:
         self._collective(opname, prepare, run, small=small, restore=restore)
         st["dst"].flush() if "dst" in st else None
         return sendbuf if inplace else recvbuf
+
+    def _small_allreduce(self, sendbuf: np.ndarray, recvbuf, op):
+        """The one-round small allreduce of host numpy arrays, without the
+        general path's staging objects: the same first-round row and the same
+        ring-order reduction as the engine (so the same bits), on buffers and
+        views the communicator keeps per (dtype, count, op).  Returns None when
+        the call does not qualify (the general path then handles it, and
+        raises any argument error)."""
+        small = self._small
+        if small is None:
+            tp = self.collective_transport()
+            small = self._small = _SmallPlans(tp, small_capacity(tp.size))
+        if sendbuf.nbytes > small.cap or not sendbuf.flags.c_contiguous or (
+                recvbuf is not None and recvbuf is not sendbuf and not (
+                    recvbuf.flags.c_contiguous and recvbuf.flags.writeable and recvbuf.dtype == sendbuf.dtype
+                    and recvbuf.size == sendbuf.size)):
+            return None
+        if type(op) is not str:  # an MPI.Op (unhashable) or an Op: key by name
+            try:
+                op = _ops.get_op(op, rank=self.rank, opname="allreduce").name
+            except InvalidArgument:
+                return None
+        plan = small.plans.get((sendbuf.dtype, sendbuf.size, op))
+        if plan is None:
+            plan = small.plan(sendbuf.dtype, sendbuf.size, op, self.rank)
+            if plan is None:
+                return None
+        out = sendbuf if recvbuf is None else recvbuf
+        small.run(plan, sendbuf, out)
+        return out
 
     def _snapshot(self, buf: np.ndarray):
         """A :class:`~commlib.collectives.ft.LazySnapshot` of ``buf`` whose copy
@@ -647,6 +690,70 @@ class CollectiveMixin:
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commlib-collectives")
         return FutureRequest(self._worker.submit(fn, *args))
+
+
+class _SmallPlans:
+    """Buffers and per-call-shape views of the one-round small allreduce on one transport.
+
+    ``rows`` receives every rank's first-round row (``_HEAD`` header bytes, then
+    ``cap`` payload bytes); a plan for (dtype, count, op) holds the header bytes,
+    the op, and the payload views the ring-order reduction reads.
+    """
+
+    __slots__ = ("tp", "cap", "row", "rows", "rows_mv", "plans", "current")
+
+    def __init__(self, tp, cap: int):
+        self.tp, self.cap = tp, cap
+        self.rows = np.zeros((tp.size, _HEAD + cap), np.uint8)
+        self.row = np.zeros(_HEAD + cap, np.uint8)
+        self.rows_mv = memoryview(self.rows).cast("B")
+        self.plans: dict = {}
+        self.current = None
+
+    def plan(self, dtype, count: int, op, rank):
+        try:
+            o = _ops.get_op(op, rank=rank, opname="allreduce")
+            o.check(dtype, rank=rank, op="allreduce")
+        except InvalidArgument:
+            return None  # the general path raises it, on every rank
+        n, nb = self.tp.size, count * dtype.itemsize
+        head = np.array([0, SPECS["allreduce"].code, count, _ops.dtype_code(dtype), o.code, 0, _SMALL], np.int64)
+        parts = [self.rows[i, _HEAD:_HEAD + nb].view(dtype) for i in range(n)]
+        b = chunk_bounds(count, n).tolist()
+        # ring order: chunk c combines ranks c+1, c+2, ... (mod n), as the ring allreduce
+        steps = [(c, b[c], b[c + 1], [parts[(c + 1 + k) % n][b[c]:b[c + 1]] for k in range(n)])
+                 for c in range(n) if b[c + 1] > b[c]]
+        plan = (head.view(np.uint8).tobytes(), o, self.row[_HEAD:_HEAD + nb], steps, nb)
+        if len(self.plans) >= 64:
+            self.plans.pop(next(iter(self.plans)))
+        self.plans[(dtype, count, op)] = plan
+        return plan
+
+    def run(self, plan, sendbuf: np.ndarray, out: np.ndarray) -> None:
+        hbytes, o, payload, steps, nb = plan
+        if self.current is not plan:
+            self.row[:_HEAD] = np.frombuffer(hbytes, np.uint8)
+            self.current = plan
+        if nb:
+            payload[...] = sendbuf.reshape(-1).view(np.uint8)
+        tp, n = self.tp, self.tp.size
+        if n == 1:
+            if out is not sendbuf:
+                out[...] = sendbuf
+            return
+        tp.native_allgather(self.row, self.rows)
+        mv, rb = self.rows_mv, self.rows.shape[1]
+        for i in range(n):
+            if mv[i * rb:i * rb + _HEAD] != hbytes:  # a rank's call differs or a rank erred
+                first_round_verdict(tp, "allreduce", self.rows[:, :_HEAD], h_values(np.frombuffer(hbytes, np.uint8)))
+        flat = out.reshape(-1)
+        f = o.ufunc
+        for _c, lo, hi, ordered in steps:
+            dst = flat[lo:hi]
+            f(ordered[0], ordered[1], out=dst)
+            for p in ordered[2:]:
+                f(dst, p, out=dst)
+        o.finalize(flat, n)
 
 
 class _RootLost(CommError):

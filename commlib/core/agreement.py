@@ -29,27 +29,26 @@ class Verdict:
     """What the ranks' headers say, identical on every rank.
 
     Attributes:
-        bad_rank: a rank whose arguments were invalid (the highest), or None.
+        bad_ranks: the ranks whose arguments were invalid (empty when none).
         lo, hi: per field, the smallest and largest value any rank passed.
     """
 
-    bad_rank: int | None
+    bad_ranks: tuple
     lo: tuple
     hi: tuple
 
     @property
     def ok(self) -> bool:
-        return self.bad_rank is None and self.lo == self.hi
+        return not self.bad_ranks and self.lo == self.hi
 
 
 def from_rows(rows: np.ndarray) -> Verdict:
     """Read gathered ``[err, v...]`` rows (int64, shape ``(size, 1 + n)``)."""
     err = np.flatnonzero(rows[:, 0])
-    bad = int(err[-1]) if err.size else None
-    if bad is not None:
+    if err.size:
         n = rows.shape[1] - 1
-        return Verdict(bad, (0,) * n, (0,) * n)
-    return Verdict(None, tuple(rows[:, 1:].min(axis=0).tolist()), tuple(rows[:, 1:].max(axis=0).tolist()))
+        return Verdict(tuple(int(r) for r in err), (0,) * n, (0,) * n)
+    return Verdict((), tuple(rows[:, 1:].min(axis=0).tolist()), tuple(rows[:, 1:].max(axis=0).tolist()))
 
 
 def raise_if_bad(verdict: Verdict, values: Sequence[int], *, rank: int, op: str,
@@ -71,11 +70,11 @@ def raise_if_bad(verdict: Verdict, values: Sequence[int], *, rank: int, op: str,
         CommError: ``local_error`` on the rank that had one; ``exc_type``
             naming the erring rank, or every field that differs, elsewhere.
     """
-    if verdict.bad_rank is not None:
+    if verdict.bad_ranks:
         if local_error is not None:
             raise local_error
-        raise exc_type(f"rank {verdict.bad_rank} (at least) passed invalid arguments (see its error); "
-                       "nothing was sent", rank=rank, op=op)
+        raise exc_type(f"rank(s) {list(verdict.bad_ranks)} passed invalid arguments and rejected the call "
+                       "(see their error); nothing was sent", rank=rank, op=op)
     if local_error is not None:  # pragma: no cover - the verdict already named a bad rank
         raise local_error
     if verdict.lo == verdict.hi:

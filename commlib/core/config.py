@@ -22,9 +22,14 @@ variable                        default    meaning
                                            sends move non-contiguous data
 ``COMMLIB_MODEL``               (built-in) path of a strategy model measured by
                                            ``commlib calibrate``
-``COMMLIB_SMALL_BYTES``         ``4096``   largest allreduce / reduce_scatter / bcast payload
+``COMMLIB_SMALL_BYTES``         ``1024``   largest allreduce / reduce_scatter / bcast payload
                                            (bytes) sent in one round with its argument header
 ==============================  =========  =====================================================
+
+``COMMLIB_SMALL_BYTES`` is 1 KiB because the one-round row (payload plus a 56-byte
+header) must stay under the MPI library's eager limit: with Open MPI's shared-memory
+transport (4 KiB eager limit) a 4 KiB payload made an 8-byte allreduce 50 us
+instead of 7-19 us at 2 ranks, measured by ``benchmarks/bench_allreduce.py``.
 """
 from __future__ import annotations
 
@@ -72,7 +77,7 @@ class Config:
     ft_debug: bool = field(default_factory=lambda: bool(os.environ.get("COMMLIB_FT_DEBUG")))
     finalize_timeout: float = field(default_factory=lambda: float(os.environ.get("COMMLIB_FINALIZE_TIMEOUT", "3")))
     model: str = field(default_factory=lambda: os.environ.get("COMMLIB_MODEL", "").strip())
-    small_bytes: int = field(default_factory=lambda: int(os.environ.get("COMMLIB_SMALL_BYTES", "4096")))
+    small_bytes: int = field(default_factory=lambda: int(os.environ.get("COMMLIB_SMALL_BYTES", "1024")))
     forced_strategy: str | None = None
 
     @property

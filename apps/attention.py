@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import pickle
 import resource
 import sys
 import time
@@ -277,17 +276,18 @@ def run(args, comm=None):
 
 
 def _gather_objects(comm, obj, root=0):
-    """Gather one picklable object per rank on ``root`` (a list in rank order;
-    None elsewhere): the pickles' lengths by one allgather, then the pickles,
-    padded to the longest, by another."""
-    blob = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+    """Gather one JSON-serializable report per rank on ``root`` (a list in rank
+    order; None elsewhere): the encodings' lengths by one allgather, then the
+    UTF-8 JSON, padded to the longest, by another (no pickle on the wire)."""
+    text = json.dumps(obj, default=lambda o: o.item() if hasattr(o, "item") else o.tolist())
+    blob = np.frombuffer(text.encode(), dtype=np.uint8)
     sizes = comm.allgather(np.array([blob.size], dtype=np.int64)).reshape(-1)
     padded = np.zeros(int(sizes.max()), dtype=np.uint8)
     padded[:blob.size] = blob
     blobs = comm.allgather(padded)
     if comm.rank != root:
         return None
-    return [pickle.loads(blobs[r, :int(n)].tobytes()) for r, n in enumerate(sizes)]  # noqa: S301 - our own ranks
+    return [json.loads(blobs[r, :int(n)].tobytes().decode()) for r, n in enumerate(sizes)]
 
 
 def _balance(steps_per_rank):

@@ -142,6 +142,7 @@ class MPITransport(Transport):
         self._size = comm.Get_size()
         self.cuda_aware = _detect(cuda_aware)
         self._statuses: list = []  # reused by waitall
+        self._raw_lists: dict = {}  # id(list of persistent requests) -> (list, its MPI.Request objects)
         ub = comm.Get_attr(MPI.TAG_UB)
         self.tag_ub = int(ub) if ub is not None else 32767
         super().__init__()
@@ -333,15 +334,30 @@ class MPITransport(Transport):
             raise_classified(exc, (), self._rank, op)
 
     def startall(self, requests) -> None:
-        """Start persistent requests (``MPI_Startall``)."""
+        """Start persistent requests (``MPI_Startall``).  A list started again
+        and again (a halo exchange's, every step) reuses its ``MPI.Request``
+        list, as :meth:`waitall` does."""
         if not requests:
             return
+        raw = self._raw(requests)
         for r in requests:
             r._done = False
         try:
-            MPI.Prequest.Startall([r.req for r in requests])
+            MPI.Prequest.Startall(raw)
         except MPI.Exception as exc:
             raise_classified(exc, (), self._rank, "startall")
+
+    def _raw(self, requests) -> list:
+        """The ``MPI.Request`` objects of a list of persistent requests, cached per list object."""
+        got = self._raw_lists.get(id(requests))
+        if got is not None and got[0] is requests and len(got[1]) == len(requests):
+            return got[1]
+        raw = [r.req for r in requests]
+        if all(r.persistent and r._on_complete is None for r in requests):
+            if len(self._raw_lists) >= 64:
+                self._raw_lists.pop(next(iter(self._raw_lists)))
+            self._raw_lists[id(requests)] = (requests, raw)
+        return raw
 
     def free_requests(self, requests) -> None:
         """Free inactive persistent requests."""
@@ -361,6 +377,18 @@ class MPITransport(Transport):
             ProcessFailed: a peer failed or the communicator was revoked.
             CommError: any other MPI error.
         """
+        got = self._raw_lists.get(id(requests))
+        if got is None and timeout is None and requests and getattr(requests[0], "persistent", False):
+            self._raw(requests)  # caches the list when every request is persistent
+            got = self._raw_lists.get(id(requests))
+        if got is not None and got[0] is requests and timeout is None and len(got[1]) == len(requests):
+            # a persistent list started together (halo): no per-call list building
+            self._complete(got[1], op)
+            for r in requests:
+                r._done = True
+                if r._callbacks:
+                    r._fire()
+            return
         try:
             pending = [r for r in requests if not r._done]
             reqs = [r.req for r in pending]

@@ -29,13 +29,14 @@ import numpy as np
 
 from commlib.core.agreement import FIELDS, from_rows, raise_if_bad
 from commlib.core.config import config
-from commlib.core.errors import CommError, InvalidArgument
+from commlib.core.errors import BufferError, CommError, InvalidArgument, ProcessFailed
 
 from . import ops as _ops
 from ._common import chunk_bounds_list
 from .agreement import agree
+from .ft import run_collective
 
-__all__ = ["CollectiveSpec", "SPECS", "row_bytes", "first_round", "reduce_rows", "describe_field"]
+__all__ = ["CollectiveSpec", "SPECS", "execute", "row_bytes", "first_round", "reduce_rows", "describe_field"]
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,8 @@ SPECS = {s.name: s for s in (
     CollectiveSpec("barrier", 6, ("auto", "dissemination", "mpi")),
 )}
 
+#: header code of the one-round small path (``"auto"`` below :func:`small_capacity`)
+SMALL = 0
 _NFIELDS = len(FIELDS)
 _HEAD = 8 * (1 + _NFIELDS)  # bytes: error flag + fields, int64
 
@@ -149,6 +152,74 @@ def first_round(transport, opname: str, values, local_error: CommError | None, p
     """
     return agree(transport, values, op=opname, local_error=local_error, payload=payload,
                  capacity=small_capacity(transport.size), timeout=timeout, describe=describe_field(opname))
+
+
+def execute(comm, opname, prepare, run, *, small=None, restore=None, on_failure=None, root=None):
+    """The engine: validate, agree, stage, run one collective under fault tolerance, return.
+
+    Args:
+        comm: the communicator, speaking the protocol of :func:`run_collective`
+            (``ft``, ``rank``, ``size``, ``collective_transport()``, ``shrink()``)
+            and ``failed_ranks``.
+        opname: the operation.
+        prepare: ``prepare()`` validates this rank's arguments and returns its
+            header (a dict over :data:`commlib.core.agreement.FIELDS`);
+            raises InvalidArgument / BufferError on a bad argument.  Every
+            rank then raises alike, in the first round.
+        run: ``run(tp, timeout, survivors, rows)`` finishes the call after
+            the first round; ``rows`` holds the gathered payloads of a
+            small call (None for a large one).
+        small: ``small()`` after ``prepare``: the 1-D host array to carry
+            in the first round (a small call), or None.
+        restore: restores in-place input before a retry (fault tolerance).
+        on_failure: overrides the communicator's ``on_failure``.
+        root: the call's root (bcast): the header carries its rank in the
+            current, possibly shrunk, group.
+
+    Raises:
+        InvalidArgument: on every rank, when any rank's arguments are bad
+            or the ranks' calls differ.
+        ProcessFailed / CommTimeout: see ``commlib.init``.
+    """
+    local_error = None
+    values = [0] * 6
+    payload = None
+    try:
+        header = prepare()
+        payload = small() if small is not None else None
+        if payload is not None:
+            header["algorithm"] = SMALL
+        values = [int(header.get(k, 0)) for k in FIELDS]
+    except InvalidArgument as exc:
+        local_error = exc
+    except BufferError as exc:
+        local_error = InvalidArgument(exc.detail, rank=comm.rank, op=opname)
+    check = payload is not None or local_error is not None or config.check_args
+
+    def attempt(tp, timeout, survivors):
+        v = values
+        if root is not None and local_error is None:
+            if root not in survivors:  # not a failure to recover from: every survivor raises
+                raise _RootLost(f"{opname} root {root} failed", rank=tp.rank, op=opname)
+            v = values[:4] + [survivors.index(root)] + values[5:]
+        rows = None
+        if tp.size > 1 and check:
+            rows = first_round(tp, opname, v, local_error, payload, timeout)
+        elif local_error is not None:
+            raise local_error
+        elif payload is not None:  # one rank: its own payload is the result
+            rows = payload.view(np.uint8).reshape(1, -1)
+        return run(tp, timeout, survivors, rows if payload is not None else None)
+
+    try:
+        return run_collective(comm, opname, attempt, restore, on_failure)
+    except _RootLost:
+        raise ProcessFailed(f"{opname} root {root} failed; no survivor holds its data",
+                            failed=comm.failed_ranks, rank=comm.rank, op=opname) from None
+
+
+class _RootLost(CommError):
+    """The root of a rooted collective is among the failed ranks (internal)."""
 
 
 def h_values(header_bytes: np.ndarray) -> list:

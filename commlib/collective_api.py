@@ -33,8 +33,9 @@ from commlib.collectives.barrier import barrier_dissemination
 from commlib.collectives.bcast_binomial import bcast_binomial
 from commlib.collectives.engine import (
     _HEAD,
+    SMALL,
     SPECS,
-    first_round,
+    execute,
     first_round_verdict,
     h_values,
     reduce_rows,
@@ -43,14 +44,12 @@ from commlib.collectives.engine import (
 from commlib.collectives.ft import LazySnapshot, recover, run_collective
 from commlib.collectives.reduce_scatter_ring import reduce_scatter_ring_inplace
 from commlib.core.buffer import Buffer, as_buffer
-from commlib.core.config import config
-from commlib.core.errors import BufferError, CommError, InvalidArgument, ProcessFailed
+from commlib.core.errors import BufferError, CommError, InvalidArgument
 from commlib.transports.base import CompletedRequest, FutureRequest
 
 __all__ = ["CollectiveMixin", "ALGORITHMS"]
 
 ALGORITHMS = {name: spec.algorithms for name, spec in SPECS.items()}
-_SMALL = 0  # header code of the one-round small path ("auto" below the capacity)
 
 
 class _Staged:
@@ -186,66 +185,6 @@ class CollectiveMixin:
         return self._ft.mode if self._ft is not None else None
 
     # ------------------------------------------------------------ the engine
-    def _collective(self, opname, prepare, run, *, small=None, restore=None, on_failure=None, root=None):
-        """Validate, agree and run one collective (see :mod:`commlib.collectives.engine`).
-
-        Args:
-            opname: the operation.
-            prepare: ``prepare()`` validates this rank's arguments and returns its
-                header (a dict over :data:`commlib.core.agreement.FIELDS`);
-                raises InvalidArgument / BufferError on a bad argument.  Every
-                rank then raises alike, in the first round.
-            run: ``run(tp, timeout, survivors, rows)`` finishes the call after
-                the first round; ``rows`` holds the gathered payloads of a
-                small call (None for a large one).
-            small: ``small()`` after ``prepare``: the 1-D host array to carry
-                in the first round (a small call), or None.
-            restore: restores in-place input before a retry (fault tolerance).
-            on_failure: overrides the communicator's ``on_failure``.
-            root: the call's root (bcast): the header carries its rank in the
-                current, possibly shrunk, group.
-
-        Raises:
-            InvalidArgument: on every rank, when any rank's arguments are bad
-                or the ranks' calls differ.
-            ProcessFailed / CommTimeout: see ``commlib.init``.
-        """
-        local_error = None
-        values = [0] * 6
-        payload = None
-        try:
-            header = prepare()
-            payload = small() if small is not None else None
-            if payload is not None:
-                header["algorithm"] = _SMALL
-            values = [int(header.get(k, 0)) for k in ("operation", "count", "dtype", "op", "root", "algorithm")]
-        except InvalidArgument as exc:
-            local_error = exc
-        except BufferError as exc:
-            local_error = InvalidArgument(exc.detail, rank=self.rank, op=opname)
-        check = payload is not None or local_error is not None or config.check_args
-
-        def attempt(tp, timeout, survivors):
-            v = values
-            if root is not None and local_error is None:
-                if root not in survivors:  # not a failure to recover from: every survivor raises
-                    raise _RootLost(f"{opname} root {root} failed", rank=tp.rank, op=opname)
-                v = values[:4] + [survivors.index(root)] + values[5:]
-            rows = None
-            if tp.size > 1 and check:
-                rows = first_round(tp, opname, v, local_error, payload, timeout)
-            elif local_error is not None:
-                raise local_error
-            elif payload is not None:  # one rank: its own payload is the result
-                rows = payload.view(np.uint8).reshape(1, -1)
-            return run(tp, timeout, survivors, rows if payload is not None else None)
-
-        try:
-            return run_collective(self, opname, attempt, restore, on_failure)
-        except _RootLost:
-            raise ProcessFailed(f"{opname} root {root} failed; no survivor holds its data",
-                                failed=self.failed_ranks, rank=self.rank, op=opname) from None
-
     def _wrap(self, obj, opname, what="buffer") -> Buffer:
         b = as_buffer(obj, op=opname, rank=self.rank)
         if not b.dense:
@@ -324,7 +263,7 @@ class CollectiveMixin:
             # read); in place, fault-tolerant mode keeps a snapshot and restores it
             # before a retry.  The ring saves each chunk lazily, just before it
             # first overwrites it, behind that step's transfer; the others copy up front.
-            st["snapshot"] = self._snapshot(dst.host) if (inplace and self._ft is not None) else None
+            st["snapshot"] = self._snapshot(dst.host) if (inplace and spec.snapshot and self._ft is not None) else None
 
         def run(tp, timeout, survivors, rows):
             if "dst" not in st:
@@ -348,7 +287,7 @@ class CollectiveMixin:
             if st.get("snapshot") is not None:
                 st["snapshot"].restore()
 
-        self._collective(opname, prepare, run, small=small, restore=restore)
+        execute(self, opname, prepare, run, small=small, restore=restore)
         st["dst"].flush() if "dst" in st else None
         return sendbuf if inplace else recvbuf
 
@@ -459,7 +398,7 @@ class CollectiveMixin:
             o.finalize(out, n)
             return out
 
-        out = self._collective(opname, prepare, run, small=small)
+        out = execute(self, opname, prepare, run, small=small)
         return self._deliver(recvbuf, out, opname, out.shape)
 
     def _deliver(self, recvbuf, out: np.ndarray, opname: str, shape):
@@ -517,7 +456,7 @@ class CollectiveMixin:
                 allgather_ring(tp, src, out, timeout=timeout)
             return out
 
-        out = self._collective(opname, prepare, run)
+        out = execute(self, opname, prepare, run)
         return self._deliver(recvbuf, out, opname, (self.size,) + st["shape"])
 
     # ----------------------------------------------------------------- bcast
@@ -549,7 +488,7 @@ class CollectiveMixin:
             if not ok_root:
                 raise InvalidArgument(f"root {root} out of range [0, {self.size})", rank=self.rank, op=opname)
             s = _Staged(b)
-            st.update(st=s, algo=algo, saved=np.array(s.host, copy=True) if self._ft is not None else None)
+            st.update(st=s, algo=algo, saved=np.array(s.host, copy=True) if spec.snapshot and self._ft is not None else None)
             return {"operation": spec.code, "count": b.size, "dtype": _ops.dtype_code(b.dtype),
                     "root": int(root), "algorithm": spec.algorithm_code(algo)}
 
@@ -571,7 +510,7 @@ class CollectiveMixin:
             if st.get("saved") is not None:
                 st["st"].host[...] = st["saved"]
 
-        self._collective(opname, prepare, run, small=small, restore=restore,
+        execute(self, opname, prepare, run, small=small, restore=restore,
                          root=int(root) if ok_root else None)
         st["st"].flush()
         return buf
@@ -627,7 +566,7 @@ class CollectiveMixin:
                 alltoall_pairwise(tp, np.ascontiguousarray(send), out, timeout=timeout)
             return out
 
-        out = self._collective(opname, prepare, run)
+        out = execute(self, opname, prepare, run)
         return self._deliver(recvbuf, out, opname, (self.size, st["blk"]))
 
     # --------------------------------------------------------------- barrier
@@ -717,7 +656,7 @@ class _SmallPlans:
         except InvalidArgument:
             return None  # the general path raises it, on every rank
         n, nb = self.tp.size, count * dtype.itemsize
-        head = np.array([0, SPECS["allreduce"].code, count, _ops.dtype_code(dtype), o.code, 0, _SMALL], np.int64)
+        head = np.array([0, SPECS["allreduce"].code, count, _ops.dtype_code(dtype), o.code, 0, SMALL], np.int64)
         parts = [self.rows[i, _HEAD:_HEAD + nb].view(dtype) for i in range(n)]
         b = chunk_bounds(count, n).tolist()
         # ring order: chunk c combines ranks c+1, c+2, ... (mod n), as the ring allreduce
@@ -754,10 +693,6 @@ class _SmallPlans:
             for p in ordered[2:]:
                 f(dst, p, out=dst)
         o.finalize(flat, n)
-
-
-class _RootLost(CommError):
-    """The root of a rooted collective is among the failed ranks (internal)."""
 
 
 class _FailedRequest(CompletedRequest):

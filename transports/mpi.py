@@ -27,7 +27,7 @@ from commlib.core.buffer import Buffer, as_buffer
 from commlib.core.device import cuda_aware
 from commlib.core.errors import BufferError, CommError, CommTimeout, InvalidArgument
 
-from .base import CompletedRequest, Request, Transport, Wire, wait_all
+from .base import CompletedRequest, Request, Transport, Wire
 from .failures import mpi_failed_ranks, raise_classified, to_comm_error
 
 _BYTE = MPI.BYTE

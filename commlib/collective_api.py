@@ -658,11 +658,17 @@ class _SmallPlans:
         n, nb = self.tp.size, count * dtype.itemsize
         head = np.array([0, SPECS["allreduce"].code, count, _ops.dtype_code(dtype), o.code, 0, SMALL], np.int64)
         parts = [self.rows[i, _HEAD:_HEAD + nb].view(dtype) for i in range(n)]
-        b = chunk_bounds(count, n).tolist()
-        # ring order: chunk c combines ranks c+1, c+2, ... (mod n), as the ring allreduce
-        steps = [(c, b[c], b[c + 1], [parts[(c + 1 + k) % n][b[c]:b[c + 1]] for k in range(n)])
-                 for c in range(n) if b[c + 1] > b[c]]
-        plan = (head.view(np.uint8).tobytes(), o, self.row[_HEAD:_HEAD + nb], steps, nb)
+        if n == 2 and o.name in _COMMUTATIVE:
+            # ring order at 2 ranks is (1, 0) for chunk 0 and (0, 1) for chunk 1;
+            # IEEE 754 + and *, and the bitwise ops, are exactly commutative, so
+            # one call over the whole vector gives the ring's bits
+            steps = [(0, 0, count, parts)]
+        else:
+            b = chunk_bounds(count, n).tolist()
+            # ring order: chunk c combines ranks c+1, c+2, ... (mod n), as the ring allreduce
+            steps = [(c, b[c], b[c + 1], [parts[(c + 1 + k) % n][b[c]:b[c + 1]] for k in range(n)])
+                     for c in range(n) if b[c + 1] > b[c]]
+        plan = (head.view(np.uint8).tobytes(), o, memoryview(self.row[_HEAD:_HEAD + nb]), steps, nb)
         if len(self.plans) >= 64:
             self.plans.pop(next(iter(self.plans)))
         self.plans[(dtype, count, op)] = plan
@@ -674,7 +680,10 @@ class _SmallPlans:
             self.row[:_HEAD] = np.frombuffer(hbytes, np.uint8)
             self.current = plan
         if nb:
-            payload[...] = sendbuf.reshape(-1).view(np.uint8)
+            try:
+                payload[:] = sendbuf.data.cast("B")
+            except (ValueError, TypeError):  # dtypes without a buffer format (bfloat16)
+                np.frombuffer(payload, np.uint8)[...] = sendbuf.reshape(-1).view(np.uint8)
         tp, n = self.tp, self.tp.size
         if n == 1:
             if out is not sendbuf:
@@ -685,14 +694,18 @@ class _SmallPlans:
         for i in range(n):
             if mv[i * rb:i * rb + _HEAD] != hbytes:  # a rank's call differs or a rank erred
                 first_round_verdict(tp, "allreduce", self.rows[:, :_HEAD], h_values(np.frombuffer(hbytes, np.uint8)))
-        flat = out.reshape(-1)
+        flat = out if out.ndim == 1 else out.reshape(-1)
         f = o.ufunc
         for _c, lo, hi, ordered in steps:
-            dst = flat[lo:hi]
+            dst = flat[lo:hi] if hi - lo != flat.shape[0] else flat
             f(ordered[0], ordered[1], out=dst)
             for p in ordered[2:]:
                 f(dst, p, out=dst)
-        o.finalize(flat, n)
+        if o.mean:
+            o.finalize(flat, n)
+
+
+_COMMUTATIVE = ("sum", "prod", "avg", "band", "bor", "bxor")
 
 
 class _FailedRequest(CompletedRequest):

@@ -71,6 +71,11 @@ def agree(transport, values: Sequence[int], *, op: str, local_error: CommError |
         else:
             allgather_ring(transport, row, rows, timeout=timeout)
     rows = rows.reshape(n, rb)
+    if local_error is None and n > 1:
+        mine = bytes(row[:head])
+        mv = memoryview(rows).cast("B")
+        if all(mv[i * rb:i * rb + head] == mine for i in range(n)):  # the common case: every header equal
+            return rows[:, head:]
     verdict = _hdr.from_rows(np.ascontiguousarray(rows[:, :head]).view(np.int64))
     if not verdict.ok or local_error is not None:
         _hdr.raise_if_bad(verdict, values, rank=transport.rank, op=op, local_error=local_error, names=names,

@@ -23,18 +23,23 @@ def comm():
 
 
 def _face():
-    """The x-face of a (10, 12, 20) float64 field: 10*12*... as Subarray (a strided view)."""
+    """The last-axis face (width 5) of a (10, 12, 20) float64 field, as a Subarray, and its slices."""
     shape = (10, 12, 20)
     return shape, dts.Subarray(shape, (10, 12, 5), (0, 0, 15), np.float64), (slice(None), slice(None), slice(15, 20))
 
 
-@pytest.mark.parametrize("strategy", ["model", "mpi", "pack"])
-def test_typed_send_plain_recv(comm, strategy, monkeypatch):
+def _pair(comm, strategy, monkeypatch):
+    """Skip below 2 ranks; force the typed-send strategy (``"model"``: let it choose)."""
     if comm.size < 2:
         pytest.skip("needs 2 ranks")
     if strategy != "model":
         monkeypatch.setenv("COMMLIB_DATATYPE_STRATEGY", strategy)
-    shape, face, sl = _face()
+    return _face()
+
+
+@pytest.mark.parametrize("strategy", ["model", "mpi", "pack"])
+def test_typed_send_plain_recv(comm, strategy, monkeypatch):
+    shape, face, sl = _pair(comm, strategy, monkeypatch)
     if comm.rank == 0:
         a = np.random.default_rng(1).random(shape)
         req = comm.isend(a, 1, tag=3, datatype=face)
@@ -48,11 +53,7 @@ def test_typed_send_plain_recv(comm, strategy, monkeypatch):
 
 @pytest.mark.parametrize("strategy", ["model", "mpi", "pack"])
 def test_plain_send_typed_recv(comm, strategy, monkeypatch):
-    if comm.size < 2:
-        pytest.skip("needs 2 ranks")
-    if strategy != "model":
-        monkeypatch.setenv("COMMLIB_DATATYPE_STRATEGY", strategy)
-    shape, face, sl = _face()
+    shape, face, sl = _pair(comm, strategy, monkeypatch)
     if comm.rank == 1:
         flat = np.arange(10 * 12 * 5, dtype=np.float64)
         comm.isend(flat, 0, tag=4).wait(TIMEOUT)

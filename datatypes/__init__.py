@@ -24,7 +24,6 @@ Example::
     assert (packed.view(np.float64) == a[:, :2].T.ravel()).all()
 """
 from .canonical import Blocks, StridedBlock
-from .mpi import from_mpi
 from .pack import Packer, pack, plan_for, unpack
 from .types import (
     Contiguous,
@@ -41,6 +40,7 @@ from .types import (
     Subarray,
     Vector,
     as_datatype,
+    from_mpi,
 )
 
 __all__ = [

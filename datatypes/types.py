@@ -9,17 +9,20 @@ cached) and how to build the equivalent committed ``MPI.Datatype``
 pack plans, so building it once and packing it every step is cheap.
 
 ``base`` arguments accept a commlib type, an ``MPI.Datatype`` (decoded with
-:func:`commlib.datatypes.from_mpi`) or anything ``numpy.dtype()`` accepts.
+:func:`from_mpi`, which builds these types from the plain-value tree that
+:mod:`.mpi` reads off the handle) or anything ``numpy.dtype()`` accepts.
 """
 from __future__ import annotations
 
 import math
 
 import numpy as np
+from mpi4py import MPI
 
 from commlib.core.errors import DatatypeError
 
 from . import canonical as _c
+from . import mpi as _mpi
 
 __all__ = [
     "Datatype",
@@ -36,6 +39,7 @@ __all__ = [
     "Darray",
     "Resized",
     "as_datatype",
+    "from_mpi",
 ]
 
 
@@ -55,9 +59,7 @@ def as_datatype(obj, op: str = "datatype") -> "Datatype":
     """
     if isinstance(obj, Datatype):
         return obj
-    if type(obj).__name__ == "Datatype" and type(obj).__module__.startswith("mpi4py"):
-        from .mpi import from_mpi  # noqa: PLC0415
-
+    if isinstance(obj, MPI.Datatype):
         return from_mpi(obj)
     try:
         dt = np.dtype(obj)
@@ -113,7 +115,6 @@ class Datatype:
     def __init__(self):
         self._layout = None
         self._plans = {}
-        self._mpi_cache = None
 
     # ------------------------------------------------------------ bounds
     def _set_bounds(self, size, lb, ub, true_lb, true_ub, alignment, markers):
@@ -187,9 +188,26 @@ class Datatype:
         raise NotImplementedError
 
     # ------------------------------------------------------------ MPI
+    def _mpi_parts(self) -> tuple:
+        """The types whose MPI handles :meth:`_create_mpi` builds on (the base)."""
+        return (self.base,)
+
+    def _create_mpi(self, *handles):  # pragma: no cover - abstract
+        """A new uncommitted MPI.Datatype over ``handles``, those of :meth:`_mpi_parts`."""
+        raise NotImplementedError
+
     def _build_mpi(self):
-        """Return ``(handle, owned)``: an uncommitted MPI.Datatype equal to this type."""
-        raise NotImplementedError  # pragma: no cover
+        """Return ``(handle, owned)``: an uncommitted MPI.Datatype equal to this type
+        (``owned``: the caller frees it).  The parts' handles are freed here."""
+        parts = []
+        try:
+            for t in self._mpi_parts():
+                parts.append(t._build_mpi())
+            return self._create_mpi(*(h for h, _ in parts)), True
+        finally:
+            for h, owned in parts:
+                if owned:
+                    h.Free()
 
     def to_mpi(self):
         """A new committed ``MPI.Datatype`` with this type map and bounds.
@@ -200,8 +218,6 @@ class Datatype:
         Raises:
             DatatypeError: when MPI rejects the construction.
         """
-        from mpi4py import MPI  # noqa: PLC0415
-
         try:
             h, owned = self._build_mpi()
             if not owned:
@@ -232,6 +248,11 @@ class Datatype:
 # --------------------------------------------------------------------- named
 
 
+def _fields(dt: np.dtype) -> list:
+    """``(offset, dtype)`` of a structured dtype's fields, in offset order."""
+    return sorted(((v[1], v[0]) for v in dt.fields.values() if len(v) >= 2), key=lambda x: x[0])
+
+
 def _dtype_runs(dt: np.dtype, base: int, offs: list, lens: list):
     if dt.fields is None and dt.subdtype is None:
         if dt.itemsize:
@@ -243,8 +264,7 @@ def _dtype_runs(dt: np.dtype, base: int, offs: list, lens: list):
         for i in range(int(np.prod(shape))):
             _dtype_runs(sub, base + i * sub.itemsize, offs, lens)
         return
-    fields = sorted(((v[1], v[0]) for v in dt.fields.values() if len(v) >= 2), key=lambda x: x[0])
-    for off, fdt in fields:
+    for off, fdt in _fields(dt):
         _dtype_runs(fdt, base + off, offs, lens)
 
 
@@ -297,41 +317,27 @@ class Named(Datatype):
         return _c.regularize(np.array(self._runs[0], np.int64), np.array(self._runs[1], np.int64))
 
     def _build_mpi(self):
-        from mpi4py import MPI  # noqa: PLC0415
-
         if self._mpi is not None:
             return self._mpi, False
         dt = self.dtype
-        if dt.fields is None and dt.subdtype is None:
-            if dt.kind == "V":
-                return MPI.BYTE.Create_contiguous(dt.itemsize), True
-            code = dt.char
-            try:
-                t = MPI.Datatype.fromcode(code)
-            except (KeyError, ValueError):
-                t = MPI.BYTE.Create_contiguous(dt.itemsize)
-                return t, True
-            if t.size != dt.itemsize:  # pragma: no cover - exotic platforms
-                return MPI.BYTE.Create_contiguous(dt.itemsize), True
-            return t, False
-        # structured: a struct of the leaf runs as bytes would lose the basic
-        # types; rebuild field by field.
+        # structured dtypes keep their basic types: built as the commlib types
+        # they are (a struct of the fields resized to the itemsize, an array
+        # as a contiguous run of its element)
         if dt.subdtype is not None:
             sub, shape = dt.subdtype
-            inner, owned = Named(sub)._build_mpi()
-            t = inner.Create_contiguous(int(np.prod(shape)))
-            if owned:
-                inner.Free()
-            return t, True
-        fields = sorted(((v[1], v[0]) for v in dt.fields.values() if len(v) >= 2), key=lambda x: x[0])
-        handles = [Named(f)._build_mpi() for _, f in fields]
-        st = MPI.Datatype.Create_struct([1] * len(fields), [o for o, _ in fields], [h for h, _ in handles])
-        for h, owned in handles:
-            if owned:
-                h.Free()
-        t = st.Create_resized(0, dt.itemsize)
-        st.Free()
-        return t, True
+            return Contiguous(int(np.prod(shape)), Named(sub))._build_mpi()
+        if dt.fields is not None:
+            fields = _fields(dt)
+            st = Struct([1] * len(fields), [o for o, _ in fields], [Named(f) for _, f in fields])
+            return Resized(st, 0, dt.itemsize)._build_mpi()
+        if dt.kind != "V":
+            try:
+                t = MPI.Datatype.fromcode(dt.char)
+            except (KeyError, ValueError):
+                t = None
+            if t is not None and t.size == dt.itemsize:
+                return t, False
+        return MPI.BYTE.Create_contiguous(dt.itemsize), True
 
     def _repr_args(self):
         return str(self.dtype)
@@ -376,12 +382,8 @@ class Hvector(Datatype):
     def _compute_layout(self):
         return _c.replicate(self.base.canonical(), (self._bl, self._nb), (self.base.extent, self.stride_bytes))
 
-    def _build_mpi(self):
-        inner, owned = self.base._build_mpi()
-        t = inner.Create_hvector(self._nb, self._bl, self.stride_bytes)
-        if owned:
-            inner.Free()
-        return t, True
+    def _create_mpi(self, inner):
+        return inner.Create_hvector(self._nb, self._bl, self.stride_bytes)
 
     def _repr_args(self):
         return f"{self.count}, {self.blocklength}, {self.stride}, {self.base!r}"
@@ -403,12 +405,8 @@ class Vector(Hvector):
     def _stride_unit(self):
         return self.base.extent
 
-    def _build_mpi(self):
-        inner, owned = self.base._build_mpi()
-        t = inner.Create_vector(self._nb, self._bl, self.stride)
-        if owned:
-            inner.Free()
-        return t, True
+    def _create_mpi(self, inner):
+        return inner.Create_vector(self._nb, self._bl, self.stride)
 
 
 class Contiguous(Hvector):
@@ -426,12 +424,8 @@ class Contiguous(Hvector):
         super().__init__(1, count, b.extent, b)
         self.count = self.blocklength
 
-    def _build_mpi(self):
-        inner, owned = self.base._build_mpi()
-        t = inner.Create_contiguous(self._bl)
-        if owned:
-            inner.Free()
-        return t, True
+    def _create_mpi(self, inner):
+        return inner.Create_contiguous(self._bl)
 
     def _repr_args(self):
         return f"{self._bl}, {self.base!r}"
@@ -496,12 +490,8 @@ class Hindexed(Datatype):
             return _c.regularize(offs, lns)
         return _c.concatenate([_c.replicate(base, (b,), (ext,)).shifted(d) for b, d in pairs])
 
-    def _build_mpi(self):
-        inner, owned = self.base._build_mpi()
-        t = inner.Create_hindexed(list(self.blocklengths), list(self.displacements))
-        if owned:
-            inner.Free()
-        return t, True
+    def _create_mpi(self, inner):
+        return inner.Create_hindexed(list(self.blocklengths), list(self.displacements))
 
     def _repr_args(self):
         return f"{list(self.blocklengths)}, {list(self.displacements)}, {self.base!r}"
@@ -516,12 +506,8 @@ class Indexed(Hindexed):
     def _disp_unit(self):
         return self.base.extent
 
-    def _build_mpi(self):
-        inner, owned = self.base._build_mpi()
-        t = inner.Create_indexed(list(self.blocklengths), list(self.displacements))
-        if owned:
-            inner.Free()
-        return t, True
+    def _create_mpi(self, inner):
+        return inner.Create_indexed(list(self.blocklengths), list(self.displacements))
 
 
 class HindexedBlock(Hindexed):
@@ -536,12 +522,8 @@ class HindexedBlock(Hindexed):
         super().__init__([bl] * len(dp), dp, base)
         self.blocklength = bl
 
-    def _build_mpi(self):
-        inner, owned = self.base._build_mpi()
-        t = inner.Create_hindexed_block(self.blocklength, list(self.displacements))
-        if owned:
-            inner.Free()
-        return t, True
+    def _create_mpi(self, inner):
+        return inner.Create_hindexed_block(self.blocklength, list(self.displacements))
 
     def _repr_args(self):
         return f"{self.blocklength}, {list(self.displacements)}, {self.base!r}"
@@ -556,12 +538,8 @@ class IndexedBlock(HindexedBlock):
     def _disp_unit(self):
         return self.base.extent
 
-    def _build_mpi(self):
-        inner, owned = self.base._build_mpi()
-        t = inner.Create_indexed_block(self.blocklength, list(self.displacements))
-        if owned:
-            inner.Free()
-        return t, True
+    def _create_mpi(self, inner):
+        return inner.Create_indexed_block(self.blocklength, list(self.displacements))
 
 
 class Struct(Datatype):
@@ -606,15 +584,11 @@ class Struct(Datatype):
             ]
         )
 
-    def _build_mpi(self):
-        from mpi4py import MPI  # noqa: PLC0415
+    def _mpi_parts(self):
+        return self.types
 
-        hs = [t._build_mpi() for t in self.types]
-        t = MPI.Datatype.Create_struct(list(self.blocklengths), list(self.displacements), [h for h, _ in hs])
-        for h, owned in hs:
-            if owned:
-                h.Free()
-        return t, True
+    def _create_mpi(self, *handles):
+        return MPI.Datatype.Create_struct(list(self.blocklengths), list(self.displacements), list(handles))
 
     def _repr_args(self):
         return f"{list(self.blocklengths)}, {list(self.displacements)}, {list(self.types)!r}"
@@ -645,12 +619,8 @@ class Resized(Datatype):
     def _compute_layout(self):
         return self.base.canonical()
 
-    def _build_mpi(self):
-        inner, owned = self.base._build_mpi()
-        t = inner.Create_resized(self.new_lb, self.new_extent)
-        if owned:
-            inner.Free()
-        return t, True
+    def _create_mpi(self, inner):
+        return inner.Create_resized(self.new_lb, self.new_extent)
 
     def _repr_args(self):
         return f"{self.base!r}, {self.new_lb}, {self.new_extent}"
@@ -667,8 +637,6 @@ def _order(order, op):
         if o in ("F", "FORTRAN", "ORDER_FORTRAN"):
             return "F"
     else:
-        from mpi4py import MPI  # noqa: PLC0415
-
         if order == MPI.ORDER_C:
             return "C"
         if order == MPI.ORDER_FORTRAN:
@@ -756,15 +724,9 @@ class Subarray(Datatype):
         strides = tuple(self._el[d] * ext for d in self._fast)
         return _c.replicate(self.base.canonical(), counts, strides).shifted(start)
 
-    def _build_mpi(self):
-        from mpi4py import MPI  # noqa: PLC0415
-
-        inner, owned = self.base._build_mpi()
+    def _create_mpi(self, inner):
         order = MPI.ORDER_C if self.order == "C" else MPI.ORDER_FORTRAN
-        t = inner.Create_subarray(list(self.sizes), list(self.subsizes), list(self.starts), order=order)
-        if owned:
-            inner.Free()
-        return t, True
+        return inner.Create_subarray(list(self.sizes), list(self.subsizes), list(self.starts), order=order)
 
     def _repr_args(self):
         return f"{list(self.sizes)}, {list(self.subsizes)}, {list(self.starts)}, {self.base!r}, order={self.order!r}"
@@ -779,8 +741,6 @@ def _distrib(x, op):
         if v in ("block", "cyclic", "none"):
             return v
     else:
-        from mpi4py import MPI  # noqa: PLC0415
-
         m = {MPI.DISTRIBUTE_BLOCK: "block", MPI.DISTRIBUTE_CYCLIC: "cyclic", MPI.DISTRIBUTE_NONE: "none"}
         if x in m:
             return m[x]
@@ -867,19 +827,87 @@ class Darray(Datatype):
             return _c.EMPTY
         return _c.replicate(self.base.canonical(), displs=disp)
 
-    def _build_mpi(self):
-        from mpi4py import MPI  # noqa: PLC0415
-
-        inner, owned = self.base._build_mpi()
+    def _create_mpi(self, inner):
         m = {"block": MPI.DISTRIBUTE_BLOCK, "cyclic": MPI.DISTRIBUTE_CYCLIC, "none": MPI.DISTRIBUTE_NONE}
         order = MPI.ORDER_C if self.order == "C" else MPI.ORDER_FORTRAN
         dargs = [MPI.DISTRIBUTE_DFLT_DARG if a == DISTRIBUTE_DFLT_DARG else a for a in self.dargs]
-        t = inner.Create_darray(self.nprocs, self.rank, list(self.gsizes), [m[x] for x in self.distribs],
-                                dargs, list(self.psizes), order=order)
-        if owned:
-            inner.Free()
-        return t, True
+        return inner.Create_darray(self.nprocs, self.rank, list(self.gsizes), [m[x] for x in self.distribs],
+                                   dargs, list(self.psizes), order=order)
 
     def _repr_args(self):
         return (f"{self.nprocs}, {self.rank}, {list(self.gsizes)}, {list(self.distribs)}, {list(self.dargs)}, "
                 f"{list(self.psizes)}, {self.base!r}, order={self.order!r}")
+
+
+# --------------------------------------------------------------------- decoding
+
+
+def from_mpi(dt, *, check: bool = True) -> Datatype:
+    """Decode a committed ``MPI.Datatype`` into an equivalent commlib type.
+
+    Every combiner is handled, nested to any depth: named (basic and pair types),
+    DUP, CONTIGUOUS, VECTOR, HVECTOR, INDEXED, HINDEXED, INDEXED_BLOCK,
+    HINDEXED_BLOCK, STRUCT, SUBARRAY (C and Fortran order), DARRAY and RESIZED.
+    The result is cached on the handle (an MPI attribute); the handle is not freed.
+
+    Args:
+        dt: a committed ``MPI.Datatype``.
+        check: verify the handle is committed (done once per handle; the result
+            is cached).
+
+    Returns:
+        Datatype: a commlib type with the same type map, size, bounds and extent.
+
+    Raises:
+        DatatypeError: for a null, freed or uncommitted handle, or a combiner
+            commlib does not handle (the Fortran F90_* parameterized types, VALUE_INDEX).
+    """
+    if isinstance(dt, Datatype):
+        return dt
+    _mpi.check_handle(dt)
+    t = _mpi.cached(dt)
+    if t is None:
+        t = _mpi.cache(dt, _from_decoded(_mpi.decode(dt, check=check)))
+    return t
+
+
+def _from_decoded(node) -> Datatype:
+    """The commlib type of a :class:`commlib.datatypes.mpi.Decoded` tree."""
+    if node.combiner == "NAMED":  # one Named per predefined handle
+        t = _mpi.cached(node.handle)
+        return t if t is not None else _mpi.cache(node.handle, _named_from_mpi(node))
+    t = _FROM_MPI[node.combiner](node.params, [_from_decoded(k) for k in node.kids])
+    # the decoded bounds must agree with MPI's; if an MPI pads differently, MPI wins
+    if t.size != node.size:
+        raise DatatypeError(f"decoded {node.combiner} type has size {t.size}, MPI says {node.size}", op="from_mpi")
+    if (t.lb, t.extent) != (node.lb, node.extent):
+        t = Resized(t, node.lb, node.extent)
+    return t
+
+
+def _named_from_mpi(node) -> Named:
+    np_dt = node.params["dtype"]
+    if np_dt is not None and np_dt.itemsize == node.extent and node.lb == 0:
+        t = Named(np_dt, mpi=node.handle)
+        if t.size == node.size:
+            return t
+    # unknown to numpy (e.g. MPI_WCHAR maps to a zero-size '<U'): raw bytes
+    return Named(np.dtype(f"V{node.extent}"), mpi=node.handle, size=node.size)
+
+
+# one entry per combiner in commlib.datatypes.mpi.COMBINERS: (params, kids) -> type
+_FROM_MPI = {
+    "DUP": lambda p, k: k[0],
+    "CONTIGUOUS": lambda p, k: Contiguous(p["count"], k[0]),
+    "VECTOR": lambda p, k: Vector(p["count"], p["blocklength"], p["stride"], k[0]),
+    "HVECTOR": lambda p, k: Hvector(p["count"], p["blocklength"], p["stride"], k[0]),
+    "INDEXED": lambda p, k: Indexed(p["blocklengths"], p["displacements"], k[0]),
+    "HINDEXED": lambda p, k: Hindexed(p["blocklengths"], p["displacements"], k[0]),
+    "INDEXED_BLOCK": lambda p, k: IndexedBlock(p["blocklength"], p["displacements"], k[0]),
+    "HINDEXED_BLOCK": lambda p, k: HindexedBlock(p["blocklength"], p["displacements"], k[0]),
+    "STRUCT": lambda p, k: Struct(p["blocklengths"], p["displacements"], k),
+    "SUBARRAY": lambda p, k: Subarray(p["sizes"], p["subsizes"], p["starts"], k[0], order=p["order"]),
+    "DARRAY": lambda p, k: Darray(p["size"], p["rank"], p["gsizes"], p["distribs"], p["dargs"], p["psizes"],
+                                  k[0], order=p["order"]),
+    "RESIZED": lambda p, k: Resized(k[0], p["lb"], p["extent"]),
+}

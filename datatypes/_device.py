@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import config, cuda
 
-from commlib.core.errors import BufferError
+from commlib.core.errors import BufferError, DatatypeError
 
 __all__ = ["pack", "unpack"]
 
@@ -111,8 +111,6 @@ def _check_out(out, nb):
     """A device uint8 array of at least ``nb`` bytes: the caller's ``out`` (a numba
     device array, mapped/pinned host memory from ``cuda.mapped_array`` included,
     or anything with ``__cuda_array_interface__``) or a new one."""
-    from commlib.core.errors import DatatypeError  # noqa: PLC0415
-
     if out is None:
         return cuda.device_array(nb, dtype=np.uint8)
     arr = out
@@ -133,40 +131,39 @@ def pack(u8, p, out, origin):
     nb = p.nbytes
     out = _check_out(out, nb)
     dst = out[:nb] if out.shape[0] != nb else out
-    if nb == 0:
-        return dst
-    if p.kind == "contig":
-        s = p.start + origin
-        dst.copy_to_device(u8[s:s + nb])
-        return dst
-    _run(u8, dst, p, origin, True)
+    _move(u8, dst, p, origin, True)
     return dst
 
 
 def unpack(src, p, u8, origin):
     """Unpack on the device from the packed byte view ``src`` into ``u8``."""
     nb = p.nbytes
-    src = src[:nb] if src.shape[0] != nb else src
+    _move(u8, src[:nb] if src.shape[0] != nb else src, p, origin, False)
+
+
+def _move(buf, packed, p, origin, to_packed):
+    """Pack (``to_packed``) the plan's bytes of ``buf`` into ``packed``, or unpack
+    them back: one contiguous copy, or a kernel launch over words."""
+    if p.nbytes == 0:
+        return
     if p.kind == "contig":
         s = p.start + origin
-        u8[s:s + nb].copy_to_device(src)
+        run = buf[s:s + p.nbytes]
+        if to_packed:
+            packed.copy_to_device(run)
+        else:
+            run.copy_to_device(packed)
         return
-    _run(src, u8, p, origin, False)
-
-
-def _run(a, b, p, origin, to_packed):
     w = _eff_word(p, origin)
     total = p.nbytes // w
-    buf = a if to_packed else b
-    packed = b if to_packed else a
     bw = _wview(buf, w)
     pw = _wview(packed, w)
-    start = (p.start + origin) // w
     src, dst = (bw, pw) if to_packed else (pw, bw)
+    start = (p.start + origin) // w  # p.start is 0 for the offsets/lengths form
     blocks, threads = _launch(total)
     if p.kind == "strided":
         c0, oc, os = _args(p, w)
         _k_strided[blocks, threads](src, dst, start, c0, oc, os, total, to_packed)
     else:
         offs, cum, per, ext = _args(p, w)
-        _k_blocks[blocks, threads](src, dst, origin // w, offs, cum, per, ext, total, to_packed)
+        _k_blocks[blocks, threads](src, dst, start, offs, cum, per, ext, total, to_packed)

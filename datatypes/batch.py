@@ -27,18 +27,24 @@ from .pack import _WORD, pack, plan_for, unpack
 __all__ = ["BatchPack"]
 
 
-@njit(cache=True, nogil=True)
-def _pack_many(bufs, out, wit, prms, which, offs, lens):  # pragma: no cover - compiled
-    for m in range(prms.shape[0]):
-        o = offs[m]
-        _host.pack_strided(bufs[which[m]], out[o:o + lens[m]], wit, prms[m])
+def _batch_kernel(to_packed: bool):
+    """Every piece ``m``: buffer ``bufs[which[m]]`` <-> ``packed[offs[m]:offs[m] + lens[m]]``,
+    packing when ``to_packed`` (a compile-time constant, as in :mod:`._host`)."""
+
+    @njit(cache=True, nogil=True)
+    def many(bufs, packed, wit, prms, which, offs, lens):  # pragma: no cover - compiled
+        for m in range(prms.shape[0]):
+            o = offs[m]
+            if to_packed:
+                _host.pack_strided(bufs[which[m]], packed[o:o + lens[m]], wit, prms[m])
+            else:
+                _host.unpack_strided(bufs[which[m]], packed[o:o + lens[m]], wit, prms[m])
+
+    return many
 
 
-@njit(cache=True, nogil=True)
-def _unpack_many(packed, bufs, wit, prms, which, offs, lens):  # pragma: no cover - compiled
-    for m in range(prms.shape[0]):
-        o = offs[m]
-        _host.unpack_strided(packed[o:o + lens[m]], bufs[which[m]], wit, prms[m])
+_pack_many = _batch_kernel(True)
+_unpack_many = _batch_kernel(False)
 
 
 class BatchPack:
@@ -139,7 +145,7 @@ class BatchPack:
                                 op="BatchPack.unpack")
         if self._unpack_fused and self._fusable(bufs) and type(packed) is np.ndarray:
             wit, prms, which, offs, lens = self._fused
-            _unpack_many(packed, bufs, wit, prms, which, offs, lens)
+            _unpack_many(bufs, packed, wit, prms, which, offs, lens)
             return
         for (i, t), o, n in zip(self.pieces, self.offsets, self.sizes):
             unpack(packed[o:o + n], t, bufs[i])

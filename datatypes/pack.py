@@ -233,11 +233,7 @@ def _host_array(buf, op):
     types), else a 1-D uint8 view of its memory; raises for non-contiguous."""
     fl = buf.flags
     if not (fl.c_contiguous or fl.f_contiguous):
-        raise BufferError(
-            f"buffer of shape {buf.shape} and strides {buf.strides} is not contiguous in memory; "
-            "pack reads raw bytes from its first byte (describe the strides with the datatype instead)",
-            op=op,
-        )
+        raise _not_contiguous(buf, op)
     if _numba_ok(buf.dtype):
         return buf
     return buf.reshape(-1, order="C" if fl.c_contiguous else "F").view(np.uint8)
@@ -382,9 +378,9 @@ def unpack(packed, datatype, buf, count=1, *, origin=0):
                             "(overlapping unpack targets); nothing was written", op="unpack")
     if origin:
         k = p.host_at(origin)
-        k[1](src, arr, k[2], k[3])
+        k[1](arr, src, k[2], k[3])
     else:
-        p.uk(src, arr, p.hw, p.hp)
+        p.uk(arr, src, p.hw, p.hp)
     return buf
 
 
@@ -502,7 +498,7 @@ class Packer:
                 raise DatatypeError(f"{self.count} element(s) of {_short(self.datatype)} write some bytes "
                                     "more than once (overlapping unpack targets); nothing was written",
                                     op="Packer.unpack")
-            h[1](h[3], h[2], h[4], h[5])
+            h[1](h[2], h[3], h[4], h[5])
             return self.buf
         return unpack(self.out if packed is None else packed, self.datatype, self.buf, self.count,
                       origin=self.origin)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from commlib.core.buffer import as_buffer
 from commlib.core.errors import BufferError, DatatypeError
 
 from . import _host
@@ -388,8 +389,6 @@ def unpack(packed, datatype, buf, count=1, *, origin=0):
 
 
 def _device_bytes(buf, op):
-    from commlib.core.buffer import as_buffer  # noqa: PLC0415
-
     b = as_buffer(buf, op=op)
     if not b.is_device:
         arr = b.array()
@@ -404,7 +403,7 @@ def _pack_device(buf, t, p, count, out, origin):
     b, u8 = _device_bytes(buf, "pack")
     if b is None:  # a host object that is not an ndarray (memoryview, DLPack on CPU)
         return pack(u8, t, count, out, origin=origin)
-    from . import _device  # noqa: PLC0415
+    from . import _device  # noqa: PLC0415  - numba.cuda: heavy, only for device buffers
 
     n = u8.shape[0]
     if p.nbytes and (p.lo + origin < 0 or p.hi + origin > n):
@@ -417,7 +416,7 @@ def _unpack_device(packed, t, p, buf, count, origin):
     if b is None:
         unpack(packed if isinstance(packed, np.ndarray) else np.asarray(packed), t, u8, count, origin=origin)
         return buf
-    from . import _device  # noqa: PLC0415
+    from . import _device  # noqa: PLC0415  - numba.cuda: heavy, only for device buffers
 
     pb, src = _device_bytes(packed, "unpack")
     if pb is None:

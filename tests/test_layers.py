@@ -26,8 +26,10 @@ _CAPITAL = ("Send", "Recv", "Isend", "Irecv", "Sendrecv", "Sendrecv_replace", "S
             "Test", "Testall", "Testany", "Bcast", "Allreduce", "Reduce", "Allgather", "Allgatherv", "Gather",
             "Gatherv", "Scatter", "Scatterv", "Alltoall", "Alltoallv", "Reduce_scatter", "Reduce_scatter_block",
             "Barrier", "Ibarrier", "Iallreduce", "Agree", "Iagree", "Revoke", "Shrink", "Ack_failed", "Probe",
-            "Iprobe", "Mprobe", "Improbe", "Dup", "Split", "Split_type", "Create_cart", "Create_group", "Abort")
+            "Iprobe", "Mprobe", "Improbe", "Split_type", "Create_cart", "Create_group", "Abort")
 CAPITAL_CALL = re.compile(r"\.(" + "|".join(_CAPITAL) + r")\(")
+# Dup / Split are collective on a communicator (an MPI.Datatype's Dup is not)
+COMM_CREATE = re.compile(r"(comm|COMM_WORLD|COMM_SELF|cart)\.(Dup|Idup|Split)\(")
 PICKLE_CALL = re.compile(r"(mpi_comm|COMM_WORLD|COMM_SELF|\.comm)\.(send|recv|isend|irecv|sendrecv|bcast|"
                          r"allreduce|allgather|gather|scatter|alltoall|reduce|barrier)\(")
 
@@ -63,7 +65,7 @@ def test_only_transports_communicate():
         with open(path, encoding="utf-8") as fh:
             for i, line in enumerate(fh, 1):
                 code = line.split("#", 1)[0]
-                if CAPITAL_CALL.search(code) or PICKLE_CALL.search(code):
+                if CAPITAL_CALL.search(code) or PICKLE_CALL.search(code) or COMM_CREATE.search(code):
                     offenders.append(f"{path}:{i}: {line.strip()}")
     assert not offenders, "communication outside commlib.transports:\n" + "\n".join(offenders)
 
@@ -71,10 +73,12 @@ def test_only_transports_communicate():
 def test_grep_catches_a_bypass(tmp_path):
     """The patterns above find the calls they exist for (the test can fail)."""
     for line in ("self.mpi_comm.Allreduce(MPI.IN_PLACE, v, MPI.MIN)", "tp.comm.Revoke()",
-                 "MPI.Prequest.Startall(reqs)", "comm.mpi_comm.bcast(ok, root=0)", "cart.Send(x, dest=0)"):
-        assert CAPITAL_CALL.search(line) or PICKLE_CALL.search(line), line
-    for line in ("comm.allreduce(x)", "tp.native_barrier()", "self.transport.startall(reqs)"):
-        assert not (CAPITAL_CALL.search(line) or PICKLE_CALL.search(line)), line
+                 "MPI.Prequest.Startall(reqs)", "comm.mpi_comm.bcast(ok, root=0)", "cart.Send(x, dest=0)",
+                 "self.mpi_comm.Dup()", "MPI.COMM_WORLD.Split(0, 1)"):
+        assert CAPITAL_CALL.search(line) or PICKLE_CALL.search(line) or COMM_CREATE.search(line), line
+    for line in ("comm.allreduce(x)", "tp.native_barrier()", "self.transport.startall(reqs)", "h = h.Dup()",
+                 "comm.dup()"):
+        assert not (CAPITAL_CALL.search(line) or PICKLE_CALL.search(line) or COMM_CREATE.search(line)), line
 
 
 def test_no_path_extension_hack():

@@ -23,6 +23,6 @@ timeout 900 "$PY" -P -m pytest -q -p no:cacheprovider --timeout=300 \
 for n in ${RANKS:-2 3}; do
   echo "== MPICH: MPI tests on $n rank(s)"
   timeout 600 "$VENV/bin/mpiexec" -n "$n" "$PY" -P -m pytest -q -p no:cacheprovider --with-mpi -m mpi \
-    --timeout=300 tests/test_collectives.py tests/test_communicator.py tests/test_halo.py || status=1
+    --timeout=300 tests/test_collectives.py tests/test_communicator.py tests/test_halo.py tests/test_mixed_p2p.py || status=1
 done
 exit $status

@@ -16,7 +16,7 @@ Run::
 
 Options: ``--min-bytes``, ``--max-bytes``, ``--trials``, ``--variants
 ring,recursive_doubling,auto,mpi``, ``--no-check-args`` (skip commlib's
-argument-consistency header exchange, see ``commlib.collective_api``).
+first round of large calls, see ``commlib.collectives.engine``; small calls keep it).
 """
 from __future__ import annotations
 

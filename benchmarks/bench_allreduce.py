@@ -117,7 +117,8 @@ def plot(rows, keys, n, path):
                 color=f"C{i}")
         if k != "MPI.Allreduce":
             a2.plot(x, [r[k]["ratio_vs_mpi"] for r in rows], ".-", label=k, ms=3, color=f"C{i}")
-    a2.axhline(0.8, color="grey", ls=":", label="target 0.8x (>= 1 MiB)")
+    a2.axhline(1.0, color="grey", ls=":", label="target 1.0x (ring, >= 1 MiB)")
+    a2.hlines(0.2, 8, 1024, color="black", ls="--", lw=0.8, label="target 0.2x (8 B-1 KiB, within 5x latency)")
     a2.axvline(1 << 20, color="grey", ls="--", lw=0.8)
     a1.set(xscale="log", yscale="log", ylabel="busbw (GB/s)", title=f"allreduce float32 sum, {n} ranks")
     a2.set(xscale="log", xlabel="message size (bytes)", ylabel="busbw / MPI busbw")

@@ -31,16 +31,7 @@ from commlib.collectives.allreduce_ring import allreduce_ring
 from commlib.collectives.alltoall_pairwise import alltoall_pairwise
 from commlib.collectives.barrier import barrier_dissemination
 from commlib.collectives.bcast_binomial import bcast_binomial
-from commlib.collectives.engine import (
-    _HEAD,
-    SMALL,
-    SPECS,
-    execute,
-    first_round_verdict,
-    h_values,
-    reduce_rows,
-    small_capacity,
-)
+from commlib.collectives.engine import SPECS, SmallAllreduce, execute, reduce_rows, small_capacity
 from commlib.collectives.ft import LazySnapshot, recover, run_collective
 from commlib.collectives.reduce_scatter_ring import reduce_scatter_ring_inplace
 from commlib.core.buffer import Buffer, as_buffer
@@ -301,7 +292,7 @@ class CollectiveMixin:
         small = self._small
         if small is None:
             tp = self.collective_transport()
-            small = self._small = _SmallPlans(tp, small_capacity(tp.size))
+            small = self._small = SmallAllreduce(tp, small_capacity(tp.size))
         if sendbuf.nbytes > small.cap or not sendbuf.flags.c_contiguous or (
                 recvbuf is not None and recvbuf is not sendbuf and not (
                     recvbuf.flags.c_contiguous and recvbuf.flags.writeable and recvbuf.dtype == sendbuf.dtype
@@ -629,83 +620,6 @@ class CollectiveMixin:
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commlib-collectives")
         return FutureRequest(self._worker.submit(fn, *args))
-
-
-class _SmallPlans:
-    """Buffers and per-call-shape views of the one-round small allreduce on one transport.
-
-    ``rows`` receives every rank's first-round row (``_HEAD`` header bytes, then
-    ``cap`` payload bytes); a plan for (dtype, count, op) holds the header bytes,
-    the op, and the payload views the ring-order reduction reads.
-    """
-
-    __slots__ = ("tp", "cap", "row", "rows", "rows_mv", "plans", "current")
-
-    def __init__(self, tp, cap: int):
-        self.tp, self.cap = tp, cap
-        self.rows = np.zeros((tp.size, _HEAD + cap), np.uint8)
-        self.row = np.zeros(_HEAD + cap, np.uint8)
-        self.rows_mv = memoryview(self.rows).cast("B")
-        self.plans: dict = {}
-        self.current = None
-
-    def plan(self, dtype, count: int, op, rank):
-        try:
-            o = _ops.get_op(op, rank=rank, opname="allreduce")
-            o.check(dtype, rank=rank, op="allreduce")
-        except InvalidArgument:
-            return None  # the general path raises it, on every rank
-        n, nb = self.tp.size, count * dtype.itemsize
-        head = np.array([0, SPECS["allreduce"].code, count, _ops.dtype_code(dtype), o.code, 0, SMALL], np.int64)
-        parts = [self.rows[i, _HEAD:_HEAD + nb].view(dtype) for i in range(n)]
-        if n == 2 and o.name in _COMMUTATIVE:
-            # ring order at 2 ranks is (1, 0) for chunk 0 and (0, 1) for chunk 1;
-            # IEEE 754 + and *, and the bitwise ops, are exactly commutative, so
-            # one call over the whole vector gives the ring's bits
-            steps = [(0, 0, count, parts)]
-        else:
-            b = chunk_bounds(count, n).tolist()
-            # ring order: chunk c combines ranks c+1, c+2, ... (mod n), as the ring allreduce
-            steps = [(c, b[c], b[c + 1], [parts[(c + 1 + k) % n][b[c]:b[c + 1]] for k in range(n)])
-                     for c in range(n) if b[c + 1] > b[c]]
-        plan = (head.view(np.uint8).tobytes(), o, memoryview(self.row[_HEAD:_HEAD + nb]), steps, nb)
-        if len(self.plans) >= 64:
-            self.plans.pop(next(iter(self.plans)))
-        self.plans[(dtype, count, op)] = plan
-        return plan
-
-    def run(self, plan, sendbuf: np.ndarray, out: np.ndarray) -> None:
-        hbytes, o, payload, steps, nb = plan
-        if self.current is not plan:
-            self.row[:_HEAD] = np.frombuffer(hbytes, np.uint8)
-            self.current = plan
-        if nb:
-            try:
-                payload[:] = sendbuf.data.cast("B")
-            except (ValueError, TypeError):  # dtypes without a buffer format (bfloat16)
-                np.frombuffer(payload, np.uint8)[...] = sendbuf.reshape(-1).view(np.uint8)
-        tp, n = self.tp, self.tp.size
-        if n == 1:
-            if out is not sendbuf:
-                out[...] = sendbuf
-            return
-        tp.native_allgather(self.row, self.rows)
-        mv, rb = self.rows_mv, self.rows.shape[1]
-        for i in range(n):
-            if mv[i * rb:i * rb + _HEAD] != hbytes:  # a rank's call differs or a rank erred
-                first_round_verdict(tp, "allreduce", self.rows[:, :_HEAD], h_values(np.frombuffer(hbytes, np.uint8)))
-        flat = out if out.ndim == 1 else out.reshape(-1)
-        f = o.ufunc
-        for _c, lo, hi, ordered in steps:
-            dst = flat[lo:hi] if hi - lo != flat.shape[0] else flat
-            f(ordered[0], ordered[1], out=dst)
-            for p in ordered[2:]:
-                f(dst, p, out=dst)
-        if o.mean:
-            o.finalize(flat, n)
-
-
-_COMMUTATIVE = ("sum", "prod", "avg", "band", "bor", "bxor")
 
 
 class _FailedRequest(CompletedRequest):

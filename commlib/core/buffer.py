@@ -6,7 +6,7 @@ and anything exporting DLPack, and tells the layers below what they need:
 device or host, dtype, shape, strides, size in bytes, a raw byte view, and how to
 synchronize the producing stream before a transport reads the memory.
 
-Detection order (DESIGN.md): numpy ``ndarray``; ``__cuda_array_interface__``;
+Detection order: numpy ``ndarray``; ``__cuda_array_interface__``;
 ``__dlpack_device__``; ``__cuda_ndarray__`` (numba's simulator); the buffer
 protocol.
 """

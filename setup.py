@@ -31,7 +31,7 @@ setup(
     "halo exchange and sequence-parallel attention over mpi4py",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    python_requires=">=3.10",
+    python_requires=">=3.11",
     package_dir=LAYERS,
     packages=_packages(),
     package_data={"commlib.datatypes": ["*.json"]},

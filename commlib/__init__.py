@@ -15,6 +15,17 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+import importlib.util as _util
+
+if _util.find_spec(f"{__name__}.transports") is None:
+    # The repository's top-level folders become one package only when installed
+    # (setup.py's package_dir); Python found this folder first because the
+    # current directory is the checkout (``python -m`` puts it on sys.path).
+    raise ImportError(
+        f"commlib was imported from the source folder {__path__[0]!r}, which holds only the user-API layer; "
+        "install it (`pip install .`) and run from outside the checkout, or with `python -P` "
+        "(which keeps the current directory off sys.path)")
+
 from .core.errors import (
     AuthenticationError,
     BufferError,

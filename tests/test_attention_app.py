@@ -25,7 +25,7 @@ def _clean_env():
 
 @pytest.mark.timeout(60)
 def test_help_explains_options():
-    res = subprocess.run([sys.executable, "-m", "commlib.apps.attention", "--help"], capture_output=True,
+    res = subprocess.run([sys.executable, "-P", "-m", "commlib.apps.attention", "--help"], capture_output=True,
                          text=True, timeout=60, env=_clean_env())
     assert res.returncode == 0
     for opt in ("--seq", "--batch", "--heads", "--kv-heads", "--head-dim", "--layout", "--causal", "--dtype",
@@ -73,7 +73,7 @@ def test_app_checks_against_dense_reference(tmp_path, algo, layout, dtype):
 def test_app_main_serial_subsampled_check(tmp_path):
     """main() end to end on one rank, with the row-subsampled check."""
     path = tmp_path / "r.json"
-    rc = subprocess.run([sys.executable, "-m", "commlib.apps.attention", "--seq", "300", "--heads", "4",
+    rc = subprocess.run([sys.executable, "-P", "-m", "commlib.apps.attention", "--seq", "300", "--heads", "4",
                          "--kv-heads", "2", "--head-dim", "8", "--causal", "--backward", "--check",
                          "--check-dense-max", "10", "--iters", "1", "--json", str(path)],
                         capture_output=True, text=True, timeout=120, env=_clean_env())

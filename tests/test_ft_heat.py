@@ -33,7 +33,7 @@ def _heat(n, args, ft=True, timeout=90):
     cmd = [MPIEXEC, "--oversubscribe"]
     if ft:
         cmd += ["--with-ft", "ulfm", "--mca", "btl", "tcp,self", "--prtemca", "state_base_error_non_zero_exit", "0"]
-    cmd += ["-n", str(n), sys.executable, "-m", "commlib.apps.heat", "--json", out, "--no-progress"] + args
+    cmd += ["-n", str(n), sys.executable, "-P", "-m", "commlib.apps.heat", "--json", out, "--no-progress"] + args
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     env.pop("NUMBA_ENABLE_CUDASIM", None)
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)

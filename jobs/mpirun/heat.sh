@@ -18,4 +18,4 @@ if [ "$(nproc)" -lt "$NP" ]; then EXTRA+=(--oversubscribe); fi
 echo "== provenance ($(date -u +%FT%TZ))"
 commlib info
 echo "== heat on $NP ranks"
-exec "$MPIRUN" "${EXTRA[@]}" -n "$NP" python -m commlib.apps.heat "$@"
+exec "$MPIRUN" "${EXTRA[@]}" -n "$NP" python -P -m commlib.apps.heat "$@"

@@ -194,9 +194,7 @@ def typed_irecv(comm, buf, source, datatype, count=1, tag=ANY_TAG, strategy=None
         return CompletedRequest()
     w, done = got
     req = comm.transport.irecv(w, source, tag)
-    if done is not None:
-        req.add_done_callback(lambda _r: done())
-    return req
+    return req if done is None else req.then(done)  # unpack on success only
 
 
 def typed_send(comm, buf, dest, datatype, count=1, tag=0, strategy=None) -> None:

@@ -7,6 +7,8 @@ ever.  Every wait here is bounded, so a regression fails instead of hanging.
 
 Oracle: the bytes ``numpy`` selects with the same slicing.
 """
+import time
+
 import numpy as np
 import pytest
 
@@ -110,3 +112,20 @@ def test_failed_typed_recv_is_a_commerror(comm):
         out = np.zeros(shape)
         with pytest.raises(commlib.CommError, match="rank 1"):
             comm.irecv(out, 0, tag=7, datatype=face).wait(TIMEOUT)
+
+
+def test_typed_irecv_completed_by_test_polling(comm, monkeypatch):
+    """A typed receive finished by ``test()`` (no ``wait``) is unpacked into the buffer too."""
+    shape, face, sl = _pair(comm, "pack", monkeypatch)
+    if comm.rank == 1:
+        comm.isend(np.arange(10 * 12 * 5, dtype=np.float64), 0, tag=8).wait(TIMEOUT)
+    elif comm.rank == 0:
+        out = np.zeros(shape)
+        req = comm.irecv(out, 1, tag=8, datatype=face)
+        deadline = time.monotonic() + TIMEOUT
+        while not req.test():
+            assert time.monotonic() < deadline, "typed irecv never completed"
+            time.sleep(1e-4)
+        expect = np.zeros(shape)
+        expect[sl] = np.arange(10 * 12 * 5, dtype=np.float64).reshape(10, 12, 5)
+        np.testing.assert_array_equal(out, expect)

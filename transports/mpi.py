@@ -54,6 +54,8 @@ class MPIRequest(Request):
         self.rank = rank
 
     def _finish(self) -> None:
+        """The one completion point: ``on_complete`` (staging copy, unpack), then
+        the ``add_done_callback`` callbacks."""
         self._done = True
         if self._on_complete is not None:
             cb = self._on_complete
@@ -63,6 +65,16 @@ class MPIRequest(Request):
             cb()
         elif not self.persistent:
             self._keep = None
+        if self._callbacks:
+            self._fire()
+
+    def then(self, fn: Callable[[], None]) -> "MPIRequest":
+        """Run ``fn()`` when the operation completes successfully, after any
+        staging copy and before ``wait``/``test``/``waitall`` report it done
+        (e.g. unpacking a typed receive); not run if it fails."""
+        first = self._on_complete
+        self._on_complete = fn if first is None else (lambda: (first(), fn()))
+        return self
 
     def test(self) -> bool:
         if self._done:
@@ -84,8 +96,6 @@ class MPIRequest(Request):
                 _ABANDONED.append(self.req)
                 raise_classified(exc, (), self.rank, "wait")
             self._finish()
-            if self._callbacks:
-                self._fire()
             return None
         return Request.wait(self, timeout)
 
@@ -360,7 +370,8 @@ class MPITransport(Transport):
         return raw
 
     def free_requests(self, requests) -> None:
-        """Free inactive persistent requests."""
+        """Free inactive persistent requests (and forget the request lists cached for them)."""
+        self._raw_lists.clear()
         for r in requests:
             if r.req != MPI.REQUEST_NULL:
                 r.req.Free()
@@ -407,8 +418,6 @@ class MPITransport(Transport):
             self._poll(reqs, timeout, op)
         for r in pending:
             r._finish()
-            if r._callbacks:
-                r._fire()
 
     def _statuses_for(self, n: int) -> list:
         st = self._statuses

@@ -24,7 +24,7 @@ from commlib.core.errors import CommError, InvalidArgument
 
 from .allgather_ring import allgather_ring
 
-__all__ = ["agree", "agree_header", "check_all"]
+__all__ = ["agree", "agree_header", "check_all", "judge"]
 
 
 def agree(transport, values: Sequence[int], *, op: str, local_error: CommError | None = None,
@@ -76,11 +76,28 @@ def agree(transport, values: Sequence[int], *, op: str, local_error: CommError |
         mv = memoryview(rows).cast("B")
         if all(mv[i * rb:i * rb + head] == mine for i in range(n)):  # the common case: every header equal
             return rows[:, head:]
-    verdict = _hdr.from_rows(np.ascontiguousarray(rows[:, :head]).view(np.int64))
+    judge(transport, rows[:, :head], values, op=op, local_error=local_error, names=names, describe=describe,
+          exc_type=exc_type)
+    return rows[:, head:]
+
+
+def judge(transport, headers: np.ndarray, values: Sequence[int], *, op: str, local_error: CommError | None = None,
+          names: Sequence[str] = _hdr.FIELDS, describe: Callable[[str, int], object] | None = None,
+          exc_type=InvalidArgument) -> None:
+    """Decide, identically on every rank, what gathered headers say.
+
+    Args:
+        headers: uint8, shape ``(size, 8 * (1 + len(values)))``: every rank's
+            ``[err, header...]`` as int64s.
+        values, op, local_error, names, describe, exc_type: as :func:`agree`.
+
+    Raises:
+        CommError: as :func:`agree`, when any rank erred or the headers differ.
+    """
+    verdict = _hdr.from_rows(np.ascontiguousarray(headers).view(np.int64))
     if not verdict.ok or local_error is not None:
         _hdr.raise_if_bad(verdict, values, rank=transport.rank, op=op, local_error=local_error, names=names,
                           describe=describe, exc_type=exc_type)
-    return rows[:, head:]
 
 
 def agree_header(transport, values: Sequence[int], *, op: str, local_error: CommError | None = None,

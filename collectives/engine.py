@@ -8,7 +8,8 @@ Every collective call (``Communicator.allreduce``, ``reduce_scatter``,
    call's header (:mod:`commlib.core.agreement`: error flag, operation, count,
    dtype, op, root, algorithm) and, for a small allreduce / reduce_scatter /
    bcast, the payload itself.  The row has the same size on every rank
-   whatever its arguments (:func:`row_bytes`), so ranks whose calls differ
+   whatever its arguments (:func:`small_capacity` depends on the group size
+   only), so ranks whose calls differ
    still make matching calls; every rank reads every header and raises the
    same :class:`~commlib.InvalidArgument` before any payload byte of a large
    call moves;
@@ -27,16 +28,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from commlib.core.agreement import FIELDS, from_rows, raise_if_bad
+from commlib.core.agreement import FIELDS
 from commlib.core.config import config
 from commlib.core.errors import BufferError, CommError, InvalidArgument, ProcessFailed
 
 from . import ops
 from ._common import chunk_bounds_list
-from .agreement import agree
+from .agreement import agree, judge
 from .ft import run_collective
 
-__all__ = ["CollectiveSpec", "SPECS", "SmallAllreduce", "execute", "row_bytes", "first_round", "reduce_rows", "describe_field"]
+__all__ = ["CollectiveSpec", "SPECS", "SmallAllreduce", "execute", "first_round", "reduce_rows", "describe_field"]
 
 
 @dataclass(frozen=True)
@@ -104,11 +105,6 @@ def small_capacity(size: int) -> int:
     ``COMMLIB_SMALL_BYTES``, capped so that a row gathered from every rank stays
     within 64 KiB (the first round must stay cheap for large calls too)."""
     return max(0, min(config.small_bytes, 65536 // max(size, 1) - _HEAD)) // 8 * 8
-
-
-def row_bytes(size: int) -> int:
-    """Bytes of one rank's first-round row on a group of ``size`` ranks (the same on every rank)."""
-    return _HEAD + small_capacity(size)
 
 
 def describe_field(opname: str):
@@ -222,25 +218,50 @@ class _RootLost(CommError):
     """The root of a rooted collective is among the failed ranks (internal)."""
 
 
-def h_values(header_bytes: np.ndarray) -> list:
-    """The header fields of a first-round row's header bytes (without the error flag)."""
-    return header_bytes.view(np.int64)[1:].tolist()
+def ring_order_steps(parts: list, count: int, op) -> list:
+    """The ring's reduction order over per-rank operands, as steps for :func:`apply_steps`.
+
+    Element ``j`` of chunk ``c`` (``chunk_bounds(count, size)``) combines the
+    ranks in :func:`~commlib.collectives.reduce_scatter_ring.ring_order` ``(c)``
+    (``c+1, c+2, ...`` mod size), the order the ring allreduce and
+    reduce_scatter use, so a one-round call and a ring call of the same data
+    give the same bits.
+
+    Args:
+        parts: one 1-D array of ``count`` elements per rank, in rank order.
+        count: elements per rank.
+        op: an :class:`~commlib.collectives.ops.Op`.
+
+    Returns:
+        list of ``(lo, hi, operands)``: elements ``[lo, hi)`` combine ``operands`` left to right.
+    """
+    n = len(parts)
+    if n == 2 and op.name in _COMMUTATIVE:
+        # ring order at 2 ranks is (1, 0) for chunk 0 and (0, 1) for chunk 1;
+        # IEEE 754 + and *, and the bitwise ops, are exactly commutative, so
+        # one call over the whole vector gives the ring's bits
+        return [(0, count, parts)]
+    b = chunk_bounds_list(count, n)
+    return [(b[c], b[c + 1], [parts[(c + 1 + k) % n][b[c]:b[c + 1]] for k in range(n)])
+            for c in range(n) if b[c + 1] > b[c]]
 
 
-def first_round_verdict(transport, opname: str, headers: np.ndarray, values) -> None:
-    """Raise, on every rank alike, what gathered first-round ``headers`` (uint8,
-    shape ``(size, header bytes)``) say is wrong with the call; see :func:`first_round`."""
-    verdict = from_rows(np.ascontiguousarray(headers).view(np.int64))
-    raise_if_bad(verdict, values, rank=transport.rank, op=opname, describe=describe_field(opname))
+def apply_steps(steps: list, ufunc, out: np.ndarray) -> None:
+    """Combine each step's operands left to right with ``ufunc`` into ``out[lo:hi]`` (1-D)."""
+    whole = out.shape[0]
+    for lo, hi, operands in steps:
+        dst = out if hi - lo == whole else out[lo:hi]
+        if len(operands) == 1:
+            dst[...] = operands[0]
+            continue
+        ufunc(operands[0], operands[1], out=dst)
+        for p in operands[2:]:
+            ufunc(dst, p, out=dst)
 
 
 def reduce_rows(payloads: np.ndarray, dtype, count: int, op, out: np.ndarray) -> None:
-    """Reduce the ranks' payloads into ``out`` in the ring's order (bit-identical on every rank).
-
-    Element ``j`` of chunk ``c`` (``chunk_bounds(count, size)``) combines the
-    ranks in :func:`~commlib.collectives.reduce_scatter_ring.ring_order` ``(c)``,
-    the order the ring allreduce and reduce_scatter use, so a small call and a
-    ring call of the same data give the same bits.
+    """Reduce the ranks' first-round payloads into ``out`` in the ring's order
+    (:func:`ring_order_steps`; bit-identical on every rank).
 
     Args:
         payloads: uint8, shape ``(size, capacity)`` from :func:`first_round`.
@@ -248,23 +269,10 @@ def reduce_rows(payloads: np.ndarray, dtype, count: int, op, out: np.ndarray) ->
         op: an :class:`~commlib.collectives.ops.Op`.
         out: 1-D host array of ``count`` elements of ``dtype``.
     """
-    n = payloads.shape[0]
     nb = count * np.dtype(dtype).itemsize
-    parts = np.ascontiguousarray(payloads[:, :nb]).view(dtype)
-    if n == 1:
-        out[...] = parts[0]
-    elif n == 2:  # ring_order(c, 2) is (c + 1, c): chunk 0 from rank 1 first, chunk 1 from rank 0
-        h = chunk_bounds_list(count, 2)[1]
-        op.ufunc(parts[1, :h], parts[0, :h], out=out[:h])
-        op.ufunc(parts[0, h:], parts[1, h:], out=out[h:])
-    else:
-        b = chunk_bounds_list(count, n)
-        chunk = np.repeat(np.arange(n), np.diff(b))  # chunk of each element
-        cols = np.arange(count)
-        out[...] = parts[(chunk + 1) % n, cols]
-        for k in range(1, n):
-            op.ufunc(out, parts[(chunk + 1 + k) % n, cols], out=out)
-    op.finalize(out, n)
+    parts = [np.ascontiguousarray(p[:nb]).view(dtype) for p in payloads]
+    apply_steps(ring_order_steps(parts, count, op), op.ufunc, out)
+    op.finalize(out, len(parts))
 
 
 class SmallAllreduce:
@@ -296,16 +304,7 @@ class SmallAllreduce:
         n, nb = self.tp.size, count * dtype.itemsize
         head = np.array([0, SPECS["allreduce"].code, count, ops.dtype_code(dtype), o.code, 0, SMALL], np.int64)
         parts = [self.rows[i, _HEAD:_HEAD + nb].view(dtype) for i in range(n)]
-        if n == 2 and o.name in _COMMUTATIVE:
-            # ring order at 2 ranks is (1, 0) for chunk 0 and (0, 1) for chunk 1;
-            # IEEE 754 + and *, and the bitwise ops, are exactly commutative, so
-            # one call over the whole vector gives the ring's bits
-            steps = [(0, 0, count, parts)]
-        else:
-            b = chunk_bounds_list(count, n)
-            # ring order: chunk c combines ranks c+1, c+2, ... (mod n), as the ring allreduce
-            steps = [(c, b[c], b[c + 1], [parts[(c + 1 + k) % n][b[c]:b[c + 1]] for k in range(n)])
-                     for c in range(n) if b[c + 1] > b[c]]
+        steps = ring_order_steps(parts, count, o)
         plan = (head.view(np.uint8).tobytes(), o, memoryview(self.row[_HEAD:_HEAD + nb]), steps, nb)
         if len(self.plans) >= 64:
             self.plans.pop(next(iter(self.plans)))
@@ -331,14 +330,10 @@ class SmallAllreduce:
         mv, rb = self.rows_mv, self.rows.shape[1]
         for i in range(n):
             if mv[i * rb:i * rb + _HEAD] != hbytes:  # a rank's call differs or a rank erred
-                first_round_verdict(tp, "allreduce", self.rows[:, :_HEAD], h_values(np.frombuffer(hbytes, np.uint8)))
+                judge(tp, self.rows[:, :_HEAD], np.frombuffer(hbytes, np.int64)[1:].tolist(), op="allreduce",
+                      describe=describe_field("allreduce"))
         flat = out if out.ndim == 1 else out.reshape(-1)
-        f = o.ufunc
-        for _c, lo, hi, ordered in steps:
-            dst = flat[lo:hi] if hi - lo != flat.shape[0] else flat
-            f(ordered[0], ordered[1], out=dst)
-            for p in ordered[2:]:
-                f(dst, p, out=dst)
+        apply_steps(steps, o.ufunc, flat)
         if o.mean:
             o.finalize(flat, n)
 

@@ -104,7 +104,6 @@ class Communicator(CollectiveMixin):
                 or the datatype is unusable; nothing is sent.
         """
         self._check_tag(tag, "send")
-        self.transport._check_peer(dest, "dest", "send")
         if datatype is not None:
             typed_send(self, buf, dest, datatype, count, tag)
             return
@@ -118,7 +117,6 @@ class Communicator(CollectiveMixin):
             MPI.Status (without ``datatype``): source, tag and byte count.
         """
         self._check_tag(tag, "recv", anywild=True)
-        self.transport._check_peer(source, "source", "recv")
         if datatype is not None:
             typed_recv(self, buf, source, datatype, count, tag)
             return None
@@ -132,7 +130,6 @@ class Communicator(CollectiveMixin):
             Request: ``wait(timeout=None)`` / ``test()``.
         """
         self._check_tag(tag, "isend")
-        self.transport._check_peer(dest, "dest", "isend")
         if datatype is not None:
             return typed_isend(self, buf, dest, datatype, count, tag)
         return self.transport.isend(buf, dest, tag)
@@ -141,7 +138,6 @@ class Communicator(CollectiveMixin):
         """Non-blocking receive (arguments as :meth:`recv`); ``buf`` holds the data
         after the request completes."""
         self._check_tag(tag, "irecv", anywild=True)
-        self.transport._check_peer(source, "source", "irecv")
         if datatype is not None:
             return typed_irecv(self, buf, source, datatype, count, tag)
         return self.transport.irecv(buf, source, tag)
@@ -224,7 +220,7 @@ class Communicator(CollectiveMixin):
             fixed *= d if d else 1
         if self.size % fixed:
             raise InvalidArgument(f"dims {dims} cannot be completed for {self.size} ranks", rank=self.rank, op=op)
-        dims = list(MPI.Compute_dims(self.size, dims))
+        dims = list(compute_dims(self.size, dims))
         prod = 1
         for d in dims:
             prod *= d

@@ -95,7 +95,7 @@ def validate(transport, q, k, v, *, causal, layout, softmax_scale, seq_len, tile
                                seq_len=seq_len, tile=tile, op=op, extra=extra)
     except InvalidArgument as exc:
         problem = exc
-    # Two rounds of one small allreduce each: did any rank refuse (its header
+    # Two rounds of one small all-gather each: did any rank refuse (its header
     # would mean nothing then), and do the headers agree, in attention's words.
     agree_header(transport, (), op=op, local_error=problem)
     agree_header(transport, _header(spec, causal, layout, tile), op=op, names=_SIG_FIELDS, describe=_describe,

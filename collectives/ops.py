@@ -31,7 +31,8 @@ import numpy as np
 from commlib.core.errors import InvalidArgument
 from commlib.transports import mpi as _mpi
 
-__all__ = ["Op", "OPS", "get_op", "dtype_code", "dtype_name", "is_floating", "is_integer", "mpi_op", "mpi_datatype"]
+__all__ = ["Op", "OPS", "get_op", "reduce_into", "dtype_code", "dtype_name", "is_floating", "is_integer", "mpi_op",
+           "mpi_datatype"]
 
 try:  # ml_dtypes is a hard dependency, but keep the module importable without it
     import ml_dtypes as _mld
@@ -152,6 +153,25 @@ def get_op(op, *, rank=None, opname: str = "reduce") -> Op:
     if o is None:
         raise InvalidArgument(f"unknown op {op!r}; expected one of {sorted(OPS)}", rank=rank, op=opname)
     return o
+
+
+def reduce_into(acc, incoming, op) -> None:
+    """``acc <- acc (op) incoming`` element-wise, in place, where the data lives:
+    numpy arrays with the op's ufunc, device arrays (CuPy, numba, the CUDA
+    simulator's) with the device kernels of :mod:`._device_reduce` (same bits
+    as the ufunc; imported only when a device array comes).
+
+    Args:
+        acc, incoming: 1-D arrays, same size and dtype, both host or both device.
+        op: an :class:`Op` or its name.
+    """
+    o = get_op(op)
+    if isinstance(acc, np.ndarray):
+        o.reduce(acc, np.asarray(incoming))
+        return
+    from . import _device_reduce  # noqa: PLC0415 - heavy (numba.cuda / CuPy), device buffers only
+
+    _device_reduce.reduce_into(acc, incoming, o)
 
 
 def mpi_op(op: Op):

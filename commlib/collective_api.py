@@ -10,8 +10,15 @@ calls then run one algorithm of :mod:`commlib.collectives` (``"ring"``,
 ``"recursive_doubling"``, ...) or the transport's native collective
 (``algorithm="mpi"``) on the transport reserved for collectives, through
 :func:`commlib.collectives.ft.run_collective` (bounded waits, and under ULFM
-revoke/agree/shrink/retry, in fault-tolerant mode).  Device buffers are staged
-through host memory.
+revoke/agree/shrink/retry, in fault-tolerant mode).
+
+Device buffers (CuPy, numba, the CUDA simulator's): the ring allreduce and
+reduce_scatter reduce on the device (:mod:`commlib.collectives._device_reduce`,
+same order and bits as the host ring), handing device buffers to the transport
+when it is CUDA-aware and otherwise staging each segment through pinned host
+buffers the communicator keeps; the other algorithms, and one-round small
+calls, run on a pinned host copy made and written back asynchronously on the
+caller's stream.
 
 ``COMMLIB_CHECK_ARGS=0`` skips the first round of large calls (small calls
 keep it: it carries their data).
@@ -44,22 +51,66 @@ ALGORITHMS = {name: spec.algorithms for name, spec in SPECS.items()}
 
 
 class _Staged:
-    """A 1-D host view of a user buffer (device buffers copied to host)."""
+    """A 1-D host view of a user buffer.
 
-    __slots__ = ("buf", "host", "shape")
+    Host buffers are viewed.  C-contiguous device buffers (CuPy, numba, the
+    CUDA simulator's) are copied into pinned host memory that the communicator
+    keeps per (role, count, dtype) (:class:`~commlib.collectives._device_reduce.StagingCache`),
+    asynchronously on the caller's stream; :meth:`flush` copies back the same
+    way, without waiting (the caller's later work on that stream is ordered
+    after it).  Other device buffers take a fresh pageable copy.
+    """
 
-    def __init__(self, b: Buffer):
+    __slots__ = ("buf", "host", "shape", "dev", "kind", "entry", "stream")
+
+    def __init__(self, b: Buffer, comm=None, role: str = "src", down: bool = True):
         self.buf = b
         self.shape = b.shape
-        if b.is_device:
-            self.host = b.to_host().reshape(-1)
-        else:
+        self.dev = self.entry = None
+        if not b.is_device:
             self.host = np.asarray(b.array()).ravel(order="K")
+            return
+        dv = _device_view(b)
+        if dv is None or comm is None:
+            self.host = b.to_host().reshape(-1)
+            return
+        from commlib.collectives import _device_reduce as dr  # noqa: PLC0415
+
+        self.kind, self.dev, self.stream = dv
+        self.entry = comm._staging().get(role, self.kind, b.size, b.dtype)
+        self.host = dr.stage_down(self.kind, self.dev, self.entry, self.stream) if down else self.entry.host
 
     def flush(self) -> None:
         """Copy the host result back into a device buffer."""
-        if self.buf.is_device:
+        if not self.buf.is_device:
+            return
+        if self.entry is not None:
+            from commlib.collectives import _device_reduce as dr  # noqa: PLC0415
+
+            dr.stage_up(self.kind, self.entry, self.dev, self.stream)
+        else:
             self.buf.from_host(self.host.reshape(self.shape))
+
+
+def _device_kind(arr) -> str:
+    from commlib.collectives import _device_reduce as dr  # noqa: PLC0415
+
+    return dr.as_device_array(arr)[0]
+
+
+def _to_host(arr) -> np.ndarray:
+    return arr.get() if _device_kind(arr) == "cupy" else arr.copy_to_host()
+
+
+def _device_view(b: Buffer):
+    """``(kind, 1-D device array, caller's stream)`` for a C-contiguous device
+    buffer the device kernels can drive, else None (host, F-order, DLPack-only)."""
+    if not b.is_device or not b.contiguous or b.kind not in ("cupy", "numba", "numba-sim"):
+        return None
+    from commlib.collectives import _device_reduce as dr  # noqa: PLC0415
+
+    kind, arr = dr.as_device_array(b.obj)
+    return kind, dr.flat(kind, arr), dr.stream_of(kind, arr)
 
 
 class CollectiveMixin:
@@ -149,7 +200,7 @@ class CollectiveMixin:
         for peer, what in ((dest, "dest"), (source, "source")):
             if not 0 <= int(peer) < self.size:
                 raise InvalidArgument(f"{what} {peer} out of range [0, {self.size})", rank=self.rank, op=name)
-        src, dst = _Staged(sb), _Staged(rb)
+        src, dst = _Staged(sb, self, "src"), _Staged(rb, self, "dst", down=False)
 
         def attempt(tp, timeout, survivors):
             tag = tp.tags.slot()
@@ -176,6 +227,15 @@ class CollectiveMixin:
         return self._ft.mode if self._ft is not None else None
 
     # ------------------------------------------------------------ the engine
+    def _staging(self):
+        """This communicator's pinned staging buffers for device arrays (created on first use)."""
+        cache = getattr(self, "_dev_staging", None)
+        if cache is None:
+            from commlib.collectives._device_reduce import StagingCache  # noqa: PLC0415
+
+            cache = self._dev_staging = StagingCache()
+        return cache
+
     def _wrap(self, obj, opname, what="buffer") -> Buffer:
         b = as_buffer(obj, op=opname, rank=self.rank)
         if not b.dense:
@@ -241,14 +301,20 @@ class CollectiveMixin:
             sb = st["sb"]
             if algorithm != "auto" or sb.nbytes > small_capacity(self.size):
                 return None
-            src = _Staged(sb)
+            src = _Staged(sb, self, "src")
             st["src"] = src
             # fault tolerance may retry after this rank wrote its result: keep the input
             return src.host.copy() if (inplace and self._ft is not None) else src.host
 
         def setup():
-            src = st.get("src") or _Staged(st["sb"])
-            dst = src if inplace else _Staged(st["rb"])
+            if st["algo"] == "ring" and "src" not in st:
+                dsrc = _device_view(st["sb"])
+                ddst = dsrc if inplace else _device_view(st["rb"])
+                if dsrc is not None and ddst is not None and dsrc[0] == ddst[0]:
+                    device_setup(dsrc, ddst)
+                    return
+            src = st.get("src") or _Staged(st["sb"], self, "src")
+            dst = src if inplace else _Staged(st["rb"], self, "dst", down=False)
             st["src"], st["dst"] = src, dst
             # The input must survive a retry: out of place it does (sendbuf is only
             # read); in place, fault-tolerant mode keeps a snapshot and restores it
@@ -256,9 +322,32 @@ class CollectiveMixin:
             # first overwrites it, behind that step's transfer; the others copy up front.
             st["snapshot"] = self._snapshot(dst.host) if (inplace and spec.snapshot and self._ft is not None) else None
 
+        def device_setup(dsrc, ddst):
+            # the ring on device buffers: reduced on the device, staged per segment
+            # through pinned memory when the transport is not CUDA-aware
+            from commlib.collectives import _device_reduce as dr  # noqa: PLC0415
+
+            kind, dev, stream = ddst
+            st["dev"] = (kind, dev, None if inplace else dsrc[1], stream)
+            st["dst"] = None
+            if inplace and self._ft is not None:  # input kept on the device for a retry
+                saved = dr.device_empty(kind, dev.size, dev.dtype)
+                dr.d2d(kind, dev, saved, stream)
+                st["dev_saved"] = saved
+
+        def run_device(tp, timeout):
+            from commlib.collectives import _device_reduce as dr  # noqa: PLC0415
+
+            kind, dev, dsrc, stream = st["dev"]
+            entry = None if tp.cuda_aware else self._staging().get("ring", kind, dev.size, dev.dtype)
+            dr.allreduce_ring_device(tp, dev, st["o"], kind=kind, src=dsrc, timeout=timeout, entry=entry,
+                                     stream=stream)
+
         def run(tp, timeout, survivors, rows):
             if "dst" not in st:
                 setup()
+            if "dev" in st and rows is None:
+                return run_device(tp, timeout)
             work, o, algo, snapshot = st["dst"].host, st["o"], st["algo"], st["snapshot"]
             source = None if inplace else st["src"].host
             if rows is not None:
@@ -277,9 +366,15 @@ class CollectiveMixin:
         def restore():
             if st.get("snapshot") is not None:
                 st["snapshot"].restore()
+            if st.get("dev_saved") is not None:
+                from commlib.collectives import _device_reduce as dr  # noqa: PLC0415
+
+                kind, dev, _, stream = st["dev"]
+                dr.d2d(kind, st["dev_saved"], dev, stream)
 
         execute(self, opname, prepare, run, small=small, restore=restore)
-        st["dst"].flush() if "dst" in st else None
+        if st.get("dst") is not None:
+            st["dst"].flush()
         return sendbuf if inplace else recvbuf
 
     def _small_allreduce(self, sendbuf: np.ndarray, recvbuf, op):
@@ -362,17 +457,27 @@ class CollectiveMixin:
                 if rb.size != mylen or rb.dtype != sb.dtype:
                     raise InvalidArgument(f"recvbuf must hold {mylen} x {sb.dtype.name}, has {rb.size} x {rb.dtype}",
                                           rank=self.rank, op=opname)
-            st.update(src=_Staged(sb), o=o, algo=algo)
+            st.update(sb=sb, o=o, algo=algo)
             return {"operation": spec.code, "count": sb.size, "dtype": _ops.dtype_code(sb.dtype),
                     "op": o.code, "algorithm": spec.algorithm_code(algo)}
 
         def small():
-            src = st["src"]
-            return src.host if algorithm == "auto" and src.host.nbytes <= small_capacity(self.size) else None
+            sb = st["sb"]
+            if algorithm != "auto" or sb.nbytes > small_capacity(self.size):
+                return None
+            st["src"] = _Staged(sb, self, "src")
+            return st["src"].host
 
         def run(tp, timeout, survivors, rows):
-            src, o, algo = st["src"], st["o"], st["algo"]
+            o, algo = st["o"], st["algo"]
             n, r = tp.size, tp.rank
+            if rows is None and algo == "ring" and "src" not in st:
+                dv = _device_view(st["sb"])
+                if dv is not None:
+                    return self._reduce_scatter_device(tp, dv, o, timeout)
+            if "src" not in st:
+                st["src"] = _Staged(st["sb"], self, "src")
+            src = st["src"]
             bounds = chunk_bounds(src.host.size, n)
             if rows is not None:
                 full = np.empty(src.host.size, src.host.dtype)
@@ -392,15 +497,47 @@ class CollectiveMixin:
         out = execute(self, opname, prepare, run, small=small)
         return self._deliver(recvbuf, out, opname, out.shape)
 
-    def _deliver(self, recvbuf, out: np.ndarray, opname: str, shape):
-        """Copy a host result into ``recvbuf`` when it fits (else return it, shaped)."""
+    def _reduce_scatter_device(self, tp, dv, o, timeout):
+        """The ring reduce-scatter of a device ``sendbuf``, reduced on the device
+        (same order and bits as the host ring); returns this rank's block as
+        the same kind of device array."""
+        from commlib.collectives import _device_reduce as dr  # noqa: PLC0415
+
+        kind, dsrc, stream = dv
+        n, r = tp.size, tp.rank
+        b = [int(x) for x in chunk_bounds(dsrc.size, n)]
+        work = dr.device_empty(kind, dsrc.size, dsrc.dtype)
+        if n == 1:
+            dr.d2d(kind, dsrc, work, stream)
+        else:
+            entry = None if tp.cuda_aware else self._staging().get("ring", kind, dsrc.size, dsrc.dtype)
+            dr.reduce_scatter_ring_device(tp, work, o, b, kind=kind, src=dsrc, timeout=timeout, entry=entry,
+                                          stream=stream)
+        mine = work[b[r]:b[r + 1]]
+        dr.finalize(mine, n, o, kind, stream)
+        return mine
+
+    def _deliver(self, recvbuf, out, opname: str, shape):
+        """Copy a result into ``recvbuf`` when it fits (else return it, shaped; a
+        device result comes back to the host, as a staged one does)."""
+        dev = not isinstance(out, np.ndarray)
         if recvbuf is not None:
             rb = self._wrap(recvbuf, opname, "recvbuf")
             if rb.size == out.size:
-                st = _Staged(rb)
+                if dev:
+                    dv = _device_view(rb)
+                    if dv is not None and dv[0] == _device_kind(out):
+                        from commlib.collectives import _device_reduce as dr  # noqa: PLC0415
+
+                        dr.d2d(dv[0], out, dv[1], dv[2])
+                        return recvbuf
+                    out = _to_host(out)
+                st = _Staged(rb, self, "out", down=False)
                 st.host[...] = out.reshape(-1)
                 st.flush()
                 return recvbuf
+        if dev:
+            out = _to_host(out)
         return out.reshape(shape)
 
     # ------------------------------------------------------------- allgather
@@ -434,7 +571,7 @@ class CollectiveMixin:
                 if rb.size != sb.size * self.size or rb.dtype != sb.dtype:
                     raise InvalidArgument(f"recvbuf must hold {self.size} x {sb.size} x {sb.dtype.name}, "
                                           f"has {rb.size} x {rb.dtype}", rank=self.rank, op=opname)
-            st.update(src=_Staged(sb), algo=algo, shape=tuple(sb.shape))
+            st.update(src=_Staged(sb, self, "src"), algo=algo, shape=tuple(sb.shape))
             return {"operation": spec.code, "count": sb.size, "dtype": _ops.dtype_code(sb.dtype),
                     "algorithm": spec.algorithm_code(algo)}
 
@@ -478,7 +615,7 @@ class CollectiveMixin:
             algo = spec.choose(algorithm, rank=self.rank)
             if not ok_root:
                 raise InvalidArgument(f"root {root} out of range [0, {self.size})", rank=self.rank, op=opname)
-            s = _Staged(b)
+            s = _Staged(b, self, "buf")
             st.update(st=s, algo=algo, saved=np.array(s.host, copy=True) if spec.snapshot and self._ft is not None else None)
             return {"operation": spec.code, "count": b.size, "dtype": _ops.dtype_code(b.dtype),
                     "root": int(root), "algorithm": spec.algorithm_code(algo)}
@@ -543,7 +680,7 @@ class CollectiveMixin:
                     raise InvalidArgument("recvbuf must match sendbuf in count and dtype", rank=self.rank, op=opname)
                 if rb.obj is sb.obj:
                     raise InvalidArgument("alltoall cannot run in place", rank=self.rank, op=opname)
-            st.update(src=_Staged(sb), algo=algo, blk=sb.size // nblk)
+            st.update(src=_Staged(sb, self, "src"), algo=algo, blk=sb.size // nblk)
             return {"operation": spec.code, "count": sb.size, "dtype": _ops.dtype_code(sb.dtype),
                     "algorithm": spec.algorithm_code(algo)}
 

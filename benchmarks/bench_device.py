@@ -104,7 +104,7 @@ class Table:
         self.rows.append(row)
         if self.printing:
             self.header()
-            v = "" if value is None else (f"{value:8.2f}{unit}" if unit == "x" else f"{value:8.1f}{unit}")
+            v = "" if value is None else (f"{value:8.2f}{unit}" if unit == "x" else f"{value:.4g}{unit}")
             t = "" if target is None else f"{op}{target:g}{unit if unit == 'x' else ''}"
             print(f"{group:<9} {case:<24} {quantity:<22} {v:>9} {t:>8} {status:<8} {detail}", flush=True)
         return row
@@ -541,7 +541,7 @@ class Bench:
                                          "rel_l2_error": res.rel_l2_error, "check": ok})
                     tgt = n == 384 and be == "cuda"
                     self.t.add(group, name, f"{be} GLUPS", glups, None, unit="", status=st,
-                               detail=f"solve(backend={be!r}), {res.steps} steps, wall {res.wall_s:.3f} s; "
+                               detail=f"solve(backend={be!r}), {res.steps} steps, wall {res.wall_s:.4f} s; "
                                       f"rel L2 error {res.rel_l2_error:.2e} {'ok' if ok else 'MISMATCH'}")
                     self.t.add(group, name, f"{be} / roofline", glups / roof, 0.5 if tgt else None, status=st)
                     if g_slice:

@@ -197,6 +197,8 @@ def _cupy_kernel(name: str, bf16: bool):
     return k
 
 
+_HOST_UFUNC = {"sum": np.add, "avg": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
+               "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
 _CUPY_UFUNC = {"sum": "add", "avg": "add", "prod": "multiply", "band": "bitwise_and",
                "bor": "bitwise_or", "bxor": "bitwise_xor"}
 
@@ -236,9 +238,7 @@ def combine(a, b, out, op, kind: str | None = None, stream=None) -> None:
         return
     if bf16:  # numba has no bfloat16: reduce through the host (same bits, slow; CuPy takes the kernel path)
         ha, hb = a.copy_to_host(), b.copy_to_host()
-        from . import ops  # noqa: PLC0415
-
-        ops.get_op(name).ufunc(ha, hb, out=ha)
+        _HOST_UFUNC[name](ha, hb, out=ha)
         out.copy_to_device(ha, stream=_numba_stream(out) if stream is None else stream)
         return
     k = _numba_kernels()[name]

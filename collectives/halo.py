@@ -32,6 +32,7 @@ from typing import Sequence
 
 import numpy as np
 
+from commlib.core import devmem
 from commlib.core.buffer import as_buffer
 from commlib.core.errors import CommError, InvalidArgument, ProcessFailed
 from commlib.datatypes import Subarray
@@ -164,7 +165,7 @@ class HaloExchange:
         if like is None or not as_buffer(like).is_device:
             return host
         # the GPU modules are imported only when device fields are in use
-        if type(like).__module__.startswith("cupy"):
+        if as_buffer(like).kind in ("cupy", "cai"):
             import cupy  # noqa: PLC0415
 
             return cupy.asarray(host)
@@ -195,7 +196,7 @@ class HaloExchange:
             bufs.append(b)
         return bufs, device
 
-    def _plan_for(self, nfields: int, device: bool):
+    def _plan_for(self, nfields: int, device: bool, like=None):
         """Message buffers, batched pack plans and persistent requests for
         ``nfields`` fields, built on first use and reused every step.
 
@@ -239,19 +240,16 @@ class HaloExchange:
                 rpieces.append((i, nb.recv_type))
                 roffs.append(base + i * nb.nbytes)
         total = max(pos, 1)
-        if device:
-            from numba import cuda  # noqa: PLC0415 - the GPU module, only for device fields
-
-            wire = cuda.device_array(total, np.uint8)
-        else:
-            wire = np.empty(total, np.uint8)
-        host = np.empty(total, np.uint8) if staged else wire
+        wire = devmem.device_empty(total, like=like) if device else np.empty(total, np.uint8)
+        host = devmem.pinned_empty(total) if staged else wire
         remote = [(nb, sspan[nb.offset], r) for nb, r in zip(self.neighbours, rspans) if nb.rank != me]
         got = _Plan()
         got.packer, got.unpacker = BatchPack(spieces, soffs), BatchPack(rpieces, roffs)
         got.wire, got.host, got.send_total, got.staged = wire, host, send_total, staged
         got.sync = device and not staged  # the wire itself is device memory MPI reads
         got.transport = tp
+        got.mark = devmem.StreamMark() if staged else None
+        got.idle = not remote and not spieces  # no neighbour at all: nothing to do
         got.sreqs = [tp.send_init(host[a:b], nb.rank, nb.send_tag) for nb, (a, b), _ in remote]
         got.rreqs = [tp.recv_init(host[a:b], nb.rank, nb.recv_tag) for nb, _, (a, b) in remote]
         got.reqs = got.rreqs + got.sreqs
@@ -293,14 +291,18 @@ class HaloExchange:
         if first:
             check_all(self._transport, problem, op)
             self._validated.add(nfields)
-        plan = self._plan_for(nfields, device)
+        plan = self._plan_for(nfields, device, fields[0])
+        if plan.idle:
+            return HaloRequest(fields, plan)
         tp = plan.transport
         try:
+            if plan.staged:
+                plan.mark.wait()  # the last step's host-to-device copy has read the receive area
             tp.startall(plan.rreqs)
             plan.packer.pack(fields, plan.wire)
-            if plan.staged:
-                n = plan.send_total
-                plan.wire[:n].copy_to_host(plan.host[:n])
+            if plan.staged:  # device -> pinned host on the current stream, then MPI
+                devmem.to_host_async(plan.wire, plan.host, 0, plan.send_total)
+                devmem.stream_synchronize()
             elif plan.sync:  # the pack kernels must finish before MPI reads the wire
                 tp.synchronize(plan.wire)
             tp.startall(plan.sreqs)
@@ -348,7 +350,7 @@ class HaloExchange:
 
 class _Plan:
     __slots__ = ("packer", "unpacker", "wire", "host", "send_total", "sreqs", "rreqs", "reqs", "staged", "sync",
-                 "transport")
+                 "transport", "mark", "idle")
 
 
 class HaloRequest(Request):
@@ -360,9 +362,12 @@ class HaloRequest(Request):
 
     def _unpack(self):
         plan = self._plan
-        if plan.staged:
-            n = plan.send_total
-            plan.wire[n:].copy_to_device(plan.host[n:])
+        if plan.idle:
+            self._done = True
+            return
+        if plan.staged:  # pinned host -> device on the current stream, then the unpack kernel
+            devmem.to_device_async(plan.host, plan.wire, plan.send_total, plan.host.shape[0])
+            plan.mark.record()
         plan.unpacker.unpack(plan.wire, self._fields)
         self._done = True
 

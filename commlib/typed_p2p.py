@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from commlib.core import devmem
 from commlib.core.buffer import as_buffer
 from commlib.core.config import config
 from commlib.core.errors import DatatypeError
@@ -24,34 +25,6 @@ from commlib.transports.base import CompletedRequest, Request, Wire
 from commlib.transports.mpi import ANY_SOURCE, ANY_TAG, PROC_NULL
 
 __all__ = ["typed_send", "typed_recv", "typed_isend", "typed_irecv", "locality_of", "resolve"]
-
-
-def cuda_mapped(nbytes: int):
-    """Pinned, device-mapped host memory of ``nbytes`` bytes (numba.cuda; loaded on first use)."""
-    from numba import cuda  # noqa: PLC0415 - numba.cuda loads only for device buffers
-
-    return cuda.mapped_array(nbytes, np.uint8)
-
-
-def device_synchronize() -> None:
-    """Wait for every kernel launched so far (the mapped-memory pack writes host memory)."""
-    from numba import cuda  # noqa: PLC0415 - as cuda_mapped
-
-    cuda.synchronize()
-
-
-def device_empty(nbytes: int):
-    """Device memory of ``nbytes`` bytes (numba.cuda; loaded on first use)."""
-    from numba import cuda  # noqa: PLC0415 - as cuda_mapped
-
-    return cuda.device_array(nbytes, np.uint8)
-
-
-def to_device(host: np.ndarray):
-    """Copy of a host array in device memory (numba.cuda; loaded on first use)."""
-    from numba import cuda  # noqa: PLC0415 - as cuda_mapped
-
-    return cuda.to_device(host)
 
 
 def resolve(comm, buf, datatype, count, op):
@@ -155,14 +128,18 @@ def _send_wire(comm, buf, dest, datatype, count, strategy, op) -> Wire | None:
     if s == "mpi":
         return _mpi_wire(comm, b, t, count, op)
     if s == "mapped" and b.is_device:
-        # pinned host memory the device kernel writes; synchronized before MPI reads it
-        packed = pack(b.obj, t, count, out=cuda_mapped(p.nbytes))
-        device_synchronize()
-        return Wire(np.asarray(packed.copy_to_host() if hasattr(packed, "copy_to_host") else packed),
-                    p.nbytes, "packed")
+        # mapped pinned host memory the device kernel writes through its device
+        # address; the stream is synchronized before MPI reads the host side
+        mapped = devmem.mapped_empty(p.nbytes)
+        pack(b.obj, t, count, out=mapped)
+        devmem.stream_synchronize()
+        return Wire(np.asarray(mapped), p.nbytes, "packed")
     packed = pack(b.obj, t, count)
     if b.is_device and s == "staged":
-        return Wire(as_buffer(packed).to_host(), p.nbytes, "packed")
+        host = np.empty(p.nbytes, np.uint8)
+        devmem.to_host_async(packed, host, 0, p.nbytes)
+        devmem.stream_synchronize()
+        return Wire(host, p.nbytes, "packed")
     return Wire(packed, p.nbytes, "packed")  # the transport synchronizes device memory before sending
 
 
@@ -175,12 +152,21 @@ def _recv_wire(comm, buf, source, datatype, count, strategy, op):
     if s == "mpi":
         return _mpi_wire(comm, b, t, count, op), None
     if b.is_device and s == "device":
-        wire = device_empty(p.nbytes)
+        wire = devmem.device_empty(p.nbytes, like=b.obj)
         return Wire(wire, p.nbytes, "packed"), lambda: unpack(wire, t, b.obj, count)
+    if b.is_device and s == "mapped":  # MPI writes host memory the unpack kernel reads in place
+        mapped = devmem.mapped_empty(p.nbytes)
+        return Wire(np.asarray(mapped), p.nbytes, "packed"), lambda: unpack(mapped, t, b.obj, count)
     wire = np.empty(p.nbytes, np.uint8)
     if b.is_device:
-        return Wire(wire, p.nbytes, "packed"), lambda: unpack(to_device(wire), t, b.obj, count)
+        return Wire(wire, p.nbytes, "packed"), lambda: _unpack_staged(wire, t, b.obj, count)
     return Wire(wire, p.nbytes, "packed"), lambda: unpack(wire, t, b.obj, count)
+
+
+def _unpack_staged(host, t, buf, count):
+    dev = devmem.device_empty(host.shape[0], like=buf)
+    devmem.to_device_async(host, dev, 0, host.shape[0])
+    unpack(dev, t, buf, count)
 
 
 def typed_isend(comm, buf, dest, datatype, count=1, tag=0, strategy=None) -> Request:

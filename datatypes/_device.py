@@ -1,13 +1,18 @@
-"""Device pack/unpack kernels (numba.cuda): one thread per word, grid-stride.
+"""Device pack/unpack: chooses the kernels and adapts the arrays.
 
-The strided kernel maps packed word ``i`` to its buffer word by peeling the
-multi-index off ``i`` with the outer counts (any number of dimensions; TEMPI,
-Pearson et al., HPDC'22, §4, generalized beyond 3-D).  The offsets/lengths
-kernel finds a word's run by binary search in the prefix sums of the run
-lengths.  Words are the widest unsigned type the plan's alignment allows.
+Two implementations of the same algorithm (see :mod:`._device_cuda` for it):
 
-Runs on a real GPU and, without one, in numba's CUDA simulator
-(``NUMBA_ENABLE_CUDASIM=1``, set before numba.cuda is imported), where the
+* on a real GPU with CuPy installed, CUDA C kernels compiled once with NVRTC
+  and launched through CuPy on raw device addresses (:mod:`._device_cuda`);
+  any array with ``__cuda_array_interface__`` (CuPy, numba, torch, mapped
+  pinned host memory) or DLPack goes in by address, no wrapper objects;
+* otherwise (numba-only installs, and numba's CUDA simulator in CI), the
+  numba.cuda kernels below, on arrays made kernel-ready by the one adapter,
+  :meth:`commlib.core.buffer.Buffer.as_numba`.
+
+The numba ``rows`` kernel is the same row-team mapping as the CUDA C one, so
+the simulator checks its index arithmetic: ``tpr`` threads per row of ``n0``
+words, one division per outer dimension per row.  Under the simulator the
 launch is kept small because every simulated thread is a Python thread.
 """
 from __future__ import annotations
@@ -15,64 +20,77 @@ from __future__ import annotations
 import numpy as np
 from numba import config, cuda
 
+from commlib.core.buffer import Buffer, as_buffer, cupy_usable
 from commlib.core.errors import BufferError, DatatypeError
 
-__all__ = ["pack", "unpack"]
+__all__ = ["pack", "unpack", "prepare", "use_cuda_kernels", "new_like"]
 
 _WORD = {8: np.uint64, 4: np.uint32, 2: np.uint16, 1: np.uint8}
 _SIM = bool(config.ENABLE_CUDASIM)
+_THREADS = 32 if _SIM else 256
 
 
+def use_cuda_kernels() -> bool:
+    """True when the CUDA C kernels (CuPy) run; False for the numba kernels."""
+    return not _SIM and cupy_usable()
+
+
+# --------------------------------------------------------------- numba kernels
 @cuda.jit
-def _k_strided(src, dst, start, c0, oc, os, total, to_packed):  # pragma: no cover - device code
-    i = cuda.grid(1)
-    step = cuda.gridsize(1)
+def _k_rows(src, dst, start, n0, nrows, oc, os, lg, to_packed):  # pragma: no cover - device code
+    t = cuda.threadIdx.x
+    tpr = 1 << lg
+    lane = t & (tpr - 1)
+    rpb = cuda.blockDim.x >> lg
+    r = cuda.blockIdx.x * rpb + (t >> lg)
+    step = cuda.gridDim.x * rpb
     nd = oc.shape[0]
-    while i < total:
-        r = i // c0
-        off = start + (i - r * c0)
+    while r < nrows:
+        off = start
+        rr = r
         for d in range(nd):
             c = oc[d]
-            q = r // c
-            off += (r - q * c) * os[d]
-            r = q
-        if to_packed:
-            dst[i] = src[off]
-        else:
-            dst[off] = src[i]
-        i += step
+            q = rr // c
+            off += (rr - q * c) * os[d]
+            rr = q
+        base = r * n0
+        k = lane
+        while k < n0:
+            if to_packed:
+                dst[base + k] = src[off + k]
+            else:
+                dst[off + k] = src[base + k]
+            k += tpr
+        r += step
 
 
 @cuda.jit
-def _k_blocks(src, dst, start, offs, cum, per, extent, total, to_packed):  # pragma: no cover - device code
-    i = cuda.grid(1)
-    step = cuda.gridsize(1)
+def _k_runs(src, dst, start, offs, cum, lens, per, extent, count, to_packed):  # pragma: no cover - device code
+    lane = cuda.threadIdx.x & 31
+    g = cuda.grid(1) >> 5
+    nw = cuda.gridsize(1) >> 5
     n = offs.shape[0]
-    while i < total:
-        e = i // per
-        k = i - e * per
-        lo = 0
-        hi = n - 1
-        while lo < hi:  # last run with cum[run] <= k
-            mid = (lo + hi + 1) // 2
-            if cum[mid] <= k:
-                lo = mid
+    total = n * count
+    while g < total:
+        e = g // n
+        run = g - e * n
+        boff = start + e * extent + offs[run]
+        poff = e * per + cum[run]
+        k = lane
+        while k < lens[run]:
+            if to_packed:
+                dst[poff + k] = src[boff + k]
             else:
-                hi = mid - 1
-        off = start + e * extent + offs[lo] + (k - cum[lo])
-        if to_packed:
-            dst[i] = src[off]
-        else:
-            dst[off] = src[i]
-        i += step
+                dst[boff + k] = src[poff + k]
+            k += 32
+        g += nw
 
 
-def _launch(total):
-    if _SIM:
-        return 1, 32
-    threads = 256
-    blocks = min((total + threads - 1) // threads, 65535)
-    return max(blocks, 1), threads
+def _lg(n0: int) -> int:
+    lg = 0
+    while (1 << lg) < n0 and (1 << lg) < _THREADS:
+        lg += 1
+    return lg
 
 
 def _wview(u8, w):
@@ -84,86 +102,180 @@ def _wview(u8, w):
     return u8.view(_WORD[w])
 
 
-def _args(p, w):
+def _numba_args(p, w):
     """Device copies of the plan's word-scaled arrays (cached on the plan)."""
-    a = p._dev.get(w)
+    a = p._dev.get(("numba", w))
     if a is None:
         if p.kind == "strided":
             c0, oc, os = p.words(w)
-            a = (c0, cuda.to_device(oc), cuda.to_device(os))
+            nrows = int(np.prod(oc)) if oc.shape[0] else 1
+            rpb = _THREADS >> _lg(c0)
+            blocks = 1 if _SIM else max(1, min(-(-nrows // rpb), 16384))
+            a = (c0, nrows, cuda.to_device(oc), cuda.to_device(os), _lg(c0), blocks)
         else:
             offs, lens, ext = p.words(w)
             cum = np.zeros(lens.shape[0], np.int64)
             np.cumsum(lens[:-1], out=cum[1:])
-            a = (cuda.to_device(offs), cuda.to_device(cum), int(lens.sum()), ext)
-        p._dev[w] = a
+            warps = offs.shape[0] * p.count
+            blocks = 1 if _SIM else max(1, min(-(-warps // (_THREADS // 32)), 16384))
+            a = (cuda.to_device(offs), cuda.to_device(cum), cuda.to_device(lens), int(lens.sum()), ext, blocks)
+        p._dev[("numba", w)] = a
     return a
 
 
-def _eff_word(p, origin):
+def _numba_move(buf8, packed8, p, origin, to_packed):
+    """Numba path: ``buf8``/``packed8`` are 1-D uint8 numba device arrays."""
+    if p.kind == "contig":
+        s = p.start + origin
+        run = buf8[s:s + p.nbytes]
+        if to_packed:
+            packed8.copy_to_device(run)
+        else:
+            run.copy_to_device(packed8)
+        return
     w = min(p.word, 8)
     while w > 1 and origin % w:
         w //= 2
-    return w
-
-
-def _check_out(out, nb):
-    """A device uint8 array of at least ``nb`` bytes: the caller's ``out`` (a numba
-    device array, mapped/pinned host memory from ``cuda.mapped_array`` included,
-    or anything with ``__cuda_array_interface__``) or a new one."""
-    if out is None:
-        return cuda.device_array(nb, dtype=np.uint8)
-    arr = out
-    if not hasattr(arr, "copy_to_host"):
-        if not hasattr(arr, "__cuda_array_interface__"):
-            raise BufferError("out must be a 1-D uint8 device array for a device buffer", op="pack")
-        arr = cuda.as_cuda_array(arr)
-    if np.dtype(arr.dtype) != np.uint8 or len(arr.shape) != 1 or (
-            arr.shape[0] > 1 and tuple(arr.strides) != (1,)):
-        raise BufferError("out must be a contiguous 1-D uint8 device array for a device buffer", op="pack")
-    if arr.shape[0] < nb:
-        raise DatatypeError(f"out holds {arr.shape[0]} bytes, the packed data needs {nb}", op="pack")
-    return arr
-
-
-def pack(u8, p, out, origin):
-    """Pack on the device from the byte view ``u8``; returns a device uint8 array."""
-    nb = p.nbytes
-    out = _check_out(out, nb)
-    dst = out[:nb] if out.shape[0] != nb else out
-    _move(u8, dst, p, origin, True)
-    return dst
-
-
-def unpack(src, p, u8, origin):
-    """Unpack on the device from the packed byte view ``src`` into ``u8``."""
-    nb = p.nbytes
-    _move(u8, src[:nb] if src.shape[0] != nb else src, p, origin, False)
-
-
-def _move(buf, packed, p, origin, to_packed):
-    """Pack (``to_packed``) the plan's bytes of ``buf`` into ``packed``, or unpack
-    them back: one contiguous copy, or a kernel launch over words."""
-    if p.nbytes == 0:
-        return
-    if p.kind == "contig":
-        s = p.start + origin
-        run = buf[s:s + p.nbytes]
-        if to_packed:
-            packed.copy_to_device(run)
-        else:
-            run.copy_to_device(packed)
-        return
-    w = _eff_word(p, origin)
-    total = p.nbytes // w
-    bw = _wview(buf, w)
-    pw = _wview(packed, w)
+    bw, pw = _wview(buf8, w), _wview(packed8, w)
     src, dst = (bw, pw) if to_packed else (pw, bw)
     start = (p.start + origin) // w  # p.start is 0 for the offsets/lengths form
-    blocks, threads = _launch(total)
     if p.kind == "strided":
-        c0, oc, os = _args(p, w)
-        _k_strided[blocks, threads](src, dst, start, c0, oc, os, total, to_packed)
+        c0, nrows, oc, os, lg, blocks = _numba_args(p, w)
+        _k_rows[blocks, _THREADS](src, dst, start, c0, nrows, oc, os, lg, to_packed)
     else:
-        offs, cum, per, ext = _args(p, w)
-        _k_blocks[blocks, threads](src, dst, start, offs, cum, per, ext, total, to_packed)
+        offs, cum, lens, per, ext, blocks = _numba_args(p, w)
+        _k_runs[blocks, _THREADS](src, dst, start, offs, cum, lens, per, ext, p.count, to_packed)
+
+
+# ------------------------------------------------------------------- adapters
+def _bytes_numba(b: Buffer):
+    """1-D uint8 numba device array over a dense device buffer (no copy)."""
+    arr = b.as_numba()
+    order = "C" if b.contiguous else "F"
+    flat = arr.reshape(b.size, order=order) if b.size and len(b.shape) != 1 else arr
+    return flat.view(np.uint8)
+
+
+def new_like(b: Buffer, nbytes: int):
+    """A new 1-D uint8 device array of ``nbytes`` bytes, of the buffer's own
+    library where it has one (numba for numba arrays, CuPy otherwise when the
+    CUDA C kernels run, numba else)."""
+    if use_cuda_kernels() and b.kind != "numba":
+        import cupy  # noqa: PLC0415
+
+        return cupy.empty(nbytes, np.uint8)
+    return cuda.device_array(nbytes, dtype=np.uint8)
+
+
+def _out_buffer(out, nb, op):
+    """The caller's ``out`` as a Buffer: a 1-D uint8 device array (or mapped
+    pinned host memory, which has a device address) of at least ``nb`` bytes."""
+    ob = as_buffer(out, op=op)
+    if not ob.is_device and not hasattr(out, "__cuda_array_interface__"):
+        raise BufferError("out must be a 1-D uint8 device array (or mapped pinned memory) for a device buffer",
+                          op=op)
+    if ob.dtype != np.uint8 or len(ob.shape) != 1 or (ob.shape[0] > 1 and tuple(ob.strides) != (1,)):
+        raise BufferError("out must be a contiguous 1-D uint8 device array for a device buffer", op=op)
+    if ob.shape[0] < nb:
+        raise DatatypeError(f"out holds {ob.shape[0]} bytes, the packed data needs {nb}", op=op)
+    if not ob.is_device:  # mapped host memory (a numpy subclass): use its device address
+        ob = as_buffer(_cai_only(out), op=op)
+    return ob
+
+
+class _cai_only:
+    """Exposes only an object's ``__cuda_array_interface__`` (numba's mapped
+    arrays are numpy subclasses, which :func:`as_buffer` would see as host)."""
+
+    def __init__(self, obj):
+        self.obj = obj
+        self.__cuda_array_interface__ = obj.__cuda_array_interface__
+
+
+def _addr(b: Buffer) -> int:
+    return b.ptr
+
+
+def pack(b: Buffer, p, out, origin):
+    """Pack on the device from buffer ``b``; returns a 1-D uint8 device array
+    of ``p.nbytes`` bytes (a view of ``out`` when given)."""
+    nb = p.nbytes
+    if out is None:
+        out = new_like(b, nb)
+        ob = as_buffer(out)
+    else:
+        ob = _out_buffer(out, nb, "pack")
+        if ob.shape[0] != nb:
+            out = out[:nb]
+    _move(b, ob, p, origin, True)
+    return out
+
+
+def unpack(src: Buffer, p, b: Buffer, origin):
+    """Unpack on the device from packed bytes ``src`` into buffer ``b``."""
+    _move(b, src, p, origin, False)
+
+
+def _move(b: Buffer, packed: Buffer, p, origin, to_packed):
+    if p.nbytes == 0:
+        return
+    if use_cuda_kernels():
+        from . import _device_cuda as dc  # noqa: PLC0415
+
+        launch = dc.prepare(p, _addr(b) + origin, _addr(packed), to_packed)
+        if launch is not None:
+            dc.order_after((b.stream, packed.stream))
+            launch.launch()
+            return
+    _numba_move(_bytes_numba(b), _bytes_numba(packed), p, origin, to_packed)
+
+
+def prepare(p, b: Buffer, packed: Buffer, origin: int, to_packed: bool):
+    """A no-argument callable repeating one pack (``to_packed``) or unpack of
+    plan ``p`` between ``b`` and ``packed`` -- everything but the launch done
+    here, once (for :class:`~commlib.datatypes.pack.Packer`)."""
+    if p.nbytes == 0:
+        return lambda: None
+    if use_cuda_kernels():
+        from . import _device_cuda as dc  # noqa: PLC0415
+
+        launch = dc.prepare(p, _addr(b) + origin, _addr(packed), to_packed)
+        if launch is not None:
+            streams = tuple(s for s in (b.stream, packed.stream) if s not in (None, 0, 1, 2))
+            if streams:
+                def go():
+                    dc.order_after(streams)
+                    launch.launch()
+                return go
+            return launch.launch
+    b8, p8 = _bytes_numba(b), _bytes_numba(packed)
+    return lambda: _numba_move(b8, p8, p, origin, to_packed)
+
+
+def prepare_batch(pieces, to_packed: bool):
+    """A no-argument callable moving every piece ``(plan, buffer Buffer,
+    packed Buffer, packed byte offset)`` in as few launches as the kernels
+    allow (one for all strided pieces with the CUDA C kernels)."""
+    if use_cuda_kernels():
+        from . import _device_cuda as dc  # noqa: PLC0415
+
+        launches = dc.prepare_batch([(p, _addr(b), _addr(pk) + o) for p, b, pk, o in pieces], to_packed)
+        streams = tuple({s for _, b, pk, _ in pieces for s in (b.stream, pk.stream) if s not in (None, 0, 1, 2)})
+        fns = [x.launch for x in launches]
+
+        def go():
+            if streams:
+                dc.order_after(streams)
+            for f in fns:
+                f()
+        return go
+    moves = []
+    for p, b, pk, o in pieces:
+        if p.nbytes:
+            p8 = _bytes_numba(pk)[o:o + p.nbytes]
+            moves.append((_bytes_numba(b), p8, p))
+
+    def go_numba():
+        for b8, p8, p in moves:
+            _numba_move(b8, p8, p, 0, to_packed)
+    return go_numba

@@ -7,10 +7,13 @@ A halo exchange packs ``neighbours x fields`` pieces every step (26 x F in
 ``pieces[m] = (buffer index, datatype)`` and lands at byte ``offsets[m]`` of
 one contiguous buffer — and then packs or unpacks all of them with a single
 compiled call over the same strided kernels :func:`commlib.datatypes.pack`
-uses (TEMPI's canonical strided blocks, Pearson et al., HPDC'22; batching is
-commlib's addition).  Pieces whose layout is not one strided block, buffers of
-mixed dtypes or shapes, and device buffers fall back to one ``pack`` call per
-piece, with the same bytes.
+uses (TEMPI's canonical strided blocks, Pearson et al., HPDC'21; batching is
+commlib's addition).  On the host, pieces whose layout is not one strided
+block and buffers of mixed dtypes or shapes fall back to one ``pack`` call per
+piece, with the same bytes.  On the device every strided piece of every buffer
+moves in one kernel launch (one piece per ``blockIdx.y``), prepared once per
+set of buffers and reused (a few sets are kept, e.g. a solver's two fields it
+swaps every step).
 """
 from __future__ import annotations
 
@@ -98,6 +101,7 @@ class BatchPack:
                 lens = np.array([sizes[m] for m, _ in live], np.int64)
                 self._fused = (_WORD[word](0), prms, which, offs, lens)
         self._checked: set = set()
+        self._dev: dict = {}  # (id(buf)..., id(out), to_packed) -> (launch, refs)
         # a piece whose type map writes some byte twice must raise on unpack
         # (per-piece unpack does): keep such batches off the fused path
         self._unpack_fused = self._fused is not None and not any(p.overlaps() for _, p in live)
@@ -121,6 +125,37 @@ class BatchPack:
             self._checked.add(key)
         return ok
 
+    def _device(self, bufs, packed, to_packed, op):
+        """The prepared device launch for these buffers and packed array, or
+        None when ``bufs`` are host arrays."""
+        key = (*map(id, bufs), id(packed), to_packed)
+        got = self._dev.get(key)
+        if got is not None:
+            return got[0]
+        if type(bufs[0]) is np.ndarray or type(packed) is np.ndarray:
+            return None
+        from commlib.core.buffer import as_buffer  # noqa: PLC0415
+
+        from . import _device  # noqa: PLC0415 - numba.cuda: only for device buffers
+        from .pack import _packed_device  # noqa: PLC0415
+
+        bb = [as_buffer(b, op=op) for b in bufs]
+        if not all(b.is_device and b.dense for b in bb):
+            return None
+        for (i, t), p in zip(self.pieces, self.plans):
+            if p.nbytes and (p.lo < 0 or p.hi > bb[i].nbytes):
+                raise DatatypeError(f"piece {t!r} touches bytes [{p.lo}, {p.hi}) of a {bb[i].nbytes}-byte "
+                                    "buffer; nothing was written", op=op)
+        if not to_packed and any(p.overlaps() for p in self.plans):
+            return None  # the per-piece unpack raises the precise error
+        pk = _packed_device(packed)
+        go = _device.prepare_batch([(p, bb[i], pk, o) for (i, _), p, o in zip(self.pieces, self.plans, self.offsets)
+                                    if p.nbytes], to_packed)
+        if len(self._dev) >= 8:
+            self._dev.pop(next(iter(self._dev)))
+        self._dev[key] = (go, (bufs, packed))  # the references keep the ids valid
+        return go
+
     def pack(self, bufs: Sequence, out) -> None:
         """Pack every piece of ``bufs`` (a tuple of arrays) into ``out`` (uint8, >= nbytes)."""
         bufs = tuple(bufs)
@@ -131,6 +166,10 @@ class BatchPack:
         if self._fusable(bufs) and type(out) is np.ndarray:
             wit, prms, which, offs, lens = self._fused
             _pack_many(bufs, out, wit, prms, which, offs, lens)
+            return
+        go = self._device(bufs, out, True, "BatchPack.pack") if bufs else None
+        if go is not None:
+            go()
             return
         for (i, t), o, n in zip(self.pieces, self.offsets, self.sizes):
             pack(bufs[i], t, out=out[o:o + n])
@@ -146,6 +185,10 @@ class BatchPack:
         if self._unpack_fused and self._fusable(bufs) and type(packed) is np.ndarray:
             wit, prms, which, offs, lens = self._fused
             _unpack_many(bufs, packed, wit, prms, which, offs, lens)
+            return
+        go = self._device(bufs, packed, False, "BatchPack.unpack") if bufs else None
+        if go is not None:
+            go()
             return
         for (i, t), o, n in zip(self.pieces, self.offsets, self.sizes):
             unpack(packed[o:o + n], t, bufs[i])

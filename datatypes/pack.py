@@ -267,8 +267,9 @@ def pack(buf, datatype, count=1, out=None, *, origin=0):
 
     Args:
         buf: numpy array (any dtype, C- or F-contiguous memory) or device array
-            (numba, the CUDA simulator's, CuPy, DLPack); its first byte is the
-            type map's origin (plus ``origin``).
+            (CuPy, numba -- the CUDA simulator's too --, torch, anything with
+            ``__cuda_array_interface__`` or DLPack); its first byte is the type
+            map's origin (plus ``origin``).
         datatype: a commlib :class:`Datatype`, a committed ``MPI.Datatype``, or a
             numpy dtype.
         count: number of elements, each ``datatype.extent`` bytes after the last.
@@ -279,8 +280,11 @@ def pack(buf, datatype, count=1, out=None, *, origin=0):
 
     Returns:
         1-D uint8 array of ``count * datatype.size`` bytes: numpy for a host
-        buffer, a numba device array for a device buffer (packed on the device).
-        When ``out`` is larger, a view of its first bytes.
+        buffer; for a device buffer (packed on the device, on CuPy's current
+        stream, ordered after the producer stream the array reports), a numba
+        device array for a numba buffer and a CuPy array otherwise (a numba one
+        where CuPy is not installed).  When ``out`` is larger, a view of its
+        first bytes.
 
     Raises:
         DatatypeError: the type is unusable (uncommitted/freed MPI type,
@@ -388,7 +392,9 @@ def unpack(packed, datatype, buf, count=1, *, origin=0):
 # ------------------------------------------------------------------ device
 
 
-def _device_bytes(buf, op):
+def _device_buffer(buf, op):
+    """``(Buffer, None)`` for a dense device buffer, ``(None, host bytes)`` for a
+    host object that is not an ndarray (memoryview, DLPack on the CPU)."""
     b = as_buffer(buf, op=op)
     if not b.is_device:
         arr = b.array()
@@ -396,45 +402,58 @@ def _device_bytes(buf, op):
             return None, _host_bytes(arr, op)
     if not b.dense:
         raise BufferError(f"device buffer of shape {b.shape} is not contiguous in memory", op=op)
-    return b, b.byte_view()
+    return b, None
 
 
 def _pack_device(buf, t, p, count, out, origin):
-    b, u8 = _device_bytes(buf, "pack")
+    b, host = _device_buffer(buf, "pack")
     if b is None:  # a host object that is not an ndarray (memoryview, DLPack on CPU)
-        return pack(u8, t, count, out, origin=origin)
+        return pack(host, t, count, out, origin=origin)
     from . import _device  # noqa: PLC0415  - numba.cuda: heavy, only for device buffers
 
-    n = u8.shape[0]
+    n = b.nbytes
     if p.nbytes and (p.lo + origin < 0 or p.hi + origin > n):
         raise _fit_error(t, p, count, n, origin, "pack")
-    return _device.pack(u8, p, out, origin)
+    return _device.pack(b, p, out, origin)
 
 
 def _unpack_device(packed, t, p, buf, count, origin):
-    b, u8 = _device_bytes(buf, "unpack")
+    b, host = _device_buffer(buf, "unpack")
     if b is None:
-        unpack(packed if isinstance(packed, np.ndarray) else np.asarray(packed), t, u8, count, origin=origin)
+        unpack(packed if isinstance(packed, np.ndarray) else np.asarray(packed), t, host, count, origin=origin)
         return buf
     from . import _device  # noqa: PLC0415  - numba.cuda: heavy, only for device buffers
 
-    pb, src = _device_bytes(packed, "unpack")
-    if pb is None:
-        raise BufferError("packed must be a device array for a device buffer", op="unpack")
+    pb = _packed_device(packed)
     nb = p.nbytes
-    if src.shape[0] < nb:
-        raise DatatypeError(f"packed holds {src.shape[0]} bytes, {count} element(s) of {_short(t)} "
+    if pb.nbytes < nb:
+        raise DatatypeError(f"packed holds {pb.nbytes} bytes, {count} element(s) of {_short(t)} "
                             f"need {nb}; nothing was written", op="unpack")
     if nb == 0:
         return buf
-    n = u8.shape[0]
+    n = b.nbytes
     if p.lo + origin < 0 or p.hi + origin > n:
         raise _fit_error(t, p, count, n, origin, "unpack")
     if p.overlaps():
         raise DatatypeError(f"{count} element(s) of {_short(t)} write some bytes more than once "
                             "(overlapping unpack targets); nothing was written", op="unpack")
-    _device.unpack(src, p, u8, origin)
+    _device.unpack(pb, p, b, origin)
     return buf
+
+
+def _packed_device(packed):
+    """The packed bytes of a device unpack as a dense device Buffer (mapped
+    pinned host memory counts: kernels read it through its device address)."""
+    pb = as_buffer(packed, op="unpack")
+    if not pb.is_device and hasattr(packed, "__cuda_array_interface__"):
+        from ._device import _cai_only  # noqa: PLC0415
+
+        pb = as_buffer(_cai_only(packed), op="unpack")
+    if not pb.is_device:
+        raise BufferError("packed must be a device array for a device buffer", op="unpack")
+    if not pb.dense:
+        raise BufferError(f"packed device array of shape {pb.shape} is not contiguous in memory", op="unpack")
+    return pb
 
 
 class Packer:
@@ -463,7 +482,8 @@ class Packer:
             overlapping targets are reported at the first :meth:`unpack`).
     """
 
-    __slots__ = ("datatype", "buf", "count", "origin", "out", "nbytes", "_plan", "_host", "_arr")
+    __slots__ = ("datatype", "buf", "count", "origin", "out", "nbytes", "_plan", "_host", "_arr", "_dpack",
+                 "_dunpack")
 
     def __init__(self, datatype, buf, count=1, out=None, *, origin=0):
         self.out = pack(buf, datatype, count, out, origin=origin)  # validates everything once
@@ -471,7 +491,16 @@ class Packer:
         self.datatype, self.buf, self.count, self.origin = t, buf, count, int(origin)
         self.nbytes = p.nbytes
         self._plan = p
-        self._host = None
+        self._host = self._dpack = self._dunpack = None
+        if buf.__class__ is not np.ndarray and p.nbytes:
+            b, _ = _device_buffer(buf, "Packer")
+            if b is not None:  # a device buffer: the launch is prepared once, here
+                from . import _device  # noqa: PLC0415
+
+                ob = _packed_device(self.out)
+                self._dpack = _device.prepare(p, b, ob, self.origin, True)
+                if not p.overlaps():
+                    self._dunpack = _device.prepare(p, b, ob, self.origin, False)
         if buf.__class__ is np.ndarray and p.nbytes:
             arr = buf if buf.dtype in _KERNEL_DTYPES else _host_array(buf, "Packer")
             k = p.host_at(self.origin)
@@ -483,6 +512,9 @@ class Packer:
         h = self._host
         if h is not None:
             h[0](h[2], h[3], h[4], h[5])
+            return self.out
+        if self._dpack is not None:
+            self._dpack()
             return self.out
         return pack(self.buf, self.datatype, self.count, self.out, origin=self.origin)
 
@@ -498,6 +530,9 @@ class Packer:
                                     "more than once (overlapping unpack targets); nothing was written",
                                     op="Packer.unpack")
             h[1](h[2], h[3], h[4], h[5])
+            return self.buf
+        if self._dunpack is not None and (packed is None or packed is self.out):
+            self._dunpack()
             return self.buf
         return unpack(self.out if packed is None else packed, self.datatype, self.buf, self.count,
                       origin=self.origin)

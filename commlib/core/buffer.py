@@ -9,6 +9,14 @@ synchronize the producing stream before a transport reads the memory.
 Detection order: numpy ``ndarray``; ``__cuda_array_interface__``;
 ``__dlpack_device__``; ``__cuda_ndarray__`` (numba's simulator); the buffer
 protocol.
+
+This module is also the one adapter between foreign device arrays and the
+device kernels: a :class:`Buffer` of a device array records the raw device
+address (``ptr``) and the producer's stream from the CUDA Array Interface
+(version 3, https://numba.readthedocs.io/en/stable/cuda/cuda_array_interface.html),
+and :meth:`Buffer.as_numba` / :meth:`Buffer.as_cupy` turn it into the array
+type a kernel takes, zero-copy.  Nothing below this module hands a CuPy or
+torch array to numba's host-copy functions.
 """
 from __future__ import annotations
 
@@ -20,7 +28,7 @@ import numpy as np
 
 from .errors import BufferError
 
-__all__ = ["Buffer", "as_buffer", "is_device_array"]
+__all__ = ["Buffer", "as_buffer", "is_device_array", "cupy_usable"]
 
 _DLPACK_CPU = 1
 _DLPACK_CUDA = (2, 3, 13)  # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
@@ -58,6 +66,11 @@ class Buffer:
         nbytes: ``prod(shape) * itemsize``, bytes.
         contiguous: True if the elements are C-contiguous.
         f_contiguous: True if the elements are Fortran-contiguous.
+        ptr: device address of the first byte (from ``__cuda_array_interface__``;
+            0 for host buffers and the simulator's arrays, which have none).
+        stream: the producer's CUDA stream handle from the interface (None when
+            the producer gave none: then work is ordered on the default stream).
+        readonly: the interface's read-only flag.
     """
 
     obj: Any
@@ -69,6 +82,9 @@ class Buffer:
     nbytes: int
     contiguous: bool
     f_contiguous: bool
+    ptr: int = 0
+    stream: int | None = None
+    readonly: bool = False
 
     @property
     def size(self) -> int:
@@ -99,36 +115,68 @@ class Buffer:
             raise BufferError("byte_view needs a contiguous buffer", op="Buffer.byte_view")
         arr = self.array()
         order = "C" if self.contiguous else "F"
+        if self.kind == "cai":  # a foreign device array: through a kernel-ready type
+            arr = self.as_cupy() if cupy_usable() else self.as_numba()
+            if not cupy_usable():
+                flat = arr.reshape(self.size, order=order) if self.size else arr
+                return flat.view(np.uint8)
         if self.kind in ("numba", "numba-sim"):
             flat = arr.reshape(self.size, order=order) if self.size else arr
             return flat.view(np.uint8)
         flat = arr.reshape(-1, order=order)
         return flat.view(np.uint8)
 
+    def as_numba(self):
+        """The buffer as an array numba.cuda kernels take, sharing memory:
+        a numba device array as it is; anything else with the CUDA Array
+        Interface wrapped without a copy (on a GPU by
+        ``numba.cuda.from_cuda_array_interface``; under the CUDA simulator, where
+        device memory is host memory, as a simulator array over the same
+        address).  Host arrays are returned unchanged."""
+        if not self.is_device or self.kind in ("numba", "numba-sim"):
+            return self.obj
+        cai = self.obj.__cuda_array_interface__
+        from numba import cuda  # noqa: PLC0415 - only for device buffers
+
+        if _simulator():
+            from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray  # noqa: PLC0415
+
+            return FakeCUDAArray(_host_view(self, cai))
+        return cuda.from_cuda_array_interface(cai, owner=self.obj, sync=False)  # pragma: no cover - GPU
+
+    def as_cupy(self):
+        """The buffer as a CuPy array sharing memory (zero-copy through the
+        CUDA Array Interface).  Raises ImportError without CuPy."""
+        import cupy  # noqa: PLC0415
+
+        if self.kind == "cupy":
+            return self.obj
+        return cupy.asarray(self.obj)  # pragma: no cover - needs a GPU
+
     def synchronize(self) -> None:
         """Wait for the stream that produced a device buffer, so a transport
-        (MPI) reading it sees finished data.  A no-op for host buffers."""
+        (MPI) reading it sees finished data: the interface's stream, else
+        CuPy's current stream for CuPy arrays, else the array's numba stream,
+        else the default stream -- never a device-wide synchronize.  A no-op
+        for host buffers."""
         if not self.is_device:
+            return
+        if self.kind == "numba-sim":
+            return  # the simulator runs kernels synchronously
+        if self.stream not in (None, 0):  # pragma: no cover - needs a GPU
+            _external_stream_sync(self.stream)
             return
         if self.kind == "cupy":
             import cupy  # noqa: PLC0415
 
             cupy.cuda.get_current_stream().synchronize()
             return
-        if self.kind in ("numba", "numba-sim"):
-            stream = getattr(self.obj, "stream", 0)
-            if stream:
-                stream.synchronize()
-            else:
-                from numba import cuda  # noqa: PLC0415
+        stream = getattr(self.obj, "stream", 0) if self.kind == "numba" else 0
+        from numba import cuda  # noqa: PLC0415
 
-                cuda.synchronize()
+        if _simulator():
             return
-        cai = getattr(self.obj, "__cuda_array_interface__", None)
-        if cai and cai.get("stream"):  # pragma: no cover - needs a GPU
-            from numba import cuda  # noqa: PLC0415
-
-            cuda.external_stream(cai["stream"]).synchronize()
+        (stream or cuda.default_stream()).synchronize()  # pragma: no cover - needs a GPU
 
     def to_host(self, out: np.ndarray | None = None) -> np.ndarray:
         """Copy (device) or view (host) the buffer as a numpy array of the same shape.
@@ -172,6 +220,68 @@ class Buffer:
         cuda.as_cuda_array(self.obj).copy_to_device(host)  # pragma: no cover
 
 
+def _simulator() -> bool:
+    import os  # noqa: PLC0415
+
+    return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
+
+
+def cupy_usable() -> bool:
+    """True when CuPy imports and a real GPU is in use (not the CUDA simulator);
+    checked once."""
+    global _CUPY_OK
+    if _CUPY_OK is None:
+        _CUPY_OK = False
+        if not _simulator():
+            try:
+                import cupy  # noqa: PLC0415
+
+                _CUPY_OK = cupy.cuda.runtime.getDeviceCount() > 0
+            except Exception:  # ImportError, no driver, no device
+                _CUPY_OK = False
+    return _CUPY_OK
+
+
+_CUPY_OK = None
+
+
+def _external_stream_sync(handle: int) -> None:  # pragma: no cover - needs a GPU
+    if cupy_usable():
+        import cupy  # noqa: PLC0415
+
+        cupy.cuda.ExternalStream(handle).synchronize()
+        return
+    from numba import cuda  # noqa: PLC0415
+
+    cuda.external_stream(handle).synchronize()
+
+
+def _host_view(b: "Buffer", cai) -> np.ndarray:
+    """Under the simulator, device memory is host memory: a numpy view of the
+    interface's address with its shape and strides (no copy)."""
+    import ctypes  # noqa: PLC0415
+
+    ptr = cai["data"][0]
+    lo, hi = _extent(b.shape, b.strides, b.dtype.itemsize)
+    if b.nbytes == 0:
+        return np.empty(b.shape, b.dtype)
+    raw = (ctypes.c_uint8 * (hi - lo)).from_address(ptr + lo)
+    return np.ndarray(b.shape, b.dtype, buffer=raw, offset=-lo, strides=b.strides)
+
+
+def _extent(shape, strides, itemsize):
+    """Byte range ``[lo, hi)`` the elements of an array touch, from element 0."""
+    lo = hi = 0
+    for n, s in zip(shape, strides):
+        if n == 0:
+            return 0, 0
+        if s < 0:
+            lo += s * (n - 1)
+        else:
+            hi += s * (n - 1)
+    return lo, hi + itemsize
+
+
 def _contiguity(shape, strides, itemsize):
     c = f = True
     expect = itemsize
@@ -207,19 +317,7 @@ def as_buffer(obj, *, op: str = "as_buffer", rank: int | None = None) -> Buffer:
     if isinstance(obj, np.ndarray):
         return _from_numpy(obj, "numpy")
     if hasattr(obj, "__cuda_array_interface__"):
-        cai = obj.__cuda_array_interface__
-        dtype = np.dtype(cai["typestr"]) if not cai.get("descr") or len(cai["descr"]) == 1 else np.dtype(cai["descr"])
-        if hasattr(obj, "dtype"):
-            dtype = np.dtype(obj.dtype)
-        shape = tuple(cai["shape"])
-        strides = cai.get("strides")
-        if strides is None:
-            strides = tuple(np.empty(shape, dtype=np.uint8).strides[i] * dtype.itemsize for i in range(len(shape))) if shape else ()
-        strides = tuple(strides)
-        mod = type(obj).__module__.split(".")[0]
-        kind = "cupy" if mod == "cupy" else ("numba" if mod == "numba" or mod == "numba_cuda" else "dlpack")
-        c, f = _contiguity(shape, strides, dtype.itemsize)
-        return Buffer(obj, kind, True, dtype, shape, strides, math.prod(shape) * dtype.itemsize, c, f)
+        return _from_cai(obj, obj.__cuda_array_interface__, op, rank)
     if _is_simulator_array(obj):
         dtype = np.dtype(obj.dtype)
         shape = tuple(obj.shape)
@@ -234,9 +332,12 @@ def as_buffer(obj, *, op: str = "as_buffer", rank: int | None = None) -> Buffer:
             b.obj = obj
             return b
         if dev in _DLPACK_CUDA:  # pragma: no cover - needs a GPU
-            from numba import cuda  # noqa: PLC0415
+            if cupy_usable():
+                import cupy  # noqa: PLC0415
 
-            return as_buffer(cuda.from_dlpack(obj) if hasattr(cuda, "from_dlpack") else obj, op=op, rank=rank)
+                return as_buffer(cupy.from_dlpack(obj), op=op, rank=rank)  # shares the memory
+            raise BufferError(f"{type(obj).__name__} exports DLPack device memory only; install CuPy "
+                              "(the cuda12/cuda13 extra) to use it", rank=rank, op=op)
     try:
         arr = np.asarray(memoryview(obj))
     except TypeError:
@@ -247,6 +348,33 @@ def as_buffer(obj, *, op: str = "as_buffer", rank: int | None = None) -> Buffer:
             op=op,
         ) from None
     return _from_numpy(arr, "numpy")
+
+
+def _from_cai(obj, cai, op, rank) -> Buffer:
+    """A device Buffer from a CUDA Array Interface dict (version 0-3): typestr,
+    shape, strides (None = C order), data = (address, read-only), stream."""
+    try:
+        descr = cai.get("descr")
+        dtype = np.dtype(cai["typestr"]) if not descr or len(descr) == 1 else np.dtype(descr)
+        shape = tuple(int(n) for n in cai["shape"])
+        ptr, readonly = cai["data"]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BufferError(f"malformed __cuda_array_interface__ on {type(obj).__name__}: {exc}",
+                          rank=rank, op=op) from None
+    strides = cai.get("strides")
+    if strides is None:
+        acc, rev = dtype.itemsize, []
+        for n in reversed(shape):
+            rev.append(acc)
+            acc *= n
+        strides = tuple(reversed(rev))
+    strides = tuple(int(x) for x in strides)
+    mod = type(obj).__module__.split(".")[0]
+    kind = "cupy" if mod == "cupy" else ("numba" if mod in ("numba", "numba_cuda") else "cai")
+    c, f = _contiguity(shape, strides, dtype.itemsize)
+    stream = cai.get("stream")
+    return Buffer(obj, kind, True, dtype, shape, strides, math.prod(shape) * dtype.itemsize, c, f,
+                  int(ptr or 0), None if stream is None else int(stream), bool(readonly))
 
 
 def _from_numpy(arr: np.ndarray, kind: str) -> Buffer:

@@ -130,8 +130,7 @@ def _kernels():
     if _module is None:
         import cupy  # noqa: PLC0415
 
-        _module = cupy.RawModule(code=SOURCE, options=("--fmad=false",),
-                                 name_expressions=None)
+        _module = cupy.RawModule(code=SOURCE, options=("--fmad=false",))
     return _module.get_function("ftcs2"), _module.get_function("ftcs3")
 
 

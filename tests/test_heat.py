@@ -1,5 +1,6 @@
 """The heat solver: rank-count independence (bit for bit) and O(dx^2) convergence
 against the exact solution exp(-d pi^2 alpha t) prod sin(pi x_i)."""
+import itertools
 import math
 
 import numpy as np
@@ -110,3 +111,324 @@ def test_grid_smaller_than_ranks_fails_on_every_rank():
         heat.solve(comm, (1, 1), steps=1, backend="numpy")
     assert heat.main(["--dims", "2", "--grid", "1", "--steps", "1", "--no-progress"]) == 2
     comm.barrier()  # every rank got here: nobody was left waiting
+
+
+# ------------------------------------------------------------ device backends
+# The cuda backend runs in numba's CUDA simulator here (tests/conftest.py), so
+# grids stay tiny; on a GPU the same tests run on the device, where the FMA
+# contraction the compiler may apply allows a last-bit difference from numpy.
+def _cupy_or_skip():
+    cupy = pytest.importorskip("cupy")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("CuPy sees no GPU")
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"CuPy sees no GPU: {exc}")
+    return cupy
+
+
+def _all_sides(d):
+    return list(itertools.product([(False, False), (True, False), (False, True), (True, True)], repeat=d))
+
+
+def test_regions_with_sides_cover_each_cell_once():
+    for shape in [(1,), (2,), (5,), (1, 1), (2, 3), (5, 4), (1, 3, 2), (4, 5, 3)]:
+        width = (1,) * len(shape)
+        for sides in _all_sides(len(shape)):
+            count = np.zeros([n + 2 for n in shape], int)
+            lo, hi = heat.interior_region(shape, width, sides)
+            count[tuple(slice(a, b) for a, b in zip(lo, hi))] += 1
+            shell = heat.shell_regions(shape, width, sides)
+            for a, b in shell:
+                count[tuple(slice(x, y) for x, y in zip(a, b))] += 1
+            inner = tuple(slice(1, 1 + n) for n in shape)
+            assert (count[inner] == 1).all(), (shape, sides)
+            assert count.sum() == np.prod(shape)
+            if not any(lo_ or hi_ for lo_, hi_ in sides):
+                assert shell == [], "no neighbour: no shell"
+    # default: every side has a neighbour (the old behaviour)
+    assert heat.shell_regions((4, 5), (1, 1)) == heat.shell_regions((4, 5), (1, 1), ((True, True),) * 2)
+    assert heat.neighbour_sides([2, 1], [0, 0]) == ((False, True), (False, False))
+    assert heat.neighbour_sides([3], [1]) == ((True, True),)
+
+
+@pytest.mark.parametrize("lo,hi,chunk", [((1, 1), (6, 131), None), ((1, 1, 1), (5, 10, 34), 3),
+                                         ((1, 1, 1), (385, 385, 385), None), ((2, 1), (3, 2), None),
+                                         ((1, 1, 1), (1, 5, 5), None)])
+def test_launch_geometry_covers_the_box(lo, hi, chunk):
+    geo = heat.launch_geometry(lo, hi, chunk)
+    ext = [b - a for a, b in zip(lo, hi)]
+    if min(ext) <= 0:
+        assert geo is None
+        return
+    blocks, threads, k = geo
+    assert threads[0] == 32 * (threads[0] // 32), "whole warps along the last axis"
+    assert blocks[0] * threads[0] >= ext[-1] > (blocks[0] - 1) * threads[0]
+    z = blocks[2] if len(ext) == 3 else blocks[1]
+    assert z * k >= ext[0] > (z - 1) * k
+    if len(ext) == 3:
+        assert blocks[1] * threads[1] >= ext[1] > (blocks[1] - 1) * threads[1]
+    if chunk is None and ext[0] >= heat.CHUNK_MIN:
+        assert heat.CHUNK_MIN <= k <= heat.CHUNK_MAX
+
+
+def _random_field(shape, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.random([n + 2 for n in shape]), np.array([0.11, 0.07, 0.13][:len(shape)])
+
+
+def _numpy_steps(u, c, shape, nsteps):
+    a, b = u.copy(), u.copy()
+    lo, hi = (1,) * len(shape), tuple(n + 1 for n in shape)
+    for _ in range(nsteps):
+        heat._numpy_update(a, b, c, lo, hi)
+        a, b = b, a
+    return a
+
+
+def _check_region_updates(backend, to_dev, to_host, shape, chunk, sides_list, exact):
+    """Interior + shell launches, and the whole-box launch, over two parities,
+    against the numpy update, on a random field with random ghost cells."""
+    u, c = _random_field(shape)
+    ref = _numpy_steps(u, c, shape, 2)
+    width = (1,) * len(shape)
+    for sides in sides_list:
+        for split in (True, False):
+            f = (to_dev(u), to_dev(u))
+            run_all, run_inner, run_shell = heat._region_updates(backend, f, c, shape, width, sides, chunk=chunk)
+            for p in (0, 1):
+                if split:
+                    run_inner(p)
+                    run_shell(p)
+                else:
+                    run_all(p)
+            got = to_host(f[0])
+            if exact:
+                assert np.array_equal(got, ref), (shape, sides, split)
+            else:
+                np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-15)
+
+
+def _on_simulator():
+    from numba import config  # noqa: PLC0415
+
+    return bool(config.ENABLE_CUDASIM)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("shape,chunk", [
+    ((5, 130), 2),       # 2 blocks of 128 along the last axis, 3 chunks along the first
+    ((4, 9, 33), 3),     # 2 x 2 blocks of 32 x 8, 2 chunks; no size a multiple of the block
+    ((3, 2, 1), None),   # a block wider than the box everywhere
+])
+def test_cuda_region_launches_match_numpy(shape, chunk):
+    from numba import cuda  # noqa: PLC0415
+
+    d = len(shape)
+    sides_list = [((True, True),) * d, ((False, False),) * d, ((False, True),) + ((True, False),) * (d - 1)]
+    _check_region_updates("cuda", cuda.to_device, lambda x: x.copy_to_host(), shape, chunk, sides_list,
+                          exact=_on_simulator())
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("grid,overlap", [((7, 5), True), ((7, 5), False), ((5, 4, 3), True), ((5, 4, 3), False)])
+def test_cuda_backend_matches_numpy_one_rank(grid, overlap):
+    comm = commlib.init(MPI.COMM_SELF)
+    res, got = heat.solve(comm, grid, steps=3, backend="cuda", overlap=overlap)
+    _, ref = heat.solve(comm, grid, steps=3, backend="numpy", overlap=overlap)
+    if _on_simulator():
+        assert np.array_equal(got, ref)
+    else:
+        np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-15)
+    assert res.glups == pytest.approx(res.mlups / 1e3)
+    assert res.comm_fraction == 0.0, "one rank: no halo exchange at all"
+
+
+class _NoHalo(heat.HaloExchange):
+    def start(self, *fields):
+        raise AssertionError("halo.start called on a rank without neighbours")
+
+    def exchange(self, *fields, timeout=None):
+        raise AssertionError("halo.exchange called on a rank without neighbours")
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_one_rank_never_calls_the_halo(monkeypatch, overlap):
+    monkeypatch.setattr(heat, "HaloExchange", _NoHalo)
+    comm = commlib.init(MPI.COMM_SELF)
+    res, _ = heat.solve(comm, (9, 8), steps=4, backend="numpy", overlap=overlap)
+    assert res.comm_fraction == 0.0
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend,grid,overlap", [
+    ("cuda", (6, 5), False),
+    ("cuda", (5, 4, 3), True),
+    ("cuda", (5, 4, 3), False),
+    ("numpy", (9, 7, 8), False),
+    ("numba", (13, 11), False),
+])
+def test_mpi_backend_matches_one_rank_numpy(backend, grid, overlap):
+    comm = commlib.init()
+    _, local = heat.solve(comm, grid, steps=3, backend=backend, overlap=overlap)
+    full = heat.gather_field(comm, list(grid), local)
+    if comm.rank == 0:
+        _, same = heat.solve(commlib.init(MPI.COMM_SELF), grid, steps=3, backend=backend)
+        assert np.array_equal(full, same), f"{comm.size} ranks differ from 1 rank"
+        _, host = heat.solve(commlib.init(MPI.COMM_SELF), grid, steps=3, backend="numpy")
+        if backend != "cuda" or _on_simulator():
+            assert np.array_equal(full, host)
+        else:
+            np.testing.assert_allclose(full, host, rtol=1e-12, atol=1e-15)
+
+
+# ------------------------------------------------------------------- cupy
+def test_cupy_slice_step_matches_numpy_update():
+    for shape in [(6, 7), (4, 5, 3)]:
+        u, c = _random_field(shape, seed=1)
+        un = u.copy()
+        out = heat.cupy_slice_step(u, un, c)
+        assert out is un
+        assert np.array_equal(un, _numpy_steps(u, c, shape, 1))
+
+
+_SHIM = r"""
+#include <algorithm>
+struct dim3_ { unsigned x, y, z; };
+static dim3_ blockIdx, blockDim, threadIdx;
+using std::min; using std::max;
+#define __global__
+#define __device__
+#define __forceinline__ inline
+"""
+_HARNESS = r"""
+extern "C" void run3(void** a, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by) {
+  const int* g = (const int*)a[6];
+  blockDim = {bx, by, 1};
+  for (unsigned z = 0; z < gz; ++z) for (unsigned y = 0; y < gy; ++y) for (unsigned x = 0; x < gx; ++x)
+    for (unsigned ty = 0; ty < by; ++ty) for (unsigned tx = 0; tx < bx; ++tx) {
+      blockIdx = {x, y, z}; threadIdx = {tx, ty, 0};
+      ftcs3((const double*)a[0], (double*)a[1], *(double*)a[2], *(double*)a[3], *(double*)a[4],
+            *(int*)a[5], *((int*)a[5] + 1), g[0], g[1], g[2], g[3], g[4], g[5], g[6], g[7], g[8], g[9],
+            g[10], g[11], g[12]);
+    }
+}
+extern "C" void run2(void** a, unsigned gx, unsigned gy, unsigned bx) {
+  const int* g = (const int*)a[5];
+  blockDim = {bx, 1, 1};
+  for (unsigned y = 0; y < gy; ++y) for (unsigned x = 0; x < gx; ++x) for (unsigned tx = 0; tx < bx; ++tx) {
+    blockIdx = {x, y, 0}; threadIdx = {tx, 0, 0};
+    ftcs2((const double*)a[0], (double*)a[1], *(double*)a[2], *(double*)a[3], *(int*)a[4],
+          g[0], g[1], g[2], g[3], g[4], g[5], g[6], g[7], g[8]);
+  }
+}
+"""
+
+
+class _HostRawKernel:
+    """Stands in for a cupy.RawKernel: runs the CUDA C source compiled for the
+    host (every block and thread in turn) on the arguments Launch passes."""
+
+    def __init__(self, lib, d):
+        self.lib, self.d = lib, d
+
+    def __call__(self, grid, block, args):
+        import ctypes  # noqa: PLC0415
+
+        d = self.d
+        a, b = args[0], args[1]
+        assert isinstance(a, np.ndarray) and a.flags.c_contiguous and a.dtype == np.float64
+        coef, rest = args[2:2 + d], args[2 + d:]
+        sizes, ints = rest[:d - 1], rest[d - 1:]
+        assert all(type(x) is np.float64 for x in coef) and all(type(x) is np.int32 for x in rest)
+        assert len(ints) == 4 * d + 1 and list(sizes) == list(a.shape[1:])
+        keep = [np.array(coef, np.float64), np.array(sizes, np.int32), np.array(ints, np.int32)]
+        ptrs = [a.ctypes.data, b.ctypes.data, keep[0][0:].ctypes.data, keep[0][1:].ctypes.data]
+        if d == 3:
+            ptrs += [keep[0][2:].ctypes.data, keep[1].ctypes.data, keep[2].ctypes.data]
+            arr = (ctypes.c_void_p * 7)(*ptrs)
+            self.lib.run3(arr, *[ctypes.c_uint(x) for x in (*grid, block[0], block[1])])
+        else:
+            ptrs += [keep[1].ctypes.data, keep[2].ctypes.data]
+            arr = (ctypes.c_void_p * 6)(*ptrs)
+            self.lib.run2(arr, *[ctypes.c_uint(x) for x in (grid[0], grid[1], block[0])])
+
+
+@pytest.fixture(scope="module")
+def host_raw_kernels(tmp_path_factory):
+    import ctypes  # noqa: PLC0415
+    import shutil  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+
+    from commlib.apps import _heat_cupy  # noqa: PLC0415
+
+    cxx = shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler to run the CUDA C source on the host")
+    d = tmp_path_factory.mktemp("rawkernel")
+    src, so = d / "k.cpp", d / "k.so"
+    src.write_text(_SHIM + _heat_cupy.SOURCE + _HARNESS)
+    # no contraction: what --fmad=false asks of NVRTC
+    subprocess.run([cxx, "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-o", str(so), str(src)], check=True)
+    lib = ctypes.CDLL(str(so))
+    return _HostRawKernel(lib, 2), _HostRawKernel(lib, 3)
+
+
+@pytest.mark.parametrize("shape,chunk", [((5, 130), 2), ((4, 9, 33), 3), ((3, 2, 1), None), ((17, 6, 40), None)])
+def test_cupy_kernel_source_on_the_host_matches_numpy(monkeypatch, host_raw_kernels, shape, chunk):
+    """The RawKernel's CUDA C, compiled for the host and run block by block
+    through the cupy backend's own Launch (CuPy cannot run without a GPU)."""
+    from commlib.apps import _heat_cupy  # noqa: PLC0415
+
+    monkeypatch.setattr(_heat_cupy, "_kernels", lambda: host_raw_kernels)
+    d = len(shape)
+    _check_region_updates("cupy", np.copy, np.asarray, shape, chunk, _all_sides(d) if d == 2 else
+                          [((True, True),) * 3, ((False, False),) * 3, ((False, True), (True, False), (True, True))],
+                          exact=True)
+
+
+def test_cupy_backend_without_cupy_is_one_line_error(capsys):
+    try:
+        _cupy_or_skip()
+    except pytest.skip.Exception:
+        pass
+    else:
+        pytest.skip("CuPy and a GPU are here")
+    comm = commlib.init(MPI.COMM_SELF)
+    with pytest.raises(InvalidArgument, match="cupy backend"):
+        heat.solve(comm, (8, 8), backend="cupy")
+    assert heat.main(["--dims", "2", "--grid", "8", "--steps", "1", "--backend", "cupy", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("heat: error:") and "cupy" in err[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("grid,overlap", [((7, 5), True), ((33, 130), False), ((5, 4, 3), True),
+                                          ((9, 17, 70), False)])
+def test_cupy_backend_matches_numpy(grid, overlap):
+    cupy = _cupy_or_skip()
+    comm = commlib.init(MPI.COMM_SELF)
+    res, got = heat.solve(comm, grid, steps=5, backend="cupy", overlap=overlap)
+    _, ref = heat.solve(comm, grid, steps=5, backend="numpy", overlap=overlap)
+    assert np.array_equal(got, ref), "the RawKernel is compiled with --fmad=false: numpy's bits"
+    assert res.glups > 0
+    u, c = _random_field(grid, seed=2)
+    du, dn = cupy.asarray(u), cupy.asarray(u)
+    heat.cupy_slice_step(du, dn, c)
+    assert np.array_equal(cupy.asnumpy(dn), _numpy_steps(u, c, grid, 1))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("grid,overlap", [((9, 7), True), ((6, 5, 4), True), ((6, 5, 4), False)])
+def test_mpi_cupy_backend_matches_one_rank_numpy(grid, overlap):
+    _cupy_or_skip()
+    comm = commlib.init()
+    _, local = heat.solve(comm, grid, steps=3, backend="cupy", overlap=overlap)
+    full = heat.gather_field(comm, list(grid), local)
+    if comm.rank == 0:
+        _, host = heat.solve(commlib.init(MPI.COMM_SELF), grid, steps=3, backend="numpy")
+        assert np.array_equal(full, host)

@@ -328,6 +328,8 @@ def d2d(kind, src, dst, stream) -> None:
 
         with stream:
             cupy.copyto(dst, src)
+    elif np.dtype(dst.dtype).name == _BF16:  # numba has no bfloat16 dtype: through the host
+        dst.copy_to_device(src.copy_to_host(), stream=stream)
     else:
         dst.copy_to_device(src, stream=stream)
 

@@ -87,10 +87,10 @@ def _k_runs(src, dst, start, offs, cum, lens, per, extent, count, to_packed):  #
 
 
 def _lg(n0: int) -> int:
-    lg = 0
-    while (1 << lg) < n0 and (1 << lg) < _THREADS:
-        lg += 1
-    return lg
+    """Row team size, as :func:`._device_cuda._lg` (capped at the block size)."""
+    n0 = max(int(n0), 1)
+    t = (n0 & -n0) if n0 < 32 else 1 << (min(n0, _THREADS).bit_length() - 1)
+    return min(t, _THREADS).bit_length() - 1
 
 
 def _wview(u8, w):

@@ -9,8 +9,9 @@ and the direction ``P`` (1 = pack, 0 = unpack):
     A strided plan (the canonical strided block: ``n0`` contiguous words per
     row, ``nd`` outer dimensions of counts ``cnt`` and strides ``str`` in
     words) is a set of ``nrows = prod(cnt)`` rows.  A 256-thread block is
-    split into ``256 / tpr`` row teams of ``tpr = min(pow2ceil(n0), 256)``
-    threads; a team copies one row with consecutive threads on consecutive
+    split into ``256 / tpr`` row teams of ``tpr`` threads (a power of two: the
+    largest dividing ``n0`` for rows narrower than a warp, so no lane idles,
+    else the largest not above ``min(n0, 256)``); a team copies one row with consecutive threads on consecutive
     words (coalesced on both sides), so the only index arithmetic is one 32-bit
     division per outer dimension per *row*, never per word.  This is TEMPI's
     3-D launch (Pearson et al., "TEMPI: An Interposed MPI Library with a
@@ -136,10 +137,13 @@ def _kernel(kind: str, w: int, to_packed: bool):
 
 
 def _lg(n0: int) -> int:
-    lg = 0
-    while (1 << lg) < n0 and (1 << lg) < THREADS:
-        lg += 1
-    return lg
+    """log2 of the row team size: the largest power of two dividing ``n0`` for
+    rows narrower than a warp (no idle lanes: a 3-word row gets one thread
+    looping over its words), else the largest power of two <= ``n0`` (at most
+    256 threads)."""
+    n0 = max(int(n0), 1)
+    t = (n0 & -n0) if n0 < 32 else 1 << (min(n0, THREADS).bit_length() - 1)
+    return min(t, THREADS).bit_length() - 1
 
 
 def _rows_slot(p, w: int, buf_off: int, pk_off: int):

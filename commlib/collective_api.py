@@ -105,7 +105,7 @@ def _to_host(arr) -> np.ndarray:
 def _device_view(b: Buffer):
     """``(kind, 1-D device array, caller's stream)`` for a C-contiguous device
     buffer the device kernels can drive, else None (host, F-order, DLPack-only)."""
-    if not b.is_device or not b.contiguous or b.kind not in ("cupy", "numba", "numba-sim"):
+    if not b.is_device or not b.contiguous:
         return None
     from commlib.collectives import _device_reduce as dr  # noqa: PLC0415
 

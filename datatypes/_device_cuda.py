@@ -9,13 +9,16 @@ and the direction ``P`` (1 = pack, 0 = unpack):
     A strided plan (the canonical strided block: ``n0`` contiguous words per
     row, ``nd`` outer dimensions of counts ``cnt`` and strides ``str`` in
     words) is a set of ``nrows = prod(cnt)`` rows.  A 256-thread block is
-    split into ``256 / tpr`` row teams of ``tpr`` threads (a power of two: the
-    largest dividing ``n0`` for rows narrower than a warp, so no lane idles,
-    else the largest not above ``min(n0, 256)``); a team copies one row with consecutive threads on consecutive
-    words (coalesced on both sides), so the only index arithmetic is one 32-bit
-    division per outer dimension per *row*, never per word.  This is TEMPI's
-    3-D launch (Pearson et al., "TEMPI: An Interposed MPI Library with a
-    Canonical Representation of CUDA-aware Datatypes", HPDC'21, section 4)
+    split into ``256 / tpr`` row teams of ``tpr`` threads (a power of two not
+    above ``min(n0, 256)``); a team copies one row with consecutive threads on
+    consecutive words (coalesced on both sides).  Rows narrower than a warp
+    and not a power of two words wide (a 3-D z-face: 3 words) use the flat
+    mapping instead, one thread per word, so no lane idles.  The only index
+    arithmetic is a division per outer dimension per row (per word in the
+    flat mapping), done as a multiply and a shift by precomputed constants
+    (Granlund and Montgomery, PLDI'94) -- never a 64-bit division.  This is
+    TEMPI's 3-D launch (Pearson et al., "TEMPI: An Interposed MPI Library with
+    a Canonical Representation of CUDA-aware Datatypes", HPDC'21, section 4)
     generalized to any number of dimensions and to rows narrower than a warp.
     ``blockIdx.y`` selects the piece, so every piece of a batch (a halo
     exchange's faces of several fields) moves in one launch.
@@ -38,9 +41,11 @@ import numpy as np
 
 import cupy
 
+from ._launch import fastdiv, team_lg
+
 __all__ = ["prepare", "prepare_batch", "Launch", "order_after"]
 
-SLOT = 24          # int64 words of one piece's parameters in the rows kernel
+SLOT = 32          # int64 words of one piece's parameters in the rows kernel
 MAXDIMS = 9        # outer dimensions a rows piece may have
 THREADS = 256
 MAXBLOCKS = 16384  # grid-stride beyond this many row blocks
@@ -49,44 +54,71 @@ _SRC = r"""
 typedef long long i64;
 typedef unsigned long long u64;
 struct alignas(16) w16 { u64 a, b; };
-#define SLOT 24
+#define SLOT 32
+
+// n / d for n < 2^31 by a multiply and a shift (Granlund-Montgomery, round-up
+// variant: M = ceil(2^(32+l) / d), l = ceil(log2 d), exact for every n < 2^32;
+// n < 2^31 keeps n * M below 2^64); M and 32+l are precomputed on the host.
+__device__ __forceinline__ unsigned fdiv(unsigned n, u64 m, int s) { return (unsigned)(((u64)n * m) >> s); }
+
+template <typename W, int P>
+__device__ __forceinline__ i64 row_offset(unsigned r, const i64* __restrict__ q, int nd,
+                                          unsigned c1, u64 m1, int h1, i64 s1,
+                                          unsigned c2, u64 m2, int h2, i64 s2) {
+    unsigned t = fdiv(r, m1, h1);
+    i64 off = (i64)(r - t * c1) * s1;
+    if (nd > 1) {
+        unsigned rr = t;
+        t = fdiv(rr, m2, h2);
+        off += (i64)(rr - t * c2) * s2;
+        rr = t;
+        for (int d = 2; d < nd; ++d) {
+            const unsigned c = (unsigned)q[6 + d];
+            t = rr / c;
+            off += (i64)(rr - t * c) * q[15 + d];
+            rr = t;
+        }
+    }
+    return off;
+}
 
 template <typename W, int P>
 __global__ void rows(const u64 base_buf, const u64 base_pk, const i64* __restrict__ prm) {
     const i64* q = prm + (i64)blockIdx.y * SLOT;
     W* buf = (W*)(base_buf + (u64)q[0]);
     W* pk = (W*)(base_pk + (u64)q[1]);
-    const i64 n0 = q[2];
+    const unsigned n0 = (unsigned)q[2];
     const unsigned nrows = (unsigned)q[3];
     const int nd = (int)q[4];
     const int lg = (int)q[5];
+    const unsigned c1 = (unsigned)q[6];
+    const i64 s1 = q[15];
+    const unsigned c2 = (unsigned)q[7];
+    const i64 s2 = q[16];
+    const u64 m1 = (u64)q[26], m2 = (u64)q[28];
+    const int h1 = (int)q[27], h2 = (int)q[29];
+    if (lg < 0) {
+        // flat: one thread per word, consecutive threads on consecutive packed
+        // words (rows narrower than a warp and not a power of two words wide)
+        const u64 m0 = (u64)q[24];
+        const int h0 = (int)q[25];
+        const unsigned total = n0 * nrows;
+        for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+            const unsigned r = fdiv(i, m0, h0);
+            const unsigned k = i - r * n0;
+            const i64 off = row_offset<W, P>(r, q, nd, c1, m1, h1, s1, c2, m2, h2, s2);
+            if (P) pk[i] = buf[off + k]; else buf[off + k] = pk[i];
+        }
+        return;
+    }
     const unsigned tpr = 1u << lg;
     const unsigned lane = threadIdx.x & (tpr - 1u);
     const unsigned rpb = blockDim.x >> lg;
     const unsigned rstep = gridDim.x * rpb;
-    const unsigned c1 = nd > 0 ? (unsigned)q[6] : 1u;
-    const i64 s1 = nd > 0 ? q[15] : 0;
-    const unsigned c2 = nd > 1 ? (unsigned)q[7] : 1u;
-    const i64 s2 = nd > 1 ? q[16] : 0;
     for (unsigned r = blockIdx.x * rpb + (threadIdx.x >> lg); r < nrows; r += rstep) {
-        unsigned rr = r;
-        unsigned t = rr / c1;
-        i64 off = (i64)(rr - t * c1) * s1;
-        rr = t;
-        if (nd > 1) {
-            t = rr / c2;
-            off += (i64)(rr - t * c2) * s2;
-            rr = t;
-            for (int d = 2; d < nd; ++d) {
-                const unsigned c = (unsigned)q[6 + d];
-                t = rr / c;
-                off += (i64)(rr - t * c) * q[15 + d];
-                rr = t;
-            }
-        }
-        W* b = buf + off;
+        W* b = buf + row_offset<W, P>(r, q, nd, c1, m1, h1, s1, c2, m2, h2, s2);
         W* p = pk + (i64)r * n0;
-        for (i64 k = lane; k < n0; k += tpr) {
+        for (unsigned k = lane; k < n0; k += tpr) {
             if (P) p[k] = b[k]; else b[k] = p[k];
         }
     }
@@ -137,32 +169,37 @@ def _kernel(kind: str, w: int, to_packed: bool):
 
 
 def _lg(n0: int) -> int:
-    """log2 of the row team size: the largest power of two dividing ``n0`` for
-    rows narrower than a warp (no idle lanes: a 3-word row gets one thread
-    looping over its words), else the largest power of two <= ``n0`` (at most
-    256 threads)."""
-    n0 = max(int(n0), 1)
-    t = (n0 & -n0) if n0 < 32 else 1 << (min(n0, THREADS).bit_length() - 1)
-    return min(t, THREADS).bit_length() - 1
+    return team_lg(n0, THREADS)
 
 
-def _rows_slot(p, w: int, buf_off: int, pk_off: int):
+def _rows_slot(p, w: int, buf_off: int, pk_off: int, counts=None, strides=None, n0=None):
     """One piece's parameters for the rows kernel (``None`` when it has more
-    than MAXDIMS outer dimensions) and its row-block count."""
-    c0, oc, os = p.words(w)
+    than MAXDIMS outer dimensions or too many words for 31-bit indices) and
+    its block count."""
+    if counts is None:
+        c0, oc, os = p.words(w)
+    else:
+        c0, oc, os = n0, np.asarray(counts, np.int64), np.asarray(strides, np.int64)
     nd = int(oc.shape[0])
     if nd > MAXDIMS:
         return None, 0
     nrows = int(np.prod(oc)) if nd else 1
-    if nrows >= 1 << 32:
+    if nrows * int(c0) >= 1 << 31:
         return None, 0
     lg = _lg(int(c0))
     slot = np.zeros(SLOT, np.int64)
     slot[:6] = (buf_off, pk_off, c0, nrows, nd, lg)
     slot[6:6 + nd] = oc
+    slot[6 + nd:15] = 1
     slot[15:15 + nd] = os
-    rpb = THREADS >> lg
-    return slot, min(-(-nrows // rpb), MAXBLOCKS)
+    slot[24:26] = fastdiv(int(c0))
+    slot[26:28] = fastdiv(int(slot[6]))
+    slot[28:30] = fastdiv(int(slot[7]))
+    if lg < 0:
+        blocks = -(-(nrows * int(c0)) // THREADS)
+    else:
+        blocks = -(-nrows // (THREADS >> lg))
+    return slot, max(1, min(blocks, MAXBLOCKS))
 
 
 def _runs_params(p, w: int):
@@ -253,10 +290,10 @@ def prepare_batch(pieces, to_packed: bool):
         if p.kind == "contig":  # n words as rows of a power-of-two chunk dividing n
             n = p.nbytes // w
             chunk = min(n & -n, THREADS)
-            slot = np.zeros(SLOT, np.int64)
-            slot[:6] = (b + p.start, k, chunk, n // chunk, 1, _lg(chunk))
-            slot[6], slot[15] = n // chunk, chunk
-            g = min(-(-(n // chunk) // (THREADS // chunk)), MAXBLOCKS)
+            slot, g = _rows_slot(p, w, b + p.start, k, counts=(n // chunk,), strides=(chunk,), n0=chunk)
+            if slot is None:
+                rest.append(prepare(p, b, k, to_packed))
+                continue
         else:
             slot, g = _rows_slot(p, w, b + p.start, k)
             if slot is None:

@@ -119,6 +119,8 @@ def _foreign(host):
 @pytest.mark.parametrize("t,count", [
     (dts.Subarray([5, 6, 7], [2, 6, 7], [0, 0, 0], np.float64), 1),   # one contiguous run (x-face)
     (dts.Subarray([5, 6, 7], [5, 6, 2], [0, 0, 5], np.float64), 1),   # z-face: many short rows
+    (dts.Subarray([5, 6, 7], [5, 6, 3], [0, 0, 4], np.float64), 1),   # rows of 3 words: flat mapping
+    (dts.Subarray([4, 6, 40], [4, 5, 35], [0, 1, 3], np.float32), 1),  # rows of 35 words: a 32-thread team
     (dts.Indexed([3, 1, 2], [7, 0, 12], np.int32), 2),               # offsets/lengths form
 ])
 def test_foreign_device_array_through_adapter(t, count):
@@ -153,3 +155,18 @@ def test_foreign_device_array_through_adapter(t, count):
         np.testing.assert_array_equal(read(), buf)  # the source is untouched
     finally:
         m.Free()
+
+
+def test_fastdiv_constants_are_exact():
+    """The multiply-and-shift constants the CUDA C kernels divide with give
+    n // d for every divisor shape and the extreme dividends (n < 2**31)."""
+    from commlib.datatypes._launch import fastdiv
+    rng = np.random.default_rng(3)
+    divisors = [1, 2, 3, 5, 7, 24, 255, 256, 257, 4095, 65537, 2**20 + 7, 2**31 - 1]
+    divisors += [int(x) for x in rng.integers(1, 2**31, 200)]
+    for d in divisors:
+        m, s = fastdiv(d)
+        ns = [0, 1, d - 1, d, d + 1, 2**31 - 1, 2**31 - 2] + [int(x) for x in rng.integers(0, 2**31, 200)]
+        for n in ns:
+            assert (n * m) >> s == n // d, (n, d)
+            assert n * m < 2**64

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from commlib.core.errors import InvalidArgument
+from commlib.core.buffer import as_buffer, cupy_usable
+
+from commlib.core.errors import CommError, InvalidArgument
 
 from ..agreement import agree_header
 from .blocks import SUPPORTED_DTYPES, compute_dtype, get_array_module
@@ -76,6 +78,28 @@ def _describe(name: str, value: int):
 def _disagreement(message: str, *, rank, op) -> InvalidArgument:
     return InvalidArgument(f"ranks disagree on the call ({message}); every rank must pass the same shapes, "
                            "dtype and options", rank=rank, op=op)
+
+
+def as_array_api(*arrays):
+    """The arrays as numpy or CuPy: numpy and CuPy arrays as they are; any
+    other device array (torch CUDA tensors, numba device arrays, anything with
+    ``__cuda_array_interface__`` or DLPack) wrapped as a CuPy array sharing its
+    memory, through the one device-array adapter, when CuPy runs; anything else
+    unchanged (the argument check then refuses it).  Outputs of the attention
+    calls are then CuPy arrays (``torch.as_tensor(out, device="cuda")`` wraps
+    one without a copy)."""
+    out = []
+    for x in arrays:
+        if x is None or isinstance(x, np.ndarray) or type(x).__module__.split(".")[0] == "cupy":
+            out.append(x)
+            continue
+        try:
+            b = as_buffer(x, op="attention")
+        except CommError:
+            out.append(x)
+            continue
+        out.append(b.as_cupy() if b.is_device and cupy_usable() else x)
+    return tuple(out)
 
 
 def validate(transport, q, k, v, *, causal, layout, softmax_scale, seq_len, tile, op, extra=None) -> AttnSpec:

@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 from .blocks import ForwardAccumulator, backward_block, forward_block, from_heads_major, tile_plan, to_heads_major
-from .common import validate
+from .common import as_array_api, validate
 from .layout import sequence_positions
 from .transport import transport_of
 
@@ -115,6 +115,7 @@ def ring_attention(comm, q, k, v, causal: bool = False, layout: str = "contiguou
     op = "ring_attention"
     tp = transport_of(comm)
     tag_kv = tp.tags.slot(_TAG_WIDTH) + _TAG_KV
+    q, k, v = as_array_api(q, k, v)
     spec = validate(tp, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
                     seq_len=seq_len, tile=tile, op=op)
     xp, P, r = spec.xp, tp.size, tp.rank
@@ -189,6 +190,10 @@ def ring_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = False,
     if qshape is not None and len(qshape) == 4:
         extra = {"out": (out, qshape, qd), "dout": (dout, qshape, qd),
                  "lse": (lse, (qshape[0], qshape[2], qshape[1]), None)}
+    q, k, v, out, lse, dout = as_array_api(q, k, v, out, lse, dout)
+    if extra:
+        extra = {"out": (out, extra["out"][1], extra["out"][2]), "dout": (dout, extra["dout"][1], extra["dout"][2]),
+                 "lse": (lse, extra["lse"][1], None)}
     spec = validate(tp, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
                     seq_len=seq_len, tile=tile, op=op, extra=extra)
     xp, P, r = spec.xp, tp.size, tp.rank

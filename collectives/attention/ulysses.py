@@ -26,7 +26,7 @@ from commlib.core.errors import InvalidArgument
 
 from ..alltoall_pairwise import alltoall_pairwise_parts
 from .blocks import attention_backward, attention_forward, tile_plan
-from .common import validate
+from .common import as_array_api, validate
 from .layout import sequence_positions
 from .transport import transport_of
 
@@ -141,6 +141,7 @@ def ulysses_attention(comm, q, k, v, causal: bool = False, layout: str = "contig
     """
     op = "ulysses_attention"
     tp = transport_of(comm)
+    q, k, v = as_array_api(q, k, v)
     spec = validate(tp, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
                     seq_len=seq_len, tile=tile, op=op)
     _check_heads(tp, spec, op)
@@ -191,6 +192,10 @@ def ulysses_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = Fal
         qshape, qd = tuple(q.shape), np.dtype(q.dtype).name
         extra = {"out": (out, qshape, qd), "dout": (dout, qshape, qd),
                  "lse": (lse, (qshape[0], qshape[2], qshape[1]), None)}
+    q, k, v, out, lse, dout = as_array_api(q, k, v, out, lse, dout)
+    if extra:
+        extra = {"out": (out, extra["out"][1], extra["out"][2]), "dout": (dout, extra["dout"][1], extra["dout"][2]),
+                 "lse": (lse, extra["lse"][1], None)}
     spec = validate(tp, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
                     seq_len=seq_len, tile=tile, op=op, extra=extra)
     _check_heads(tp, spec, op)

@@ -31,8 +31,8 @@ CASES = [(np.dtype(np.float32), "sum"), (np.dtype(np.float64), "avg"), (np.dtype
          (BF16, "max"), (np.dtype(np.int32), "sum"), (np.dtype(np.uint8), "bxor"), (np.dtype(np.int64), "min")]
 if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") in ("", "0"):
     # numba.cuda cannot copy an ml_dtypes bfloat16 array to a real GPU (no buffer
-    # format for it), so bfloat16 numba arrays exist only in the simulator; on a
-    # GPU, test_cupy_allreduce covers bfloat16 with CuPy arrays
+    # format for it), and CuPy has no bfloat16 dtype either: bfloat16 device
+    # arrays are exercised in the simulator only
     CASES = [c for c in CASES if c[0] != BF16]
 # count 0 left out: commlib.core.buffer calls an empty simulator array (strides (0,)) non-contiguous
 COUNTS = [1, 7, 13]
@@ -189,8 +189,7 @@ def test_cupy_allreduce(comm):
         cupy.cuda.runtime.getDeviceCount()
     except Exception:  # noqa: BLE001
         pytest.skip("no CUDA device")
-    for dtype, op in [(np.float32, "sum"), (np.float16, "avg"), (np.int32, "max"), (np.float64, "min"),
-                      (BF16, "sum"), (BF16, "max")]:
+    for dtype, op in [(np.float32, "sum"), (np.float16, "avg"), (np.int32, "max"), (np.float64, "min")]:
         for count in (0, 5, 1 << 20):
             x = _data(dtype, count, comm.rank, count % 97)
             d = cupy.asarray(x)

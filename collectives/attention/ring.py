@@ -181,6 +181,7 @@ def ring_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = False,
         ProcessFailed: a peer failed (any other transport failure: :class:`~commlib.CommError`).
     """
     op = "ring_attention_backward"
+    q, k, v, out, lse, dout = as_array_api(q, k, v, out, lse, dout)
     tp = transport_of(comm)
     tag0 = tp.tags.slot(_TAG_WIDTH)
     tag_kv, tag_dkv = tag0 + _TAG_KV, tag0 + _TAG_DKV
@@ -190,10 +191,6 @@ def ring_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = False,
     if qshape is not None and len(qshape) == 4:
         extra = {"out": (out, qshape, qd), "dout": (dout, qshape, qd),
                  "lse": (lse, (qshape[0], qshape[2], qshape[1]), None)}
-    q, k, v, out, lse, dout = as_array_api(q, k, v, out, lse, dout)
-    if extra:
-        extra = {"out": (out, extra["out"][1], extra["out"][2]), "dout": (dout, extra["dout"][1], extra["dout"][2]),
-                 "lse": (lse, extra["lse"][1], None)}
     spec = validate(tp, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
                     seq_len=seq_len, tile=tile, op=op, extra=extra)
     xp, P, r = spec.xp, tp.size, tp.rank

@@ -186,16 +186,13 @@ def ulysses_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = Fal
         ProcessFailed: a peer failed (any other transport failure: :class:`~commlib.CommError`).
     """
     op = "ulysses_attention_backward"
+    q, k, v, out, lse, dout = as_array_api(q, k, v, out, lse, dout)
     tp = transport_of(comm)
     extra = {}
     if hasattr(q, "shape") and len(q.shape) == 4:
         qshape, qd = tuple(q.shape), np.dtype(q.dtype).name
         extra = {"out": (out, qshape, qd), "dout": (dout, qshape, qd),
                  "lse": (lse, (qshape[0], qshape[2], qshape[1]), None)}
-    q, k, v, out, lse, dout = as_array_api(q, k, v, out, lse, dout)
-    if extra:
-        extra = {"out": (out, extra["out"][1], extra["out"][2]), "dout": (dout, extra["dout"][1], extra["dout"][2]),
-                 "lse": (lse, extra["lse"][1], None)}
     spec = validate(tp, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
                     seq_len=seq_len, tile=tile, op=op, extra=extra)
     _check_heads(tp, spec, op)

@@ -25,7 +25,7 @@ from commlib.core.errors import BufferError, DatatypeError
 
 from ._launch import team_lg
 
-__all__ = ["pack", "unpack", "prepare", "use_cuda_kernels", "new_like"]
+__all__ = ["pack", "unpack", "prepare", "use_cuda_kernels", "new_like", "on_stream"]
 
 _WORD = {8: np.uint64, 4: np.uint32, 2: np.uint16, 1: np.uint8}
 _SIM = bool(config.ENABLE_CUDASIM)
@@ -166,6 +166,73 @@ def _numba_move(buf8, packed8, p, origin, to_packed):
     else:
         offs, cum, lens, per, ext, blocks = _numba_args(p, w)
         _k_runs[blocks, _THREADS](src, dst, start, offs, cum, lens, per, ext, p.count, to_packed)
+
+
+# -------------------------------------------------------------------- streams
+class _NoStream:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NO_STREAM = _NoStream()
+
+
+def on_stream(stream):
+    """A context manager making ``stream`` the stream device work is issued on.
+
+    Args:
+        stream: None (CuPy's current stream, the default), a CuPy stream, or
+            any CUDA stream handle: an int, a numba stream (``.handle``), a
+            torch stream (``.cuda_stream``).  With the numba kernels (no CuPy)
+            the work runs on numba's default stream and ``stream`` is only
+            synchronized before it.
+
+    Raises:
+        BufferError: ``stream`` is none of these.
+    """
+    if stream is None:
+        return _NO_STREAM
+    if not (isinstance(stream, int) or any(hasattr(stream, a) for a in ("cuda_stream", "ptr", "handle",
+                                                                         "synchronize"))):
+        raise BufferError(f"stream must be a CuPy stream, a CUDA stream handle (int), a numba or torch stream, "
+                          f"got {type(stream).__name__}", op="pack")
+    if not use_cuda_kernels():
+        return _NumbaStream(stream)
+    import cupy  # noqa: PLC0415
+
+    if isinstance(stream, cupy.cuda.Stream):
+        return stream
+    return cupy.cuda.ExternalStream(_handle(stream))
+
+
+def _handle(stream) -> int:
+    for attr in ("cuda_stream", "ptr"):
+        h = getattr(stream, attr, None)
+        if isinstance(h, int):
+            return h
+    h = getattr(stream, "handle", None)
+    if h is not None:
+        return int(getattr(h, "value", h) or 0)
+    if isinstance(stream, int):
+        return stream
+    raise BufferError(f"stream must be a CuPy stream, a CUDA stream handle (int), a numba or torch stream, "
+                      f"got {type(stream).__name__}", op="pack")
+
+
+class _NumbaStream:
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __enter__(self):
+        if not _SIM and hasattr(self.stream, "synchronize"):
+            self.stream.synchronize()
+        return self.stream
+
+    def __exit__(self, *exc):
+        return False
 
 
 # ------------------------------------------------------------------- adapters

@@ -262,7 +262,7 @@ def _fit_error(t, p, count, nbytes, origin, op, what="buffer"):
     )
 
 
-def pack(buf, datatype, count=1, out=None, *, origin=0):
+def pack(buf, datatype, count=1, out=None, *, origin=0, stream=None):
     """Pack ``count`` elements of ``datatype`` from ``buf`` into contiguous bytes.
 
     Args:
@@ -277,6 +277,9 @@ def pack(buf, datatype, count=1, out=None, *, origin=0):
             datatype.size`` bytes on the same side (host/device) as ``buf``, to
             avoid an allocation per call.
         origin: byte offset in ``buf`` of displacement 0 (default 0).
+        stream: for a device buffer, the CUDA stream the pack is issued on
+            (a CuPy stream, an int handle, a numba or torch stream); default
+            CuPy's current stream.  The call returns once the work is queued.
 
     Returns:
         1-D uint8 array of ``count * datatype.size`` bytes: numpy for a host
@@ -297,6 +300,11 @@ def pack(buf, datatype, count=1, out=None, *, origin=0):
     except (AttributeError, KeyError, TypeError):
         t, p = _resolve(datatype, count, "pack")
     if buf.__class__ is not np.ndarray:
+        if stream is not None:
+            from ._device import on_stream  # noqa: PLC0415
+
+            with on_stream(stream):
+                return _pack_device(buf, t, p, count, out, origin)
         return _pack_device(buf, t, p, count, out, origin)
     fl = buf.flags
     if not (fl.c_contiguous or fl.f_contiguous):
@@ -328,7 +336,7 @@ def _check_out(out, nb, op):
     return out
 
 
-def unpack(packed, datatype, buf, count=1, *, origin=0):
+def unpack(packed, datatype, buf, count=1, *, origin=0, stream=None):
     """Unpack ``count`` elements of ``datatype`` from contiguous bytes into ``buf``.
 
     Args:
@@ -340,6 +348,8 @@ def unpack(packed, datatype, buf, count=1, *, origin=0):
             type map's origin (plus ``origin``).
         count: number of elements.
         origin: byte offset in ``buf`` of displacement 0 (default 0).
+        stream: for a device buffer, the CUDA stream the unpack is issued on
+            (as for :func:`pack`).
 
     Returns:
         ``buf``.
@@ -356,6 +366,11 @@ def unpack(packed, datatype, buf, count=1, *, origin=0):
     except (AttributeError, KeyError, TypeError):
         t, p = _resolve(datatype, count, "unpack")
     if buf.__class__ is not np.ndarray:
+        if stream is not None:
+            from ._device import on_stream  # noqa: PLC0415
+
+            with on_stream(stream):
+                return _unpack_device(packed, t, p, buf, count, origin)
         return _unpack_device(packed, t, p, buf, count, origin)
     fl = buf.flags
     if not (fl.c_contiguous or fl.f_contiguous):
@@ -471,6 +486,9 @@ class Packer:
         out: optional preallocated 1-D uint8 array (same side as ``buf``) of at
             least ``count * datatype.size`` bytes; allocated when omitted.
         origin: byte offset in ``buf`` of displacement 0.
+        stream: for a device buffer, the CUDA stream every :meth:`pack` and
+            :meth:`unpack` is issued on (as for :func:`pack`; default CuPy's
+            current stream at each call).
 
     Attributes:
         out: the 1-D uint8 array of ``count * datatype.size`` bytes that
@@ -483,22 +501,24 @@ class Packer:
     """
 
     __slots__ = ("datatype", "buf", "count", "origin", "out", "nbytes", "_plan", "_host", "_arr", "_dpack",
-                 "_dunpack", "_dother")
+                 "_dunpack", "_dother", "_stream", "_stream_arg")
 
-    def __init__(self, datatype, buf, count=1, out=None, *, origin=0):
-        self.out = pack(buf, datatype, count, out, origin=origin)  # validates everything once
+    def __init__(self, datatype, buf, count=1, out=None, *, origin=0, stream=None):
+        self.out = pack(buf, datatype, count, out, origin=origin, stream=stream)  # validates everything once
         t, p = _resolve(datatype, count, "Packer")
         self.datatype, self.buf, self.count, self.origin = t, buf, count, int(origin)
         self.nbytes = p.nbytes
         self._plan = p
         self._host = self._dpack = self._dunpack = None
         self._dother = {}
+        self._stream, self._stream_arg = None, stream
         if buf.__class__ is not np.ndarray and p.nbytes:
             b, _ = _device_buffer(buf, "Packer")
             if b is not None:  # a device buffer: the launch is prepared once, here
                 from . import _device  # noqa: PLC0415
 
                 ob = _packed_device(self.out)
+                self._stream = None if stream is None else _device.on_stream(stream)
                 self._dpack = _device.prepare(p, b, ob, self.origin, True)
                 if not p.overlaps():
                     self._dunpack = _device.prepare(p, b, ob, self.origin, False)
@@ -516,9 +536,13 @@ class Packer:
             h[0](h[2], h[3], h[4], h[5])
             return self.out
         if self._dpack is not None:
-            self._dpack()
+            if self._stream is None:
+                self._dpack()
+            else:
+                with self._stream:
+                    self._dpack()
             return self.out
-        return pack(self.buf, self.datatype, self.count, self.out, origin=self.origin)
+        return pack(self.buf, self.datatype, self.count, self.out, origin=self.origin, stream=self._stream_arg)
 
     __call__ = pack
 
@@ -548,14 +572,17 @@ class Packer:
             return self.buf
         d = self._dunpack
         if d is not None:
-            if packed is None:
-                d()
-                return self.buf
-            got = self._dother.get(id(packed))
-            if got is None and len(self._dother) < 8:
-                got = self._prepare_unpack(packed)
-            if got is not None and got[1] is packed:
-                got[0]()
+            if packed is not None:
+                got = self._dother.get(id(packed))
+                if got is None and len(self._dother) < 8:
+                    got = self._prepare_unpack(packed)
+                d = got[0] if got is not None and got[1] is packed else None
+            if d is not None:
+                if self._stream is None:
+                    d()
+                else:
+                    with self._stream:
+                        d()
                 return self.buf
         return unpack(self.out if packed is None else packed, self.datatype, self.buf, self.count,
-                      origin=self.origin)
+                      origin=self.origin, stream=self._stream_arg)

@@ -392,3 +392,29 @@ def test_attention_on_device_arrays(lib):
         got = bwd(comm, *(lib.to_device(x) for x in (q, k, v)), out, lse, lib.to_device(do), causal=True)
         for g, w in zip(got, want):
             np.testing.assert_allclose(to_host(g), w, rtol=1e-9, atol=1e-11)
+
+
+def test_pack_on_library_stream(lib):
+    """pack/unpack/Packer issued on the library's own non-default stream give
+    MPI_Pack's bytes once that stream is synchronized."""
+    from commlib.datatypes import Packer, Subarray, pack, unpack  # noqa: PLC0415
+
+    stream = lib.mod.cuda.Stream(non_blocking=True) if lib.name == "cupy" else lib.mod.cuda.Stream()
+    rng = np.random.default_rng(11)
+    host = rng.standard_normal((16, 12, 10))
+    t = Subarray([16, 12, 10], [16, 12, 3], [0, 0, 7], np.float64)
+    ref = mpi_pack(t, host, 1)
+    d = lib.to_device(host)
+    lib.synchronize()
+    got = pack(d, t, stream=stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(to_host(got), ref)
+    pk = Packer(t, d, stream=stream)
+    pk.pack()
+    stream.synchronize()
+    np.testing.assert_array_equal(to_host(pk.out), ref)
+    z = lib.to_device(np.zeros_like(host))
+    lib.synchronize()
+    unpack(got, t, z, stream=stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(to_host(z)[:, :, 7:], host[:, :, 7:])

@@ -43,7 +43,8 @@ from commlib.collectives.ft import LazySnapshot, recover, run_collective
 from commlib.collectives.reduce_scatter_ring import reduce_scatter_ring_inplace
 from commlib.core.buffer import Buffer, as_buffer
 from commlib.core.errors import BufferError, CommError, InvalidArgument
-from commlib.transports.base import CompletedRequest, FutureRequest
+from commlib.collectives.agreement import check_all
+from commlib.transports.base import CompletedRequest, FutureRequest, check_plain_dtype
 
 __all__ = ["CollectiveMixin", "ALGORITHMS"]
 
@@ -195,14 +196,21 @@ class CollectiveMixin:
             dest, source: ranks of this communicator.
             name: operation name for errors.
         """
-        sb = self._wrap(sendbuf, name, "sendbuf")
-        rb = self._wrap(recvbuf, name, "recvbuf")
-        for peer, what in ((dest, "dest"), (source, "source")):
-            if not 0 <= int(peer) < self.size:
-                raise InvalidArgument(f"{what} {peer} out of range [0, {self.size})", rank=self.rank, op=name)
-        src, dst = _Staged(sb, self, "src"), _Staged(rb, self, "dst", down=False)
+        problem = None
+        try:
+            sb = self._wrap(sendbuf, name, "sendbuf")
+            rb = self._wrap(recvbuf, name, "recvbuf")
+            for peer, what in ((dest, "dest"), (source, "source")):
+                if (isinstance(peer, bool) or not isinstance(peer, (int, np.integer))
+                        or not 0 <= int(peer) < self.size):
+                    raise InvalidArgument(f"{what} {peer!r} out of range [0, {self.size})", rank=self.rank, op=name)
+            src, dst = _Staged(sb, self, "src"), _Staged(rb, self, "dst", down=False)
+        except (InvalidArgument, BufferError) as exc:
+            problem = exc.detail
 
         def attempt(tp, timeout, survivors):
+            # every rank raises alike, before any byte moves (one flag per rank)
+            check_all(tp, problem, name, timeout=timeout)
             tag = tp.tags.slot()
             tp.waitall([tp.irecv(dst.host, int(source), tag), tp.isend(src.host, int(dest), tag)], timeout, op=name)
 
@@ -238,6 +246,7 @@ class CollectiveMixin:
 
     def _wrap(self, obj, opname, what="buffer") -> Buffer:
         b = as_buffer(obj, op=opname, rank=self.rank)
+        check_plain_dtype(b.dtype, self.rank, opname, what)
         if not b.dense:
             raise BufferError(f"{what} is not contiguous", rank=self.rank, op=opname)
         return b
@@ -564,7 +573,6 @@ class CollectiveMixin:
 
         def prepare():
             sb = self._wrap(sendbuf, opname, "sendbuf")
-            _check_plain_dtype(sb, self.rank, opname)
             algo = spec.choose(algorithm, rank=self.rank)
             if recvbuf is not None:
                 rb = self._wrap(recvbuf, opname, "recvbuf")
@@ -611,7 +619,6 @@ class CollectiveMixin:
 
         def prepare():
             b = self._wrap(buf, opname, "buf")
-            _check_plain_dtype(b, self.rank, opname)
             algo = spec.choose(algorithm, rank=self.rank)
             if not ok_root:
                 raise InvalidArgument(f"root {root} out of range [0, {self.size})", rank=self.rank, op=opname)
@@ -669,7 +676,6 @@ class CollectiveMixin:
 
         def prepare():
             sb = self._wrap(sendbuf, opname, "sendbuf")
-            _check_plain_dtype(sb, self.rank, opname)
             algo = spec.choose(algorithm, rank=self.rank)
             if sb.size % nblk:
                 raise InvalidArgument(f"sendbuf has {sb.size} elements, not a multiple of size {nblk}",
@@ -768,10 +774,3 @@ class _FailedRequest(CompletedRequest):
 
     def test(self) -> bool:
         raise self._exc
-
-
-def _check_plain_dtype(b: Buffer, rank, opname) -> None:
-    """Refuse arrays whose elements are not plain bytes (``dtype=object`` holds pointers)."""
-    if b.dtype.hasobject:
-        raise InvalidArgument(f"dtype {b.dtype} holds Python object pointers, which cannot be sent",
-                              rank=rank, op=opname)

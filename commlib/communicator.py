@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 from mpi4py import MPI
 
 from commlib.collective_api import CollectiveMixin
@@ -20,7 +21,7 @@ from commlib.core.errors import InvalidArgument
 from commlib.core.tags import check_user_tag
 from commlib.transports.base import Request, wait_all
 from commlib.transports.mpi import MPIRequest, MPITransport
-from commlib.typed_p2p import _MPITypes, typed_irecv, typed_isend, typed_recv, typed_send
+from commlib.typed_p2p import _MPITypes, typed_irecv, typed_isend, typed_recv, typed_send, typed_sendrecv
 
 __all__ = ["Communicator", "CartCommunicator", "init", "compute_dims", "PROC_NULL", "ANY_SOURCE", "ANY_TAG"]
 
@@ -152,9 +153,8 @@ class Communicator(CollectiveMixin):
         if sendtype is None and recvtype is None:
             self.transport.sendrecv(sendbuf, dest, recvbuf, source, sendtag, recvtag)
             return
-        r = self.irecv(recvbuf, source, recvtag, datatype=recvtype, count=recvcount)
-        s = self.isend(sendbuf, dest, sendtag, datatype=sendtype, count=sendcount)
-        self.transport.waitall([r, s], op="sendrecv")
+        typed_sendrecv(self, sendbuf, dest, recvbuf, source, sendtag, recvtag, sendtype, sendcount, recvtype,
+                       recvcount)
 
     def waitall(self, requests: Sequence[Request], timeout: float | None = None) -> None:
         """Wait for every request; ``timeout`` in seconds for all of them together.
@@ -281,6 +281,14 @@ class CartCommunicator(Communicator):
     def rank_of(self, coords: Sequence[int]) -> int:
         """Rank at ``coords``, wrapping periodic dimensions; ``PROC_NULL`` off a
         non-periodic edge."""
+        op = "rank_of"
+        try:
+            coords = [int(x) for x in coords]
+        except (TypeError, ValueError):
+            raise InvalidArgument(f"coords {coords!r} must be a sequence of ints", rank=self.rank, op=op) from None
+        if len(coords) != self.ndim:
+            raise InvalidArgument(f"coords {tuple(coords)} has {len(coords)} entries, grid has {self.ndim}",
+                                  rank=self.rank, op=op)
         c = []
         for x, n, p in zip(coords, self.dims, self.periods):
             if not 0 <= x < n:
@@ -291,8 +299,15 @@ class CartCommunicator(Communicator):
         return self.mpi_comm.Get_cart_rank(c)
 
     def coords_of(self, rank: int) -> tuple[int, ...]:
-        """Coordinates of ``rank``."""
-        return tuple(self.mpi_comm.Get_coords(rank))
+        """Coordinates of ``rank``.
+
+        Raises:
+            InvalidArgument: ``rank`` is not in ``[0, size)``.
+        """
+        self.transport._check_peer(rank, "rank", "coords_of")
+        if rank == PROC_NULL:
+            raise InvalidArgument("PROC_NULL has no coordinates", rank=self.rank, op="coords_of")
+        return tuple(self.mpi_comm.Get_coords(int(rank)))
 
     def neighbor(self, offset: Sequence[int]) -> int:
         """Rank at this rank's coordinates plus ``offset`` (e.g. ``(-1, 1)`` for a
@@ -303,8 +318,16 @@ class CartCommunicator(Communicator):
         return self.rank_of([c + o for c, o in zip(self.coords, offset)])
 
     def shift(self, direction: int, disp: int = 1) -> tuple[int, int]:
-        """``(source, dest)`` ranks for a shift along ``direction`` (``MPI_Cart_shift``)."""
-        return self.mpi_comm.Shift(direction, disp)
+        """``(source, dest)`` ranks for a shift along ``direction`` (``MPI_Cart_shift``).
+
+        Raises:
+            InvalidArgument: ``direction`` is not in ``[0, ndim)`` or ``disp`` not an int.
+        """
+        if (isinstance(direction, bool) or not isinstance(direction, (int, np.integer))
+                or not 0 <= direction < self.ndim or isinstance(disp, bool) or not isinstance(disp, (int, np.integer))):
+            raise InvalidArgument(f"direction {direction!r} must be an int in [0, {self.ndim}) and disp {disp!r} "
+                                  "an int", rank=self.rank, op="shift")
+        return self.mpi_comm.Shift(int(direction), int(disp))
 
 
 def compute_dims(nnodes: int, dims: Sequence[int] | int) -> tuple[int, ...]:

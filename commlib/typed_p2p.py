@@ -17,39 +17,49 @@ import numpy as np
 from commlib.core import devmem
 from commlib.core.buffer import as_buffer
 from commlib.core.config import config
-from commlib.core.errors import DatatypeError
+from commlib.core.errors import CommError, DatatypeError
 from commlib.datatypes import as_datatype, pack, plan_for, unpack
 from commlib.datatypes import strategy as _strategy
 from commlib.datatypes.strategy import default_model
-from commlib.transports.base import CompletedRequest, Request, Wire
+from commlib.transports.base import CompletedRequest, Request, Wire, check_plain_dtype
 from commlib.transports.mpi import ANY_SOURCE, ANY_TAG, PROC_NULL
 
-__all__ = ["typed_send", "typed_recv", "typed_isend", "typed_irecv", "locality_of", "resolve"]
+__all__ = ["typed_send", "typed_recv", "typed_isend", "typed_irecv", "typed_sendrecv", "locality_of", "resolve"]
 
 
-def resolve(comm, buf, datatype, count, op):
+def resolve(comm, buf, datatype, count, op, receive: bool = False):
     """Validate ``(buf, datatype, count)``; returns ``(Buffer, commlib type, plan)``.
 
+    Args:
+        receive: True for a receive (the messages then say nothing was posted).
+
     Raises:
-        DatatypeError: the datatype is unusable or ``count`` elements do not fit
+        DatatypeError: the datatype is unusable (null, freed, uncommitted, or
+            any error MPI reports reading it) or ``count`` elements do not fit
             ``buf`` (bytes touched outside it); raised before any byte moves.
+        InvalidArgument: ``buf``'s dtype holds references (``dtype=object``).
         BufferError: ``buf`` is not contiguous in memory.
     """
+    nothing = "no receive was posted" if receive else "nothing was sent"
     try:
         t = as_datatype(datatype, op)
-    except DatatypeError as exc:
-        raise DatatypeError(exc.detail, rank=comm.rank, op=op) from None
-    if not isinstance(count, (int, np.integer)) or count < 0:
-        raise DatatypeError(f"count must be a non-negative int, got {count!r}", rank=comm.rank, op=op)
+    except CommError as exc:
+        raise DatatypeError(f"{exc.detail}; {nothing}", rank=comm.rank, op=op) from None
+    except Exception as exc:  # noqa: BLE001 - MPI's own error reading a stale handle (MPI_ERR_INTERN...)
+        raise DatatypeError(f"datatype {datatype!r} cannot be read ({type(exc).__name__}: {exc}; a freed or "
+                            f"invalid handle?); {nothing}", rank=comm.rank, op=op) from None
+    if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
+        raise DatatypeError(f"count must be a non-negative int, got {count!r}; {nothing}", rank=comm.rank, op=op)
     b = as_buffer(buf, op=op, rank=comm.rank)
+    check_plain_dtype(b.dtype, comm.rank, op)
     if not b.dense:
-        raise DatatypeError("buffer must be contiguous in memory; the datatype describes the layout",
+        raise DatatypeError(f"buffer must be contiguous in memory; the datatype describes the layout; {nothing}",
                             rank=comm.rank, op=op)
     p = plan_for(t, int(count))
     if p.nbytes and (p.lo < 0 or p.hi > b.nbytes):
         raise DatatypeError(
-            f"{count} element(s) of {t!r} touch bytes [{p.lo}, {p.hi}) but the buffer holds {b.nbytes}; "
-            "nothing was sent", rank=comm.rank, op=op)
+            f"{count} element(s) of {t!r} touch bytes [{p.lo}, {p.hi}) but the buffer holds {b.nbytes}; {nothing}",
+            rank=comm.rank, op=op)
     return b, t, p
 
 
@@ -113,7 +123,7 @@ def _prepare(comm, buf, peer, datatype, count, strategy, op, receive):
     type, plan, strategy)``, or None for ``PROC_NULL``.  The peer is checked
     first, so a bad rank is refused before anything is packed."""
     comm.transport._check_peer(peer, "source" if receive else "dest", op)
-    b, t, p = resolve(comm, buf, datatype, count, op)
+    b, t, p = resolve(comm, buf, datatype, count, op, receive)
     if peer == PROC_NULL:
         return None
     return b, t, p, _choose(comm, b, t, count, peer, strategy)
@@ -199,3 +209,31 @@ def typed_recv(comm, buf, source, datatype, count=1, tag=ANY_TAG, strategy=None)
         comm.transport.recv(got[0], source, tag)
         if got[1] is not None:
             got[1]()
+
+
+def typed_sendrecv(comm, sendbuf, dest, recvbuf, source, sendtag, recvtag, sendtype=None, sendcount=1,
+                   recvtype=None, recvcount=1, strategy=None) -> None:
+    """``sendrecv`` where either side has a datatype (the other, if None, sends
+    or receives the buffer's bytes).  Both sides are validated (and the send
+    packed) before either message is posted, so a bad argument on one side
+    leaves no receive or send behind."""
+    op = "sendrecv"
+    tp = comm.transport
+    if recvtype is not None:
+        got = _recv_wire(comm, recvbuf, source, recvtype, recvcount, strategy, op)
+        rwire, done = got if got is not None else (None, None)
+    else:
+        tp.check(recvbuf, source, op, receive=True)
+        rwire, done = recvbuf, None
+    if sendtype is not None:
+        swire = _send_wire(comm, sendbuf, dest, sendtype, sendcount, strategy, op)
+    else:
+        tp.check(sendbuf, dest, op)
+        swire = sendbuf
+    reqs = []
+    if rwire is not None and source != PROC_NULL:
+        r = tp.irecv(rwire, source, recvtag)
+        reqs.append(r if done is None else r.then(done))
+    if swire is not None and dest != PROC_NULL:
+        reqs.append(tp.isend(swire, dest, sendtag))
+    tp.waitall(reqs, op=op)

@@ -40,10 +40,34 @@ from abc import ABC, abstractmethod
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, NamedTuple, Sequence
 
-from commlib.core.errors import CommTimeout
+from commlib.core.errors import CommTimeout, InvalidArgument
 from commlib.core.tags import USER_TAG_MAX, TagAllocator
 
-__all__ = ["Request", "CompletedRequest", "FutureRequest", "Transport", "Wire", "wait_all"]
+__all__ = ["Request", "CompletedRequest", "FutureRequest", "Transport", "Wire", "wait_all", "check_plain_dtype"]
+
+
+def check_plain_dtype(dtype, rank, op: str, what: str = "buffer") -> None:
+    """Refuse elements that are not plain bytes: the one check of what can travel.
+
+    A dtype with references (``dtype=object``, or a structured dtype with an
+    object field: ``numpy.dtype.hasobject``) holds Python object pointers; sent
+    as bytes they would be dangling addresses on the receiver (which crashes
+    reading them).  Every collective (through its argument agreement, so every
+    rank raises), every point-to-point call (before a send or receive is
+    posted) and the halo exchange call this.
+
+    Args:
+        dtype: a numpy dtype (or anything with ``.hasobject``; None passes).
+        rank, op: for the message.
+        what: the argument's name (``"sendbuf"``...).
+
+    Raises:
+        InvalidArgument: ``dtype`` holds references.
+    """
+    if dtype is not None and getattr(dtype, "hasobject", False):
+        raise InvalidArgument(f"{what} has dtype {dtype}, which holds Python object pointers (references) that "
+                              "cannot be sent; use a numeric dtype, or pickle the objects into a uint8 array",
+                              rank=rank, op=op)
 
 
 class Wire(NamedTuple):

@@ -27,7 +27,7 @@ from commlib.core.buffer import Buffer, as_buffer
 from commlib.core.device import cuda_aware
 from commlib.core.errors import BufferError, CommError, CommTimeout, InvalidArgument
 
-from .base import CompletedRequest, Request, Transport, Wire
+from .base import CompletedRequest, Request, Transport, Wire, check_plain_dtype
 from .failures import mpi_failed_ranks, raise_classified, to_comm_error
 
 _BYTE = MPI.BYTE
@@ -188,15 +188,30 @@ class MPITransport(Transport):
         if peer == MPI.PROC_NULL or (what == "source" and peer == MPI.ANY_SOURCE):
             return
         if not isinstance(peer, (int, np.integer)) or not 0 <= peer < self._size:
-            raise InvalidArgument(f"{what} {peer} out of range [0, {self._size})", rank=self._rank, op=op)
+            raise InvalidArgument(f"{what} {peer!r} out of range [0, {self._size})", rank=self._rank, op=op)
 
     def _wrap(self, buf, op: str) -> Buffer:
         b = as_buffer(buf, op=op, rank=self._rank)
+        check_plain_dtype(b.dtype, self._rank, op)
         if not b.dense:
             raise BufferError(
                 "buffer is not contiguous; pass datatype= or a contiguous array", rank=self._rank, op=op
             )
         return b
+
+    def check(self, buf, peer: int, op: str, receive: bool = False) -> None:
+        """Validate one side of a point-to-point call without posting anything
+        (``sendrecv`` checks both sides before either is posted).
+
+        Raises:
+            InvalidArgument: ``peer`` out of range, or a dtype with references.
+            BufferError: ``buf`` is not a usable contiguous buffer.
+        """
+        self._check_peer(peer, "source" if receive else "dest", op)
+        if isinstance(buf, Wire):
+            check_plain_dtype(as_buffer(buf.obj, op=op, rank=self._rank).dtype, self._rank, op)
+        else:
+            self._wrap(buf, op)
 
     def _spec(self, buf, op: str, receive: bool):
         """``(MPI buffer spec, keep-alive, on_complete)`` for ``buf`` (array or
@@ -206,6 +221,7 @@ class MPITransport(Transport):
             obj, count, dt = buf
             mdt = _BYTE if dt == "byte" else MPI.PACKED if dt == "packed" else dt
             b = as_buffer(obj, op=op, rank=self._rank)
+            check_plain_dtype(b.dtype, self._rank, op)
             if b.is_device and not self.cuda_aware:
                 if not isinstance(dt, str):
                     raise BufferError("an MPI datatype over device memory needs CUDA-aware MPI",
@@ -244,10 +260,13 @@ class MPITransport(Transport):
 
     # --------------------------------------------------------------- contract
     def isend(self, buf, dest: int, tag: int = 0) -> Request:
-        if type(buf) is np.ndarray and buf.flags.c_contiguous and 0 <= dest < self._size:
+        if type(buf) is np.ndarray and buf.flags.c_contiguous and 0 <= dest < self._size and not buf.dtype.hasobject:
             # fast path (collectives' hot loop): host, C-contiguous; every
             # microsecond here is paid once per rank along a ring's critical path
-            return MPIRequest(self.comm.Isend([buf, _BYTE], dest, tag), keep=buf, rank=self._rank)
+            try:
+                return MPIRequest(self.comm.Isend([buf, _BYTE], dest, tag), keep=buf, rank=self._rank)
+            except MPI.Exception as exc:
+                raise_classified(exc, (), self._rank, "isend")
         op = "isend"
         self._check_peer(dest, "dest", op)
         spec, keep, _ = self._spec(buf, op, False)
@@ -259,8 +278,12 @@ class MPITransport(Transport):
             raise_classified(exc, (), self._rank, op)
 
     def irecv(self, buf, source: int, tag: int = 0) -> Request:
-        if type(buf) is np.ndarray and buf.flags.c_contiguous and buf.flags.writeable and 0 <= source < self._size:
-            return MPIRequest(self.comm.Irecv([buf, _BYTE], source, tag), keep=buf, rank=self._rank)  # as isend
+        if (type(buf) is np.ndarray and buf.flags.c_contiguous and buf.flags.writeable and 0 <= source < self._size
+                and not buf.dtype.hasobject):
+            try:  # as isend
+                return MPIRequest(self.comm.Irecv([buf, _BYTE], source, tag), keep=buf, rank=self._rank)
+            except MPI.Exception as exc:
+                raise_classified(exc, (), self._rank, "irecv")
         op = "irecv"
         self._check_peer(source, "source", op)
         spec, keep, done = self._spec(buf, op, True)
@@ -275,10 +298,10 @@ class MPITransport(Transport):
         op = "send"
         self._check_peer(dest, "dest", op)
         spec, _, _ = self._spec(buf, op, False)
-        if self.fault_tolerant:
-            self._complete([self.comm.Isend(spec, dest, tag)], op)
-            return
         try:
+            if self.fault_tolerant:
+                self._complete([self.comm.Isend(spec, dest, tag)], op)
+                return
             self.comm.Send(spec, dest, tag)
         except MPI.Exception as exc:
             raise_classified(exc, (), self._rank, op)
@@ -300,20 +323,21 @@ class MPITransport(Transport):
     def sendrecv(self, sendbuf, dest: int, recvbuf, source: int, sendtag: int = 0, recvtag: int = 0) -> None:
         if (type(sendbuf) is np.ndarray and type(recvbuf) is np.ndarray and sendbuf.flags.c_contiguous
                 and recvbuf.flags.c_contiguous and recvbuf.flags.writeable
-                and 0 <= dest < self._size and 0 <= source < self._size):
+                and 0 <= dest < self._size and 0 <= source < self._size
+                and not sendbuf.dtype.hasobject and not recvbuf.dtype.hasobject):
             # fast path (one step of a collective): host, C-contiguous, one MPI call
-            if not self.fault_tolerant:
-                try:
+            try:
+                if not self.fault_tolerant:
                     self.comm.Sendrecv([sendbuf, _BYTE], dest, sendtag, [recvbuf, _BYTE], source, recvtag)
-                except MPI.Exception as exc:
-                    raise_classified(exc, (), self._rank, "sendrecv")
-            else:  # explicit requests (see Transport.fault_tolerant)
-                self._complete([self.comm.Irecv([recvbuf, _BYTE], source, recvtag),
-                                self.comm.Isend([sendbuf, _BYTE], dest, sendtag)], "sendrecv")
+                else:  # explicit requests (see Transport.fault_tolerant)
+                    self._complete([self.comm.Irecv([recvbuf, _BYTE], source, recvtag),
+                                    self.comm.Isend([sendbuf, _BYTE], dest, sendtag)], "sendrecv")
+            except MPI.Exception as exc:
+                raise_classified(exc, (), self._rank, "sendrecv")
             return
         op = "sendrecv"
-        self._check_peer(dest, "dest", op)
-        self._check_peer(source, "source", op)
+        self.check(recvbuf, source, op, receive=True)  # both sides before either is posted
+        self.check(sendbuf, dest, op)
         self.waitall([self.irecv(recvbuf, source, recvtag), self.isend(sendbuf, dest, sendtag)], op=op)
 
     # ------------------------------------------------- persistent requests
@@ -374,7 +398,10 @@ class MPITransport(Transport):
         self._raw_lists.clear()
         for r in requests:
             if r.req != MPI.REQUEST_NULL:
-                r.req.Free()
+                try:
+                    r.req.Free()
+                except MPI.Exception as exc:
+                    raise_classified(exc, (), self._rank, "free_requests")
 
     # ------------------------------------------------------------ completion
     def waitall(self, requests, timeout: float | None = None, op: str = "waitall") -> None:
@@ -547,7 +574,10 @@ class MPITransport(Transport):
 
     def set_errors_return(self) -> None:
         """Errors on this communicator come back as exceptions (``MPI_ERRORS_RETURN``)."""
-        self.comm.Set_errhandler(MPI.ERRORS_RETURN)
+        try:
+            self.comm.Set_errhandler(MPI.ERRORS_RETURN)
+        except MPI.Exception as exc:
+            raise_classified(exc, (), self._rank, "set_errors_return")
 
     def world_ranks(self, ranks=None) -> tuple[int, ...]:
         """``COMM_WORLD`` ranks of ``ranks`` of this group (default: every rank)."""
@@ -557,6 +587,8 @@ class MPITransport(Transport):
         g, w = self.comm.Get_group(), MPI.COMM_WORLD.Get_group()
         try:
             return tuple(int(x) for x in MPI.Group.Translate_ranks(g, ranks, w))
+        except MPI.Exception as exc:
+            raise_classified(exc, (), self._rank, "world_ranks")
         finally:
             g.Free()
             w.Free()

@@ -1,0 +1,232 @@
+"""Bad input gets a clear error on every rank, fast, and leaves things usable.
+
+Each case: every rank raises a :class:`commlib.CommError` subclass whose
+message names the rank and the call, within 1 s; the caller's arrays are
+unchanged; the communicator still works afterwards (an argument error moves
+no byte).  Collectives refuse through their argument agreement, so a rank
+with good arguments raises too; point-to-point calls refuse on the caller
+before a send or receive is posted.
+"""
+import time
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import commlib
+from commlib import datatypes as dt
+from commlib.core.errors import CommError, DatatypeError, InvalidArgument
+
+BOUND = 1.0  # seconds: every refusal
+
+
+@pytest.fixture(scope="module")
+def comm():
+    c = commlib.init().dup()
+    yield c
+    c.free()
+
+
+@pytest.fixture(scope="module")
+def ftcomm():
+    c = commlib.init(fault_tolerant=True, timeout=20)
+    yield c
+
+
+def _objects(n):
+    a = np.empty(n, dtype=object)
+    for i in range(n):
+        a[i] = ("x", i)
+    return a
+
+
+def _refused(comm, fn, match=None, cls=CommError):
+    """Run ``fn`` expecting a ``cls`` naming this rank within BOUND seconds; returns the error."""
+    t0 = time.perf_counter()
+    with pytest.raises(cls) as ei:
+        fn()
+    took = time.perf_counter() - t0
+    msg = str(ei.value)
+    assert f"rank {comm.rank}" in msg, msg
+    assert ei.value.rank == comm.rank
+    if match:
+        assert match in msg, msg
+    assert took < BOUND, (msg, took)
+    return ei.value
+
+
+def _still_usable(comm):
+    out = comm.allreduce(np.ones(3))
+    assert np.array_equal(out, np.full(3, float(comm.size)))
+    nxt, prv = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    got = np.zeros(2, np.int64)
+    comm.sendrecv(np.array([comm.rank, 7], np.int64), nxt, got, prv, sendtag=3, recvtag=3)
+    assert got.tolist() == [prv, 7]  # the next message is the right one: nothing stray was sent
+
+
+# ------------------------------------------------------- what cannot travel
+_OBJ_DTYPES = {"object": None, "struct-with-object": np.dtype([("a", "f8"), ("b", object)])}
+
+
+def _bad_array(kind, n):
+    if kind == "object":
+        return _objects(n)
+    a = np.zeros(n, _OBJ_DTYPES[kind])
+    for i in range(n):
+        a[i]["b"] = [i]
+    return a
+
+
+COLLECTIVES = {
+    "allreduce": lambda c, a: c.allreduce(a),
+    "allreduce-out": lambda c, a: c.allreduce(a, a.copy()),
+    "reduce_scatter": lambda c, a: c.reduce_scatter(a),
+    "allgather": lambda c, a: c.allgather(a),
+    "bcast": lambda c, a: c.bcast(a),
+    "bcast-mpi": lambda c, a: c.bcast(a, algorithm="mpi"),
+    "alltoall": lambda c, a: c.alltoall(a),
+    "iallgather": lambda c, a: c.iallgather(a, None).wait(),
+    "ibcast": lambda c, a: c.ibcast(a).wait(),
+}
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", list(_OBJ_DTYPES))
+@pytest.mark.parametrize("who", ["all", "rank0"])
+@pytest.mark.parametrize("name", list(COLLECTIVES))
+def test_collective_refuses_references_everywhere(comm, name, who, kind):
+    n = 2 * comm.size
+    bad = who == "all" or comm.rank == 0
+    a = _bad_array(kind, n) if bad else np.arange(n, dtype=np.float64)
+    keep = a.copy()
+    _refused(comm, lambda: COLLECTIVES[name](comm, a), cls=InvalidArgument)
+    assert all(x is y or x == y for x, y in zip(a.tolist(), keep.tolist()))  # untouched
+    _still_usable(comm)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["allreduce", "allgather", "bcast", "alltoall", "reduce_scatter"])
+def test_fault_tolerant_collective_refuses_references(ftcomm, name):
+    a = _objects(2 * ftcomm.size) if ftcomm.rank == ftcomm.size - 1 else np.ones(2 * ftcomm.size)
+    _refused(ftcomm, lambda: COLLECTIVES[name](ftcomm, a), cls=InvalidArgument)
+    assert np.array_equal(ftcomm.allreduce(np.ones(2)), np.full(2, float(ftcomm.size)))
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("c", ["plain", "ft"])
+def test_sendrecv_resilient_refuses_on_every_rank(comm, ftcomm, c):
+    cm = comm if c == "plain" else ftcomm
+    n, r = cm.size, cm.rank
+    send = _objects(4) if r == 0 else np.ones(4)
+    recv = np.zeros(4)
+    _refused(cm, lambda: cm.sendrecv_resilient(send, (r + 1) % n, recv, (r - 1) % n), cls=InvalidArgument)
+    assert not recv.any()
+    got = np.zeros(4)
+    cm.sendrecv_resilient(np.full(4, float(r)), (r + 1) % n, got, (r - 1) % n)
+    assert np.array_equal(got, np.full(4, float((r - 1) % n)))
+
+
+P2P = {
+    "send": lambda c, a, nxt, prv: c.send(a, nxt),
+    "isend": lambda c, a, nxt, prv: c.isend(a, nxt),
+    "recv": lambda c, a, nxt, prv: c.recv(a, prv),
+    "irecv": lambda c, a, nxt, prv: c.irecv(a, prv),
+    "sendrecv-send": lambda c, a, nxt, prv: c.sendrecv(a, nxt, np.zeros(a.shape), prv),
+    "sendrecv-recv": lambda c, a, nxt, prv: c.sendrecv(np.zeros(a.shape), nxt, a, prv),
+    "typed-send": lambda c, a, nxt, prv: c.send(a, nxt, datatype=dt.Contiguous(2, np.float64)),
+    "typed-irecv": lambda c, a, nxt, prv: c.irecv(a, prv, datatype=dt.Contiguous(2, np.float64)),
+    "typed-sendrecv-send": lambda c, a, nxt, prv: c.sendrecv(a, nxt, np.zeros(4), prv,
+                                                              sendtype=dt.Contiguous(2, np.float64)),
+    "typed-sendrecv-recv": lambda c, a, nxt, prv: c.sendrecv(np.zeros(4), nxt, a, prv,
+                                                              recvtype=dt.Contiguous(2, np.float64)),
+    "mpi-type-send": lambda c, a, nxt, prv: c.send(a, nxt, datatype=MPI.DOUBLE, count=2),
+    "transport-isend": lambda c, a, nxt, prv: c.transport.isend(a, nxt),
+    "transport-irecv": lambda c, a, nxt, prv: c.transport.irecv(a, prv),
+}
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", list(_OBJ_DTYPES))
+@pytest.mark.parametrize("name", list(P2P))
+def test_point_to_point_refuses_references_before_posting(comm, name, kind):
+    n, r = comm.size, comm.rank
+    a = _bad_array(kind, 4)
+    keep = a.copy()
+    _refused(comm, lambda: P2P[name](comm, a, (r + 1) % n, (r - 1) % n), match="object", cls=InvalidArgument)
+    assert all(x is y or x == y for x, y in zip(a.tolist(), keep.tolist()))
+    _still_usable(comm)  # no receive was left posted (it would steal this message), no send went out
+
+
+# ------------------------------------------------ raw MPI errors, messages
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("call", ["recv", "irecv", "send", "isend", "sendrecv"])
+@pytest.mark.parametrize("tag", [-5, -2, 2 ** 40, "x", 1.5])
+def test_bad_tags_name_the_rank(comm, call, tag):
+    n, r = comm.size, comm.rank
+    a = np.zeros(4)
+    fn = {"recv": lambda: comm.recv(a, (r - 1) % n, tag=tag),
+          "irecv": lambda: comm.irecv(a, (r - 1) % n, tag=tag),
+          "send": lambda: comm.send(a, (r + 1) % n, tag=tag),
+          "isend": lambda: comm.isend(a, (r + 1) % n, tag=tag),
+          "sendrecv": lambda: comm.sendrecv(a, (r + 1) % n, a.copy(), (r - 1) % n, recvtag=tag)}[call]
+    e = _refused(comm, fn, cls=InvalidArgument)
+    assert e.op == call
+    _still_usable(comm)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("call", ["send", "recv", "isend", "irecv"])
+def test_stale_datatype_handle_is_a_datatype_error(comm, call):
+    n, r = comm.size, comm.rank
+    t = MPI.DOUBLE.Create_contiguous(2).Commit()
+    other = MPI.Datatype.fromhandle(t.handle)  # a second Python handle to the same type
+    t.Free()
+    a = np.zeros(4)
+    peer = (r + 1) % n if call in ("send", "isend") else (r - 1) % n
+    for handle in (t, other):
+        e = _refused(comm, lambda: getattr(comm, call)(a, peer, datatype=handle), cls=DatatypeError)
+        assert e.op == call
+        assert "freed" in str(e)
+    _still_usable(comm)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(60)
+def test_too_big_datatype_messages_say_what_did_not_happen(comm):
+    n, r = comm.size, comm.rank
+    a = np.zeros(4)
+    big = dt.Contiguous(100, np.float64)
+    e = _refused(comm, lambda: comm.recv(a, (r - 1) % n, datatype=big), cls=DatatypeError)
+    assert "no receive was posted" in str(e) and "sent" not in str(e)
+    e = _refused(comm, lambda: comm.irecv(a, (r - 1) % n, datatype=big), cls=DatatypeError)
+    assert "no receive was posted" in str(e)
+    e = _refused(comm, lambda: comm.send(a, (r + 1) % n, datatype=big), cls=DatatypeError)
+    assert "nothing was sent" in str(e)
+    e = _refused(comm, lambda: comm.sendrecv(a, (r + 1) % n, a.copy(), (r - 1) % n, recvtype=big),
+                 cls=DatatypeError)
+    assert "no receive was posted" in str(e)
+    _still_usable(comm)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(60)
+def test_bad_peers_and_cartesian_queries(comm):
+    a = np.zeros(2)
+    for peer in (comm.size, -7, "x", 1.5):
+        _refused(comm, lambda: comm.send(a, peer), cls=InvalidArgument)
+        _refused(comm, lambda: comm.recv(a, peer), cls=InvalidArgument)
+    cart = comm.cart_create([comm.size], periods=True)
+    try:
+        _refused(cart, lambda: cart.coords_of(comm.size + 3), cls=InvalidArgument)
+        _refused(cart, lambda: cart.shift(5), cls=InvalidArgument)
+        _refused(cart, lambda: cart.rank_of([0, 0, 0]), cls=InvalidArgument)
+        assert cart.coords_of(cart.rank) == cart.coords
+    finally:
+        cart.free()
+    _still_usable(comm)

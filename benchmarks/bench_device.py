@@ -298,7 +298,7 @@ class Bench:
                 self.t.add(group, name, "x memcpy", t_copy / t_ours, mem_target,
                            detail="" if mem_target else "(target only from 8 MiB packed, blocks >= 256 B)",
                            status=st)
-                del packers, views, src, chunks, out
+                packers = views = src = chunks = out = None  # free the device memory before the next case
             except Exception as exc:  # noqa: BLE001 - report and go on
                 self.t.error(group, name, exc)
         arrays.clear()
@@ -452,7 +452,7 @@ class Bench:
                            status=None if ok else "MISMATCH",
                            detail=f"commlib {t_ours * 1e3:.3f} ms, baseline {t_base * 1e3:.3f} ms; "
                                   f"{'results allclose' if ok else 'MISMATCH'}")
-                del a, b, b2
+                a = b = b2 = None
             except Exception as exc:  # noqa: BLE001
                 self.t.error(group, name, exc)
 
@@ -503,7 +503,7 @@ class Bench:
                 t_mc = self.gpu_time([lambda: cp.cuda.runtime.memcpyAsync(y.data.ptr, x.data.ptr, x.nbytes, 3,
                                                                            cp.cuda.get_current_stream().ptr)])
                 bw = 2 * x.nbytes / min(t_el, t_mc)  # bytes read + written per second
-                del x, y
+                x = y = None
                 cp.get_default_memory_pool().free_all_blocks()
                 roof = bw / 16 / 1e9  # GLUPS
                 self.t.add(group, name, "roofline GLUPS", roof, None, unit="",
@@ -527,7 +527,7 @@ class Bench:
 
                 t_step = self.gpu_time([one] * 10, repeat=max(3, self.args.heat_steps // 10), warmup=2)
                 g_slice = n ** 3 / t_step / 1e9
-                del u, un, pair
+                u = un = pair = None
                 cp.get_default_memory_pool().free_all_blocks()
                 self.t.add(group, name, "cupy-slice GLUPS", g_slice, None, unit="",
                            detail=f"{slice_src}, CUDA events, median")

@@ -21,6 +21,7 @@ import numpy as np
 from numba import config, cuda
 
 from commlib.core.buffer import Buffer, as_buffer, cupy_usable
+from commlib.core.config import config as _config
 from commlib.core.errors import BufferError, DatatypeError
 
 from ._launch import team_lg
@@ -33,8 +34,9 @@ _THREADS = 32 if _SIM else 256
 
 
 def use_cuda_kernels() -> bool:
-    """True when the CUDA C kernels (CuPy) run; False for the numba kernels."""
-    return not _SIM and cupy_usable()
+    """True when the CUDA C kernels (CuPy) run; False for the numba kernels
+    (no CuPy, the simulator, or ``COMMLIB_DEVICE_KERNELS=numba``)."""
+    return not _SIM and _config.device_kernels != "numba" and cupy_usable()
 
 
 # --------------------------------------------------------------- numba kernels

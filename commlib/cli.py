@@ -223,7 +223,38 @@ def main(argv=None) -> int:
                        help="contiguous block lengths in bytes")
     p_cal.add_argument("--repeat", type=int, default=20, help="round trips per point (best is kept)")
     p_cal.add_argument("--device", action="store_true", help="also measure device strategies (needs a GPU)")
+    p_master = sub.add_parser(
+        "master",
+        help="run the master of an elastic job (membership, heartbeats, epochs; blocks, Ctrl-C stops)",
+        description="Run the master of an elastic job (commlib.elastic): peers connect with "
+                    "commlib.elastic.connect('HOST:PORT', secret_file=F). The master keeps membership, admits "
+                    "joiners at step boundaries, declares a silent peer dead after --heartbeat-timeout seconds, "
+                    "and decides every all-reduce's outcome. Every connection authenticates with HMAC-SHA256 "
+                    "over the shared secret before anything else; a wrong secret gets a closed connection. "
+                    "Blocks until Ctrl-C.",
+    )
+    p_master.add_argument("--bind", default="127.0.0.1:29500", metavar="HOST:PORT",
+                          help="address to listen on (default 127.0.0.1:29500; 0.0.0.0:PORT for every interface)")
+    p_master.add_argument("--secret-file", metavar="F",
+                          help="file holding the shared secret (at least 16 bytes; default: the "
+                               "COMMLIB_ELASTIC_SECRET environment variable)")
+    p_master.add_argument("--heartbeat-timeout", type=_seconds, default=2.0, metavar="SECONDS",
+                          help="silence after which a peer is declared dead (default 2)")
+    p_master.add_argument("--encrypt", action="store_true",
+                          help="seal every frame with AES-GCM (peers must pass encrypt=True)")
     args = parser.parse_args(argv)
+    if args.cmd == "master":
+        from commlib import elastic
+
+        try:
+            master = elastic.Master(bind=args.bind, secret_file=args.secret_file,
+                                    heartbeat_timeout=args.heartbeat_timeout, encrypt=args.encrypt).start()
+        except (commlib.CommError, OSError) as exc:
+            print(f"commlib master: {exc}", file=sys.stderr)
+            return 1
+        print(f"commlib master listening on {master.address}", flush=True)
+        master.serve_forever()
+        return 0
     if args.cmd == "calibrate":
         comm = commlib.init()
         rec = calibrate(comm, args.sizes, args.blocks, repeat=args.repeat, device=args.device,

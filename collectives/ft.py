@@ -211,14 +211,25 @@ def recover(comm) -> tuple:
         raise InvalidArgument("recover() needs commlib.init(fault_tolerant=True) under ULFM",
                               rank=comm.rank, op="recover")
     tp = comm.collective_transport()
-    tp.revoke()
-    _dbg(comm, "recover: agree")
+    wd = _watchdog()
+    w = None
+    if wd is not None:  # every step bounded: a wedged MPI fails this rank
+        w = _Watch(tp, "recover", comm.rank, time.monotonic())
+        wd.step(w, "revoke", config.ft_grace)
     try:
-        tp.agree(0)
-    except CommError:
-        tp.ack_failed()
+        tp.revoke()
+        _dbg(comm, "recover: agree")
+        if wd is not None:
+            wd.step(w, "agree", _waiting_bound(ft))
+        try:
+            tp.agree(0)
+        except CommError:
+            tp.ack_failed()
+    finally:
+        if wd is not None:
+            wd.disarm(w)
     bound_finalize_at_exit()
-    lost, _ = comm.shrink(tp)
+    lost, _ = _shrink(comm, tp, wd, w, ft)
     _dbg(comm, "recover: shrunk, lost", lost)
     return lost
 
@@ -271,71 +282,260 @@ class LazySnapshot:
         self.ranges.clear()
 
 
-class _Watchdog:
-    """Revokes a communicator whose collective attempt outlives its deadline.
+FAILSTOP_EXIT_STATUS = 70
+"""Exit status of a rank the watchdog ends because MPI stopped making progress
+(``EX_SOFTWARE`` of sysexits.h); see :class:`_Watchdog` and docs/FAULTS.md."""
 
-    One daemon thread per process, woken only when an armed deadline is
-    earlier than the time it sleeps towards, so arming and disarming around
-    every call costs two lock round trips and no thread switch (the thread
-    itself wakes about once per ``timeout``).  This lets a
-    ULFM-mode attempt run its steps without deadlines of their own (as cheap
-    as a plain collective's) and still end within ``timeout`` when a peer is
-    alive but stalled.  Needs ``MPI_THREAD_MULTIPLE`` (``MPIX_Comm_revoke`` from this
-    thread while the caller is inside MPI).
+
+class _Watch:
+    """One armed fault-tolerant call: the thread running it, its current
+    blocking step and that step's deadlines (``time.monotonic()`` seconds).
+
+    ``soft``: revoke (an attempt only; None once fired); ``hard``: the step's
+    bound, past which a thread that used no CPU since the last check is stuck
+    inside a blocking call; ``cap``: the bound even for a thread that still
+    spins (waiting for a peer the watchdog of which will fail it first);
+    ``check``: when the watchdog next samples the thread's CPU time.
     """
 
-    def __init__(self):
+    __slots__ = ("tp", "op", "rank", "step", "start", "step_start", "soft", "hard", "cap", "check",
+                 "clock", "mark", "fired", "grace")
+
+    def __init__(self, tp, op, rank, now):
+        self.tp, self.op, self.rank = tp, op, rank
+        self.start = self.step_start = now
+        self.step = "attempt"
+        self.soft = self.hard = self.cap = self.check = self.mark = None
+        self.clock = _thread_clock()
+        self.fired = False
+        self.grace = config.ft_grace
+
+    def bound(self, now, hard, grace):
+        """Set the step's hard bound ``hard`` seconds from ``now`` (None: none)."""
+        self.mark = None
+        if hard is None or hard <= 0 or grace <= 0:
+            self.hard = self.cap = self.check = None
+            return
+        self.hard = now + hard
+        self.cap = self.hard + 2 * grace
+        self.check = max(now, self.hard - grace)  # first CPU sample, a grace before the bound
+
+    def due(self):
+        d = self.soft
+        if self.check is not None and (d is None or self.check < d):
+            d = self.check
+        return d
+
+
+_CLOCKS: dict = {}
+_IDLE_CPU_S = 0.01  # CPU seconds over a grace below which a thread counts as blocked
+
+
+def _thread_clock():
+    """The calling thread's CPU-time clock id (None where there is none)."""
+    ident = threading.get_ident()
+    c = _CLOCKS.get(ident, False)
+    if c is False:
+        try:
+            c = time.pthread_getcpuclockid(ident)
+        except (AttributeError, OSError):
+            c = None
+        if len(_CLOCKS) > 256:
+            _CLOCKS.clear()
+        _CLOCKS[ident] = c
+    return c
+
+
+def _cpu(clock):
+    if clock is None:
+        return None
+    try:
+        return time.clock_gettime(clock)
+    except OSError:
+        return None
+
+
+class _Watchdog:
+    """Bounds every blocking step of the fault-tolerant calls of this process.
+
+    One daemon thread per process watches every armed call (:class:`_Watch`;
+    several threads may run fault-tolerant calls at once, e.g. a non-blocking
+    collective's worker).  With ``T`` = ``timeout`` and ``G`` =
+    ``COMMLIB_FT_GRACE``:
+
+    - **soft deadline**, ``T`` into an attempt: revoke the call's communicator
+      (``MPIX_Comm_revoke``, from a short-lived helper thread, so that a revoke
+      that blocks cannot stall the watchdog); the survivors' pending
+      operations fail and the attempt ends in ``CommTimeout`` or a retry
+      (NCCL's watchdog idea, on ULFM's revoke);
+    - **hard bound** of each step: an attempt ``T + G``, a revoke ``G``, an
+      agreement or a shrink ``T + 2G`` (they wait for peers, which either
+      join or fail themselves within their own attempt's bound).  A thread
+      still in the step there that used no CPU over the last ``G`` seconds
+      is blocked in the kernel inside a call that should poll (Open MPI
+      busy-polls in every wait): the MPI library stopped making progress, as
+      when Open MPI 5.0's TCP transport deadlocks on its own mutex inside
+      ``MPI_Testall`` and the revoke then blocks on the same mutex
+      (docs/FAULTS.md), or commlib's own code stalled.  A thread that still
+      spins is waiting for a peer (a rank with a pending rendezvous to a
+      wedged peer stays in ``MPI_Testall`` after a revoke until that peer is
+      gone) and gets up to ``2G`` more, the **cap**, so that the stuck rank,
+      not its healthy neighbours, is the one that exits;
+    - **fail-stop**: one line on stderr naming the rank, the call, the step
+      and the elapsed time, then ``os._exit(FAILSTOP_EXIT_STATUS)``.  The hang
+      becomes one more process failure, which the survivors' ULFM recovery
+      handles as any other (they shrink and retry without this rank).
+
+    The watchdog is a Python thread: it needs the GIL, and every MPI call the
+    fault-tolerant path makes releases it (mpi4py calls MPI ``with nogil``;
+    checked for ``Testall``, ``Waitall``, ``Agree``, ``Shrink``, ``Revoke``,
+    ``Dup``, ``Barrier``, ``Allgather`` with a PMPI shim that blocks inside
+    each: docs/FAULTS.md), so a rank stuck inside MPI still runs it.  Arming
+    and disarming cost a lock round trip each and no thread switch (the thread
+    sleeps towards the earliest deadline and is woken only when a new one is
+    earlier).  Revoking needs ``MPI_THREAD_MULTIPLE``.
+
+    Args:
+        exit: called with the message instead of writing it and calling
+            ``os._exit`` (tests).
+    """
+
+    def __init__(self, exit: Callable[[str], None] | None = None):
         self._cv = threading.Condition()
-        self._deadline: float | None = None
-        self._comm = None
-        self._fired = False
+        self._watches: set[_Watch] = set()
         self._wake: float | None = None  # when the thread wakes next
-        self._idle = 60.0  # seconds the thread sleeps while disarmed (the last timeout)
+        self._idle = 60.0  # seconds the thread sleeps while nothing is armed
         self._thread: threading.Thread | None = None
+        self._exit = exit
+        self.failstops = 0
 
-    def arm(self, comm, timeout: float) -> None:
-        """Revoke ``comm`` (a transport) unless :meth:`disarm` comes within ``timeout`` seconds."""
+    def _start_or_notify(self, due) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="commlib-ft-watchdog", daemon=True)
+            self._thread.start()
+        elif due is not None and (self._wake is None or self._wake > due):
+            self._cv.notify()
+
+    def arm(self, tp, timeout: float, op: str = "collective", rank=None,
+            grace: float | None = None) -> _Watch:
+        """Watch an attempt on transport ``tp`` by the calling thread: revoke
+        after ``timeout`` seconds, hard bound ``timeout + grace``."""
+        now = time.monotonic()
+        w = _Watch(tp, op, rank, now)
+        w.grace = config.ft_grace if grace is None else grace
+        w.soft = now + timeout
+        w.bound(now, timeout + w.grace, w.grace)
         with self._cv:
-            self._comm = comm
-            self._deadline = time.monotonic() + timeout
             self._idle = timeout
-            self._fired = False
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="commlib-ft-watchdog", daemon=True)
-                self._thread.start()
-            elif self._wake is None or self._wake > self._deadline:
-                self._cv.notify()
+            self._watches.add(w)
+            self._start_or_notify(w.soft)
+        return w
 
-    def disarm(self) -> bool:
-        """Stop watching; True when the deadline passed (the communicator was revoked)."""
+    def step(self, w: _Watch, step: str, hard: float | None, tp=None) -> bool:
+        """Move ``w`` to a new blocking step with only a hard bound of ``hard``
+        seconds from now (None or 0: unbounded); re-adds a disarmed watch.
+        Returns True when the attempt's soft deadline had passed (the
+        communicator was revoked)."""
+        now = time.monotonic()
         with self._cv:
-            self._deadline = None
-            self._comm = None
-            fired, self._fired = self._fired, False
+            w.step, w.step_start, w.soft = step, now, None
+            if tp is not None:
+                w.tp = tp
+            w.bound(now, hard, w.grace)
+            self._watches.add(w)
+            self._start_or_notify(w.check)
+            return w.fired
+
+    def disarm(self, w: _Watch) -> bool:
+        """Stop watching ``w``; True when its attempt's soft deadline passed
+        (its communicator was revoked)."""
+        with self._cv:
+            self._watches.discard(w)
+            fired, w.fired = w.fired, False
             return fired
 
     def _loop(self) -> None:
         with self._cv:
             while True:
-                if self._deadline is None:
+                now = time.monotonic()
+                due = None
+                for w in self._watches:
+                    d = w.due()
+                    if d is not None and (due is None or d < due):
+                        due = d
+                if due is None:
                     # idle: sleep a timeout's length, not "until notified", so
                     # that the next arm (deadline = now + timeout, later than
                     # this wake) needs no notify and no thread switch
-                    self._wake = time.monotonic() + self._idle
+                    self._wake = now + self._idle
                     self._cv.wait(self._idle)
                     continue
-                now = time.monotonic()
-                if now < self._deadline:
-                    self._wake = self._deadline
-                    self._cv.wait(self._deadline - now)
+                if now < due:
+                    self._wake = due
+                    self._cv.wait(due - now)
                     continue
-                comm, self._comm, self._deadline = self._comm, None, None
-                self._fired = True
-                self._cv.release()
-                try:
-                    comm.revoke()  # the transport's ULFM revoke; never raises
-                finally:
-                    self._cv.acquire()
+                for w in list(self._watches):
+                    if w.soft is not None and now >= w.soft:
+                        w.soft = None
+                        w.fired = True
+                        # revoke from a helper: it may block (a wedged MPI)
+                        # and the hard bound must still be enforced
+                        threading.Thread(target=_revoke_quietly, args=(w.tp,),
+                                         name="commlib-ft-revoke", daemon=True).start()
+                    if w.check is not None and now >= w.check:
+                        self._check(w, now)
+
+    def _check(self, w: _Watch, now: float) -> None:
+        cpu = _cpu(w.clock)
+        if now >= w.cap:
+            self._failstop(w, now, "still waiting")
+        elif now >= w.hard and (cpu is None or (w.mark is not None and cpu - w.mark[1] < _IDLE_CPU_S)):
+            idle = now - w.mark[0] if w.mark is not None else now - w.step_start
+            self._failstop(w, now, f"no CPU time in the last {idle:.1f} s: blocked inside a call")
+        else:  # before the bound, or still spinning: sample again a grace later
+            w.mark = (now, cpu)
+            w.check = min(max(w.hard, now + w.grace), w.cap)
+
+    def _failstop(self, w: _Watch, now: float, why: str) -> None:
+        self._watches.discard(w)
+        w.check = w.soft = None
+        world = "?" if _WORLD_RANK is None else _WORLD_RANK
+        rank = "?" if w.rank is None else w.rank
+        msg = (f"commlib: rank {rank} (COMM_WORLD rank {world}, pid {os.getpid()}) fail-stop: {w.op} stuck in "
+               f"{w.step} for {now - w.step_start:.1f} s, {now - w.start:.1f} s into the call ({why}); exiting "
+               f"with status {FAILSTOP_EXIT_STATUS} so that the survivors recover without this rank "
+               f"(docs/FAULTS.md)")
+        self.failstops += 1
+        if self._exit is not None:
+            self._exit(msg)
+            return
+        try:
+            os.write(2, (msg + "\n").encode())
+            if config.ft_debug:
+                import faulthandler  # noqa: PLC0415
+                faulthandler.dump_traceback(all_threads=True)
+        finally:
+            os._exit(FAILSTOP_EXIT_STATUS)
+
+
+def _revoke_quietly(tp) -> None:
+    try:
+        tp.revoke()  # the transport's ULFM revoke; never raises
+    except Exception:  # noqa: BLE001
+        pass
+
+
+_WORLD_RANK = None  # COMM_WORLD rank, cached: the fail-stop path makes no MPI call
+
+
+def _world_rank():
+    global _WORLD_RANK
+    if _WORLD_RANK is None:
+        try:
+            _WORLD_RANK = MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() and not MPI.Is_finalized() else None
+        except Exception:  # noqa: BLE001
+            pass
+    return "?" if _WORLD_RANK is None else _WORLD_RANK
 
 
 _WATCHDOG: _Watchdog | None = None
@@ -348,8 +548,35 @@ def _watchdog() -> _Watchdog | None:
     if _WATCHDOG is None:
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE or not config.ft_watchdog:
             return None
+        _world_rank()
         _WATCHDOG = _Watchdog()
     return _WATCHDOG
+
+
+def _waiting_bound(ft: "FaultTolerance") -> float:
+    """Hard bound (seconds) of a step that waits for peers (agree, shrink):
+    ``T + 2G``, longer than any peer's attempt bound ``T + G``."""
+    return ft.timeout + 2 * config.ft_grace if config.ft_grace > 0 else 0.0
+
+
+def _shrink(comm, tp, wd, w, ft):
+    """``comm.shrink(tp)`` under the watchdog's hard bound, with the failure
+    callbacks run after it, outside the bound (they are the application's code
+    and may take long or run collectives themselves)."""
+    callbacks = ft.callbacks
+    ft.callbacks = []
+    try:
+        if wd is not None:
+            wd.step(w, "shrink", _waiting_bound(ft))
+        lost_world, kept = comm.shrink(tp)
+    finally:
+        if wd is not None:
+            wd.disarm(w)
+        ft.callbacks = callbacks
+    if lost_world:
+        for cb in list(callbacks):
+            cb(lost_world, comm)
+    return lost_world, kept
 
 
 def run_collective(comm, opname: str, attempt: Callable, restore: Callable | None = None,
@@ -408,13 +635,13 @@ def run_collective(comm, opname: str, attempt: Callable, restore: Callable | Non
     survivors = list(range(comm.size))
     t_fail = None
     wd = _watchdog()
+    grace = config.ft_grace
     while True:
         tp = comm.collective_transport()
         flag = _OK | _NO_BADARG | _NO_ERROR | _NO_TIMEOUT
         result = None
         err: BaseException | None = None
-        if wd is not None:
-            wd.arm(tp, ft.timeout)
+        w = wd.arm(tp, ft.timeout, opname, comm.rank) if wd is not None else None
         try:
             # unbounded steps under the watchdog, else bounded polled waits
             result = attempt(tp, None if wd is not None else ft.timeout, survivors)
@@ -426,11 +653,13 @@ def run_collective(comm, opname: str, attempt: Callable, restore: Callable | Non
                 flag &= ~_OK
                 if t_fail is None:
                     t_fail = time.monotonic()
+                if wd is not None:
+                    wd.step(w, "revoke", grace)
                 tp.revoke()
             else:
                 flag &= ~_NO_ERROR
                 err = exc
-        if wd is not None and wd.disarm():
+        if wd is not None and wd.step(w, "agree", _waiting_bound(ft)):
             # past the deadline: the watchdog revoked the communicator (even
             # if this rank's part had just finished, the others may not have)
             flag &= ~(_OK | _NO_TIMEOUT)
@@ -439,13 +668,17 @@ def run_collective(comm, opname: str, attempt: Callable, restore: Callable | Non
                 t_fail = time.monotonic()
         _dbg(comm, opname, "agree", flag)
         try:
-            agreed = tp.agree(flag)
-        except CommError:
-            # a failure not yet acknowledged: uniform across survivors
-            agreed = flag & ~_OK
-            if t_fail is None:
-                t_fail = time.monotonic()
-            tp.ack_failed()
+            try:
+                agreed = tp.agree(flag)
+            except CommError:
+                # a failure not yet acknowledged: uniform across survivors
+                agreed = flag & ~_OK
+                if t_fail is None:
+                    t_fail = time.monotonic()
+                tp.ack_failed()
+        finally:
+            if wd is not None:
+                wd.disarm(w)
         _dbg(comm, opname, "agreed", agreed)
         if agreed & _OK:
             if err is not None:
@@ -460,7 +693,7 @@ def run_collective(comm, opname: str, attempt: Callable, restore: Callable | Non
         # --- recover: shrink and retry (and bound MPI_Finalize at exit, which
         # can otherwise wait forever for the dead ranks)
         bound_finalize_at_exit()
-        lost_world, kept = comm.shrink(tp)
+        lost_world, kept = _shrink(comm, tp, wd, w, ft)
         survivors = [survivors[k] for k in kept]
         _dbg(comm, opname, "shrunk", lost_world, survivors)
         if restore is not None:

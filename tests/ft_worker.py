@@ -14,6 +14,17 @@ Usage: ft_worker.py SPEC_JSON   with SPEC = {"victims": [[rank, call, point, how
 ``point`` is -1 (before the call), k >= 0 (at the k-th send; after the call if
 the call makes fewer), ``how`` is "exit", "kill" or "stall" (sleep ``FT_STALL``
 seconds there, alive, then go on).
+
+Timed mode (tests/test_ft_kill.py): SPEC = {"timed": {"n": elements, "calls": k},
+"victims": [[rank, call, delay_ms, how], ...], "seed": int}.  Every rank runs
+``k`` successive float32 allreduces of ``n`` elements (``algorithm="auto"``: the
+ring at these sizes); a victim's timer thread acts ``delay_ms`` after it
+entered call ``call``: "exit" (``os._exit``), "kill" (SIGKILL), or "wedge" (the
+shape of Open MPI's TCP deadlock: from then on every completion wait and every
+revoke of the victim blocks forever, inside a call that released the GIL; the
+watchdog must fail the rank itself).  Each survivor records the SHA-256 of each
+result; the lowest survivor also the SHA-256 of the ring oracle over the inputs
+of the ranks the call ended with.
 """
 import hashlib
 import json
@@ -220,5 +231,87 @@ def main():
     print("FTRESULT " + line, flush=True)
 
 
+def _timed_input(base, w, call):
+    """Rank ``w``'s input to call ``call``: a rotation and scaling of one shared
+    random array (cheap at 64 MiB; the sums still round differently in every
+    order, so the oracle checks the reduction order too)."""
+    x = np.roll(base, 1009 * w + 17 * call)
+    x *= np.float32(1.0 + 0.37 * w + 0.011 * call)
+    return x
+
+
+def _wedge():
+    """From now on this rank's MPI 'makes no progress': completion waits and
+    revokes block forever (time.sleep releases the GIL, as mpi4py's calls do)."""
+    def forever(*a, **k):
+        while True:
+            time.sleep(3600)
+    MPITransport._complete = forever
+    MPITransport._poll = forever
+    MPITransport.revoke = forever
+
+
+def timed_main():
+    import hashlib as _h
+    import threading
+
+    cfg = SPEC["timed"]
+    n, ncalls = int(cfg["n"]), int(cfg["calls"])
+    timeout = float(os.environ.get("COMMLIB_TIMEOUT", "10"))
+    mine = [v for v in SPEC["victims"] if v[0] == WORLD]
+    rng = np.random.default_rng(SPEC["seed"])
+    base = rng.standard_normal(n, dtype=np.float32)
+    comm = commlib.init(fault_tolerant=True, timeout=timeout)
+    res = {"rank": WORLD, "ok": True, "hashes": [], "oracle": [], "t": [], "groups": []}
+    out = np.empty(n, np.float32)
+    t_start = time.monotonic()
+    try:
+        for i in range(ncalls):
+            x = _timed_input(base, WORLD, i)
+            timers = []
+            for v in mine:
+                if v[1] == i:
+                    how = v[3]
+                    fn = {"exit": lambda: os._exit(17), "kill": lambda: os.kill(os.getpid(), signal.SIGKILL),
+                          "wedge": _wedge}[how]
+                    t = threading.Timer(v[2] / 1000.0, fn)
+                    t.daemon = True
+                    timers.append(t)
+            t0 = time.monotonic()
+            for t in timers:
+                t.start()
+            comm.allreduce(x, out, op="sum")
+            res["t"].append(round(time.monotonic() - t0, 3))
+            g = group(comm)
+            res["groups"].append(g)
+            res["hashes"].append(_h.sha256(out.tobytes()).hexdigest())
+        comm.barrier()
+    except commlib.CommError as exc:
+        res["ok"] = False
+        res["error"] = type(exc).__name__
+        res["message"] = str(exc)[:300]
+    res["elapsed"] = round(time.monotonic() - t_start, 3)
+    # the oracle after the last call (a rank busy for seconds between calls
+    # would be a late peer): one rank is enough, the others compare hashes
+    if res["groups"] and WORLD == min(res["groups"][-1]):
+        for i, g in enumerate(res["groups"]):
+            ref = ring_oracle([_timed_input(base, w, i) for w in g])
+            res["oracle"].append(_h.sha256(ref.tobytes()).hexdigest())
+            del ref
+    res["failed"] = list(comm.failed_ranks)
+    res["recoveries"] = [round(t, 4) for t, _ in (comm.ft.recoveries if comm.ft else [])]
+    line = json.dumps(res)
+    out_dir = os.environ.get("FT_OUT_DIR")
+    if out_dir:
+        tmp = os.path.join(out_dir, f".rank{WORLD}.json")
+        with open(tmp, "w") as fh:
+            fh.write(line)
+        os.replace(tmp, os.path.join(out_dir, f"rank{WORLD}.json"))
+    print("FTRESULT " + line, flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    if "timed" in SPEC:
+        timed_main()
+    else:
+        main()

@@ -187,8 +187,9 @@ def test_stalled_peer_times_out(call, point):
     rank is back every rank, itself included, raises CommTimeout: no one hangs,
     no one returns a result the others lack."""
     spec = [[2, call, point, "stall"]]
+    # a stall shorter than the hard bound (timeout + grace): no fail-stop
     results, wall, text, rc = _run(4, {"victims": spec, "seed": 3},
-                                   env_extra={"COMMLIB_TIMEOUT": "2", "FT_STALL": "6"})
+                                   env_extra={"COMMLIB_TIMEOUT": "2", "FT_STALL": "6", "COMMLIB_FT_GRACE": "8"})
     assert sorted(results) == [0, 1, 2, 3], text[-3000:]
     for r, res in results.items():
         assert res.get("error") == "CommTimeout", res
@@ -196,6 +197,21 @@ def test_stalled_peer_times_out(call, point):
         assert res["failed"] == [], res
         assert len(res["hashes"]) == call, res  # the calls before it all succeeded
     assert wall < 60, wall
+
+
+@needs_ulfm
+@pytest.mark.timeout(90)
+def test_stall_past_hard_bound_fails_the_rank():
+    """A rank stalled inside a collective (no CPU, as when blocked on a lock)
+    past timeout + grace fails itself: one line on stderr, exit status 70; the
+    others treat it as a failure, shrink and finish with the right result."""
+    spec = [[2, 1, 1, "stall"]]
+    results, wall, text, rc = _run(4, {"victims": spec, "seed": 3},
+                                   env_extra={"COMMLIB_TIMEOUT": "2", "FT_STALL": "30", "COMMLIB_FT_GRACE": "1"})
+    lines = [ln for ln in text.splitlines() if "fail-stop" in ln]
+    assert len(lines) == 1 and "rank 2 " in lines[0] and "allreduce" in lines[0], text[-3000:]
+    assert sorted(results) == [0, 1, 3], text[-3000:]
+    _check_recovered(4, spec, results, wall, text)
 
 
 @pytest.mark.skipif(not IS_MPICH, reason="bounded-error checks run under MPICH (no ULFM)")
@@ -223,3 +239,141 @@ def test_no_ulfm_sigkill_ends_job():
     """Under hydra a SIGKILLed rank ends the whole job at once: bounded, no hang."""
     results, wall, text, rc = _run(4, {"victims": [[1, 0, 2, "kill"]], "seed": 1}, env_extra={"COMMLIB_TIMEOUT": "2"})
     assert rc != 0 and wall < 20
+
+
+# --------------------------------------------------------------- the watchdog
+class _StubTransport:
+    """Records revokes; ``block`` makes a revoke hang (a wedged MPI library)."""
+
+    def __init__(self, block=False):
+        import threading
+
+        self.revoked = threading.Event()
+        self.block = block
+
+    def revoke(self):
+        self.revoked.set()
+        if self.block:
+            time.sleep(3600)
+
+
+def _hooked_watchdog():
+    from commlib.collectives.ft import _Watchdog
+
+    stops = []
+    return _Watchdog(exit=stops.append), stops
+
+
+@pytest.mark.timeout(30)
+def test_watchdog_soft_deadline_revokes():
+    """Past ``timeout`` the watchdog revokes; a rank that then leaves MPI in
+    time is not failed."""
+    wd, stops = _hooked_watchdog()
+    tp = _StubTransport()
+    w = wd.arm(tp, 0.2, "allreduce", 3, grace=1.0)
+    assert tp.revoked.wait(5)
+    assert wd.step(w, "agree", 5.0)  # reports the soft deadline as passed
+    wd.disarm(w)
+    time.sleep(1.3)
+    assert stops == []
+
+
+@pytest.mark.timeout(30)
+def test_watchdog_disarm_in_time_does_nothing():
+    wd, stops = _hooked_watchdog()
+    tp = _StubTransport()
+    for _ in range(100):  # the fast path: arm, step, disarm
+        w = wd.arm(tp, 0.5, "allreduce", 0, grace=0.5)
+        wd.step(w, "agree", 1.0)
+        assert not wd.disarm(w)
+    time.sleep(1.2)
+    assert not tp.revoked.is_set() and stops == []
+
+
+@pytest.mark.timeout(30)
+def test_watchdog_fail_stop_when_revoke_blocks():
+    """The TCP-deadlock shape: the attempt never returns and the revoke itself
+    blocks; the watchdog still fails the rank at timeout + grace, naming the
+    rank, the call, the step and the time."""
+    wd, stops = _hooked_watchdog()
+    tp = _StubTransport(block=True)
+    t0 = time.monotonic()
+    wd.arm(tp, 0.3, "allreduce", 2, grace=0.4)
+    while not stops and time.monotonic() - t0 < 10:
+        time.sleep(0.01)  # the "stuck" caller (a C call that released the GIL)
+    dt = time.monotonic() - t0
+    assert len(stops) == 1 and 0.65 <= dt < 2.5, (stops, dt)
+    msg = stops[0]
+    assert "rank 2" in msg and "allreduce" in msg and "attempt" in msg and "fail-stop" in msg
+    assert "status 70" in msg
+
+
+@pytest.mark.timeout(30)
+def test_watchdog_spinning_thread_gets_the_cap():
+    """Past the hard bound a thread that still uses CPU (spinning in MPI_Testall
+    on a peer that its own watchdog will fail first) is given up to 2 more
+    graces; a blocked one is failed at the bound."""
+    wd, stops = _hooked_watchdog()
+    tp = _StubTransport()
+    t0 = time.monotonic()
+    wd.arm(tp, 0.2, "allreduce", 1, grace=0.4)
+    while not stops and time.monotonic() - t0 < 10:
+        pass  # spin, as a healthy rank does
+    dt = time.monotonic() - t0
+    assert len(stops) == 1 and "still waiting" in stops[0], stops
+    assert 1.3 <= dt < 3.0, dt  # the cap: 0.2 + 0.4 + 2 * 0.4
+
+
+@pytest.mark.timeout(30)
+def test_watchdog_bounds_each_step():
+    """A step with only a hard bound (agree, shrink, revoke) fails the rank
+    when it overruns, even with no attempt deadline armed; several watches at
+    once (calls from two threads) keep their own deadlines."""
+    wd, stops = _hooked_watchdog()
+    tp = _StubTransport()
+    w1 = wd.arm(tp, 30.0, "bcast", 1, grace=1.0)
+    w2 = wd.arm(tp, 30.0, "allreduce", 1, grace=1.0)
+    t0 = time.monotonic()
+    wd.step(w2, "agree", 0.3)
+    while not stops and time.monotonic() - t0 < 10:
+        time.sleep(0.01)
+    assert len(stops) == 1 and "allreduce stuck in agree" in stops[0], stops
+    assert 0.25 <= time.monotonic() - t0 < 2.0
+    assert not wd.disarm(w1) and not tp.revoked.is_set()
+
+
+_FAILSTOP_SCRIPT = r"""
+import ctypes, sys, time
+import mpi4py
+mpi4py.rc.initialize = False
+from commlib.collectives.ft import _Watchdog
+class Wedged:
+    def revoke(self):
+        time.sleep(3600)
+wd = _Watchdog()
+wd.arm(Wedged(), 0.5, "allreduce", 4, grace=0.5)
+if sys.argv[1] == "c":
+    ctypes.CDLL(None).sleep(60)  # stuck in a C call that released the GIL, as mpi4py's MPI calls do
+else:
+    time.sleep(60)
+print("not reached")
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["c", "py"])
+def test_watchdog_fail_stop_exits_process(how):
+    """For real: one line on stderr, then exit status 70 (FAILSTOP_EXIT_STATUS)."""
+    from commlib.collectives.ft import FAILSTOP_EXIT_STATUS
+
+    env = dict(os.environ)
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-P", "-c", _FAILSTOP_SCRIPT, how], capture_output=True, text=True,
+                       timeout=30, env=env)
+    dt = time.monotonic() - t0
+    assert p.returncode == FAILSTOP_EXIT_STATUS == 70, (p.returncode, p.stderr)
+    lines = [ln for ln in p.stderr.splitlines() if "fail-stop" in ln]
+    assert len(lines) == 1 and "rank 4" in lines[0] and "allreduce stuck in attempt" in lines[0], p.stderr
+    assert "not reached" not in p.stdout
+    assert dt < 15, dt

@@ -147,7 +147,10 @@ def _numba_args(p, w):
 
 
 def _numba_move(buf8, packed8, p, origin, to_packed):
-    """Numba path: ``buf8``/``packed8`` are 1-D uint8 numba device arrays."""
+    """Numba path: ``buf8``/``packed8`` are 1-D uint8 numba device arrays
+    (``packed8`` may be longer than the plan's bytes: a caller's larger ``out``)."""
+    if packed8.shape[0] != p.nbytes:
+        packed8 = packed8[:p.nbytes]
     if p.kind == "contig":
         s = p.start + origin
         run = buf8[s:s + p.nbytes]

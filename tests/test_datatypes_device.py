@@ -192,3 +192,13 @@ def test_pack_on_a_given_stream():
     np.testing.assert_array_equal(z.copy_to_host()[:, :, 2:5], a[:, :, 2:5])
     with pytest.raises(Exception, match="stream"):
         dts.pack(d, t, stream="nonsense")
+
+
+def test_device_pack_into_larger_out_contiguous():
+    """A one-run plan packed into a larger ``out`` (the numba path's copy must
+    take the plan's bytes only)."""
+    a = np.arange(4 * 5 * 6, dtype=np.float64).reshape(4, 5, 6)
+    t = dts.Subarray([4, 5, 6], [1, 5, 6], [2, 0, 0], np.float64)
+    out = cuda.device_array(t.size + 5, np.uint8)
+    got = dts.pack(cuda.to_device(a), t, out=out)
+    np.testing.assert_array_equal(got.copy_to_host().view(np.float64), a[2].ravel())

@@ -147,6 +147,7 @@ class Master:
         self._peers: dict[int, _MPeer] = {}
         self._next_id = 1
         self.epoch = 0
+        self.step = 0                         # completed votes (the job's step counter)
         self.members: list[int] = []         # ring order of the current epoch
         self._epoch_members: dict[int, list[int]] = {}
         self._ops: dict[tuple, dict] = {}     # (epoch, seq) -> {"done": set, "term": None|bool, "sent": set}
@@ -402,9 +403,10 @@ class Master:
         new = sorted(live | set(waiting))
         if new != self.members:
             self._new_epoch(new, "vote")
+        self.step += 1
         for pid in set(self._voters) | set(waiting):
             if pid in self._peers and self._peers[pid].state == "member":
-                self._peers[pid].send({"t": "voted", "e": self.epoch})
+                self._peers[pid].send({"t": "voted", "e": self.epoch, "v": self.step})
         self._voters.clear()
 
     def _check_sync(self) -> None:
@@ -532,6 +534,8 @@ class Peer:
     Attributes:
         id: the master's id for this peer (stable for its lifetime).
         rank, size, epoch: in the current topology (``rank`` None while pending).
+        step: the master's count of completed votes, as of this peer's last
+            :meth:`update_topology` (the same on every member: a job-wide step number).
     """
 
     def __init__(self, address: str, secret: bytes, *, streams: int = 4, timeout: float = 30.0,
@@ -572,6 +576,7 @@ class Peer:
         self._lost: str | None = None
         self._closed = False
         self._seq = 0
+        self.step = 0
         self._tr: tcp.TCPTransport | None = None
         self._parked: list = []
         self._serving = None                 # (min epoch, {name: memoryview}) while a donor
@@ -621,6 +626,7 @@ class Peer:
                             tr.revoke("operation aborted by the master")
                     elif t == "voted":
                         self._voted = int(msg["e"])
+                        self.step = int(msg.get("v", 0))
                     elif t == "plan":
                         self._plans[int(msg["round"])] = msg
                     elif t == "sync_end":

@@ -44,12 +44,29 @@ def run_peers(peers, fn, timeout=60):
     return out
 
 
+def form(peers, n, timeout=30.0):
+    """Every peer calls update_topology until the group has ``n`` members (a
+    joiner whose vote arrives after the members' vote enters at the next one).
+    Returns each peer's first return value."""
+    import time
+
+    def fn(i, p):
+        deadline = time.monotonic() + timeout
+        first = p.update_topology()
+        while p.size != n:
+            assert time.monotonic() < deadline, "the group did not form"
+            p.update_topology()
+        return first
+
+    return run_peers(peers, fn)
+
+
 @pytest.fixture
 def group(request):
     n, streams = request.param if hasattr(request, "param") else (3, 2)
     master = el.Master(secret=SECRET).start()
     peers = [el.connect(master.address, secret=SECRET, streams=streams, timeout=20) for _ in range(n)]
-    run_peers(peers, lambda i, p: p.update_topology())
+    form(peers, n)
     yield master, peers
     for p in peers:
         p.close()
@@ -111,14 +128,14 @@ def test_join_at_step_boundary_and_sync():
     master = el.Master(secret=SECRET).start()
     try:
         a, b = (el.connect(master.address, secret=SECRET, streams=2, timeout=20) for _ in range(2))
-        run_peers([a, b], lambda i, p: p.update_topology())
+        form([a, b], 2)
         assert (a.size, b.size) == (2, 2)
         state = {"w": np.arange(50_000, dtype=np.float32), "b": np.ones(7)}
         c = el.connect(master.address, secret=SECRET, streams=2, timeout=20)
         assert c.rank is None
         peers = [a, b, c]
-        changed = run_peers(peers, lambda i, p: p.update_topology())
-        assert changed == [True, True, True] and {p.size for p in peers} == {3}
+        changed = form(peers, 3)
+        assert changed[2] is True and {p.size for p in peers} == {3}
         states = [{k: v.copy() for k, v in state.items()}, {k: v.copy() for k, v in state.items()},
                   {"w": np.zeros(50_000, np.float32)}]
         res = run_peers(peers, lambda i, p: p.sync_shared_state(states[i], 7 if i < 2 else 0))

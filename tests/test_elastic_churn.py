@@ -56,7 +56,7 @@ def worker(address: str, out: str) -> int:
     rev = 0
     while not os.path.exists(out + ".stop"):
         peer.update_topology()
-        step, members = peer.step, list(peer.members)
+        step = peer.step
         r = peer.sync_shared_state(state, rev)
         rev = r["revision"]
         fh.write(json.dumps({"k": "sync", "step": step, "rev": rev, "h": _h(state["w"]), "id": peer.id,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import socket
-import struct
 import threading
 import time
 import tracemalloc
@@ -159,11 +158,21 @@ def test_peer_death_is_process_failed():
 def cluster():
     master = el.Master(secret=SECRET).start()
     peers = [el.connect(master.address, secret=SECRET, streams=2, timeout=10) for _ in range(2)]
-    run_all(peers, lambda p: p.update_topology())
+    _form(peers)
     yield master, peers
     for p in peers:
         p.close()
     master.stop()
+
+
+def _form(peers, n=2):
+    def fn(p):
+        deadline = time.monotonic() + 30
+        p.update_topology()
+        while p.size != n:
+            assert time.monotonic() < deadline
+            p.update_topology()
+    run_all(peers, fn)
 
 
 def _still_works(peers):
@@ -296,7 +305,7 @@ def _authenticated_garbage(master_addr, payloads):
 def fuzz_cluster():
     master = el.Master(secret=SECRET).start()
     peers = [el.connect(master.address, secret=SECRET, streams=1, timeout=10) for _ in range(2)]
-    run_all(peers, lambda p: p.update_topology())
+    _form(peers)
     yield master, peers
     for p in peers:
         p.close()

@@ -30,6 +30,11 @@ variable                        default    meaning
 ``COMMLIB_DEVICE_KERNELS``      ``auto``   ``auto``: the CUDA C pack kernels through CuPy where
                                            CuPy runs, numba.cuda kernels otherwise; ``numba``
                                            forces the numba.cuda ones (to test them on a GPU)
+``COMMLIB_ELASTIC_SECRET``      (none)     the elastic peers' shared secret when no
+                                           ``secret``/``--secret-file`` is given (read at each
+                                           use by ``transports.tcp``, never stored here)
+``COMMLIB_ELASTIC_SERVE_RATE``  ``0``      bytes/s cap on a donor's shared-state serving (0: no
+                                           cap; for tests and WAN emulation)
 ==============================  =========  =====================================================
 
 ``COMMLIB_SMALL_BYTES`` is 1 KiB because the one-round row (payload plus a 56-byte

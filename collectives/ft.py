@@ -299,7 +299,7 @@ class _Watch:
     """
 
     __slots__ = ("tp", "op", "rank", "step", "start", "step_start", "soft", "hard", "cap", "check",
-                 "clock", "mark", "fired", "grace")
+                 "clock", "mark", "fired", "grace", "revoking")
 
     def __init__(self, tp, op, rank, now):
         self.tp, self.op, self.rank = tp, op, rank
@@ -309,6 +309,7 @@ class _Watch:
         self.clock = _thread_clock()
         self.fired = False
         self.grace = config.ft_grace
+        self.revoking = None  # monotonic time the watchdog's revoke started, while it has not returned
 
     def bound(self, now, hard, grace):
         """Set the step's hard bound ``hard`` seconds from ``now`` (None: none)."""
@@ -373,11 +374,13 @@ class _Watchdog:
       join or fail themselves within their own attempt's bound).  A thread
       still in the step there that used no CPU over the last ``G`` seconds
       is blocked in the kernel inside a call that should poll (Open MPI
-      busy-polls in every wait): the MPI library stopped making progress, as
-      when Open MPI 5.0's TCP transport deadlocks on its own mutex inside
-      ``MPI_Testall`` and the revoke then blocks on the same mutex
-      (docs/FAULTS.md), or commlib's own code stalled.  A thread that still
-      spins is waiting for a peer (a rank with a pending rendezvous to a
+      busy-polls in every wait), and a rank whose revoke (issued at the soft
+      deadline) has not returned within ``G`` has a wedged MPI library (a
+      revoke waits for no peer): MPI stopped making progress, as when Open MPI
+      5.0's TCP transport deadlocks on its own mutex, or spins forever in
+      ``mca_btl_tcp_send``, inside one ``MPI_Testall``, and the revoke then
+      blocks behind it (docs/FAULTS.md); or commlib's own code stalled.
+      Either way the rank fails.  A thread that still spins is waiting for a peer (a rank with a pending rendezvous to a
       wedged peer stays in ``MPI_Testall`` after a revoke until that peer is
       gone) and gets up to ``2G`` more, the **cap**, so that the stuck rank,
       not its healthy neighbours, is the one that exits;
@@ -480,15 +483,21 @@ class _Watchdog:
                         w.fired = True
                         # revoke from a helper: it may block (a wedged MPI)
                         # and the hard bound must still be enforced
-                        threading.Thread(target=_revoke_quietly, args=(w.tp,),
+                        w.revoking = now
+                        threading.Thread(target=_revoke_quietly, args=(w.tp, w),
                                          name="commlib-ft-revoke", daemon=True).start()
                     if w.check is not None and now >= w.check:
                         self._check(w, now)
 
     def _check(self, w: _Watch, now: float) -> None:
         cpu = _cpu(w.clock)
+        revoking = w.revoking
         if now >= w.cap:
             self._failstop(w, now, "still waiting")
+        elif now >= w.hard and revoking is not None and now - revoking >= w.grace:
+            # a revoke needs no peer: one that does not return is a wedged
+            # MPI (a thread can also spin forever inside one MPI_Testall)
+            self._failstop(w, now, f"its revoke has not returned in {now - revoking:.1f} s")
         elif now >= w.hard and (cpu is None or (w.mark is not None and cpu - w.mark[1] < _IDLE_CPU_S)):
             idle = now - w.mark[0] if w.mark is not None else now - w.step_start
             self._failstop(w, now, f"no CPU time in the last {idle:.1f} s: blocked inside a call")
@@ -518,11 +527,13 @@ class _Watchdog:
             os._exit(FAILSTOP_EXIT_STATUS)
 
 
-def _revoke_quietly(tp) -> None:
+def _revoke_quietly(tp, w=None) -> None:
     try:
         tp.revoke()  # the transport's ULFM revoke; never raises
     except Exception:  # noqa: BLE001
         pass
+    if w is not None:
+        w.revoking = None
 
 
 _WORLD_RANK = None  # COMM_WORLD rank, cached: the fail-stop path makes no MPI call

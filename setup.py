@@ -113,6 +113,8 @@ setup(
         **CUDA_EXTRAS,
         "cuda": CUDA_EXTRAS[_cuda_extra()],
         "test": ["pytest>=7", "pytest-mpi>=0.6", "pytest-timeout>=2.1", "hypothesis>=6", "import-linter>=2.1"],
+        # python -m commlib.apps.diloco (elastic DiLoCo on scikit-learn's digits)
+        "apps": ["scikit-learn>=1.3"],
     },
     entry_points={"console_scripts": ["commlib=commlib.cli:main"]},
 )

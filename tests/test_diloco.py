@@ -1,0 +1,349 @@
+"""DiLoCo app (python -m commlib.apps.diloco): outer-step math against numpy (and torch's
+SGD with Nesterov where torch is installed), the training loop against an in-process test
+double of the elastic peer API, and a short real run (master + peers on loopback)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("sklearn", reason="the DiLoCo app needs scikit-learn (pip install '.[apps]')")
+
+from commlib.apps import diloco  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ------------------------------------------------------------------ test double
+class FakeGroup:
+    """TEST DOUBLE of commlib.elastic's peer API (not the real thing): threads in one process
+    stand for peers; every collective is a round that completes when all current members have
+    called it. update_topology() admits pending peers; sync_shared_state copies the state of
+    the highest revision (the lowest rank holding it donates); allreduce sums in rank order
+    (float32) and divides for "avg", so every member gets the same bits."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.members: list[FakePeer] = []
+        self.pending: list[FakePeer] = []
+        self.epoch = 0
+        self.gen = 0
+        self.contrib: dict = {}
+        self.results: dict = {}
+        self.allreduces = 0
+        self.departed = False
+
+    def connect(self):
+        with self.cond:
+            p = FakePeer(self)
+            self.pending.append(p)
+            return p
+
+    def _round(self, peer, kind, value, finish):
+        with self.cond:
+            gen = self.gen
+            self.contrib[peer] = (kind, value)
+            self._maybe_finish(finish)
+            ok = self.cond.wait_for(lambda: gen in self.results, timeout=30)
+            assert ok, f"fake round {kind} hung"
+            return self.results[gen][peer]
+
+    def _maybe_finish(self, finish=None):
+        if self.members and set(self.contrib) >= set(self.members):
+            if self.departed:  # a leave takes effect in the next round, on every member alike
+                self.departed = False
+                self.epoch += 1
+                self._reranks()
+            kinds = {k for k, _ in self.contrib.values()}
+            assert len(kinds) == 1, f"peers disagree on the collective: {kinds}"
+            finish = finish or self._finish
+            self.results[self.gen] = finish(dict(self.contrib))
+            self.contrib.clear()
+            self.gen += 1
+            self.cond.notify_all()
+
+    def close(self, peer):
+        with self.cond:
+            if peer in self.members:
+                self.members.remove(peer)
+                self.departed = True
+                self.contrib.pop(peer, None)
+                self._maybe_finish(self._last_finish)
+
+    def _reranks(self):
+        for i, m in enumerate(self.members):
+            m.rank, m.size, m.epoch = i, len(self.members), self.epoch
+
+
+class FakePeer:
+    """TEST DOUBLE: one peer of a FakeGroup (rank, size, epoch, update_topology, allreduce,
+    sync_shared_state, close)."""
+
+    def __init__(self, group):
+        self.g = group
+        self.rank, self.size, self.epoch = 0, 1, group.epoch + 1
+        self.closed = False
+        self.waiting = False
+
+    def update_topology(self):
+        g = self.g
+        with g.cond:
+            if self in g.pending and not g.members:  # with no members, the pending voter forms the first epoch
+                g.pending.remove(self)
+                g.members.append(self)
+                g.epoch += 1
+                g._reranks()
+                return True
+            if self in g.pending:  # a joiner votes, then waits for the members' vote to admit it
+                self.waiting = True
+                ok = g.cond.wait_for(lambda: self in g.members, timeout=30)
+                assert ok, "fake joiner never admitted"
+                return True
+
+        def finish(contrib):
+            joiners = [p for p in g.pending if p.waiting]  # only pending peers that voted are admitted
+            changed = bool(joiners)
+            if changed:
+                g.members.extend(joiners)
+                g.pending = [p for p in g.pending if not p.waiting]
+                g.epoch += 1
+                g._reranks()
+            return {p: changed for p in contrib}
+
+        g._last_finish = finish
+        return g._round(self, "topology", None, finish)
+
+    def allreduce(self, buf, op="sum", quantize=None, retry=True):
+        g = self.g
+
+        def finish(contrib):
+            order = sorted(contrib, key=lambda p: p.rank)
+            acc = np.zeros_like(contrib[order[0]][1])
+            for p in order:
+                acc += contrib[p][1]
+            if op == "avg":
+                acc /= acc.dtype.type(len(order))
+            elif op == "max":
+                acc = np.max([contrib[p][1] for p in order], axis=0)
+            g.allreduces += 1
+            return {p: acc for p in contrib}
+
+        g._last_finish = finish
+        out = g._round(self, "allreduce", buf.copy(), finish)
+        buf[...] = out
+        return buf
+
+    def sync_shared_state(self, state, revision):
+        g = self.g
+
+        def finish(contrib):
+            best = max(rev for _, (rev, _) in contrib.values())
+            donor = min((p for p in contrib if contrib[p][1][0] == best), key=lambda p: p.rank)
+            src = contrib[donor][1][1]
+            out = {}
+            for p, (_, (rev, st)) in contrib.items():
+                got = 0
+                for k, v in src.items():
+                    if not np.array_equal(st[k], v, equal_nan=True):
+                        got += v.nbytes
+                out[p] = ({k: v.copy() for k, v in src.items()}, {"revision": best, "bytes_received": got,
+                                                                  "donor": None if got == 0 else donor.rank})
+            return out
+
+        g._last_finish = finish
+        new, info = g._round(self, "sync", (revision, {k: v.copy() for k, v in state.items()}), finish)
+        for k in state:
+            state[k][...] = new[k]
+        return info
+
+    def close(self):
+        if not self.closed:
+            self.closed = True
+            self.g.close(self)
+
+
+# ------------------------------------------------------------------ outer-step math
+def _oracle_nesterov(theta0, deltas, lr, mu):
+    """float64 oracle: PyTorch SGD(nesterov=True, dampening=0) on gradient delta_t."""
+    theta, m = theta0.astype(np.float64), np.zeros(theta0.shape)
+    for d in deltas:
+        m = mu * m + d
+        theta = theta - lr * (d + mu * m)
+    return theta
+
+
+def test_outer_step_matches_oracle_and_is_identical_on_peers():
+    rng = np.random.default_rng(3)
+    D, P, T = 1000, 3, 6
+    theta0 = rng.standard_normal(D).astype(np.float32)
+    peers = [(theta0.copy(), np.zeros(D, np.float32)) for _ in range(P)]
+    avg_deltas = []
+    for _ in range(T):
+        theta = peers[0][0]
+        locals_ = [theta - 0.01 * rng.standard_normal(D).astype(np.float32) for _ in range(P)]
+        deltas = [np.subtract(theta, loc, dtype=np.float32) for loc in locals_]
+        # the all-reduce (avg) every peer receives: the same bits on all
+        avg = np.zeros(D, np.float32)
+        for d in deltas:
+            avg += d
+        avg /= np.float32(P)
+        np.testing.assert_allclose(avg, np.mean(np.stack(deltas).astype(np.float64), axis=0), rtol=1e-5, atol=1e-7)
+        avg_deltas.append(avg.astype(np.float64))
+        for th, m in peers:
+            diloco.outer_step(th, m, avg.copy(), 0.7, 0.9)
+    for th, m in peers[1:]:
+        assert th.tobytes() == peers[0][0].tobytes() and m.tobytes() == peers[0][1].tobytes()
+    np.testing.assert_allclose(peers[0][0], _oracle_nesterov(theta0, avg_deltas, 0.7, 0.9), rtol=1e-5, atol=1e-5)
+
+
+def test_outer_step_matches_torch_sgd_nesterov():
+    torch = pytest.importorskip("torch", reason="torch not installed (optional oracle)")
+    rng = np.random.default_rng(5)
+    theta = rng.standard_normal(257).astype(np.float32)
+    mom = np.zeros_like(theta)
+    w = torch.nn.Parameter(torch.from_numpy(theta.copy()))
+    opt = torch.optim.SGD([w], lr=0.7, momentum=0.9, nesterov=True)
+    for _ in range(5):
+        d = (0.05 * rng.standard_normal(257)).astype(np.float32)
+        w.grad = torch.from_numpy(d.copy())
+        opt.step()
+        diloco.outer_step(theta, mom, d, 0.7, 0.9)
+    np.testing.assert_allclose(theta, w.detach().numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_shards_partition_the_training_set():
+    n = 1347
+    for size in (1, 2, 3, 5):
+        parts = [diloco.shard_indices(n, r, size, seed=7) for r in range(size)]
+        allidx = np.concatenate(parts)
+        assert sorted(allidx.tolist()) == list(range(n))
+        assert max(len(p) for p in parts) - min(len(p) for p in parts) <= 1
+
+
+def test_flatten_roundtrip_and_layout():
+    X_tr, _, y_tr, _ = diloco.load_data()
+    shapes = diloco.layer_shapes(64, (16,), 10)
+    model = diloco.make_model((16,), 32, 1e-3, 0)
+    model.partial_fit(X_tr[:32], y_tr[:32], classes=np.arange(10))
+    theta = diloco.init_params(shapes, 1)
+    assert theta.size == diloco.n_params(shapes) == 64 * 16 + 16 + 16 * 10 + 10
+    refs = [id(c) for c in model.coefs_]
+    diloco.load_into(model, theta)
+    assert [id(c) for c in model.coefs_] == refs  # in place: Adam keeps its references
+    assert diloco.flatten(model).tobytes() == theta.tobytes()
+
+
+# ------------------------------------------------------------------ the loop on the test double
+def test_run_on_fake_peers_with_a_join_and_a_leave():
+    g = FakeGroup()
+    reports, errors = {}, []
+
+    def peer_main(name, delay=0.0, **kw):
+        try:
+            time.sleep(delay)
+            p = g.connect()
+            reports[name] = diloco.run(p, outer_steps=16, inner_steps=15, seed=1, **kw)
+            p.close()
+        except Exception as exc:  # noqa: BLE001
+            errors.append((name, repr(exc)))
+
+    ths = [threading.Thread(target=peer_main, args=("a",), kwargs={"min_peers": 2}),
+           threading.Thread(target=peer_main, args=("b",), kwargs={"min_peers": 2}),
+           threading.Thread(target=peer_main, args=("leaver",), kwargs={"min_peers": 2, "leave_after": 4}),
+           threading.Thread(target=peer_main, args=("joiner",), kwargs={"delay": 1.0})]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join(120)
+    assert not errors, errors
+    a, b, j = reports["a"], reports["b"], reports["joiner"]
+    assert a["finished"] and b["finished"] and j["finished"]
+    assert a["theta_sha256"] == b["theta_sha256"] == j["theta_sha256"]
+    assert reports["leaver"]["own_outer_steps"] == 4 and not reports["leaver"]["finished"]
+    assert j["own_outer_steps"] < 16 and any(e["bytes_received"] > 0 for e in j["membership_events"])
+    assert a["history"] == j["history"]  # the joiner reports the whole run (history is shared state)
+    assert len({h["epoch"] for h in a["history"]}) >= 2
+    assert a["final_accuracy"] >= 0.9
+
+
+# ------------------------------------------------------------------ CLI
+def _diloco_cli(*args, env=None, timeout=60):
+    return subprocess.run([sys.executable, "-P", "-m", "commlib.apps.diloco", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+@pytest.mark.parametrize("bad", [["--outer-steps", "0"], ["--master", "nohostport"], ["--outer-momentum", "1.5"],
+                                 ["--quantize", "int4"], ["--inner-lr", "nan"], ["--hidden", "0"]])
+def test_cli_refuses_bad_values_in_one_line(bad, tmp_path, capsys):
+    sec = tmp_path / "s"
+    sec.write_bytes(b"x" * 32)
+    with pytest.raises(SystemExit) as ei:
+        diloco.parse_args(["--master", "127.0.0.1:1", "--secret-file", str(sec), *bad])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "error" in err, err
+
+
+def test_cli_help_and_a_refusal_as_a_process(tmp_path):
+    r = _diloco_cli("--help")
+    assert r.returncode == 0 and "Nesterov" in r.stdout and "--quantize" in r.stdout
+    env = {k: v for k, v in os.environ.items() if k != "COMMLIB_ELASTIC_SECRET"}
+    r = _diloco_cli("--master", "127.0.0.1:1", env=env)  # no secret anywhere
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+# ------------------------------------------------------------------ a real run on loopback
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_real_run_on_loopback(tmp_path):
+    try:
+        import commlib.elastic as el  # noqa: PLC0415
+    except ImportError as exc:
+        pytest.skip(f"commlib.elastic is not importable ({exc}): no real elastic run")
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(32))
+    master = el.Master(bind="127.0.0.1:0", secret_file=str(secret))
+    master.start()
+    procs = []
+    try:
+        common = ["--master", master.address, "--secret-file", str(secret), "--outer-steps", "14",
+                  "--inner-steps", "20", "--no-progress", "--streams", "2"]
+        for i in range(2):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-P", "-m", "commlib.apps.diloco", *common, "--min-peers", "2",
+                 "--json", str(tmp_path / f"p{i}.json"), *(["--quantize", "int8"] if False else [])],
+                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        time.sleep(1.5)  # a third peer joins while the others train
+        procs.append(subprocess.Popen(
+            [sys.executable, "-P", "-m", "commlib.apps.diloco", *common, "--json", str(tmp_path / "p2.json")],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outs = []
+        for p in procs:
+            try:
+                outs.append(p.communicate(timeout=90)[0])
+            except subprocess.TimeoutExpired:
+                p.send_signal(signal.SIGKILL)
+                outs.append(p.communicate()[0])
+        for p, o in zip(procs, outs):
+            assert p.returncode == 0, o[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        master.stop()
+    reps = [json.loads((tmp_path / f"p{i}.json").read_text()) for i in range(3)]
+    assert all(r["finished"] for r in reps)
+    assert len({r["theta_sha256"] for r in reps}) == 1
+    assert reps[0]["final_accuracy"] >= 0.9

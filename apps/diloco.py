@@ -37,8 +37,8 @@ the whole run); its revision is the outer step count. Every peer of one job
 must run with the same flags (model shape, seed, step counts).
 
 Peers end when the shared step count reaches ``--outer-steps`` (all at the
-same boundary), or after ``--leave-after`` of their own outer steps (a
-graceful leave: ``peer.close()``).
+same boundary), or leave gracefully (``peer.close()`` at a step boundary)
+after ``--leave-after`` of their own outer steps or on SIGTERM.
 
 Examples::
 
@@ -55,6 +55,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import time
 import warnings
@@ -198,6 +199,25 @@ def _wire_counter(peer):
     return None
 
 
+def prepare(hidden=(64,), batch: int = 32, inner_lr: float = 3e-3, seed: int = 0):
+    """Data and a ready local model (before connecting: the slow imports and the first
+    ``partial_fit``, which builds the layers, the label binarizer and Adam; the global
+    parameters are written over whatever it did). Returns what ``run(prepared=...)`` takes."""
+    import sklearn  # noqa: PLC0415
+    from threadpoolctl import threadpool_limits  # noqa: PLC0415
+
+    X_train, X_test, y_train, y_test = load_data()
+    shapes = layer_shapes(X_train.shape[1], tuple(hidden), NUM_CLASSES)
+    model = make_model(tuple(hidden), batch, inner_lr, seed)
+    warnings.filterwarnings("ignore", module="sklearn")
+    with threadpool_limits(1), sklearn.config_context(assume_finite=True, skip_parameter_validation=True):
+        model.partial_fit(X_train[:batch], y_train[:batch], classes=np.arange(NUM_CLASSES))
+        accuracy(model, X_test[:8], y_test[:8])
+    if [c.shape for c in model.coefs_] != [cs for cs, _ in shapes]:
+        raise RuntimeError(f"unexpected MLP layout {[c.shape for c in model.coefs_]}")
+    return X_train, X_test, y_train, y_test, model, shapes
+
+
 def _retries(peer):
     st = getattr(peer, "stats", None)
     return st.get("retries") if isinstance(st, dict) else None
@@ -221,17 +241,10 @@ def run(peer, **kw) -> dict:
 def _run(peer, *, outer_steps: int = 30, inner_steps: int = 20, batch: int = 32, hidden=(64,),
         inner_lr: float = 3e-3, outer_lr: float = 0.7, momentum: float = 0.9, quantize: str | None = None,
         seed: int = 0, min_peers: int = 1, wait_s: float = 60.0, leave_after: int | None = None,
-        progress: bool = False, log=None) -> dict:
-    X_train, X_test, y_train, y_test = load_data()
-    shapes = layer_shapes(X_train.shape[1], tuple(hidden), NUM_CLASSES)
-    state = new_state(shapes, seed, outer_steps)
-    model = make_model(tuple(hidden), batch, inner_lr, seed)
-    warnings.filterwarnings("ignore", module="sklearn")
-    # partial_fit's first call builds the layers, the label binarizer and Adam; the global
-    # parameters are then written over whatever it did.
-    model.partial_fit(X_train[:batch], y_train[:batch], classes=np.arange(NUM_CLASSES))
-    if [c.shape for c in model.coefs_] != [cs for cs, _ in shapes]:
-        raise RuntimeError(f"unexpected MLP layout {[c.shape for c in model.coefs_]}")
+        should_leave=None, progress: bool = False, log=None, prepared=None, state=None) -> dict:
+    X_train, X_test, y_train, y_test, model, shapes = prepared or prepare(hidden, batch, inner_lr, seed)
+    if state is None:  # a peer that rejoins passes the state it had (its revision decides the sync)
+        state = new_state(shapes, seed, outer_steps)
 
     t0 = time.perf_counter()
     deadline = time.monotonic() + wait_s
@@ -266,7 +279,8 @@ def _run(peer, *, outer_steps: int = 30, inner_steps: int = 20, batch: int = 32,
         if bar is not None:
             bar.n = t
             bar.refresh()
-        if t >= outer_steps or (leave_after is not None and steps_done >= leave_after):
+        if (t >= outer_steps or (leave_after is not None and steps_done >= leave_after)
+                or (should_leave is not None and should_leave())):
             break
         if t == 0:  # before step 1, wait for --min-peers: the largest asked for by any peer, agreed on by all
             need = peer.allreduce(np.array([min_peers], np.float32), op="max")
@@ -401,7 +415,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait", type=float, default=60.0, help="seconds --min-peers may wait (default 60)")
     p.add_argument("--leave-after", type=int, default=None, metavar="K",
                    help="leave gracefully after K outer steps of this peer (churn)")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds connect may take (default 30)")
+    p.add_argument("--timeout", type=float, default=30.0,
+                   help="seconds any single wait on the master or a peer may take (default 30)")
+    p.add_argument("--rejoin", type=int, default=3, metavar="N",
+                   help="when the master drops this peer (or a wait times out), reconnect with the state it "
+                        "holds, up to N times (default 3)")
+    p.add_argument("--encrypt", action="store_true",
+                   help="seal data frames with AES-GCM (the master must run with --encrypt too)")
     p.add_argument("--json", metavar="PATH", help="write this peer's report as JSON")
     p.add_argument("--plot", metavar="PATH", help="PNG: accuracy against outer step, membership changes marked")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (one log line per step instead)")
@@ -422,6 +442,8 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} must be a positive number, got {v}")
     if not (0.0 <= a.outer_momentum < 1.0):
         p.error(f"--outer-momentum must be in [0, 1), got {a.outer_momentum}")
+    if a.rejoin < 0:
+        p.error(f"--rejoin must be >= 0, got {a.rejoin}")
     if a.leave_after is not None and a.leave_after < 0:
         p.error(f"--leave-after must be >= 0, got {a.leave_after}")
     if not (a.wait > 0 and a.timeout > 0):
@@ -440,10 +462,12 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    leave = []
+    signal.signal(signal.SIGTERM, lambda *_: leave.append(True))  # leave gracefully at the next boundary
     args = parse_args(argv)
-    try:
-        import sklearn  # noqa: F401, PLC0415
-    except ImportError:
+    import importlib.util  # noqa: PLC0415
+
+    if importlib.util.find_spec("sklearn") is None:
         print("diloco: error: needs scikit-learn (pip install 'commlib[apps]')", file=sys.stderr)
         return 2
     import commlib  # noqa: PLC0415
@@ -452,26 +476,41 @@ def main(argv=None) -> int:
     def log(msg):
         print(f"[diloco pid {os.getpid()}] {msg}", file=sys.stderr, flush=True)
 
+    prepared = prepare(tuple(args.hidden), args.batch, args.inner_lr, args.seed)  # before joining: slow imports
+    state = new_state(prepared[5], args.seed, args.outer_steps)
     kw = {"secret_file": args.secret_file} if args.secret_file else {}
-    try:
-        peer = el.connect(args.master, streams=args.streams, timeout=args.timeout, **kw)
-    except el.AuthError:
-        print("diloco: error: the master refused this peer (authentication)", file=sys.stderr)
-        return 1
-    except (commlib.CommError, OSError, TimeoutError) as exc:
-        print(f"diloco: error: cannot reach the master at {args.master}: {exc}", file=sys.stderr)
-        return 1
-    try:
-        report = run(peer, outer_steps=args.outer_steps, inner_steps=args.inner_steps, batch=args.batch,
-                     hidden=tuple(args.hidden), inner_lr=args.inner_lr, outer_lr=args.outer_lr,
-                     momentum=args.outer_momentum, quantize=args.quantize, seed=args.seed,
-                     min_peers=args.min_peers, wait_s=args.wait, leave_after=args.leave_after,
-                     progress=not args.no_progress, log=log)
-    except el.PeerFailure as exc:
-        print(f"diloco: error: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        peer.close()
+    report = None
+    for attempt in range(args.rejoin + 1):
+        try:
+            peer = el.connect(args.master, streams=args.streams, timeout=args.timeout, encrypt=args.encrypt, **kw)
+        except el.AuthError:
+            print("diloco: error: the master refused this peer (authentication)", file=sys.stderr)
+            return 1
+        except (commlib.CommError, OSError, TimeoutError) as exc:
+            print(f"diloco: error: cannot reach the master at {args.master}: {exc}", file=sys.stderr)
+            return 1
+        try:
+            report = run(peer, outer_steps=args.outer_steps, inner_steps=args.inner_steps, batch=args.batch,
+                         hidden=tuple(args.hidden), inner_lr=args.inner_lr, outer_lr=args.outer_lr,
+                         momentum=args.outer_momentum, quantize=args.quantize, seed=args.seed,
+                         min_peers=args.min_peers if attempt == 0 else 1, wait_s=args.wait,
+                         leave_after=args.leave_after,
+                         should_leave=lambda: bool(leave), prepared=prepared, state=state,
+                         progress=not args.no_progress, log=log)
+            break
+        except (commlib.CommError, TimeoutError) as exc:
+            # The master dropped this peer (declared dead: e.g. starved of CPU past the heartbeat
+            # timeout) or gave up on it. Its state is intact at the revision it last completed
+            # (an aborted all-reduce restores its input): rejoin as a new peer, and the sync at
+            # the next boundary decides who holds the newest state.
+            if attempt == args.rejoin:
+                print(f"diloco: error: {exc}", file=sys.stderr)
+                return 1
+            log(f"{type(exc).__name__}: {exc}; rejoining ({attempt + 1}/{args.rejoin}) at step {int(state['step'][0])}")
+        finally:
+            peer.close()
+        time.sleep(0.5)
+    report["rejoins"] = attempt
     fa = report["final_accuracy"]
     print(f"diloco: {report['outer_steps_done']}/{args.outer_steps} outer steps ({report['own_outer_steps']} here), "
           f"final held-out accuracy {fa if fa is None else round(fa, 4)}, quantize {report['config']['quantize']}, "

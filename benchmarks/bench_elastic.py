@@ -1,0 +1,663 @@
+"""Elastic peers (commlib.elastic) on loopback: all-reduce busbw, stream scaling through a
+WAN-emulating proxy, time from a SIGKILL to the next all-reduce, DiLoCo bytes per outer step.
+
+Sections (``--sections``, all by default), each measured side by side in one run:
+
+- ``allreduce``: float32 sum, 4 B .. 64 MiB, at 2 and 4 peers (``--peers``): commlib.elastic
+  (authenticated, ``--streams`` connections per pair) against Open MPI's ``Allreduce`` over
+  its TCP transport (``mpiexec --mca btl tcp,self``, mpi4py) and, where torch is installed,
+  torch.distributed's gloo. OSU/nccl-tests style: best of ``--trials`` trials, each trial
+  timed over enough calls for ~0.2 s, the slowest peer's time; busbw = bytes / time *
+  2 (n - 1) / n. Ratios commlib / Open MPI and commlib / gloo per size.
+- ``wan``: 2 peers whose data connections pass through a user-space proxy (this script,
+  another process) that adds ``--wan-latency-ms`` each way and caps each TCP connection at
+  ``--wan-rate-mbps``; all-reduce of ``--wan-bytes`` with 1 and with 4 streams. The peers
+  listen on fixed ports and advertise the proxy's (``connect(bind=, advertise=)``).
+- ``kill``: 4 peers all-reduce 64 KiB in a loop; a random one is SIGKILLed, and the time to
+  the first all-reduce completed over the survivors only (its size is 3) is taken, the
+  slowest survivor's; a new peer then joins and the next trial starts (``--kill-trials``).
+- ``diloco``: ``python -m commlib.apps.diloco`` at 2 peers, without and with int8: payload
+  bytes each peer's transport sent per outer step (the transport's counter) beside the
+  ring estimate 2 (P-1)/P * buffer, and the final held-out accuracy.
+
+The numbers come from whatever machine runs it (here: 2 shared cores, loopback): ratios
+taken in one run mean something, absolute times little.
+
+Run::
+
+    python benchmarks/bench_elastic.py --json elastic.json --plot elastic.png
+    python benchmarks/bench_elastic.py --sections allreduce --peers 2 --max-bytes 4194304
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import secrets
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _util import write_json  # noqa: E402
+
+HERE = os.path.abspath(__file__)
+REPO = os.path.dirname(os.path.dirname(HERE))
+PY = [sys.executable, "-P"]
+
+
+def sizes(lo, hi):
+    out, n = [], lo
+    while n <= hi:
+        out.append(n)
+        n *= 4 if n < (1 << 20) else 2
+    return out
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def iters_for(nbytes, budget=0.2, bw=2e8):
+    """Calls per timed trial: ~``budget`` seconds at ~``bw`` B/s, 3..200."""
+    return int(max(3, min(200, budget * bw / max(nbytes, 1) if nbytes > 4096 else 200 if nbytes < 1024 else 60)))
+
+
+# ============================================================== workers (separate processes)
+def _time_sizes(allreduce, barrier, reduce_max, sz, trials, check):
+    rows = []
+    for nbytes in sz:
+        count = max(1, nbytes // 4)
+        x = np.ones(count, np.float32)
+        it = iters_for(nbytes)
+        allreduce(x)  # warm-up (connections, buffers), checked: every peer gives ones, the sum is n
+        check(x)
+        x[...] = 0  # timed calls reduce zeros: exact and constant, nothing to reset between calls
+        best = float("inf")
+        for _ in range(trials):
+            barrier()
+            t = time.perf_counter()
+            for _ in range(it):
+                allreduce(x)
+            best = min(best, reduce_max((time.perf_counter() - t) / it))
+        rows.append({"bytes": count * 4, "iters": it, "time_s": best})
+    return rows
+
+
+def worker_elastic(a):
+    import commlib.elastic as el  # noqa: PLC0415
+
+    kw = {}
+    if a.bind:
+        kw = {"bind": a.bind, "advertise": a.advertise}
+    peer = el.connect(a.master, secret_file=a.secret, streams=a.streams, timeout=60, **kw)
+    deadline = time.monotonic() + 120
+    while peer.size < a.n:
+        peer.update_topology()
+        if time.monotonic() > deadline:
+            raise SystemExit(f"only {peer.size} peers")
+        time.sleep(0.02)
+    n = peer.size
+    one = np.zeros(1, np.float64)
+
+    def barrier():
+        one[0] = 0
+        peer.allreduce(one)
+
+    def reduce_max(v):
+        one[0] = v
+        return float(peer.allreduce(one, op="max")[0])
+
+    def check(x):
+        assert np.all(x == n), "wrong all-reduce result"
+
+    def ar(x):
+        peer.allreduce(x, op="sum")
+
+    rows = _time_sizes(ar, barrier, reduce_max, [int(s) for s in a.sizes.split(",")], a.trials, check)
+    tr = getattr(peer, "_tr", None)
+    if peer.rank == 0:
+        with open(a.out, "w") as fh:
+            json.dump({"rows": rows, "peers": n, "streams": a.streams,
+                       "bytes_sent_rank0": getattr(tr, "bytes_sent", None)}, fh)
+    barrier()
+    peer.close()
+
+
+def worker_mpi(a):
+    from mpi4py import MPI  # noqa: PLC0415
+
+    comm = MPI.COMM_WORLD
+    n = comm.size
+
+    def ar(x):
+        comm.Allreduce(MPI.IN_PLACE, x, MPI.SUM)
+
+    def check(x):
+        assert np.all(x == n)
+
+    rows = _time_sizes(ar, comm.Barrier, lambda v: comm.allreduce(v, op=MPI.MAX),
+                       [int(s) for s in a.sizes.split(",")], a.trials, check)
+    if comm.rank == 0:
+        with open(a.out, "w") as fh:
+            json.dump({"rows": rows, "peers": n, "mpi": MPI.Get_library_version().split("\n")[0].strip("\x00 ")},
+                      fh)
+
+
+def worker_gloo(a):
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=a.rank, world_size=a.n)
+    n = a.n
+    one = torch.zeros(1, dtype=torch.float64)
+
+    def ar(x):
+        dist.all_reduce(torch.from_numpy(x))
+
+    def check(x):
+        assert np.all(x == n)
+
+    def reduce_max(v):
+        one[0] = v
+        dist.all_reduce(one, op=dist.ReduceOp.MAX)
+        return float(one[0])
+
+    rows = _time_sizes(ar, dist.barrier, reduce_max, [int(s) for s in a.sizes.split(",")], a.trials, check)
+    if a.rank == 0:
+        with open(a.out, "w") as fh:
+            json.dump({"rows": rows, "peers": n, "torch": torch.__version__}, fh)
+    dist.destroy_process_group()
+
+
+def worker_loop(a):
+    """All-reduce 64 KiB forever; one line per completion: wall time, epoch, size."""
+    import commlib.elastic as el  # noqa: PLC0415
+
+    peer = el.connect(a.master, secret_file=a.secret, streams=a.streams, timeout=30)
+    x = np.ones(16384, np.float32)
+    with open(a.out, "a", buffering=1) as fh:
+        while True:
+            peer.update_topology()
+            peer.allreduce(x, op="avg")
+            x[...] = 1
+            fh.write(f"{time.time():.6f} {peer.epoch} {peer.size}\n")
+
+
+def worker_proxy(a):
+    """WAN-emulating TCP proxy: for each ``listen:target`` pair, every accepted connection is
+    forwarded to ``target`` with ``--latency-ms`` added each way and each direction of each
+    connection capped at ``--rate-mbps`` (token bucket, 64 KiB burst)."""
+    delay = a.latency_ms / 1e3
+    rate = a.rate_mbps * 1e6 / 8
+
+    def pump(src, dst):
+        import collections  # noqa: PLC0415
+
+        q = collections.deque()
+        cv = threading.Condition()
+        done = []
+
+        def reader():
+            try:
+                while True:
+                    b = src.recv(65536)
+                    with cv:
+                        q.append((time.monotonic() + delay, b))
+                        cv.notify()
+                    if not b:
+                        return
+            except OSError:
+                with cv:
+                    q.append((time.monotonic(), b""))
+                    cv.notify()
+
+        threading.Thread(target=reader, daemon=True).start()
+        next_free = time.monotonic()
+        try:
+            while True:
+                with cv:
+                    while not q:
+                        cv.wait()
+                    due, b = q.popleft()
+                wait = due - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
+                if not b:
+                    break
+                now = time.monotonic()
+                next_free = max(next_free, now - 65536 / rate) + len(b) / rate
+                if next_free > now:
+                    time.sleep(next_free - now)
+                dst.sendall(b)
+        except OSError:
+            pass
+        finally:
+            done.append(1)
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def serve(lport, target):
+        ls = socket.socket()
+        ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        ls.bind(("127.0.0.1", lport))
+        ls.listen(64)
+        th, tp = target.rsplit(":", 1)
+        while True:
+            c, _ = ls.accept()
+            try:
+                u = socket.create_connection((th, int(tp)))
+            except OSError:
+                c.close()
+                continue
+            for s in (c, u):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=pump, args=(c, u), daemon=True).start()
+            threading.Thread(target=pump, args=(u, c), daemon=True).start()
+
+    for pair in a.map.split(","):
+        lp, target = pair.split(":", 1)
+        threading.Thread(target=serve, args=(int(lp), target), daemon=True).start()
+    print("proxy ready", flush=True)
+    while True:
+        time.sleep(3600)
+
+
+# ============================================================== driver
+class Master:
+    def __init__(self, tmp):
+        self.secret = os.path.join(tmp, "secret")
+        with open(self.secret, "wb") as fh:
+            fh.write(secrets.token_bytes(32))
+        os.chmod(self.secret, 0o600)
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.log = open(os.path.join(tmp, f"master{self.port}.log"), "wb")
+        self.proc = subprocess.Popen(PY + ["-m", "commlib.cli", "master", "--bind", self.address, "--secret-file",
+                                           self.secret], stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                return
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError("master did not start")
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def _run_all(procs, timeout):
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise RuntimeError(f"worker timed out after {timeout} s") from None
+    bad = [p.returncode for p in procs if p.returncode != 0]
+    if bad:
+        raise RuntimeError(f"worker exit status {bad}")
+
+
+def run_elastic(tmp, n, sz, trials, streams, timeout, wan=None):
+    m = Master(tmp)
+    out = os.path.join(tmp, f"el_{n}_{streams}_{'wan' if wan else 'lo'}.json")
+    procs, proxy = [], None
+    try:
+        binds = [None] * n
+        if wan is not None:  # peer i listens on real[i], advertises the proxy's port front[i]
+            real = [free_port() for _ in range(n)]
+            front = [free_port() for _ in range(n)]
+            binds = [(f"127.0.0.1:{real[i]}", f"127.0.0.1:{front[i]}") for i in range(n)]
+            proxy = subprocess.Popen(PY + [HERE, "--worker", "proxy", "--map",
+                                           ",".join(f"{front[i]}:127.0.0.1:{real[i]}" for i in range(n)),
+                                           "--latency-ms", str(wan[0]), "--rate-mbps", str(wan[1])],
+                                     stdout=subprocess.PIPE, cwd=REPO, text=True)
+            proxy.stdout.readline()
+        for i in range(n):
+            cmd = PY + [HERE, "--worker", "elastic", "--master", m.address, "--secret", m.secret, "--n", str(n),
+                        "--sizes", ",".join(map(str, sz)), "--trials", str(trials), "--streams", str(streams),
+                        "--out", out]
+            if binds[i]:
+                cmd += ["--bind", binds[i][0], "--advertise", binds[i][1]]
+            procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=open(os.path.join(tmp, f"el{i}.log"), "wb"),
+                                          stderr=subprocess.STDOUT))
+        _run_all(procs, timeout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        if proxy is not None:
+            proxy.kill()
+        m.stop()
+    with open(out) as fh:
+        return json.load(fh)
+
+
+def run_mpi(tmp, n, sz, trials, timeout):
+    out = os.path.join(tmp, f"mpi_{n}.json")
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is None:
+        return None
+    cmd = [mpiexec, "--oversubscribe", "--mca", "btl", "tcp,self", "-n", str(n)] + PY + [
+        HERE, "--worker", "mpi", "--sizes", ",".join(map(str, sz)), "--trials", str(trials), "--out", out]
+    env = dict(os.environ)
+    if os.geteuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    if r.returncode != 0:
+        raise RuntimeError(f"mpiexec failed: {r.stderr[-2000:]}")
+    with open(out) as fh:
+        return json.load(fh)
+
+
+def run_gloo(tmp, n, sz, trials, timeout):
+    try:
+        import importlib.util  # noqa: PLC0415
+
+        if importlib.util.find_spec("torch") is None:
+            return None
+    except ImportError:
+        return None
+    out = os.path.join(tmp, f"gloo_{n}.json")
+    port = free_port()
+    procs = [subprocess.Popen(PY + [HERE, "--worker", "gloo", "--port", str(port), "--rank", str(r), "--n", str(n),
+                                    "--sizes", ",".join(map(str, sz)), "--trials", str(trials), "--out", out],
+                              cwd=REPO, stdout=open(os.path.join(tmp, f"gloo{r}.log"), "wb"),
+                              stderr=subprocess.STDOUT) for r in range(n)]
+    try:
+        _run_all(procs, timeout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    with open(out) as fh:
+        return json.load(fh)
+
+
+def section_allreduce(args, tmp, log):
+    sz = sizes(args.min_bytes, args.max_bytes)
+    res = {}
+    for n in args.peers:
+        factor = 2 * (n - 1) / n
+        runs = {"commlib.elastic": run_elastic(tmp, n, sz, args.trials, args.streams, args.timeout)}
+        log(f"  elastic at {n} peers done")
+        runs["openmpi_tcp"] = run_mpi(tmp, n, sz, args.trials, args.timeout)
+        log(f"  Open MPI at {n} peers done")
+        runs["gloo"] = run_gloo(tmp, n, sz, args.trials, args.timeout)
+        rows = []
+        for i, b in enumerate(sz):
+            row = {"bytes": runs["commlib.elastic"]["rows"][i]["bytes"]}
+            for k, r in runs.items():
+                if r is None:
+                    continue
+                t = r["rows"][i]["time_s"]
+                row[k] = {"time_us": t * 1e6, "busbw_GBps": row["bytes"] / t / 1e9 * factor}
+            el = row["commlib.elastic"]["busbw_GBps"]
+            for k in ("openmpi_tcp", "gloo"):
+                if k in row:
+                    row[f"ratio_vs_{k}"] = el / row[k]["busbw_GBps"]
+            rows.append(row)
+            log(f"  {n} peers {row['bytes']:>10d} B  elastic {el:8.4f} GB/s"
+                + "".join(f"  {k} {row[k]['busbw_GBps']:8.4f} ({row[f'ratio_vs_{k}']:.2f}x)"
+                          for k in ("openmpi_tcp", "gloo") if k in row))
+        big = [r for r in rows if r["bytes"] >= 4 << 20]
+        summ = {}
+        for k in ("openmpi_tcp", "gloo"):
+            vals = [r[f"ratio_vs_{k}"] for r in big if f"ratio_vs_{k}" in r]
+            if vals:
+                summ[k] = {"min_ratio_ge_4MiB": min(vals), "median_ratio_ge_4MiB": statistics.median(vals)}
+        res[str(n)] = {"rows": rows, "summary": summ, "mpi": (runs["openmpi_tcp"] or {}).get("mpi"),
+                       "torch": (runs["gloo"] or {}).get("torch")}
+        log(f"  {n} peers, ratios at >= 4 MiB: {summ}")
+    return res
+
+
+def section_wan(args, tmp, log):
+    out = {"latency_ms": args.wan_latency_ms, "rate_mbps_per_connection": args.wan_rate_mbps,
+           "bytes": args.wan_bytes, "streams": {}}
+    for s in (1, 4):
+        r = run_elastic(tmp, 2, [args.wan_bytes], max(1, args.trials // 2), s, args.timeout,
+                        wan=(args.wan_latency_ms, args.wan_rate_mbps))
+        t = r["rows"][0]["time_s"]
+        out["streams"][str(s)] = {"time_s": t, "busbw_MBps": r["rows"][0]["bytes"] / t / 1e6}
+        log(f"  wan {s} stream(s): {t:.3f} s per all-reduce of {args.wan_bytes} B")
+    out["ratio_4_vs_1"] = out["streams"]["1"]["time_s"] / out["streams"]["4"]["time_s"]
+    log(f"  4 streams / 1 stream: {out['ratio_4_vs_1']:.2f}x")
+    return out
+
+
+def section_kill(args, tmp, log):
+    m = Master(tmp)
+    procs = []
+    rng = random.Random(1)
+    n = 4
+
+    def start():
+        k = len(procs)
+        f = os.path.join(tmp, f"loop{k}.txt")
+        p = subprocess.Popen(PY + [HERE, "--worker", "loop", "--master", m.address, "--secret", m.secret,
+                                   "--streams", str(args.streams), "--out", f],
+                             cwd=REPO, stdout=open(os.path.join(tmp, f"loop{k}.log"), "wb"), stderr=subprocess.STDOUT)
+        procs.append((p, f))
+
+    def lines(f, after):
+        try:
+            with open(f) as fh:
+                return [tuple(float(x) for x in ln.split()) for ln in fh if ln.strip() and float(ln.split()[0]) > after]
+        except (OSError, ValueError, IndexError):
+            return []
+
+    def wait_all_at(size, after, timeout):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            live = [(p, f) for p, f in procs if p.poll() is None]
+            firsts = []
+            for p, f in live:
+                got = [ln for ln in lines(f, after) if int(ln[2]) == size]
+                if not got:
+                    break
+                firsts.append(got[0][0])
+            else:
+                if len(firsts) == size:
+                    return max(firsts)
+            time.sleep(0.02)
+        return None
+
+    times = []
+    try:
+        for _ in range(n):
+            start()
+        if wait_all_at(n, 0, 120) is None:
+            raise RuntimeError("the kill benchmark's peers never formed a group of 4")
+        for trial in range(args.kill_trials):
+            time.sleep(0.5)
+            live = [pf for pf in procs if pf[0].poll() is None]
+            victim = rng.choice(live)[0]
+            t_kill = time.time()
+            victim.send_signal(signal.SIGKILL)
+            t_next = wait_all_at(n - 1, t_kill, 60)
+            if t_next is None:
+                log(f"  trial {trial}: no all-reduce over the survivors within 60 s")
+                times.append(float("inf"))
+            else:
+                times.append(t_next - t_kill)
+                log(f"  trial {trial}: {times[-1]:.3f} s from SIGKILL to the next all-reduce over the survivors")
+            start()
+            if wait_all_at(n, time.time(), 120) is None:
+                raise RuntimeError("the replacement peer never joined")
+    finally:
+        for p, _ in procs:
+            if p.poll() is None:
+                p.kill()
+        m.stop()
+    fin = sorted(t for t in times if t != float("inf"))
+    return {"peers": n, "trials": len(times), "seconds": times,
+            "median_s": statistics.median(times) if times else None,
+            "p90_s": fin[int(0.9 * (len(fin) - 1))] if fin else None, "max_s": max(times) if times else None}
+
+
+def section_diloco(args, tmp, log):
+    out = {}
+    for q in ("none", "int8"):
+        m = Master(tmp)
+        procs = []
+        try:
+            for i in range(2):
+                procs.append(subprocess.Popen(
+                    PY + ["-m", "commlib.apps.diloco", "--master", m.address, "--secret-file", m.secret,
+                          "--min-peers", "2", "--outer-steps", str(args.diloco_steps), "--quantize", q,
+                          "--no-progress", "--json", os.path.join(tmp, f"diloco_{q}_{i}.json")],
+                    cwd=REPO, stdout=open(os.path.join(tmp, f"diloco_{q}_{i}.log"), "wb"), stderr=subprocess.STDOUT))
+            _run_all(procs, args.timeout)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            m.stop()
+        with open(os.path.join(tmp, f"diloco_{q}_0.json")) as fh:
+            rep = json.load(fh)
+        out[q] = {"params": rep["config"]["params"], "buffer_bytes": rep["config"]["params"] * 4,
+                  "counted_bytes_per_outer_step": rep["mean_counted_bytes_per_outer_step"],
+                  "estimated_bytes_per_outer_step": rep["mean_estimated_bytes_per_outer_step"],
+                  "final_accuracy": rep["final_accuracy"], "outer_steps": rep["outer_steps_done"]}
+        log(f"  diloco quantize={q}: {out[q]}")
+    if out["none"]["counted_bytes_per_outer_step"] and out["int8"]["counted_bytes_per_outer_step"]:
+        out["ratio_none_vs_int8"] = out["none"]["counted_bytes_per_outer_step"] / out["int8"][
+            "counted_bytes_per_outer_step"]
+    return out
+
+
+def plot(rec, path):
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    a1, a2, a3, a4 = axes.ravel()
+    for j, (n, r) in enumerate((rec.get("allreduce") or {}).items()):
+        x = [row["bytes"] for row in r["rows"]]
+        for i, k in enumerate(("commlib.elastic", "openmpi_tcp", "gloo")):
+            if k in r["rows"][0]:
+                a1.plot(x, [row[k]["busbw_GBps"] for row in r["rows"]], ["o-", "s--", "^:"][i], ms=3,
+                        color=f"C{i}", alpha=1 if j else 0.55, label=f"{k}, {n} peers")
+        for i, k in enumerate(("openmpi_tcp", "gloo")):
+            if f"ratio_vs_{k}" in r["rows"][0]:
+                a2.plot(x, [row[f"ratio_vs_{k}"] for row in r["rows"]], ".-", color=f"C{i + 1}",
+                        alpha=1 if j else 0.55, label=f"vs {k}, {n} peers")
+    a1.set(xscale="log", yscale="log", xlabel="bytes", ylabel="busbw (GB/s)", title="all-reduce on loopback")
+    a2.axhline(0.8, color="C1", ls=":", lw=0.8, label="target 0.8x Open MPI (>= 4 MiB)")
+    a2.axhline(1.5, color="C2", ls=":", lw=0.8, label="target 1.5x gloo (>= 4 MiB)")
+    a2.axvline(4 << 20, color="grey", ls="--", lw=0.8)
+    a2.set(xscale="log", yscale="log", xlabel="bytes", ylabel="commlib.elastic busbw / baseline")
+    a1.legend(fontsize=7)
+    a2.legend(fontsize=7)
+    w = rec.get("wan")
+    if w:
+        a3.bar(["1 stream", "4 streams"], [w["streams"]["1"]["busbw_MBps"], w["streams"]["4"]["busbw_MBps"]])
+        a3.set(ylabel="busbw (MB/s)", title=f"through the proxy: +{w['latency_ms']} ms, {w['rate_mbps_per_connection']}"
+               f" Mbit/s per connection ({w['ratio_4_vs_1']:.2f}x)")
+    k = rec.get("kill")
+    if k and k["seconds"]:
+        a4.hist([min(s, 10) for s in k["seconds"]], bins=10)
+        a4.axvline(2.0, color="C3", ls=":", label="target median 2 s")
+        a4.set(xlabel="seconds from SIGKILL to the next all-reduce", ylabel="trials",
+               title=f"kill to next all-reduce, median {k['median_s']:.2f} s")
+        a4.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sections", default="allreduce,wan,kill,diloco")
+    ap.add_argument("--peers", default="2,4")
+    ap.add_argument("--min-bytes", type=int, default=4)
+    ap.add_argument("--max-bytes", type=int, default=64 << 20)
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--streams", type=int, default=4, help="commlib.elastic streams in the loopback sections")
+    ap.add_argument("--wan-latency-ms", type=float, default=20.0)
+    ap.add_argument("--wan-rate-mbps", type=float, default=40.0)
+    ap.add_argument("--wan-bytes", type=int, default=4 << 20)
+    ap.add_argument("--kill-trials", type=int, default=8)
+    ap.add_argument("--diloco-steps", type=int, default=8)
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds any one job may take")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary folder (logs)")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None)
+    # worker modes (internal)
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    for k in ("--master", "--secret", "--sizes", "--out", "--bind", "--advertise", "--map"):
+        ap.add_argument(k, default=None, help=argparse.SUPPRESS)
+    for k in ("--n", "--port", "--rank"):
+        ap.add_argument(k, type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--latency-ms", type=float, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--rate-mbps", type=float, default=0, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        return {"elastic": worker_elastic, "mpi": worker_mpi, "gloo": worker_gloo, "loop": worker_loop,
+                "proxy": worker_proxy}[a.worker](a)
+    a.peers = [int(x) for x in a.peers.split(",") if x]
+    secs = [s for s in a.sections.split(",") if s]
+    tmp = tempfile.mkdtemp(prefix="bench_elastic_")
+
+    def log(msg):
+        print(msg, flush=True)
+
+    rec = {"benchmark": "elastic", "machine": f"{os.cpu_count()} cores, loopback", "streams": a.streams}
+    t0 = time.time()
+    try:
+        for s in secs:
+            log(f"== {s}")
+            rec[s] = {"allreduce": section_allreduce, "wan": section_wan, "kill": section_kill,
+                      "diloco": section_diloco}[s](a, tmp, log)
+    finally:
+        rec["wall_s"] = time.time() - t0
+        write_json(a.json, rec)
+        if a.plot:
+            plot(rec, a.plot)
+        if a.keep:
+            log(f"logs: {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    log("== ratios from this run")
+    for n, r in (rec.get("allreduce") or {}).items():
+        log(f"  all-reduce >= 4 MiB, {n} peers: {r['summary']}  (targets: >= 0.8x Open MPI TCP, >= 1.5x gloo)")
+    if "wan" in rec:
+        log(f"  proxy, 4 streams / 1 stream: {rec['wan']['ratio_4_vs_1']:.2f}x (target >= 3x)")
+    if "kill" in rec:
+        log(f"  SIGKILL to next all-reduce: median {rec['kill']['median_s']:.3f} s, max {rec['kill']['max_s']:.3f} s "
+            f"over {rec['kill']['trials']} trials (target median <= 2 s)")
+    if "diloco" in rec:
+        log(f"  DiLoCo bytes per outer step (per peer, 2 peers): none {rec['diloco']['none']['counted_bytes_per_outer_step']}"
+            f", int8 {rec['diloco']['int8']['counted_bytes_per_outer_step']} "
+            f"(ratio {rec['diloco'].get('ratio_none_vs_int8')})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

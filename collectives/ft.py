@@ -13,8 +13,13 @@ Open MPI 5 (``mpiexec --with-ft ulfm``):
    live-but-waiting peers.  A watchdog thread (NCCL's idea, on ULFM's revoke)
    bounds the attempt to ``timeout`` seconds: past it, it revokes the
    communicator, and the survivors raise :class:`~commlib.core.errors.CommTimeout`
-   (a stalled, live peer).  Without ``MPI_THREAD_MULTIPLE`` every wait is
-   polled and bounded instead;
+   (a stalled, live peer).  Every other blocking step (revoke, agree, shrink)
+   is bounded too, and a rank whose MPI library stops making progress (Open
+   MPI 5.0's TCP transport can wedge inside ``MPI_Testall``, its revoke
+   then blocking too) fails itself with one line on stderr and
+   ``os._exit(70)``, which the survivors recover from as from any failure
+   (:class:`_Watchdog`, docs/FAULTS.md).  Without ``MPI_THREAD_MULTIPLE``
+   every wait is polled and bounded instead;
 2. every survivor then calls ``MPIX_Comm_agree`` on a success flag (bitwise AND
    over the survivors, uniform even when processes fail during it), so a rank that
    finished its part never returns while another retries;

@@ -602,7 +602,7 @@ def main(argv=None):
     ap.add_argument("--streams", type=int, default=4, help="commlib.elastic streams in the loopback sections")
     ap.add_argument("--wan-latency-ms", type=float, default=20.0)
     ap.add_argument("--wan-rate-mbps", type=float, default=40.0)
-    ap.add_argument("--wan-bytes", type=int, default=4 << 20)
+    ap.add_argument("--wan-bytes", type=int, default=8 << 20)
     ap.add_argument("--kill-trials", type=int, default=8)
     ap.add_argument("--diloco-steps", type=int, default=8)
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds any one job may take")

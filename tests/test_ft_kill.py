@@ -113,7 +113,7 @@ def run_one(spec, seed, nprocs=NP, mib=MIB, timeout=TIMEOUT):
     env["FT_OUT_DIR"] = out_dir
     cmd = [MPIEXEC, "--oversubscribe", "--with-ft", "ulfm", "--mca", "btl", "tcp,self",
            "--prtemca", "state_base_error_non_zero_exit", "0", "-n", str(nprocs), sys.executable, WORKER,
-           json.dumps({"timed": {"n": n, "calls": CALLS}, "victims": spec, "seed": seed})]
+           json.dumps({"timed": {"n": n, "calls": CALLS}, "victims": spec, "seed": seed, "oracle": False})]
     limit = STARTUP_S + timeout + 5
     t0 = time.monotonic()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -136,7 +136,8 @@ def run_one(spec, seed, nprocs=NP, mib=MIB, timeout=TIMEOUT):
 
 def oracle_hashes(groups, seed, n):
     """SHA-256 of each call's ring oracle over the inputs of ``groups[call]``
-    (the same inputs as ft_worker.py's timed mode)."""
+    (the inputs of ft_worker.py's timed mode; ``test_oracle_matches_worker``
+    checks this against the worker's own oracle)."""
     import hashlib
 
     import numpy as np
@@ -194,10 +195,8 @@ def classify(spec, nprocs, results, text, wall, hung, timeout, seed=0, n=0):
                 o["problems"].append(f"rank {r}: failed {res['failed']}, the dead are {dead}")
             if max(res["t"], default=0) > timeout + 5:
                 o["problems"].append(f"rank {r}: a call took {max(res['t'])} s > timeout + 5 s")
-        oracle = next((results[r]["oracle"] for r in survivors if results[r]["oracle"]), None)
-        o["oracle_check"] = {"groups": results[survivors[0]]["groups"], "seed": seed, "n": n, "oracle": oracle}
-        if oracle is None:  # the rank that was to compute it died after the last call
-            oracle = oracle_hashes(results[survivors[0]]["groups"], seed, n)
+        # the oracle, computed here after the job (outside its time limit)
+        oracle = oracle_hashes(results[survivors[0]]["groups"], seed, n)
         for c in range(CALLS):
             hs = {results[r]["hashes"][c] for r in survivors if len(results[r]["hashes"]) > c}
             if len(hs) != 1:
@@ -243,6 +242,22 @@ def summarize(outcomes):
                             "mean": round(statistics.mean(kt), 2) if kt else None}}
 
 
+@pytest.mark.skipif(not _ulfm(), reason="needs Open MPI with ULFM")
+@pytest.mark.timeout(120)
+def test_oracle_matches_worker():
+    """The driver's oracle is the worker's (no kill; the worker computes its own)."""
+    n = 3 * 40009  # > 256 KiB: "auto" picks the ring, whose order the oracle follows
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    out = subprocess.run([MPIEXEC, "--oversubscribe", "-n", "3", sys.executable, WORKER,
+                          json.dumps({"timed": {"n": n, "calls": 2}, "victims": [], "seed": 5})],
+                         capture_output=True, text=True, timeout=100, env=env, start_new_session=True)
+    res = [json.loads(ln[9:]) for ln in out.stdout.splitlines() if ln.startswith("FTRESULT ")]
+    assert len(res) == 3, out.stdout[-2000:] + out.stderr[-2000:]
+    r0 = next(r for r in res if r["oracle"])
+    assert r0["oracle"] == oracle_hashes(r0["groups"], 5, n) == r0["hashes"]
+
+
 def test_plan_covers_the_corners():
     p = plan(1, 20, 4)
     assert p[0][0][1] == 0                      # inside the first collective
@@ -274,10 +289,6 @@ def test_random_kill_times():
     print("\nkill test:", json.dumps(summary))
     if REPORT:
         Path(REPORT).write_text(json.dumps({"summary": summary, "runs": outcomes}, indent=1))
-    # the driver's oracle (used when the oracle rank died after the last call) is the worker's
-    chk = next((o["oracle_check"] for o in outcomes if o.get("oracle_check", {}).get("oracle")), None)
-    if chk is not None:
-        assert oracle_hashes(chk["groups"], chk["seed"], chk["n"]) == chk["oracle"]
     bad = [(i, o) for i, o in enumerate(outcomes) if o["outcome"] not in ("recovered", "raised")]
     assert not bad, "\n\n".join(
         f"run {i} (seed {SEED}, spec {o['spec']}): {o['outcome']}: {o['problems']}\n{o.get('tail', '')}"

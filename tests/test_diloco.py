@@ -329,7 +329,7 @@ def test_real_run_on_loopback(tmp_path):
     master = el.Master(bind="127.0.0.1:0", secret_file=str(secret))
     master.start()
     procs, logs = [], []
-    common = ["--master", master.address, "--secret-file", str(secret), "--outer-steps", "10",
+    common = ["--master", master.address, "--secret-file", str(secret), "--outer-steps", "30",
               "--inner-steps", "20", "--no-progress", "--streams", "2", "--quantize", "int8"]
 
     def start(i, *extra):
@@ -341,8 +341,15 @@ def test_real_run_on_loopback(tmp_path):
     try:
         start(0, "--min-peers", "2")
         start(1, "--min-peers", "2")
+        prepared = diloco.prepare((64,), 32, 3e-3, 0)
         assert _wait_for_text(logs[0], "step 2/", 90), logs[0].read_text(errors="replace")[-3000:]
-        start(2)  # joins the running job
+        # the joiner runs in this process (imports done), so it arrives while the job runs
+        joiner = el.connect(master.address, secret_file=str(secret), streams=2, timeout=30)
+        try:
+            rep2 = diloco.run(joiner, outer_steps=30, inner_steps=20, quantize="int8", prepared=prepared)
+        finally:
+            joiner.close()
+        (tmp_path / "p2.json").write_text(json.dumps(rep2))
         for p, log in zip(procs, logs):
             try:
                 p.wait(timeout=120)
@@ -358,5 +365,5 @@ def test_real_run_on_loopback(tmp_path):
     reps = [json.loads((tmp_path / f"p{i}.json").read_text()) for i in range(3)]
     assert all(r["finished"] for r in reps)
     assert len({r["theta_sha256"] for r in reps}) == 1
-    assert reps[2]["own_outer_steps"] < 10 and any(e["bytes_received"] > 0 for e in reps[2]["membership_events"])
+    assert reps[2]["own_outer_steps"] < 30 and any(e["bytes_received"] > 0 for e in reps[2]["membership_events"])
     assert reps[0]["final_accuracy"] >= 0.9

@@ -115,17 +115,22 @@ def run_one(spec, seed, nprocs=NP, mib=MIB, timeout=TIMEOUT):
            "--prtemca", "state_base_error_non_zero_exit", "0", "-n", str(nprocs), sys.executable, WORKER,
            json.dumps({"timed": {"n": n, "calls": CALLS}, "victims": spec, "seed": seed, "oracle": False})]
     limit = STARTUP_S + timeout + 5
+    log = Path(out_dir) / "output.txt"  # a file, not a pipe: a process that left the group cannot hold us
     t0 = time.monotonic()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    with open(log, "wb") as fh:
+        p = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     hung = False
     try:
-        text, _ = p.communicate(timeout=limit)
+        p.wait(timeout=limit)
     except subprocess.TimeoutExpired:
         hung = True
         os.killpg(p.pid, signal.SIGKILL)
-        text, _ = p.communicate()
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
     wall = time.monotonic() - t0
-    text = text.decode(errors="replace")
+    text = log.read_bytes().decode(errors="replace")
     results = {}
     for f in Path(out_dir).glob("rank*.json"):
         r = json.loads(f.read_text())

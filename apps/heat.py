@@ -753,8 +753,121 @@ def plot_midplane(field_, path, title=""):
 
 
 # --------------------------------------------------------------------- CLI
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a refusal is one line on stderr (``heat: error: ...``),
+    printed by rank 0 only, and exit status 2; every rank parses the same
+    command line, so every rank exits alike, before MPI communicates."""
+
+    def error(self, message):  # noqa: D401 - argparse's hook
+        if _world_rank() == 0:
+            sys.stderr.write(f"heat: error: {message}\n")
+            sys.stderr.flush()
+        raise SystemExit(2)
+
+
+def _world_rank() -> int:
+    try:
+        from mpi4py import MPI  # noqa: PLC0415 - initialized by commlib's import
+
+        return MPI.COMM_WORLD.Get_rank()
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def _world_size() -> int:
+    try:
+        from mpi4py import MPI  # noqa: PLC0415
+
+        return MPI.COMM_WORLD.Get_size()
+    except Exception:  # noqa: BLE001
+        return 1
+
+
+#: limits of the command line (a grid side, all grid points, steps)
+MAX_SIDE, MAX_POINTS, MAX_STEPS = 1 << 20, 1 << 36, 10 ** 9
+
+
+def check_args(parser: argparse.ArgumentParser, args) -> list:
+    """Refuse values the solver cannot run (``parser.error``: one line, exit 2)
+    before MPI communicates; returns the grid, one size per dimension.
+
+    Checks: ``--grid`` sizes (1 or ``--dims`` of them, each in
+    ``[1, MAX_SIDE]``, at most ``MAX_POINTS`` points, at least one point per
+    rank), ``--steps`` in ``[1, MAX_STEPS]``, ``--t-final``, ``--alpha`` finite
+    and > 0, ``--cfl`` finite in (0, 1], ``--checkpoint-every`` >= 1, ``--kill``
+    only with ``--fault-tolerant`` and as ``RANK:STEP`` (a rank of the job, a
+    step >= 0), ``--json``/``--plot`` writable (and matplotlib present for
+    ``--plot``).
+    """
+    err = parser.error
+    grid = args.grid or ([512] if args.dims == 2 else [96])
+    if len(grid) == 1:
+        grid = grid * args.dims
+    if len(grid) != args.dims:
+        err(f"--grid takes 1 or {args.dims} sizes, got {len(grid)}")
+    if any(not 1 <= n <= MAX_SIDE for n in grid):
+        err(f"--grid sizes must be in [1, {MAX_SIDE}], got {' '.join(map(str, args.grid))}")
+    if math.prod(grid) > MAX_POINTS:
+        err(f"--grid {'x'.join(map(str, grid))} has {math.prod(grid)} points, more than {MAX_POINTS}")
+    if math.prod(grid) < _world_size():
+        err(f"--grid {'x'.join(map(str, grid))} has fewer points than the job has ranks ({_world_size()})")
+    if not 1 <= args.steps <= MAX_STEPS:
+        err(f"--steps must be in [1, {MAX_STEPS}], got {args.steps}")
+    for name, v in (("--alpha", args.alpha), ("--t-final", args.t_final)):
+        if v is not None and not (math.isfinite(v) and v > 0):
+            err(f"{name} must be a finite number > 0, got {v}")
+    if not (math.isfinite(args.cfl) and 0 < args.cfl <= 1):
+        err(f"--cfl must be in (0, 1] (a fraction of the FTCS stability limit), got {args.cfl}")
+    if args.checkpoint_every < 1:
+        err(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
+    kill = []
+    if args.kill and not args.fault_tolerant:
+        err("--kill needs --fault-tolerant")
+    for k in args.kill:
+        parts = k.split(":")
+        try:
+            rank, step = (int(x) for x in parts) if len(parts) == 2 else (None, None)
+        except ValueError:
+            rank = step = None
+        if rank is None:
+            err(f"--kill takes RANK:STEP (two integers), got {k!r}")
+        if not 0 <= rank < _world_size():
+            err(f"--kill {k}: rank {rank} is not a rank of this job [0, {_world_size()})")
+        if step < 0:
+            err(f"--kill {k}: step {step} is negative")
+        kill.append((rank, step))
+    args.kill_list = kill
+    for opt, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None:
+            problem = _unwritable(path)
+            if problem:
+                err(f"{opt} {path}: {problem}")
+    if args.plot is not None:
+        import importlib.util  # noqa: PLC0415
+
+        if importlib.util.find_spec("matplotlib") is None:
+            err("--plot needs matplotlib (pip install matplotlib)")
+    return grid
+
+
+def _unwritable(path: str) -> str | None:
+    """Why ``path`` cannot be written (None when it can), without creating it."""
+    import os  # noqa: PLC0415
+
+    if not path:
+        return "empty path"
+    if os.path.isdir(path):
+        return "is a directory"
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"directory {parent} does not exist"
+    if os.path.exists(path):
+        return None if os.access(path, os.W_OK) else "not writable"
+    return None if os.access(parent, os.W_OK | os.X_OK) else f"directory {parent} is not writable"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m commlib.apps.heat",
         description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -795,25 +908,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """The command line; returns the exit status (2: a refused value or
+    argument error, reported in one line on stderr by rank 0)."""
     try:
         return _main(argv)
+    except SystemExit as exc:  # argparse: --help (0) or a refusal (2)
+        return exc.code if isinstance(exc.code, int) else 2
     except commlib.CommError as exc:
         # every rank raises the same argument error; report it once, no traceback
         if exc.rank in (None, 0):
-            print(f"heat: error: {exc}", file=sys.stderr)
+            print(f"heat: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
 
 
 def _main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    grid = args.grid or ([512] if args.dims == 2 else [96])
-    if len(grid) == 1:
-        grid = grid * args.dims
-    if len(grid) != args.dims:
-        build_parser().error(f"--grid takes 1 or {args.dims} sizes, got {len(grid)}")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    grid = check_args(parser, args)
     if args.fault_tolerant:
         comm = commlib.init(fault_tolerant=True, on_failure="raise")
-        kill = [tuple(int(x) for x in k.split(":")) for k in args.kill]
+        kill = args.kill_list
         res, local = solve_ft(comm, grid, steps=args.steps, alpha=args.alpha, backend=args.backend, cfl=args.cfl,
                               t_final=args.t_final, checkpoint_every=args.checkpoint_every, kill=kill)
     else:

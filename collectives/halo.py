@@ -24,26 +24,74 @@ tags from its :class:`~commlib.core.tags.TagAllocator`, so any failure of an
 exchange reaches the caller as a classified :class:`~commlib.CommError`
 (:class:`~commlib.ProcessFailed`, :class:`~commlib.CommTimeout`, ...) naming
 the rank and ``HaloExchange.exchange``.
+
+Validation that cannot split.  Every message starts with a fixed
+:data:`HEADER_BYTES`-byte header (int64 words: status, sender rank, field
+count, dtype code, payload bytes, reason, origin rank), written once when the
+message buffers are built, so a good exchange pays nothing for it; a receiver
+reads the headers of its messages before unpacking.  A rank whose own fields do
+not match the plan (shape, dtype, order, mixed devices) does not pack: it
+sends each neighbour an *abort* header in place of its data, receives (and
+drops) the neighbours' messages so none of their sends is left pending, and
+raises :class:`~commlib.InvalidArgument`.  A neighbour that receives an abort
+header, or a header whose field count, dtype or size differ from its own
+message, raises :class:`~commlib.InvalidArgument` naming the offending rank and
+writes no ghost cell.  Ranks that are not neighbours of the offender get a
+small notice from it on a tag of their own, found by one ``MPI_Iprobe`` when
+their next exchange starts, and raise the same way then.  No collective check
+runs per call; every wait of the abort path is bounded (``timeout``, else
+``COMMLIB_TIMEOUT``).  On the device the headers travel in the pinned host
+staging buffer (and, with CUDA-aware MPI, are read back from the device with
+one small copy per neighbour).
 """
 from __future__ import annotations
 
 import itertools
+import time
+import zlib
 from typing import Sequence
 
 import numpy as np
 
 from commlib.core import devmem
 from commlib.core.buffer import as_buffer
-from commlib.core.errors import CommError, InvalidArgument, ProcessFailed
+from commlib.core.config import config
+from commlib.core.errors import CommError, CommTimeout, InvalidArgument, ProcessFailed
 from commlib.datatypes import Subarray
 from commlib.datatypes.batch import BatchPack
-from commlib.transports.base import Request
+from commlib.transports.base import Request, check_plain_dtype
 
 from .agreement import check_all
 
-__all__ = ["HaloExchange", "HaloRequest"]
+__all__ = ["HaloExchange", "HaloRequest", "HEADER_BYTES"]
 
 _EXCHANGE = "HaloExchange.exchange"
+
+#: bytes of the header in front of every halo message (a multiple of 64, so
+#: the packed pieces after it stay aligned for the device kernels)
+HEADER_BYTES = 64
+_H = HEADER_BYTES
+_OK = 0x48414C4F4F4B2121    # status words ("HALOOK!!", "HALOABRT"): garbage cannot pass for them
+_ABORT = 0x48414C4F41425254
+# header words
+_STATUS, _SENDER, _NFIELDS, _DTYPE, _NBYTES, _REASON, _ORIGIN, _FAR = range(8)
+_REASONS = {1: "a field's shape differs from the plan's", 2: "a field's dtype differs from the plan's",
+            3: "a field is not C-contiguous", 4: "its fields are invalid (see its error)",
+}
+
+
+def _dtype_code(dtype) -> int:
+    return zlib.crc32(np.dtype(dtype).str.encode())
+
+
+def _reason_of(detail: str) -> int:
+    if "has shape" in detail:
+        return 1
+    if "has dtype" in detail:
+        return 2
+    if "C-contiguous" in detail:
+        return 3
+    return 4
 
 
 class _Neighbour:
@@ -98,6 +146,9 @@ class HaloExchange:
             problem = f"local_shape {local_shape} has an empty dimension"
         elif any(w < 0 for w in width):
             problem = f"width {width} is negative"
+        elif self.dtype.hasobject:
+            problem = (f"dtype {self.dtype} holds Python object pointers (references) that cannot be sent; "
+                       "use a numeric dtype")
         else:
             for i, (n, w) in enumerate(zip(local_shape, width)):
                 if w > n:
@@ -118,8 +169,10 @@ class HaloExchange:
         self.width = width
         self.corners = bool(corners)
         self.shape = tuple(n + 2 * w for n, w in zip(local_shape, width))
-        # one tag per direction of travel (3**ndim offsets), reserved once
-        tag0 = self._transport.tags.slot(3 ** ndim)
+        # one tag per direction of travel (3**ndim offsets), and one for the
+        # abort notice to non-neighbours, reserved once
+        tag0 = self._transport.tags.slot(3 ** ndim + 1)
+        self._notice_tag = tag0 + 3 ** ndim
 
         self.neighbours: list[_Neighbour] = []
         for off in itertools.product((-1, 0, 1), repeat=ndim):
@@ -150,7 +203,12 @@ class HaloExchange:
             nb.send_tag = tag0 + _direction_index(off)
             nb.recv_tag = tag0 + _direction_index(tuple(-o for o in off))
             self.neighbours.append(nb)
-        self._validated: set = set()
+        near = {nb.rank for nb in self.neighbours} | {self.rank}
+        self._far = [r for r in range(cart.size) if r not in near]  # get a notice when this rank aborts
+        self._dcode = _dtype_code(self.dtype)
+        self._broken = None  # why the plan cannot be used any more (an abort reached non-neighbours)
+        self._tainted = False  # an abort happened: messages may still be unmatched (see free)
+        self._calls = 0  # exchanges started (the same count on every rank: they run in lockstep)
 
     # ---------------------------------------------------------------- helpers
     @property
@@ -218,10 +276,15 @@ class HaloExchange:
         me = self.rank
         tp = self._transport
         staged = device and not tp.cuda_aware
+        # a message to or from another rank is [header][field 0's piece][field 1's]...;
+        # a message to this rank itself has no header (it never goes on the wire)
         spieces, soffs, sspan = [], [], {}
         pos = 0
         for k, nb in enumerate(self.neighbours):
-            sspan[nb.offset] = (pos, pos + nb.nbytes * nfields)
+            start = pos
+            if nb.rank != me:
+                pos += _H
+            sspan[nb.offset] = (start, pos + nb.nbytes * nfields)
             for i in range(nfields):
                 spieces.append((i, nb.send_type))
                 soffs.append(pos)
@@ -230,12 +293,13 @@ class HaloExchange:
         rpieces, roffs, rspans = [], [], []
         for nb in self.neighbours:
             if nb.rank == me:  # read the packed message for the opposite direction
-                base = sspan[tuple(-o for o in nb.offset)][0]
+                a, b = sspan[tuple(-o for o in nb.offset)]
+                base = b - nb.nbytes * nfields  # past that message's header, if it has one
                 rspans.append(None)
             else:
-                base = pos
-                rspans.append((pos, pos + nb.nbytes * nfields))
-                pos += nb.nbytes * nfields
+                rspans.append((pos, pos + _H + nb.nbytes * nfields))
+                base = pos + _H
+                pos += _H + nb.nbytes * nfields
             for i in range(nfields):
                 rpieces.append((i, nb.recv_type))
                 roffs.append(base + i * nb.nbytes)
@@ -243,13 +307,28 @@ class HaloExchange:
         wire = devmem.device_empty(total, like=like) if device else np.empty(total, np.uint8)
         host = devmem.pinned_empty(total) if staged else wire
         remote = [(nb, sspan[nb.offset], r) for nb, r in zip(self.neighbours, rspans) if nb.rank != me]
+        # headers are written and read in host memory: the staging buffer, or
+        # (CUDA-aware MPI on device memory) a pinned mirror of the wire
+        hdr = devmem.pinned_empty(total) if device and not staged and remote else host
+        # the headers of the messages this rank sends: the same every step
+        for nb, (a, _), _ in remote:
+            hdr[a:a + _H].view(np.int64)[:] = self._header(_OK, nfields, nb.nbytes * nfields)
+        if device and remote:  # the device copy of the send area carries them too
+            devmem.to_device_async(hdr, wire, 0, send_total)
+            devmem.stream_synchronize()
         got = _Plan()
         got.packer, got.unpacker = BatchPack(spieces, soffs), BatchPack(rpieces, roffs)
         got.wire, got.host, got.send_total, got.staged = wire, host, send_total, staged
+        got.halo = self
         got.sync = device and not staged  # the wire itself is device memory MPI reads
         got.transport = tp
         got.mark = devmem.StreamMark() if staged else None
         got.idle = not remote and not spieces  # no neighbour at all: nothing to do
+        got.nfields = nfields
+        # (neighbour, receive span): the headers read on arrival
+        got.checks = [(nb, r) for nb, _, r in remote]
+        got.readback = device and not staged  # CUDA-aware: headers arrive in device memory
+        got.hdr = hdr
         got.sreqs = [tp.send_init(host[a:b], nb.rank, nb.send_tag) for nb, (a, b), _ in remote]
         got.rreqs = [tp.recv_init(host[a:b], nb.rank, nb.recv_tag) for nb, _, (a, b) in remote]
         got.reqs = got.rreqs + got.sreqs
@@ -257,7 +336,12 @@ class HaloExchange:
         return got
 
     # -------------------------------------------------------------- exchange
-    def start(self, *fields) -> "HaloRequest":
+    def _header(self, status: int, nfields: int, nbytes: int, reason: int = 0, origin: int | None = None):
+        h = np.zeros(_H // 8, np.int64)
+        h[:7] = (status, self.rank, nfields, self._dcode, nbytes, reason, self.rank if origin is None else origin)
+        return h
+
+    def start(self, *fields, timeout: float | None = None) -> "HaloRequest":
         """Begin filling the ghost cells of ``fields``; returns a request.
 
         Every field's edge cells are packed before ``start`` returns, so the
@@ -270,27 +354,39 @@ class HaloExchange:
             *fields: arrays of shape ``self.shape`` and dtype ``self.dtype``,
                 C-contiguous, all on the host or all on the device.
 
+            timeout: seconds the abort path may wait (sending abort headers
+                and draining the neighbours' messages) when this rank's fields
+                are wrong (None: ``COMMLIB_TIMEOUT``).
+
         Raises:
             InvalidArgument: wrong shape, dtype, contiguity, or mixed devices.
-                Until a call with this many fields has succeeded, the check is
-                made on every rank together, so a rank with a wrong field
-                cannot leave the others waiting; later calls check locally.
+                The check is local; a rank that fails it sends its neighbours
+                an abort header in place of its data (they raise in ``wait``,
+                naming it) and a notice to every other rank (they raise when
+                their next exchange starts), so no rank is left waiting.
+                Also raised here when such a notice has arrived.
             CommError: the transport failed to start the messages
                 (:class:`~commlib.ProcessFailed` when a peer is gone).
         """
         op = _EXCHANGE
         nfields = len(fields)
-        first = nfields not in self._validated
-        problem = None
+        if self._broken is not None:
+            raise InvalidArgument(self._broken, rank=self.rank, op=op)
+        step = self._calls
+        self._calls += 1
         try:
             device = self._fast_check(fields, op)
         except InvalidArgument as exc:
-            if not first:
-                raise
-            problem = exc.detail
-        if first:
-            check_all(self._transport, problem, op)
-            self._validated.add(nfields)
+            self._abort(nfields, _reason_of(exc.detail), self.rank, step, timeout)
+            raise
+        if self._far:
+            notice = self._transport.poll(self._notice_tag, _H)
+            if notice is not None:
+                h = notice.view(np.int64)
+                if int(h[_NBYTES]) == step:  # the offender's own exchange: the neighbours wait for this one
+                    self._abort(nfields, int(h[_REASON]), int(h[_ORIGIN]), step, timeout, notify=False)
+                # (an exchange after it: the neighbours stopped or get the notice too; post nothing)
+                raise self._notice_error(notice)
         plan = self._plan_for(nfields, device, fields[0])
         if plan.idle:
             return HaloRequest(fields, plan)
@@ -319,9 +415,63 @@ class HaloExchange:
             return False
         return self._check_fields(fields, op)[1]
 
+    def _notice_error(self, notice) -> InvalidArgument:
+        self._taint(True)
+        h = notice.view(np.int64)
+        origin = int(h[_ORIGIN])
+        why = _REASONS.get(int(h[_REASON]), "its fields were invalid")
+        err = InvalidArgument(f"rank {origin} aborted a halo exchange ({why}); no ghost cell was written",
+                              rank=self.rank, op=_EXCHANGE)
+        err.offenders = (origin,)
+        return err
+
+    def _taint(self, far: bool) -> None:
+        """An abort happened.  When it reached ranks that are not the offender's
+        neighbours (``far``), ranks no longer agree on which exchange is which,
+        so the plan refuses later calls; either way :meth:`free` keeps the
+        private communicator (a message still in flight must not meet a new
+        communicator that MPI gives the same context)."""
+        self._tainted = True
+        if far:
+            self._broken = ("an earlier exchange was aborted by a rank that is not every rank's neighbour, so "
+                            "the ranks no longer agree on which exchange is which; build a new HaloExchange")
+
+    def _abort(self, nfields: int, reason: int, origin: int, step: int, timeout: float | None,
+               notify: bool = True) -> None:
+        """This rank will not exchange: send every neighbour an abort header in
+        place of its message (and, when ``notify``, every other rank a notice
+        carrying ``step``, the number of this exchange), receive and drop the
+        neighbours' messages so their sends complete, all within ``timeout``
+        seconds.  When that time passes first, the plan is marked unusable (a
+        receive may still be posted)."""
+        tp = self._transport
+        remote = [nb for nb in self.neighbours if nb.rank != self.rank]
+        self._taint(bool(self._far) or not notify)
+        if not remote and not (notify and self._far):
+            return
+        head = self._header(_ABORT, nfields, step, reason, origin)  # an abort's byte count: the exchange number
+        head[_FAR] = 1 if (self._far or not notify) else 0
+        reqs, keep = [], [head]
+        try:
+            for nb in remote:  # large enough for a message of this many fields
+                buf = np.empty(_H + nb.nbytes * max(nfields, 1), np.uint8)
+                keep.append(buf)
+                reqs.append(tp.irecv(buf, nb.rank, nb.recv_tag))
+            for nb in remote:
+                reqs.append(tp.isend(head, nb.rank, nb.send_tag))
+            for r in (self._far if notify else ()):
+                reqs.append(tp.isend(head, r, self._notice_tag))
+            limit = config.timeout if timeout is None else timeout
+            tp.waitall(reqs, limit, op=_EXCHANGE)
+        except CommTimeout:
+            self._broken = ("an earlier exchange was aborted and a neighbour never answered; "
+                            "build a new HaloExchange")
+        except CommError:  # a neighbour's larger message (MPI_ERR_TRUNCATE), a failed peer: still raise the abort
+            pass
+
     def exchange(self, *fields, timeout: float | None = None) -> None:
         """Fill the ghost cells of ``fields`` (``start(*fields).wait(timeout)``)."""
-        self.start(*fields).wait(timeout)
+        self.start(*fields, timeout=timeout).wait(timeout)
 
     @property
     def mpi_comm(self):
@@ -338,10 +488,17 @@ class HaloExchange:
 
     def free(self) -> None:
         """Release the persistent requests and the plan's private communicator
-        (idempotent)."""
+        (idempotent).  After an aborted exchange both are kept until MPI is
+        finalized instead: a message still in flight (an abort notice, a
+        neighbour's data nobody received) must not be matched by a new
+        communicator to which MPI hands the same context."""
         if self._freed:
             return
         self._freed = True
+        if self._tainted:
+            _KEPT.append((self._transport, self._buffers))
+            self._buffers = {}
+            return
         for plan in self._buffers.values():
             self._transport.free_requests(plan.reqs)
         self._buffers.clear()
@@ -350,7 +507,41 @@ class HaloExchange:
 
 class _Plan:
     __slots__ = ("packer", "unpacker", "wire", "host", "send_total", "sreqs", "rreqs", "reqs", "staged", "sync",
-                 "transport", "mark", "idle")
+                 "transport", "mark", "idle", "nfields", "checks", "readback", "halo", "hdr")
+
+    def check_headers(self) -> None:
+        """Read the header of every message received; raise naming the sender
+        when one aborted or its message does not match this plan's."""
+        host = self.hdr
+        if self.readback:  # CUDA-aware: the headers are in device memory
+            for _, (a, _b) in self.checks:
+                devmem.to_host_async(self.wire, host, a, a + _H)
+            devmem.stream_synchronize()
+        bad = []
+        for nb, (a, b) in self.checks:
+            h = host[a:a + _H].view(np.int64)
+            want = (_OK, nb.rank, self.nfields, self.halo._dcode, b - a - _H)
+            got = tuple(int(x) for x in h[:5])
+            if got == want:
+                continue
+            if got[_STATUS] == _ABORT:
+                self.halo._taint(bool(h[_FAR]))
+                origin = int(h[_ORIGIN])
+                why = _REASONS.get(int(h[_REASON]), "its fields were invalid")
+                who = f"rank {nb.rank}" if origin == nb.rank else f"rank {nb.rank} (told by rank {origin})"
+                bad.append((origin, f"{who} aborted the exchange: {why}"))
+            elif got[_STATUS] == _OK:
+                diff = [f"{name} {g} (here {w})" for name, g, w in
+                        zip(("sender", "fields", "dtype code", "bytes"), got[1:], want[1:]) if g != w]
+                bad.append((nb.rank, f"rank {nb.rank}'s message does not match this plan: " + ", ".join(diff)))
+            else:
+                bad.append((nb.rank, f"rank {nb.rank}'s message has no valid header"))
+            h[_STATUS] = 0  # a later short message cannot pass for this one
+        if bad:
+            err = InvalidArgument("; ".join(m for _, m in bad) + "; no ghost cell was written",
+                                  rank=self.halo.rank, op=_EXCHANGE)
+            err.offenders = tuple(sorted({r for r, _ in bad}))
+            raise err
 
 
 class HaloRequest(Request):
@@ -365,6 +556,12 @@ class HaloRequest(Request):
         if plan.idle:
             self._done = True
             return
+        if plan.checks:
+            try:
+                plan.check_headers()
+            except InvalidArgument:
+                self._done = True
+                raise
         if plan.staged:  # pinned host -> device on the current stream, then the unpack kernel
             devmem.to_device_async(plan.host, plan.wire, plan.send_total, plan.host.shape[0])
             plan.mark.record()
@@ -398,10 +595,51 @@ class HaloRequest(Request):
         """
         if self._done:
             return
-        self._plan.transport.waitall(self._plan.reqs, timeout, op=_EXCHANGE)
+        plan = self._plan
+        try:
+            if plan.halo._far:
+                self._wait_watching(timeout)
+            else:
+                plan.transport.waitall(plan.reqs, timeout, op=_EXCHANGE)
+        except (ProcessFailed, CommTimeout):
+            raise
+        except CommError as exc:
+            if "MPI_ERR_TRUNCATE" not in str(exc):
+                raise
+            self._done = True
+            raise InvalidArgument("a neighbour's message is larger than this plan's (does it pass another "
+                                  "number of fields?); no ghost cell was written", rank=self._plan.halo.rank,
+                                  op=_EXCHANGE) from exc
         self._unpack()
         if self._callbacks:
             self._fire()
+
+
+    def _wait_watching(self, timeout: float | None) -> None:
+        """Wait in slices; while a neighbour is late, look for an abort notice
+        from a rank that is not a neighbour (it may have stopped the
+        neighbours this rank waits for)."""
+        plan = self._plan
+        tp, halo = plan.transport, plan.halo
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            step = _SLICE if left is None else max(0.0, min(_SLICE, left))
+            try:
+                tp.waitall(plan.reqs, step, op=_EXCHANGE)
+                return
+            except CommTimeout:
+                notice = tp.poll(halo._notice_tag, _H)
+                if notice is not None:
+                    self._done = True
+                    raise halo._notice_error(notice) from None
+                if left is not None and left <= _SLICE:
+                    raise CommTimeout(f"{len(plan.reqs)} request(s) not complete after {timeout:.3g} s "
+                                      "(peer dead or stalled?)", rank=halo.rank, op=_EXCHANGE) from None
+
+
+_KEPT: list = []  # the transports and plans of aborted exchanges (see HaloExchange.free)
+_SLICE = 0.05  # seconds a wait runs before looking for an abort notice
 
 
 def _as_raised_by(exc: CommError, op: str, rank: int) -> CommError:

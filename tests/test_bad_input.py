@@ -230,3 +230,132 @@ def test_bad_peers_and_cartesian_queries(comm):
     finally:
         cart.free()
     _still_usable(comm)
+
+
+# ------------------------------------------------ halo: validation cannot split
+def _halo_world(topology, comm):
+    from commlib.collectives.halo import HaloExchange
+
+    n = comm.size
+    if topology == "ring":
+        cart = comm.cart_create([n], periods=True)
+        local = (6,)
+    elif topology == "chain":
+        cart = comm.cart_create([n], periods=False)
+        local = (6,)
+    else:
+        cart = comm.cart_create([0, 0], periods=True)
+        local = (4, 5)
+    return cart, HaloExchange(cart, local, width=1, corners=True)
+
+
+def _changed(halo, how):
+    if how == "shape":
+        return np.zeros(tuple(s + 1 for s in halo.shape))
+    if how == "dtype":
+        return np.zeros(halo.shape, np.float32)
+    if how == "order":
+        return np.zeros(halo.shape, order="F") if len(halo.shape) > 1 else np.zeros(2 * halo.shape[0])[::2]
+    if how == "objects":
+        return np.empty(halo.shape, object)
+    raise AssertionError(how)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("topology", ["ring", "chain", "grid"])
+@pytest.mark.parametrize("how", ["shape", "dtype", "order", "objects"])
+def test_halo_field_gone_bad_on_one_rank(topology, how):
+    """After good exchanges, rank 0's field changes: every rank raises an
+    InvalidArgument naming rank 0 within the exchange's timeout (neighbours in
+    that exchange, other ranks when their next one starts); nobody hangs and
+    no ghost cell is written from an aborted exchange."""
+    comm = commlib.init()
+    cart, halo = _halo_world(topology, comm)
+    timeout = 2.0
+    try:
+        good = halo.allocate(fill=float(cart.rank))
+        for _ in range(2):  # (the first one compiles the pack kernels)
+            halo.exchange(good, timeout=60)
+        before = good.copy()
+        err, took, steps = None, None, 0
+        t0 = time.perf_counter()
+        for _ in range(3):  # neighbours raise in the first, other ranks at the latest in the next
+            steps += 1
+            f = _changed(halo, how) if cart.rank == 0 else good
+            try:
+                halo.exchange(f, timeout=timeout)
+            except CommError as exc:
+                err, took = exc, time.perf_counter() - t0
+                break
+        assert isinstance(err, InvalidArgument), (cart.rank, err)
+        msg = str(err)
+        assert msg.startswith(f"rank {cart.rank}: HaloExchange.exchange"), msg
+        if cart.rank != 0:
+            assert "rank 0" in msg and err.offenders == (0,), msg
+            assert np.array_equal(good, before) or steps > 1  # the aborted exchange wrote no ghost cell
+        assert took < timeout + 1.0, (msg, took)
+    finally:
+        halo.free()
+        cart.free()
+    _still_usable(comm)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_halo_recovers_after_a_bad_call_among_neighbours():
+    """Every rank is a neighbour of rank 0 (a periodic ring of <= 3, or a
+    periodic 2-D grid): after rank 0's bad call every rank raised in that same
+    exchange, all messages were matched, and the next good exchange works."""
+    comm = commlib.init()
+    cart, halo = _halo_world("grid" if comm.size == 4 else "ring", comm)
+    if comm.size > 4 or (comm.size == 4 and min(cart.dims) < 2):
+        pytest.skip("not every rank neighbours rank 0")
+    try:
+        good = halo.allocate(fill=float(cart.rank))
+        halo.exchange(good, timeout=60)
+        f = _changed(halo, "dtype") if cart.rank == 0 else good
+        t0 = time.perf_counter()
+        with pytest.raises(InvalidArgument):
+            halo.exchange(f, timeout=5)
+        assert time.perf_counter() - t0 < BOUND
+        good[...] = cart.rank
+        halo.exchange(good, timeout=5)
+        ghosts = good.copy()
+        ghosts[halo.interior] = -1
+        assert set(np.unique(ghosts)) - {-1.0} <= set(float(r) for r in range(comm.size))
+        if comm.size > 1:
+            assert (ghosts != cart.rank).any()
+    finally:
+        halo.free()
+        cart.free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_halo_field_count_mismatch_names_the_rank():
+    """Rank 0 passes two fields where the others pass one (no rank's fields
+    are wrong by themselves): nobody hangs; rank 0 and its neighbours raise an
+    InvalidArgument naming their rank (the mismatch shows in the message
+    headers, or as a message larger than the receive buffer)."""
+    comm = commlib.init()
+    cart, halo = _halo_world("ring", comm)
+    try:
+        a, b = halo.allocate(), halo.allocate()
+        halo.exchange(a, timeout=60)
+        t0 = time.perf_counter()
+        near = {0, 1 % comm.size, (comm.size - 1) % comm.size}
+        try:
+            halo.exchange(*((a, b) if cart.rank == 0 else (a,)), timeout=2)
+            err = None
+        except CommError as exc:
+            err = exc
+        assert time.perf_counter() - t0 < 3
+        if cart.rank in near:
+            assert isinstance(err, InvalidArgument), err
+            assert f"rank {cart.rank}" in str(err)
+            if cart.rank == 0:
+                assert "fields 1 (here 2)" in str(err), str(err)
+    finally:
+        halo.free()
+        cart.free()

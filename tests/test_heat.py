@@ -4,6 +4,8 @@ import itertools
 import math
 
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -86,8 +88,74 @@ def test_bad_input():
         heat.solve(comm, (8, 8), backend="fortran")
     with pytest.raises(InvalidArgument, match="cfl"):
         heat.solve(comm, (8, 8), cfl=1.5)
-    with pytest.raises(SystemExit):
-        heat.main(["--backend", "fortran"])
+    assert heat.main(["--backend", "fortran"]) == 2
+
+
+# ------------------------------------------------- the command line refuses
+BAD_CLI = [
+    ["--steps", "-5"], ["--steps", "0"], ["--steps", "abc"], ["--t-final", "-1"], ["--t-final", "nan"],
+    ["--alpha", "nan"], ["--alpha", "inf"], ["--alpha", "0"], ["--alpha", "-2"], ["--cfl", "0"],
+    ["--cfl", "1.5"], ["--cfl", "nan"], ["--grid", "0"], ["--grid", "-3"], ["--grid", "4", "4", "4", "4"],
+    ["--grid", "100000000"], ["--dims", "4"], ["--kill", "0:2"], ["--fault-tolerant", "--kill", "abc"],
+    ["--fault-tolerant", "--kill", "0:"], ["--fault-tolerant", "--kill", "9:1"],
+    ["--fault-tolerant", "--kill", "0:-1"], ["--fault-tolerant", "--checkpoint-every", "0"],
+    ["--json", "/nonexistent/x.json"], ["--plot", "/nonexistent/x.png"], ["--json", "/"],
+    ["--backend", "fortran"], ["--no-such-option"],
+]
+
+
+@pytest.mark.parametrize("argv", BAD_CLI, ids=lambda a: " ".join(a))
+def test_cli_refuses_bad_values_before_the_solve(argv, capsys, monkeypatch):
+    """One line on stderr, exit status 2, no traceback, and nothing solved."""
+    monkeypatch.setattr(heat, "solve", lambda *a, **k: pytest.fail("solved despite a bad value"))
+    monkeypatch.setattr(heat, "solve_ft", lambda *a, **k: pytest.fail("solved despite a bad value"))
+    t0 = time.perf_counter()
+    assert heat.main(argv + ["--no-progress"]) == 2
+    took = time.perf_counter() - t0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("heat: error: "), err
+    assert took < 0.5, took
+
+
+def test_cli_refuses_unwritable_json_before_the_solve(tmp_path, capsys):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        if __import__("os").access(ro, __import__("os").W_OK):
+            pytest.skip("running as a user who can write anywhere (root)")
+        assert heat.main(["--json", str(ro / "x.json"), "--no-progress"]) == 2
+        assert "not writable" in capsys.readouterr().err
+    finally:
+        ro.chmod(0o700)
+
+
+@pytest.mark.parametrize("argv", [["--steps", "-5"], ["--alpha", "nan"], ["--kill", "0:2"],
+                                  ["--fault-tolerant", "--kill", "abc"], ["--json", "/nonexistent/x.json"]],
+                         ids=lambda a: " ".join(a))
+def test_cli_process_exits_2_with_one_line(argv):
+    """The real command line: exit status 2, one line on stderr, nothing on stdout, quickly."""
+    import subprocess  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-P", "-m", "commlib.apps.heat", *argv, "--no-progress"],
+                       capture_output=True, text=True, timeout=60, cwd=str(Path(__file__).resolve().parents[1]))
+    took = time.perf_counter() - t0
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    assert p.stderr.count("\n") == 1 and p.stderr.startswith("heat: error: "), p.stderr
+    assert "Traceback" not in p.stderr and p.stdout == ""
+    print(f"{' '.join(argv)}: exit 2 in {took:.2f} s")
+    assert took < 30  # the target (< 2 s) is measured on a quiet machine; shared CI cores vary
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_cli_refusal_on_every_rank_one_line(capsys):
+    comm = commlib.init()
+    assert heat.main(["--steps", "-5", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == (1 if comm.rank == 0 else 0), err
+    comm.barrier()  # nobody was left waiting
 
 
 def test_cli_json_and_plot(tmp_path):

@@ -311,6 +311,12 @@ class Transport(ABC):
         """Start persistent requests."""
         raise self.unsupported("persistent requests")
 
+    def poll(self, tag: int, nbytes: int):
+        """Receive a message of at most ``nbytes`` bytes with ``tag`` from any
+        rank if one has arrived (never blocks): a uint8 array of ``nbytes``
+        bytes, or None.  For rare notices (a halo exchange's abort notice)."""
+        return None
+
     # ---------------------------------------------------------------- device
     def synchronize(self, buf) -> None:
         """Make the device work that produced ``buf`` complete before the wire reads it."""

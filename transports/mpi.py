@@ -340,6 +340,18 @@ class MPITransport(Transport):
         self.check(sendbuf, dest, op)
         self.waitall([self.irecv(recvbuf, source, recvtag), self.isend(sendbuf, dest, sendtag)], op=op)
 
+    def poll(self, tag: int, nbytes: int):
+        """A message with ``tag`` from any rank if one has arrived
+        (``MPI_Iprobe``, then ``MPI_Recv`` of at most ``nbytes`` bytes); else None."""
+        try:
+            if not self.comm.Iprobe(MPI.ANY_SOURCE, tag):
+                return None
+            buf = np.zeros(nbytes, np.uint8)
+            self.comm.Recv([buf, _BYTE], MPI.ANY_SOURCE, tag)
+        except MPI.Exception as exc:
+            raise_classified(exc, (), self._rank, "poll")
+        return buf
+
     # ------------------------------------------------- persistent requests
     def send_init(self, buf, dest: int, tag: int = 0) -> MPIRequest:
         """A persistent send (``MPI_Send_init``) of a host buffer, or of a device
@@ -468,7 +480,7 @@ class MPITransport(Transport):
                     pass
         except MPI.Exception as exc:
             _ABANDONED.extend(q for q in reqs if q != MPI.REQUEST_NULL)
-            raise_classified(exc, st, self._rank, op)
+            _raise_completion_error(exc, st, self._rank, op)
 
     def _poll(self, reqs: list, timeout: float, op: str) -> None:
         st = self._statuses_for(len(reqs))
@@ -487,7 +499,7 @@ class MPITransport(Transport):
                     os.sched_yield()
         except MPI.Exception as exc:
             _ABANDONED.extend(q for q in reqs if q != MPI.REQUEST_NULL)
-            raise_classified(exc, st, self._rank, op)
+            _raise_completion_error(exc, st, self._rank, op)
 
     # --------------------------------------------------- native collectives
     @staticmethod
@@ -672,6 +684,23 @@ def op_name(op) -> str | None:
         if name != "avg" and op == o:
             return name
     return None
+
+
+_TRUNCATE = int(MPI.ERR_TRUNCATE)
+
+
+def _raise_completion_error(exc, statuses, rank, op):
+    """:func:`raise_classified`, saying so when a message was larger than its
+    receive buffer (``MPI_ERR_TRUNCATE``, maybe behind ``MPI_ERR_IN_STATUS``)."""
+    try:
+        classes = {MPI.Get_error_class(exc.Get_error_code())}
+        classes |= {MPI.Get_error_class(s.Get_error()) for s in statuses}
+    except MPI.Exception:  # pragma: no cover
+        classes = set()
+    if _TRUNCATE in classes:
+        raise CommError("a message was larger than its receive buffer (MPI_ERR_TRUNCATE): the sender's "
+                        "message does not match this call", rank=rank, op=op) from exc
+    raise_classified(exc, statuses, rank, op)
 
 
 def _detect(flag: bool | None) -> bool:

@@ -83,8 +83,55 @@ def synth(seed: int, which: int, positions: np.ndarray, batch: int, heads: int, 
     return out
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a refusal is one line on stderr (``attention: error: ...``),
+    printed by rank 0 only, then ``SystemExit(2)``; every rank parses the same
+    command line, so every rank exits alike, before MPI communicates."""
+
+    def error(self, message):  # noqa: D401 - argparse's hook
+        if _world_rank() == 0:
+            sys.stderr.write(f"attention: error: {message}\n")
+            sys.stderr.flush()
+        raise SystemExit(2)
+
+
+def _world_rank() -> int:
+    try:
+        from mpi4py import MPI  # noqa: PLC0415 - initialized by commlib's import
+
+        return MPI.COMM_WORLD.Get_rank()
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def _unwritable(path: str):
+    """Why ``path`` cannot be written (None when it can), without creating it."""
+    import os  # noqa: PLC0415
+
+    if not path:
+        return "empty path"
+    if os.path.isdir(path):
+        return "is a directory"
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"directory {parent} does not exist"
+    if os.path.exists(path):
+        return None if os.access(path, os.W_OK) else "not writable"
+    return None if os.access(parent, os.W_OK | os.X_OK) else f"directory {parent} is not writable"
+
+
+#: the largest --seq, --batch, --heads, --head-dim, --iters... the command line takes
+MAX_INT = 1 << 31
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
+    """Parse and check the command line.
+
+    Raises:
+        SystemExit: 2 after one line on stderr (rank 0) for any value the run
+            cannot use; 0 after ``--help``.
+    """
+    p = _Parser(
         prog="python -m commlib.apps.attention",
         description="Exact sequence-parallel attention over MPI ranks: ring attention (contiguous, striped or "
                     "zigzag layout) or DeepSpeed-Ulysses, forward and optionally backward. Reports tokens/s, "
@@ -121,13 +168,23 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.kv_heads is None:
         a.kv_heads = a.heads
-    for name in ("seq", "batch", "heads", "kv_heads", "head_dim", "iters", "tile"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if a.warmup < 0:
-        p.error("--warmup must be >= 0")
+    for name in ("seq", "batch", "heads", "kv_heads", "head_dim", "iters", "tile", "check_rows", "check_dense_max"):
+        v = getattr(a, name)
+        if not 1 <= v <= (MAX_INT if name != "check_dense_max" else 1 << 62):
+            p.error(f"--{name.replace('_', '-')} must be >= 1" + (f" and <= {MAX_INT}" if v >= 1 else "")
+                    + f", got {v}")
+    if not 0 <= a.warmup <= MAX_INT:
+        p.error(f"--warmup must be >= 0, got {a.warmup}")
+    if not 0 <= a.seed < 1 << 32:
+        p.error(f"--seed must be in [0, 2**32), got {a.seed}")
+    if not (math.isfinite(a.timeout) and a.timeout > 0):
+        p.error(f"--timeout must be a finite number of seconds > 0, got {a.timeout}")
     if a.heads % a.kv_heads:
         p.error(f"--heads {a.heads} is not a multiple of --kv-heads {a.kv_heads}")
+    if a.json is not None:
+        problem = _unwritable(a.json)
+        if problem:
+            p.error(f"--json {a.json}: {problem}")
     return a
 
 
@@ -377,12 +434,17 @@ def print_report(rep):
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    """The command line; returns the exit status (2: a refused value, one line on stderr from rank 0)."""
+    try:
+        args = parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a refusal (2)
+        return exc.code if isinstance(exc.code, int) else 2
     comm = commlib.init()
     try:
         rep = run(args, comm)
     except commlib.InvalidArgument as exc:  # raised on every rank alike: a clean exit
-        print(f"error: {exc}", file=sys.stderr)
+        if comm.rank == 0:
+            print(f"attention: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     except BaseException as exc:  # one rank failing alone must not leave the others hanging
         import traceback  # noqa: PLC0415

@@ -70,6 +70,7 @@ from __future__ import annotations
 import hashlib
 import os
 import queue
+import select
 import threading
 import time
 
@@ -87,6 +88,13 @@ __all__ = ["Master", "Peer", "connect", "PeerFailure", "AuthError"]
 HEARTBEAT_INTERVAL = 0.25
 _TICKET_TTL = 6 * 3600.0
 _MAX_PEERS = 1024
+_DEBUG = bool(os.environ.get("COMMLIB_ELASTIC_DEBUG"))
+
+
+def _dbg(msg: str) -> None:
+    if _DEBUG:
+        import sys  # noqa: PLC0415
+        print(f"[elastic {time.monotonic():.3f} pid {os.getpid()}] {msg}", file=sys.stderr, flush=True)
 
 
 class PeerFailure(ProcessFailed):
@@ -159,9 +167,16 @@ class Master:
         self._form_at: float | None = None
         self.revision = None
         self.hashes: dict | None = None
+        # (revision, hashes) of a group that is gone: every member left or died after the
+        # state was synced.  A group formed later from pending peers alone must show it
+        # holds that state at its first sync, else the sync is refused ("lost"): one job,
+        # one history per master (see "Orphaned state" in the docstring)
+        self._orphan: tuple | None = None
+        self._last_tick: float | None = None
         self._listener = None
         self._stopped = threading.Event()
-        self.stats = {"epochs": 0, "aborts": 0, "completes": 0, "deaths": 0, "refused": 0}
+        self.stats = {"epochs": 0, "aborts": 0, "completes": 0, "deaths": 0, "refused": 0, "stalls": 0,
+                      "lost_syncs": 0}
 
     # lifecycle ---------------------------------------------------------------
     def start(self) -> "Master":
@@ -215,6 +230,7 @@ class Master:
             key = hashlib.sha256(self._key + pid.to_bytes(8, "big")).digest()
             p = _MPeer(pid, conn, data, streams, key)
             self._peers[pid] = p
+        _dbg(f"master: peer {pid} connected (data {data})")
         threading.Thread(target=self._writer, args=(p,), daemon=True, name="commlib-master-tx").start()
         p.send({"t": "welcome", "id": pid, "key": key, "hb": HEARTBEAT_INTERVAL})
         threading.Thread(target=self._reader, args=(p,), daemon=True, name="commlib-master-rx").start()
@@ -247,12 +263,37 @@ class Master:
             pass
         self._died(p.id)
 
+    def _silent(self, p: _MPeer, now: float) -> bool:
+        """True when ``p`` sent nothing for ``heartbeat_timeout`` seconds.  Bytes
+        waiting unread in its socket count as a sign of life: the peer spoke, this
+        process (its reader thread) was just not scheduled to read them yet."""
+        if now - p.conn.last_rx <= self.heartbeat_timeout:
+            return False
+        try:
+            readable = bool(select.select([p.conn.sock], [], [], 0)[0])
+        except (OSError, ValueError):
+            return True
+        if readable:
+            p.conn.last_rx = now
+            return False
+        return True
+
     def _monitor(self) -> None:
         while not self._stopped.wait(0.05):
             now = time.monotonic()
             with self._lock:
+                last, self._last_tick = self._last_tick, now
+                if last is not None and now - last > 0.5:
+                    # this process was not scheduled for a while (a starved CPU): the
+                    # peers' silence is ours; restart their clocks rather than declare
+                    # live peers dead
+                    self.stats["stalls"] += 1
+                    _dbg(f"master: monitor stalled {now - last:.2f} s; heartbeat clocks restarted")
+                    for p in self._peers.values():
+                        p.conn.last_rx += now - last   # the silence before the stall still counts
+                    continue
                 for p in list(self._peers.values()):
-                    if p.state != "dead" and now - p.conn.last_rx > self.heartbeat_timeout:
+                    if p.state != "dead" and self._silent(p, now):
                         self._died(p.id)
                 if self._form_at is not None and now >= self._form_at:
                     self._check_vote()
@@ -261,6 +302,21 @@ class Master:
                     self._new_epoch(self._live(self.members), "abort")
 
     # state machine -------------------------------------------------------------
+    def groups(self) -> list[list[int]]:
+        """The groups this master serves: ``[members]`` of the current epoch, or ``[]``
+        when it has none.  Raises AssertionError when the invariant "one group per
+        master" is broken: a peer the master considers alive is neither a member of
+        the current epoch nor pending, or a member is not alive (for tests)."""
+        with self._lock:
+            alive = {i for i, p in self._peers.items() if p.state != "dead"}
+            members = set(self.members)
+            stray = sorted(i for i in alive if i not in members and self._peers[i].state != "pending")
+            gone = sorted(members - alive)
+            assert not stray, f"peers {stray} alive but neither members of epoch {self.epoch} nor pending"
+            assert not gone, f"members {gone} of epoch {self.epoch} are dead"
+            assert all(self._peers[i].state == "member" for i in members)
+            return [list(self.members)] if self.members else []
+
     def _live(self, ids) -> list[int]:
         return [i for i in ids if i in self._peers and self._peers[i].state != "dead"]
 
@@ -270,6 +326,7 @@ class Master:
             if p is None or p.state == "dead":
                 return
             was_member = p.state == "member"
+            _dbg(f"master: peer {pid} dead (was {p.state}; silent {time.monotonic() - p.conn.last_rx:.2f} s)")
             p.state = "dead"
             self.stats["deaths"] += 1
             p.outbox.put(None)
@@ -292,8 +349,12 @@ class Master:
         old = self.epoch
         self.epoch += 1
         self.stats["epochs"] += 1
+        if not members and self.revision is not None:
+            self._orphan = (self.revision, dict(self.hashes or {}))
         self.members = sorted(members)
         self._epoch_members[self.epoch] = list(self.members)
+        _dbg(f"master: epoch {self.epoch} members {self.members} ({why}); peers "
+             f"{ {i: q.state + ('*' if q.waiting else '') for i, q in self._peers.items()} }")
         for pid in self.members:
             self._peers[pid].state = "member"
             self._peers[pid].waiting = False
@@ -401,6 +462,8 @@ class Master:
                 return
         self._form_at = None
         new = sorted(live | set(waiting))
+        _dbg(f"master: vote {self.step + 1} complete: live {sorted(live)} waiting {sorted(waiting)} "
+             f"members {self.members}")
         if new != self.members:
             self._new_epoch(new, "vote")
         self.step += 1
@@ -421,6 +484,20 @@ class Master:
             if s["rev"] == top:
                 key = tuple(sorted((k, h, str(s["meta"][k])) for k, h in s["hashes"].items()))
                 groups.setdefault(key, []).append(pid)
+        if self._orphan is not None:
+            orev, ohashes = self._orphan
+            if not any(s["rev"] > orev or (s["rev"] == orev and s["hashes"] == ohashes) for s in subs.values()):
+                # every peer that held the job's state is gone; these peers would start a
+                # second history under this master: refuse (each member raises)
+                self._sync_round += 1
+                self._sync = {pid: s for pid, s in self._sync.items() if pid not in subs}
+                self.stats["lost_syncs"] += 1
+                _dbg(f"master: sync round {self._sync_round} refused: state at revision {orev} is held by no "
+                     f"live peer (best {top})")
+                for pid in live:
+                    self._peers[pid].send({"t": "plan", "round": self._sync_round, "e": self.epoch, "lost": orev})
+                return
+            self._orphan = None
         donors = max(groups.values(), key=len)
         win = subs[donors[0]]
         fetchers = [pid for pid in live if pid not in donors]
@@ -887,6 +964,10 @@ class Peer:
         rnd = int(plan["round"])
         with self._cv:
             self._plans.pop(rnd, None)
+        if plan.get("lost") is not None:
+            raise CommError(f"the job's shared state (revision {plan['lost']}) is held by no live peer: every peer "
+                            "that had it left or died before this group formed; start a new master for a new job",
+                            rank=topo.rank, op="sync_shared_state")
         donors = [int(d) for d in plan["donors"]]
         result = {"revision": int(plan["rev"]), "bytes_received": 0, "donor": None}
         if not plan["fetchers"]:

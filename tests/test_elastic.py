@@ -160,3 +160,162 @@ def test_cli_master_help():
     with pytest.raises(SystemExit) as exc:
         main(["master", "--help"])
     assert exc.value.code == 0
+
+
+# ---------------------------------------------------------------- one group per master
+def _wait_for(pred, timeout=10.0, what="condition"):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def _in_thread(fn):
+    box = {}
+
+    def go():
+        try:
+            box["v"] = fn()
+        except BaseException as exc:  # noqa: BLE001
+            box["e"] = exc
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+
+    def result(timeout=20.0):
+        t.join(timeout)
+        assert not t.is_alive(), "hung"
+        if "e" in box:
+            raise box["e"]
+        return box.get("v")
+
+    return result
+
+
+@pytest.mark.timeout(30)
+def test_joiner_mid_vote_member_dies_one_group():
+    """A joiner votes while two members wait in the vote for a third, which then dies
+    (its connection drops, as on SIGKILL): the survivors and the joiner come out of
+    that one vote in one epoch, and the master serves exactly that group."""
+    master = el.Master(secret=SECRET, heartbeat_timeout=2.0).start()
+    try:
+        a, b, c = (el.connect(master.address, secret=SECRET, streams=2, timeout=15) for _ in range(3))
+        form([a, b, c], 3)
+        assert master.groups() == [sorted([a.id, b.id, c.id])]
+        ra, rb = _in_thread(a.update_topology), _in_thread(b.update_topology)
+        _wait_for(lambda: {a.id, b.id} <= master._voters, what="the members' votes")
+        j = el.connect(master.address, secret=SECRET, streams=2, timeout=15)
+        rj = _in_thread(j.update_topology)
+        _wait_for(lambda: j.id in master._peers and master._peers[j.id].waiting, what="the joiner's vote")
+        master.groups()                      # mid-vote: the joiner is pending, nothing else moved
+        c._conn.close()                      # c dies in the vote (no goodbye)
+        assert [ra(), rb(), rj()] == [True, True, True]
+        want = sorted([a.id, b.id, j.id])
+        assert master.groups() == [want]
+        assert {p.epoch for p in (a, b, j)} == {master.epoch}
+        assert all(sorted(p.members) == want for p in (a, b, j))
+        data = {p.id: np.arange(1000, dtype=np.int64) * p.id for p in (a, b, j)}
+        out = run_peers([a, b, j], lambda i, p: p.allreduce(data[p.id].copy(), "sum"))
+        assert len({_h(o) for o in out}) == 1
+        np.testing.assert_array_equal(out[0], np.arange(1000, dtype=np.int64) * sum(want))
+        for p in (a, b, j, c):
+            p.close()
+    finally:
+        master.stop()
+
+
+@pytest.mark.timeout(30)
+def test_joiner_after_last_member_left_cannot_fork_the_job():
+    """The churn-run split brain: the last members vote for the last time, a joiner
+    arrives, the members leave; the joiner, alone, must not start a second history
+    from scratch under the same master.  Its first sync is refused (no live peer holds
+    the job's state); a peer that does hold it (a member that had been dropped,
+    rejoining) heals the job, and the joiner fetches the state from it."""
+    master = el.Master(secret=SECRET).start()
+    try:
+        a, b = (el.connect(master.address, secret=SECRET, streams=2, timeout=15) for _ in range(2))
+        form([a, b], 2)
+        state = {"w": np.arange(4096, dtype=np.float32)}
+        run_peers([a, b], lambda i, p: p.update_topology())           # the final vote
+        run_peers([a, b], lambda i, p: p.sync_shared_state({k: v.copy() for k, v in state.items()}, 30))
+        j = el.connect(master.address, secret=SECRET, streams=2, timeout=15)
+        rj = _in_thread(j.update_topology)
+        _wait_for(lambda: j.id in master._peers and master._peers[j.id].waiting, what="the joiner's vote")
+        a.close()
+        b.close()
+        assert rj() is True                                              # j forms a group alone ...
+        assert master.groups() == [[j.id]]
+        fresh = {"w": np.zeros(4096, np.float32)}
+        with pytest.raises(commlib.CommError, match="held by no live peer"):
+            j.sync_shared_state(fresh, 0)                                # ... but cannot fork the job
+        assert master.revision == 30
+        # a peer holding revision 30 comes back: one group again, and the joiner catches up
+        r = el.connect(master.address, secret=SECRET, streams=2, timeout=15)
+        form([j, r], 2)
+        assert master.groups() == [sorted([j.id, r.id])]
+        states = [fresh, {k: v.copy() for k, v in state.items()}]
+        res = run_peers([j, r], lambda i, p: p.sync_shared_state(states[i], [0, 30][i]))
+        assert res[0]["bytes_received"] == state["w"].nbytes and res[0]["donor"] == r.id
+        assert _h(states[0]["w"]) == _h(state["w"])
+        for p in (j, r):
+            p.close()
+    finally:
+        master.stop()
+
+
+@pytest.mark.timeout(30)
+def test_first_group_still_forms_from_pending_peers():
+    """No state was ever synced: pending peers alone form the first group and sync."""
+    master = el.Master(secret=SECRET).start()
+    try:
+        a, b = (el.connect(master.address, secret=SECRET, streams=1, timeout=15) for _ in range(2))
+        form([a, b], 2)
+        res = run_peers([a, b], lambda i, p: p.sync_shared_state({"w": np.full(10, float(i))}, i))
+        assert {r["revision"] for r in res} == {1}
+        a.close()
+        b.close()
+    finally:
+        master.stop()
+
+
+@pytest.mark.timeout(30)
+def test_heartbeat_survives_a_starved_master(tmp_path):
+    """The master process is not scheduled for 3 s (SIGSTOP), three times its 1 s
+    heartbeat timeout: when it runs again it must not declare its live peers dead
+    (their silence was its own), and the job goes on."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    secret = tmp_path / "secret"
+    secret.write_bytes(SECRET)
+    port = __import__("socket").socket()
+    port.bind(("127.0.0.1", 0))
+    addr = f"127.0.0.1:{port.getsockname()[1]}"
+    port.close()
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "commlib.cli", "master", "--bind", addr, "--secret-file",
+                             str(secret), "--heartbeat-timeout", "1"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        assert b"listening" in proc.stdout.readline()
+        a, b = (el.connect(addr, secret=SECRET, streams=1, timeout=15) for _ in range(2))
+        form([a, b], 2)
+        epoch = a.epoch
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(3.0)
+        proc.send_signal(signal.SIGCONT)
+        time.sleep(1.5)                      # a monitor that wrongly counted the stall has acted by now
+        assert a._lost is None and b._lost is None, "the master dropped live peers after its own stall"
+        assert run_peers([a, b], lambda i, p: p.update_topology()) == [False, False]
+        out = run_peers([a, b], lambda i, p: p.allreduce(np.full(8, i + 1.0), "sum"))
+        assert out[0].tolist() == [3.0] * 8 and a.epoch == epoch
+        a.close()
+        b.close()
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait(10)

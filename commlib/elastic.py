@@ -59,6 +59,20 @@ the others fetch from them.  Every member gets ``plan``; when every live
 fetcher has reported ``synced`` (or died) every member gets ``sync_end``.  The
 master keeps the winning revision and hashes.
 
+Orphaned state: a live peer is always a member of the current epoch or pending
+(:meth:`Master.groups` checks it), so there is one group at a time.  When an
+epoch is made with no members after a revision was recorded, the group that held
+the job's state is gone; the group that pending voters form next must, at its
+first sync round, include a peer at that revision with those hashes (or a newer
+revision); otherwise the round is refused (``plan`` with ``lost``: every member's
+``sync_shared_state`` raises) instead of letting fresh peers start a second
+history of the job under the same master.
+
+Heartbeats: a peer is silent when nothing arrived for ``heartbeat_timeout`` and
+no unread bytes wait in its socket; a monitor tick that finds the master itself
+was not scheduled for over 0.5 s restarts every silence clock (the silence was
+the master's).
+
 Threat model (see docs/ELASTIC.md): anyone may reach the ports; only holders
 of the shared secret can authenticate (HMAC-SHA256 challenge-response both
 ways, nothing but a random challenge is sent before); only members of an epoch

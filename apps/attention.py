@@ -48,6 +48,8 @@ from commlib.collectives import (
     ulysses_attention_backward,
 )
 
+from ._cli import OneLineParser
+
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
@@ -83,27 +85,6 @@ def synth(seed: int, which: int, positions: np.ndarray, batch: int, heads: int, 
     return out
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a refusal is one line on stderr (``attention: error: ...``),
-    printed by rank 0 only, then ``SystemExit(2)``; every rank parses the same
-    command line, so every rank exits alike, before MPI communicates."""
-
-    def error(self, message):  # noqa: D401 - argparse's hook
-        if _world_rank() == 0:
-            sys.stderr.write(f"attention: error: {message}\n")
-            sys.stderr.flush()
-        raise SystemExit(2)
-
-
-def _world_rank() -> int:
-    try:
-        from mpi4py import MPI  # noqa: PLC0415 - initialized by commlib's import
-
-        return MPI.COMM_WORLD.Get_rank()
-    except Exception:  # noqa: BLE001
-        return 0
-
-
 def _unwritable(path: str):
     """Why ``path`` cannot be written (None when it can), without creating it."""
     import os  # noqa: PLC0415
@@ -131,7 +112,8 @@ def parse_args(argv=None):
         SystemExit: 2 after one line on stderr (rank 0) for any value the run
             cannot use; 0 after ``--help``.
     """
-    p = _Parser(
+    p = OneLineParser(
+        "attention",
         prog="python -m commlib.apps.attention",
         description="Exact sequence-parallel attention over MPI ranks: ring attention (contiguous, striped or "
                     "zigzag layout) or DeepSpeed-Ulysses, forward and optionally backward. Reports tokens/s, "

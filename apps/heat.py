@@ -34,6 +34,7 @@ import commlib
 from commlib import CommTimeout, InvalidArgument, ProcessFailed
 from commlib.collectives import HaloExchange
 
+from ._cli import OneLineParser
 from ._heat_cupy import cupy_slice_step  # noqa: F401 - public: the CuPy slice-expression baseline
 
 __all__ = ["HeatResult", "decompose", "solve", "solve_ft", "main", "BACKENDS", "DEVICE_BACKENDS",
@@ -753,27 +754,6 @@ def plot_midplane(field_, path, title=""):
 
 
 # --------------------------------------------------------------------- CLI
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a refusal is one line on stderr (``heat: error: ...``),
-    printed by rank 0 only, and exit status 2; every rank parses the same
-    command line, so every rank exits alike, before MPI communicates."""
-
-    def error(self, message):  # noqa: D401 - argparse's hook
-        if _world_rank() == 0:
-            sys.stderr.write(f"heat: error: {message}\n")
-            sys.stderr.flush()
-        raise SystemExit(2)
-
-
-def _world_rank() -> int:
-    try:
-        from mpi4py import MPI  # noqa: PLC0415 - initialized by commlib's import
-
-        return MPI.COMM_WORLD.Get_rank()
-    except Exception:  # noqa: BLE001
-        return 0
-
-
 def _world_size() -> int:
     try:
         from mpi4py import MPI  # noqa: PLC0415
@@ -867,7 +847,8 @@ def _unwritable(path: str) -> str | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = OneLineParser(
+        "heat",
         prog="python -m commlib.apps.heat",
         description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -40,9 +40,21 @@ def use_cuda_kernels() -> bool:
 
 
 # --------------------------------------------------------------- numba kernels
+@cuda.jit(device=True)
+def _row_offset(r, start, oc, os):  # pragma: no cover - device code
+    """Word offset of row ``r``: ``start`` plus its multi-index (outer counts
+    ``oc``, fastest first) dotted with the strides ``os``."""
+    off = start
+    for d in range(oc.shape[0]):
+        c = oc[d]
+        q = r // c
+        off += (r - q * c) * os[d]
+        r = q
+    return off
+
+
 @cuda.jit
 def _k_rows(src, dst, start, n0, nrows, oc, os, lg, to_packed):  # pragma: no cover - device code
-    nd = oc.shape[0]
     if lg < 0:  # flat: one thread per word
         i = cuda.grid(1)
         step = cuda.gridsize(1)
@@ -50,13 +62,7 @@ def _k_rows(src, dst, start, n0, nrows, oc, os, lg, to_packed):  # pragma: no co
         while i < total:
             r = i // n0
             k = i - r * n0
-            off = start
-            rr = r
-            for d in range(nd):
-                c = oc[d]
-                q = rr // c
-                off += (rr - q * c) * os[d]
-                rr = q
+            off = _row_offset(r, start, oc, os)
             if to_packed:
                 dst[i] = src[off + k]
             else:
@@ -70,13 +76,7 @@ def _k_rows(src, dst, start, n0, nrows, oc, os, lg, to_packed):  # pragma: no co
     r = cuda.blockIdx.x * rpb + (t >> lg)
     step = cuda.gridDim.x * rpb
     while r < nrows:
-        off = start
-        rr = r
-        for d in range(nd):
-            c = oc[d]
-            q = rr // c
-            off += (rr - q * c) * os[d]
-            rr = q
+        off = _row_offset(r, start, oc, os)
         base = r * n0
         k = lane
         while k < n0:

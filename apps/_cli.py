@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-__all__ = ["OneLineParser"]
+__all__ = ["OneLineParser", "world_rank", "unwritable"]
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -36,3 +37,18 @@ def world_rank() -> int:
         return MPI.COMM_WORLD.Get_rank()
     except Exception:  # noqa: BLE001
         return 0
+
+
+def unwritable(path: str) -> str | None:
+    """Why ``path`` cannot be written (None when it can), without creating it;
+    for checking ``--json``/``--plot`` paths before a run."""
+    if not path:
+        return "empty path"
+    if os.path.isdir(path):
+        return "is a directory"
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"directory {parent} does not exist"
+    if os.path.exists(path):
+        return None if os.access(path, os.W_OK) else "not writable"
+    return None if os.access(parent, os.W_OK | os.X_OK) else f"directory {parent} is not writable"

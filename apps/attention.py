@@ -48,7 +48,7 @@ from commlib.collectives import (
     ulysses_attention_backward,
 )
 
-from ._cli import OneLineParser
+from ._cli import OneLineParser, unwritable
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -83,22 +83,6 @@ def synth(seed: int, which: int, positions: np.ndarray, batch: int, heads: int, 
     out = ((2.0 * u - 1.0) * math.sqrt(3.0)).astype(dtype)
     out[:, np.asarray(positions) >= seq] = 0
     return out
-
-
-def _unwritable(path: str):
-    """Why ``path`` cannot be written (None when it can), without creating it."""
-    import os  # noqa: PLC0415
-
-    if not path:
-        return "empty path"
-    if os.path.isdir(path):
-        return "is a directory"
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        return f"directory {parent} does not exist"
-    if os.path.exists(path):
-        return None if os.access(path, os.W_OK) else "not writable"
-    return None if os.access(parent, os.W_OK | os.X_OK) else f"directory {parent} is not writable"
 
 
 #: the largest --seq, --batch, --heads, --head-dim, --iters... the command line takes
@@ -164,7 +148,7 @@ def parse_args(argv=None):
     if a.heads % a.kv_heads:
         p.error(f"--heads {a.heads} is not a multiple of --kv-heads {a.kv_heads}")
     if a.json is not None:
-        problem = _unwritable(a.json)
+        problem = unwritable(a.json)
         if problem:
             p.error(f"--json {a.json}: {problem}")
     return a

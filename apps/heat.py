@@ -34,7 +34,7 @@ import commlib
 from commlib import CommTimeout, InvalidArgument, ProcessFailed
 from commlib.collectives import HaloExchange
 
-from ._cli import OneLineParser
+from ._cli import OneLineParser, unwritable
 from ._heat_cupy import cupy_slice_step  # noqa: F401 - public: the CuPy slice-expression baseline
 
 __all__ = ["HeatResult", "decompose", "solve", "solve_ft", "main", "BACKENDS", "DEVICE_BACKENDS",
@@ -819,7 +819,7 @@ def check_args(parser: argparse.ArgumentParser, args) -> list:
     args.kill_list = kill
     for opt, path in (("--json", args.json), ("--plot", args.plot)):
         if path is not None:
-            problem = _unwritable(path)
+            problem = unwritable(path)
             if problem:
                 err(f"{opt} {path}: {problem}")
     if args.plot is not None:
@@ -828,22 +828,6 @@ def check_args(parser: argparse.ArgumentParser, args) -> list:
         if importlib.util.find_spec("matplotlib") is None:
             err("--plot needs matplotlib (pip install matplotlib)")
     return grid
-
-
-def _unwritable(path: str) -> str | None:
-    """Why ``path`` cannot be written (None when it can), without creating it."""
-    import os  # noqa: PLC0415
-
-    if not path:
-        return "empty path"
-    if os.path.isdir(path):
-        return "is a directory"
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        return f"directory {parent} does not exist"
-    if os.path.exists(path):
-        return None if os.access(path, os.W_OK) else "not writable"
-    return None if os.access(parent, os.W_OK | os.X_OK) else f"directory {parent} is not writable"
 
 
 def build_parser() -> argparse.ArgumentParser:

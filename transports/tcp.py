@@ -394,15 +394,7 @@ class Connection:
         if self.closed:
             return
         # never wait for the send lock: a sender may be blocked in sendall
-        self.closed = True
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+        self._close_locked()
 
 
 def _mac(secret: bytes, label: bytes, a: bytes, b: bytes, hello: bytes) -> bytes:

@@ -26,6 +26,11 @@ if _util.find_spec(f"{__name__}.transports") is None:
         "install it (`pip install .`) and run from outside the checkout, or with `python -P` "
         "(which keeps the current directory off sys.path)")
 
+# ``import commlib`` stays light (the errors only): everything else loads on
+# first use through the module ``__getattr__`` below (PEP 562), so a command
+# line that refuses its arguments never pays for mpi4py.MPI (the MPI library),
+# numba or CuPy.  ``commlib.init``, ``from commlib import Communicator`` etc.
+# work as before.
 from .core.errors import (
     AuthenticationError,
     BufferError,
@@ -35,39 +40,36 @@ from .core.errors import (
     InvalidArgument,
     ProcessFailed,
 )
-from .core.buffer import Buffer, as_buffer
-from .communicator import (
-    ANY_SOURCE,
-    ANY_TAG,
-    PROC_NULL,
-    CartCommunicator,
-    Communicator,
-    compute_dims,
-    init,
-)
-
-
-from .collectives import (
-    ring_attention,
-    ring_attention_backward,
-    shard_sequence,
-    ulysses_attention,
-    ulysses_attention_backward,
-    unshard_sequence,
-)
 
 _ATTENTION = ("ring_attention", "ring_attention_backward", "ulysses_attention", "ulysses_attention_backward",
               "shard_sequence", "unshard_sequence")
 
+#: public name -> the module (relative to this package) that defines it
+_LAZY = {
+    **dict.fromkeys(("Buffer", "as_buffer"), ".core.buffer"),
+    **dict.fromkeys(("ANY_SOURCE", "ANY_TAG", "PROC_NULL", "CartCommunicator", "Communicator", "compute_dims",
+                     "init"), ".communicator"),
+    **dict.fromkeys(_ATTENTION, ".collectives"),
+}
+#: attribute -> submodule, imported on first use (``commlib.apps`` pulls in argparse, matplotlib)
+_SUBMODULES = {"datatypes": ".datatypes", "transports": ".transports", "apps": ".apps",
+               "collectives": ".collectives", "device": ".core.device", "config": ".core.config"}
 
-def __getattr__(name):  # ``commlib.apps`` etc. on first use (apps pull in argparse, matplotlib)
+
+def __getattr__(name):
     import importlib
 
-    if name in ("datatypes", "transports", "apps", "collectives"):
-        return importlib.import_module(f"{__name__}.{name}")
-    if name in ("device", "config"):
-        return importlib.import_module(f"{__name__}.core.{name}")
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value  # later lookups skip this hook
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(_SUBMODULES[name], __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))
 
 
 __all__ = [

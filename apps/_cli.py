@@ -1,11 +1,17 @@
-"""Command-line plumbing shared by the apps."""
+"""Command-line plumbing shared by the apps.
+
+Light on purpose: a command line is parsed and checked before anything
+imports mpi4py.MPI (loading the MPI library), numba or CuPy, so a refusal
+costs only the interpreter's start.  The job's rank and size come from the
+launcher's environment until MPI is up.
+"""
 from __future__ import annotations
 
 import argparse
 import os
 import sys
 
-__all__ = ["OneLineParser", "world_rank", "unwritable"]
+__all__ = ["OneLineParser", "world_rank", "world_size", "unwritable"]
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -29,14 +35,54 @@ class OneLineParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def world_rank() -> int:
-    """This process's rank in MPI's world (0 when MPI is not usable)."""
-    try:
-        from mpi4py import MPI  # noqa: PLC0415 - initialized by commlib's import
+#: environment variables with this process's rank and the job's size, set by
+#: the launchers (Open MPI's mpiexec/prterun, MPICH's and Intel MPI's hydra,
+#: MVAPICH), in the order they are read; PMIx direct launch (srun --mpi=pmix)
+#: names the rank only
+RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
+SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
 
-        return MPI.COMM_WORLD.Get_rank()
+
+def _mpi_world():
+    """mpi4py's COMM_WORLD when MPI is already initialized, else None (never
+    imports mpi4py.MPI: that loads the MPI library)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    try:
+        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+            return mpi.COMM_WORLD
     except Exception:  # noqa: BLE001
-        return 0
+        pass
+    return None
+
+
+def _env_int(names) -> int | None:
+    for name in names:
+        try:
+            return int(os.environ[name])
+        except (KeyError, ValueError):
+            continue
+    return None
+
+
+def world_rank() -> int:
+    """This process's rank in MPI's world: from MPI when it is initialized, else
+    from the launcher's environment (0 without a launcher)."""
+    world = _mpi_world()
+    if world is not None:
+        return world.Get_rank()
+    rank = _env_int(RANK_VARS)
+    return 0 if rank is None else rank
+
+
+def world_size() -> int | None:
+    """The number of ranks in MPI's world: from MPI when it is initialized, else
+    from the launcher's environment; None when neither tells (no launcher, a
+    singleton of 1 rank, or one that names no size: check again once MPI is
+    up)."""
+    world = _mpi_world()
+    if world is not None:
+        return world.Get_size()
+    return _env_int(SIZE_VARS)
 
 
 def unwritable(path: str) -> str | None:

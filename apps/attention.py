@@ -37,8 +37,10 @@ import tracemalloc
 
 import numpy as np
 
-import commlib
-from commlib.collectives import (
+import commlib  # light: commlib.init etc. load on first use, after the command line is checked
+# the attention package itself imports numpy only (not mpi4py.MPI, numba or CuPy),
+# so --layout's choices come from the library's own LAYOUTS at no cost
+from commlib.collectives.attention import (
     LAYOUTS,
     local_seq_len,
     ring_attention,

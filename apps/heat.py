@@ -30,11 +30,10 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-import commlib
+import commlib  # light: commlib's names load on first use
 from commlib import CommTimeout, InvalidArgument, ProcessFailed
-from commlib.collectives import HaloExchange
 
-from ._cli import OneLineParser, unwritable
+from ._cli import OneLineParser, unwritable, world_size
 from ._heat_cupy import cupy_slice_step  # noqa: F401 - public: the CuPy slice-expression baseline
 
 __all__ = ["HeatResult", "decompose", "solve", "solve_ft", "main", "BACKENDS", "DEVICE_BACKENDS",
@@ -42,6 +41,22 @@ __all__ = ["HeatResult", "decompose", "solve", "solve_ft", "main", "BACKENDS", "
 
 BACKENDS = ("numpy", "numba", "cuda", "cupy")
 DEVICE_BACKENDS = ("cuda", "cupy")
+
+
+# The halo exchange (commlib.collectives.halo: mpi4py.MPI, numba) loads on
+# first use, so the command line refuses a bad value before paying for it.
+def __getattr__(name):  # PEP 562: ``heat.HaloExchange``
+    if name == "HaloExchange":
+        from commlib.collectives.halo import HaloExchange  # noqa: PLC0415
+
+        globals()[name] = HaloExchange
+        return HaloExchange
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _halo_exchange():
+    """``HaloExchange`` for the solvers: this module's (a test may replace it)."""
+    return globals().get("HaloExchange") or __getattr__("HaloExchange")
 
 
 # ----------------------------------------------------------------- geometry
@@ -445,7 +460,7 @@ def solve(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final=No
     dx, dt, steps, c = time_step(grid, alpha, cfl, steps, t_final)
 
     cart, shape, offset = _setup(comm, grid)
-    halo = HaloExchange(cart, shape, width=1, corners=False, dtype=np.float64)
+    halo = _halo_exchange()(cart, shape, width=1, corners=False, dtype=np.float64)
     width = halo.width
     u0 = np.zeros(halo.shape)
     u0[halo.interior] = exact_solution(grid, offset, shape, 0.0, alpha)
@@ -623,7 +638,7 @@ def solve_ft(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final
             shape, offset = block_of(grid, cart.dims, cart.coords)
             if min(shape) < 1:
                 raise InvalidArgument(f"{n} ranks leave an empty block on grid {grid}", rank=r, op=op)
-            halo = HaloExchange(cart, shape, width=1, corners=False, dtype=np.float64)
+            halo = _halo_exchange()(cart, shape, width=1, corners=False, dtype=np.float64)
             u = np.zeros(halo.shape)
             box = tuple(slice(o, o + m) for o, m in zip(offset, shape))
             u[halo.interior] = exact_solution(grid, offset, shape, 0.0, alpha) if full is None else full[box]
@@ -754,22 +769,16 @@ def plot_midplane(field_, path, title=""):
 
 
 # --------------------------------------------------------------------- CLI
-def _world_size() -> int:
-    try:
-        from mpi4py import MPI  # noqa: PLC0415
-
-        return MPI.COMM_WORLD.Get_size()
-    except Exception:  # noqa: BLE001
-        return 1
-
-
 #: limits of the command line (a grid side, all grid points, steps)
 MAX_SIDE, MAX_POINTS, MAX_STEPS = 1 << 20, 1 << 36, 10 ** 9
 
 
-def check_args(parser: argparse.ArgumentParser, args) -> list:
+def check_args(parser: argparse.ArgumentParser, args, size: int | None = None) -> list:
     """Refuse values the solver cannot run (``parser.error``: one line, exit 2)
     before MPI communicates; returns the grid, one size per dimension.
+
+    ``size`` is the job's rank count (default: :func:`._cli.world_size`, from
+    the launcher's environment before MPI is up; 1 when nothing tells).
 
     Checks: ``--grid`` sizes (1 or ``--dims`` of them, each in
     ``[1, MAX_SIDE]``, at most ``MAX_POINTS`` points, at least one point per
@@ -780,6 +789,8 @@ def check_args(parser: argparse.ArgumentParser, args) -> list:
     ``--plot``).
     """
     err = parser.error
+    if size is None:
+        size = world_size() or 1
     grid = args.grid or ([512] if args.dims == 2 else [96])
     if len(grid) == 1:
         grid = grid * args.dims
@@ -789,8 +800,8 @@ def check_args(parser: argparse.ArgumentParser, args) -> list:
         err(f"--grid sizes must be in [1, {MAX_SIDE}], got {' '.join(map(str, args.grid))}")
     if math.prod(grid) > MAX_POINTS:
         err(f"--grid {'x'.join(map(str, grid))} has {math.prod(grid)} points, more than {MAX_POINTS}")
-    if math.prod(grid) < _world_size():
-        err(f"--grid {'x'.join(map(str, grid))} has fewer points than the job has ranks ({_world_size()})")
+    if math.prod(grid) < size:
+        err(f"--grid {'x'.join(map(str, grid))} has fewer points than the job has ranks ({size})")
     if not 1 <= args.steps <= MAX_STEPS:
         err(f"--steps must be in [1, {MAX_STEPS}], got {args.steps}")
     for name, v in (("--alpha", args.alpha), ("--t-final", args.t_final)):
@@ -811,8 +822,8 @@ def check_args(parser: argparse.ArgumentParser, args) -> list:
             rank = step = None
         if rank is None:
             err(f"--kill takes RANK:STEP (two integers), got {k!r}")
-        if not 0 <= rank < _world_size():
-            err(f"--kill {k}: rank {rank} is not a rank of this job [0, {_world_size()})")
+        if not 0 <= rank < size:
+            err(f"--kill {k}: rank {rank} is not a rank of this job [0, {size})")
         if step < 0:
             err(f"--kill {k}: step {step} is negative")
         kill.append((rank, step))
@@ -887,16 +898,19 @@ def main(argv=None) -> int:
 
 
 def _main(argv=None) -> int:
+    # parse and check first: nothing so far has imported mpi4py.MPI, numba or CuPy
     parser = build_parser()
     args = parser.parse_args(argv)
-    grid = check_args(parser, args)
+    size = world_size()
+    grid = check_args(parser, args, size or 1)
+    comm = commlib.init(fault_tolerant=True, on_failure="raise") if args.fault_tolerant else commlib.init()
+    if comm.size != (size or 1):  # a launcher that did not name the size: check again (every rank alike)
+        grid = check_args(parser, args, comm.size)
     if args.fault_tolerant:
-        comm = commlib.init(fault_tolerant=True, on_failure="raise")
         kill = args.kill_list
         res, local = solve_ft(comm, grid, steps=args.steps, alpha=args.alpha, backend=args.backend, cfl=args.cfl,
                               t_final=args.t_final, checkpoint_every=args.checkpoint_every, kill=kill)
     else:
-        comm = commlib.init()
         res, local = solve(comm, grid, steps=args.steps, alpha=args.alpha, backend=args.backend, cfl=args.cfl,
                            t_final=args.t_final, progress=not args.no_progress,
                            overlap=not args.no_overlap)

@@ -43,7 +43,9 @@ def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds, *,
         op: :class:`commlib.collectives.ops.Op` or name.
         bounds: chunk offsets, ``size + 1`` ints (see ``chunk_bounds``).
         timeout: seconds per step (None: unbounded).
-        tmp: scratch of at least the largest chunk (allocated when None or smaller).
+        tmp: scratch of at least the largest chunk (allocated when None or
+            smaller); used in place only (out of place each partial is
+            received straight into the ``work`` chunk it is combined into).
         src: this rank's contribution when it is not ``work`` (same size and
             dtype; not modified): saves copying it into ``work`` first.  Chunk
             ``(r - 1) % n`` of ``work`` is then left unset (an allgather fills it).
@@ -62,25 +64,35 @@ def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds, *,
     if n == 1:
         return
     bounds = [int(x) for x in bounds]
-    maxlen = max(bounds[i + 1] - bounds[i] for i in range(n))
-    if tmp is None or tmp.size < maxlen:
-        tmp = np.empty(maxlen, dtype=work.dtype)
+    if src is work:
+        src = None
+    # Out of place, chunk rc of ``work`` is not written before step s receives
+    # it (step s writes only chunk (r - s - 2) % n), so the partial from the
+    # left lands in place and is combined there: no scratch, no extra pass over
+    # it, one buffer less in the cache.  Only when ``src`` and ``work`` overlap
+    # (a caller's aliasing views) does the scratch path stay safe.
+    direct = src is not None and not np.may_share_memory(src, work)
+    if not direct:
+        maxlen = max(bounds[i + 1] - bounds[i] for i in range(n))
+        if tmp is None or tmp.size < maxlen:
+            tmp = np.empty(maxlen, dtype=work.dtype)
     right, left = (r + 1) % n, (r - 1) % n
     tag = next_tag(transport)
     local = work if src is None else src
     ufunc = op.ufunc
     for s in range(n - 1):
         sc = (r - s - 1) % n
-        rc = (r - s - 2) % n
+        rc = (sc - 1) % n
         a, b = bounds[rc], bounds[rc + 1]
-        rbuf = tmp[:b - a]
+        dst = work[a:b]
+        rbuf = dst if direct else tmp[:b - a]
         overlap = None
         if save is not None:
             chunks = [(a, b)] + ([(bounds[left], bounds[left + 1])] if s == n - 2 else [])
             overlap = functools.partial(_save_chunks, save, chunks)
         exchange(transport, (local if s == 0 else work)[bounds[sc]:bounds[sc + 1]], right, rbuf, left, tag,
                  timeout, overlap)
-        ufunc(local[a:b], rbuf, out=work[a:b])  # own contribution (op) partial from the left
+        ufunc(local[a:b], rbuf, out=dst)  # own contribution (op) partial from the left
 
 
 def _save_chunks(save, chunks) -> None:

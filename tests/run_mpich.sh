@@ -3,13 +3,15 @@
 # the fault-injection tests check the bounded-time error instead of recovery,
 # and the collectives run against MPICH's own. Bounded in time like run.sh.
 #
-#   bash tests/run_mpich.sh            # makes .venv-mpich on first use
+#   bash tests/run_mpich.sh            # makes .venv-mpich on first use, else reinstalls commlib there
 set -u
 cd "$(dirname "$0")/.."
 VENV=${MPICH_VENV:-.venv-mpich}
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV" || exit 1
   "$VENV/bin/pip" install -q ".[mpich,test]" || exit 1
+else  # an existing venv gets this checkout, not the copy it was made with
+  "$VENV/bin/pip" install -q --no-deps --force-reinstall . || exit 1
 fi
 PY="$VENV/bin/python"
 lib=$("$PY" -c "from mpi4py import MPI; print(MPI.Get_library_version().split()[0])")

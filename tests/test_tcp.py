@@ -134,6 +134,95 @@ def test_frame_bounds_and_striping():
     assert len(tcp.frame_bounds(100, 4)) == 2           # small: one frame
 
 
+def _warm(ts):
+    """One byte from rank 0 to rank 1 (tag 99): the link's connections are up."""
+    q = ts[1].irecv(np.zeros(1, np.uint8), 0, tag=99)
+    ts[0].isend(np.ones(1, np.uint8), 1, tag=99).wait(10)
+    q.wait(10)
+
+
+def _nframes(nbytes, streams):
+    """Frames of a message by the cut docs/ELASTIC.md states (an oracle independent of frame_bounds)."""
+    return max(-(-nbytes // tcp.FRAME_MAX), min(streams, -(-nbytes // tcp.STRIPE_MIN)), 1)
+
+
+@pytest.mark.parametrize("streams,encrypt", [(1, False), (2, True)])
+def test_early_frames_wait_for_their_receive_and_counters(streams, encrypt):
+    """A large message sent before its receive is posted stays in the kernel until the
+    post (then lands in the buffer with no extra copy: bytes_buffered stays 0); the byte
+    counters match the frames the spec says were written."""
+    ts, lst = make_group(2, streams, encrypt=encrypt)
+    try:
+        nbytes = 3 << 20
+        src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+        dst = np.zeros(nbytes, np.uint8)
+        _warm(ts)
+        sq = ts[0].isend(src, 1, tag=5)
+        time.sleep(0.15)                                   # the frame arrives before the post
+        ts[1].irecv(dst, 0, tag=5).wait(10)
+        sq.wait(10)
+        assert np.array_equal(dst, src)
+        assert ts[1].bytes_buffered == 0
+        k = _nframes(nbytes, streams)
+        per_frame = tcp.HEADER.size + (tcp.GCM_TAG if encrypt else 0)
+        assert ts[0].bytes_sent == ts[1].bytes_received == nbytes + 1
+        assert ts[0].wire_bytes_sent == ts[1].wire_bytes_received == nbytes + 1 + (k + 1) * per_frame
+    finally:
+        for t in ts:
+            t.close()
+        for s in lst:
+            s.close()
+
+
+def test_early_frame_buffered_when_another_receive_waits():
+    """Receives posted in the reverse order of the sends on one connection: the first
+    frame is buffered at once (the application waits for the one behind it), no stall
+    of POST_WAIT, no deadlock."""
+    ts, lst = make_group(2, 1)
+    try:
+        a = np.arange(1 << 18, dtype=np.float32)
+        b = a[::-1].copy()
+        ra, rb = np.zeros_like(a), np.zeros_like(b)
+        _warm(ts)
+        t0 = time.monotonic()
+        qb = ts[1].irecv(rb, 0, tag=2)                     # posted first, sent second
+        s1, s2 = ts[0].isend(a, 1, tag=1), ts[0].isend(b, 1, tag=2)
+        qb.wait(10)
+        assert time.monotonic() - t0 < tcp.POST_WAIT
+        ts[1].irecv(ra, 0, tag=1).wait(10)
+        ts[0].waitall([s1, s2], 10)
+        assert np.array_equal(ra, a) and np.array_equal(rb, b)
+        assert ts[1].bytes_buffered == a.nbytes
+    finally:
+        for t in ts:
+            t.close()
+        for s in lst:
+            s.close()
+
+
+def test_early_frame_never_posted_is_buffered_after_post_wait():
+    """A frame whose receive is not posted within POST_WAIT seconds is buffered (bounded
+    by UNEXPECTED_MAX) and the connection goes on: a later message is delivered."""
+    ts, lst = make_group(2, 1)
+    try:
+        x = np.ones(1 << 17, np.float32)
+        y = np.full(1 << 17, 2.0, np.float32)
+        ts[0].isend(x, 1, tag=7)
+        ts[0].isend(y, 1, tag=8)
+        time.sleep(tcp.POST_WAIT + 0.3)
+        got_y = np.zeros_like(y)
+        ts[1].irecv(got_y, 0, tag=8).wait(5)
+        got_x = np.zeros_like(x)
+        ts[1].irecv(got_x, 0, tag=7).wait(5)
+        assert np.array_equal(got_x, x) and np.array_equal(got_y, y)
+        assert ts[1].bytes_buffered == x.nbytes
+    finally:
+        for t in ts:
+            t.close()
+        for s in lst:
+            s.close()
+
+
 def test_peer_death_is_process_failed():
     ts, lst = make_group(2, 2)
     try:

@@ -53,10 +53,23 @@ compute the same cut from ``L`` and ``S``.
 
 Threads, not selectors: each connection has a receiver thread that reads frames
 straight into the posted receive buffer (``recv_into``, no copy) and a sender
-thread fed by a queue (small messages are written inline when the connection is
-idle, the lowest latency path); blocking socket calls release the GIL, so the
-``S`` streams of a pair move in parallel without a hand-written non-blocking
-write state machine.  Sockets use ``TCP_NODELAY`` and 4 MiB buffers.
+thread fed by a queue that writes header and payload with one ``sendmsg``;
+blocking socket calls release the GIL, so the ``S`` streams of a pair move in
+parallel without a hand-written non-blocking write state machine.  Sockets use
+``TCP_NODELAY`` and 4 MiB buffers.
+
+Early frames: a frame of at least :data:`POST_WAIT_MIN` bytes whose receive is
+not posted yet (a ring neighbour one step ahead) is left in the kernel's socket
+buffer until the receive is posted, then read straight into it; it is read into a
+private buffer (and copied on the post) only when another receive from that peer
+is posted and incomplete (the application may wait for bytes queued behind it),
+on a revoke, abort or close, or after :data:`POST_WAIT` seconds.  Frames are
+never unpickled or interpreted: payloads are raw bytes.
+
+Counters (exact once the requests are complete): ``bytes_sent`` /
+``bytes_received`` (payload), ``wire_bytes_sent`` / ``wire_bytes_received``
+(headers, payloads, AES-GCM tags), ``bytes_buffered`` (early payload bytes that
+took the extra copy).
 """
 from __future__ import annotations
 
@@ -98,6 +111,8 @@ CTRL_MAX = 4 << 20            #: bytes of a msgpack control body
 FRAME_MAX = 16 << 20          #: bytes of one data frame
 STRIPE_MIN = 64 << 10         #: a message is striped only in pieces of at least this
 UNEXPECTED_MAX = 1 << 30      #: bytes buffered for receives not yet posted, per transport
+POST_WAIT = 0.5               #: seconds a receiver thread holds a frame that came before its receive was posted
+POST_WAIT_MIN = 64 << 10      #: frames of at least this many bytes are held (smaller ones are buffered at once)
 SOCK_BUF = 4 << 20
 NONCE = 32
 MAC = 32
@@ -272,32 +287,42 @@ class Connection:
 
     # sends ------------------------------------------------------------
     def send_frame(self, kind: int, payload=b"", *, epoch: int = 0, tag: int = 0, chunk: int = 0, stream: int = 0,
-                   timeout: float | None = None) -> None:
+                   timeout: float | None = None) -> int:
         """Write one frame (the payload sealed when the connection is encrypted).
+
+        Args:
+            timeout: seconds the write may block (None: unbounded).
+
+        Returns:
+            bytes written: the 28-byte header, the payload and, sealed, its 16-byte tag.
 
         Raises:
             ConnectionError / OSError: the connection failed (it is then closed).
         """
         mv = memoryview(payload).cast("B") if not isinstance(payload, (bytes, bytearray)) else payload
-        flags = 0
         with self.lock:
             if self.closed:
                 raise ConnectionError("connection closed")
             try:
+                self.sock.settimeout(timeout)
                 if self.tx is not None:
                     n = len(mv) + GCM_TAG
                     hdr = HEADER.pack(MAGIC, VERSION, kind, F_SEALED, epoch, tag, chunk, stream, n)
                     body = self.tx.seal(hdr, mv)
-                    self.sock.settimeout(timeout)
                     self.sock.sendall(hdr + body)
+                    return HEADER.size + n
+                hdr = HEADER.pack(MAGIC, VERSION, kind, 0, epoch, tag, chunk, stream, len(mv))
+                if len(mv) <= 65536:
+                    self.sock.sendall(hdr + bytes(mv))
                 else:
-                    hdr = HEADER.pack(MAGIC, VERSION, kind, flags, epoch, tag, chunk, stream, len(mv))
-                    self.sock.settimeout(timeout)
-                    if len(mv) <= 65536:
-                        self.sock.sendall(hdr + bytes(mv))
-                    else:
-                        self.sock.sendall(hdr)
+                    # header and payload in one system call (one segment less), the rest as it drains
+                    sent = self.sock.sendmsg([hdr, mv])
+                    if sent < HEADER.size:
+                        self.sock.sendall(hdr[sent:])
                         self.sock.sendall(mv)
+                    elif sent < HEADER.size + len(mv):
+                        self.sock.sendall(mv[sent - HEADER.size:])
+                return HEADER.size + len(mv)
             except BaseException:
                 self._close_locked()
                 raise
@@ -655,8 +680,9 @@ class _Link:
             req, mv, idx, tag = job
             try:
                 if self.failed is None and not self.t._dead:
-                    conn.send_frame(K_DATA, mv, epoch=self.t.epoch, tag=tag, chunk=idx, stream=stream)
+                    n = conn.send_frame(K_DATA, mv, epoch=self.t.epoch, tag=tag, chunk=idx, stream=stream)
                     with self.t._lock:
+                        self.t.wire_bytes_sent += n
                         req._frame_done()
                 else:
                     req._fail(self.failed or self.t._failure or ProcessFailed("transport closed", failed=[self.rank]))
@@ -685,8 +711,24 @@ class TCPTransport(Transport):
         rank, size: this peer's rank and the group size in this epoch.
         epoch: the membership epoch (every data frame carries it; others are dropped).
         connect: ``connect(rank, stream) -> Connection`` (lower rank side).
-        streams: connections per peer pair this side opens.
+        streams: connections per peer pair this side opens (1..64), or a callable
+            ``streams(rank) -> int`` giving the count per higher-ranked peer (the
+            higher rank learns the count from the connections' hello).
         timeout: default seconds of a wait (None: unbounded).
+
+    Attributes:
+        bytes_sent, bytes_received: payload bytes of the messages posted with
+            :meth:`isend` / of the DATA frames received (the application's bytes).
+        wire_bytes_sent, wire_bytes_received: bytes of the frames written / read on
+            the data connections: 28-byte headers, payloads, AES-GCM tags when
+            sealed; received also counts PINGs and frames dropped (old epoch or
+            aborted tag).  A send is counted once it is written, before its
+            request completes, so the counts are exact after a ``waitall``.
+        bytes_buffered: payload bytes that arrived before their receive was posted
+            and were held in memory, then copied (each costs one extra copy).
+
+    Raises:
+        InvalidArgument: ``streams`` out of 1..64.
     """
 
     name = "tcp"
@@ -695,13 +737,16 @@ class TCPTransport(Transport):
     tag_ub = (1 << 62)
 
     def __init__(self, rank: int, size: int, epoch: int, connect: Callable[[int, int], Connection], *,
-                 streams: int = 4, timeout: float | None = 30.0):
+                 streams: int | Callable[[int], int] = 4, timeout: float | None = 30.0):
         super().__init__()
-        if not 1 <= streams <= 64:
+        self._streams_for = streams if callable(streams) else None
+        if self._streams_for is None and not 1 <= streams <= 64:
             raise InvalidArgument(f"streams must be 1..64, got {streams}", op="TCPTransport")
         self._rank, self._size, self.epoch = rank, size, epoch
-        self._connect, self.streams, self.timeout = connect, streams, timeout
+        self._connect, self.timeout = connect, timeout
+        self.streams = None if self._streams_for is not None else streams
         self._lock = threading.Lock()
+        self._posted = threading.Condition(self._lock)  # notified on every post, revoke, abort, close
         self._links: dict[int, _Link] = {}
         self._slots: dict[tuple[int, int], deque] = {}
         self._unexpected = 0
@@ -709,8 +754,11 @@ class TCPTransport(Transport):
         self._failed: set[int] = set()
         self._aborted: set[int] = set()
         self._dead = False
-        self.bytes_sent = 0
-        self.bytes_received = 0
+        self.bytes_sent = 0           # payload bytes of the messages posted with isend
+        self.bytes_received = 0       # payload bytes of DATA frames placed or buffered
+        self.wire_bytes_sent = 0      # DATA frames written: header + payload (+ AES-GCM tag)
+        self.wire_bytes_received = 0  # DATA and PING frames read, dropped ones too
+        self.bytes_buffered = 0       # payload bytes that came before their receive was posted (one extra copy)
 
     @property
     def rank(self) -> int:
@@ -729,7 +777,10 @@ class TCPTransport(Transport):
             if link is not None:
                 return link
             if self._rank < peer:
-                link = _Link(self, peer, self.streams)
+                ns = self.streams if self._streams_for is None else int(self._streams_for(peer))
+                if not 1 <= ns <= 64:
+                    raise InvalidArgument(f"streams must be 1..64, got {ns}", rank=self._rank, op="tcp")
+                link = _Link(self, peer, ns)
                 self._links[peer] = link
                 threading.Thread(target=self._open, args=(link,), daemon=True, name="commlib-tcp-open").start()
                 return link
@@ -804,6 +855,7 @@ class TCPTransport(Transport):
                     for slot in dq:
                         if slot.req is not None:
                             slot.req._fail(err)
+            self._posted.notify_all()
         for c in link.conns:
             if c is not None:
                 c.close()
@@ -836,11 +888,11 @@ class TCPTransport(Transport):
             if self._failure is not None:
                 raise self._failure
             streams = link.streams
-        bounds = frame_bounds(len(mv), streams if streams else self.streams)
+        bounds = frame_bounds(len(mv), streams or 1)  # provisional: recut when an inbound link attaches
         req = TCPRequest(self, dest, len(bounds) - 1, "isend")
         req._tag = tag
-        self.bytes_sent += len(mv)
         with self._lock:
+            self.bytes_sent += len(mv)
             if link.streams is None:  # inbound link not yet attached: striped when it is
                 link.early.append((req, mv))
                 return req
@@ -898,6 +950,7 @@ class TCPTransport(Transport):
             slot.req._frame_done()
         slot.frames.clear()
         self._retire_locked(key)
+        self._posted.notify_all()
 
     def _retire_locked(self, key) -> None:
         dq = self._slots.get(key)
@@ -905,6 +958,39 @@ class TCPTransport(Transport):
             dq.popleft()
         if dq is not None and not dq:
             del self._slots[key]
+
+    def _await_post_locked(self, link: _Link, src: int, tag: int, slot: _Slot) -> bool:
+        """A frame of ``slot`` arrived before its receive was posted: wait (the lock
+        released) for the post, so the payload goes straight from the socket into the
+        posted buffer instead of through a buffer and a copy (in a ring a peer one step
+        ahead sends before this side posts).  The wait ends at once when another receive
+        from ``src`` is posted and not complete (the application may be waiting for bytes
+        queued behind this frame on the connection: buffering it then avoids a deadlock),
+        on a revoke, close, abort of ``tag`` or failure of the link, and after
+        :data:`POST_WAIT` seconds in any case; the frame is then buffered as before.
+
+        Returns:
+            True when the frame must be dropped (its tag was aborted or the transport closed).
+        """
+        deadline = time.monotonic() + POST_WAIT
+        while slot.bounds is None:
+            if (self._dead or self._failure is not None or tag in self._aborted or link.failed is not None
+                    or self._other_posted_locked(src, slot)):
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._posted.wait(left)
+        return tag in self._aborted or self._dead
+
+    def _other_posted_locked(self, src: int, slot: _Slot) -> bool:
+        """True when a receive from ``src`` other than ``slot`` is posted and not complete."""
+        for (s, _t), dq in self._slots.items():
+            if s == src:
+                for other in dq:
+                    if other is not slot and other.req is not None and not other.req.event.is_set():
+                        return True
+        return False
 
     def _receiver(self, link: _Link, stream: int, conn: Connection) -> None:
         src = link.rank
@@ -915,6 +1001,8 @@ class TCPTransport(Transport):
                     raise FrameError("frame over its cap")
                 if kind == K_PING:
                     conn.discard(length)
+                    with self._lock:
+                        self.wire_bytes_received += HEADER.size + length
                     continue
                 if kind != K_DATA:
                     raise FrameError("unexpected frame kind on a data link")
@@ -934,6 +1022,11 @@ class TCPTransport(Transport):
                             slot = _Slot()
                             dq.append(slot)
                         slot.arrived.add(chunk)
+                        if slot.bounds is None and plain >= POST_WAIT_MIN:
+                            # leave the bytes in the kernel until the receive is posted
+                            # (recv_into the destination, no copy); see _await_post_locked
+                            drop = self._await_post_locked(link, src, tag, slot)
+                    if not drop:
                         if slot.bounds is not None:
                             n = len(slot.bounds) - 1
                             if chunk >= n or slot.bounds[chunk + 1] - slot.bounds[chunk] != plain:
@@ -943,19 +1036,25 @@ class TCPTransport(Transport):
                             if self._unexpected + plain > UNEXPECTED_MAX:
                                 raise FrameError("too many unexpected bytes")
                             self._unexpected += plain
+                            self.bytes_buffered += plain
                 if drop:
                     conn.discard(length)
+                    with self._lock:
+                        self.wire_bytes_received += HEADER.size + length
                     continue
                 if target is not None:
                     conn.read_payload(length, into=target)
                     with self._lock:
                         self.bytes_received += plain
+                        self.wire_bytes_received += HEADER.size + length
                         slot.req._frame_done()
                         self._retire_locked((src, tag))
                 else:
-                    data = conn.read_payload(length)
+                    data = np.empty(plain, np.uint8)  # not zeroed: every byte is overwritten
+                    conn.read_payload(length, into=memoryview(data))
                     with self._lock:
                         self.bytes_received += plain
+                        self.wire_bytes_received += HEADER.size + length
                         if slot.bounds is not None:  # posted while we read
                             a, b = slot.bounds[chunk], slot.bounds[chunk + 1]
                             slot.view[a:b] = data
@@ -1001,6 +1100,7 @@ class TCPTransport(Transport):
         """Drop every later frame of operation ``tag``."""
         with self._lock:
             self._aborted.add(tag)
+            self._posted.notify_all()
 
     def revoke(self, reason: str = "operation aborted") -> None:
         """Fail every pending and later request (an abort from the master)."""
@@ -1012,6 +1112,7 @@ class TCPTransport(Transport):
                 for slot in dq:
                     if slot.req is not None:
                         slot.req._fail(self._failure)
+            self._posted.notify_all()
 
     def close(self) -> None:
         with self._lock:
@@ -1025,5 +1126,6 @@ class TCPTransport(Transport):
                 for slot in dq:
                     if slot.req is not None:
                         slot.req._fail(self._failure)
+            self._posted.notify_all()
         for link in links:
             link.close()

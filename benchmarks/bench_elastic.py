@@ -63,6 +63,11 @@ def sizes(lo, hi):
     return out
 
 
+def _streams_text(streams):
+    """``--streams`` for a worker's command line (None: ``auto``)."""
+    return "auto" if streams is None else str(streams)
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -126,11 +131,10 @@ def worker_elastic(a):
         peer.allreduce(x, op="sum")
 
     rows = _time_sizes(ar, barrier, reduce_max, [int(s) for s in a.sizes.split(",")], a.trials, check)
-    tr = getattr(peer, "_tr", None)
     if peer.rank == 0:
         with open(a.out, "w") as fh:
-            json.dump({"rows": rows, "peers": n, "streams": a.streams,
-                       "bytes_sent_rank0": getattr(tr, "bytes_sent", None)}, fh)
+            json.dump({"rows": rows, "peers": n, "streams": _streams_text(a.streams),
+                       "stats_rank0": peer.stats}, fh)
     barrier()
     peer.close()
 
@@ -338,7 +342,7 @@ def run_elastic(tmp, n, sz, trials, streams, timeout, wan=None):
             proxy.stdout.readline()
         for i in range(n):
             cmd = PY + [HERE, "--worker", "elastic", "--master", m.address, "--secret", m.secret, "--n", str(n),
-                        "--sizes", ",".join(map(str, sz)), "--trials", str(trials), "--streams", str(streams),
+                        "--sizes", ",".join(map(str, sz)), "--trials", str(trials), "--streams", _streams_text(streams),
                         "--out", out]
             if binds[i]:
                 cmd += ["--bind", binds[i][0], "--advertise", binds[i][1]]
@@ -459,7 +463,7 @@ def section_kill(args, tmp, log):
         k = len(procs)
         f = os.path.join(tmp, f"loop{k}.txt")
         p = subprocess.Popen(PY + [HERE, "--worker", "loop", "--master", m.address, "--secret", m.secret,
-                                   "--streams", str(args.streams), "--out", f],
+                                   "--streams", _streams_text(args.streams), "--out", f],
                              cwd=REPO, stdout=open(os.path.join(tmp, f"loop{k}.log"), "wb"), stderr=subprocess.STDOUT)
         procs.append((p, f))
 
@@ -592,23 +596,107 @@ def plot(rec, path):
     plt.close(fig)
 
 
+SECTIONS = ("allreduce", "wan", "kill", "diloco")
+
+
+def _streams_arg(text):
+    """``--streams``: ``auto`` (None: the library's default) or 1..64."""
+    if text == "auto":
+        return None
+    v = _int_in(1, 64, "connections")(text)
+    return v
+
+
+def _int_in(lo, hi, what):
+    def parse(text):
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer number of {what}, got {text!r}") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"must be {lo}..{hi} {what}, got {v}")
+        return v
+    return parse
+
+
+def _float_in(lo, hi, what, lo_ok=False):
+    """A float in (lo, hi] (``lo_ok``: [lo, hi]); NaN and inf are refused."""
+    def parse(text):
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number of {what}, got {text!r}") from None
+        if not ((lo <= v) if lo_ok else (lo < v)) or not v <= hi:  # NaN fails both
+            raise argparse.ArgumentTypeError(f"must be {'>=' if lo_ok else '>'} {lo:g} and <= {hi:g} {what}, got {text}")
+        return v
+    return parse
+
+
+def _sections_arg(text):
+    secs = [s for s in text.split(",") if s]
+    bad = [s for s in secs if s not in SECTIONS]
+    if not secs or bad:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(SECTIONS)}, got {text!r}")
+    return secs
+
+
+def _peers_arg(text):
+    try:
+        peers = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated peer counts, got {text!r}") from None
+    if not peers or any(not 2 <= p <= 64 for p in peers):
+        raise argparse.ArgumentTypeError(f"every peer count must be 2..64, got {text!r}")
+    return peers
+
+
+def _writable_file(text):
+    d = os.path.dirname(os.path.abspath(text)) or "."
+    if os.path.isdir(text) or not os.path.isdir(d) or not os.access(d, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write a file at {text!r}")
+    return text
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """Bad values: one line on stderr (``bench_elastic.py: error: ...``), exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sections", default="allreduce,wan,kill,diloco")
-    ap.add_argument("--peers", default="2,4")
-    ap.add_argument("--min-bytes", type=int, default=4)
-    ap.add_argument("--max-bytes", type=int, default=64 << 20)
-    ap.add_argument("--trials", type=int, default=3)
-    ap.add_argument("--streams", type=int, default=4, help="commlib.elastic streams in the loopback sections")
-    ap.add_argument("--wan-latency-ms", type=float, default=20.0)
-    ap.add_argument("--wan-rate-mbps", type=float, default=40.0)
-    ap.add_argument("--wan-bytes", type=int, default=8 << 20)
-    ap.add_argument("--kill-trials", type=int, default=8)
-    ap.add_argument("--diloco-steps", type=int, default=8)
-    ap.add_argument("--timeout", type=float, default=900.0, help="seconds any one job may take")
-    ap.add_argument("--keep", action="store_true", help="keep the temporary folder (logs)")
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--plot", default=None)
+    ap = _OneLineParser(description=__doc__.split("\n\n")[0],
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--sections", type=_sections_arg, default="allreduce,wan,kill,diloco",
+                    help=f"comma-separated sections to run, a subset of {','.join(SECTIONS)}")
+    ap.add_argument("--peers", type=_peers_arg, default="2,4",
+                    help="allreduce section: comma-separated peer counts (processes), each 2..64")
+    ap.add_argument("--min-bytes", type=_int_in(4, 1 << 30, "bytes"), default=4,
+                    help="allreduce section: smallest message, bytes (4 .. 1 GiB; sizes go x4 below 1 MiB, x2 above)")
+    ap.add_argument("--max-bytes", type=_int_in(4, 1 << 30, "bytes"), default=64 << 20,
+                    help="allreduce section: largest message, bytes (>= --min-bytes, <= 1 GiB)")
+    ap.add_argument("--trials", type=_int_in(1, 1000, "trials"), default=3,
+                    help="timed trials per size (the best is kept; each trial ~0.2 s of calls)")
+    ap.add_argument("--streams", type=_streams_arg, default="auto",
+                    help="commlib.elastic TCP connections per peer pair in the allreduce and kill sections: "
+                         "1..64, or auto (the library's default: 1 on loopback)")
+    ap.add_argument("--wan-latency-ms", type=_float_in(0, 10000, "milliseconds", lo_ok=True), default=20.0,
+                    help="wan section: latency the proxy adds in each direction, milliseconds (0..10000)")
+    ap.add_argument("--wan-rate-mbps", type=_float_in(0, 1e6, "Mbit/s"), default=40.0,
+                    help="wan section: rate cap of each proxied TCP connection, Mbit/s per direction (> 0)")
+    ap.add_argument("--wan-bytes", type=_int_in(4, 1 << 30, "bytes"), default=8 << 20,
+                    help="wan section: all-reduce size, bytes (4 .. 1 GiB)")
+    ap.add_argument("--kill-trials", type=_int_in(1, 1000, "trials"), default=8,
+                    help="kill section: SIGKILLs, one per trial (1..1000)")
+    ap.add_argument("--diloco-steps", type=_int_in(1, 10000, "steps"), default=8,
+                    help="diloco section: outer steps of each DiLoCo run (1..10000)")
+    ap.add_argument("--timeout", type=_float_in(0, 86400, "seconds"), default=900.0,
+                    help="seconds any one job (a set of worker processes) may take (> 0)")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary folder with the workers' logs")
+    ap.add_argument("--json", type=_writable_file, default=None,
+                    help="write every figure to this JSON file (None: not written)")
+    ap.add_argument("--plot", type=_writable_file, default=None,
+                    help="write a PNG of the figures to this file (needs matplotlib; None: no plot)")
     # worker modes (internal)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     for k in ("--master", "--secret", "--sizes", "--out", "--bind", "--advertise", "--map"):
@@ -621,8 +709,9 @@ def main(argv=None):
     if a.worker:
         return {"elastic": worker_elastic, "mpi": worker_mpi, "gloo": worker_gloo, "loop": worker_loop,
                 "proxy": worker_proxy}[a.worker](a)
-    a.peers = [int(x) for x in a.peers.split(",") if x]
-    secs = [s for s in a.sections.split(",") if s]
+    if a.min_bytes > a.max_bytes:
+        ap.error(f"--min-bytes ({a.min_bytes}) must not exceed --max-bytes ({a.max_bytes})")
+    secs = a.sections
     tmp = tempfile.mkdtemp(prefix="bench_elastic_")
 
     def log(msg):

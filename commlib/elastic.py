@@ -13,7 +13,7 @@ Usage::
 
     import commlib.elastic as el
     master = el.Master(bind="0.0.0.0:29500", secret_file="secret"); master.start()
-    peer = el.connect("master-host:29500", secret_file="secret", streams=4)
+    peer = el.connect("master-host:29500", secret_file="secret")  # streams: 1 on loopback, else 4
     while training:
         if peer.update_topology():          # step boundary; admits joiners
             peer.sync_shared_state(state, revision)
@@ -82,6 +82,7 @@ about their inputs; data frames can be sealed with AES-GCM (``encrypt=True``).
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import os
 import queue
 import select
@@ -91,6 +92,7 @@ import time
 import numpy as np
 
 from commlib.collectives.allreduce_ring import allreduce_ring
+from commlib.collectives.ft import LazySnapshot
 from commlib.collectives.ops import get_op, is_floating
 from commlib.core.errors import AuthenticationError, CommError, CommTimeout, InvalidArgument, ProcessFailed
 from commlib.transports import tcp
@@ -100,6 +102,10 @@ __all__ = ["Master", "Peer", "connect", "PeerFailure", "AuthError"]
 
 #: seconds between a peer's heartbeats
 HEARTBEAT_INTERVAL = 0.25
+#: ring connections per pair of peers on different hosts with ``connect(streams=None)``
+#: (the default); a pair on loopback addresses uses one
+AUTO_STREAMS = 4
+_TRAFFIC = ("bytes_sent", "bytes_received", "wire_bytes_sent", "wire_bytes_received", "bytes_buffered")
 _TICKET_TTL = 6 * 3600.0
 _MAX_PEERS = 1024
 _DEBUG = bool(os.environ.get("COMMLIB_ELASTIC_DEBUG"))
@@ -629,11 +635,16 @@ class Peer:
             :meth:`update_topology` (the same on every member: a job-wide step number).
     """
 
-    def __init__(self, address: str, secret: bytes, *, streams: int = 4, timeout: float = 30.0,
+    def __init__(self, address: str, secret: bytes, *, streams: int | None = None, timeout: float = 30.0,
                  encrypt: bool = False, bind: str | None = None, advertise: str | None = None):
-        if not 1 <= int(streams) <= 64:
-            raise InvalidArgument(f"streams must be 1..64, got {streams}", op="connect")
-        self.secret, self.streams, self.timeout, self.encrypt = secret, int(streams), float(timeout), encrypt
+        if streams is not None and (isinstance(streams, bool) or not isinstance(streams, int)
+                                    or not 1 <= streams <= 64):
+            raise InvalidArgument(f"streams must be None or 1..64, got {streams!r}", op="connect")
+        # streams=None: AUTO_STREAMS connections to a peer on another host, one to a peer on a
+        # loopback address (striping there only adds threads that compete for the same CPUs)
+        self._auto_streams = streams is None
+        self.streams = AUTO_STREAMS if streams is None else int(streams)
+        self.secret, self.timeout, self.encrypt = secret, float(timeout), encrypt
         self.master_address = address
         try:
             sock = tcp.open_socket(address, timeout)
@@ -672,11 +683,48 @@ class Peer:
         self._parked: list = []
         self._serving = None                 # (min epoch, {name: memoryview}) while a donor
         self._last_members: frozenset | None = None
-        self.stats = {"retries": 0, "aborts": 0}
+        self._counts = {"retries": 0, "aborts": 0}
+        self._traffic = dict.fromkeys(_TRAFFIC, 0)  # of the ring transports of past epochs
+        self._scratch: np.ndarray | None = None
         threading.Thread(target=self._reader, daemon=True, name="commlib-peer-rx").start()
         threading.Thread(target=self._heartbeat, daemon=True, name="commlib-peer-hb").start()
 
     # properties --------------------------------------------------------------
+    @property
+    def stats(self) -> dict:
+        """Counters of this peer since :func:`connect` (a new dict on each read):
+
+        - ``retries``, ``aborts``: all-reduces aborted (a peer died or failed) and retried;
+        - ``bytes_sent``, ``bytes_received``: payload bytes of the all-reduce data plane
+          (the ring's messages, over every epoch's transport; quantized messages count
+          their wire size). A ring all-reduce of ``B`` bytes over ``n`` peers sends and
+          receives ``2 (n - 1) / n * B`` per peer (to rounding of the chunk bounds);
+        - ``wire_bytes_sent``, ``wire_bytes_received``: the same frames as they crossed
+          the wire: payloads plus a 28-byte header per frame (plus a 16-byte AES-GCM tag
+          per frame with ``encrypt=True``); received also counts frames dropped (an old
+          epoch's, an aborted operation's);
+        - ``bytes_buffered``: payload bytes that arrived before their receive was posted
+          and took one extra copy.
+
+        Not counted: the control connection to the master, handshakes, and
+        :meth:`sync_shared_state` transfers (its result gives ``bytes_received``).
+        """
+        with self._cv:
+            out = dict(self._counts)
+            tr = self._tr
+            for k in _TRAFFIC:
+                out[k] = self._traffic[k] + (getattr(tr, k) if tr is not None else 0)
+        return out
+
+    def _retire(self, tr) -> None:
+        """Close an epoch's transport, keeping its byte counts in :attr:`stats`."""
+        tr.close()
+        with self._cv:
+            if self._tr is tr:
+                self._tr = None
+            for k in _TRAFFIC:
+                self._traffic[k] += getattr(tr, k)
+
     @property
     def rank(self):
         return None if self._topo is None else self._topo.rank
@@ -809,19 +857,37 @@ class Peer:
         if tickets is None or stream >= len(tickets):
             raise ProcessFailed(f"no ticket for peer {dst}", failed=[], rank=topo.rank, op="elastic")
         s = tcp.open_socket(topo.addrs[dst], timeout)
-        hello = {"src": self.id, "dst": dst, "e": topo.epoch, "stream": stream, "streams": self.streams,
+        hello = {"src": self.id, "dst": dst, "e": topo.epoch, "stream": stream,
+                 "streams": self._streams_to(topo.addrs[dst]) if purpose == "ring" else self.streams,
                  "exp": float(topo.exp), "tkt": tickets[stream], "purpose": purpose}
         return tcp.client_handshake(s, self.secret, hello, timeout=timeout, encrypt=self.encrypt)
+
+    def _streams_to(self, addr: str) -> int:
+        """Ring connections to the peer whose data address is ``addr``: ``streams`` as
+        given, or with ``streams=None``, 1 on a loopback address and :data:`AUTO_STREAMS`
+        elsewhere."""
+        if not self._auto_streams:
+            return self.streams
+        try:
+            host = tcp.parse_address(addr)[0]
+        except CommError:
+            return self.streams
+        if host == "localhost":
+            return 1
+        try:
+            return 1 if ipaddress.ip_address(host).is_loopback else self.streams
+        except ValueError:
+            return self.streams
 
     def _transport(self, topo: _Topo) -> tcp.TCPTransport:
         tr = self._tr
         if tr is not None and tr.epoch == topo.epoch:
             return tr
         if tr is not None:
-            tr.close()
+            self._retire(tr)
         tr = tcp.TCPTransport(topo.rank, len(topo.ids), topo.epoch,
                               lambda r, s: self._dial(topo, topo.ids[r], s, "ring", min(self.timeout, 10.0)),
-                              streams=self.streams, timeout=self.timeout)
+                              streams=lambda r: self._streams_to(topo.addrs[topo.ids[r]]), timeout=self.timeout)
         with self._cv:
             self._tr = tr
             parked, self._parked = self._parked, []
@@ -871,7 +937,10 @@ class Peer:
         Runs :func:`~commlib.collectives.allreduce_ring.allreduce_ring` over the
         epoch's TCP transport, then waits for the master's terminal message.  If
         the operation is aborted (a peer died or failed), ``buf`` is restored and
-        the operation is retried over the next epoch's members (``retry``).
+        the operation is retried over the next epoch's members (``retry``).  The
+        restore comes from a copy-before-write snapshot taken while the ring's
+        transfers are in flight, into a scratch buffer the peer keeps between calls
+        (as large as its largest all-reduce).
 
         Args:
             buf: contiguous numpy array (any shape), same shape and dtype on every peer.
@@ -903,7 +972,6 @@ class Peer:
         if quantize is not None and not is_floating(buf.dtype):
             raise InvalidArgument("quantize needs a floating dtype", rank=self.rank, op="allreduce")
         flat = buf.reshape(-1)
-        saved = flat.copy()
         aborts = 0
         while True:
             topo = self._adopt()
@@ -911,13 +979,20 @@ class Peer:
                 raise InvalidArgument("this peer is not a member yet: call update_topology() first",
                                       rank=None, op="allreduce")
             e, s = topo.epoch, self._seq
+            # copy-before-write snapshot into a reused scratch (no page faults, the copies
+            # overlap the ring's transfers); restored only on an abort
+            snap = LazySnapshot(flat, self._scratch_for(flat.nbytes))
             try:
                 tr = self._transport(topo)
                 if tr.size == 1:
-                    opx.finalize(flat, 1)
+                    opx.finalize(flat, 1)  # the identity for every op: nothing to save
+                elif quantize is None:
+                    allreduce_ring(tr, flat, opx, timeout=timeout, save=snap)
                 else:
-                    t = tr if quantize is None else _QuantTransport(tr, quantize)
-                    allreduce_ring(t, flat, opx, timeout=timeout)
+                    # the quantizing view overwrites a chunk with its dequantized value when it
+                    # first sends it, before the ring's lazy saves: save everything up front
+                    snap.save_all()
+                    allreduce_ring(_QuantTransport(tr, quantize), flat, opx, timeout=timeout)
                 report = "done"
             except (CommError, OSError):
                 report = "fail"
@@ -926,8 +1001,8 @@ class Peer:
             if ok:
                 self._seq += 1
                 return buf
-            flat[...] = saved
-            self.stats["aborts"] += 1
+            snap.restore()
+            self._counts["aborts"] += 1
             aborts += 1
             if not retry or aborts > max_retries:
                 raise PeerFailure(f"all-reduce aborted in epoch {e} (a peer failed)", rank=topo.rank,
@@ -935,7 +1010,16 @@ class Peer:
             # the next epoch (survivors, fresh connections) comes from the master
             self._wait(lambda: True if self._latest is not None and self._latest.epoch > e else None,
                        timeout, "allreduce")
-            self.stats["retries"] += 1
+            self._counts["retries"] += 1
+
+    def _scratch_for(self, nbytes: int) -> np.ndarray:
+        """A reused uint8 scratch of at least ``nbytes`` bytes for the all-reduce's
+        input snapshot (kept between calls: a fresh buffer of many MiB costs page faults
+        on every call; the peer holds one buffer as large as its largest all-reduce)."""
+        s = self._scratch
+        if s is None or s.nbytes < nbytes:
+            s = self._scratch = np.empty(max(nbytes, 1), np.uint8)
+        return s
 
     def sync_shared_state(self, state: dict, revision: int, timeout: float | None = None) -> dict:
         """Make ``state`` identical on every member (see the module docstring).
@@ -1130,7 +1214,7 @@ class Peer:
             pass
         self._conn.close()
         if self._tr is not None:
-            self._tr.close()
+            self._retire(self._tr)
         self._listener.close()
         for item in self._parked:
             item[4].close()
@@ -1147,7 +1231,8 @@ class _DonorFailed(Exception):
         self.nbytes, self.todo = nbytes, todo
 
 
-def connect(address: str, secret: bytes | str | None = None, secret_file: str | None = None, *, streams: int = 4,
+def connect(address: str, secret: bytes | str | None = None, secret_file: str | None = None, *,
+            streams: int | None = None,
             timeout: float = 30.0, encrypt: bool = False, bind: str | None = None,
             advertise: str | None = None) -> Peer:
     """Join the elastic job whose master listens at ``address`` (``"host:port"``).
@@ -1158,7 +1243,11 @@ def connect(address: str, secret: bytes | str | None = None, secret_file: str | 
     Args:
         address: the master's ``host:port``.
         secret, secret_file: the shared secret (else ``COMMLIB_ELASTIC_SECRET``).
-        streams: TCP connections per peer pair (one operation is striped over them).
+        streams: TCP connections per peer pair (1..64; one message is striped over
+            them), also the most connections of a state fetch.  None (default): 1 to a
+            peer whose data address is a loopback address (on one machine, more
+            connections only add threads competing for the same cores: measured in
+            docs/ELASTIC.md), :data:`AUTO_STREAMS` (4) to any other.
         timeout: seconds any single wait may take.
         encrypt: seal every frame with AES-GCM (the master and all peers must agree).
         bind: ``host:port`` for this peer's data listener (default: the interface

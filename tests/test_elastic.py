@@ -112,6 +112,97 @@ def test_allreduce_quantized_bit_identical(group, quantize, tol):
     assert np.max(np.abs(out[0] - ref)) < tol * max(1.0, np.max(np.abs(ref))) * 10
 
 
+def _ring_messages(count, itemsize, n, r, received=False):
+    """Byte sizes of the messages rank ``r`` sends (``received``: receives) in a ring
+    all-reduce of ``count`` items over ``n`` ranks: reduce-scatter step s sends chunk
+    r-s-1, the all-gather chunk r-s; rank r receives what rank r-1 sends; chunks as
+    numpy.array_split cuts them."""
+    if received:
+        r = (r - 1) % n
+    sizes = [len(c) * itemsize for c in np.array_split(np.arange(count), n)]
+    return [sizes[(r - s - 1) % n] for s in range(n - 1)] + [sizes[(r - s) % n] for s in range(n - 1)]
+
+
+def _frames(nbytes, streams):
+    """Frames of one message by the striping rule of docs/ELASTIC.md."""
+    max_frame, stripe_min = 16 << 20, 64 << 10
+    return max(-(-nbytes // max_frame), min(streams, -(-nbytes // stripe_min)), 1)
+
+
+@pytest.mark.parametrize("group", [(2, 1), (3, 2), (4, 1)], indirect=True)
+@pytest.mark.parametrize("count,dtype", [(1000, np.float32), (300_001, np.float64)])
+def test_stats_count_the_ring_traffic(group, count, dtype):
+    """Peer.stats against the ring's known traffic: 2 (n-1)/n x the buffer per peer
+    (exactly the chunk sizes), 2 (n-1) x the buffer over all peers, plus 28 bytes of
+    header per frame on the wire."""
+    _, peers = group
+    n = len(peers)
+    streams = peers[0].streams
+    before = {p.id: p.stats for p in peers}
+    run_peers(peers, lambda i, p: p.allreduce(np.ones(count, dtype), "sum"))
+    after = {p.id: p.stats for p in peers}
+    nbytes = count * np.dtype(dtype).itemsize
+    total = 0
+    for p in peers:
+        d = {k: after[p.id][k] - before[p.id][k] for k in after[p.id]}
+        msgs = _ring_messages(count, np.dtype(dtype).itemsize, n, p.rank)
+        rmsgs = _ring_messages(count, np.dtype(dtype).itemsize, n, p.rank, received=True)
+        assert d["bytes_sent"] == sum(msgs) and d["bytes_received"] == sum(rmsgs)
+        for k in ("bytes_sent", "bytes_received"):
+            assert abs(d[k] - 2 * (n - 1) / n * nbytes) <= 2 * (n - 1) * np.dtype(dtype).itemsize
+        assert d["wire_bytes_sent"] == sum(msgs) + 28 * sum(_frames(m, streams) for m in msgs)
+        assert d["wire_bytes_received"] == sum(rmsgs) + 28 * sum(_frames(m, streams) for m in rmsgs)
+        assert d["bytes_buffered"] <= d["bytes_received"]
+        assert d["retries"] == d["aborts"] == 0
+        total += d["bytes_sent"]
+    assert total == 2 * (n - 1) * nbytes
+
+
+def test_stats_encrypted_and_auto_streams():
+    """With encrypt=True each frame adds a 16-byte AES-GCM tag on the wire; with the
+    default streams=None, peers on loopback use one connection per pair."""
+    master = el.Master(secret=SECRET, encrypt=True).start()
+    peers = [el.connect(master.address, secret=SECRET, timeout=20, encrypt=True) for _ in range(3)]
+    try:
+        form(peers, 3)
+        count = 1 << 18
+        before = {p.id: p.stats for p in peers}
+        out = run_peers(peers, lambda i, p: p.allreduce(np.full(count, p.rank + 1.0, np.float32), "sum"))
+        assert all(np.all(o == 6.0) for o in out)
+        for p in peers:
+            d = {k: p.stats[k] - before[p.id][k] for k in before[p.id]}
+            msgs = _ring_messages(count, 4, 3, p.rank)
+            assert d["bytes_sent"] == sum(msgs)
+            assert d["wire_bytes_sent"] == sum(msgs) + (28 + 16) * sum(_frames(m, 1) for m in msgs)
+            links = p._tr._links
+            assert links and all(len(link.conns) == 1 for link in links.values())
+    finally:
+        for p in peers:
+            p.close()
+        master.stop()
+
+
+def test_stats_survive_epochs():
+    """Counts of a past epoch's transport stay in Peer.stats after a new epoch begins."""
+    master = el.Master(secret=SECRET).start()
+    a, b = (el.connect(master.address, secret=SECRET, streams=1, timeout=20) for _ in range(2))
+    c = None
+    try:
+        form([a, b], 2)
+        run_peers([a, b], lambda i, p: p.allreduce(np.ones(1000, np.float32)))
+        sent = a.stats["bytes_sent"]
+        assert sent == 4000  # 2 (n - 1) / n x 4000 bytes
+        c = el.connect(master.address, secret=SECRET, streams=1, timeout=20)
+        form([a, b, c], 3)
+        run_peers([a, b, c], lambda i, p: p.allreduce(np.ones(999, np.float32)))
+        assert a.stats["bytes_sent"] == sent + sum(_ring_messages(999, 4, 3, a.rank))
+    finally:
+        for p in (a, b, c):
+            if p is not None:
+                p.close()
+        master.stop()
+
+
 def test_bad_arguments(group):
     _, peers = group
     p = peers[0]
@@ -319,3 +410,29 @@ def test_heartbeat_survives_a_starved_master(tmp_path):
         proc.send_signal(signal.SIGCONT)
         proc.kill()
         proc.wait(10)
+
+
+def test_bench_elastic_command_line():
+    """benchmarks/bench_elastic.py: every option has a help text with its default;
+    bad values exit 2 with one line on stderr and no output (nothing runs)."""
+    import os
+    import subprocess
+    import sys
+
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                         "bench_elastic.py")
+    r = subprocess.run([sys.executable, "-P", bench, "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0
+    opts = ["--sections", "--peers", "--min-bytes", "--max-bytes", "--trials", "--streams", "--wan-latency-ms",
+            "--wan-rate-mbps", "--wan-bytes", "--kill-trials", "--diloco-steps", "--timeout", "--json", "--plot"]
+    text = " ".join(r.stdout.split())
+    for o in opts:
+        i = text.index(o + " ", text.index("options:"))
+        assert "default:" in text[i:i + 400], o
+    for bad in (["--peers", "1"], ["--min-bytes", "-3"], ["--streams", "0"], ["--sections", "foo"],
+                ["--trials", "x"], ["--timeout", "nan"], ["--wan-rate-mbps", "0"],
+                ["--min-bytes", "100", "--max-bytes", "10"], ["--json", "/nonexistent-dir/x.json"]):
+        r = subprocess.run([sys.executable, "-P", bench] + bad, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2, bad
+        assert r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, (bad, r.stderr)
+        assert "error:" in r.stderr

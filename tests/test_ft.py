@@ -40,6 +40,8 @@ import mpi4py
 mpi4py.rc.initialize = False
 from mpi4py import MPI  # noqa: E402
 
+from launch import LAUNCH_ATTEMPTS, launcher_failed  # noqa: E402 - tests/launch.py
+
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "ft_worker.py")
 BIN = Path(sys.executable).parent
@@ -77,23 +79,27 @@ def _run(nprocs, spec, timeout=45, env_extra=None, ulfm=True):
     else:
         cmd = [MPIEXEC, "-disable-auto-cleanup"]
     cmd += ["-n", str(nprocs), sys.executable, WORKER, json.dumps(spec)]
-    out_dir = tempfile.mkdtemp(prefix="commlib-ft-")
-    env["FT_OUT_DIR"] = out_dir
-    t0 = time.monotonic()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        out, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, _ = p.communicate()
-        pytest.fail(f"mpiexec did not return within {timeout} s (spec {spec}):\n{out.decode(errors='replace')[-3000:]}")
-    wall = time.monotonic() - t0
-    text = out.decode(errors="replace")
-    results = {}
-    for f in Path(out_dir).glob("rank*.json"):
-        r = json.loads(f.read_text())
-        results[r["rank"]] = r
-    shutil.rmtree(out_dir, ignore_errors=True)
+    for _ in range(LAUNCH_ATTEMPTS):
+        out_dir = tempfile.mkdtemp(prefix="commlib-ft-")
+        env["FT_OUT_DIR"] = out_dir
+        t0 = time.monotonic()
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, _ = p.communicate()
+            pytest.fail(f"mpiexec did not return within {timeout} s (spec {spec}):\n{out.decode(errors='replace')[-3000:]}")
+        wall = time.monotonic() - t0
+        text = out.decode(errors="replace")
+        results = {}
+        for f in Path(out_dir).glob("rank*.json"):
+            r = json.loads(f.read_text())
+            results[r["rank"]] = r
+        shutil.rmtree(out_dir, ignore_errors=True)
+        if not launcher_failed(text, results):
+            break
+        print(f"[test_ft] the launcher failed before any rank ran; launching again:\n{text[-500:]}")
     return results, wall, text, p.returncode
 
 

@@ -22,6 +22,7 @@ mpi4py.rc.initialize = False
 from mpi4py import MPI  # noqa: E402
 
 from commlib.core.device import ulfm_available  # noqa: E402
+from launch import LAUNCH_ATTEMPTS, launcher_failed  # noqa: E402 - tests/launch.py
 
 pytestmark = pytest.mark.skipif(not ("Open MPI" in MPI.Get_library_version() and ulfm_available()),
                                 reason="needs Open MPI with ULFM")
@@ -36,12 +37,15 @@ def _heat(n, args, ft=True, timeout=90):
     cmd += ["-n", str(n), sys.executable, "-P", "-m", "commlib.apps.heat", "--json", out, "--no-progress"] + args
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     env.pop("NUMBA_ENABLE_CUDASIM", None)
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        text = p.communicate(timeout=timeout)[0].decode(errors="replace")
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        pytest.fail(f"heat did not finish within {timeout} s: {cmd}")
+    for _ in range(LAUNCH_ATTEMPTS):
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            text = p.communicate(timeout=timeout)[0].decode(errors="replace")
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            pytest.fail(f"heat did not finish within {timeout} s: {cmd}")
+        if not launcher_failed(text, os.path.exists(out)):
+            break
     assert os.path.exists(out), text[-3000:]
     res = json.loads(Path(out).read_text())
     os.unlink(out)

@@ -59,6 +59,8 @@ import mpi4py
 mpi4py.rc.initialize = False
 from mpi4py import MPI  # noqa: E402
 
+from launch import LAUNCH_ATTEMPTS, launcher_failed  # noqa: E402 - tests/launch.py
+
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "ft_worker.py")
 MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
@@ -116,25 +118,28 @@ def run_one(spec, seed, nprocs=NP, mib=MIB, timeout=TIMEOUT):
            json.dumps({"timed": {"n": n, "calls": CALLS}, "victims": spec, "seed": seed, "oracle": False})]
     limit = STARTUP_S + timeout + 5
     log = Path(out_dir) / "output.txt"  # a file, not a pipe: a process that left the group cannot hold us
-    t0 = time.monotonic()
-    with open(log, "wb") as fh:
-        p = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    hung = False
-    try:
-        p.wait(timeout=limit)
-    except subprocess.TimeoutExpired:
-        hung = True
-        os.killpg(p.pid, signal.SIGKILL)
+    for _ in range(LAUNCH_ATTEMPTS):
+        t0 = time.monotonic()
+        with open(log, "wb") as fh:
+            p = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        hung = False
         try:
-            p.wait(timeout=10)
+            p.wait(timeout=limit)
         except subprocess.TimeoutExpired:
-            pass
-    wall = time.monotonic() - t0
-    text = log.read_bytes().decode(errors="replace")
-    results = {}
-    for f in Path(out_dir).glob("rank*.json"):
-        r = json.loads(f.read_text())
-        results[r["rank"]] = r
+            hung = True
+            os.killpg(p.pid, signal.SIGKILL)
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        wall = time.monotonic() - t0
+        text = log.read_bytes().decode(errors="replace")
+        results = {}
+        for f in Path(out_dir).glob("rank*.json"):
+            r = json.loads(f.read_text())
+            results[r["rank"]] = r
+        if hung or not launcher_failed(text, results):
+            break
     shutil.rmtree(out_dir, ignore_errors=True)
     return classify(spec, nprocs, results, text, wall, hung, timeout, seed, n)
 

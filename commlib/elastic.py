@@ -1245,9 +1245,9 @@ def connect(address: str, secret: bytes | str | None = None, secret_file: str | 
         secret, secret_file: the shared secret (else ``COMMLIB_ELASTIC_SECRET``).
         streams: TCP connections per peer pair (1..64; one message is striped over
             them), also the most connections of a state fetch.  None (default): 1 to a
-            peer whose data address is a loopback address (on one machine, more
-            connections only add threads competing for the same cores: measured in
-            docs/ELASTIC.md), :data:`AUTO_STREAMS` (4) to any other.
+            peer whose data address is a loopback address (on one machine more
+            connections gained nothing measurable and add threads competing for the
+            same cores: docs/ELASTIC.md), :data:`AUTO_STREAMS` (4) to any other.
         timeout: seconds any single wait may take.
         encrypt: seal every frame with AES-GCM (the master and all peers must agree).
         bind: ``host:port`` for this peer's data listener (default: the interface

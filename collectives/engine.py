@@ -35,6 +35,7 @@ from commlib.core.errors import BufferError, CommError, InvalidArgument, Process
 from . import ops
 from ._common import chunk_bounds_list
 from .agreement import agree, judge
+from .allreduce_ring import allreduce_ring
 from .ft import run_collective
 
 __all__ = ["CollectiveSpec", "SPECS", "SmallAllreduce", "execute", "first_round", "reduce_rows", "describe_field"]
@@ -285,7 +286,7 @@ class SmallAllreduce:
     the op, and the payload views the ring-order reduction reads.
     """
 
-    __slots__ = ("tp", "cap", "row", "rows", "rows_mv", "plans", "current")
+    __slots__ = ("tp", "cap", "row", "rows", "rows_mv", "plans", "ring_plans", "current")
 
     def __init__(self, tp, cap: int):
         self.tp, self.cap = tp, cap
@@ -293,6 +294,7 @@ class SmallAllreduce:
         self.row = np.zeros(_HEAD + cap, np.uint8)
         self.rows_mv = memoryview(self.rows).cast("B")
         self.plans: dict = {}
+        self.ring_plans: dict = {}
         self.current = None
 
     def plan(self, dtype, count: int, op, rank):
@@ -336,6 +338,54 @@ class SmallAllreduce:
         apply_steps(steps, o.ufunc, flat)
         if o.mean:
             o.finalize(flat, n)
+
+    # A large host allreduce that resolves to the ring takes the same first
+    # round (the header row above, payload bytes ignored) and the same
+    # allreduce_ring call as the general path, without its per-call staging
+    # objects: on 2 cores that bookkeeping cost about as much as a 1 MiB ring's
+    # reduction (benchmarks/bench_allreduce.py).
+
+    def ring_plan(self, dtype, count: int, op, algorithm: str, rank):
+        """``(header bytes, Op)`` for a host allreduce of ``count`` elements of
+        ``dtype`` that ``algorithm`` resolves to the ring; False when it does
+        not, or when an argument is bad (the general path raises it, on every
+        rank).  Cached in :attr:`ring_plans` under ``(dtype, count, op, algorithm)``."""
+        spec = SPECS["allreduce"]
+        nb = count * dtype.itemsize
+        try:
+            o = ops.get_op(op, rank=rank, opname="allreduce")
+            o.check(dtype, rank=rank, op="allreduce")
+            algo = spec.choose(algorithm, nb, rank=rank)
+        except InvalidArgument:
+            o = algo = None
+        plan = False
+        if algo == "ring" and not (algorithm == "auto" and nb <= self.cap):
+            head = np.array([0, spec.code, count, ops.dtype_code(dtype), o.code, 0, spec.algorithm_code(algo)],
+                            np.int64)
+            plan = (head.view(np.uint8).tobytes(), o)
+        if len(self.ring_plans) >= 64:
+            self.ring_plans.pop(next(iter(self.ring_plans)))
+        self.ring_plans[(dtype, count, op, algorithm)] = plan
+        return plan
+
+    def run_ring(self, plan, sendbuf: np.ndarray, out: np.ndarray) -> None:
+        """The first round (when ``COMMLIB_CHECK_ARGS``), then :func:`.allreduce_ring`
+        of C-contiguous host arrays (``out is sendbuf``: in place)."""
+        hbytes, o = plan
+        tp, n = self.tp, self.tp.size
+        if n > 1 and config.check_args:
+            if self.current is not plan:
+                self.row[:_HEAD] = np.frombuffer(hbytes, np.uint8)
+                self.current = plan
+            tp.native_allgather(self.row, self.rows)
+            mv, rb = self.rows_mv, self.rows.shape[1]
+            for i in range(n):
+                if mv[i * rb:i * rb + _HEAD] != hbytes:  # a rank's call differs or a rank erred
+                    judge(tp, self.rows[:, :_HEAD], np.frombuffer(hbytes, np.int64)[1:].tolist(), op="allreduce",
+                          describe=describe_field("allreduce"))
+        work = out if out.ndim == 1 else out.reshape(-1)
+        src = None if out is sendbuf else (sendbuf if sendbuf.ndim == 1 else sendbuf.reshape(-1))
+        allreduce_ring(tp, work, o, sendbuf=src)
 
 
 _COMMUTATIVE = ("sum", "prod", "avg", "band", "bor", "bxor")

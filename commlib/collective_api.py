@@ -281,9 +281,9 @@ class CollectiveMixin:
             BufferError: unsupported or non-contiguous buffers.
             ProcessFailed / CommTimeout: fault-tolerant mode, see ``commlib.init``.
         """
-        if (algorithm == "auto" and type(sendbuf) is np.ndarray and self._ft is None
+        if (type(sendbuf) is np.ndarray and self._ft is None
                 and (recvbuf is None or type(recvbuf) is np.ndarray)):
-            done = self._small_allreduce(sendbuf, recvbuf, op)
+            done = self._small_allreduce(sendbuf, recvbuf, op, algorithm)
             if done is not None:
                 return done
         opname, spec = "allreduce", SPECS["allreduce"]
@@ -386,18 +386,22 @@ class CollectiveMixin:
             st["dst"].flush()
         return sendbuf if inplace else recvbuf
 
-    def _small_allreduce(self, sendbuf: np.ndarray, recvbuf, op):
-        """The one-round small allreduce of host numpy arrays, without the
-        general path's staging objects: the same first-round row and the same
-        ring-order reduction as the engine (so the same bits), on buffers and
-        views the communicator keeps per (dtype, count, op).  Returns None when
-        the call does not qualify (the general path then handles it, and
-        raises any argument error)."""
+    def _small_allreduce(self, sendbuf: np.ndarray, recvbuf, op, algorithm: str = "auto"):
+        """Host numpy arrays without the general path's staging objects: the
+        one-round small allreduce (``"auto"``, at most the first-round
+        capacity), or a large call that resolves to the ring (the same
+        first-round row, then :func:`allreduce_ring`).  The same messages and
+        bits as the engine, on buffers and views the communicator keeps per
+        (dtype, count, op).  Returns None when the call does not qualify (the
+        general path then handles it, and raises any argument error)."""
         small = self._small
         if small is None:
             tp = self.collective_transport()
             small = self._small = SmallAllreduce(tp, small_capacity(tp.size))
-        if sendbuf.nbytes > small.cap or not sendbuf.flags.c_contiguous or (
+        large = sendbuf.nbytes > small.cap or algorithm != "auto"
+        if large and algorithm not in ("auto", "ring"):
+            return None
+        if not sendbuf.flags.c_contiguous or (
                 recvbuf is not None and recvbuf is not sendbuf and not (
                     recvbuf.flags.c_contiguous and recvbuf.flags.writeable and recvbuf.dtype == sendbuf.dtype
                     and recvbuf.size == sendbuf.size)):
@@ -407,6 +411,18 @@ class CollectiveMixin:
                 op = _ops.get_op(op, rank=self.rank, opname="allreduce").name
             except InvalidArgument:
                 return None
+        if large:
+            if recvbuf is None or recvbuf is sendbuf:
+                if not sendbuf.flags.writeable:
+                    return None
+                recvbuf = sendbuf
+            plan = small.ring_plans.get((sendbuf.dtype, sendbuf.size, op, algorithm))
+            if plan is None:
+                plan = small.ring_plan(sendbuf.dtype, sendbuf.size, op, algorithm, self.rank)
+            if not plan:
+                return None
+            small.run_ring(plan, sendbuf, recvbuf)
+            return recvbuf
         plan = small.plans.get((sendbuf.dtype, sendbuf.size, op))
         if plan is None:
             plan = small.plan(sendbuf.dtype, sendbuf.size, op, self.rank)

@@ -186,19 +186,6 @@ def new_state(shapes, seed: int, outer_steps: int) -> dict[str, np.ndarray]:
     }
 
 
-def _wire_counter(peer):
-    """(transport, payload bytes it has sent so far), or None when the peer exposes no counter.
-
-    commlib.elastic's TCP transport counts the payload bytes it sends (after fp16/int8 encoding,
-    frame headers left out); a new epoch makes a new transport, so a difference is only taken
-    between two readings of the same one."""
-    tr = getattr(peer, "_tr", None)
-    v = getattr(tr, "bytes_sent", None)
-    if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
-        return tr, int(v)
-    return None
-
-
 def prepare(hidden=(64,), batch: int = 32, inner_lr: float = 3e-3, seed: int = 0):
     """Data and a ready local model (before connecting: the slow imports and the first
     ``partial_fit``, which builds the layers, the label binarizer and Adam; the global
@@ -218,9 +205,14 @@ def prepare(hidden=(64,), batch: int = 32, inner_lr: float = 3e-3, seed: int = 0
     return X_train, X_test, y_train, y_test, model, shapes
 
 
-def _retries(peer):
+def _counters(peer):
+    """(all-reduce retries, payload bytes sent) from ``peer.stats``, or None where the peer
+    keeps no such counters. ``commlib.elastic.Peer.stats`` counts the data plane's payload
+    bytes (after fp16/int8 encoding, frame headers left out) over every epoch's transport."""
     st = getattr(peer, "stats", None)
-    return st.get("retries") if isinstance(st, dict) else None
+    if not isinstance(st, dict) or not isinstance(st.get("bytes_sent"), (int, np.integer)):
+        return None
+    return st.get("retries"), int(st["bytes_sent"])
 
 
 def run(peer, **kw) -> dict:
@@ -297,13 +289,13 @@ def _run(peer, *, outer_steps: int = 30, inner_steps: int = 20, batch: int = 32,
             idx = rng.choice(shard, size=min(batch, len(shard)), replace=False)
             model.partial_fit(X_train[idx], y_train[idx])
         delta = np.subtract(theta, flatten(model), dtype=np.float32)
-        w0, r0 = _wire_counter(peer), _retries(peer)
+        c0 = _counters(peer)
         peer.allreduce(delta, op="avg", quantize=qz)
-        w1 = _wire_counter(peer)
-        if w1 is None or r0 is None or _retries(peer) != r0:
-            counted = None  # no counter, or bytes went over an aborted epoch's transport too
+        c1 = _counters(peer)
+        if c0 is None or c1 is None or c1[0] != c0[0]:
+            counted = None  # no counter, or bytes went over an aborted attempt too
         else:
-            counted = w1[1] - (w0[1] if w0 and w0[0] is w1[0] else 0)  # a new epoch: a new transport
+            counted = c1[1] - c0[1]
         last_epoch = peer.epoch  # a death during the all-reduce moves every survivor to the same epoch
         outer_step(theta, mom, delta, outer_lr, momentum)
         load_into(model, theta)
@@ -408,7 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--outer-momentum", type=float, default=0.9, help="Nesterov outer momentum (default 0.9)")
     p.add_argument("--quantize", choices=QUANTIZE, default="none",
                    help="compression of the pseudo-gradient all-reduce (default none)")
-    p.add_argument("--streams", type=int, default=4, help="TCP connections per peer pair (default 4)")
+    p.add_argument("--streams", type=int, default=None,
+                   help="TCP connections per peer pair (default: commlib.elastic.connect's, 1 on loopback, 4 elsewhere)")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial parameters and the shards (default 0)")
     p.add_argument("--min-peers", type=int, default=1,
                    help="wait (calling update_topology) until this many peers are in before step 1 (default 1)")
@@ -432,7 +425,7 @@ def parse_args(argv=None):
     p = build_parser()
     a = p.parse_args(argv)
     for name in ("outer_steps", "inner_steps", "batch", "streams", "min_peers"):
-        if getattr(a, name) < 1:
+        if getattr(a, name) is not None and getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     if any(h < 1 for h in a.hidden):
         p.error(f"--hidden widths must be >= 1, got {a.hidden}")

@@ -22,17 +22,26 @@ def allgather_ring_inplace(transport, work: np.ndarray, bounds, owner_shift: int
         transport: the point-to-point transport.
         work: 1-D contiguous host array; on entry chunk ``(r + owner_shift) % n``
             is valid on rank r; on return every chunk is.
-        bounds: chunk offsets, ``n + 1`` ints.
+        bounds: chunk offsets, ``n + 1`` ints (a list or tuple of Python
+            ints is used as is).
         owner_shift: which chunk rank r starts with (0: chunk r).
         timeout: seconds per step (None: unbounded).
     """
     n, r = transport.size, transport.rank
-    bounds = [int(x) for x in bounds]
+    if type(bounds) is not list and type(bounds) is not tuple:
+        bounds = [int(x) for x in bounds]
     right, left = (r + 1) % n, (r - 1) % n
     tag = next_tag(transport)
+    if timeout is None:  # exchange()'s unbounded step, without its call per step
+        sendrecv = transport.sendrecv
+        for s in range(n - 1):
+            sc = (r + owner_shift - s) % n
+            rc = (sc - 1) % n
+            sendrecv(work[bounds[sc]:bounds[sc + 1]], right, work[bounds[rc]:bounds[rc + 1]], left, tag, tag)
+        return
     for s in range(n - 1):
         sc = (r + owner_shift - s) % n
-        rc = (r + owner_shift - s - 1) % n
+        rc = (sc - 1) % n
         exchange(transport, work[bounds[sc]:bounds[sc + 1]], right, work[bounds[rc]:bounds[rc + 1]], left, tag,
                  timeout)
 

@@ -13,6 +13,8 @@ bit-identical on all ranks.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ._common import chunk_bounds_list
@@ -53,10 +55,17 @@ def allreduce_ring(transport, buf: np.ndarray, op="sum", *, sendbuf: np.ndarray 
             buf[...] = sendbuf
         op.finalize(buf, 1)
         return
-    bounds = chunk_bounds_list(buf.size, n)
+    bounds = _bounds(buf.size, n)
     reduce_scatter_ring_inplace(transport, buf, op, bounds, timeout=timeout, src=sendbuf,
                                 save=save if sendbuf is None else None)
     r = transport.rank
     if op.mean:
         op.finalize(buf[bounds[r]:bounds[r + 1]], n)
     allgather_ring_inplace(transport, buf, bounds, timeout=timeout)
+
+
+@functools.lru_cache(maxsize=64)
+def _bounds(count: int, n: int) -> tuple:
+    """:func:`chunk_bounds_list` as a tuple, kept per (count, n): the ring
+    calls of one size in a training loop share it."""
+    return tuple(chunk_bounds_list(count, n))

@@ -41,7 +41,8 @@ def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds, *,
             On return ``work[bounds[r]:bounds[r+1]]`` holds the reduced chunk
             ``r`` (other chunks hold partial sums).
         op: :class:`commlib.collectives.ops.Op` or name.
-        bounds: chunk offsets, ``size + 1`` ints (see ``chunk_bounds``).
+        bounds: chunk offsets, ``size + 1`` ints (see ``chunk_bounds``; a list
+            or tuple of Python ints is used as is).
         timeout: seconds per step (None: unbounded).
         tmp: scratch of at least the largest chunk (allocated when None or
             smaller); used in place only (out of place each partial is
@@ -63,7 +64,8 @@ def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds, *,
     n, r = transport.size, transport.rank
     if n == 1:
         return
-    bounds = [int(x) for x in bounds]
+    if type(bounds) is not list and type(bounds) is not tuple:
+        bounds = [int(x) for x in bounds]
     if src is work:
         src = None
     # Out of place, chunk rc of ``work`` is not written before step s receives
@@ -80,6 +82,17 @@ def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds, *,
     tag = next_tag(transport)
     local = work if src is None else src
     ufunc = op.ufunc
+    if timeout is None and save is None:  # exchange()'s unbounded step, without its call per step
+        sendrecv = transport.sendrecv
+        for s in range(n - 1):
+            sc = (r - s - 1) % n
+            rc = (sc - 1) % n
+            a, b = bounds[rc], bounds[rc + 1]
+            dst = work[a:b]
+            rbuf = dst if direct else tmp[:b - a]
+            sendrecv((local if s == 0 else work)[bounds[sc]:bounds[sc + 1]], right, rbuf, left, tag, tag)
+            ufunc(local[a:b], rbuf, out=dst)  # own contribution (op) partial from the left
+        return
     for s in range(n - 1):
         sc = (r - s - 1) % n
         rc = (sc - 1) % n

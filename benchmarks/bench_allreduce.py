@@ -7,7 +7,9 @@ checked against MPI's own Allreduce on every size.  Reported per size:
 
 - time (us), algbw = bytes / time (GB/s), busbw = algbw * 2 (n - 1) / n
   (the factor nccl-tests use for allreduce: the bytes each rank must move);
-- ratio = commlib busbw / MPI busbw, side by side from one run.
+- ratio = commlib busbw / MPI busbw, side by side from one run;
+- the load average at the start and end (other jobs on the cores make every
+  figure noisy: compare ratios only from runs on a quiet machine).
 
 Run::
 
@@ -53,6 +55,10 @@ def main(argv=None):
     n, rank = comm.size, comm.rank
     variants = [v for v in args.variants.split(",") if v]
     factor = 2 * (n - 1) / n if n > 1 else 1.0
+    load_start = os.getloadavg()
+    if rank == 0:  # shared machines: the ratio means little when other jobs hold the cores
+        print(f"load average at start: {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f} "
+              f"({os.cpu_count()} CPUs, {n} ranks)", flush=True)
     rows = []
     nbytes = args.min_bytes
     while nbytes <= args.max_bytes:
@@ -91,6 +97,8 @@ def main(argv=None):
             print(f"{count * 4:>10d} B  MPI {row['MPI.Allreduce']['busbw_GBps']:7.3f} GB/s  {cells}", flush=True)
         nbytes *= 4 if nbytes < (1 << 20) else 2
     if rank == 0:
+        load_end = os.getloadavg()
+        print(f"load average at end: {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}", flush=True)
         big = [r for r in rows if r["bytes"] >= (1 << 20)]
         summary = {v: {"min_ratio_ge_1MiB": min((r[v]["ratio_vs_mpi"] for r in big), default=None),
                        "median_ratio_ge_1MiB": float(np.median([r[v]["ratio_vs_mpi"] for r in big])) if big else None}
@@ -98,6 +106,7 @@ def main(argv=None):
         print("ratios at >= 1 MiB (commlib busbw / MPI busbw):", summary)
         write_json(args.json, {"benchmark": "allreduce", "ranks": n, "mpi": MPI.Get_library_version().split("\n")[0].strip("\x00 "),
                                "fault_tolerant": comm.fault_tolerant, "check_args": not args.no_check_args,
+                               "loadavg_start": load_start, "loadavg_end": load_end, "cpus": os.cpu_count(),
                                "busbw_factor": factor, "rows": rows, "summary": summary})
         if args.plot:
             plot(rows, ["MPI.Allreduce"] + variants, n, args.plot)

@@ -328,16 +328,22 @@ class SmallAllreduce:
             if out is not sendbuf:
                 out[...] = sendbuf
             return
-        tp.native_allgather(self.row, self.rows)
-        mv, rb = self.rows_mv, self.rows.shape[1]
-        for i in range(n):
-            if mv[i * rb:i * rb + _HEAD] != hbytes:  # a rank's call differs or a rank erred
-                judge(tp, self.rows[:, :_HEAD], np.frombuffer(hbytes, np.int64)[1:].tolist(), op="allreduce",
-                      describe=describe_field("allreduce"))
+        self._gather_rows(tp, hbytes)
         flat = out if out.ndim == 1 else out.reshape(-1)
         apply_steps(steps, o.ufunc, flat)
         if o.mean:
             o.finalize(flat, n)
+
+    def _gather_rows(self, tp, hbytes: bytes) -> None:
+        """The first round: all-gather every rank's row (header ``hbytes``, then
+        the payload); a header that differs from this rank's (another call, or a
+        rank that erred) makes :func:`judge` raise, on every rank alike."""
+        tp.native_allgather(self.row, self.rows)
+        mv, rb = self.rows_mv, self.rows.shape[1]
+        for i in range(tp.size):
+            if mv[i * rb:i * rb + _HEAD] != hbytes:
+                judge(tp, self.rows[:, :_HEAD], np.frombuffer(hbytes, np.int64)[1:].tolist(), op="allreduce",
+                      describe=describe_field("allreduce"))
 
     # A large host allreduce that resolves to the ring takes the same first
     # round (the header row above, payload bytes ignored) and the same
@@ -377,12 +383,7 @@ class SmallAllreduce:
             if self.current is not plan:
                 self.row[:_HEAD] = np.frombuffer(hbytes, np.uint8)
                 self.current = plan
-            tp.native_allgather(self.row, self.rows)
-            mv, rb = self.rows_mv, self.rows.shape[1]
-            for i in range(n):
-                if mv[i * rb:i * rb + _HEAD] != hbytes:  # a rank's call differs or a rank erred
-                    judge(tp, self.rows[:, :_HEAD], np.frombuffer(hbytes, np.int64)[1:].tolist(), op="allreduce",
-                          describe=describe_field("allreduce"))
+            self._gather_rows(tp, hbytes)
         work = out if out.ndim == 1 else out.reshape(-1)
         src = None if out is sendbuf else (sendbuf if sendbuf.ndim == 1 else sendbuf.reshape(-1))
         allreduce_ring(tp, work, o, sendbuf=src)

@@ -19,14 +19,18 @@ fi
 command -v nvidia-smi >/dev/null 2>&1 || export NUMBA_ENABLE_CUDASIM=${NUMBA_ENABLE_CUDASIM:-1}
 export PYTHONDONTWRITEBYTECODE=1
 status=0
+# shellcheck source=tests/stage.sh
+. tests/stage.sh
 
-echo "== serial tests"
-timeout 1500 "$PY" -P -m pytest -q -p no:cacheprovider --timeout=600 tests "$@" || status=1
+stage "serial tests" timeout 1500 "$PY" -P -m pytest -q -rfE -p no:cacheprovider --timeout=600 tests "$@" || status=1
 
+# Under mpiexec a test that times out ends its rank (pytest-timeout's thread
+# method, with every thread's stack printed) and so the job: the signal method
+# cannot interrupt a rank blocked inside MPI, whose peers then wait for it
+# until the stage's own limit.
 for n in $RANKS; do
-  echo "== MPI tests on $n rank(s)"
   # shellcheck disable=SC2086
-  timeout 900 "$MPIEXEC" $MPIFLAGS -n "$n" "$PY" -P -m pytest -q -p no:cacheprovider --with-mpi -m mpi \
-    --timeout=300 tests "$@" || status=1
+  stage "MPI tests on $n rank(s)" timeout 900 "$MPIEXEC" $MPIFLAGS -n "$n" "$PY" -P -m pytest -q -rfE \
+    -p no:cacheprovider --with-mpi -m mpi --timeout=300 --timeout-method=thread tests "$@" || status=1
 done
 exit $status

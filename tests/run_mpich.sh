@@ -19,12 +19,13 @@ lib=$("$PY" -c "from mpi4py import MPI; print(MPI.Get_library_version().split()[
 command -v nvidia-smi >/dev/null 2>&1 || export NUMBA_ENABLE_CUDASIM=${NUMBA_ENABLE_CUDASIM:-1}
 export PYTHONDONTWRITEBYTECODE=1
 status=0
-echo "== MPICH: serial collectives and bounded-error fault tests"
-timeout 900 "$PY" -P -m pytest -q -p no:cacheprovider --timeout=300 \
-  tests/test_collectives_unit.py tests/test_ft.py tests/test_communicator.py || status=1
+# shellcheck source=tests/stage.sh
+. tests/stage.sh
+stage "MPICH: serial collectives and bounded-error fault tests" timeout 900 "$PY" -P -m pytest -q -rfE \
+  -p no:cacheprovider --timeout=300 tests/test_collectives_unit.py tests/test_ft.py tests/test_communicator.py || status=1
 for n in ${RANKS:-2 3}; do
-  echo "== MPICH: MPI tests on $n rank(s)"
-  timeout 600 "$VENV/bin/mpiexec" -n "$n" "$PY" -P -m pytest -q -p no:cacheprovider --with-mpi -m mpi \
-    --timeout=300 tests/test_collectives.py tests/test_communicator.py tests/test_halo.py tests/test_mixed_p2p.py || status=1
+  stage "MPICH: MPI tests on $n rank(s)" timeout 600 "$VENV/bin/mpiexec" -n "$n" "$PY" -P -m pytest -q -rfE \
+    -p no:cacheprovider --with-mpi -m mpi --timeout=300 --timeout-method=thread \
+    tests/test_collectives.py tests/test_communicator.py tests/test_halo.py tests/test_mixed_p2p.py || status=1
 done
 exit $status

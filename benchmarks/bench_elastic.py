@@ -1,5 +1,6 @@
 """Elastic peers (commlib.elastic) on loopback: all-reduce busbw, stream scaling through a
-WAN-emulating proxy, time from a SIGKILL to the next all-reduce, DiLoCo bytes per outer step.
+WAN-emulating proxy, time from a SIGKILL to the next all-reduce, DiLoCo bytes per outer step,
+a joiner's state sync against the measured bandwidth (and with its donor SIGKILLed).
 
 Sections (``--sections``, all by default), each measured side by side in one run:
 
@@ -19,6 +20,18 @@ Sections (``--sections``, all by default), each measured side by side in one run
 - ``diloco``: ``python -m commlib.apps.diloco`` at 2 peers, without and with int8: payload
   bytes each peer's transport sent per outer step (the transport's counter) beside the
   ring estimate 2 (P-1)/P * buffer, and the final held-out accuracy.
+- ``sync``: a joiner's state sync (``Peer.sync_shared_state``). 2 peers hold the same
+  ``--sync-bytes`` of float32 (4 tensors, from a seed) at revision 1, a joiner holds zeros of
+  the same layout at revision 0; once the group is 3 all three call ``sync_shared_state``. The
+  joiner's ``seconds`` (its call to its return: hashing, plan, fetch over ``--streams``
+  connections, verification), checked bit for bit against the seed, against the issue's limit
+  bytes / bandwidth + 1 s, the bandwidth measured in the same trial: the same bytes from this
+  process to a receiver process over one plain loopback TCP socket and over as many sockets as
+  the fetch opens, the faster (``--sync-trials`` trials: median and max). Then one donor-death
+  trial: both donors throttled (``COMMLIB_ELASTIC_SERVE_RATE``) so one donor's transfer takes
+  ``--sync-throttle-s``, the donor serving the joiner SIGKILLed ``--sync-kill-after`` s after
+  the joiner's first state byte landed; the joiner must finish from the other donor with
+  verified bits, against bytes / throttle rate + 1 s.
 
 The numbers come from whatever machine runs it (here: 2 shared cores, loopback): ratios
 taken in one run mean something, absolute times little.
@@ -27,6 +40,7 @@ Run::
 
     python benchmarks/bench_elastic.py --json elastic.json --plot elastic.png
     python benchmarks/bench_elastic.py --sections allreduce --peers 2 --max-bytes 4194304
+    python benchmarks/bench_elastic.py --sections sync --sync-bytes 134217728 --sync-trials 3
 """
 from __future__ import annotations
 
@@ -39,6 +53,7 @@ import shutil
 import signal
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -280,6 +295,160 @@ def worker_proxy(a):
     print("proxy ready", flush=True)
     while True:
         time.sleep(3600)
+
+
+SYNC_TENSORS = 4
+SYNC_SEED = 20250
+
+
+def sync_state(nbytes, seed):
+    """The sync section's shared state: ``nbytes // 4`` float32 over SYNC_TENSORS 1-D tensors
+    ``t0``.. (nearly equal sizes), standard normal from ``seed``; ``seed`` None: zeros of the
+    same layout, every page touched (a joiner's stale copy, not a lazily mapped one)."""
+    base, extra = divmod(nbytes // 4, SYNC_TENSORS)
+    rng = None if seed is None else np.random.default_rng(seed)
+    out = {}
+    for i in range(SYNC_TENSORS):
+        count = base + (i < extra)
+        if rng is None:
+            a = np.empty(count, np.float32)
+            a.fill(0)
+        else:
+            a = rng.standard_normal(count, dtype=np.float32)
+        out[f"t{i}"] = a
+    return out
+
+
+def _write_atomic(path, obj):
+    with open(path + ".tmp", "w") as fh:
+        json.dump(obj, fh)
+    os.replace(path + ".tmp", path)
+
+
+def _watch_fetch(state, range_bytes, stop, started_path, samples):
+    """The joiner's view of its fetch, polled every 5 ms until ``stop``: the fetch asks for
+    ``range_bytes`` ranges of each tensor in name order and receives each in place, front to
+    back, so a range whose last float32 is no longer 0 has landed (the seeded values are never
+    exactly 0). Appends (wall time, landed bytes) at each change; the first state byte seen
+    creates ``started_path`` (the driver's cue for the donor-death trial)."""
+    per = []
+    for k in sorted(state):
+        a = state[k]
+        offs = list(range(0, a.nbytes, range_bytes))
+        last = np.array([(min(o + range_bytes, a.nbytes)) // 4 - 1 for o in offs], np.int64)
+        size = np.array([min(range_bytes, a.nbytes - o) for o in offs], np.int64)
+        per.append((a, np.array([o // 4 for o in offs], np.int64), last, size))
+    started, landed = False, 0
+    while not stop.is_set():
+        now = time.time()
+        if not started and any(np.any(a[f] != 0) for a, f, _, _ in per):
+            started = True
+            samples.append((now, 0))
+            _write_atomic(started_path, {"t": now})
+        got = int(sum(int(sz[a[la] != 0].sum()) for a, _, la, sz in per))
+        if got != landed:
+            landed = got
+            samples.append((now, got))
+        stop.wait(0.005)
+
+
+def worker_sync(a):
+    """One peer of the sync section (``--role donor`` or ``joiner``); writes ``--out``.ready
+    (its id, rank, the joiner's first donor) once the group is ``--n``, then ``--out``."""
+    import hashlib  # noqa: PLC0415
+
+    import commlib.elastic as el  # noqa: PLC0415
+
+    joiner = a.role == "joiner"
+    state = sync_state(a.sync_bytes, None if joiner else a.seed)
+    peer = el.connect(a.master, secret_file=a.secret, streams=a.streams, timeout=60)
+    deadline = time.monotonic() + 120
+    while peer.size < a.n:
+        peer.update_topology()
+        if time.monotonic() > deadline:
+            raise SystemExit(f"only {peer.size} peers")
+        time.sleep(0.02)
+    members = list(peer.members)
+    info = {"role": a.role, "id": peer.id, "rank": peer.rank, "members": members, "pid": os.getpid(),
+            "streams": peer.streams}
+    stop, samples, watcher = threading.Event(), [], None
+    if joiner:
+        donors = [m for m in members if m != peer.id]  # the plan lists the donors in ring order
+        info["first_donor"] = donors[peer.rank % len(donors)]  # Peer._fetch starts at rank % donors
+        watcher = threading.Thread(target=_watch_fetch, daemon=True,
+                                   args=(state, getattr(el.Peer, "_RANGE", 4 << 20), stop, a.out + ".started",
+                                         samples))
+        watcher.start()
+    _write_atomic(a.out + ".ready", info)
+    t_call = time.time()
+    res = peer.sync_shared_state(state, 0 if joiner else 1)
+    t_return = time.time()
+    stop.set()
+    out = dict(info, result=res, t_call=t_call, t_return=t_return)
+    if joiner:
+        watcher.join(5)
+        want = sync_state(a.sync_bytes, a.seed)
+        out["verified"] = (res["revision"] == 1 and sorted(state) == sorted(want)
+                           and all(state[k].dtype == want[k].dtype and state[k].shape == want[k].shape
+                                   and np.array_equal(state[k].view(np.uint32), want[k].view(np.uint32))
+                                   for k in want))
+        t = time.perf_counter()
+        for k in sorted(state):
+            hashlib.sha256(memoryview(state[k]).cast("B")).digest()
+        out["sha256_pass_s"] = time.perf_counter() - t
+        out["samples"] = samples
+    _write_atomic(a.out, out)
+    peer.close()
+
+
+def worker_sink(a):
+    """Receiver of the sync section's bandwidth baseline: prints its port, then for each count
+    ``k`` in ``--sizes`` accepts ``k`` connections; each sends a 16-byte (start, end) header and
+    those bytes of ``--sync-bytes``, received in place into one touched buffer; then 1 byte back."""
+    buf = np.empty(a.sync_bytes, np.uint8)
+    buf.fill(0)
+    ls = socket.socket()
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(64)
+    ls.settimeout(120)
+    print(ls.getsockname()[1], flush=True)
+    errors = []
+
+    def rx(c):
+        try:
+            hdr = b""
+            while len(hdr) < 16:
+                b = c.recv(16 - len(hdr))
+                if not b:
+                    raise ConnectionError("closed")
+                hdr += b
+            lo, hi = struct.unpack("<QQ", hdr)
+            mv = memoryview(buf)[lo:hi]
+            while mv:
+                n = c.recv_into(mv)
+                if n == 0:
+                    raise ConnectionError("closed")
+                mv = mv[n:]
+            c.sendall(b"k")
+        except OSError as exc:
+            errors.append(exc)
+        finally:
+            c.close()
+
+    for k in (int(x) for x in a.sizes.split(",")):
+        conns = []
+        for _ in range(k):
+            c = ls.accept()[0]
+            c.settimeout(120)
+            conns.append(c)
+        ths = [threading.Thread(target=rx, args=(c,), daemon=True) for c in conns]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join()
+        if errors:
+            raise SystemExit(f"sink: {errors[0]!r}")
+    return 0
 
 
 # ============================================================== driver
@@ -554,14 +723,175 @@ def section_diloco(args, tmp, log):
     return out
 
 
+def _sync_bandwidth(tmp, payload, counts, timeout):
+    """Bytes/s of ``payload`` from this process to a receiver process (``worker_sink``) over
+    ``k`` plain loopback TCP sockets (default options), for each ``k`` in ``counts``: from the
+    first byte sent (sockets already connected) to the last socket's 1-byte reply."""
+    sink = subprocess.Popen(PY + [HERE, "--worker", "sink", "--sync-bytes", str(len(payload)),
+                                  "--sizes", ",".join(map(str, counts))],
+                            stdout=subprocess.PIPE, stderr=open(os.path.join(tmp, "sink.log"), "ab"), cwd=REPO,
+                            text=True, env=dict(os.environ, MPI4PY_RC_INITIALIZE="0"))
+    out = {}
+    try:
+        port = int(sink.stdout.readline())
+        for k in counts:
+            socks = [socket.create_connection(("127.0.0.1", port), timeout=timeout) for _ in range(k)]
+            bounds = [len(payload) * i // k for i in range(k + 1)]
+            errors = []
+
+            def tx(sk, lo, hi):
+                try:
+                    sk.sendall(struct.pack("<QQ", lo, hi))
+                    sk.sendall(memoryview(payload)[lo:hi])
+                    if sk.recv(1) != b"k":
+                        raise ConnectionError("no reply")
+                except OSError as exc:
+                    errors.append(exc)
+
+            ths = [threading.Thread(target=tx, args=(sk, bounds[i], bounds[i + 1]), daemon=True)
+                   for i, sk in enumerate(socks)]
+            t = time.perf_counter()
+            for th in ths:
+                th.start()
+            for th in ths:
+                th.join()
+            dt = time.perf_counter() - t
+            for sk in socks:
+                sk.close()
+            if errors:
+                raise RuntimeError(f"bandwidth baseline: {errors[0]!r}")
+            out[k] = len(payload) / dt
+        sink.wait(30)
+    finally:
+        if sink.poll() is None:
+            sink.kill()
+    return out
+
+
+def _wait_file(path, procs, deadline, what):
+    while not os.path.exists(path):
+        bad = [p.returncode for p in procs if p.poll() is not None and p.returncode != 0]
+        if bad:
+            raise RuntimeError(f"a sync worker exited with status {bad} before {what}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no {what} within the timeout")
+        time.sleep(0.005)
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def _sync_trial(args, tmp, name, rate=None, kill_after=None):
+    """One master, 2 donors and a joiner (separate processes); returns the joiner's record,
+    and with ``kill_after`` the kill's. ``rate``: COMMLIB_ELASTIC_SERVE_RATE of every peer."""
+    m = Master(tmp)
+    env = dict(os.environ, MPI4PY_RC_INITIALIZE="0")
+    if rate is not None:
+        env["COMMLIB_ELASTIC_SERVE_RATE"] = repr(rate)
+    procs, outs = {}, {}
+    deadline = time.monotonic() + args.timeout
+    try:
+        for role, who in (("donor", "d0"), ("donor", "d1"), ("joiner", "j")):
+            outs[who] = os.path.join(tmp, f"{name}_{who}.json")
+            procs[who] = subprocess.Popen(
+                PY + [HERE, "--worker", "sync", "--role", role, "--master", m.address, "--secret", m.secret,
+                      "--n", "3", "--sync-bytes", str(args.sync_bytes), "--seed", str(SYNC_SEED),
+                      "--streams", _streams_text(args.streams), "--out", outs[who]],
+                cwd=REPO, env=env, stdout=open(os.path.join(tmp, f"{name}_{who}.log"), "wb"), stderr=subprocess.STDOUT)
+        kill = None
+        if kill_after is None:
+            _run_all(list(procs.values()), args.timeout)
+        else:
+            ps = list(procs.values())
+            info = {w: _wait_file(outs[w] + ".ready", ps, deadline, f"{w} in a group of 3") for w in procs}
+            victim = next(w for w in ("d0", "d1") if info[w]["id"] == info["j"]["first_donor"])
+            t0 = _wait_file(outs["j"] + ".started", ps, deadline, "the joiner's first state byte")["t"]
+            time.sleep(max(0.0, t0 + kill_after - time.time()))
+            t_kill = time.time()
+            procs[victim].send_signal(signal.SIGKILL)
+            _run_all([p for w, p in procs.items() if w != victim], max(1.0, deadline - time.monotonic()))
+            procs[victim].wait(10)
+            kill = {"victim_id": info[victim]["id"], "t_kill": t_kill, "t_first_byte": t0,
+                    "victim_status": procs[victim].returncode}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+        m.stop()
+    with open(outs["j"]) as fh:
+        j = json.load(fh)
+    if not j["verified"]:
+        raise RuntimeError(f"{name}: the joiner's state does not equal the donors' (revision "
+                           f"{j['result']['revision']})")
+    samples = j["samples"]
+    first = next((t for t, _ in samples), None)
+    last = next((t for t, n in samples if n >= args.sync_bytes), None)
+    rec = {"sync_s": j["result"]["seconds"], "bytes_received": j["result"]["bytes_received"],
+           "donor": j["result"]["donor"], "first_donor": j["first_donor"], "joiner_rank": j["rank"],
+           "fetch_connections": j["streams"], "verified": True, "sha256_pass_s": j["sha256_pass_s"],
+           "call_to_first_byte_s": None if first is None else first - j["t_call"],
+           "first_to_last_byte_s": None if first is None or last is None else last - first,
+           "last_byte_to_return_s": None if last is None else j["t_return"] - last}
+    if kill is not None:
+        landed = max((n for t, n in samples if t <= kill["t_kill"]), default=0)
+        rec.update(kill, killed_after_first_byte_s=kill["t_kill"] - kill["t_first_byte"],
+                   killed_after_call_s=kill["t_kill"] - j["t_call"], landed_bytes_at_kill=landed,
+                   mid_transfer=bool(0 < kill["t_kill"] - kill["t_first_byte"] and landed < args.sync_bytes
+                                     and j["result"]["donor"] != kill["victim_id"]))
+    return rec
+
+
+def section_sync(args, tmp, log):
+    nbytes = args.sync_bytes
+    conns = 4 if args.streams is None else args.streams  # a fetch opens the joiner's `streams`
+    # (commlib.elastic.AUTO_STREAMS = 4 with streams=None: the 1-per-pair loopback rule is the ring's)
+    payload = np.ones(nbytes, np.uint8)
+    counts = sorted({1, conns})
+    out = {"bytes": nbytes, "tensors": SYNC_TENSORS, "donors": 2, "fetch_connections": conns,
+           "baseline": f"the same bytes from the driver to a receiver process over {' and '.join(map(str, counts))} "
+                       "plain loopback TCP socket(s), the faster", "trials": []}
+    for trial in range(args.sync_trials):
+        bw = _sync_bandwidth(tmp, payload, counts, args.timeout)
+        r = _sync_trial(args, tmp, f"sync{trial}")
+        best = max(bw.values())
+        r.update({f"bandwidth_{k}_sockets_Bps": v for k, v in bw.items()})
+        r.update(bandwidth_Bps=best, limit_s=nbytes / best + 1.0)
+        r["ratio_limit_to_sync"] = r["limit_s"] / r["sync_s"]
+        if r["fetch_connections"] != conns:
+            raise RuntimeError(f"the joiner fetched over {r['fetch_connections']} connections, not {conns}")
+        out["trials"].append(r)
+        log(f"  trial {trial}: {nbytes} B in {r['sync_s']:.3f} s from donor {r['donor']} (verified); bandwidth "
+            + ", ".join(f"{k} socket(s) {v / 1e9:.2f} GB/s" for k, v in bw.items())
+            + f": limit {r['limit_s']:.3f} s, {r['ratio_limit_to_sync']:.2f}x; call to first byte "
+            f"{r['call_to_first_byte_s']:.3f} s, transfer {r['first_to_last_byte_s']:.3f} s, last byte to return "
+            f"{r['last_byte_to_return_s']:.3f} s (one SHA-256 pass {r['sha256_pass_s']:.3f} s)")
+    ts = [r["sync_s"] for r in out["trials"]]
+    ratios = [r["ratio_limit_to_sync"] for r in out["trials"]]
+    bws = [r["bandwidth_Bps"] for r in out["trials"]]
+    out.update(median_sync_s=statistics.median(ts), max_sync_s=max(ts), median_bandwidth_Bps=statistics.median(bws),
+               median_limit_s=nbytes / statistics.median(bws) + 1.0, median_ratio=statistics.median(ratios),
+               min_ratio=min(ratios), target_met=min(ratios) >= 1.0)
+    rate = nbytes / (args.sync_throttle_s * conns)
+    k = _sync_trial(args, tmp, "sync_kill", rate=rate, kill_after=args.sync_kill_after)
+    k.update(serve_rate_Bps_per_connection=rate, serve_rate_Bps=rate * conns, limit_s=args.sync_throttle_s + 1.0)
+    k["ratio_limit_to_sync"] = k["limit_s"] / k["sync_s"]
+    out["donor_death"] = k
+    log(f"  donor death: donors serve {rate / 1e6:.1f} MB/s per connection x {conns}; donor {k['victim_id']} "
+        f"(serving the joiner) SIGKILLed {k['killed_after_first_byte_s']:.3f} s after the first byte, "
+        f"{k['landed_bytes_at_kill']} of {nbytes} B landed ({'mid-transfer' if k['mid_transfer'] else 'NOT mid-transfer'}"
+        f"); joiner done from donor {k['donor']} in {k['sync_s']:.3f} s (verified), limit {k['limit_s']:.3f} s, "
+        f"{k['ratio_limit_to_sync']:.2f}x")
+    return out
+
+
 def plot(rec, path):
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    a1, a2, a3, a4 = axes.ravel()
+    fig, axes = plt.subplots(2, 3, figsize=(16, 8))
+    a1, a2, a3, a4, a5, a6 = axes.ravel()
+    a6.axis("off")
     for j, (n, r) in enumerate((rec.get("allreduce") or {}).items()):
         x = [row["bytes"] for row in r["rows"]]
         for i, k in enumerate(("commlib.elastic", "openmpi_tcp", "gloo")):
@@ -591,12 +921,23 @@ def plot(rec, path):
         a4.set(xlabel="seconds from SIGKILL to the next all-reduce", ylabel="trials",
                title=f"kill to next all-reduce, median {k['median_s']:.2f} s")
         a4.legend(fontsize=8)
+    y = rec.get("sync")
+    if y:
+        rows = y["trials"] + [y["donor_death"]]
+        names = [f"trial {i}" for i in range(len(y["trials"]))] + ["donor\nkilled"]
+        x = np.arange(len(rows))
+        a5.bar(x - 0.2, [r["sync_s"] for r in rows], 0.4, label="joiner sync (s)")
+        a5.bar(x + 0.2, [r["limit_s"] for r in rows], 0.4, label="limit: bytes / bandwidth + 1 s")
+        a5.set_xticks(x, names)
+        a5.set(ylabel="seconds", title=f"joiner state sync, {y['bytes'] / 2 ** 20:.0f} MiB "
+               f"(killed: limit = bytes / throttle + 1 s)")
+        a5.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-SECTIONS = ("allreduce", "wan", "kill", "diloco")
+SECTIONS = ("allreduce", "wan", "kill", "diloco", "sync")
 
 
 def _streams_arg(text):
@@ -667,7 +1008,7 @@ class _OneLineParser(argparse.ArgumentParser):
 def main(argv=None):
     ap = _OneLineParser(description=__doc__.split("\n\n")[0],
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--sections", type=_sections_arg, default="allreduce,wan,kill,diloco",
+    ap.add_argument("--sections", type=_sections_arg, default=",".join(SECTIONS),
                     help=f"comma-separated sections to run, a subset of {','.join(SECTIONS)}")
     ap.add_argument("--peers", type=_peers_arg, default="2,4",
                     help="allreduce section: comma-separated peer counts (processes), each 2..64")
@@ -678,8 +1019,9 @@ def main(argv=None):
     ap.add_argument("--trials", type=_int_in(1, 1000, "trials"), default=3,
                     help="timed trials per size (the best is kept; each trial ~0.2 s of calls)")
     ap.add_argument("--streams", type=_streams_arg, default="auto",
-                    help="commlib.elastic TCP connections per peer pair in the allreduce and kill sections: "
-                         "1..64, or auto (the library's default: 1 on loopback)")
+                    help="commlib.elastic TCP connections per peer pair in the allreduce, kill and sync sections: "
+                         "1..64, or auto (the library's default: 1 per ring pair on loopback; a state fetch "
+                         "opens 4 even there)")
     ap.add_argument("--wan-latency-ms", type=_float_in(0, 10000, "milliseconds", lo_ok=True), default=20.0,
                     help="wan section: latency the proxy adds in each direction, milliseconds (0..10000)")
     ap.add_argument("--wan-rate-mbps", type=_float_in(0, 1e6, "Mbit/s"), default=40.0,
@@ -690,6 +1032,19 @@ def main(argv=None):
                     help="kill section: SIGKILLs, one per trial (1..1000)")
     ap.add_argument("--diloco-steps", type=_int_in(1, 10000, "steps"), default=8,
                     help="diloco section: outer steps of each DiLoCo run (1..10000)")
+    ap.add_argument("--sync-bytes", type=_int_in(16, 1 << 30, "bytes"), default=128 << 20,
+                    help="sync section: shared state, bytes (16 .. 1 GiB, a multiple of 4): float32 over "
+                         f"{SYNC_TENSORS} tensors")
+    ap.add_argument("--sync-trials", type=_int_in(1, 100, "trials"), default=3,
+                    help="sync section: timed syncs, each with its own bandwidth baseline (1..100); "
+                         "one donor-death trial follows")
+    ap.add_argument("--sync-throttle-s", type=_float_in(0, 3600, "seconds"), default=1.5,
+                    help="sync section, donor-death trial: seconds one donor's throttled transfer of "
+                         "--sync-bytes takes: every donor serves each fetch connection at --sync-bytes / (this "
+                         "* connections) bytes/s (COMMLIB_ELASTIC_SERVE_RATE) (> 0)")
+    ap.add_argument("--sync-kill-after", type=_float_in(0, 3600, "seconds"), default=0.4,
+                    help="sync section, donor-death trial: seconds after the joiner's first state byte "
+                         "landed that the donor serving it is SIGKILLed (> 0, < --sync-throttle-s)")
     ap.add_argument("--timeout", type=_float_in(0, 86400, "seconds"), default=900.0,
                     help="seconds any one job (a set of worker processes) may take (> 0)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder with the workers' logs")
@@ -699,18 +1054,23 @@ def main(argv=None):
                     help="write a PNG of the figures to this file (needs matplotlib; None: no plot)")
     # worker modes (internal)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    for k in ("--master", "--secret", "--sizes", "--out", "--bind", "--advertise", "--map"):
+    for k in ("--master", "--secret", "--sizes", "--out", "--bind", "--advertise", "--map", "--role"):
         ap.add_argument(k, default=None, help=argparse.SUPPRESS)
-    for k in ("--n", "--port", "--rank"):
+    for k in ("--n", "--port", "--rank", "--seed"):
         ap.add_argument(k, type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--latency-ms", type=float, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--rate-mbps", type=float, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
         return {"elastic": worker_elastic, "mpi": worker_mpi, "gloo": worker_gloo, "loop": worker_loop,
-                "proxy": worker_proxy}[a.worker](a)
+                "proxy": worker_proxy, "sync": worker_sync, "sink": worker_sink}[a.worker](a)
     if a.min_bytes > a.max_bytes:
         ap.error(f"--min-bytes ({a.min_bytes}) must not exceed --max-bytes ({a.max_bytes})")
+    if a.sync_bytes % 4:
+        ap.error(f"--sync-bytes must be a multiple of 4 (whole float32s), got {a.sync_bytes}")
+    if a.sync_kill_after >= a.sync_throttle_s:
+        ap.error(f"--sync-kill-after ({a.sync_kill_after:g} s) must be below --sync-throttle-s "
+                 f"({a.sync_throttle_s:g} s): the kill would land after the transfer")
     secs = a.sections
     tmp = tempfile.mkdtemp(prefix="bench_elastic_")
 
@@ -723,7 +1083,7 @@ def main(argv=None):
         for s in secs:
             log(f"== {s}")
             rec[s] = {"allreduce": section_allreduce, "wan": section_wan, "kill": section_kill,
-                      "diloco": section_diloco}[s](a, tmp, log)
+                      "diloco": section_diloco, "sync": section_sync}[s](a, tmp, log)
     finally:
         rec["wall_s"] = time.time() - t0
         write_json(a.json, rec)
@@ -745,6 +1105,15 @@ def main(argv=None):
         log(f"  DiLoCo bytes per outer step (per peer, 2 peers): none {rec['diloco']['none']['counted_bytes_per_outer_step']}"
             f", int8 {rec['diloco']['int8']['counted_bytes_per_outer_step']} "
             f"(ratio {rec['diloco'].get('ratio_none_vs_int8')})")
+    if "sync" in rec:
+        y, k = rec["sync"], rec["sync"]["donor_death"]
+        log(f"  joiner state sync, {y['bytes']} B: median {y['median_sync_s']:.3f} s, max {y['max_sync_s']:.3f} s over "
+            f"{len(y['trials'])} trials; limit bytes / bandwidth + 1 s = {y['median_limit_s']:.3f} s at the median "
+            f"{y['median_bandwidth_Bps'] / 1e9:.2f} GB/s: limit / sync median {y['median_ratio']:.2f}x, min "
+            f"{y['min_ratio']:.2f}x (target >= 1x)")
+        log(f"  donor SIGKILLed {'mid-transfer' if k['mid_transfer'] else 'NOT mid-transfer'}: joiner in sync from the "
+            f"other donor in {k['sync_s']:.3f} s vs bytes / throttle rate + 1 s = {k['limit_s']:.3f} s: "
+            f"{k['ratio_limit_to_sync']:.2f}x (target >= 1x)")
     return 0
 
 

@@ -38,7 +38,10 @@ header, or a header whose field count, dtype or size differ from its own
 message, raises :class:`~commlib.InvalidArgument` naming the offending rank and
 writes no ghost cell.  Ranks that are not neighbours of the offender get a
 small notice from it on a tag of their own, found by one ``MPI_Iprobe`` when
-their next exchange starts, and raise the same way then.  No collective check
+their next exchange starts, and raise the same way then.  The notice carries
+the number of the aborted exchange: a rank that is behind the offender (which
+may lead by its distance on the grid) keeps it and runs the exchanges before
+that one normally, since its neighbours do.  No collective check
 runs per call; every wait of the abort path is bounded (``timeout``, else
 ``COMMLIB_TIMEOUT``).  On the device the headers travel in the pinned host
 staging buffer (and, with CUDA-aware MPI, are read back from the device with
@@ -59,7 +62,7 @@ from commlib.core.config import config
 from commlib.core.errors import CommError, CommTimeout, InvalidArgument, ProcessFailed
 from commlib.datatypes import Subarray
 from commlib.datatypes.batch import BatchPack
-from commlib.transports.base import Request, check_plain_dtype
+from commlib.transports.base import Request
 
 from .agreement import check_all
 
@@ -209,6 +212,9 @@ class HaloExchange:
         self._broken = None  # why the plan cannot be used any more (an abort reached non-neighbours)
         self._tainted = False  # an abort happened: messages may still be unmatched (see free)
         self._calls = 0  # exchanges started (the same count on every rank: they run in lockstep)
+        # abort notices for an exchange this rank has not started yet: the offender may be ahead by
+        # up to its distance on the grid (each step waits only for the neighbours' messages)
+        self._ahead: list = []
 
     # ---------------------------------------------------------------- helpers
     @property
@@ -380,7 +386,7 @@ class HaloExchange:
             self._abort(nfields, _reason_of(exc.detail), self.rank, step, timeout)
             raise
         if self._far:
-            notice = self._transport.poll(self._notice_tag, _H)
+            notice = self._next_notice(step)
             if notice is not None:
                 h = notice.view(np.int64)
                 if int(h[_NBYTES]) == step:  # the offender's own exchange: the neighbours wait for this one
@@ -389,7 +395,7 @@ class HaloExchange:
                 raise self._notice_error(notice)
         plan = self._plan_for(nfields, device, fields[0])
         if plan.idle:
-            return HaloRequest(fields, plan)
+            return HaloRequest(fields, plan, step)
         tp = plan.transport
         try:
             if plan.staged:
@@ -404,7 +410,22 @@ class HaloExchange:
             tp.startall(plan.sreqs)
         except CommError as exc:
             raise _as_raised_by(exc, op, self.rank) from exc
-        return HaloRequest(fields, plan)
+        return HaloRequest(fields, plan, step)
+
+    def _next_notice(self, step: int):
+        """An abort notice that concerns exchange ``step`` or an earlier one, or
+        None.  A notice for a later exchange (its offender is ahead of this
+        rank) is kept until that exchange: this one's neighbours still run it
+        normally, so this rank must too, or they would wait for its messages."""
+        while True:
+            notice = self._transport.poll(self._notice_tag, _H)
+            if notice is None:
+                break
+            self._ahead.append(notice)
+        self._ahead.sort(key=lambda m: int(m.view(np.int64)[_NBYTES]))
+        if self._ahead and int(self._ahead[0].view(np.int64)[_NBYTES]) <= step:
+            return self._ahead.pop(0)
+        return None
 
     def _fast_check(self, fields, op) -> bool:
         """Local per-call check (cheap for numpy); returns True for device fields."""
@@ -547,8 +568,8 @@ class _Plan:
 class HaloRequest(Request):
     """An exchange in flight; ``wait()`` writes the ghost cells."""
 
-    def __init__(self, fields, plan: _Plan):
-        self._fields, self._plan = fields, plan
+    def __init__(self, fields, plan: _Plan, step: int = 0):
+        self._fields, self._plan, self._step = fields, plan, step
         self._done = False
 
     def _unpack(self):
@@ -629,7 +650,7 @@ class HaloRequest(Request):
                 tp.waitall(plan.reqs, step, op=_EXCHANGE)
                 return
             except CommTimeout:
-                notice = tp.poll(halo._notice_tag, _H)
+                notice = halo._next_notice(self._step)  # (one for a later exchange is kept for it)
                 if notice is not None:
                     self._done = True
                     raise halo._notice_error(notice) from None

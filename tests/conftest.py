@@ -13,3 +13,17 @@ if not os.environ.get("COMMLIB_REAL_GPU") and shutil.which("nvidia-smi") is None
     import numba.core.config
 
     numba.core.config.reload_config()
+
+
+def pytest_runtest_logreport(report):
+    """Under mpiexec, print a failure's traceback the moment it happens, with the
+    rank: when another rank then hangs and the stage is killed (or a rank is
+    ended by pytest-timeout), pytest's own summary at the end never comes."""
+    if not report.failed or "OMPI_COMM_WORLD_SIZE" not in os.environ and "PMI_SIZE" not in os.environ:
+        return
+    import sys  # noqa: PLC0415
+
+    rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "?"))
+    text = "\n".join(report.longreprtext.splitlines()[-25:])
+    sys.stderr.write(f"\n[rank {rank}] FAILED {report.nodeid} ({report.when}):\n{text}\n")
+    sys.stderr.flush()

@@ -335,6 +335,48 @@ def test_halo_field_gone_bad_on_one_rank(topology, how):
     _still_usable(comm)
 
 
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.timeout(120)
+def test_halo_abort_notice_from_an_offender_ahead():
+    """A chain 0-1-2-3...: ranks >= 3 start exchange 1 late, so rank 2 waits in
+    it (looking for abort notices meanwhile) while rank 0, which waits only for
+    rank 1, already aborts exchange 2, and its notice reaches rank 2 early.
+    Rank 2 must still finish exchange 1 (its neighbours run it normally and
+    rank 1 waits for its exchange-2 message) and raise in exchange 2; before,
+    it raised at once and rank 1 waited out its timeout (a CI hang)."""
+    comm = commlib.init()
+    cart, halo = _halo_world("chain", comm)
+    timeout = 30.0
+    try:
+        good = halo.allocate(fill=float(cart.rank))
+        halo.exchange(good, timeout=60)  # exchange 0 (compiles the pack kernels)
+        if cart.rank >= 3:
+            time.sleep(1.5)  # late: rank 2 waits for rank 3 in exchange 1 while rank 0 aborts exchange 2
+        t0 = time.perf_counter()
+        halo.exchange(good, timeout=timeout)  # exchange 1: good everywhere
+        ghosts_ok = bool(np.all(good[halo.interior] == cart.rank))
+        err = None
+        try:
+            halo.exchange(_changed(halo, "dtype") if cart.rank == 0 else good, timeout=timeout)  # exchange 2
+            if cart.rank != 1:  # neighbours of rank 0 raise in exchange 2; far ranks there or in the next
+                halo.exchange(good, timeout=timeout)
+        except CommError as exc:
+            err = exc
+        took = time.perf_counter() - t0
+
+        def check():
+            assert ghosts_ok
+            assert isinstance(err, InvalidArgument), err
+            assert cart.rank == 0 or (err.offenders == (0,) and "rank 0" in str(err)), str(err)
+            assert took < timeout, (str(err), took)  # from the messages, not by waiting
+
+        _agreed(comm, check)
+    finally:
+        halo.free()
+        cart.free()
+    _still_usable(comm)
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 def test_halo_recovers_after_a_bad_call_among_neighbours():

@@ -156,6 +156,9 @@ def test_halo_bad_fields_fail_everywhere():
     comm = commlib.init()
     cart = comm.cart_create(dims=[0, 0], periods=[True, True])
     halo = HaloExchange(cart, (4, 4), width=1)
+    if comm.size > 4:  # some rank is not the last one's neighbour: its abort then breaks the plan
+        pytest.skip("the plan survives a bad call only when every rank neighbours the offender "
+                    "(tests/test_bad_input.py covers the other case)")
     good = np.zeros(halo.shape)
     # wrong shape on one rank only (the last): every rank raises
     f = np.zeros((7, 6)) if comm.rank == comm.size - 1 else good

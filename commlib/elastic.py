@@ -1080,7 +1080,7 @@ class Peer:
             result["seconds"] = time.monotonic() - t0
             return result
         try:
-            got, donor = self._fetch(plan, state, topo, timeout)
+            got, donor = self._fetch(plan, state, topo, timeout, own=hashes)
         finally:
             self._send({"t": "synced"})
         self._wait(lambda: True if rnd in self._sync_ends else None, timeout, "sync_shared_state")
@@ -1113,9 +1113,14 @@ class Peer:
             pass
         conn.close()
 
-    def _fetch(self, plan: dict, state: dict, topo: _Topo, timeout: float):
-        """Fetch every tensor whose hash differs, from the donors in turn; verify."""
+    def _fetch(self, plan: dict, state: dict, topo: _Topo, timeout: float, own: dict | None = None):
+        """Fetch every tensor whose hash differs, from the donors in turn; verify.
+
+        ``own``: name → SHA-256 of this peer's tensors as they were when the
+        call began (still valid for an array kept as it is: one pass over the
+        state less before the first byte)."""
         want = {k: bytes(v) for k, v in plan["hashes"].items()}
+        own = dict(own or {})
         views = {}
         for name, h in want.items():
             dt, shape = plan["meta"][name]
@@ -1127,9 +1132,10 @@ class Peer:
             if not isinstance(arr, np.ndarray) or arr.dtype != dt or arr.shape != shape or not arr.flags.c_contiguous:
                 arr = np.empty(shape, dt)
                 state[name] = arr
+                own.pop(name, None)
             views[name] = memoryview(arr.reshape(-1).view(np.uint8))
         todo = [(k, o, min(self._RANGE, len(views[k]) - o)) for k in sorted(views)
-                if hashlib.sha256(views[k]).digest() != want[k]
+                if (own.get(k) or hashlib.sha256(views[k]).digest()) != want[k]
                 for o in range(0, max(len(views[k]), 1), self._RANGE)]
         todo = [r for r in todo if r[2] > 0 or len(views[r[0]]) == 0]
         donors = [int(d) for d in plan["donors"]]

@@ -826,11 +826,7 @@ class Peer:
             conn.close()
             return
         if h.get("purpose") == "fetch":
-            serving = self._serving
-            if serving is None or e < serving[0]:
-                conn.close()
-                return
-            threading.Thread(target=self._serve, args=(conn, serving[1]), daemon=True, name="commlib-donor").start()
+            threading.Thread(target=self._serve_when_ready, args=(conn, e), daemon=True, name="commlib-donor").start()
             return
         with self._cv:
             tr = self._tr
@@ -1089,6 +1085,23 @@ class Peer:
 
     # state transfer ---------------------------------------------------------
     _RANGE = 4 << 20
+
+    def _serve_when_ready(self, conn: tcp.Connection, e: int) -> None:
+        """A fetcher may dial as soon as it has the sync plan, before this donor
+        has read the same plan: wait for it (bounded by ``timeout``), then serve;
+        a fetch for an older epoch is refused."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            serving = self._serving
+            if serving is not None:
+                if e < serving[0]:
+                    break
+                self._serve(conn, serving[1])
+                return
+            if self._closed or time.monotonic() > deadline:
+                break
+            time.sleep(0.002)
+        conn.close()
 
     def _serve(self, conn: tcp.Connection, views: dict) -> None:
         """Donor side of one fetch connection: answer range requests from ``views``."""

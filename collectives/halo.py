@@ -41,7 +41,11 @@ small notice from it on a tag of their own, found by one ``MPI_Iprobe`` when
 their next exchange starts, and raise the same way then.  The notice carries
 the number of the aborted exchange: a rank that is behind the offender (which
 may lead by its distance on the grid) keeps it and runs the exchanges before
-that one normally, since its neighbours do.  No collective check
+that one normally, since its neighbours do.  Fields that are right on every
+rank but differ between neighbours (another number of fields) show as a header
+that does not match, or a message too large for its receive: the ranks that
+see it raise and send the same notice to the ranks that are not their
+neighbours, so every rank raises.  No collective check
 runs per call; every wait of the abort path is bounded (``timeout``, else
 ``COMMLIB_TIMEOUT``).  On the device the headers travel in the pinned host
 staging buffer (and, with CUDA-aware MPI, are read back from the device with
@@ -80,7 +84,10 @@ _ABORT = 0x48414C4F41425254
 _STATUS, _SENDER, _NFIELDS, _DTYPE, _NBYTES, _REASON, _ORIGIN, _FAR = range(8)
 _REASONS = {1: "a field's shape differs from the plan's", 2: "a field's dtype differs from the plan's",
             3: "a field is not C-contiguous", 4: "its fields are invalid (see its error)",
+            5: "its fields and a neighbour's differ in number, dtype or size",
+            6: "a neighbour's message was larger than its plan's (another number of fields?)",
 }
+_MISMATCH, _TOO_BIG = 5, 6  # notices from a rank that found its neighbours' fields inconsistent
 
 
 def _dtype_code(dtype) -> int:
@@ -439,12 +446,43 @@ class HaloExchange:
     def _notice_error(self, notice) -> InvalidArgument:
         self._taint(True)
         h = notice.view(np.int64)
-        origin = int(h[_ORIGIN])
-        why = _REASONS.get(int(h[_REASON]), "its fields were invalid")
+        origin, sender, reason = int(h[_ORIGIN]), int(h[_SENDER]), int(h[_REASON])
+        if reason == _MISMATCH:
+            err = InvalidArgument(f"ranks {min(origin, sender)} and {max(origin, sender)} passed different fields "
+                                  "to a halo exchange (number, dtype or size; seen by rank "
+                                  f"{sender}); no ghost cell was written", rank=self.rank, op=_EXCHANGE)
+            err.offenders = tuple(sorted({origin, sender}))
+            return err
+        if reason == _TOO_BIG:
+            err = InvalidArgument(f"rank {origin} got a halo message larger than its plan's from a neighbour "
+                                  "(another number of fields there?); no ghost cell was written",
+                                  rank=self.rank, op=_EXCHANGE)
+            err.offenders = (origin,)
+            return err
+        why = _REASONS.get(reason, "its fields were invalid")
         err = InvalidArgument(f"rank {origin} aborted a halo exchange ({why}); no ghost cell was written",
                               rank=self.rank, op=_EXCHANGE)
         err.offenders = (origin,)
         return err
+
+    def _notify_far(self, step: int, reason: int, origin: int) -> None:
+        """This rank found exchange ``step`` inconsistent although its own fields
+        are fine (its neighbours' messages disagree with its plan): tell every
+        rank that is not its neighbour, as an aborting rank does, so they raise
+        too (at their next exchange, or in the wait of this one).  The plan is
+        then unusable on every rank (see :meth:`_taint`).  Eager 64-byte sends;
+        their wait is bounded by ``COMMLIB_TIMEOUT``."""
+        self._taint(True)
+        if not self._far:
+            return
+        head = self._header(_ABORT, 0, step, reason, origin)
+        head[_FAR] = 1
+        tp = self._transport
+        try:
+            tp.waitall([tp.isend(head, r, self._notice_tag) for r in self._far], config.timeout, op=_EXCHANGE)
+        except CommError:
+            self._broken = ("an earlier exchange was inconsistent and a notice could not be sent; "
+                            "build a new HaloExchange")
 
     def _taint(self, far: bool) -> None:
         """An abort happened.  When it reached ranks that are not the offender's
@@ -530,15 +568,16 @@ class _Plan:
     __slots__ = ("packer", "unpacker", "wire", "host", "send_total", "sreqs", "rreqs", "reqs", "staged", "sync",
                  "transport", "mark", "idle", "nfields", "checks", "readback", "halo", "hdr")
 
-    def check_headers(self) -> None:
+    def check_headers(self, step: int = 0) -> None:
         """Read the header of every message received; raise naming the sender
-        when one aborted or its message does not match this plan's."""
+        when one aborted or its message does not match this plan's (then every
+        rank that is not this one's neighbour gets a notice for ``step``)."""
         host = self.hdr
         if self.readback:  # CUDA-aware: the headers are in device memory
             for _, (a, _b) in self.checks:
                 devmem.to_host_async(self.wire, host, a, a + _H)
             devmem.stream_synchronize()
-        bad = []
+        bad, mismatch = [], None
         for nb, (a, b) in self.checks:
             h = host[a:a + _H].view(np.int64)
             want = (_OK, nb.rank, self.nfields, self.halo._dcode, b - a - _H)
@@ -555,13 +594,17 @@ class _Plan:
                 diff = [f"{name} {g} (here {w})" for name, g, w in
                         zip(("sender", "fields", "dtype code", "bytes"), got[1:], want[1:]) if g != w]
                 bad.append((nb.rank, f"rank {nb.rank}'s message does not match this plan: " + ", ".join(diff)))
+                mismatch = nb.rank if mismatch is None else mismatch
             else:
                 bad.append((nb.rank, f"rank {nb.rank}'s message has no valid header"))
+                mismatch = nb.rank if mismatch is None else mismatch
             h[_STATUS] = 0  # a later short message cannot pass for this one
         if bad:
             err = InvalidArgument("; ".join(m for _, m in bad) + "; no ghost cell was written",
                                   rank=self.halo.rank, op=_EXCHANGE)
             err.offenders = tuple(sorted({r for r, _ in bad}))
+            if mismatch is not None:
+                self.halo._notify_far(step, _MISMATCH, mismatch)
             raise err
 
 
@@ -579,7 +622,7 @@ class HaloRequest(Request):
             return
         if plan.checks:
             try:
-                plan.check_headers()
+                plan.check_headers(self._step)
             except InvalidArgument:
                 self._done = True
                 raise
@@ -628,8 +671,10 @@ class HaloRequest(Request):
             if "MPI_ERR_TRUNCATE" not in str(exc):
                 raise
             self._done = True
+            halo = self._plan.halo
+            halo._notify_far(self._step, _TOO_BIG, halo.rank)
             raise InvalidArgument("a neighbour's message is larger than this plan's (does it pass another "
-                                  "number of fields?); no ghost cell was written", rank=self._plan.halo.rank,
+                                  "number of fields?); no ghost cell was written", rank=halo.rank,
                                   op=_EXCHANGE) from exc
         self._unpack()
         if self._callbacks:

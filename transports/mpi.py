@@ -342,9 +342,14 @@ class MPITransport(Transport):
 
     def poll(self, tag: int, nbytes: int):
         """A message with ``tag`` from any rank if one has arrived
-        (``MPI_Iprobe``, then ``MPI_Recv`` of at most ``nbytes`` bytes); else None."""
+        (``MPI_Iprobe``, then ``MPI_Recv`` of at most ``nbytes`` bytes); else None.
+
+        Probes twice: Open MPI's ob1 matches a probe against the messages it
+        has already taken in and only then runs its progress engine, so after
+        a stretch without MPI calls the first probe misses a message that has
+        long been delivered (seen: an abort notice missed 1 s after it was sent)."""
         try:
-            if not self.comm.Iprobe(MPI.ANY_SOURCE, tag):
+            if not self.comm.Iprobe(MPI.ANY_SOURCE, tag) and not self.comm.Iprobe(MPI.ANY_SOURCE, tag):
                 return None
             buf = np.zeros(nbytes, np.uint8)
             self.comm.Recv([buf, _BYTE], MPI.ANY_SOURCE, tag)

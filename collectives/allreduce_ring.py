@@ -35,7 +35,7 @@ __all__ = ["allreduce_ring"]
 
 
 def allreduce_ring(transport, buf: np.ndarray, op="sum", *, sendbuf: np.ndarray | None = None,
-                   timeout: float | None = None, save=None) -> None:
+                   timeout: float | None = None, save=None, tmp: np.ndarray | None = None) -> None:
     """Allreduce ``buf`` in place by the ring algorithm.
 
     Args:
@@ -52,6 +52,10 @@ def allreduce_ring(transport, buf: np.ndarray, op="sum", *, sendbuf: np.ndarray 
             chunk is saved before it is first overwritten, overlapped with the
             reduce-scatter's transfers, so a fault-tolerant retry can restore
             the input without a memcpy up front.
+        tmp: scratch for the partials received in place, ``buf.dtype``, at least
+            ``ceil(count / n) + 1`` elements; a caller that keeps one saves
+            allocating (and page-faulting) half the buffer on every call at 2
+            ranks.  Unused out of place.  None: allocated when needed.
 
     Raises:
         CommTimeout: a step did not complete within ``timeout``.
@@ -65,7 +69,7 @@ def allreduce_ring(transport, buf: np.ndarray, op="sum", *, sendbuf: np.ndarray 
         op.finalize(buf, 1)
         return
     bounds = _bounds(buf.size, n)
-    reduce_scatter_ring_inplace(transport, buf, op, bounds, timeout=timeout, src=sendbuf,
+    reduce_scatter_ring_inplace(transport, buf, op, bounds, timeout=timeout, src=sendbuf, tmp=tmp,
                                 save=save if sendbuf is None else None)
     r = transport.rank
     if op.mean:

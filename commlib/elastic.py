@@ -92,6 +92,7 @@ import time
 import numpy as np
 
 from commlib.collectives.allreduce_ring import allreduce_ring
+from commlib.collectives.engine import ring_scratch
 from commlib.collectives.ft import LazySnapshot
 from commlib.collectives.ops import get_op, is_floating
 from commlib.core.errors import AuthenticationError, CommError, CommTimeout, InvalidArgument, ProcessFailed
@@ -686,6 +687,7 @@ class Peer:
         self._counts = {"retries": 0, "aborts": 0}
         self._traffic = dict.fromkeys(_TRAFFIC, 0)  # of the ring transports of past epochs
         self._scratch: np.ndarray | None = None
+        self._ring_keep: np.ndarray | None = None  # the in-place ring's receive scratch (engine.ring_scratch)
         threading.Thread(target=self._reader, daemon=True, name="commlib-peer-rx").start()
         threading.Thread(target=self._heartbeat, daemon=True, name="commlib-peer-hb").start()
 
@@ -983,12 +985,14 @@ class Peer:
                 if tr.size == 1:
                     opx.finalize(flat, 1)  # the identity for every op: nothing to save
                 elif quantize is None:
-                    allreduce_ring(tr, flat, opx, timeout=timeout, save=snap)
+                    self._ring_keep, tmp = ring_scratch(self._ring_keep, flat, tr.size)
+                    allreduce_ring(tr, flat, opx, timeout=timeout, save=snap, tmp=tmp)
                 else:
                     # the quantizing view overwrites a chunk with its dequantized value when it
                     # first sends it, before the ring's lazy saves: save everything up front
                     snap.save_all()
-                    allreduce_ring(_QuantTransport(tr, quantize), flat, opx, timeout=timeout)
+                    self._ring_keep, tmp = ring_scratch(self._ring_keep, flat, tr.size)
+                    allreduce_ring(_QuantTransport(tr, quantize), flat, opx, timeout=timeout, tmp=tmp)
                 report = "done"
             except (CommError, OSError):
                 report = "fail"

@@ -117,6 +117,21 @@ def test_allreduce_inplace_shapes(comm, algorithm):
     assert (f == comm.size).all()
 
 
+def test_inplace_ring_reuses_its_scratch_across_sizes_and_dtypes(comm):
+    """The in-place ring keeps one receive scratch per communicator (grown when
+    too small, viewed as each call's dtype): calls of growing and shrinking
+    sizes and of several dtypes, one after another, each give the ring
+    oracle's bits."""
+    for i, (dtype, count) in enumerate([("float32", 70000), ("float64", 50000), ("float32", 300000),
+                                        ("int16", 99999), ("float64", 200001), ("int32", 70001)]):
+        dt_ = np.dtype(dtype)
+        x = _data(dt_, count, comm.rank, 90 + i)
+        res = comm.allreduce(x, op="sum", algorithm="ring")
+        assert res is x
+        expect = ring_oracle([_data(dt_, count, r, 90 + i) for r in range(comm.size)])
+        assert x.dtype == dt_ and x.tobytes() == expect.astype(dt_).tobytes(), (dtype, count)
+
+
 @pytest.mark.parametrize("count", [0, 3, 1000, 4099])
 def test_ring_lazy_snapshot_saves_input_before_overwrite(comm, count):
     """The in-place ring saves every chunk before first writing it: after the

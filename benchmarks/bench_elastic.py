@@ -115,12 +115,9 @@ def _time_sizes(allreduce, barrier, reduce_max, sz, trials, check):
     return rows
 
 
-def worker_elastic(a):
-    import commlib.elastic as el  # noqa: PLC0415
-
-    kw = {}
-    if a.bind:
-        kw = {"bind": a.bind, "advertise": a.advertise}
+def _join_group(el, a, **kw):
+    """Connect to the master and vote (``update_topology``) until the group has
+    ``a.n`` peers (at most 120 s)."""
     peer = el.connect(a.master, secret_file=a.secret, streams=a.streams, timeout=60, **kw)
     deadline = time.monotonic() + 120
     while peer.size < a.n:
@@ -128,6 +125,16 @@ def worker_elastic(a):
         if time.monotonic() > deadline:
             raise SystemExit(f"only {peer.size} peers")
         time.sleep(0.02)
+    return peer
+
+
+def worker_elastic(a):
+    import commlib.elastic as el  # noqa: PLC0415
+
+    kw = {}
+    if a.bind:
+        kw = {"bind": a.bind, "advertise": a.advertise}
+    peer = _join_group(el, a, **kw)
     n = peer.size
     one = np.zeros(1, np.float64)
 
@@ -361,13 +368,7 @@ def worker_sync(a):
 
     joiner = a.role == "joiner"
     state = sync_state(a.sync_bytes, None if joiner else a.seed)
-    peer = el.connect(a.master, secret_file=a.secret, streams=a.streams, timeout=60)
-    deadline = time.monotonic() + 120
-    while peer.size < a.n:
-        peer.update_topology()
-        if time.monotonic() > deadline:
-            raise SystemExit(f"only {peer.size} peers")
-        time.sleep(0.02)
+    peer = _join_group(el, a)
     members = list(peer.members)
     info = {"role": a.role, "id": peer.id, "rank": peer.rank, "members": members, "pid": os.getpid(),
             "streams": peer.streams}

@@ -26,12 +26,14 @@ import functools
 
 import numpy as np
 
+from commlib.core.buffer import grown
+
 from ._common import chunk_bounds_list
 from .allgather_ring import allgather_ring_inplace
 from .ops import get_op
 from .reduce_scatter_ring import reduce_scatter_ring_inplace
 
-__all__ = ["allreduce_ring"]
+__all__ = ["allreduce_ring", "ring_scratch"]
 
 
 def allreduce_ring(transport, buf: np.ndarray, op="sum", *, sendbuf: np.ndarray | None = None,
@@ -75,6 +77,16 @@ def allreduce_ring(transport, buf: np.ndarray, op="sum", *, sendbuf: np.ndarray 
     if op.mean:
         op.finalize(buf[bounds[r]:bounds[r + 1]], n)
     allgather_ring_inplace(transport, buf, bounds, timeout=timeout)
+
+
+def ring_scratch(keep: np.ndarray | None, work: np.ndarray, n: int):
+    """``(keep, tmp)``: the ``tmp`` argument of :func:`allreduce_ring` in place
+    over ``n`` ranks for ``work`` (``ceil(count / n) + 1`` elements of its
+    dtype), a view of the caller's kept uint8 buffer ``keep``
+    (:func:`commlib.core.buffer.grown`: replaced when too small)."""
+    need = (-(-work.size // n) + 1) * work.dtype.itemsize
+    keep = grown(keep, need)
+    return keep, keep[:need].view(work.dtype)
 
 
 @functools.lru_cache(maxsize=64)

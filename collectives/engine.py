@@ -35,7 +35,7 @@ from commlib.core.errors import BufferError, CommError, InvalidArgument, Process
 from . import ops
 from ._common import chunk_bounds_list
 from .agreement import agree, judge
-from .allreduce_ring import allreduce_ring
+from .allreduce_ring import allreduce_ring, ring_scratch
 from .ft import run_collective
 
 __all__ = ["CollectiveSpec", "SPECS", "SmallAllreduce", "execute", "first_round", "reduce_rows", "describe_field"]
@@ -296,7 +296,7 @@ class SmallAllreduce:
         self.plans: dict = {}
         self.ring_plans: dict = {}
         self.current = None
-        self.scratch = None  # the in-place ring's receive scratch, kept (see ring_scratch)
+        self.scratch = None  # the in-place ring's receive scratch, kept (allreduce_ring.ring_scratch)
 
     def plan(self, dtype, count: int, op, rank):
         try:
@@ -387,19 +387,10 @@ class SmallAllreduce:
             self._gather_rows(tp, hbytes)
         work = out if out.ndim == 1 else out.reshape(-1)
         src = None if out is sendbuf else (sendbuf if sendbuf.ndim == 1 else sendbuf.reshape(-1))
-        self.scratch, tmp = ring_scratch(self.scratch, work, n) if src is None else (self.scratch, None)
+        tmp = None
+        if src is None:  # in place: the partials need a receive scratch, kept between calls
+            self.scratch, tmp = ring_scratch(self.scratch, work, n)
         allreduce_ring(tp, work, o, sendbuf=src, tmp=tmp)
-
-
-def ring_scratch(keep: np.ndarray | None, work: np.ndarray, n: int):
-    """``(kept, tmp)``: a receive scratch for an in-place ring over ``n`` ranks
-    of ``work`` (``ceil(count / n) + 1`` elements of its dtype), a view of the
-    uint8 buffer ``keep``, grown when too small.  Reusing it saves allocating
-    and page-faulting half the buffer per call at 2 ranks."""
-    need = (-(-work.size // n) + 1) * work.dtype.itemsize
-    if keep is None or keep.nbytes < need:
-        keep = np.empty(need, np.uint8)
-    return keep, keep[:need].view(work.dtype)
 
 
 _COMMUTATIVE = ("sum", "prod", "avg", "band", "bor", "bxor")

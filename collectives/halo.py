@@ -424,14 +424,12 @@ class HaloExchange:
         None.  A notice for a later exchange (its offender is ahead of this
         rank) is kept until that exchange: this one's neighbours still run it
         normally, so this rank must too, or they would wait for its messages."""
-        while True:
-            notice = self._transport.poll(self._notice_tag, _H)
-            if notice is None:
-                break
-            self._ahead.append(notice)
-        self._ahead.sort(key=lambda m: int(m.view(np.int64)[_NBYTES]))
-        if self._ahead and int(self._ahead[0].view(np.int64)[_NBYTES]) <= step:
-            return self._ahead.pop(0)
+        ahead = self._ahead
+        while (notice := self._transport.poll(self._notice_tag, _H)) is not None:
+            ahead.append(notice)
+            ahead.sort(key=lambda m: int(m.view(np.int64)[_NBYTES]))
+        if ahead and int(ahead[0].view(np.int64)[_NBYTES]) <= step:
+            return ahead.pop(0)
         return None
 
     def _fast_check(self, fields, op) -> bool:
@@ -568,7 +566,7 @@ class _Plan:
     __slots__ = ("packer", "unpacker", "wire", "host", "send_total", "sreqs", "rreqs", "reqs", "staged", "sync",
                  "transport", "mark", "idle", "nfields", "checks", "readback", "halo", "hdr")
 
-    def check_headers(self, step: int = 0) -> None:
+    def check_headers(self, step: int) -> None:
         """Read the header of every message received; raise naming the sender
         when one aborted or its message does not match this plan's (then every
         rank that is not this one's neighbour gets a notice for ``step``)."""
@@ -611,7 +609,7 @@ class _Plan:
 class HaloRequest(Request):
     """An exchange in flight; ``wait()`` writes the ghost cells."""
 
-    def __init__(self, fields, plan: _Plan, step: int = 0):
+    def __init__(self, fields, plan: _Plan, step: int):
         self._fields, self._plan, self._step = fields, plan, step
         self._done = False
 

@@ -41,7 +41,7 @@ from commlib.collectives.bcast_binomial import bcast_binomial
 from commlib.collectives.engine import SPECS, SmallAllreduce, execute, reduce_rows, small_capacity
 from commlib.collectives.ft import LazySnapshot, recover, run_collective
 from commlib.collectives.reduce_scatter_ring import reduce_scatter_ring_inplace
-from commlib.core.buffer import Buffer, as_buffer
+from commlib.core.buffer import Buffer, as_buffer, grown
 from commlib.core.errors import BufferError, CommError, InvalidArgument
 from commlib.collectives.agreement import check_all
 from commlib.transports.base import CompletedRequest, FutureRequest, check_plain_dtype
@@ -436,10 +436,8 @@ class CollectiveMixin:
         """A :class:`~commlib.collectives.ft.LazySnapshot` of ``buf`` whose copy
         lives in a scratch buffer kept by the communicator (grown as needed), so
         repeated fault-tolerant calls do not pay fresh page faults each time."""
-        scratch = self._ft_scratch
-        if scratch is None or scratch.nbytes < buf.nbytes:
-            scratch = self._ft_scratch = np.empty(buf.nbytes, dtype=np.uint8)
-        return LazySnapshot(buf, scratch)
+        self._ft_scratch = grown(self._ft_scratch, buf.nbytes)
+        return LazySnapshot(buf, self._ft_scratch)
 
     # -------------------------------------------------------- reduce_scatter
     def reduce_scatter(self, sendbuf, recvbuf=None, op="sum", algorithm: str = "auto"):

@@ -91,10 +91,10 @@ import time
 
 import numpy as np
 
-from commlib.collectives.allreduce_ring import allreduce_ring
-from commlib.collectives.engine import ring_scratch
+from commlib.collectives.allreduce_ring import allreduce_ring, ring_scratch
 from commlib.collectives.ft import LazySnapshot
 from commlib.collectives.ops import get_op, is_floating
+from commlib.core.buffer import grown
 from commlib.core.errors import AuthenticationError, CommError, CommTimeout, InvalidArgument, ProcessFailed
 from commlib.transports import tcp
 from commlib.transports.base import Request, check_plain_dtype
@@ -687,7 +687,7 @@ class Peer:
         self._counts = {"retries": 0, "aborts": 0}
         self._traffic = dict.fromkeys(_TRAFFIC, 0)  # of the ring transports of past epochs
         self._scratch: np.ndarray | None = None
-        self._ring_keep: np.ndarray | None = None  # the in-place ring's receive scratch (engine.ring_scratch)
+        self._ring_keep: np.ndarray | None = None  # the in-place ring's receive scratch (ring_scratch)
         threading.Thread(target=self._reader, daemon=True, name="commlib-peer-rx").start()
         threading.Thread(target=self._heartbeat, daemon=True, name="commlib-peer-hb").start()
 
@@ -979,20 +979,21 @@ class Peer:
             e, s = topo.epoch, self._seq
             # copy-before-write snapshot into a reused scratch (no page faults, the copies
             # overlap the ring's transfers); restored only on an abort
-            snap = LazySnapshot(flat, self._scratch_for(flat.nbytes))
+            self._scratch = grown(self._scratch, flat.nbytes)  # as large as the largest all-reduce so far
+            snap = LazySnapshot(flat, self._scratch)
             try:
                 tr = self._transport(topo)
                 if tr.size == 1:
                     opx.finalize(flat, 1)  # the identity for every op: nothing to save
-                elif quantize is None:
-                    self._ring_keep, tmp = ring_scratch(self._ring_keep, flat, tr.size)
-                    allreduce_ring(tr, flat, opx, timeout=timeout, save=snap, tmp=tmp)
                 else:
-                    # the quantizing view overwrites a chunk with its dequantized value when it
-                    # first sends it, before the ring's lazy saves: save everything up front
-                    snap.save_all()
                     self._ring_keep, tmp = ring_scratch(self._ring_keep, flat, tr.size)
-                    allreduce_ring(_QuantTransport(tr, quantize), flat, opx, timeout=timeout, tmp=tmp)
+                    if quantize is None:
+                        allreduce_ring(tr, flat, opx, timeout=timeout, save=snap, tmp=tmp)
+                    else:
+                        # the quantizing view overwrites a chunk with its dequantized value when it
+                        # first sends it, before the ring's lazy saves: save everything up front
+                        snap.save_all()
+                        allreduce_ring(_QuantTransport(tr, quantize), flat, opx, timeout=timeout, tmp=tmp)
                 report = "done"
             except (CommError, OSError):
                 report = "fail"
@@ -1011,15 +1012,6 @@ class Peer:
             self._wait(lambda: True if self._latest is not None and self._latest.epoch > e else None,
                        timeout, "allreduce")
             self._counts["retries"] += 1
-
-    def _scratch_for(self, nbytes: int) -> np.ndarray:
-        """A reused uint8 scratch of at least ``nbytes`` bytes for the all-reduce's
-        input snapshot (kept between calls: a fresh buffer of many MiB costs page faults
-        on every call; the peer holds one buffer as large as its largest all-reduce)."""
-        s = self._scratch
-        if s is None or s.nbytes < nbytes:
-            s = self._scratch = np.empty(max(nbytes, 1), np.uint8)
-        return s
 
     def sync_shared_state(self, state: dict, revision: int, timeout: float | None = None) -> dict:
         """Make ``state`` identical on every member (see the module docstring).

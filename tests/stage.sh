@@ -15,7 +15,7 @@ stage() {
     {
       echo "stage failed (exit $rc): $name"
       [ "$rc" = 124 ] && echo "  (killed by its time limit: a rank hung)"
-      sed 's/\x1b\[[0-9;]*m//g' "$log" | grep -E '^(FAILED|ERROR) |Timeout|^E +' | sort | uniq -c | sort -rn | head -40 | sed 's/^/  /'
+      sed 's/\x1b\[[0-9;]*m//g' "$log" | grep -E '^(FAILED|ERROR) |\] FAILED |Timeout|^E +' | sort | uniq -c | sort -rn | head -40 | sed 's/^/  /'
     } >> "$COMMLIB_RECAP"
   fi
   rm -f "$log"

@@ -28,7 +28,7 @@ import numpy as np
 
 from .errors import BufferError
 
-__all__ = ["Buffer", "as_buffer", "is_device_array", "cupy_usable"]
+__all__ = ["Buffer", "as_buffer", "is_device_array", "cupy_usable", "grown"]
 
 _DLPACK_CPU = 1
 _DLPACK_CUDA = (2, 3, 13)  # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
@@ -384,3 +384,13 @@ def _from_numpy(arr: np.ndarray, kind: str) -> Buffer:
         arr, kind, False, arr.dtype, arr.shape, arr.strides, arr.nbytes,
         arr.flags.c_contiguous, arr.flags.f_contiguous,
     )
+
+
+def grown(keep: np.ndarray | None, nbytes: int) -> np.ndarray:
+    """A host scratch of at least ``nbytes`` bytes (uint8, 1-D): ``keep`` when it
+    is large enough, else a new one to keep instead.  Callers that repeat large
+    calls hold one and pass it back, so a fresh buffer of many MiB does not cost
+    page faults on every call."""
+    if keep is None or keep.nbytes < nbytes:
+        keep = np.empty(max(nbytes, 1), np.uint8)
+    return keep

@@ -300,11 +300,14 @@ class _Watch:
     bound, past which a thread that used no CPU since the last check is stuck
     inside a blocking call; ``cap``: the bound even for a thread that still
     spins (waiting for a peer the watchdog of which will fail it first);
-    ``check``: when the watchdog next samples the thread's CPU time.
+    ``check``: when the watchdog next samples the thread's CPU time;
+    ``pcheck``: when it next samples the whole process's CPU time (the steps
+    that wait for peers only: see :meth:`_Watchdog._process_check`), and
+    ``psamples`` those samples, ``(time, process CPU seconds)``.
     """
 
     __slots__ = ("tp", "op", "rank", "step", "start", "step_start", "soft", "hard", "cap", "check",
-                 "clock", "mark", "fired", "grace", "revoking")
+                 "clock", "mark", "fired", "grace", "revoking", "pcheck", "psamples")
 
     def __init__(self, tp, op, rank, now):
         self.tp, self.op, self.rank = tp, op, rank
@@ -315,10 +318,12 @@ class _Watch:
         self.fired = False
         self.grace = config.ft_grace
         self.revoking = None  # monotonic time the watchdog's revoke started, while it has not returned
+        self.pcheck = self.psamples = None
 
     def bound(self, now, hard, grace):
         """Set the step's hard bound ``hard`` seconds from ``now`` (None: none)."""
         self.mark = None
+        self.pcheck = self.psamples = None
         if hard is None or hard <= 0 or grace <= 0:
             self.hard = self.cap = self.check = None
             return
@@ -328,13 +333,23 @@ class _Watch:
 
     def due(self):
         d = self.soft
-        if self.check is not None and (d is None or self.check < d):
-            d = self.check
+        for c in (self.check, self.pcheck):
+            if c is not None and (d is None or c < d):
+                d = c
         return d
 
 
 _CLOCKS: dict = {}
 _IDLE_CPU_S = 0.01  # CPU seconds over a grace below which a thread counts as blocked
+# The shrink fails a process whose threads together used under _IDLE_CPU_S of
+# CPU over this fraction of a grace: it follows an agreement every live rank
+# has joined (no peer is still in its attempt), and a live process waiting in
+# MPIX_Comm_shrink polls (measured, docs/FAULTS.md); one using none is blocked
+# in the kernel (the TCP transport's self-deadlock on its mutex).  Not the
+# agreement: there a healthy rank waiting for a peer still in its attempt was
+# seen using no CPU for over a second (tests/test_ft_kill.py, docs/FAULTS.md).
+_PROCESS_IDLE_WINDOW = 0.5
+_WAITING_STEPS = ("shrink",)
 
 
 def _thread_clock():
@@ -442,6 +457,8 @@ class _Watchdog:
     def step(self, w: _Watch, step: str, hard: float | None, tp=None) -> bool:
         """Move ``w`` to a new blocking step with only a hard bound of ``hard``
         seconds from now (None or 0: unbounded); re-adds a disarmed watch.
+        The shrink also gets the process-idle test (:meth:`_process_check`)
+        from its start.
         Returns True when the attempt's soft deadline had passed (the
         communicator was revoked)."""
         now = time.monotonic()
@@ -450,8 +467,11 @@ class _Watchdog:
             if tp is not None:
                 w.tp = tp
             w.bound(now, hard, w.grace)
+            if step in _WAITING_STEPS and w.hard is not None:
+                w.psamples = [(now, time.process_time())]
+                w.pcheck = now + w.grace * _PROCESS_IDLE_WINDOW / 2
             self._watches.add(w)
-            self._start_or_notify(w.check)
+            self._start_or_notify(w.due())
             return w.fired
 
     def disarm(self, w: _Watch) -> bool:
@@ -493,6 +513,8 @@ class _Watchdog:
                                          name="commlib-ft-revoke", daemon=True).start()
                     if w.check is not None and now >= w.check:
                         self._check(w, now)
+                    if w.pcheck is not None and now >= w.pcheck and w in self._watches:
+                        self._process_check(w, now)
 
     def _check(self, w: _Watch, now: float) -> None:
         cpu = _cpu(w.clock)
@@ -510,9 +532,38 @@ class _Watchdog:
             w.mark = (now, cpu)
             w.check = min(max(w.hard, now + w.grace), w.cap)
 
+    def _process_check(self, w: _Watch, now: float) -> None:
+        """The process-idle test of the shrink: sampled every
+        half window (window ``W`` = ``G`` x :data:`_PROCESS_IDLE_WINDOW`), it
+        fails the rank when all its threads together used under
+        :data:`_IDLE_CPU_S` seconds of CPU over the last ``W`` seconds.  The
+        shrink follows an agreement that every live rank joined, so no peer is
+        still in its attempt, and a live process waiting in ``MPIX_Comm_shrink``
+        polls (a core's worth of CPU, measured); one that uses none is blocked in the
+        kernel, as a survivor of Open MPI's TCP self-deadlock is when the
+        failure of another rank reaches it in the shrink.  Without this test
+        such a rank fails only at the step's hard bound, ``T + 2G`` into the
+        step, after a first fail-stop at ``T + G``: a call of about ``2T + 3G``
+        (docs/FAULTS.md).  The whole process, not the thread, because in
+        ``MPI_THREAD_MULTIPLE`` one thread may poll for another that waits on a
+        condition variable."""
+        cpu = time.process_time()
+        window = w.grace * _PROCESS_IDLE_WINDOW
+        samples = w.psamples
+        samples.append((now, cpu))
+        # the newest sample at least a window old, and nothing older
+        while len(samples) > 2 and now - samples[1][0] >= window:
+            samples.pop(0)
+        t0, c0 = samples[0]
+        if now - t0 >= window and cpu - c0 < _IDLE_CPU_S:
+            self._failstop(w, now, f"the whole process used {cpu - c0:.3f} s of CPU in the last {now - t0:.1f} s: "
+                                   "blocked inside MPI, which polls in every wait")
+            return
+        w.pcheck = now + window / 2
+
     def _failstop(self, w: _Watch, now: float, why: str) -> None:
         self._watches.discard(w)
-        w.check = w.soft = None
+        w.check = w.soft = w.pcheck = None
         world = "?" if _WORLD_RANK is None else _WORLD_RANK
         rank = "?" if w.rank is None else w.rank
         msg = (f"commlib: rank {rank} (COMM_WORLD rank {world}, pid {os.getpid()}) fail-stop: {w.op} stuck in "

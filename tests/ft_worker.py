@@ -19,7 +19,8 @@ Timed mode (tests/test_ft_kill.py): SPEC = {"timed": {"n": elements, "calls": k}
 "victims": [[rank, call, delay_ms, how], ...], "seed": int}.  Every rank runs
 ``k`` successive float32 allreduces of ``n`` elements (``algorithm="auto"``: the
 ring at these sizes); a victim's timer thread acts ``delay_ms`` after it
-entered call ``call``: "exit" (``os._exit``), "kill" (SIGKILL), or "wedge" (the
+entered call ``call``: "exit" (``os._exit``), "kill" (SIGKILL), "wedge_shrink"
+(its next shrink blocks forever, using no CPU), or "wedge" (the
 shape of Open MPI's TCP deadlock: from then on every completion wait and every
 revoke of the victim blocks forever, inside a call that released the GIL; the
 watchdog must fail the rank itself).  Each survivor records the SHA-256 of each
@@ -251,6 +252,17 @@ def _wedge():
     MPITransport.revoke = forever
 
 
+def _wedge_shrink():
+    """From now on this rank's shrink blocks forever without using CPU: the
+    shape of the second hang of the cascade in docs/FAULTS.md (a survivor whose
+    Open MPI deadlocks when another rank's failure reaches it in
+    ``MPIX_Comm_shrink``)."""
+    def forever(*a, **k):
+        while True:
+            time.sleep(3600)
+    MPITransport.shrink = forever
+
+
 def timed_main():
     import hashlib as _h
     import threading
@@ -273,7 +285,7 @@ def timed_main():
                 if v[1] == i:
                     how = v[3]
                     fn = {"exit": lambda: os._exit(17), "kill": lambda: os.kill(os.getpid(), signal.SIGKILL),
-                          "wedge": _wedge}[how]
+                          "wedge": _wedge, "wedge_shrink": _wedge_shrink}[how]
                     t = threading.Timer(v[2] / 1000.0, fn)
                     t.daemon = True
                     timers.append(t)

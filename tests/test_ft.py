@@ -366,6 +366,51 @@ def test_watchdog_bounds_each_step():
     assert not wd.disarm(w1) and not tp.revoked.is_set()
 
 
+@pytest.mark.timeout(30)
+def test_watchdog_fails_an_idle_process_early_in_the_shrink():
+    """A process that uses no CPU in the shrink (which follows an agreement all
+    live ranks joined) is blocked inside MPI, which polls in every wait (the
+    second hang of the cascade in docs/FAULTS.md): failed within a window of
+    half a grace, long before the step's hard bound.  In the agreement the
+    same idleness is only judged at the hard bound."""
+    wd, stops = _hooked_watchdog()
+    tp = _StubTransport()
+    w = wd.arm(tp, 30.0, "allreduce", 3, grace=1.0)
+    t0 = time.monotonic()
+    wd.step(w, "shrink", 30.0)
+    while not stops and time.monotonic() - t0 < 10:
+        time.sleep(0.05)  # blocked, as in pthread_mutex_lock
+    dt = time.monotonic() - t0
+    assert len(stops) == 1 and "stuck in shrink" in stops[0] and "whole process" in stops[0], stops
+    assert 0.45 <= dt < 3.0, dt  # the window (0.5 s), far from the hard bound (30 s)
+    stops.clear()
+    w = wd.arm(tp, 30.0, "allreduce", 3, grace=1.0)
+    wd.step(w, "agree", 30.0)
+    time.sleep(2.0)  # a healthy rank waiting in MPIX_Comm_agree can look like this
+    wd.disarm(w)
+    assert stops == []
+
+
+@pytest.mark.timeout(30)
+def test_watchdog_leaves_a_polling_process_in_the_shrink_alone():
+    """A process that polls while it waits in the shrink (for a peer the watchdog
+    of which fails it) is not failed before the hard bound, and neither is an
+    attempt whose thread blocks (that has its own rules)."""
+    wd, stops = _hooked_watchdog()
+    tp = _StubTransport()
+    w = wd.arm(tp, 30.0, "allreduce", 1, grace=0.4)
+    t0 = time.monotonic()
+    wd.step(w, "shrink", 30.0)
+    while time.monotonic() - t0 < 1.5:
+        pass  # Open MPI's progress loop
+    assert stops == []
+    wd.disarm(w)
+    w = wd.arm(tp, 30.0, "allreduce", 1, grace=0.4)
+    time.sleep(1.0)
+    wd.disarm(w)
+    assert stops == []
+
+
 _FAILSTOP_SCRIPT = r"""
 import ctypes, sys, time
 import mpi4py

@@ -300,6 +300,28 @@ def test_plan_covers_the_corners():
 
 
 @pytest.mark.skipif(not _ulfm(), reason="needs Open MPI with ULFM")
+@pytest.mark.timeout(STARTUP_S + 30 + 5 + 60)
+def test_a_rank_wedged_in_the_shrink_is_failed_within_graces_not_timeouts():
+    """The cascade of docs/FAULTS.md, made deterministic: rank 1 dies at the
+    start of a call, and rank 2's MPI then blocks (no CPU) inside the recovery's
+    shrink.  The watchdog's process-idle test fails rank 2 about half a grace
+    into the shrink, so every call ends within a few graces of the failure,
+    whatever the timeout: here ``T`` = 30 s, and the call must take at most
+    15 s (before, rank 2 was failed only at the shrink's hard bound ``T + 2G``,
+    a call of over 34 s).  The survivors hold the ring oracle over ranks 0
+    and 3."""
+    spec = [[1, 1, 0, "exit"], [2, 0, 0, "wedge_shrink"]]
+    o = run_one(spec, SEED, nprocs=4, mib=4, timeout=30.0)
+    assert o["outcome"] == "recovered", (o["outcome"], o["problems"], o.get("tail", ""))
+    assert o["survivors"] == [0, 3], o
+    assert any("COMM_WORLD rank 2," in ln and "stuck in shrink" in ln and "whole process" in ln
+               for ln in o["failstop_lines"]), o["failstop_lines"]
+    slowest = max(max(t) for t in o["call_times"].values())
+    print("wedged-in-shrink run:", o["call_times"], o["failstop_lines"])
+    assert slowest <= 15.0, o["call_times"]
+
+
+@pytest.mark.skipif(not _ulfm(), reason="needs Open MPI with ULFM")
 @pytest.mark.timeout(int(RUNS / max(PAR, 1) * (STARTUP_S + TIMEOUT + 5)) + 120)
 def test_random_kill_times():
     """RUNS randomized kill times; 0 hangs, 0 wrong results, every run bounded."""

@@ -31,6 +31,7 @@ from .base import CompletedRequest, Request, Transport, Wire, check_plain_dtype
 from .failures import mpi_failed_ranks, raise_classified, to_comm_error
 
 _BYTE = MPI.BYTE
+_U8 = np.dtype(np.uint8)  # builtin dtypes are singletons: `is` is the cheap test
 PROC_NULL, ANY_SOURCE, ANY_TAG = MPI.PROC_NULL, MPI.ANY_SOURCE, MPI.ANY_TAG
 # requests abandoned while pending (see MPIRequest.__del__); never freed
 _ABANDONED: list = []
@@ -536,7 +537,7 @@ class MPITransport(Transport):
 
     def native_allgather(self, sendbuf, recvbuf) -> None:
         """``MPI_Allgather`` of the bytes of host arrays."""
-        if sendbuf.dtype == np.uint8 and recvbuf.dtype == np.uint8:  # the first round's rows: as they are
+        if sendbuf.dtype is _U8 and recvbuf.dtype is _U8:  # the first round's rows: as they are
             try:
                 self.comm.Allgather(sendbuf, recvbuf)
             except MPI.Exception as exc:

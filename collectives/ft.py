@@ -400,7 +400,10 @@ class _Watchdog:
       5.0's TCP transport deadlocks on its own mutex, or spins forever in
       ``mca_btl_tcp_send``, inside one ``MPI_Testall``, and the revoke then
       blocks behind it (docs/FAULTS.md); or commlib's own code stalled.
-      Either way the rank fails.  A thread that still spins is waiting for a peer (a rank with a pending rendezvous to a
+      Either way the rank fails.  In the shrink (which follows an agreement
+      every live rank joined) a process that used no CPU at all, all threads
+      together, for ``G/2`` fails at once (:meth:`_process_check`).
+      A thread that still spins is waiting for a peer (a rank with a pending rendezvous to a
       wedged peer stays in ``MPI_Testall`` after a revoke until that peer is
       gone) and gets up to ``2G`` more, the **cap**, so that the stuck rank,
       not its healthy neighbours, is the one that exits;

@@ -328,7 +328,7 @@ class _Watch:
             self.hard = self.cap = self.check = None
             return
         self.hard = now + hard
-        self.cap = self.hard + 2 * grace
+        self.cap = self.hard + grace
         self.check = max(now, self.hard - grace)  # first CPU sample, a grace before the bound
 
     def due(self):
@@ -405,7 +405,7 @@ class _Watchdog:
       together, for ``G/2`` fails at once (:meth:`_process_check`).
       A thread that still spins is waiting for a peer (a rank with a pending rendezvous to a
       wedged peer stays in ``MPI_Testall`` after a revoke until that peer is
-      gone) and gets up to ``2G`` more, the **cap**, so that the stuck rank,
+      gone) and gets up to ``G`` more, the **cap**, so that the stuck rank,
       not its healthy neighbours, is the one that exits;
     - **fail-stop**: one line on stderr naming the rank, the call, the step
       and the elapsed time, then ``os._exit(FAILSTOP_EXIT_STATUS)``.  The hang

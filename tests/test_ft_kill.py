@@ -86,8 +86,8 @@ SEED = int(os.environ.get("COMMLIB_KILL_SEED", str(int(time.time()) % 100000)))
 REPORT = os.environ.get("COMMLIB_KILL_REPORT")
 # Per-call bound asserted (seconds). The default is what the watchdog guarantees
 # with up to two stuck ranks in a row (a survivor Open MPI hung fails at up to
-# T + 3G in its attempt, then one hung in the agreement or shrink after it at up
-# to T + 2G more), plus 5 s: a call past it is a hang. The target, every
+# T + 2G in its attempt (T + 3G before the cap shrank to one grace), then one
+# hung in the agreement after it at up to T + 2G more), plus 5 s: a call past it is a hang. The target, every
 # call within T + 5 s, is the soak's (COMMLIB_KILL_CALL_BOUND=15 with T = 10); the
 # summary counts the runs over T + 5 s whatever the bound.
 CALL_BOUND = float(os.environ.get("COMMLIB_KILL_CALL_BOUND", "0")) or 2 * TIMEOUT + 5 * GRACE + 5

@@ -35,6 +35,7 @@ from commlib.core.errors import BufferError, CommError, InvalidArgument, Process
 from . import ops
 from ._common import chunk_bounds_list
 from .agreement import agree, judge
+from .allreduce_recursive_doubling import allreduce_recursive_doubling
 from .allreduce_ring import allreduce_ring, ring_scratch
 from .ft import run_collective
 
@@ -290,15 +291,16 @@ class SmallAllreduce:
     the op, and the payload views the ring-order reduction reads.
     """
 
-    __slots__ = ("tp", "cap", "row", "rows", "rows_mv", "plans", "ring_plans", "current", "scratch")
+    __slots__ = ("tp", "cap", "row", "rows", "heads", "plans", "large_plans", "current", "scratch")
 
     def __init__(self, tp, cap: int):
         self.tp, self.cap = tp, cap
         self.rows = np.zeros((tp.size, _HEAD + cap), np.uint8)
         self.row = np.zeros(_HEAD + cap, np.uint8)
-        self.rows_mv = memoryview(self.rows).cast("B")
+        mv, rb = memoryview(self.rows).cast("B"), _HEAD + cap
+        self.heads = [mv[i * rb:i * rb + _HEAD] for i in range(tp.size)]  # each rank's header, as received
         self.plans: dict = {}
-        self.ring_plans: dict = {}
+        self.large_plans: dict = {}
         self.current = None
         self.scratch = None  # the in-place ring's receive scratch, kept (allreduce_ring.ring_scratch)
 
@@ -319,6 +321,8 @@ class SmallAllreduce:
         return plan
 
     def run(self, plan, sendbuf: np.ndarray, out: np.ndarray) -> None:
+        # the hot path of every small host allreduce (a few microseconds of Python
+        # around one MPI_Allgather): _gather_rows and apply_steps are inlined
         hbytes, o, payload, steps, nb = plan
         if self.current is not plan:
             self.row[:_HEAD] = np.frombuffer(hbytes, np.uint8)
@@ -333,9 +337,16 @@ class SmallAllreduce:
             if out is not sendbuf:
                 out[...] = sendbuf
             return
-        self._gather_rows(tp, hbytes)
+        tp.native_allgather(self.row, self.rows)
+        for h in self.heads:
+            if h.tobytes() != hbytes:
+                self._judge(tp, hbytes)
         flat = out if out.ndim == 1 else out.reshape(-1)
-        apply_steps(steps, o.ufunc, flat)
+        if len(steps) == 1 and len(steps[0][2]) == 2 and steps[0][1] - steps[0][0] == flat.shape[0]:
+            a, b = steps[0][2]
+            o.ufunc(a, b, out=flat)  # 2 ranks, a commutative op: one call (ring_order_steps)
+        else:
+            apply_steps(steps, o.ufunc, flat)
         if o.mean:
             o.finalize(flat, n)
 
@@ -344,23 +355,29 @@ class SmallAllreduce:
         the payload); a header that differs from this rank's (another call, or a
         rank that erred) makes :func:`judge` raise, on every rank alike."""
         tp.native_allgather(self.row, self.rows)
-        mv, rb = self.rows_mv, self.rows.shape[1]
-        for i in range(tp.size):
-            if mv[i * rb:i * rb + _HEAD].tobytes() != hbytes:  # tobytes: faster than comparing views
-                judge(tp, self.rows[:, :_HEAD], np.frombuffer(hbytes, np.int64)[1:].tolist(), op="allreduce",
-                      describe=describe_field("allreduce"))
+        for h in self.heads:
+            if h.tobytes() != hbytes:  # tobytes: faster than comparing views
+                self._judge(tp, hbytes)
 
-    # A large host allreduce that resolves to the ring takes the same first
-    # round (the header row above, payload bytes ignored) and the same
-    # allreduce_ring call as the general path, without its per-call staging
-    # objects: on a 2-core machine that bookkeeping took ~30 us a call, 15% of
-    # a 1 MiB ring at 2 ranks (benchmarks/bench_allreduce.py).
+    def _judge(self, tp, hbytes: bytes) -> None:
+        """A header differs from this rank's: :func:`judge` raises, on every rank alike."""
+        judge(tp, self.rows[:, :_HEAD], np.frombuffer(hbytes, np.int64)[1:].tolist(), op="allreduce",
+              describe=describe_field("allreduce"))
 
-    def ring_plan(self, dtype, count: int, op, algorithm: str, rank):
-        """``(header bytes, Op)`` for a host allreduce of ``count`` elements of
-        ``dtype`` that ``algorithm`` resolves to the ring; False when it does
-        not, or when an argument is bad (the general path raises it, on every
-        rank).  Cached in :attr:`ring_plans` under ``(dtype, count, op, algorithm)``."""
+    # A host allreduce above the one-round capacity that resolves to the ring or
+    # to recursive doubling takes the same first round (the header row above,
+    # payload bytes ignored) and the same algorithm call as the general path,
+    # without its per-call staging objects: on a 2-core machine that bookkeeping
+    # took ~30 us a call, 15% of a 1 MiB ring at 2 ranks, and 70-90% of a 2-32 KiB
+    # recursive doubling (benchmarks/bench_allreduce.py).
+
+    def large_plan(self, dtype, count: int, op, algorithm: str, rank):
+        """``(header bytes, Op, algorithm)`` for a host allreduce of ``count``
+        elements of ``dtype`` that ``algorithm`` resolves to the ring or to
+        recursive doubling, above the one-round capacity when ``"auto"``; False
+        otherwise, or when an argument is bad (the general path raises it, on
+        every rank).  Cached in :attr:`large_plans` under ``(dtype, count, op,
+        algorithm)``."""
         spec = SPECS["allreduce"]
         nb = count * dtype.itemsize
         try:
@@ -370,19 +387,21 @@ class SmallAllreduce:
         except InvalidArgument:
             o = algo = None
         plan = False
-        if algo == "ring" and not (algorithm == "auto" and nb <= self.cap):
+        if algo in _FAST_ALGORITHMS and not (algorithm == "auto" and nb <= self.cap):
             head = np.array([0, spec.code, count, ops.dtype_code(dtype), o.code, 0, spec.algorithm_code(algo)],
                             np.int64)
-            plan = (head.view(np.uint8).tobytes(), o)
-        if len(self.ring_plans) >= 64:
-            self.ring_plans.pop(next(iter(self.ring_plans)))
-        self.ring_plans[(dtype, count, op, algorithm)] = plan
+            plan = (head.view(np.uint8).tobytes(), o, _FAST_ALGORITHMS[algo])
+        if len(self.large_plans) >= 64:
+            self.large_plans.pop(next(iter(self.large_plans)))
+        self.large_plans[(dtype, count, op, algorithm)] = plan
         return plan
 
-    def run_ring(self, plan, sendbuf: np.ndarray, out: np.ndarray) -> None:
-        """The first round (when ``COMMLIB_CHECK_ARGS``), then :func:`.allreduce_ring`
-        of C-contiguous host arrays (``out is sendbuf``: in place)."""
-        hbytes, o = plan
+    def run_large(self, plan, sendbuf: np.ndarray, out: np.ndarray) -> None:
+        """The first round (when ``COMMLIB_CHECK_ARGS``), then the plan's
+        algorithm (:func:`.allreduce_ring` or
+        :func:`.allreduce_recursive_doubling`) on C-contiguous host arrays
+        (``out is sendbuf``: in place)."""
+        hbytes, o, fn = plan
         tp, n = self.tp, self.tp.size
         if n > 1 and config.check_args:
             if self.current is not plan:
@@ -391,10 +410,14 @@ class SmallAllreduce:
             self._gather_rows(tp, hbytes)
         work = out if out.ndim == 1 else out.reshape(-1)
         src = None if out is sendbuf else (sendbuf if sendbuf.ndim == 1 else sendbuf.reshape(-1))
-        tmp = None
-        if src is None:  # in place: the partials need a receive scratch, kept between calls
-            self.scratch, tmp = ring_scratch(self.scratch, work, n)
-        allreduce_ring(tp, work, o, sendbuf=src, tmp=tmp)
+        if fn is allreduce_ring:
+            tmp = None
+            if src is None:  # in place: the partials need a receive scratch, kept between calls
+                self.scratch, tmp = ring_scratch(self.scratch, work, n)
+            allreduce_ring(tp, work, o, sendbuf=src, tmp=tmp)
+        else:
+            fn(tp, work, o, sendbuf=src)
 
 
+_FAST_ALGORITHMS = {"ring": allreduce_ring, "recursive_doubling": allreduce_recursive_doubling}
 _COMMUTATIVE = ("sum", "prod", "avg", "band", "bor", "bxor")

@@ -399,7 +399,7 @@ class CollectiveMixin:
             tp = self.collective_transport()
             small = self._small = SmallAllreduce(tp, small_capacity(tp.size))
         large = sendbuf.nbytes > small.cap or algorithm != "auto"
-        if large and algorithm not in ("auto", "ring"):
+        if large and algorithm not in ("auto", "ring", "recursive_doubling"):
             return None
         if not sendbuf.flags.c_contiguous or (
                 recvbuf is not None and recvbuf is not sendbuf and not (
@@ -416,12 +416,12 @@ class CollectiveMixin:
                 if not sendbuf.flags.writeable:
                     return None
                 recvbuf = sendbuf
-            plan = small.ring_plans.get((sendbuf.dtype, sendbuf.size, op, algorithm))
+            plan = small.large_plans.get((sendbuf.dtype, sendbuf.size, op, algorithm))
             if plan is None:
-                plan = small.ring_plan(sendbuf.dtype, sendbuf.size, op, algorithm, self.rank)
+                plan = small.large_plan(sendbuf.dtype, sendbuf.size, op, algorithm, self.rank)
             if not plan:
                 return None
-            small.run_ring(plan, sendbuf, recvbuf)
+            small.run_large(plan, sendbuf, recvbuf)
             return recvbuf
         plan = small.plans.get((sendbuf.dtype, sendbuf.size, op))
         if plan is None:

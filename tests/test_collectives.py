@@ -117,6 +117,30 @@ def test_allreduce_inplace_shapes(comm, algorithm):
     assert (f == comm.size).all()
 
 
+class _Sub(np.ndarray):
+    """A numpy subclass: the communicator's numpy fast path takes exact ndarrays
+    only, so this one goes through the general engine path."""
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "recursive_doubling", "ring"])
+def test_allreduce_fast_and_general_paths_agree(comm, algorithm):
+    """The host fast path (exact numpy arrays: one-round small calls, and the
+    ring or recursive doubling above its capacity) and the general engine path
+    send the same messages and give the same bits: ranks may mix them in one
+    call (even ranks fast, odd ranks general), and every rank ends with the
+    result of an all-fast call, in place and out of place."""
+    for i, count in enumerate([1, 255, 256, 700, 4099, 16385, 70001]):  # 4 B .. 280 KiB of float32
+        x = _data(np.dtype(np.float32), count, comm.rank, 300 + i)
+        ref = comm.allreduce(x.copy(), op="sum", algorithm=algorithm)  # every rank: the fast path
+        mixed = x.copy() if comm.rank % 2 == 0 else x.copy().view(_Sub)
+        out = np.empty_like(mixed)
+        comm.allreduce(mixed, out, op="sum", algorithm=algorithm)
+        assert out.tobytes() == ref.tobytes(), (count, comm.rank)
+        comm.allreduce(mixed, op="sum", algorithm=algorithm)
+        assert mixed.tobytes() == ref.tobytes(), (count, comm.rank)
+        _bit_identical(comm, ref)
+
+
 def test_inplace_ring_reuses_its_scratch_across_sizes_and_dtypes(comm):
     """The in-place ring keeps one receive scratch per communicator (grown when
     too small, viewed as each call's dtype): calls of growing and shrinking

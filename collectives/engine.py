@@ -51,8 +51,10 @@ class CollectiveSpec:
         code: its number in the header (``operation`` field).
         algorithms: accepted ``algorithm=`` values; ``"auto"`` first, then the default.
         small: True when a small call travels inside the first round.
-        thresholds: ``(max_bytes, algorithm)`` pairs ``"auto"`` picks from, in order;
-            the default algorithm above them all.
+        thresholds: ``(max_bytes, algorithm)`` or ``(max_bytes, algorithm,
+            min_ranks)`` entries ``"auto"`` picks from, in order (an entry with
+            ``min_ranks`` applies on groups of at least that many ranks); the
+            default algorithm above them all.
         snapshot: True when fault-tolerant mode must keep the input for a retry
             (the operation overwrites its input in place).
     """
@@ -64,8 +66,9 @@ class CollectiveSpec:
     thresholds: tuple = field(default_factory=tuple)
     snapshot: bool = False
 
-    def choose(self, algorithm: str, nbytes: int = 0, *, rank=None) -> str:
-        """The algorithm to run for ``algorithm`` (``"auto"`` by size in bytes).
+    def choose(self, algorithm: str, nbytes: int = 0, *, rank=None, nranks: int | None = None) -> str:
+        """The algorithm to run for ``algorithm`` (``"auto"`` by size in bytes
+        and, where a threshold says so, by ``nranks``, the group's size).
 
         Raises:
             InvalidArgument: an algorithm this collective does not have.
@@ -74,8 +77,8 @@ class CollectiveSpec:
             raise InvalidArgument(f"algorithm {algorithm!r} not in {self.algorithms}", rank=rank, op=self.name)
         if algorithm != "auto":
             return algorithm
-        for max_bytes, algo in self.thresholds:
-            if nbytes <= max_bytes:
+        for max_bytes, algo, *min_ranks in self.thresholds:
+            if nbytes <= max_bytes and (not min_ranks or nranks is None or nranks >= min_ranks[0]):
                 return algo
         return self.algorithms[1]
 
@@ -85,10 +88,13 @@ class CollectiveSpec:
 
 #: the collectives, their algorithms and "auto" thresholds (allreduce: recursive
 #: doubling up to 256 KiB, ring above; measured with benchmarks/bench_allreduce.py
-#: at 2 and 4 ranks, shared memory, 2 cores: the two cross between 64 and 256 KiB)
+#: at 2 and 4 ranks, shared memory, 2 cores: the two cross between 64 and 256 KiB.
+#: At 2 ranks the ring from the one-round capacity on: with both on the host fast
+#: path the ring was 0.13-0.93x MPI at 2-128 KiB against recursive doubling's
+#: 0.11-0.57x, and the two give the same bits there, every op being commutative)
 SPECS = {s.name: s for s in (
     CollectiveSpec("allreduce", 1, ("auto", "ring", "recursive_doubling", "mpi"), small=True,
-                   thresholds=((256 * 1024, "recursive_doubling"),), snapshot=True),
+                   thresholds=((256 * 1024, "recursive_doubling", 3),), snapshot=True),
     CollectiveSpec("reduce_scatter", 2, ("auto", "ring", "mpi"), small=True),
     CollectiveSpec("allgather", 3, ("auto", "ring", "mpi")),
     CollectiveSpec("bcast", 4, ("auto", "binomial", "mpi"), small=True, snapshot=True),
@@ -383,7 +389,7 @@ class SmallAllreduce:
         try:
             o = ops.get_op(op, rank=rank, opname="allreduce")
             o.check(dtype, rank=rank, op="allreduce")
-            algo = spec.choose(algorithm, nb, rank=rank)
+            algo = spec.choose(algorithm, nb, rank=rank, nranks=self.tp.size)
         except InvalidArgument:
             o = algo = None
         plan = False

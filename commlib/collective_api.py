@@ -268,7 +268,8 @@ class CollectiveMixin:
                 native ``MPI_Allreduce``) or ``"auto"``: up to
                 ``COMMLIB_SMALL_BYTES`` (1024) bytes one round that gathers every
                 rank's data with the argument header and reduces it locally in
-                rank order; recursive doubling up to 256 KiB; ring above.
+                rank order; recursive doubling up to 256 KiB on 3 or more ranks;
+                ring above (on 2 ranks, ring above the one round).
 
         Returns:
             The array holding the result (``recvbuf``, or ``sendbuf`` in place).
@@ -298,7 +299,7 @@ class CollectiveMixin:
             if not inplace and (rb.size != sb.size or rb.dtype != sb.dtype):
                 raise InvalidArgument(f"recvbuf ({rb.size} x {rb.dtype}) does not match sendbuf "
                                       f"({sb.size} x {sb.dtype})", rank=self.rank, op=opname)
-            algo = spec.choose(algorithm, sb.nbytes, rank=self.rank)
+            algo = spec.choose(algorithm, sb.nbytes, rank=self.rank, nranks=self.size)
             if algo == "mpi" and self.transport.native_dtype(sb.dtype) is None:
                 raise InvalidArgument(f"MPI has no datatype for {sb.dtype.name}; use algorithm='ring'",
                                       rank=self.rank, op=opname)

@@ -114,3 +114,21 @@ def test_single_rank_fault_tolerant_comm():
         commlib.init().add_failure_callback(print)
     with pytest.raises(commlib.InvalidArgument, match="unknown option"):
         commlib.init(fault_tolerent=True)
+
+
+def test_auto_allreduce_algorithm_by_size_and_ranks():
+    """``"auto"``: recursive doubling up to 256 KiB on 3 or more ranks, the ring
+    above; on 2 ranks the ring (the same bits there: one commutative combine per
+    element); an explicit algorithm is kept; an unknown one is refused."""
+    from commlib.collectives.engine import SPECS
+    from commlib.core.errors import InvalidArgument
+
+    spec = SPECS["allreduce"]
+    for nranks, small, large in ((2, "ring", "ring"), (3, "recursive_doubling", "ring"),
+                                 (8, "recursive_doubling", "ring"), (None, "recursive_doubling", "ring")):
+        assert spec.choose("auto", 4096, nranks=nranks) == small, nranks
+        assert spec.choose("auto", 256 * 1024, nranks=nranks) == small, nranks
+        assert spec.choose("auto", 256 * 1024 + 1, nranks=nranks) == large, nranks
+    assert spec.choose("recursive_doubling", 1 << 20, nranks=2) == "recursive_doubling"
+    with pytest.raises(InvalidArgument):
+        spec.choose("tree", 8, rank=0, nranks=2)

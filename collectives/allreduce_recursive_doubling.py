@@ -21,16 +21,18 @@ from .ops import get_op
 __all__ = ["allreduce_recursive_doubling"]
 
 
-def _combine(op, mine: np.ndarray, other: np.ndarray, other_is_lower: bool) -> None:
+def _combine(op, out: np.ndarray, mine: np.ndarray, other: np.ndarray, other_is_lower: bool) -> None:
+    """``out <- lower (op) higher``: the lower rank's partial is always the left
+    operand, so both partners compute the same bits (NaN payloads and signed
+    zeros included)."""
     if other_is_lower:
-        # mine <- other (op) mine, computed into other then copied: keeps operand order
-        op.ufunc(other, mine, out=mine)
+        op.ufunc(other, mine, out=out)
     else:
-        op.ufunc(mine, other, out=mine)
+        op.ufunc(mine, other, out=out)
 
 
 def allreduce_recursive_doubling(transport, buf: np.ndarray, op="sum", *, sendbuf: np.ndarray | None = None,
-                                 timeout: float | None = None) -> None:
+                                 timeout: float | None = None, tmp: np.ndarray | None = None) -> None:
     """Allreduce ``buf`` in place by recursive doubling.
 
     Args:
@@ -38,8 +40,16 @@ def allreduce_recursive_doubling(transport, buf: np.ndarray, op="sum", *, sendbu
         buf: 1-D contiguous host array, same count and dtype on every rank;
             on return holds the reduction over all ranks.
         op: operator name or :class:`~.ops.Op`.
-        sendbuf: input when not ``buf`` (copied into ``buf`` first).
+        sendbuf: input when not ``buf`` (not modified; read in place by the first
+            step, so ``buf`` is written only by the first combine: a caller that
+            keeps ``sendbuf`` untouched until the result is committed needs no
+            snapshot to restore it).  A ``sendbuf`` overlapping ``buf`` is copied
+            into it first.
         timeout: seconds per step (None: unbounded).
+        tmp: scratch for the received vectors, ``buf.dtype``, at least
+            ``buf.size`` elements (a caller that keeps one saves allocating and
+            page-faulting a buffer as large as ``buf`` on every call).  None:
+            allocated.
 
     Raises:
         CommTimeout: a step did not complete within ``timeout``.
@@ -47,23 +57,30 @@ def allreduce_recursive_doubling(transport, buf: np.ndarray, op="sum", *, sendbu
     """
     op = get_op(op)
     n, r = transport.size, transport.rank
-    if sendbuf is not None:
-        buf[...] = sendbuf
+    cur = buf  # this rank's partial: its input until the first combine writes buf
+    if sendbuf is not None and sendbuf is not buf:
+        if np.may_share_memory(sendbuf, buf):
+            buf[...] = sendbuf
+        else:
+            cur = sendbuf
     if n == 1:
+        if cur is not buf:
+            buf[...] = cur
         op.finalize(buf, 1)
         return
     p2 = 1 << (n.bit_length() - 1)
     rem = n - p2
-    tmp = np.empty_like(buf)
+    tmp = tmp[:buf.size] if tmp is not None and tmp.size >= buf.size else np.empty_like(buf)
     tag = next_tag(transport, 3)  # fold-in, doubling steps, fold-out
     # fold the extra ranks in
     if r < 2 * rem:
         if r % 2 == 0:
-            waitall(transport, [transport.isend(buf, r + 1, tag)], timeout)
+            waitall(transport, [transport.isend(cur, r + 1, tag)], timeout)
             newrank = -1
         else:
             waitall(transport, [transport.irecv(tmp, r - 1, tag)], timeout)
-            _combine(op, buf, tmp, True)
+            _combine(op, buf, cur, tmp, True)
+            cur = buf
             newrank = r // 2
     else:
         newrank = r - rem
@@ -73,9 +90,10 @@ def allreduce_recursive_doubling(transport, buf: np.ndarray, op="sum", *, sendbu
             newpeer = newrank ^ mask
             peer = newpeer * 2 + 1 if newpeer < rem else newpeer + rem
             rq = transport.irecv(tmp, peer, tag + 1)
-            sq = transport.isend(buf, peer, tag + 1)
+            sq = transport.isend(cur, peer, tag + 1)
             waitall(transport, [rq, sq], timeout)
-            _combine(op, buf, tmp, peer < r)
+            _combine(op, buf, cur, tmp, peer < r)
+            cur = buf
             mask <<= 1
         op.finalize(buf, n)
     if r < 2 * rem:

@@ -91,6 +91,7 @@ import time
 
 import numpy as np
 
+from commlib.collectives.allreduce_recursive_doubling import allreduce_recursive_doubling
 from commlib.collectives.allreduce_ring import allreduce_ring, ring_scratch
 from commlib.collectives.ft import LazySnapshot
 from commlib.collectives.ops import get_op, is_floating
@@ -106,6 +107,10 @@ HEARTBEAT_INTERVAL = 0.25
 #: ring connections per pair of peers on different hosts with ``connect(streams=None)``
 #: (the default); a pair on loopback addresses uses one
 AUTO_STREAMS = 4
+#: bytes up to which a 2-peer unquantized all-reduce is one exchange of the whole
+#: vector instead of the ring's two steps (measured on loopback, 2 cores: 4-256 KiB
+#: 1.3-1.8x faster, 1 MiB even, 8 MiB slower)
+PAIR_EXCHANGE_MAX = 1 << 20
 _TRAFFIC = ("bytes_sent", "bytes_received", "wire_bytes_sent", "wire_bytes_received", "bytes_buffered")
 _TICKET_TTL = 6 * 3600.0
 _MAX_PEERS = 1024
@@ -688,6 +693,7 @@ class Peer:
         self._traffic = dict.fromkeys(_TRAFFIC, 0)  # of the ring transports of past epochs
         self._scratch: np.ndarray | None = None
         self._ring_keep: np.ndarray | None = None  # the in-place ring's receive scratch (ring_scratch)
+        self._pair_keep: np.ndarray | None = None  # 2 peers: the result and the received vector
         threading.Thread(target=self._reader, daemon=True, name="commlib-peer-rx").start()
         threading.Thread(target=self._heartbeat, daemon=True, name="commlib-peer-hb").start()
 
@@ -938,7 +944,14 @@ class Peer:
         the operation is retried over the next epoch's members (``retry``).  The
         restore comes from a copy-before-write snapshot taken while the ring's
         transfers are in flight, into a scratch buffer the peer keeps between calls
-        (as large as its largest all-reduce).
+        (as large as its largest all-reduce).  With 2 members, no quantization and
+        at most :data:`PAIR_EXCHANGE_MAX` bytes, the ring's two steps become one
+        exchange of the whole vector
+        (:func:`~commlib.collectives.allreduce_recursive_doubling.allreduce_recursive_doubling`,
+        the same bytes on the wire, both peers combining rank 0's vector as the
+        left operand), computed into a kept scratch of twice ``buf``'s size and
+        copied into ``buf`` only once the master commits: an abort leaves ``buf``
+        untouched.
 
         Args:
             buf: contiguous numpy array (any shape), same shape and dtype on every peer.
@@ -977,15 +990,28 @@ class Peer:
                 raise InvalidArgument("this peer is not a member yet: call update_topology() first",
                                       rank=None, op="allreduce")
             e, s = topo.epoch, self._seq
-            # copy-before-write snapshot into a reused scratch (no page faults, the copies
-            # overlap the ring's transfers); restored only on an abort
-            self._scratch = grown(self._scratch, flat.nbytes)  # as large as the largest all-reduce so far
-            snap = LazySnapshot(flat, self._scratch)
+            snap = result = None
             try:
                 tr = self._transport(topo)
                 if tr.size == 1:
                     opx.finalize(flat, 1)  # the identity for every op: nothing to save
+                elif tr.size == 2 and quantize is None and flat.nbytes <= PAIR_EXCHANGE_MAX:
+                    # one exchange of the whole vector (recursive doubling at 2 ranks): half
+                    # the ring's steps, the same bytes; the result is built out of place, so
+                    # ``buf`` is untouched until the commit and an abort has nothing to restore.
+                    # Above PAIR_EXCHANGE_MAX the ring wins: its snapshot copies overlap its
+                    # transfers, while here the combine and the final copy of the whole
+                    # vector do not
+                    nb = flat.nbytes
+                    self._pair_keep = grown(self._pair_keep, 2 * nb)
+                    result = self._pair_keep[:nb].view(flat.dtype)
+                    allreduce_recursive_doubling(tr, result, opx, sendbuf=flat, timeout=timeout,
+                                                 tmp=self._pair_keep[nb:2 * nb].view(flat.dtype))
                 else:
+                    # copy-before-write snapshot into a reused scratch (no page faults, the
+                    # copies overlap the ring's transfers); restored only on an abort
+                    self._scratch = grown(self._scratch, flat.nbytes)  # the largest all-reduce so far
+                    snap = LazySnapshot(flat, self._scratch)
                     self._ring_keep, tmp = ring_scratch(self._ring_keep, flat, tr.size)
                     if quantize is None:
                         allreduce_ring(tr, flat, opx, timeout=timeout, save=snap, tmp=tmp)
@@ -1001,8 +1027,11 @@ class Peer:
             ok = self._wait(lambda: self._terms.pop((e, s), None), timeout + 5.0, "allreduce")
             if ok:
                 self._seq += 1
+                if result is not None:
+                    flat[...] = result
                 return buf
-            snap.restore()
+            if snap is not None:
+                snap.restore()
             self._counts["aborts"] += 1
             aborts += 1
             if not retry or aborts > max_retries:

@@ -116,7 +116,11 @@ def _ring_messages(count, itemsize, n, r, received=False):
     """Byte sizes of the messages rank ``r`` sends (``received``: receives) in a ring
     all-reduce of ``count`` items over ``n`` ranks: reduce-scatter step s sends chunk
     r-s-1, the all-gather chunk r-s; rank r receives what rank r-1 sends; chunks as
-    numpy.array_split cuts them."""
+    numpy.array_split cuts them.  At 2 ranks an unquantized all-reduce of at most
+    ``PAIR_EXCHANGE_MAX`` bytes is one exchange of the whole vector (the same bytes
+    in one message)."""
+    if n == 2 and count * itemsize <= el.PAIR_EXCHANGE_MAX:
+        return [count * itemsize]
     if received:
         r = (r - 1) % n
     sizes = [len(c) * itemsize for c in np.array_split(np.arange(count), n)]
@@ -133,8 +137,8 @@ def _frames(nbytes, streams):
 @pytest.mark.parametrize("count,dtype", [(1000, np.float32), (300_001, np.float64)])
 def test_stats_count_the_ring_traffic(group, count, dtype):
     """Peer.stats against the ring's known traffic: 2 (n-1)/n x the buffer per peer
-    (exactly the chunk sizes), 2 (n-1) x the buffer over all peers, plus 28 bytes of
-    header per frame on the wire."""
+    (exactly the chunk sizes; at 2 peers up to 1 MiB one message of the whole buffer), 2 (n-1) x
+    the buffer over all peers, plus 28 bytes of header per frame on the wire."""
     _, peers = group
     n = len(peers)
     streams = peers[0].streams
@@ -436,3 +440,80 @@ def test_bench_elastic_command_line():
         assert r.returncode == 2, bad
         assert r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, (bad, r.stderr)
         assert "error:" in r.stderr
+
+
+@pytest.mark.parametrize("group", [(2, 2)], indirect=True)
+@pytest.mark.parametrize("op", ["sum", "min", "max", "prod", "avg"])
+def test_pair_allreduce_one_operand_order_on_both_peers(group, op):
+    """At 2 peers the all-reduce is one exchange and a combine on each side: both
+    must compute ``x0 (op) x1`` with rank 0's vector on the left, so NaNs with
+    different payloads and signed zeros give the same bits on both peers. Oracle:
+    numpy's ufunc on the two inputs in rank order (avg: the sum halved)."""
+    _, peers = group
+    nan_a = np.frombuffer(np.uint32(0x7FC00001).tobytes(), np.float32)[0]
+    nan_b = np.frombuffer(np.uint32(0xFFC12345).tobytes(), np.float32)[0]
+    data = {}
+    for p in peers:
+        x = np.random.default_rng(p.rank).standard_normal(10_001).astype(np.float32)
+        x[:4] = [nan_a, 0.0, -0.0, 1.0] if p.rank == 0 else [nan_b, -0.0, 0.0, nan_a]
+        data[p.rank] = x
+    out = run_peers(peers, lambda i, p: (p.rank, p.allreduce(data[p.rank].copy(), op)))
+    assert len({_h(o) for _, o in out}) == 1, "the two peers hold different bits"
+    ufunc = {"sum": np.add, "avg": np.add, "min": np.minimum, "max": np.maximum, "prod": np.multiply}[op]
+    ref = ufunc(data[0], data[1])
+    if op == "avg":
+        ref = ref / np.float32(2)
+    assert _h(out[0][1]) == _h(ref)
+
+
+def test_pair_abort_after_the_exchange_leaves_buf_untouched():
+    """A 2-peer all-reduce builds its result out of place: when the other peer has
+    sent its vector but leaves before the master commits (its "done" never reaches
+    the master), the operation is aborted after the survivor combined, and the
+    survivor's ``buf`` must still hold its input, bit for bit; the retry over the
+    survivor alone then returns exactly that input."""
+    import time
+
+    master = el.Master(secret=SECRET).start()
+    peers = [el.connect(master.address, secret=SECRET, streams=1, timeout=20) for _ in range(2)]
+    try:
+        form(peers, 2)
+        gone = peers[1]
+        send = gone._send
+        reported = threading.Event()
+
+        def withhold_done(msg):
+            if msg.get("t") == "done":
+                reported.set()  # the exchange is over on this side; the master never hears
+                return
+            send(msg)
+
+        gone._send = withhold_done
+        xs = [np.random.default_rng(5 + r).standard_normal(200_003).astype(np.float32) for r in range(2)]
+        bufs = [x.copy() for x in xs]
+        done = {}
+
+        def run(r):
+            try:
+                done[r] = peers[r].allreduce(bufs[r], "sum", timeout=10, retry=(r == 0))
+            except Exception as exc:  # noqa: BLE001 - the leaving peer's call fails
+                done[r] = exc
+
+        ths = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(2)]
+        for th in ths:
+            th.start()
+        assert reported.wait(30), "the exchange did not finish"
+        time.sleep(0.3)  # the survivor has combined and waits for the verdict
+        gone.close()
+        for th in ths:
+            th.join(60)
+        assert not any(th.is_alive() for th in ths), "a peer hung"
+        assert done[0] is bufs[0]
+        assert _h(bufs[0]) == _h(xs[0]), "the survivor's input was not kept"
+        st = peers[0].stats
+        assert st["aborts"] >= 1 and st["retries"] >= 1
+        assert peers[0].size == 1
+    finally:
+        for p in peers:
+            p.close()
+        master.stop()

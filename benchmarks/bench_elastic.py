@@ -7,9 +7,12 @@ Sections (``--sections``, all by default), each measured side by side in one run
 - ``allreduce``: float32 sum, 4 B .. 64 MiB, at 2 and 4 peers (``--peers``): commlib.elastic
   (authenticated, ``--streams`` connections per pair) against Open MPI's ``Allreduce`` over
   its TCP transport (``mpiexec --mca btl tcp,self``, mpi4py) and, where torch is installed,
-  torch.distributed's gloo. OSU/nccl-tests style: best of ``--trials`` trials, each trial
-  timed over enough calls for ~0.2 s, the slowest peer's time; busbw = bytes / time *
-  2 (n - 1) / n. Ratios commlib / Open MPI and commlib / gloo per size.
+  torch.distributed's gloo, and against the floor of the same ring over plain Python
+  sockets (``python_sockets``: one loopback connection per neighbour, a sender thread and
+  ``recv_into``, numpy's add; no frames, authentication, master, snapshot or fault
+  tolerance). OSU/nccl-tests style: best of ``--trials`` trials, each trial timed over
+  enough calls for ~0.2 s, the slowest peer's time; busbw = bytes / time * 2 (n - 1) / n.
+  Ratios commlib / each baseline per size.
 - ``wan``: 2 peers whose data connections pass through a user-space proxy (this script,
   another process) that adds ``--wan-latency-ms`` each way and caps each TCP connection at
   ``--wan-rate-mbps``; all-reduce of ``--wan-bytes`` with 1 and with 4 streams. The peers
@@ -206,6 +209,111 @@ def worker_gloo(a):
         with open(a.out, "w") as fh:
             json.dump({"rows": rows, "peers": n, "torch": torch.__version__}, fh)
     dist.destroy_process_group()
+
+
+def worker_sockring(a):
+    """The floor for a ring over Python sockets: the same ring all-reduce as
+    commlib.elastic (reduce-scatter then allgather, 2 (n - 1) steps, numpy's add,
+    chunks as numpy.array_split cuts them) over plain loopback sockets, one
+    connection to each neighbour: no frames, authentication, master, snapshot or
+    fault tolerance. A sender thread writes (``sendall``) while the main thread
+    receives (``recv_into`` straight into the destination)."""
+    import queue  # noqa: PLC0415
+
+    ports = [int(p) for p in a.map.split(",")]
+    n, r = a.n, a.rank
+    ls = socket.socket()
+    ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    ls.bind(("127.0.0.1", ports[r]))
+    ls.listen(1)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            right = socket.create_connection(("127.0.0.1", ports[(r + 1) % n]), timeout=60)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    left = ls.accept()[0]
+    for c in (left, right):
+        c.settimeout(None)
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    jobs, done = queue.SimpleQueue(), queue.SimpleQueue()
+
+    def sender():
+        while True:
+            mv = jobs.get()
+            if mv is None:
+                return
+            right.sendall(mv)
+            done.put(True)
+
+    threading.Thread(target=sender, daemon=True).start()
+
+    def recv_into(mv):
+        got = 0
+        while got < len(mv):
+            k = left.recv_into(mv[got:])
+            if k == 0:
+                raise SystemExit("sockring: a neighbour closed")
+            got += k
+
+    def step(send, recv):
+        jobs.put(memoryview(send).cast("B"))
+        recv_into(memoryview(recv).cast("B"))
+        done.get()
+
+    scratch = {}
+
+    def ar(x):
+        b = [len(c) for c in np.array_split(np.empty(x.size, np.uint8), n)]
+        bounds = np.concatenate([[0], np.cumsum(b)]).tolist()
+        tmp = scratch.get(x.size)
+        if tmp is None:
+            tmp = scratch[x.size] = np.empty(max(b), x.dtype)
+        for s in range(n - 1):
+            sc, rc = (r - s) % n, (r - s - 1) % n
+            dst = x[bounds[rc]:bounds[rc + 1]]
+            step(x[bounds[sc]:bounds[sc + 1]], tmp[:dst.size])
+            np.add(dst, tmp[:dst.size], out=dst)
+        for s in range(n - 1):
+            sc, rc = (r - s + 1) % n, (r - s) % n
+            step(x[bounds[sc]:bounds[sc + 1]], x[bounds[rc]:bounds[rc + 1]])
+
+    cell, got = np.zeros(1, np.float64), np.zeros(1, np.float64)
+
+    def send_value(v):
+        cell[0] = v
+        jobs.put(memoryview(cell).cast("B"))
+        done.get()
+
+    def lap_max(v):
+        # one lap carries the running maximum to rank 0, a second hands it to everyone
+        if r == 0:
+            send_value(v)
+            recv_into(memoryview(got).cast("B"))
+            m = float(got[0])
+            send_value(m)
+            return m
+        recv_into(memoryview(got).cast("B"))
+        send_value(max(v, float(got[0])))
+        recv_into(memoryview(got).cast("B"))
+        m = float(got[0])
+        if r != n - 1:
+            send_value(m)
+        return m
+
+    def check(x):
+        assert np.all(x == n), "wrong all-reduce result"
+
+    rows = _time_sizes(ar, lambda: lap_max(0.0), lap_max, [int(s) for s in a.sizes.split(",")], a.trials, check)
+    if r == 0:
+        with open(a.out, "w") as fh:
+            json.dump({"rows": rows, "peers": n}, fh)
+    lap_max(0.0)
+    jobs.put(None)
+    return 0
 
 
 def worker_loop(a):
@@ -571,6 +679,28 @@ def run_gloo(tmp, n, sz, trials, timeout):
         return json.load(fh)
 
 
+def run_sockring(tmp, n, sz, trials, timeout):
+    out = os.path.join(tmp, f"sockring_{n}.json")
+    ports = ",".join(str(free_port()) for _ in range(n))
+    procs = [subprocess.Popen(PY + [HERE, "--worker", "sockring", "--map", ports, "--rank", str(r), "--n", str(n),
+                                    "--sizes", ",".join(map(str, sz)), "--trials", str(trials), "--out", out],
+                              cwd=REPO, stdout=open(os.path.join(tmp, f"sockring{r}.log"), "wb"),
+                              stderr=subprocess.STDOUT) for r in range(n)]
+    try:
+        _run_all(procs, timeout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    with open(out) as fh:
+        return json.load(fh)
+
+
+#: the all-reduce section's baselines: Open MPI over TCP, gloo, and the floor of the same
+#: ring over plain Python sockets (worker_sockring)
+BASELINES = ("openmpi_tcp", "gloo", "python_sockets")
+
+
 def section_allreduce(args, tmp, log):
     sz = sizes(args.min_bytes, args.max_bytes)
     res = {}
@@ -581,6 +711,7 @@ def section_allreduce(args, tmp, log):
         runs["openmpi_tcp"] = run_mpi(tmp, n, sz, args.trials, args.timeout)
         log(f"  Open MPI at {n} peers done")
         runs["gloo"] = run_gloo(tmp, n, sz, args.trials, args.timeout)
+        runs["python_sockets"] = run_sockring(tmp, n, sz, args.trials, args.timeout)
         rows = []
         for i, b in enumerate(sz):
             row = {"bytes": runs["commlib.elastic"]["rows"][i]["bytes"]}
@@ -590,16 +721,16 @@ def section_allreduce(args, tmp, log):
                 t = r["rows"][i]["time_s"]
                 row[k] = {"time_us": t * 1e6, "busbw_GBps": row["bytes"] / t / 1e9 * factor}
             el = row["commlib.elastic"]["busbw_GBps"]
-            for k in ("openmpi_tcp", "gloo"):
+            for k in BASELINES:
                 if k in row:
                     row[f"ratio_vs_{k}"] = el / row[k]["busbw_GBps"]
             rows.append(row)
             log(f"  {n} peers {row['bytes']:>10d} B  elastic {el:8.4f} GB/s"
                 + "".join(f"  {k} {row[k]['busbw_GBps']:8.4f} ({row[f'ratio_vs_{k}']:.2f}x)"
-                          for k in ("openmpi_tcp", "gloo") if k in row))
+                          for k in BASELINES if k in row))
         big = [r for r in rows if r["bytes"] >= 4 << 20]
         summ = {}
-        for k in ("openmpi_tcp", "gloo"):
+        for k in BASELINES:
             vals = [r[f"ratio_vs_{k}"] for r in big if f"ratio_vs_{k}" in r]
             if vals:
                 summ[k] = {"min_ratio_ge_4MiB": min(vals), "median_ratio_ge_4MiB": statistics.median(vals)}
@@ -895,11 +1026,11 @@ def plot(rec, path):
     a6.axis("off")
     for j, (n, r) in enumerate((rec.get("allreduce") or {}).items()):
         x = [row["bytes"] for row in r["rows"]]
-        for i, k in enumerate(("commlib.elastic", "openmpi_tcp", "gloo")):
+        for i, k in enumerate(("commlib.elastic",) + BASELINES):
             if k in r["rows"][0]:
-                a1.plot(x, [row[k]["busbw_GBps"] for row in r["rows"]], ["o-", "s--", "^:"][i], ms=3,
+                a1.plot(x, [row[k]["busbw_GBps"] for row in r["rows"]], ["o-", "s--", "^:", "x-."][i], ms=3,
                         color=f"C{i}", alpha=1 if j else 0.55, label=f"{k}, {n} peers")
-        for i, k in enumerate(("openmpi_tcp", "gloo")):
+        for i, k in enumerate(BASELINES):
             if f"ratio_vs_{k}" in r["rows"][0]:
                 a2.plot(x, [row[f"ratio_vs_{k}"] for row in r["rows"]], ".-", color=f"C{i + 1}",
                         alpha=1 if j else 0.55, label=f"vs {k}, {n} peers")
@@ -1063,7 +1194,8 @@ def main(argv=None):
     ap.add_argument("--rate-mbps", type=float, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
-        return {"elastic": worker_elastic, "mpi": worker_mpi, "gloo": worker_gloo, "loop": worker_loop,
+        return {"elastic": worker_elastic, "mpi": worker_mpi, "gloo": worker_gloo, "sockring": worker_sockring,
+                "loop": worker_loop,
                 "proxy": worker_proxy, "sync": worker_sync, "sink": worker_sink}[a.worker](a)
     if a.min_bytes > a.max_bytes:
         ap.error(f"--min-bytes ({a.min_bytes}) must not exceed --max-bytes ({a.max_bytes})")

@@ -442,6 +442,27 @@ def test_bench_elastic_command_line():
         assert "error:" in r.stderr
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_bench_socket_floor_ring_is_a_correct_allreduce(tmp_path, n):
+    """The benchmark's plain-socket floor (worker_sockring) must run the same ring and
+    reduce correctly: every worker checks its warm-up all-reduce of ones equals n
+    (a wrong chunk order or a lost step fails that check and the worker exits non-zero),
+    sizes not divisible by n included."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    try:
+        import bench_elastic as be
+    finally:
+        sys.path.pop(0)
+    sizes = [4, 12, 4096, 65540]
+    res = be.run_sockring(str(tmp_path), n, sizes, 1, 120)
+    assert res["peers"] == n
+    assert [row["bytes"] for row in res["rows"]] == sizes
+    assert all(row["time_s"] > 0 for row in res["rows"])
+
+
 @pytest.mark.parametrize("group", [(2, 2)], indirect=True)
 @pytest.mark.parametrize("op", ["sum", "min", "max", "prod", "avg"])
 def test_pair_allreduce_one_operand_order_on_both_peers(group, op):

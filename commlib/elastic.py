@@ -274,7 +274,8 @@ class Master:
                     p.conn.send_frame(tcp.K_PING, b"", timeout=self.heartbeat_timeout)
                 else:
                     p.conn.send_ctrl(msg, timeout=self.heartbeat_timeout)
-            except Exception:  # noqa: BLE001 - a peer that does not read is dead
+            except Exception as exc:  # noqa: BLE001 - a peer that does not read is dead
+                _dbg(f"master: writer to peer {p.id} failed: {exc!r}")
                 self._died(p.id)
                 return
 
@@ -285,8 +286,8 @@ class Master:
                 if kind != tcp.K_CTRL or not isinstance(msg, dict):
                     raise tcp.FrameError("expected a control message")
                 self._handle(p, msg)
-        except Exception:  # noqa: BLE001 - closed, malformed, or a bad message: the peer is gone
-            pass
+        except Exception as exc:  # noqa: BLE001 - closed, malformed, or a bad message: the peer is gone
+            _dbg(f"master: reader of peer {p.id} ended: {exc!r}")
         self._died(p.id)
 
     def _silent(self, p: _MPeer, now: float) -> bool:

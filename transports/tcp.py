@@ -54,9 +54,14 @@ compute the same cut from ``L`` and ``S``.
 Threads, not selectors: each connection has a receiver thread that reads frames
 straight into the posted receive buffer (``recv_into``, no copy) and a sender
 thread fed by a queue that writes header and payload with one ``sendmsg``;
-blocking socket calls release the GIL, so the ``S`` streams of a pair move in
-parallel without a hand-written non-blocking write state machine.  Sockets use
-``TCP_NODELAY`` and 4 MiB buffers.
+socket calls release the GIL, so the ``S`` streams of a pair move in parallel.
+Sockets use ``TCP_NODELAY`` and 4 MiB buffers.  A :class:`Connection` puts its
+socket in non-blocking mode once and never changes it: each read or write tries
+the system call and waits in ``poll`` for its own deadline only when the kernel
+has nothing (``EAGAIN``).  (Python's ``settimeout`` is per socket object: a
+writer setting its timeout while a reader thread of the same socket runs without
+one used to switch the socket to non-blocking under the reader, whose ``recv``
+then failed with ``EAGAIN`` and tore down a healthy control connection.)
 
 Early frames: a frame of at least :data:`POST_WAIT_MIN` bytes whose receive is
 not posted yet (a ring neighbour one step ahead) is left in the kernel's socket
@@ -78,6 +83,7 @@ import hmac
 import os
 import queue
 import secrets
+import select
 import socket
 import struct
 import threading
@@ -206,29 +212,62 @@ def frame_bounds(nbytes: int, streams: int) -> list[int]:
     return [i * base + min(i, extra) for i in range(k + 1)]
 
 
-def _recv_exact_into(sock: socket.socket, mv: memoryview) -> None:
+def _wait_io(sock: socket.socket, events: int, deadline: float | None) -> None:
+    """Wait until ``sock`` is ready for ``events`` (``select.POLLIN`` or
+    ``select.POLLOUT``; errors and hang-ups count as ready, so the next call
+    reports them).
+
+    Raises:
+        socket.timeout: ``deadline`` (``time.monotonic()`` seconds) passed first.
+        ConnectionError: the socket was closed (by another thread).
+    """
+    while True:
+        if deadline is None:
+            ms = 1000  # in slices, to notice a close by another thread
+        else:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("deadline passed")
+            ms = min(1000, int(left * 1000) + 1)
+        fd = sock.fileno()
+        if fd < 0:
+            raise ConnectionError("connection closed")
+        poller = select.poll()
+        poller.register(fd, events | select.POLLERR | select.POLLHUP)
+        if poller.poll(ms):
+            return
+
+
+def _recv_exact_into(sock: socket.socket, mv: memoryview, deadline: float | None = None) -> None:
+    """Fill ``mv`` from ``sock`` (blocking, timeout or non-blocking mode), waiting
+    at most until ``deadline`` (None: no bound)."""
     got, n = 0, len(mv)
     while got < n:
-        k = sock.recv_into(mv[got:], n - got)
+        try:
+            k = sock.recv_into(mv[got:], n - got)
+        except (BlockingIOError, InterruptedError):
+            _wait_io(sock, select.POLLIN, deadline)
+            continue
         if k == 0:
             raise ConnectionError("connection closed")
         got += k
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:
     buf = bytearray(n)
-    _recv_exact_into(sock, memoryview(buf))
+    _recv_exact_into(sock, memoryview(buf), deadline)
     return buf
 
 
-def _set_deadline(sock: socket.socket, deadline: float | None) -> None:
-    if deadline is None:
-        sock.settimeout(None)
-        return
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise socket.timeout("deadline passed")
-    sock.settimeout(left)
+def _send_all(sock: socket.socket, data, deadline: float | None = None) -> None:
+    """Write all of ``data`` (bytes-like) to ``sock``, waiting at most until ``deadline``."""
+    mv = memoryview(data).cast("B")
+    off, n = 0, len(mv)
+    while off < n:
+        try:
+            off += sock.send(mv[off:])
+        except (BlockingIOError, InterruptedError):
+            _wait_io(sock, select.POLLOUT, deadline)
 
 
 # ------------------------------------------------------------- AES-GCM
@@ -277,6 +316,7 @@ class Connection:
     """
 
     def __init__(self, sock: socket.socket, *, tx: _Sealer | None = None, rx: _Sealer | None = None):
+        sock.setblocking(False)  # once, for good: every wait is a poll with its own deadline
         self.sock = sock
         self.tx, self.rx = tx, rx
         self.lock = threading.Lock()
@@ -300,28 +340,31 @@ class Connection:
             ConnectionError / OSError: the connection failed (it is then closed).
         """
         mv = memoryview(payload).cast("B") if not isinstance(payload, (bytes, bytearray)) else payload
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self.lock:
             if self.closed:
                 raise ConnectionError("connection closed")
             try:
-                self.sock.settimeout(timeout)
                 if self.tx is not None:
                     n = len(mv) + GCM_TAG
                     hdr = HEADER.pack(MAGIC, VERSION, kind, F_SEALED, epoch, tag, chunk, stream, n)
                     body = self.tx.seal(hdr, mv)
-                    self.sock.sendall(hdr + body)
+                    _send_all(self.sock, hdr + body, deadline)
                     return HEADER.size + n
                 hdr = HEADER.pack(MAGIC, VERSION, kind, 0, epoch, tag, chunk, stream, len(mv))
                 if len(mv) <= 65536:
-                    self.sock.sendall(hdr + bytes(mv))
+                    _send_all(self.sock, hdr + bytes(mv), deadline)
                 else:
                     # header and payload in one system call (one segment less), the rest as it drains
-                    sent = self.sock.sendmsg([hdr, mv])
+                    try:
+                        sent = self.sock.sendmsg([hdr, mv])
+                    except (BlockingIOError, InterruptedError):
+                        sent = 0
                     if sent < HEADER.size:
-                        self.sock.sendall(hdr[sent:])
-                        self.sock.sendall(mv)
+                        _send_all(self.sock, hdr[sent:], deadline)
+                        _send_all(self.sock, mv, deadline)
                     elif sent < HEADER.size + len(mv):
-                        self.sock.sendall(mv[sent - HEADER.size:])
+                        _send_all(self.sock, mv[sent - HEADER.size:], deadline)
                 return HEADER.size + len(mv)
             except BaseException:
                 self._close_locked()
@@ -338,8 +381,7 @@ class Connection:
             FrameError: bad magic, version or kind.
             ConnectionError / OSError / socket.timeout: the connection failed.
         """
-        _set_deadline(self.sock, deadline)
-        raw = bytes(_recv_exact(self.sock, HEADER.size))
+        raw = bytes(_recv_exact(self.sock, HEADER.size, deadline))
         magic, version, kind, flags, epoch, tag, chunk, stream, length = HEADER.unpack(raw)
         if magic != MAGIC or version != VERSION or kind not in _KINDS or flags & ~F_SEALED:
             raise FrameError("bad frame header")
@@ -356,9 +398,8 @@ class Connection:
 
         ``into`` (exactly the plaintext size) receives it without a copy when not sealed.
         """
-        _set_deadline(self.sock, deadline)
         if self.rx is not None:
-            body = _recv_exact(self.sock, length)
+            body = _recv_exact(self.sock, length, deadline)
             plain = self.rx.open(self._hdr, body)
             if into is not None:
                 if len(plain) != len(into):
@@ -367,9 +408,9 @@ class Connection:
                 return None
             return plain
         if into is not None:
-            _recv_exact_into(self.sock, into)
+            _recv_exact_into(self.sock, into, deadline)
             return None
-        return bytes(_recv_exact(self.sock, length))
+        return bytes(_recv_exact(self.sock, length, deadline))
 
     def plain_length(self, length: int) -> int:
         return length - GCM_TAG if self.rx is not None else length
@@ -383,9 +424,8 @@ class Connection:
         mv = memoryview(buf)
         left = length
         while left:
-            k = self.sock.recv_into(mv[:min(left, len(buf))])
-            if k == 0:
-                raise ConnectionError("connection closed")
+            k = min(left, len(buf))
+            _recv_exact_into(self.sock, mv[:k])
             left -= k
 
     def read_ctrl(self, deadline: float | None = None, limit: int = CTRL_MAX):
@@ -467,7 +507,6 @@ def client_handshake(sock: socket.socket, secret: bytes, hello: dict, *, timeout
     if encrypt:
         c2s, s2c = _derive_keys(secret, ns, nc)
         conn.tx, conn.rx = _Sealer(c2s, b"c2s_"), _Sealer(s2c, b"s2c_")
-    sock.settimeout(None)
     return conn
 
 
@@ -504,7 +543,6 @@ def server_handshake(sock: socket.socket, secret: bytes, *, timeout: float = 5.0
         c2s, s2c = _derive_keys(secret, ns, nc)
         conn.tx, conn.rx = _Sealer(s2c, b"s2c_"), _Sealer(c2s, b"c2s_")
     conn.hello = hello
-    sock.settimeout(None)
     return conn
 
 

@@ -666,28 +666,20 @@ def run_gloo(tmp, n, sz, trials, timeout):
             return None
     except ImportError:
         return None
-    out = os.path.join(tmp, f"gloo_{n}.json")
-    port = free_port()
-    procs = [subprocess.Popen(PY + [HERE, "--worker", "gloo", "--port", str(port), "--rank", str(r), "--n", str(n),
-                                    "--sizes", ",".join(map(str, sz)), "--trials", str(trials), "--out", out],
-                              cwd=REPO, stdout=open(os.path.join(tmp, f"gloo{r}.log"), "wb"),
-                              stderr=subprocess.STDOUT) for r in range(n)]
-    try:
-        _run_all(procs, timeout)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    with open(out) as fh:
-        return json.load(fh)
+    return _run_ranks(tmp, "gloo", n, sz, trials, timeout, ["--port", str(free_port())])
 
 
 def run_sockring(tmp, n, sz, trials, timeout):
-    out = os.path.join(tmp, f"sockring_{n}.json")
-    ports = ",".join(str(free_port()) for _ in range(n))
-    procs = [subprocess.Popen(PY + [HERE, "--worker", "sockring", "--map", ports, "--rank", str(r), "--n", str(n),
-                                    "--sizes", ",".join(map(str, sz)), "--trials", str(trials), "--out", out],
-                              cwd=REPO, stdout=open(os.path.join(tmp, f"sockring{r}.log"), "wb"),
+    return _run_ranks(tmp, "sockring", n, sz, trials, timeout,
+                      ["--map", ",".join(str(free_port()) for _ in range(n))])
+
+
+def _run_ranks(tmp, worker, n, sz, trials, timeout, extra):
+    """Start ``n`` ``--worker`` processes (ranks 0..n-1) and return rank 0's JSON."""
+    out = os.path.join(tmp, f"{worker}_{n}.json")
+    procs = [subprocess.Popen(PY + [HERE, "--worker", worker, "--rank", str(r), "--n", str(n), "--sizes",
+                                    ",".join(map(str, sz)), "--trials", str(trials), "--out", out] + extra,
+                              cwd=REPO, stdout=open(os.path.join(tmp, f"{worker}{r}.log"), "wb"),
                               stderr=subprocess.STDOUT) for r in range(n)]
     try:
         _run_all(procs, timeout)

@@ -56,12 +56,13 @@ straight into the posted receive buffer (``recv_into``, no copy) and a sender
 thread fed by a queue that writes header and payload with one ``sendmsg``;
 socket calls release the GIL, so the ``S`` streams of a pair move in parallel.
 Sockets use ``TCP_NODELAY`` and 4 MiB buffers.  A :class:`Connection` puts its
-socket in non-blocking mode once and never changes it: each read or write tries
-the system call and waits in ``poll`` for its own deadline only when the kernel
-has nothing (``EAGAIN``).  (Python's ``settimeout`` is per socket object: a
-writer setting its timeout while a reader thread of the same socket runs without
-one used to switch the socket to non-blocking under the reader, whose ``recv``
-then failed with ``EAGAIN`` and tore down a healthy control connection.)
+socket in blocking mode once and never changes it: an unbounded read or write
+blocks in the kernel (the data path: one system call per wake-up), a bounded one
+passes ``MSG_DONTWAIT`` and waits in ``poll`` for its own deadline.  (Python's
+``settimeout`` is per socket object: a writer setting its timeout while a reader
+thread of the same socket ran without one used to switch the socket to
+non-blocking under the reader, whose ``recv`` then failed with ``EAGAIN`` and
+tore down a healthy control connection.)
 
 Early frames: a frame of at least :data:`POST_WAIT_MIN` bytes whose receive is
 not posted yet (a ring neighbour one step ahead) is left in the kernel's socket
@@ -212,6 +213,9 @@ def frame_bounds(nbytes: int, streams: int) -> list[int]:
     return [i * base + min(i, extra) for i in range(k + 1)]
 
 
+_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0x40)
+
+
 def _wait_io(sock: socket.socket, events: int, deadline: float | None) -> None:
     """Wait until ``sock`` is ready for ``events`` (``select.POLLIN`` or
     ``select.POLLOUT``; errors and hang-ups count as ready, so the next call
@@ -239,12 +243,16 @@ def _wait_io(sock: socket.socket, events: int, deadline: float | None) -> None:
 
 
 def _recv_exact_into(sock: socket.socket, mv: memoryview, deadline: float | None = None) -> None:
-    """Fill ``mv`` from ``sock`` (blocking, timeout or non-blocking mode), waiting
-    at most until ``deadline`` (None: no bound)."""
+    """Fill ``mv`` from ``sock``, waiting at most until ``deadline`` (None: no bound).
+
+    The socket stays in blocking mode: without a deadline each ``recv`` blocks in
+    the kernel (one system call per wake-up on the data path); with one, each
+    ``recv`` is ``MSG_DONTWAIT`` and the waits are ``poll`` calls bounded by it."""
     got, n = 0, len(mv)
+    flags = 0 if deadline is None else _DONTWAIT
     while got < n:
         try:
-            k = sock.recv_into(mv[got:], n - got)
+            k = sock.recv_into(mv[got:], n - got, flags)
         except (BlockingIOError, InterruptedError):
             _wait_io(sock, select.POLLIN, deadline)
             continue
@@ -260,12 +268,17 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> b
 
 
 def _send_all(sock: socket.socket, data, deadline: float | None = None) -> None:
-    """Write all of ``data`` (bytes-like) to ``sock``, waiting at most until ``deadline``."""
+    """Write all of ``data`` (bytes-like) to ``sock``, waiting at most until
+    ``deadline`` (None: a plain blocking ``sendall``; else ``MSG_DONTWAIT`` sends
+    and bounded ``poll`` waits)."""
+    if deadline is None:
+        sock.sendall(data)
+        return
     mv = memoryview(data).cast("B")
     off, n = 0, len(mv)
     while off < n:
         try:
-            off += sock.send(mv[off:])
+            off += sock.send(mv[off:], _DONTWAIT)
         except (BlockingIOError, InterruptedError):
             _wait_io(sock, select.POLLOUT, deadline)
 
@@ -316,7 +329,7 @@ class Connection:
     """
 
     def __init__(self, sock: socket.socket, *, tx: _Sealer | None = None, rx: _Sealer | None = None):
-        sock.setblocking(False)  # once, for good: every wait is a poll with its own deadline
+        sock.setblocking(True)  # once, for good: a bounded call passes MSG_DONTWAIT and polls
         self.sock = sock
         self.tx, self.rx = tx, rx
         self.lock = threading.Lock()
@@ -357,7 +370,7 @@ class Connection:
                 else:
                     # header and payload in one system call (one segment less), the rest as it drains
                     try:
-                        sent = self.sock.sendmsg([hdr, mv])
+                        sent = self.sock.sendmsg([hdr, mv], [], 0 if deadline is None else _DONTWAIT)
                     except (BlockingIOError, InterruptedError):
                         sent = 0
                     if sent < HEADER.size:

@@ -267,14 +267,15 @@ def worker_sockring(a):
         recv_into(memoryview(recv).cast("B"))
         done.get()
 
-    scratch = {}
+    from commlib.collectives._common import chunk_bounds_list  # noqa: PLC0415
+
+    plans = {}  # per size: chunk bounds (numpy.array_split's cut) and the receive scratch
 
     def ar(x):
-        b = [len(c) for c in np.array_split(np.empty(x.size, np.uint8), n)]
-        bounds = np.concatenate([[0], np.cumsum(b)]).tolist()
-        tmp = scratch.get(x.size)
-        if tmp is None:
-            tmp = scratch[x.size] = np.empty(max(b), x.dtype)
+        if x.size not in plans:
+            b = chunk_bounds_list(x.size, n)
+            plans[x.size] = (b, np.empty(max(b[i + 1] - b[i] for i in range(n)), x.dtype))
+        bounds, tmp = plans[x.size]
         for s in range(n - 1):
             sc, rc = (r - s) % n, (r - s - 1) % n
             dst = x[bounds[rc]:bounds[rc + 1]]

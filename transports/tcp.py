@@ -216,30 +216,24 @@ def frame_bounds(nbytes: int, streams: int) -> list[int]:
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0x40)
 
 
-def _wait_io(sock: socket.socket, events: int, deadline: float | None) -> None:
+def _wait_io(sock: socket.socket, events: int, deadline: float) -> None:
     """Wait until ``sock`` is ready for ``events`` (``select.POLLIN`` or
     ``select.POLLOUT``; errors and hang-ups count as ready, so the next call
-    reports them).
+    reports them), at most until ``deadline`` (``time.monotonic()`` seconds).
 
     Raises:
-        socket.timeout: ``deadline`` (``time.monotonic()`` seconds) passed first.
+        socket.timeout: ``deadline`` passed.
         ConnectionError: the socket was closed (by another thread).
     """
-    while True:
-        if deadline is None:
-            ms = 1000  # in slices, to notice a close by another thread
-        else:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise socket.timeout("deadline passed")
-            ms = min(1000, int(left * 1000) + 1)
-        fd = sock.fileno()
-        if fd < 0:
-            raise ConnectionError("connection closed")
-        poller = select.poll()
-        poller.register(fd, events | select.POLLERR | select.POLLHUP)
-        if poller.poll(ms):
-            return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise socket.timeout("deadline passed")
+    fd = sock.fileno()
+    if fd < 0:
+        raise ConnectionError("connection closed")
+    poller = select.poll()
+    poller.register(fd, events | select.POLLERR | select.POLLHUP)
+    poller.poll(int(left * 1000) + 1)  # the caller retries its call, then waits again or times out
 
 
 def _recv_exact_into(sock: socket.socket, mv: memoryview, deadline: float | None = None) -> None:
@@ -253,7 +247,9 @@ def _recv_exact_into(sock: socket.socket, mv: memoryview, deadline: float | None
     while got < n:
         try:
             k = sock.recv_into(mv[got:], n - got, flags)
-        except (BlockingIOError, InterruptedError):
+        except BlockingIOError:
+            if deadline is None:  # pragma: no cover - a Connection's socket is blocking
+                raise
             _wait_io(sock, select.POLLIN, deadline)
             continue
         if k == 0:
@@ -279,7 +275,7 @@ def _send_all(sock: socket.socket, data, deadline: float | None = None) -> None:
     while off < n:
         try:
             off += sock.send(mv[off:], _DONTWAIT)
-        except (BlockingIOError, InterruptedError):
+        except BlockingIOError:
             _wait_io(sock, select.POLLOUT, deadline)
 
 
@@ -371,7 +367,7 @@ class Connection:
                     # header and payload in one system call (one segment less), the rest as it drains
                     try:
                         sent = self.sock.sendmsg([hdr, mv], [], 0 if deadline is None else _DONTWAIT)
-                    except (BlockingIOError, InterruptedError):
+                    except BlockingIOError:  # MSG_DONTWAIT with a full buffer
                         sent = 0
                     if sent < HEADER.size:
                         _send_all(self.sock, hdr[sent:], deadline)

@@ -5,12 +5,13 @@
 #
 #   stage "MPI tests on 4 rank(s)" timeout 900 mpiexec ... || status=1
 stage() {
-  local name=$1 log rc
+  local name=$1 log rc t0=$SECONDS
   shift
   echo "== $name"
   log=$(mktemp "${TMPDIR:-/tmp}/commlib-stage.XXXXXX")
   "$@" 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
+  echo "== $name: exit $rc after $((SECONDS - t0)) s"
   if [ "$rc" != 0 ] && [ -n "${COMMLIB_RECAP:-}" ]; then
     {
       echo "stage failed (exit $rc): $name"

@@ -115,8 +115,8 @@ setup(
         # python -m commlib.apps.diloco (elastic DiLoCo on scikit-learn's digits)
         "apps": ["scikit-learn>=1.3"],
         # the suite tests the apps too (tests/test_diloco.py runs DiLoCo on real data)
-        "test": ["pytest>=7", "pytest-mpi>=0.6", "pytest-timeout>=2.1", "hypothesis>=6", "import-linter>=2.1",
-                 "scikit-learn>=1.3"],
+        "test": ["pytest>=7", "pytest-mpi>=0.6", "pytest-timeout>=2.1", "pytest-xdist>=3", "hypothesis>=6",
+                 "import-linter>=2.1", "scikit-learn>=1.3"],
     },
     entry_points={"console_scripts": ["commlib=commlib.cli:main"]},
 )

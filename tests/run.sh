@@ -22,7 +22,23 @@ status=0
 # shellcheck source=tests/stage.sh
 . tests/stage.sh
 
-stage "serial tests" timeout 1500 "$PY" -P -m pytest -q -rfE -p no:cacheprovider --timeout=600 tests "$@" || status=1
+# The serial tests in two stages. The timing-driven files (fault injection, the
+# elastic layer's sockets and deadlines, command lines killed on a timer) run one
+# test at a time, as before: side by side on a 2-core machine their deadlines
+# would race each other. The rest are plain CPU work (the CUDA simulator,
+# hypothesis against MPI's own packing) and run in $WORKERS pytest-xdist workers.
+TIMED=${COMMLIB_TIMED_TESTS-"tests/test_ft.py tests/test_ft_heat.py tests/test_ft_kill.py tests/test_elastic.py
+  tests/test_elastic_churn.py tests/test_tcp.py tests/test_diloco.py tests/test_cli_refusal.py"}
+WORKERS=${COMMLIB_TEST_WORKERS:-2}
+skip=()
+for f in $TIMED; do skip+=("--ignore=$f"); done
+stage "serial tests ($WORKERS workers)" timeout 1500 "$PY" -P -m pytest -q -rfE -p no:cacheprovider --timeout=600 \
+  -n "$WORKERS" tests "${skip[@]}" "$@" || status=1
+if [ -n "${TIMED// /}" ]; then
+  # shellcheck disable=SC2086
+  stage "serial tests, timing-driven (one at a time)" timeout 1500 "$PY" -P -m pytest -q -rfE -p no:cacheprovider \
+    --timeout=600 $TIMED "$@" || status=1
+fi
 
 # Under mpiexec a test that times out ends its rank (pytest-timeout's thread
 # method, with every thread's stack printed) and so the job: the signal method

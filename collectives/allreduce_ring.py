@@ -50,7 +50,7 @@ def allreduce_ring(transport, buf: np.ndarray, op="sum", *, sendbuf: np.ndarray 
         sendbuf: this rank's input when it is not ``buf`` (out of place: same
             count and dtype, not modified; nothing is copied up front).
         timeout: seconds each of the ``2 (n - 1)`` steps may take (None: unbounded).
-        save: a :class:`.ft.LazySnapshot` of ``buf`` (in place only): every
+        save: a :class:`.snapshot.LazySnapshot` of ``buf`` (in place only): every
             chunk is saved before it is first overwritten, overlapped with the
             reduce-scatter's transfers, so a fault-tolerant retry can restore
             the input without a memcpy up front.

@@ -22,6 +22,7 @@ buffer's own dtype (a float16 sum accumulates in float16, as MPI and NCCL do).
 from __future__ import annotations
 
 import functools
+import sys
 import zlib
 from dataclasses import dataclass
 from typing import Callable
@@ -29,10 +30,8 @@ from typing import Callable
 import numpy as np
 
 from commlib.core.errors import InvalidArgument
-from commlib.transports import mpi as _mpi
 
-__all__ = ["Op", "OPS", "get_op", "reduce_into", "dtype_code", "dtype_name", "is_floating", "is_integer", "mpi_op",
-           "mpi_datatype"]
+__all__ = ["Op", "OPS", "get_op", "reduce_into", "dtype_code", "dtype_name", "is_floating", "is_integer"]
 
 try:  # ml_dtypes is a hard dependency, but keep the module importable without it
     import ml_dtypes as _mld
@@ -145,7 +144,12 @@ def get_op(op, *, rank=None, opname: str = "reduce") -> Op:
     if isinstance(op, Op):
         return op
     if not isinstance(op, str):
-        name = _mpi.op_name(op)
+        # an MPI.Op exists only once mpi4py.MPI is loaded: never load MPI here (an elastic peer runs none)
+        name = None
+        if "mpi4py.MPI" in sys.modules:
+            from commlib.transports.mpi import op_name  # noqa: PLC0415
+
+            name = op_name(op)
         if name is not None:
             return OPS[name]
         raise InvalidArgument(f"unknown op {op!r}; expected one of {sorted(OPS)}", rank=rank, op=opname)
@@ -172,13 +176,3 @@ def reduce_into(acc, incoming, op) -> None:
     from . import _device_reduce  # noqa: PLC0415 - heavy (numba.cuda / CuPy), device buffers only
 
     _device_reduce.reduce_into(acc, incoming, o)
-
-
-def mpi_op(op: Op):
-    """The ``MPI.Op`` for ``op`` (``avg`` maps to ``MPI.SUM``; divide afterwards)."""
-    return _mpi.mpi_op(op.name)
-
-
-def mpi_datatype(dtype):
-    """The predefined ``MPI.Datatype`` MPI can reduce for ``dtype``, or None (bfloat16, float16)."""
-    return _mpi.MPITransport.native_dtype(dtype)

@@ -50,7 +50,7 @@ def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds, *,
         src: this rank's contribution when it is not ``work`` (same size and
             dtype; not modified): saves copying it into ``work`` first.  Chunk
             ``(r - 1) % n`` of ``work`` is then left unset (an allgather fills it).
-        save: a :class:`.ft.LazySnapshot` of ``work`` (in place only): each
+        save: a :class:`.snapshot.LazySnapshot` of ``work`` (in place only): each
             chunk is copied into it just before it is first overwritten, while
             that step's messages are in flight, so the copy hides behind the
             transfer.  The last step also saves chunk ``(r - 1) % n``, the

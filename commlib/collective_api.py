@@ -39,7 +39,8 @@ from commlib.collectives.alltoall_pairwise import alltoall_pairwise
 from commlib.collectives.barrier import barrier_dissemination
 from commlib.collectives.bcast_binomial import bcast_binomial
 from commlib.collectives.engine import SPECS, SmallAllreduce, execute, reduce_rows, small_capacity
-from commlib.collectives.ft import LazySnapshot, recover, run_collective
+from commlib.collectives.ft import recover, run_collective
+from commlib.collectives.snapshot import LazySnapshot
 from commlib.collectives.reduce_scatter_ring import reduce_scatter_ring_inplace
 from commlib.core.buffer import Buffer, as_buffer, grown
 from commlib.core.errors import BufferError, CommError, InvalidArgument
@@ -434,7 +435,7 @@ class CollectiveMixin:
         return out
 
     def _snapshot(self, buf: np.ndarray):
-        """A :class:`~commlib.collectives.ft.LazySnapshot` of ``buf`` whose copy
+        """A :class:`~commlib.collectives.snapshot.LazySnapshot` of ``buf`` whose copy
         lives in a scratch buffer kept by the communicator (grown as needed), so
         repeated fault-tolerant calls do not pay fresh page faults each time."""
         self._ft_scratch = grown(self._ft_scratch, buf.nbytes)

@@ -93,7 +93,7 @@ import numpy as np
 
 from commlib.collectives.allreduce_recursive_doubling import allreduce_recursive_doubling
 from commlib.collectives.allreduce_ring import allreduce_ring, ring_scratch
-from commlib.collectives.ft import LazySnapshot
+from commlib.collectives.snapshot import LazySnapshot
 from commlib.collectives.ops import get_op, is_floating
 from commlib.core.buffer import grown
 from commlib.core.errors import AuthenticationError, CommError, CommTimeout, InvalidArgument, ProcessFailed

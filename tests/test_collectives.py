@@ -21,6 +21,7 @@ MPI = pytest.importorskip("mpi4py.MPI")
 
 import commlib  # noqa: E402
 from commlib.collectives import ops as ops_mod  # noqa: E402
+from commlib.transports import mpi as _mpi_tp
 from commlib.collectives._common import chunk_bounds  # noqa: E402
 from oracles import ring_oracle  # noqa: E402 - tests/oracles.py
 
@@ -58,11 +59,11 @@ def _bit_identical(comm, arr):
 
 
 def _mpi_allreduce(comm, x, op):
-    dt = ops_mod.mpi_datatype(x.dtype)
+    dt = _mpi_tp.MPITransport.native_dtype(x.dtype)
     if dt is None:
         return None
     out = np.empty_like(x)
-    comm.mpi_comm.Allreduce([x, dt], [out, dt], ops_mod.mpi_op(ops_mod.get_op(op)))
+    comm.mpi_comm.Allreduce([x, dt], [out, dt], _mpi_tp.mpi_op(ops_mod.get_op(op).name))
     if op == "avg":
         out = (out / np.asarray(comm.size, dtype=x.dtype)).astype(x.dtype)
     return out
@@ -163,7 +164,7 @@ def test_ring_lazy_snapshot_saves_input_before_overwrite(comm, count):
     copy taken after a write would hold partial sums), and restore() puts the
     input back bit for bit (what a fault-tolerant retry relies on)."""
     from commlib.collectives.allreduce_ring import allreduce_ring
-    from commlib.collectives.ft import LazySnapshot
+    from commlib.collectives.snapshot import LazySnapshot
 
     x = _data(np.dtype(np.float32), count, comm.rank, 77)
     buf = x.copy()
@@ -203,7 +204,7 @@ def test_reduce_scatter(comm, dtype, count_per, algorithm):
         full = ring_oracle(_all_inputs(comm, dtype, count_per * n, 7, "sum"), "sum")
         np.testing.assert_array_equal(out.view(np.uint8), full[comm.rank * count_per:(comm.rank + 1) * count_per].view(np.uint8))
     if dtype != BF16:
-        dt = ops_mod.mpi_datatype(dtype)
+        dt = _mpi_tp.MPITransport.native_dtype(dtype)
         ref = np.empty(count_per, dtype)
         comm.mpi_comm.Reduce_scatter_block([x, dt], [ref, dt], MPI.SUM)
         if dtype.kind == "i":

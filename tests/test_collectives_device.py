@@ -24,6 +24,7 @@ cuda = pytest.importorskip("numba.cuda")
 import commlib  # noqa: E402
 from commlib.collectives import _device_reduce as dr  # noqa: E402
 from commlib.collectives import ops as ops_mod  # noqa: E402
+from commlib.transports import mpi as _mpi_tp
 from oracles import ring_oracle  # noqa: E402 - tests/oracles.py
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -65,16 +66,16 @@ def _sha_identical(comm, arr):
 
 
 def _mpi_ref(comm, x, op, fn="allreduce"):
-    dt = ops_mod.mpi_datatype(x.dtype)
+    dt = _mpi_tp.MPITransport.native_dtype(x.dtype)
     if dt is None or x.dtype.kind not in "iu":
         return None
     if fn == "allreduce":
         out = np.empty_like(x)
-        comm.mpi_comm.Allreduce([x, dt], [out, dt], ops_mod.mpi_op(ops_mod.get_op(op)))
+        comm.mpi_comm.Allreduce([x, dt], [out, dt], _mpi_tp.mpi_op(ops_mod.get_op(op).name))
         return out
     n = comm.size
     out = np.empty(x.size // n, x.dtype)
-    comm.mpi_comm.Reduce_scatter_block([x, dt], [out, dt], ops_mod.mpi_op(ops_mod.get_op(op)))
+    comm.mpi_comm.Reduce_scatter_block([x, dt], [out, dt], _mpi_tp.mpi_op(ops_mod.get_op(op).name))
     return out
 
 

@@ -80,9 +80,12 @@ def test_dtype_code_stable_and_distinct():
 def test_mpi_datatypes():
     from mpi4py import MPI
 
-    assert ops.mpi_datatype(np.float32) == MPI.FLOAT
-    assert ops.mpi_datatype(np.int64) == MPI.INT64_T
-    assert ops.mpi_datatype(BF16) is None and ops.mpi_datatype(np.float16) is None
+    from commlib.transports.mpi import MPITransport, mpi_op
+
+    assert MPITransport.native_dtype(np.float32) == MPI.FLOAT
+    assert MPITransport.native_dtype(np.int64) == MPI.INT64_T
+    assert MPITransport.native_dtype(BF16) is None and MPITransport.native_dtype(np.float16) is None
+    assert mpi_op("sum") == MPI.SUM and mpi_op("avg") == MPI.SUM and mpi_op("band") == MPI.BAND
 
 
 def test_fault_tolerance_validation():

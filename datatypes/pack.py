@@ -20,7 +20,6 @@ import numpy as np
 from commlib.core.buffer import as_buffer
 from commlib.core.errors import BufferError, DatatypeError
 
-from . import _host
 from . import canonical as _c
 from .types import Datatype, as_datatype
 
@@ -109,6 +108,9 @@ class Plan:
             while w > 1 and origin % w:
                 w //= 2
             wit = _WORD[w](0)
+            # numba loads with the first host kernel, not with commlib: a job that
+            # never packs a derived datatype starts without it (0.4 s a process)
+            from . import _host  # noqa: PLC0415
             if self.kind in ("strided", "contig"):
                 c0, oc, os = self.words(w)
                 prm = np.array([(self.start + origin) // w, c0, oc.shape[0], *oc, *os], np.int64)

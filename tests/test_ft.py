@@ -40,7 +40,7 @@ import mpi4py
 mpi4py.rc.initialize = False
 from mpi4py import MPI  # noqa: E402
 
-from launch import LAUNCH_ATTEMPTS, launcher_failed  # noqa: E402 - tests/launch.py
+from launch import FINALIZE_TIMEOUT, LAUNCH_ATTEMPTS, launcher_failed  # noqa: E402 - tests/launch.py
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "ft_worker.py")
@@ -70,6 +70,7 @@ def _run(nprocs, spec, timeout=45, env_extra=None, ulfm=True):
     env = dict(os.environ, COMMLIB_TIMEOUT=env_extra.pop("COMMLIB_TIMEOUT", "10") if env_extra else "10",
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1")
     env.pop("NUMBA_ENABLE_CUDASIM", None)
+    env.setdefault("COMMLIB_FINALIZE_TIMEOUT", FINALIZE_TIMEOUT)
     env.update(env_extra or {})
     if IS_OMPI:
         cmd = [MPIEXEC, "--oversubscribe"]

@@ -22,7 +22,7 @@ mpi4py.rc.initialize = False
 from mpi4py import MPI  # noqa: E402
 
 from commlib.core.device import ulfm_available  # noqa: E402
-from launch import LAUNCH_ATTEMPTS, launcher_failed  # noqa: E402 - tests/launch.py
+from launch import FINALIZE_TIMEOUT, LAUNCH_ATTEMPTS, launcher_failed  # noqa: E402 - tests/launch.py
 
 pytestmark = pytest.mark.skipif(not ("Open MPI" in MPI.Get_library_version() and ulfm_available()),
                                 reason="needs Open MPI with ULFM")
@@ -37,6 +37,7 @@ def _heat(n, args, ft=True, timeout=90):
     cmd += ["-n", str(n), sys.executable, "-P", "-m", "commlib.apps.heat", "--json", out, "--no-progress"] + args
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     env.pop("NUMBA_ENABLE_CUDASIM", None)
+    env.setdefault("COMMLIB_FINALIZE_TIMEOUT", FINALIZE_TIMEOUT)
     for _ in range(LAUNCH_ATTEMPTS):
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:

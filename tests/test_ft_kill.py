@@ -69,7 +69,7 @@ import mpi4py
 mpi4py.rc.initialize = False
 from mpi4py import MPI  # noqa: E402
 
-from launch import LAUNCH_ATTEMPTS, launcher_failed  # noqa: E402 - tests/launch.py
+from launch import FINALIZE_TIMEOUT, LAUNCH_ATTEMPTS, launcher_failed  # noqa: E402 - tests/launch.py
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "ft_worker.py")
@@ -128,6 +128,7 @@ def run_one(spec, seed, nprocs=NP, mib=MIB, timeout=TIMEOUT):
     env = dict(os.environ, COMMLIB_TIMEOUT=str(timeout), COMMLIB_FT_GRACE=str(GRACE),
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1")
     env.pop("NUMBA_ENABLE_CUDASIM", None)
+    env.setdefault("COMMLIB_FINALIZE_TIMEOUT", FINALIZE_TIMEOUT)
     out_dir = tempfile.mkdtemp(prefix="commlib-kill-")
     env["FT_OUT_DIR"] = out_dir
     cmd = [MPIEXEC, "--oversubscribe", "--with-ft", "ulfm", "--mca", "btl", "tcp,self",

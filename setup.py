@@ -112,11 +112,18 @@ setup(
         "mpich": ["mpich>=4.0"],
         **CUDA_EXTRAS,
         "cuda": CUDA_EXTRAS[_cuda_extra()],
+        # commlib.nn (sequence-parallel attention as torch autograd functions) and
+        # python -m commlib.apps.lm; torch is imported nowhere else
+        "torch": ["torch>=2.4"],
         # python -m commlib.apps.diloco (elastic DiLoCo on scikit-learn's digits)
         "apps": ["scikit-learn>=1.3"],
         # the suite tests the apps too (tests/test_diloco.py runs DiLoCo on real data)
         "test": ["pytest>=7", "pytest-mpi>=0.6", "pytest-timeout>=2.1", "pytest-xdist>=3", "hypothesis>=6",
-                 "import-linter>=2.1", "scikit-learn>=1.3"],
+                 "import-linter>=2.1", "scikit-learn>=1.3",
+                 # the torch layer's tests (CPU). Pinned on 3.11 to the CPU build kept on the
+                 # development and CI machines (any other version pulls GBs of CUDA wheels);
+                 # left out on 3.12+ (CI's second leg), where its tests skip.
+                 "torch==2.13.0; python_version < '3.12'"],
     },
     entry_points={"console_scripts": ["commlib=commlib.cli:main"]},
 )

@@ -94,3 +94,24 @@ def test_import_contracts():
     r = subprocess.run(["bash", os.path.join(ROOT, "tests", "lint_layers.sh")], capture_output=True, text=True,
                        env=dict(os.environ, PYTHON=sys.executable), timeout=300)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+
+
+TORCH_IMPORT = re.compile(r"^\s*(import torch\b|from torch\b)")
+
+
+def test_torch_only_in_the_framework_layer_and_apps():
+    """torch is an extra: only ``commlib.nn`` and the apps that run torch models import it
+    (``import commlib``, the collectives and the transports never load it)."""
+    nn = os.path.realpath(os.path.join(_layer_dirs()["commlib"], "nn"))
+    apps = os.path.realpath(_layer_dirs()["apps"])
+    offenders = []
+    for _, path in _sources():
+        if path.startswith(nn + os.sep) or path.startswith(apps + os.sep):
+            continue
+        with open(path, encoding="utf-8") as fh:
+            for i, line in enumerate(fh, 1):
+                if TORCH_IMPORT.search(line):
+                    offenders.append(f"{path}:{i}: {line.strip()}")
+    assert not offenders, "torch imported outside commlib.nn and the apps:\n" + "\n".join(offenders)
+    assert TORCH_IMPORT.search("    import torch  # noqa") and TORCH_IMPORT.search("from torch.nn import F")
+    assert not TORCH_IMPORT.search("import torchvision") and not TORCH_IMPORT.search("# torch is imported")

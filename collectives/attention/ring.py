@@ -14,6 +14,9 @@ block's owner.  The K/V exchange of the next step is posted before the
 current block's gradients are computed, and the incoming ``dk``/``dv`` is
 received while the local contribution is computed.
 
+Who holds which shard at each step, and the ring neighbours, come from
+:class:`.schedule.RingSchedule` (the same schedule the torch ring uses).
+
 Papers: Ring Attention (Liu, Zaharia, Abbeel 2023, arXiv:2310.01889); Striped
 Attention (Brandon et al. 2023, arXiv:2311.09431); the zigzag layout of
 ring-flash-attention (github.com/zhuzilin/ring-flash-attention).  Unlike the
@@ -29,6 +32,7 @@ import numpy as np
 from .blocks import ForwardAccumulator, backward_block, forward_block, from_heads_major, tile_plan, to_heads_major
 from .common import as_array_api, validate
 from .layout import sequence_positions
+from .schedule import RingSchedule
 from .transport import transport_of
 
 __all__ = ["ring_attention", "ring_attention_backward", "ring_plan_work"]
@@ -61,8 +65,8 @@ def ring_plan_work(size: int, seq_len: int, seq_local: int, layout: str, causal:
     work = np.zeros((size, size), dtype=np.int64)
     pos = [sequence_positions(layout, r, size, seq_local) for r in range(size)]
     for r in range(size):
-        for s in range(size):
-            work[r, s] = tile_plan(pos[r], pos[(r - s) % size], seq_len, causal, tile).work
+        for st in RingSchedule(size, r).steps():
+            work[r, st.step] = tile_plan(pos[r], pos[st.owners[0]], seq_len, causal, tile).work
     return work
 
 
@@ -129,11 +133,13 @@ def ring_attention(comm, q, k, v, causal: bool = False, layout: str = "contiguou
     state = ForwardAccumulator(qh.shape, spec.cdtype, xp)
     cur = _heads_major_kv(k, v, spec)
     nxt = xp.empty_like(cur) if P > 1 else None
-    dst, src_rank = (r + 1) % P, (r - 1) % P
-    for step in range(P):
-        owner = (r - step) % P
+    sched = RingSchedule(P, r)
+    stream = sched.streams[0]
+    dst, src_rank = sched.send_to(stream), sched.recv_from(stream)
+    for ring_step in sched.steps():
+        step, owner = ring_step.step, ring_step.owners[0]
         reqs = []
-        if step < P - 1:  # double buffering: post the next block before computing this one
+        if not ring_step.last:  # double buffering: post the next block before computing this one
             reqs = [tp.irecv(nxt, src_rank, tag_kv), tp.isend(cur, dst, tag_kv)]
         t0 = time.perf_counter()
         kpos = sequence_positions(layout, owner, P, L)
@@ -147,7 +153,7 @@ def ring_attention(comm, q, k, v, causal: bool = False, layout: str = "contiguou
         if st is not None:
             st["steps"].append(dict(step=step, source=owner, work=plan.work * nbh, visible=plan.visible * nbh,
                                     compute_s=t1 - t0, wait_s=t2 - t1))
-        if step < P - 1:
+        if not ring_step.last:
             cur, nxt = nxt, cur
     out, lse = state.finalize()
     out = from_heads_major(out, spec.dtype, xp)
@@ -209,14 +215,16 @@ def ring_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = False,
     dkv_shape = (2, spec.batch, hk, L, spec.head_dim)
     cur = _heads_major_kv(k, v, spec)
     nxt = xp.empty_like(cur) if P > 1 else None
-    dst, src_rank = (r + 1) % P, (r - 1) % P
+    sched = RingSchedule(P, r)
+    stream = sched.streams[0]
+    dst, src_rank = sched.send_to(stream), sched.recv_from(stream)
     dkv_in = None      # request + buffer of the travelling dk/dv arriving for this step
     dkv_sends = []     # sends still in flight (their buffers must stay untouched)
     dkv = None
-    for step in range(P):
-        owner = (r - step) % P
+    for ring_step in sched.steps():
+        step, owner = ring_step.step, ring_step.owners[0]
         reqs = []
-        if step < P - 1:  # post the next K/V block before computing this one
+        if not ring_step.last:  # post the next K/V block before computing this one
             reqs = [tp.irecv(nxt, src_rank, tag_kv), tp.isend(cur, dst, tag_kv)]
         if P > 1:  # the dk/dv that will arrive for the next step (or, at the last, our own)
             nxt_buf = xp.empty(dkv_shape, dtype=cdt)
@@ -243,7 +251,7 @@ def ring_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = False,
         if st is not None:
             st["steps"].append(dict(step=step, source=owner, work=plan.work * nbh, visible=plan.visible * nbh,
                                     compute_s=t1 - t0, wait_s=t2 - t1))
-        if step < P - 1:
+        if not ring_step.last:
             cur, nxt = nxt, cur
     if P > 1:  # our own block's dk/dv, back from its last holder
         req, dkv = dkv_in

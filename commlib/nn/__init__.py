@@ -1,0 +1,49 @@
+"""Sequence-parallel attention for torch models: autograd functions over a commlib communicator.
+
+The torch layer above :mod:`commlib.collectives` (torch is imported here and
+nowhere below; install it with ``pip install "commlib[torch]"``).  Every function
+takes this rank's shard of the sequence as torch tensors, q
+``(batch, seq_local, heads, head_dim)`` and k, v
+``(batch, seq_local, kv_heads, head_dim)`` (``heads % kv_heads == 0``; K/V travel
+unreplicated), on CPU or CUDA, in float16, bfloat16, float32 or float64, and
+returns ``out`` shaped like q that ``loss.backward()`` differentiates with
+respect to q, k and v.  Block math runs on torch's fused attention kernels that
+return the log-sum-exp; block outputs and lse are merged in float32 (float64
+for float64 inputs), never in the half dtype, and dq and the travelling dk/dv
+accumulate in float32.
+
+* :func:`ring_attention`: K/V travel round the ring (Ring Attention, Liu et al.
+  2023, arXiv:2310.01889) in the ``"contiguous"``, ``"striped"`` (Brandon et al.
+  2023, arXiv:2311.09431) or ``"zigzag"`` layout; ``cu_seqlens`` for packed
+  variable-length documents (FlashAttention's convention).
+* :func:`ring_attention_bidirectional`: each K/V shard split in two halves that
+  travel round the ring in opposite directions, so a step moves half the bytes
+  per link (the idea of TokenRing, arXiv:2412.20501, with a backward).
+* :func:`ulysses_attention`: all-to-all from sequence to head shards and back
+  (DeepSpeed-Ulysses, Jacobs et al. 2023, arXiv:2309.14509).
+* :func:`hybrid_attention`: Ulysses inside groups of ``ulysses_degree`` ranks, a
+  ring across the groups (USP, Fang & Zhao 2024, arXiv:2405.07719).
+* :func:`shard_sequence` / :func:`unshard_sequence`: between the global
+  sequence and this rank's shard (the latter differentiable).
+* :class:`SequenceParallelAttention`: a ``torch.nn.Module`` a model swaps in for
+  its attention call.
+
+Bad arguments raise :class:`commlib.InvalidArgument` on every rank before any
+byte moves; waits are bounded by ``timeout`` (seconds) and raise
+:class:`commlib.CommTimeout`.
+"""
+from .hybrid import hybrid_attention
+from .module import SequenceParallelAttention
+from .ring import ring_attention, ring_attention_bidirectional
+from .shard import shard_sequence, unshard_sequence
+from .ulysses import ulysses_attention
+
+__all__ = [
+    "ring_attention",
+    "ring_attention_bidirectional",
+    "ulysses_attention",
+    "hybrid_attention",
+    "shard_sequence",
+    "unshard_sequence",
+    "SequenceParallelAttention",
+]

@@ -1,0 +1,216 @@
+"""Unified sequence parallelism: Ulysses inside groups, ring attention across them.
+
+USP (Fang & Zhao 2024, "USP: A Unified Sequence Parallelism Approach for Long
+Context Generative AI", arXiv:2405.07719) arranges the ``P`` ranks as a grid
+of ``R = P / U`` ring groups by ``U = ulysses_degree`` Ulysses groups:
+
+1. inside each Ulysses group of ``U`` ranks, an all-to-all over heads
+   (DeepSpeed-Ulysses, Jacobs et al. 2023, arXiv:2309.14509) turns the ``U``
+   sequence shards ``(B, L, H, D)`` into ``(B, U*L, H/U, D)``: the group's
+   tokens for ``H/U`` heads;
+2. the ``R`` ranks that hold the same heads (one per Ulysses group) run ring
+   attention (:func:`commlib.nn.ring.ring_attention`) over those tokens;
+3. the inverse all-to-all returns the output to sequence shards.
+
+Layouts.  The user shards the global sequence once over all ``P`` ranks with
+``commlib.nn.shard_sequence(x, comm, layout)``.  Which ranks form a Ulysses
+group is chosen so that a group's tokens are exactly the shard the ring's
+layout assigns to that group among ``R`` ring ranks:
+
+* ``"contiguous"``: groups of ``U`` consecutive ranks ``gU .. gU+U-1``; they
+  hold chunk ``g`` of ``R`` contiguous chunks.
+* ``"zigzag"``: the same consecutive groups; rank ``gU+u`` holds chunks
+  ``gU+u`` and ``2P-1-gU-u`` of ``2P``, so the group holds chunks ``g`` and
+  ``2R-1-g`` of ``2R`` (each ``U`` times larger): the zigzag shard of ring
+  rank ``g``.
+* ``"striped"``: groups of the strided ranks ``g, g+R, g+2R, ...``; rank
+  ``g+uR`` holds tokens ``t = g+uR (mod P)``, so the group holds
+  ``t = g (mod R)``: the striped shard of ring rank ``g``.  (Consecutive
+  groups would hold stripes ``U`` tokens wide, which no ring layout
+  describes.)
+
+The all-to-all concatenates the group's shards in group-rank order; a local
+permutation (autograd-tracked) puts them in ascending position, as the ring
+expects (zigzag: the first halves in group order, then the second halves in
+reverse; striped: interleaved), and its inverse undoes it on the way back.
+With ``U = P`` (one ring group) the same permutation gives natural order and
+attention runs locally (also on one rank); with ``U = 1`` (and more than
+one rank) the call is ring attention.
+
+The two sub-communicators are made once per communicator, degree and group
+shape with the communicator's own ``split`` (collective) and cached.
+"""
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import torch
+
+from commlib.collectives.attention.layout import LAYOUTS, sequence_positions
+from commlib.collectives.attention.transport import transport_of
+from commlib.core.errors import InvalidArgument
+
+from .ulysses import document_mask, heads_to_seq, local_attention, seq_to_heads, spread_kv_heads, validate
+
+__all__ = ["hybrid_attention", "grid"]
+
+_GRIDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_GRIDS_BY_ID: dict = {}  # for communicators that cannot be weakly referenced
+
+
+def _strided(layout: str) -> bool:
+    return layout == "striped"
+
+
+def _coords(rank: int, size: int, degree: int, strided: bool) -> tuple[int, int]:
+    """``(g, u)``: this rank's ring group and its place in the Ulysses group."""
+    R = size // degree
+    return (rank % R, rank // R) if strided else (rank // degree, rank % degree)
+
+
+def _member(g: int, u: int, size: int, degree: int, strided: bool) -> int:
+    R = size // degree
+    return g + u * R if strided else g * degree + u
+
+
+def grid(comm, ulysses_degree: int, strided: bool = False):
+    """The ``(ulysses_comm, ring_comm)`` of ``comm`` for ``ulysses_degree`` (collective on first use).
+
+    Args:
+        comm: a communicator or transport with ``split(color, key)``.
+        ulysses_degree: ``U``, dividing ``comm.size``.
+        strided: Ulysses groups of ranks ``g, g+R, ...`` instead of ``gU .. gU+U-1``.
+
+    Returns:
+        tuple: the Ulysses group (``U`` ranks, ranked by place in the group)
+        and the ring group (``P/U`` ranks, ranked by group index).
+    """
+    key = (int(ulysses_degree), bool(strided))
+    try:
+        cache = _GRIDS.setdefault(comm, {})
+    except TypeError:
+        cache = _GRIDS_BY_ID.setdefault(id(comm), {})
+    if key not in cache:
+        g, u = _coords(comm.rank, comm.size, ulysses_degree, strided)
+        ucomm = comm.split(g, u)
+        rcomm = comm.split(u, g)
+        cache[key] = (ucomm, rcomm)
+    return cache[key]
+
+
+def ring_order(layout: str, size: int, degree: int, seq_local: int, g: int, strided: bool):
+    """The permutation from a group's gathered tokens to ring rank ``g``'s layout order.
+
+    Returns:
+        numpy.ndarray: int64 ``perm`` of length ``degree * seq_local``:
+        ``gathered[perm]`` lists the positions
+        ``sequence_positions(layout, g, size // degree, degree * seq_local)``.
+    """
+    R = size // degree
+    gathered = np.concatenate([sequence_positions(layout, _member(g, u, size, degree, strided), size, seq_local)
+                               for u in range(degree)])
+    perm = np.argsort(gathered, kind="stable")
+    want = sequence_positions(layout, g, R, degree * seq_local)
+    if not np.array_equal(gathered[perm], want):  # pragma: no cover - the layouts compose by construction
+        raise AssertionError(f"layout {layout!r} does not compose over a {R}x{degree} grid")
+    return perm
+
+
+def hybrid_attention(q, k, v, comm, ulysses_degree: int, causal: bool = False, layout: str = "zigzag",
+                     softmax_scale=None, *, bidirectional: bool = False, cu_seqlens=None,
+                     timeout: float | None = None):
+    """Exact attention over a 2-D grid: Ulysses inside groups, ring across them (USP).
+
+    Args:
+        q: this rank's queries ``(batch, seq_local, heads, head_dim)``, its
+            ``layout`` shard of the global sequence over all ``comm.size``
+            ranks (``commlib.nn.shard_sequence(x, comm, layout)``); float16,
+            bfloat16, float32 or float64, CPU or CUDA; non-contiguous
+            tensors are accepted.
+        k, v: ``(batch, seq_local, kv_heads, head_dim)``, dtype and device of ``q``.
+        comm: :class:`commlib.Communicator` (or a transport) with ``split``.
+        ulysses_degree: ``U``, the Ulysses group size: divides ``comm.size``
+            and ``heads``; ``kv_heads`` divisible by ``U`` or dividing it
+            (kv heads are then replicated, as in
+            :func:`commlib.nn.ulysses.ulysses_attention`).
+        causal: mask later global positions.
+        layout: ``"contiguous"``, ``"striped"`` or ``"zigzag"`` (balances
+            causal work across the ring); see the module notes for the grid
+            each implies.
+        softmax_scale: score scale (default ``head_dim ** -0.5``).
+        bidirectional: the ring sends K/V both ways (see ``ring_attention``).
+        cu_seqlens: optional global document boundaries ``[0, ..., seq_len]``
+            (same on every rank), passed to the ring (or masked locally when
+            ``U = comm.size``).
+        timeout: seconds for each exchange and agreement wait.
+
+    Returns:
+        torch.Tensor: ``out`` like ``q``, differentiable with respect to ``q``, ``k``, ``v``.
+
+    Raises:
+        InvalidArgument: on every rank alike, before any data moves: bad
+            tensors, dtypes, devices, layout or scale; ``ulysses_degree`` not
+            a positive divisor of ``comm.size`` or of the head counts; an odd
+            ``seq_local`` with zigzag; or ranks that differ in shapes, dtypes
+            or options.
+        CommTimeout: an exchange did not complete in ``timeout``.
+        ProcessFailed: a peer failed (other transport failures: :class:`~commlib.CommError`).
+    """
+    op = "hybrid_attention"
+    tp = transport_of(comm)
+    size, rank = tp.size, tp.rank
+    U = ulysses_degree
+
+    def checks(spec):
+        def bad(msg):
+            return InvalidArgument(msg, rank=rank, op=op)
+
+        if not isinstance(layout, str) or layout not in LAYOUTS:
+            raise bad(f"layout {layout!r} is not one of {LAYOUTS}")
+        if isinstance(U, bool) or not isinstance(U, (int, np.integer)) or U < 1 or size % U:
+            raise bad(f"ulysses_degree must be a positive int dividing the {size} ranks, got {U!r}")
+        if spec.heads % U:
+            raise bad(f"heads ({spec.heads}) must be divisible by ulysses_degree ({U})")
+        if spec.kv_heads % U and U % spec.kv_heads:
+            raise bad(f"kv_heads ({spec.kv_heads}) must be divisible by ulysses_degree ({U}), or divide it "
+                      "(kv heads are then replicated)")
+        if layout == "zigzag" and spec.seq_local % 2:
+            raise bad(f"zigzag needs an even seq_local, got {spec.seq_local} (shard with shard_sequence)")
+        if not isinstance(bidirectional, (bool, np.bool_)):
+            raise bad(f"bidirectional must be a bool, got {bidirectional!r}")
+        if 1 < U < size and not callable(getattr(comm, "split", None)):
+            raise bad(f"comm ({type(comm).__name__}) has no split(color, key) to form the process grid")
+
+    lay = LAYOUTS.index(layout) if isinstance(layout, str) and layout in LAYOUTS else -1
+    deg = int(U) if isinstance(U, (int, np.integer)) and not isinstance(U, bool) else -1
+    spec = validate(tp, q, k, v, causal=causal, softmax_scale=softmax_scale, op=op, cu_seqlens=cu_seqlens,
+                    checks=checks, extra=(("ulysses_degree", deg), ("layout", lay),
+                                          ("bidirectional", int(bool(bidirectional)))), timeout=timeout)
+    U = int(U)
+    R = size // U
+    if U == 1 and R > 1:
+        from .ring import ring_attention  # noqa: PLC0415 - the ring layer is optional here
+        return ring_attention(q, k, v, comm, causal=causal, layout=layout, softmax_scale=spec.scale,
+                              cu_seqlens=spec.cu_seqlens, bidirectional=bool(bidirectional), timeout=timeout)
+    strided = _strided(layout)
+    if R == 1:
+        ucomm, rcomm = comm, None
+    else:
+        ucomm, rcomm = grid(comm, U, strided)
+    utp = transport_of(ucomm)
+    g, _ = _coords(rank, size, U, strided)
+    perm_np = ring_order(layout, size, U, spec.seq_local, g, strided)
+    perm = torch.as_tensor(perm_np, device=q.device)
+    inv = torch.as_tensor(np.argsort(perm_np), device=q.device)
+    k, v = spread_kv_heads(k, U), spread_kv_heads(v, U)
+    qg, kg, vg = (seq_to_heads(x, utp, timeout, op).index_select(1, perm) for x in (q, k, v))
+    if R == 1:
+        mask = None if spec.cu_seqlens is None else document_mask(spec.cu_seqlens, size * spec.seq_local, causal,
+                                                                  q.device)
+        out = local_attention(qg, kg, vg, causal, spec.scale, mask)
+    else:
+        from .ring import ring_attention  # noqa: PLC0415
+        out = ring_attention(qg, kg, vg, rcomm, causal=causal, layout=layout, softmax_scale=spec.scale,
+                             cu_seqlens=spec.cu_seqlens, bidirectional=bool(bidirectional), timeout=timeout)
+    return heads_to_seq(out.index_select(1, inv), utp, timeout, op)

@@ -1,0 +1,122 @@
+"""A torch module a model swaps in for its attention call.
+
+``SequenceParallelAttention`` holds the communicator and the choice of
+algorithm; its ``forward(q, k, v, cu_seqlens=None)`` takes this rank's
+sequence shard of the projected queries, keys and values and returns this
+rank's shard of the attention output, differentiable like
+:func:`torch.nn.functional.scaled_dot_product_attention`::
+
+    attn = SequenceParallelAttention(comm, kind="hybrid", layout="zigzag", ulysses_degree=2)
+    q_local = commlib.nn.shard_sequence(q, comm, "zigzag")   # or shard the token ids once
+    out_local = attn(q_local, k_local, v_local)
+
+Kinds:
+
+* ``"ring"``: ring attention (Liu et al. 2023, arXiv:2310.01889), any layout.
+* ``"bidirectional"``: the ring with K/V travelling both ways.
+* ``"ulysses"``: DeepSpeed-Ulysses (Jacobs et al. 2023, arXiv:2309.14509);
+  heads divisible by the number of ranks.  Any layout: shards in a layout
+  other than ``"contiguous"`` are put in natural order after the all-to-all.
+* ``"hybrid"``: USP (Fang & Zhao 2024, arXiv:2405.07719), Ulysses inside
+  groups of ``ulysses_degree`` ranks and the ring across them.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from commlib.collectives.attention.layout import LAYOUTS
+from commlib.core.errors import InvalidArgument
+
+__all__ = ["SequenceParallelAttention", "KINDS"]
+
+KINDS = ("ring", "bidirectional", "ulysses", "hybrid")
+
+
+class SequenceParallelAttention(torch.nn.Module):
+    """Exact sequence-parallel attention as a module (no parameters).
+
+    Args:
+        comm: the :class:`commlib.Communicator` the sequence is sharded over.
+        kind: ``"ring"``, ``"bidirectional"``, ``"ulysses"`` or ``"hybrid"``.
+        layout: how the sequence is sharded (``"contiguous"``, ``"striped"``,
+            ``"zigzag"``); shard inputs with ``commlib.nn.shard_sequence``
+            using the same layout.
+        causal: mask later global positions.
+        ulysses_degree: ``hybrid``: the Ulysses group size (required, a
+            divisor of ``comm.size``); ``ulysses``: None or ``comm.size``;
+            other kinds: None or 1.
+        softmax_scale: score scale (default ``head_dim ** -0.5``).
+        timeout: seconds for each exchange (None: no limit).
+
+    Raises:
+        InvalidArgument: at construction, for an unknown kind or layout, a
+            non-bool ``causal``, or a ``ulysses_degree`` the kind cannot use.
+    """
+
+    def __init__(self, comm, kind: str = "ring", layout: str = "zigzag", causal: bool = True,
+                 ulysses_degree: int | None = None, softmax_scale=None, timeout: float | None = None):
+        super().__init__()
+        op = "SequenceParallelAttention"
+        rank, size = int(comm.rank), int(comm.size)
+
+        def bad(msg):
+            return InvalidArgument(msg, rank=rank, op=op)
+
+        if not isinstance(kind, str) or kind not in KINDS:
+            raise bad(f"kind {kind!r} is not one of {KINDS}")
+        if not isinstance(layout, str) or layout not in LAYOUTS:
+            raise bad(f"layout {layout!r} is not one of {LAYOUTS}")
+        if not isinstance(causal, (bool, np.bool_)):
+            raise bad(f"causal must be a bool, got {causal!r}")
+        if ulysses_degree is not None and (isinstance(ulysses_degree, bool)
+                                           or not isinstance(ulysses_degree, (int, np.integer))):
+            raise bad(f"ulysses_degree must be an int or None, got {ulysses_degree!r}")
+        if kind == "hybrid":
+            if ulysses_degree is None or ulysses_degree < 1 or size % ulysses_degree:
+                raise bad(f"kind 'hybrid' needs ulysses_degree, a positive divisor of the {size} ranks, "
+                          f"got {ulysses_degree!r}")
+        elif kind == "ulysses":
+            if ulysses_degree not in (None, size):
+                raise bad(f"kind 'ulysses' uses all {size} ranks; got ulysses_degree {ulysses_degree} "
+                          "(use kind='hybrid')")
+            ulysses_degree = size
+        elif ulysses_degree not in (None, 1):
+            raise bad(f"kind {kind!r} takes no ulysses_degree (got {ulysses_degree}); use kind='hybrid'")
+        self.comm = comm
+        self.kind = kind
+        self.layout = layout
+        self.causal = bool(causal)
+        self.ulysses_degree = None if ulysses_degree is None else int(ulysses_degree)
+        self.softmax_scale = softmax_scale
+        self.timeout = timeout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
+        """Attention of this rank's shard.
+
+        Args:
+            q: ``(batch, seq_local, heads, head_dim)``, this rank's ``layout``
+                shard; k, v: ``(batch, seq_local, kv_heads, head_dim)``.
+            cu_seqlens: optional global document boundaries ``[0, ..., seq_len]``
+                (int tensor or sequence, the same on every rank).
+
+        Returns:
+            torch.Tensor: ``out`` like ``q``.
+
+        Raises:
+            InvalidArgument, CommTimeout, CommError: as the function of the kind.
+        """
+        kw = dict(causal=self.causal, softmax_scale=self.softmax_scale, cu_seqlens=cu_seqlens, timeout=self.timeout)
+        if self.kind in ("ring", "bidirectional"):
+            from .ring import ring_attention  # noqa: PLC0415
+            return ring_attention(q, k, v, self.comm, layout=self.layout, bidirectional=self.kind == "bidirectional",
+                                  **kw)
+        if self.kind == "ulysses" and self.layout == "contiguous":
+            from .ulysses import ulysses_attention  # noqa: PLC0415
+            return ulysses_attention(q, k, v, self.comm, **kw)
+        from .hybrid import hybrid_attention  # noqa: PLC0415
+        return hybrid_attention(q, k, v, self.comm, self.ulysses_degree, layout=self.layout, **kw)
+
+    def extra_repr(self) -> str:
+        deg = f", ulysses_degree={self.ulysses_degree}" if self.kind == "hybrid" else ""
+        return f"kind={self.kind!r}, layout={self.layout!r}, causal={self.causal}{deg}, size={self.comm.size}"

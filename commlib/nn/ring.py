@@ -1,0 +1,497 @@
+"""Ring attention for torch: exact, differentiable attention over a sequence sharded across ranks.
+
+Each rank keeps its queries; the K/V shards travel round the ring
+(:class:`commlib.collectives.attention.schedule.RingSchedule` says who holds
+what at each step, the same schedule the numpy ring uses).  At every step the
+next step's receive and send are posted *before* the current block is
+computed (double buffering), and the block's output and lse are merged into
+float32 accumulators (float64 for float64 inputs).
+
+The backward sends the K/V round again; the ``dk``/``dv`` of each piece
+accumulate in float32 as they travel with it and are back at the piece's
+owner after ``P`` hops; ``dq`` accumulates in float32 locally.  The
+bidirectional variant splits every shard in two halves that travel in
+opposite directions (both directions of every link carry half the bytes),
+forward and backward.
+
+Blocks run on torch's fused attention kernels (:mod:`._blocks`); on one rank
+the call is a single fused kernel call forward and one backward.  Document
+boundaries (``cu_seqlens``) cut every block into full and causal pieces, or a
+masked call when the documents are many and small.
+
+Papers: Ring Attention (Liu, Zaharia, Abbeel 2023, arXiv:2310.01889);
+Striped Attention (Brandon et al. 2023, arXiv:2311.09431); the zigzag layout
+of ring-flash-attention (github.com/zhuzilin/ring-flash-attention);
+TokenRing (Wang et al. 2024, arXiv:2412.20501) for the bidirectional ring;
+FlashAttention-2 (Dao 2023, arXiv:2307.08691) for the lse-based block
+backward.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from commlib.collectives.agreement import agree_header
+from commlib.collectives.attention.layout import LAYOUTS, sequence_positions
+from commlib.collectives.attention.schedule import RingSchedule, piece_positions, split_halves
+from commlib.collectives.attention.transport import transport_of
+from commlib.core.errors import InvalidArgument
+
+from ._blocks import acc_dtype, block_backward, block_forward, merge, plan_block
+from ._wire import irecv_tensor, isend_tensor
+
+__all__ = ["ring_attention", "ring_attention_bidirectional"]
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
+_DEVICES = ("cpu", "cuda")
+
+# Tags, as offsets in the block each call takes from its transport's allocator:
+# the K/V of stream s at s, the backward's travelling dk/dv of stream s at 2 + s.
+_TAG_KV = 0
+_TAG_DKV = 2
+_TAG_WIDTH = 4
+
+
+@dataclass
+class _Spec:
+    """A validated ring attention call."""
+
+    op: str
+    rank: int
+    size: int
+    batch: int
+    seq_local: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    scale: float
+    causal: bool
+    layout: str
+    bidirectional: bool
+    cu_seqlens: np.ndarray | None
+    timeout: float | None
+
+
+# ------------------------------------------------------------------ validation
+_SIG_FIELDS = ("batch", "seq_local", "heads", "kv_heads", "head_dim", "dtype", "device", "causal", "layout",
+               "bidirectional", "softmax_scale", "cu_seqlens length", "cu_seqlens")
+
+
+def _describe(name, value):
+    if name == "dtype":
+        return _DTYPE_NAMES[value] if 0 <= value < len(_DTYPE_NAMES) else value
+    if name == "device":
+        return _DEVICES[value] if 0 <= value < len(_DEVICES) else value
+    if name == "layout":
+        return repr(LAYOUTS[value]) if 0 <= value < len(LAYOUTS) else value
+    if name in ("causal", "bidirectional"):
+        return bool(value)
+    if name == "softmax_scale":
+        return float(np.int64(value).view(np.float64))
+    if name == "cu_seqlens length":
+        return "none" if value < 0 else f"{value} entries"
+    if name == "cu_seqlens":
+        return "none" if value == 0 else f"digest {value & 0xFFFFFFFF:08x}"
+    return value
+
+
+def _disagreement(message, *, rank, op):
+    return InvalidArgument(f"ranks disagree on the call ({message}); every rank must pass the same shapes, "
+                           "dtype, device, options and cu_seqlens", rank=rank, op=op)
+
+
+def _as_cu_seqlens(cu, total, bad):
+    """``cu_seqlens`` as an int64 numpy array, checked against the global length ``total``."""
+    if isinstance(cu, torch.Tensor):
+        if cu.is_floating_point() or cu.is_complex() or cu.dtype == torch.bool:
+            raise bad(f"cu_seqlens must hold integers, got a {cu.dtype} tensor")
+        arr = cu.detach().cpu().numpy()
+    else:
+        try:
+            arr = np.asarray(cu)
+        except Exception:  # noqa: BLE001 - any unconvertible object is a bad argument
+            raise bad(f"cu_seqlens must be a 1-d sequence of ints, got {type(cu).__name__}") from None
+        if arr.dtype == object or not np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_:
+            raise bad(f"cu_seqlens must hold integers, got dtype {arr.dtype}")
+    if arr.ndim != 1 or arr.size < 2:
+        raise bad(f"cu_seqlens must be 1-d with at least 2 entries, got shape {tuple(arr.shape)}")
+    arr = arr.astype(np.int64)
+    if arr[0] != 0 or arr[-1] != total:
+        raise bad(f"cu_seqlens must run from 0 to the global length size * seq_local = {total}, "
+                  f"got {int(arr[0])} .. {int(arr[-1])}")
+    if np.any(np.diff(arr) < 0):
+        raise bad("cu_seqlens must be non-decreasing")
+    return arr
+
+
+def _validate_local(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op):
+    rank, size = tp.rank, tp.size
+
+    def bad(msg):
+        return InvalidArgument(msg, rank=rank, op=op)
+
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise bad(f"{name} must be a torch tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            raise bad(f"{name} must be 4-d (batch, seq_local, heads, head_dim), got shape {tuple(x.shape)}")
+    if q.dtype not in DTYPES:
+        raise bad(f"dtype {q.dtype} is not supported; use one of {_DTYPE_NAMES}")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise bad(f"{name} has dtype {x.dtype}, q has {q.dtype}")
+        if x.device != q.device:
+            raise bad(f"{name} is on {x.device}, q is on {q.device}")
+    if q.device.type not in _DEVICES:
+        raise bad(f"device {q.device} is not supported; use CPU or CUDA tensors")
+    bsz, L, h, d = (int(s) for s in q.shape)
+    if tuple(k.shape) != tuple(v.shape):
+        raise bad(f"k shape {tuple(k.shape)} differs from v shape {tuple(v.shape)}")
+    kb, kl, hk, kd = (int(s) for s in k.shape)
+    if kb != bsz or kl != L or kd != d:
+        raise bad(f"k/v shape {tuple(k.shape)} does not match q shape {tuple(q.shape)} in batch, seq_local "
+                  "or head_dim")
+    if min(bsz, L, h, d) < 1:
+        raise bad(f"empty q: shape {tuple(q.shape)}")
+    if hk < 1 or h % hk:
+        raise bad(f"heads {h} is not a multiple of kv_heads {hk}")
+    if layout not in LAYOUTS:
+        raise bad(f"layout {layout!r} is not one of {LAYOUTS}")
+    if layout == "zigzag" and L % 2:
+        raise bad(f"zigzag needs an even seq_local, got {L}")
+    for name, flag in (("causal", causal), ("bidirectional", bidirectional)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise bad(f"{name} must be a bool, got {flag!r}")
+    if softmax_scale is None:
+        scale = d ** -0.5
+    else:
+        try:
+            scale = float(softmax_scale)
+        except (TypeError, ValueError):
+            raise bad(f"softmax_scale must be a positive float, got {softmax_scale!r}") from None
+        if not (math.isfinite(scale) and scale > 0):
+            raise bad(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise bad(f"timeout must be None or a positive number of seconds, got {timeout!r}")
+    cu = None if cu_seqlens is None else _as_cu_seqlens(cu_seqlens, size * L, bad)
+    return _Spec(op, rank, size, bsz, L, h, hk, d, q.dtype, scale, bool(causal), layout, bool(bidirectional),
+                 cu, None if timeout is None else float(timeout))
+
+
+def _header(spec: _Spec, device_type: str) -> tuple:
+    if spec.cu_seqlens is None:
+        n_cu, digest = -1, 0
+    else:
+        n_cu = len(spec.cu_seqlens)
+        digest = int.from_bytes(hashlib.sha256(spec.cu_seqlens.tobytes()).digest()[:8], "little", signed=True)
+    return (spec.batch, spec.seq_local, spec.heads, spec.kv_heads, spec.head_dim, DTYPES.index(spec.dtype),
+            _DEVICES.index(device_type), int(spec.causal), LAYOUTS.index(spec.layout), int(spec.bidirectional),
+            int(np.float64(spec.scale).view(np.int64)), n_cu, digest)
+
+
+def _validate(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op) -> _Spec:
+    """Check the call on every rank together: raise the same InvalidArgument everywhere, before any K/V moves."""
+    problem, spec = None, None
+    try:
+        spec = _validate_local(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op)
+    except InvalidArgument as exc:
+        problem = exc
+    # Two rounds of one small all-gather each (the same protocol on every rank,
+    # whatever its arguments): did any rank refuse, and do the headers agree.
+    agree_header(tp, (), op=op, local_error=problem)
+    agree_header(tp, _header(spec, q.device.type), op=op, names=_SIG_FIELDS, describe=_describe,
+                 exc_type=_disagreement)
+    return spec
+
+
+# ------------------------------------------------------------------ the plan
+@dataclass
+class _Plan:
+    """Host-side bookkeeping of one call, shared by forward and backward."""
+
+    sched: RingSchedule
+    halves: tuple | None          # per stream, the local token indices it carries (None: whole shard)
+    steps: list                   # per step: [(stream index or None for the own whole shard, pieces)]
+    single: bool                  # one rank, one piece covering the whole block: one fused call
+
+
+def _plan(spec: _Spec) -> _Plan:
+    P, r, L = spec.size, spec.rank, spec.seq_local
+    sched = RingSchedule(P, r, spec.bidirectional and P > 1)
+    halves = split_halves(spec.layout, L) if sched.bidirectional else None
+    qpos = sequence_positions(spec.layout, r, P, L)
+    steps = []
+    for rs in sched.steps():
+        if rs.step == 0:  # the own shard, whole, in both rings
+            steps.append([(None, plan_block(qpos, qpos, spec.causal, spec.cu_seqlens))])
+            continue
+        entry = []
+        for stream, owner in zip(sched.streams, rs.owners):
+            kpos = piece_positions(spec.layout, owner, P, L, stream.half)
+            entry.append((stream.index, plan_block(qpos, kpos, spec.causal, spec.cu_seqlens)))
+        steps.append(entry)
+    pieces = steps[0][0][1]
+    single = (P == 1 and len(pieces) == 1 and pieces[0].mask is None
+              and (pieces[0].q0, pieces[0].q1, pieces[0].k0, pieces[0].k1) == (0, L, 0, L))
+    return _Plan(sched, None if halves is None else tuple(torch.from_numpy(h) for h in halves), steps, single)
+
+
+def _mask_tensor(piece, device):
+    return None if piece.mask is None else torch.from_numpy(piece.mask).to(device)
+
+
+def _pack(k, v, idx, dtype=None):
+    """K and V (``(B, L, Hkv, D)``) of the tokens ``idx`` (None: all) in one
+    contiguous ``(2, B, n, Hkv, D)`` buffer: one message per stream and step."""
+    if idx is None:
+        buf = torch.stack((k, v))
+    else:
+        idx = idx.to(k.device)
+        buf = torch.stack((k.index_select(1, idx), v.index_select(1, idx)))
+    return buf if dtype is None else buf.to(dtype)
+
+
+def _heads_major(buf):
+    """``(2, B, n, Hkv, D)`` -> the ``(B, Hkv, n, D)`` views of K and V."""
+    return buf[0].transpose(1, 2), buf[1].transpose(1, 2)
+
+
+def _post_kv(tp, plan, cur, nxt, tag):
+    reqs = []
+    for st in plan.sched.streams:
+        reqs.append(irecv_tensor(tp, nxt[st.index], plan.sched.recv_from(st), tag + st.index))
+        reqs.append(isend_tensor(tp, cur[st.index], plan.sched.send_to(st), tag + st.index))
+    return reqs
+
+
+# ------------------------------------------------------------------ forward
+def _forward(tp, spec: _Spec, plan: _Plan, q, k, v):
+    """The ring forward: ``(out (B, L, H, D) input dtype, lse (B, H, L) accumulation dtype)``."""
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if plan.single:
+        piece = plan.steps[0][0][1][0]
+        out, lse = block_forward(qh, kh, vh, spec.scale, piece.kind)
+        return out.transpose(1, 2), lse
+    B, L, H, D = q.shape
+    cd = acc_dtype(q.dtype)
+    out_acc = torch.zeros(B, L, H, D, dtype=cd, device=q.device)
+    oh = out_acc.transpose(1, 2)
+    lse_acc = torch.full((B, H, L), -math.inf, dtype=cd, device=q.device)
+    seen = np.zeros(L, dtype=bool)
+
+    def fold(pieces, kb, vb):
+        for p in pieces:
+            o, l = block_forward(qh[:, :, p.q0:p.q1], kb[:, :, p.k0:p.k1], vb[:, :, p.k0:p.k1], spec.scale, p.kind,
+                                 _mask_tensor(p, q.device))
+            if not seen[p.q0:p.q1].any():  # first block these rows see: a copy, no merge
+                oh[:, :, p.q0:p.q1].copy_(o)
+                lse_acc[:, :, p.q0:p.q1].copy_(l)
+                seen[p.q0:p.q1] = True
+            else:
+                merge(oh[:, :, p.q0:p.q1], lse_acc[:, :, p.q0:p.q1], o, l)
+                seen[p.q0:p.q1] = True
+
+    P = spec.size
+    cur = nxt = None
+    if P > 1:
+        tag = tp.tags.slot(_TAG_WIDTH) + _TAG_KV
+        halves = plan.halves or (None,)
+        cur = [_pack(k, v, idx) for idx in halves]
+        nxt = [torch.empty_like(c) for c in cur]
+    for rs, entry in zip(plan.sched.steps(), plan.steps):
+        reqs = _post_kv(tp, plan, cur, nxt, tag) if not rs.last else []  # before this step's compute
+        for sidx, pieces in entry:
+            if sidx is None:
+                fold(pieces, kh, vh)
+            else:
+                fold(pieces, *_heads_major(cur[sidx]))
+        tp.waitall(reqs, spec.timeout, op=spec.op)
+        if not rs.last:
+            cur, nxt = nxt, cur
+    return out_acc.to(q.dtype), lse_acc
+
+
+# ------------------------------------------------------------------ backward
+def _backward(tp, spec: _Spec, plan: _Plan, q, k, v, out, lse, dout):
+    """The ring backward: ``(dq, dk, dv)`` shaped and typed like ``q``, ``k``, ``v``."""
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    oh, doh = out.transpose(1, 2), dout.transpose(1, 2)
+    if plan.single:
+        piece = plan.steps[0][0][1][0]
+        dq, dk, dv = block_backward(doh, qh, kh, vh, oh, lse, spec.scale, piece.kind)
+        return dq.transpose(1, 2), dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype)
+    B, L, H, D = q.shape
+    hk = k.shape[2]
+    cd = acc_dtype(q.dtype)
+    dq_acc = torch.zeros(B, L, H, D, dtype=cd, device=q.device)
+    dqh = dq_acc.transpose(1, 2)
+
+    def grads(pieces, kb, vb, dkv):
+        """Add the pieces' dq into dq_acc and their dk/dv into ``dkv`` ``(2, B, n, Hkv, D)``."""
+        dkh, dvh = _heads_major(dkv)
+        for p in pieces:
+            rows, keys = slice(p.q0, p.q1), slice(p.k0, p.k1)
+            dq_p, dk_p, dv_p = block_backward(doh[:, :, rows], qh[:, :, rows], kb[:, :, keys], vb[:, :, keys],
+                                              oh[:, :, rows], lse[:, :, rows], spec.scale, p.kind,
+                                              _mask_tensor(p, q.device))
+            dqh[:, :, rows] += dq_p
+            dkh[:, :, keys] += dk_p
+            dvh[:, :, keys] += dv_p
+
+    P = spec.size
+    own = torch.zeros(2, B, L, hk, D, dtype=cd, device=q.device)  # dk/dv of the own shard, step 0
+    if P == 1:
+        for sidx, pieces in plan.steps[0]:
+            grads(pieces, kh, vh, own)
+        dkv = own
+    else:
+        tag0 = tp.tags.slot(_TAG_WIDTH)
+        tag_kv, tag_dkv = tag0 + _TAG_KV, tag0 + _TAG_DKV
+        halves = plan.halves or (None,)
+        streams = plan.sched.streams
+        cur = [_pack(k, v, idx) for idx in halves]
+        nxt = [torch.empty_like(c) for c in cur]
+        dkv_in = [None] * len(streams)      # (request, buffer) of the dk/dv arriving for this step
+        dkv_sends = [[] for _ in streams]   # sends in flight: their buffers stay untouched
+        for rs, entry in zip(plan.sched.steps(), plan.steps):
+            reqs = _post_kv(tp, plan, cur, nxt, tag_kv) if not rs.last else []  # before this step's compute
+            incoming = []
+            for st in streams:  # the dk/dv for the next step (at the last: our own, home)
+                buf = torch.empty_like(cur[st.index], dtype=cd)
+                incoming.append((irecv_tensor(tp, buf, plan.sched.recv_from(st), tag_dkv + st.index), buf))
+            if rs.step == 0:
+                grads(entry[0][1], kh, vh, own)
+                local = [own if idx is None else own.index_select(2, idx.to(q.device)) for idx in halves]
+            else:
+                local = [torch.zeros_like(cur[sidx], dtype=cd) for sidx, _ in entry]
+                for sidx, pieces in entry:
+                    kb, vb = _heads_major(cur[sidx])
+                    grads(pieces, kb, vb, local[sidx])
+            for st in streams:
+                i = st.index
+                if dkv_in[i] is not None:  # what the previous holders accumulated for this piece
+                    req, buf = dkv_in[i]
+                    tp.waitall([req], spec.timeout, op=spec.op)
+                    local[i] += buf
+                tp.waitall(dkv_sends[i], spec.timeout, op=spec.op)  # at most one dk/dv in flight per stream
+                dkv_sends[i] = [isend_tensor(tp, local[i], plan.sched.send_to(st), tag_dkv + i)]
+                dkv_in[i] = incoming[i]
+            tp.waitall(reqs, spec.timeout, op=spec.op)
+            if not rs.last:
+                cur, nxt = nxt, cur
+        home = []
+        for st in streams:  # our own pieces' dk/dv, back from their last holders
+            req, buf = dkv_in[st.index]
+            tp.waitall([req] + dkv_sends[st.index], spec.timeout, op=spec.op)
+            home.append(buf)
+        if plan.halves is None:
+            dkv = home[0]
+        else:
+            dkv = torch.empty_like(own)
+            for idx, part in zip(plan.halves, home):
+                dkv.index_copy_(2, idx.to(q.device), part)
+    return dq_acc.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, tp, spec, plan):
+        out, lse = _forward(tp, spec, plan, q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.tp, ctx.spec, ctx.plan = tp, spec, plan
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dout = dout.to(q.dtype).contiguous()
+        dq, dk, dv = _backward(ctx.tp, ctx.spec, ctx.plan, q, k, v, out, lse, dout)
+        return dq, dk, dv, None, None, None
+
+
+# ------------------------------------------------------------------ public
+def _ring(q, k, v, comm, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op):
+    tp = transport_of(comm)
+    spec = _validate(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op)
+    plan = _plan(spec)
+    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), tp, spec, plan)
+
+
+def ring_attention(q, k, v, comm, causal=False, layout="contiguous", softmax_scale=None, *, cu_seqlens=None,
+                   bidirectional=False, timeout=None):
+    """Exact attention over a sequence sharded across ``comm``'s ranks, differentiable in ``q``, ``k``, ``v``.
+
+    The global sequence has ``size * seq_local`` tokens (no padding: pad the
+    sequence before sharding and mask the padding as its own document with
+    ``cu_seqlens`` if needed); rank ``r`` holds the tokens
+    ``sequence_positions(layout, r, size, seq_local)``
+    (:mod:`commlib.collectives.attention.layout`).
+
+    Args:
+        q: this rank's queries, torch tensor ``(batch, seq_local, heads,
+            head_dim)``; float16, bfloat16, float32 or float64; CPU or CUDA.
+            Non-contiguous tensors are accepted (copied with ``.contiguous()``).
+        k: keys ``(batch, seq_local, kv_heads, head_dim)``, same dtype and
+            device; ``heads % kv_heads == 0`` (grouped-query attention: K/V
+            travel with ``kv_heads`` heads and are expanded locally).
+        v: values, shaped like ``k``.
+        comm: :class:`commlib.Communicator` (messages go over its collectives
+            transport with tags of their own), a transport, or any object with
+            ``rank``, ``size``, ``isend``, ``irecv`` and ``waitall``.
+        causal: a query sees only keys at positions up to its own.
+        layout: ``"contiguous"``, ``"striped"`` or ``"zigzag"`` (even
+            ``seq_local``): how the sequence is spread over the ranks.
+        softmax_scale: scores are ``softmax_scale * q k^T``; default
+            ``head_dim ** -0.5``.
+        cu_seqlens: optional document boundaries on the *global* sequence
+            (FlashAttention's convention): integers ``[0, ..., size *
+            seq_local]``, non-decreasing (empty documents are allowed), the
+            same on every rank; a tensor, numpy array or sequence.  No query
+            sees a key of another document; composes with ``causal`` and
+            every layout.
+        bidirectional: split every K/V shard in two halves that travel round
+            the ring in opposite directions (:func:`ring_attention_bidirectional`).
+        timeout: seconds any one ring step's messages may take (None: no limit).
+
+    Returns:
+        torch.Tensor: ``(batch, seq_local, heads, head_dim)`` in the input
+        dtype.  Block outputs and lse are merged in float32 (float64 for
+        float64 inputs); the backward accumulates ``dq`` and the travelling
+        ``dk``/``dv`` in the same dtype.
+
+    Raises:
+        InvalidArgument: on every rank alike, before any K/V moves, when any
+            rank's arguments are bad (not 4-d torch tensors, mixed dtypes or
+            devices, unsupported dtype, ``heads % kv_heads != 0``, unknown
+            layout, odd ``seq_local`` with zigzag, bad scale or timeout,
+            ``cu_seqlens`` not running from 0 to ``size * seq_local``) or when
+            the ranks' shapes, dtype, device, options or ``cu_seqlens`` differ.
+        CommTimeout: a step's messages did not complete within ``timeout``.
+        CommError: a peer failed (``ProcessFailed``) or another transport error.
+    """
+    return _ring(q, k, v, comm, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout,
+                 "ring_attention_bidirectional" if bidirectional else "ring_attention")
+
+
+def ring_attention_bidirectional(q, k, v, comm, causal=False, layout="contiguous", softmax_scale=None, *,
+                                 cu_seqlens=None, timeout=None):
+    """:func:`ring_attention` with ``bidirectional=True``.
+
+    Every K/V shard is cut in two halves (layout-aware, see
+    :func:`commlib.collectives.attention.schedule.split_halves`): half 0
+    travels to ``rank + 1``, half 1 to ``rank - 1``, so both directions of
+    every link carry half the bytes of the unidirectional ring, in the same
+    number of steps and with the same block work per step (TokenRing's idea,
+    Wang et al. 2024, arXiv:2412.20501).  Forward and backward, every layout,
+    ``cu_seqlens`` and GQA as in :func:`ring_attention`.
+    """
+    return _ring(q, k, v, comm, causal, layout, softmax_scale, cu_seqlens, True, timeout,
+                 "ring_attention_bidirectional")

@@ -1,0 +1,286 @@
+"""Between a global torch tensor and each rank's shard of its sequence.
+
+:func:`shard_sequence` cuts a global tensor (the same on every rank) into this
+rank's shard under one of the sequence layouts of
+:mod:`commlib.collectives.attention.layout` (``"contiguous"``, ``"striped"``,
+``"zigzag"``), without communicating; :func:`unshard_sequence` gathers the
+shards back into the global tensor on every rank (an all-gather over the
+communicator's collectives transport) and is differentiable.
+
+Gradient convention of :func:`unshard_sequence`.  After ``x = unshard(x_local)``
+every rank holds the same global ``x``.  Two uses are common:
+
+* every rank computes the *same* loss from ``x`` (the loss is replicated, as
+  when the gathered output feeds an identical head on every rank): the
+  gradient of that one loss with respect to rank ``r``'s shard is rank ``r``'s
+  slice of ``dloss/dx``, which every rank already has.  Backward then takes
+  this rank's slice and communicates nothing.  This is the default
+  (``sum_grad=False``) and the convention of the attention calls' tests.
+* rank ``s`` computes its *own* loss ``loss_s`` from ``x`` and the objective is
+  ``sum_s loss_s`` (as in data-parallel training): the gradient of rank ``r``'s
+  shard is the sum over ranks of their slices ``r``, which needs an all-to-all
+  of gradient slices and a sum (``sum_grad=True``; summed in rank order
+  ``0 .. P-1`` on every rank).  With a replicated loss this gives ``P`` times
+  the gradient.
+
+Global lengths.  The layouts need ``seq_len`` divisible by ``P`` (contiguous,
+striped) or ``2P`` (zigzag).  :func:`shard_sequence` refuses other lengths
+unless ``pad=True``, because zero padding is not masked by
+:func:`~commlib.nn.ulysses.ulysses_attention` or plain ring attention: a
+zero key still takes softmax weight.  With ``pad=True`` the sequence is
+zero-padded at its global end to ``P * seq_local`` tokens; mask the padding
+yourself (for example ring attention with ``cu_seqlens`` ending in
+``[..., seq_len, padded_len]`` puts the padding in a document of its own) and
+drop it with ``unshard_sequence(..., seq_len=seq_len)``.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from commlib.collectives.agreement import agree_header
+from commlib.collectives.attention.layout import LAYOUTS, local_seq_len, sequence_positions
+from commlib.collectives.attention.transport import transport_of
+from commlib.core.errors import InvalidArgument
+
+from ._wire import irecv_tensor, isend_tensor
+
+__all__ = ["shard_sequence", "unshard_sequence", "gather_order"]
+
+#: dtypes :func:`unshard_sequence` moves (their index is the header's code)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
+           torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool)
+_MAX_NDIM = 8
+
+
+def _check_layout(layout, rank, op):
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise InvalidArgument(f"layout {layout!r} is not one of {LAYOUTS}", rank=rank, op=op)
+
+
+def _check_dim(x, dim, rank, op) -> int:
+    if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
+        raise InvalidArgument(f"dim must be an int, got {dim!r}", rank=rank, op=op)
+    if not -x.dim() <= dim < x.dim():
+        raise InvalidArgument(f"dim {dim} out of range for a {x.dim()}-d tensor", rank=rank, op=op)
+    return int(dim) % x.dim()
+
+
+def _divisor(layout: str, size: int) -> int:
+    return 2 * size if layout == "zigzag" else size
+
+
+def gather_order(layout: str, size: int, seq_local: int) -> np.ndarray:
+    """Where each global token sits when the ranks' shards are concatenated in rank order.
+
+    Args:
+        layout: one of the layouts.
+        size: number of ranks ``P``.
+        seq_local: tokens per rank ``L``.
+
+    Returns:
+        numpy.ndarray: int64 ``(P * L,)``; entry ``t`` is the index, in the
+        rank-order concatenation of the shards, of global position ``t``.
+    """
+    pos = np.concatenate([sequence_positions(layout, r, size, seq_local) for r in range(size)])
+    return np.argsort(pos, kind="stable")
+
+
+def shard_sequence(x: torch.Tensor, comm, layout: str = "contiguous", dim: int = 1, *, pad: bool = False):
+    """This rank's shard of a global tensor's sequence (no communication).
+
+    Args:
+        x: the global tensor, identical on every rank, sequence on ``dim``;
+            any dtype and device.  Differentiable: the gradient of the shard
+            flows back into ``x`` (zeros outside this rank's positions).
+        comm: a :class:`commlib.Communicator` (only ``rank`` and ``size`` are read).
+        layout: ``"contiguous"``, ``"striped"`` or ``"zigzag"``.
+        dim: the sequence dimension (default 1, as in ``(batch, seq, heads, head_dim)``).
+        pad: zero-pad a sequence whose length the layout cannot divide (see
+            the module notes); False refuses such lengths.
+
+    Returns:
+        torch.Tensor: the contiguous shard, ``seq_local`` tokens on ``dim``
+        (``seq_len / P``, or ``seq_len / (2P) * 2`` for zigzag, rounded up
+        with ``pad``), in ascending global position; positions via
+        :func:`commlib.collectives.attention.sequence_positions`.
+
+    Raises:
+        InvalidArgument: ``x`` not a tensor, bad ``dim`` or layout, or a
+            length not divisible by ``P`` (``2P`` for zigzag) without ``pad``.
+    """
+    op = "shard_sequence"
+    rank, size = int(comm.rank), int(comm.size)
+    if not isinstance(x, torch.Tensor):
+        raise InvalidArgument(f"x must be a torch.Tensor, got {type(x).__name__}", rank=rank, op=op)
+    _check_layout(layout, rank, op)
+    dim = _check_dim(x, dim, rank, op)
+    n = int(x.shape[dim])
+    div = _divisor(layout, size)
+    if n % div and not pad:
+        raise InvalidArgument(
+            f"sequence length {n} is not divisible by {div} ({size} ranks, layout {layout!r}); pad it "
+            "(pad=True zero-pads at the end: mask the padding in attention) or choose another length",
+            rank=rank, op=op)
+    L = local_seq_len(n, size, layout)
+    if L * size > n:
+        shape = list(x.shape)
+        shape[dim] = L * size - n
+        x = torch.cat([x, x.new_zeros(shape)], dim=dim)
+    if layout == "contiguous":
+        return x.narrow(dim, rank * L, L).contiguous()
+    pos = torch.as_tensor(sequence_positions(layout, rank, size, L), device=x.device)
+    return x.index_select(dim, pos).contiguous()
+
+
+class _Unshard(torch.autograd.Function):
+    """All-gather of sequence shards; backward: this rank's slice, or the sum of every rank's."""
+
+    @staticmethod
+    def forward(ctx, x, tp, layout, dim, seq_len, sum_grad, tags, timeout, op):
+        P, r = tp.size, tp.rank
+        L = x.shape[dim]
+        ctx.meta = (tp, layout, dim, seq_len, sum_grad, tags[1], timeout, op, L)
+        mine = x.contiguous()
+        parts = [None] * P
+        parts[r] = mine
+        reqs = []
+        for i in range(1, P):
+            src = (r - i) % P
+            parts[src] = torch.empty_like(mine)
+            reqs.append(irecv_tensor(tp, parts[src], src, tags[0]))
+        for i in range(1, P):
+            reqs.append(isend_tensor(tp, mine, (r + i) % P, tags[0]))
+        if reqs:
+            tp.waitall(reqs, timeout, op=op)
+        full = torch.cat(parts, dim=dim) if P > 1 else mine.clone()
+        if layout != "contiguous":
+            order = torch.as_tensor(gather_order(layout, P, L), device=x.device)
+            full = full.index_select(dim, order)
+        if seq_len < P * L:
+            full = full.narrow(dim, 0, seq_len).contiguous()
+        return full
+
+    @staticmethod
+    def backward(ctx, grad):
+        tp, layout, dim, seq_len, sum_grad, tag, timeout, op, L = ctx.meta
+        P, r = tp.size, tp.rank
+        if seq_len < P * L:
+            shape = list(grad.shape)
+            shape[dim] = P * L - seq_len
+            grad = torch.cat([grad, grad.new_zeros(shape)], dim=dim)
+
+        def slice_of(s):
+            if layout == "contiguous":
+                return grad.narrow(dim, s * L, L).contiguous()
+            pos = torch.as_tensor(sequence_positions(layout, s, P, L), device=grad.device)
+            return grad.index_select(dim, pos).contiguous()
+
+        if not sum_grad or P == 1:
+            return (slice_of(r),) + (None,) * 8
+        send = [slice_of(s) for s in range(P)]
+        recv = [None] * P
+        recv[r] = send[r]
+        reqs = []
+        for i in range(1, P):
+            src = (r - i) % P
+            recv[src] = torch.empty_like(send[r])
+            reqs.append(irecv_tensor(tp, recv[src], src, tag))
+        for i in range(1, P):
+            dst = (r + i) % P
+            reqs.append(isend_tensor(tp, send[dst], dst, tag))
+        tp.waitall(reqs, timeout, op=op + " (backward)")
+        acc = recv[0].clone()
+        for s in range(1, P):  # rank order, the same on every rank
+            acc += recv[s]
+        return (acc,) + (None,) * 8
+
+
+_UNSHARD_FIELDS = ("ndim", "dim") + tuple(f"shape[{i}]" for i in range(_MAX_NDIM)) + (
+    "dtype", "device", "layout", "seq_len", "sum_grad")
+
+
+def _describe_unshard(name, value):
+    if name == "dtype":
+        return str(_DTYPES[value]) if 0 <= value < len(_DTYPES) else value
+    if name == "layout":
+        return repr(LAYOUTS[value]) if 0 <= value < len(LAYOUTS) else value
+    if name == "device":
+        return ("cpu", "cuda", "other")[value] if 0 <= value < 3 else value
+    if name == "sum_grad":
+        return bool(value)
+    return value
+
+
+def _device_code(device: torch.device) -> int:
+    return {"cpu": 0, "cuda": 1}.get(device.type, 2)
+
+
+def unshard_sequence(x_local: torch.Tensor, comm, layout: str = "contiguous", dim: int = 1,
+                     seq_len: int | None = None, *, sum_grad: bool = False, timeout: float | None = None):
+    """Gather every rank's sequence shard into the global tensor, on every rank.
+
+    The inverse of :func:`shard_sequence`: an all-gather (every send and
+    receive posted at once, then one wait) over the ``isend``/``irecv`` of
+    the communicator's collectives transport, reordered by the layout's
+    positions, padding dropped.  Differentiable with respect to ``x_local``;
+    see the module notes for the two gradient conventions.
+
+    Args:
+        x_local: this rank's shard, ``seq_local`` tokens on ``dim``; same
+            shape, dtype and device type on every rank (at most 8-d).
+        comm: the :class:`commlib.Communicator`.
+        layout: the layout the shards are in.
+        dim: the sequence dimension.
+        seq_len: the true global length (default ``P * seq_local``); shorter
+            lengths drop the padding :func:`shard_sequence` added.
+        sum_grad: backward sums every rank's gradient slice for this rank
+            (an all-to-all; for per-rank losses) instead of taking this rank's
+            own slice (for a loss replicated on every rank).
+        timeout: seconds for each exchange (None: no limit).
+
+    Returns:
+        torch.Tensor: ``seq_len`` tokens on ``dim``, dtype and device of ``x_local``.
+
+    Raises:
+        InvalidArgument: on every rank alike, before any data moves, when a
+            rank passed a bad tensor, dim, layout or ``seq_len``, or the ranks'
+            shapes, dtypes or options differ.
+        CommTimeout: ``timeout`` passed.
+        CommError: a peer failed (``ProcessFailed``) or another transport error.
+    """
+    op = "unshard_sequence"
+    tp = transport_of(comm)
+    rank, size = tp.rank, tp.size
+    problem, header = None, None
+    try:
+        if not isinstance(x_local, torch.Tensor):
+            raise InvalidArgument(f"x_local must be a torch.Tensor, got {type(x_local).__name__}", rank=rank, op=op)
+        _check_layout(layout, rank, op)
+        d = _check_dim(x_local, dim, rank, op)
+        if x_local.dim() > _MAX_NDIM:
+            raise InvalidArgument(f"x_local has {x_local.dim()} dims; at most {_MAX_NDIM} are supported",
+                                  rank=rank, op=op)
+        if x_local.dtype not in _DTYPES:
+            raise InvalidArgument(f"dtype {x_local.dtype} is not supported", rank=rank, op=op)
+        L = int(x_local.shape[d])
+        n = size * L if seq_len is None else seq_len
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise InvalidArgument(f"seq_len must be a non-negative int, got {seq_len!r}", rank=rank, op=op)
+        n = int(n)
+        if layout == "zigzag" and L % 2:
+            raise InvalidArgument(f"zigzag shards have an even length, got {L}", rank=rank, op=op)
+        if local_seq_len(n, size, layout) != L:
+            raise InvalidArgument(f"seq_local {L} does not match seq_len {n} on {size} ranks with layout "
+                                  f"{layout!r} (expected {local_seq_len(n, size, layout)})", rank=rank, op=op)
+        if not isinstance(sum_grad, (bool, np.bool_)):
+            raise InvalidArgument(f"sum_grad must be a bool, got {sum_grad!r}", rank=rank, op=op)
+        shape = list(x_local.shape) + [-1] * (_MAX_NDIM - x_local.dim())
+        header = (x_local.dim(), d, *shape, _DTYPES.index(x_local.dtype), _device_code(x_local.device),
+                  LAYOUTS.index(layout), n, int(bool(sum_grad)))
+    except InvalidArgument as exc:
+        problem = exc
+    agree_header(tp, (), op=op, local_error=problem, timeout=timeout)
+    agree_header(tp, header, op=op, names=_UNSHARD_FIELDS, describe=_describe_unshard, timeout=timeout)
+    tag0 = tp.tags.slot(2)
+    return _Unshard.apply(x_local, tp, layout, d, n, bool(sum_grad), (tag0, tag0 + 1), timeout, op)

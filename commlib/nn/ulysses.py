@@ -1,0 +1,352 @@
+"""DeepSpeed-Ulysses attention on torch tensors, differentiable.
+
+Each of the ``P`` ranks holds a contiguous shard of the sequence,
+``(B, L/P, H, D)``.  An all-to-all over heads gives every rank the whole
+sequence for ``H/P`` query heads (and ``Hkv/P`` key/value heads),
+``(B, L, H/P, D)``; it runs torch's fused attention
+(:func:`torch.nn.functional.scaled_dot_product_attention`, with autograd)
+locally, and a second all-to-all returns the output to sequence shards.  Each
+all-to-all is a :class:`torch.autograd.Function` whose backward is the
+inverse all-to-all, so gradients flow back through the same two exchanges.
+Communication per rank is ``O(L/P)`` per tensor whatever ``P``; the price is
+that the head counts must divide by ``P``.
+
+Paper: DeepSpeed-Ulysses (Jacobs et al. 2023, arXiv:2309.14509).
+
+The all-to-alls run over the communicator's collectives transport with
+:mod:`commlib.nn._wire` (torch tensors as bytes, no copies for the wire):
+every receive and send of one exchange is posted at once, then one wait
+bounded by ``timeout``.  Each all-to-all takes its tags from the transport's
+allocator as it runs in the forward, reserving its backward's with them, so
+every rank must make the same calls in the same order, forward and backward
+(as every rank running the same model does).
+
+Grouped-query attention: ``kv_heads`` must divide by ``P``; when it does not
+but ``P`` divides by ``kv_heads`` (say 2 kv heads on 8 ranks), each kv head
+is replicated ``P / kv_heads`` times before the exchange so every rank gets
+the one kv head its query heads use (the gradient of the copies is summed
+back); any other ``kv_heads`` is refused.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from commlib.collectives.agreement import agree_header
+from commlib.collectives.attention.transport import transport_of
+from commlib.core.errors import InvalidArgument
+
+from ._wire import irecv_tensor, isend_tensor
+
+__all__ = ["ulysses_attention"]
+
+#: dtypes the attention calls take, in header-code order
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+# ------------------------------------------------------------------ all-to-all
+def _all_to_all(x, tp, scatter_dim, gather_dim, tag, timeout, op):
+    """Cut ``x`` in ``P`` equal chunks on ``scatter_dim``, send chunk ``j`` to
+    rank ``j``, and concatenate what arrives, in rank order, on ``gather_dim``."""
+    P, r = tp.size, tp.rank
+    send = [c.contiguous() for c in x.chunk(P, dim=scatter_dim)]
+    recv = [None] * P
+    recv[r] = send[r]
+    reqs = []
+    for i in range(1, P):
+        src = (r - i) % P
+        recv[src] = torch.empty_like(send[r])
+        reqs.append(irecv_tensor(tp, recv[src], src, tag))
+    for i in range(1, P):
+        dst = (r + i) % P
+        reqs.append(isend_tensor(tp, send[dst], dst, tag))
+    tp.waitall(reqs, timeout, op=op)
+    return torch.cat(recv, dim=gather_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    """All-to-all that moves the sharded dimension; backward is the inverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x, tp, scatter_dim, gather_dim, tags, timeout, op):
+        ctx.meta = (tp, scatter_dim, gather_dim, tags[1], timeout, op)
+        return _all_to_all(x, tp, scatter_dim, gather_dim, tags[0], timeout, op)
+
+    @staticmethod
+    def backward(ctx, grad):
+        tp, scatter_dim, gather_dim, tag, timeout, op = ctx.meta
+        return (_all_to_all(grad, tp, gather_dim, scatter_dim, tag, timeout, op + " (backward)"),) + (None,) * 6
+
+
+def seq_to_heads(x, tp, timeout, op):
+    """``(B, L, H, D)`` sequence shard -> ``(B, P*L, H/P, D)``: the rank-order
+    concatenation of every rank's shard, for this rank's ``H/P`` heads."""
+    if tp.size == 1:
+        return x
+    t = tp.tags.slot(2)
+    return _AllToAll.apply(x, tp, 2, 1, (t, t + 1), timeout, op)
+
+
+def heads_to_seq(y, tp, timeout, op):
+    """Inverse of :func:`seq_to_heads`: ``(B, P*L, h, D)`` -> ``(B, L, P*h, D)``."""
+    if tp.size == 1:
+        return y
+    t = tp.tags.slot(2)
+    return _AllToAll.apply(y, tp, 1, 2, (t, t + 1), timeout, op)
+
+
+def spread_kv_heads(k, degree):
+    """Replicate kv heads so that ``degree`` ranks each get whole ones (see the module notes)."""
+    hk = k.shape[2]
+    if hk % degree == 0:
+        return k
+    return k.repeat_interleave(degree // hk, dim=2)
+
+
+# ------------------------------------------------------------ local attention
+def document_mask(cu_seqlens, n, causal, device):
+    """Boolean ``(n, n)`` mask, True where query ``i`` may see key ``j``: same
+    document of ``cu_seqlens`` (and ``j <= i`` when causal)."""
+    cu = torch.as_tensor(cu_seqlens, dtype=torch.int64, device=device)
+    pos = torch.arange(n, device=device)
+    doc = torch.searchsorted(cu[1:], pos, right=True)
+    mask = doc[:, None] == doc[None, :]
+    if causal:
+        mask &= pos[:, None] >= pos[None, :]
+    return mask
+
+
+def local_attention(q, k, v, causal, scale, mask=None):
+    """Attention on one rank over a whole sequence in natural order.
+
+    Args:
+        q: ``(B, N, h, D)``; k, v: ``(B, N, hk, D)`` with ``h % hk == 0``.
+        mask: optional boolean ``(N, N)`` (True = visible); replaces ``causal``.
+
+    Returns:
+        torch.Tensor: ``(B, N, h, D)`` (a transposed view).
+    """
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=bool(causal) and mask is None,
+                                       scale=scale, enable_gqa=kh.shape[1] != qh.shape[1])
+    return o.transpose(1, 2)
+
+
+# ---------------------------------------------------------------- validation
+@dataclass
+class Spec:
+    """Validated dimensions of an attention call on torch tensors."""
+
+    batch: int
+    seq_local: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float
+    cu_seqlens: tuple | None
+
+
+_FIELDS = ("batch", "seq_local", "heads", "kv_heads", "head_dim", "dtype", "device", "causal", "softmax_scale",
+           "cu_seqlens")
+
+
+def _device_code(device: torch.device) -> int:
+    return {"cpu": 0, "cuda": 1}.get(device.type, 2)
+
+
+def _describe(name, value):
+    if name == "dtype":
+        return str(DTYPES[value]) if 0 <= value < len(DTYPES) else value
+    if name == "device":
+        return ("cpu", "cuda", "other")[value] if 0 <= value < 3 else value
+    if name in ("causal", "bidirectional"):
+        return bool(value)
+    if name == "softmax_scale":
+        return float(np.int64(value).view(np.float64))
+    if name == "cu_seqlens":
+        return "none" if value == -1 else f"crc32 {value:#010x}"
+    if name == "layout":
+        from commlib.collectives.attention.layout import LAYOUTS  # noqa: PLC0415
+        return repr(LAYOUTS[value]) if 0 <= value < len(LAYOUTS) else value
+    return value
+
+
+def _disagreement(message, *, rank, op):
+    return InvalidArgument(f"ranks disagree on the call ({message}); every rank must pass the same shapes, "
+                           "dtype and options", rank=rank, op=op)
+
+
+def check_cu_seqlens(cu_seqlens, seq_len, rank, op):
+    """``cu_seqlens`` as a tuple of ints ``0 = c_0 <= c_1 <= ... <= c_n = seq_len`` (None stays None)."""
+    if cu_seqlens is None:
+        return None
+    try:
+        cu = torch.as_tensor(cu_seqlens).detach().cpu()
+    except (TypeError, ValueError, RuntimeError):
+        raise InvalidArgument(f"cu_seqlens must be a 1-d int tensor or sequence, got {type(cu_seqlens).__name__}",
+                              rank=rank, op=op) from None
+    if cu.dim() != 1 or cu.numel() < 2 or cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype == torch.bool:
+        raise InvalidArgument(f"cu_seqlens must be a 1-d int tensor of at least 2 boundaries, got dtype {cu.dtype} "
+                              f"shape {tuple(cu.shape)}", rank=rank, op=op)
+    vals = tuple(int(c) for c in cu.tolist())
+    if vals[0] != 0 or vals[-1] != seq_len or any(b < a for a, b in zip(vals, vals[1:])):
+        raise InvalidArgument(f"cu_seqlens must rise from 0 to the global length {seq_len}, got {list(vals)}",
+                              rank=rank, op=op)
+    return vals
+
+
+def validate(tp, q, k, v, *, causal, softmax_scale, op, cu_seqlens=None, degree=None, checks=None,
+             extra=(), timeout=None) -> Spec:
+    """Check an attention call on torch tensors on every rank together.
+
+    Local checks first (any rank's problem becomes an :class:`InvalidArgument`
+    on every rank, in one agreement round), then one round that every rank
+    passed the same shapes, dtype, device type and options.
+
+    Args:
+        tp: the transport of the call's communicator.
+        degree: the Ulysses degree (head counts must divide, or kv heads be
+            spread by :func:`spread_kv_heads`); None skips that check.
+        checks: ``checks(spec)``, more local checks raising InvalidArgument.
+        extra: ``((name, int), ...)`` more header fields (the same names on every rank).
+        timeout: seconds each agreement wait may take.
+
+    Raises:
+        InvalidArgument: on every rank alike.
+    """
+    rank = tp.rank
+    problem, spec = None, None
+    header = None
+    try:
+        spec = _validate_local(q, k, v, causal=causal, softmax_scale=softmax_scale, rank=rank, op=op,
+                               cu_seqlens=cu_seqlens, size=tp.size, degree=degree)
+        if checks is not None:
+            checks(spec)
+        cu = -1 if spec.cu_seqlens is None else zlib.crc32(np.asarray(spec.cu_seqlens, np.int64).tobytes())
+        header = (spec.batch, spec.seq_local, spec.heads, spec.kv_heads, spec.head_dim, DTYPES.index(q.dtype),
+                  _device_code(q.device), int(bool(causal)), int(np.float64(spec.scale).view(np.int64)), cu) + \
+            tuple(int(val) for _, val in extra)
+    except InvalidArgument as exc:
+        problem = exc
+    agree_header(tp, (), op=op, local_error=problem, timeout=timeout)
+    agree_header(tp, header, op=op, names=_FIELDS + tuple(name for name, _ in extra), describe=_describe,
+                 exc_type=_disagreement, timeout=timeout)
+    return spec
+
+
+def _validate_local(q, k, v, *, causal, softmax_scale, rank, op, cu_seqlens, size, degree) -> Spec:
+    def bad(msg):
+        return InvalidArgument(msg, rank=rank, op=op)
+
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise bad(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            raise bad(f"{name} must be 4-d (batch, seq_local, heads, head_dim), got shape {tuple(x.shape)}")
+    if q.dtype not in DTYPES:
+        raise bad(f"dtype {q.dtype} is not supported; use one of {[str(d) for d in DTYPES]}")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise bad(f"{name} has dtype {x.dtype}, q has {q.dtype}")
+        if x.device != q.device:
+            raise bad(f"{name} is on {x.device}, q on {q.device}")
+    bsz, L, h, d = (int(s) for s in q.shape)
+    if tuple(k.shape) != tuple(v.shape):
+        raise bad(f"k shape {tuple(k.shape)} differs from v shape {tuple(v.shape)}")
+    kb, kl, hk, kd = (int(s) for s in k.shape)
+    if kb != bsz or kl != L or kd != d:
+        raise bad(f"k/v shape {tuple(k.shape)} does not match q shape {tuple(q.shape)} in batch, seq_local or "
+                  "head_dim")
+    if hk < 1 or h % hk:
+        raise bad(f"heads {h} is not a multiple of kv_heads {hk}")
+    if degree is not None:
+        if h % degree:
+            raise bad(f"heads ({h}) must be divisible by the Ulysses degree ({degree})")
+        if hk % degree and degree % hk:
+            raise bad(f"kv_heads ({hk}) must be divisible by the Ulysses degree ({degree}), or divide it "
+                      "(kv heads are then replicated)")
+    if softmax_scale is None:
+        scale = d ** -0.5 if d else 1.0
+    else:
+        try:
+            scale = float(softmax_scale)
+        except (TypeError, ValueError):
+            raise bad(f"softmax_scale must be a positive float, got {softmax_scale!r}") from None
+        if not (math.isfinite(scale) and scale > 0):
+            raise bad(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise bad(f"causal must be a bool, got {causal!r}")
+    cu = check_cu_seqlens(cu_seqlens, size * L, rank, op)
+    return Spec(bsz, L, h, hk, d, scale, cu)
+
+
+# ---------------------------------------------------------------- the call
+def ulysses_attention(q, k, v, comm, causal: bool = False, softmax_scale=None, *, cu_seqlens=None,
+                      timeout: float | None = None):
+    """Exact sequence-parallel attention by all-to-all over heads (DeepSpeed-Ulysses).
+
+    Args:
+        q: this rank's queries ``(batch, seq_local, heads, head_dim)``: tokens
+            ``[rank * seq_local, (rank + 1) * seq_local)`` of the global
+            sequence (contiguous shards,
+            ``commlib.nn.shard_sequence(x, comm, "contiguous")``); float16,
+            bfloat16, float32 or float64, CPU or CUDA.  Non-contiguous
+            tensors are accepted (copied contiguous for the wire).
+        k, v: ``(batch, seq_local, kv_heads, head_dim)``, dtype and device of
+            ``q``; ``heads % kv_heads == 0``.
+        comm: :class:`commlib.Communicator` (its collectives transport carries
+            the all-to-alls) or a transport.
+        causal: mask key positions after the query's (global positions).
+        softmax_scale: score scale (default ``head_dim ** -0.5``).
+        cu_seqlens: optional int tensor or sequence of global document
+            boundaries ``[0, ..., seq_len]`` (FlashAttention's convention,
+            the same on every rank): tokens attend only within their document
+            (a dense boolean mask of ``seq_len**2`` is built for the local
+            attention).
+        timeout: seconds for each all-to-all (and each agreement wait).
+
+    Returns:
+        torch.Tensor: ``out`` shaped and typed like ``q`` (this rank's
+        tokens), differentiable with respect to ``q``, ``k``, ``v``.
+
+    Raises:
+        InvalidArgument: on every rank alike, before any data moves: non-4-d
+            or non-tensor inputs, mixed dtypes or devices, unsupported dtype,
+            ``heads`` not divisible by ``comm.size``, ``kv_heads`` neither
+            divisible by nor dividing ``comm.size``, bad ``softmax_scale`` or
+            ``cu_seqlens``, or shapes, dtypes or options that differ between
+            ranks.
+        CommTimeout: an all-to-all did not complete in ``timeout``.
+        ProcessFailed: a peer failed (other transport failures: :class:`~commlib.CommError`).
+    """
+    op = "ulysses_attention"
+    tp = transport_of(comm)
+    spec = validate(tp, q, k, v, causal=causal, softmax_scale=softmax_scale, op=op, cu_seqlens=cu_seqlens,
+                    degree=tp.size, timeout=timeout)
+    return ulysses_forward(q, k, v, tp, spec, causal, timeout, op)
+
+
+def ulysses_forward(q, k, v, tp, spec, causal, timeout, op, order=None):
+    """The all-to-all, local attention, inverse all-to-all of a validated call.
+
+    Args:
+        order: optional ``(perm, inv)`` int64 index tensors: ``perm`` puts the
+            gathered tokens (rank-order concatenation of the shards) in
+            natural order, ``inv`` undoes it (non-contiguous layouts).
+    """
+    P = tp.size
+    N = P * spec.seq_local
+    k, v = spread_kv_heads(k, P), spread_kv_heads(v, P)
+    qg, kg, vg = (seq_to_heads(x, tp, timeout, op) for x in (q, k, v))
+    if order is not None:
+        qg, kg, vg = (x.index_select(1, order[0]) for x in (qg, kg, vg))
+    mask = None if spec.cu_seqlens is None else document_mask(spec.cu_seqlens, N, causal, q.device)
+    out = local_attention(qg, kg, vg, causal, spec.scale, mask)
+    if order is not None:
+        out = out.index_select(1, order[1])
+    return heads_to_seq(out, tp, timeout, op)

@@ -1,0 +1,281 @@
+"""Sequence-parallel language-model training: ``python -m commlib.apps.lm``.
+
+Trains a small decoder-only transformer (byte-level, rotary or learned
+positions, grouped-query attention, pre-norm RMSNorm blocks) on the Python
+standard library's own source, with every training sequence's *context*
+sharded over the ranks: each rank holds ``1/P`` of the tokens and attention
+runs sequence-parallel (``commlib.nn``): ring attention in the zigzag layout by
+default (Liu et al. 2023; zigzag of ring-flash-attention), its bidirectional
+ring variant, DeepSpeed-Ulysses (Jacobs et al. 2023) or the hybrid of both.
+
+One training step on ``P`` ranks:
+
+1. every rank builds the identical global batch (``--batch`` sequences of
+   ``--seq-len`` byte tokens, documents packed; the same seed everywhere) and
+   keeps its shard of the tokens in the chosen layout.  The batch is packed as
+   one sequence of ``batch * seq_len`` tokens whose document boundaries
+   (``cu_seqlens``, the FlashAttention varlen convention; each row start is one
+   too) keep attention inside each file;
+2. forward on the shard: embeddings, norms and MLPs are per token; attention is
+   the one collective step; positions are the tokens' global positions;
+3. loss: the sum of this rank's token cross-entropies divided by the global
+   token count ``batch * seq_len``, so the ranks' losses add up to the mean;
+4. backward (the attention backward communicates too), then one
+   ``Communicator.allreduce`` (sum) of all parameter gradients flattened into
+   one float32 buffer: the parameters are replicated and stay bit-identical;
+5. clip the global gradient norm, AdamW (linear warmup, then cosine decay).
+
+So 1, 2 and 4 ranks train the same model on the same tokens, and the losses
+agree to rounding.  ``--verify`` retrains on rank 0 alone with plain torch
+attention on the whole sequences (the single-process oracle) and reports the
+largest relative loss difference (exit status 1 above ``--verify-tol``).
+
+Reports per step: training loss, validation loss every ``--eval-every`` steps
+(held-out files), tokens per second, peak memory per rank (max RSS on the CPU,
+``torch.cuda.max_memory_allocated`` on the GPU); ``--json`` writes them with
+the configuration, ``--plot`` draws the loss curves.
+
+Examples::
+
+    mpiexec -n 2 python -P -m commlib.apps.lm
+    mpiexec -n 4 python -P -m commlib.apps.lm --attention ulysses --heads 8 --kv-heads 4 --verify
+    mpiexec -n 4 python -P -m commlib.apps.lm --attention hybrid --ulysses-degree 2 --json lm.json --plot lm.png
+    mpiexec -n 8 python -P -m commlib.apps.lm --device cuda --dtype bfloat16 --seq-len 16384 --d-model 512 \\
+        --heads 8 --layers 8 --steps 500
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import commlib  # light: the errors only until init is used
+
+from .._cli import OneLineParser, unwritable, world_rank, world_size
+
+__all__ = ["ATTENTIONS", "LAYOUTS", "build_parser", "parse_args", "check_sizes", "run", "main"]
+
+ATTENTIONS = ("ring", "bidirectional", "ulysses", "hybrid")
+LAYOUTS = ("contiguous", "striped", "zigzag")
+DTYPES = ("float32", "bfloat16")
+#: --verify's default tolerance on the largest relative loss difference, per --dtype
+VERIFY_TOL = {"float32": 1e-4, "bfloat16": 1e-2}
+MAX_INT = 1 << 31
+
+
+def build_parser() -> argparse.ArgumentParser:
+    doc = __doc__.split("\n\n")
+    p = OneLineParser(
+        "lm",
+        prog="python -m commlib.apps.lm",
+        description=doc[0] + "\n\n" + doc[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Data: the *.py files of this Python's standard library (third-party folders left out), bytes as\n"
+               "tokens (256 = document start), about 10 % of the files held out for validation.\n\n"
+               "Example: mpiexec -n 4 python -P -m commlib.apps.lm --verify --json lm.json --plot lm.png")
+    a = p.add_argument
+    a("--attention", choices=ATTENTIONS, default="ring",
+      help="sequence-parallel attention: ring (K/V travel around the ring), bidirectional (K/V travel both "
+           "ways, half the ring steps), ulysses (all-to-all over heads: --heads and --kv-heads divisible by "
+           "the rank count), hybrid (Ulysses inside groups of --ulysses-degree ranks, ring across them) "
+           "(default ring)")
+    a("--layout", choices=LAYOUTS, default=None,
+      help="which tokens each rank holds: contiguous blocks, striped (token t on rank t mod P) or zigzag "
+           "(chunks r and 2P-1-r of 2P, balanced under the causal mask) (default zigzag; ulysses: contiguous)")
+    a("--ulysses-degree", type=int, default=None, metavar="U",
+      help="hybrid: ranks per Ulysses group (divides the rank count, --heads and --kv-heads) (default 2)")
+    a("--steps", type=int, default=40, help="training steps (default 40)")
+    a("--seq-len", type=int, default=256,
+      help="tokens per training sequence (the context each rank holds 1/P of); a multiple of the rank count "
+           "(zigzag: of twice the rank count) (default 256)")
+    a("--batch", type=int, default=4, help="sequences per step (default 4)")
+    a("--d-model", type=int, default=64, help="model width, a multiple of --heads (default 64)")
+    a("--heads", type=int, default=4, help="query heads (default 4)")
+    a("--kv-heads", type=int, default=None,
+      help="key/value heads (grouped-query attention), dividing --heads (default: --heads / 2 when even)")
+    a("--layers", type=int, default=2, help="transformer blocks (default 2)")
+    a("--pos", choices=("rope", "learned"), default="rope",
+      help="position embedding: rotary (rope) or a learned table of --seq-len positions (default rope)")
+    a("--no-doc-mask", action="store_true",
+      help="let attention cross document (file) boundaries: causal over each whole sequence")
+    a("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    a("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default 0.01)")
+    a("--warmup", type=int, default=10,
+      help="steps of linear learning-rate warmup; then cosine decay to a tenth of --lr at the last step "
+           "(default 10)")
+    a("--clip", type=float, default=1.0,
+      help="clip the global gradient norm (after the allreduce) to this; 0: no clipping (default 1.0)")
+    a("--eval-every", type=int, default=10, help="steps between validation losses (and after the last step) "
+                                                 "(default 10)")
+    a("--eval-batches", type=int, default=2, help="held-out batches per validation loss (default 2)")
+    a("--seed", type=int, default=0, help="seed of the parameters and of the order of the training files "
+                                          "(default 0)")
+    a("--device", choices=("cpu", "cuda"), default="cpu",
+      help="cpu, or cuda: one GPU per rank, by node-local rank (default cpu)")
+    a("--dtype", choices=DTYPES, default="float32",
+      help="float32, or bfloat16 autocast (float32 parameters, gradients and optimizer) (default float32)")
+    a("--threads", type=int, default=1,
+      help="torch intra-op threads per rank; the ranks are the parallelism, and the default model's operations "
+           "are too small to gain from more threads (on a busy machine they lose much: every parallel "
+           "operation waits for a thread the scheduler has not run yet); raise it for a wide model with a few "
+           "ranks per node, up to the cores per rank (default 1)")
+    a("--verify", action="store_true",
+      help="retrain on rank 0 alone with plain torch attention on the whole sequences and compare every "
+           "loss; exit status 1 when the largest relative difference exceeds --verify-tol (the oracle holds "
+           "the whole context and a dense --seq-len^2 mask on one process: for small runs)")
+    a("--verify-tol", type=float, default=None,
+      help="largest relative loss difference --verify accepts (default 1e-4 for float32, 1e-2 for bfloat16)")
+    a("--json", metavar="PATH", help="write the configuration and the per-step figures as JSON (rank 0)")
+    a("--plot", metavar="PATH", help="PNG of the training and validation loss curves (rank 0)")
+    a("--no-progress", action="store_true", help="no progress bar")
+    a("--quiet", action="store_true", help="no progress bar and no text report")
+    return p
+
+
+def _divisibility_unit(layout: str, size: int) -> int:
+    return 2 * size if layout == "zigzag" else size
+
+
+def check_sizes(parser, a, size: int) -> None:
+    """The checks that depend on the job's rank count ``size`` (``parser.error``:
+    one line on stderr, exit status 2, on every rank alike)."""
+    err = parser.error
+    P = size
+    if a.attention in ("ulysses", "hybrid"):
+        u, what = (P, "the rank count") if a.attention == "ulysses" else (a.ulysses_degree, "--ulysses-degree")
+        if P % u:
+            err(f"hybrid: --ulysses-degree {u} does not divide the rank count {P}")
+        if a.heads % u:
+            err(f"{a.attention}: --heads {a.heads} is not divisible by {what} {u}")
+        if a.kv_heads % u and u % a.kv_heads:
+            err(f"{a.attention}: --kv-heads {a.kv_heads} neither divides nor is divisible by {what} {u}")
+    unit = _divisibility_unit(a.layout, P)
+    if a.seq_len % unit:
+        why = f"twice the rank count, {unit}" if a.layout == "zigzag" else f"the rank count {unit}"
+        err(f"--seq-len {a.seq_len} is not a multiple of {why} (layout {a.layout})")
+
+
+def parse_args(argv=None, size: int | None = None):
+    """Parse and check the command line.
+
+    ``size`` is the job's rank count (default: from the launcher's environment,
+    1 without one); the rank-count checks run again once MPI is up when the
+    launcher did not tell.
+
+    Raises:
+        SystemExit: 2 after one line on stderr (rank 0) for a value the run
+            cannot use; 0 after ``--help``.
+    """
+    p = build_parser()
+    a = p.parse_args(argv)
+    err = p.error
+    for name in ("steps", "seq_len", "batch", "d_model", "heads", "layers", "eval_every", "eval_batches"):
+        v = getattr(a, name)
+        if not 1 <= v <= MAX_INT:
+            err(f"--{name.replace('_', '-')} must be in [1, {MAX_INT}], got {v}")
+    if a.kv_heads is None:
+        a.kv_heads = a.heads // 2 if a.heads % 2 == 0 else a.heads
+    if not 1 <= a.kv_heads <= a.heads or a.heads % a.kv_heads:
+        err(f"--kv-heads {a.kv_heads} must divide --heads {a.heads}")
+    if a.d_model % a.heads:
+        err(f"--d-model {a.d_model} is not a multiple of --heads {a.heads}")
+    if a.pos == "rope" and (a.d_model // a.heads) % 2:
+        err(f"rotary embeddings need an even head dimension; --d-model / --heads is {a.d_model // a.heads}")
+    if a.seq_len < 2:
+        err(f"--seq-len must be >= 2, got {a.seq_len}")
+    if a.batch * a.seq_len > 1 << 40:
+        err(f"--batch x --seq-len is {a.batch * a.seq_len} tokens, too many")
+    if not (math.isfinite(a.lr) and a.lr > 0):
+        err(f"--lr must be a finite number > 0, got {a.lr}")
+    if not (math.isfinite(a.weight_decay) and a.weight_decay >= 0):
+        err(f"--weight-decay must be a finite number >= 0, got {a.weight_decay}")
+    if not 0 <= a.warmup <= MAX_INT:
+        err(f"--warmup must be in [0, {MAX_INT}], got {a.warmup}")
+    if not (math.isfinite(a.clip) and a.clip >= 0):
+        err(f"--clip must be a finite number >= 0, got {a.clip}")
+    if not 0 <= a.seed < 1 << 32:
+        err(f"--seed must be in [0, 2**32), got {a.seed}")
+    if not 1 <= a.threads <= 4096:
+        err(f"--threads must be in [1, 4096], got {a.threads}")
+    if a.verify_tol is None:
+        a.verify_tol = VERIFY_TOL[a.dtype]
+    elif not (math.isfinite(a.verify_tol) and a.verify_tol > 0):
+        err(f"--verify-tol must be a finite number > 0, got {a.verify_tol}")
+    a.layout = a.layout or ("contiguous" if a.attention == "ulysses" else "zigzag")
+    if a.ulysses_degree is not None and a.attention != "hybrid":
+        err("--ulysses-degree applies to --attention hybrid only")
+    if a.attention == "hybrid":
+        if a.ulysses_degree is None:
+            a.ulysses_degree = 2
+        if not 1 <= a.ulysses_degree <= MAX_INT:
+            err(f"--ulysses-degree must be >= 1, got {a.ulysses_degree}")
+    for opt, path in (("--json", a.json), ("--plot", a.plot)):
+        if path is not None:
+            problem = unwritable(path)
+            if problem:
+                err(f"{opt} {path}: {problem}")
+    if a.plot is not None:
+        import importlib.util  # noqa: PLC0415
+
+        if importlib.util.find_spec("matplotlib") is None:
+            err("--plot needs matplotlib (pip install matplotlib)")
+    if a.quiet:
+        a.no_progress = True
+    check_sizes(p, a, size if size is not None else (world_size() or 1))
+    a._parser = p
+    return a
+
+
+def run(args, comm=None):
+    """Train as ``args`` say on ``comm`` (default: ``commlib.init()``); returns
+    the report dict on rank 0, None elsewhere.  See :func:`.train.run`."""
+    from .train import run as _run  # noqa: PLC0415  (torch loads here)
+
+    return _run(args, comm)
+
+
+def main(argv=None) -> int:
+    """The command line; returns the exit status (2: a refused value, one line
+    on stderr from rank 0; 1: ``--verify`` failed)."""
+    try:
+        args = parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a refusal (2)
+        return exc.code if isinstance(exc.code, int) else 2
+    if args.device == "cuda":
+        import torch  # noqa: PLC0415
+
+        if not torch.cuda.is_available():
+            if world_rank() == 0:
+                print("lm: error: --device cuda: torch sees no GPU (torch.cuda.is_available() is False)",
+                      file=sys.stderr)
+            return 2
+    comm = commlib.init()
+    try:
+        check_sizes(args._parser, args, comm.size)  # a launcher that did not name the size
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        rep = run(args, comm)
+    except commlib.InvalidArgument as exc:  # raised on every rank alike: a clean exit
+        if comm.rank == 0:
+            print(f"lm: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    except BaseException as exc:  # one rank failing alone must not leave the others hanging
+        import traceback  # noqa: PLC0415
+
+        traceback.print_exc()
+        print(f"rank {comm.rank}: lm app: {exc!r}; aborting the job", file=sys.stderr, flush=True)
+        comm.abort(3)
+    if rep is None:
+        return 0
+    from .train import print_report, write_outputs  # noqa: PLC0415
+
+    if not args.quiet:
+        print_report(rep)
+    write_outputs(rep, args)
+    ver = rep.get("verify")
+    return 1 if ver is not None and not ver["passed"] else 0
+
+
+if __name__ == "__main__":  # pragma: no cover - python -m runs __main__.py
+    sys.exit(main())

@@ -1,0 +1,455 @@
+"""The training loop of ``python -m commlib.apps.lm`` (torch loads here).
+
+See :mod:`commlib.apps.lm` for what one step does.  Layout of a step's tokens:
+the ``(batch, seq_len + 1)`` tokens of the global batch give inputs ``x`` and
+targets ``y`` (``(batch, seq_len)`` each).  With document masking (the
+default) the batch is packed as one sequence of ``N = batch * seq_len`` tokens
+(row after row) whose ``cu_seqlens`` hold every document start and every row
+start, and the ranks shard that sequence; without it each row is a sequence
+and the ranks shard every row alike.  Rank ``r`` keeps the tokens at the
+global indices its layout gives it (``commlib.nn.shard_sequence`` of the
+index vector), their targets and their positions in their own row.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import resource
+import sys
+import time
+
+import numpy as np
+import torch
+
+import commlib
+from commlib.nn import SequenceParallelAttention, shard_sequence
+
+from .data import VOCAB, TokenStream, corpus_digest, cu_seqlens, flat_positions, split_files, stdlib_files, \
+    stdlib_root
+from .model import TransformerLM, dense_attention, document_mask, loss_sum
+
+__all__ = ["run", "oracle_losses", "print_report", "write_outputs", "plot_losses"]
+
+_LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+
+
+def _env_int(names, default):
+    for name in names:
+        try:
+            return int(os.environ[name])
+        except (KeyError, ValueError):
+            continue
+    return default
+
+
+def _device(args, rank: int):
+    if args.device == "cpu":
+        return torch.device("cpu")
+    local = _env_int(_LOCAL_RANK_VARS, rank)
+    dev = torch.device("cuda", local % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    return dev
+
+
+def _peak_memory(device) -> int:
+    """Peak bytes of this process: torch's allocator peak on a GPU, max RSS on the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _autocast(args, device):
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
+
+
+# ------------------------------------------------------------------ sharding
+class Shard:
+    """Which tokens of a batch this rank holds, and the attention over them.
+
+    Args:
+        args: the parsed command line.
+        comm: the communicator (the ranks sharing each sequence).
+        device: where the tensors go.
+    """
+
+    def __init__(self, args, comm, device):
+        self.args, self.device = args, device
+        self.B, self.L = args.batch, args.seq_len
+        self.doc_mask = not args.no_doc_mask
+        self.n = self.B * self.L if self.doc_mask else self.L  # length of the sharded sequence
+        # the global indices this rank holds: its layout shard of arange(n), int64 (n / P,)
+        self.index = shard_sequence(torch.arange(self.n)[None], comm, layout=args.layout, dim=1)[0].numpy()
+        self.attention = SequenceParallelAttention(comm, kind=args.attention, layout=args.layout, causal=True,
+                                                   ulysses_degree=args.ulysses_degree)
+
+    def split(self, tokens: np.ndarray):
+        """This rank's (inputs, targets, positions, attn) of a global batch
+        ``tokens`` ``(B, L + 1)``: inputs/targets ``(1, n/P)`` (packed) or
+        ``(B, L/P)``, positions ``(n/P,)``, and ``attn(q, k, v)``."""
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        idx = self.index
+        if self.doc_mask:
+            cu = torch.from_numpy(cu_seqlens(x))  # host boundaries: the attention reads them on the host
+            inp, tgt = x.reshape(1, -1)[:, idx], y.reshape(1, -1)[:, idx]
+            pos = flat_positions(self.B, self.L)[idx]
+        else:
+            cu = None
+            inp, tgt, pos = x[:, idx], y[:, idx], idx
+        dev = self.device
+        attn = self.attention
+
+        def call(q, k, v):
+            return attn(q, k, v, cu_seqlens=cu)
+
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)  # noqa: E731
+        return t(inp), t(tgt), t(pos), call
+
+
+class GradAllreduce:
+    """Sum the parameter gradients over the ranks: one flat float32 host buffer,
+    one ``Communicator.allreduce`` (bit-identical on every rank), copied back.
+
+    GPU gradients are staged through host memory (the gradients are small next
+    to the activations of a long context)."""
+
+    def __init__(self, params, comm):
+        self.params, self.communicator = list(params), comm
+        self.numel = sum(p.numel() for p in self.params)
+        self.host = np.zeros(self.numel, dtype=np.float32)
+        self.flat = torch.from_numpy(self.host)
+
+    def __call__(self) -> None:
+        if self.communicator.size == 1:
+            return
+        o = 0
+        for p in self.params:
+            n = p.numel()
+            if p.grad is None:
+                self.flat[o:o + n].zero_()
+            else:
+                self.flat[o:o + n].copy_(p.grad.reshape(-1))
+            o += n
+        self.communicator.allreduce(self.host)
+        o = 0
+        for p in self.params:
+            n = p.numel()
+            g = self.flat[o:o + n].view_as(p).to(p.device)
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)
+            o += n
+
+
+# ------------------------------------------------------------------ the run
+def _data(args):
+    root = stdlib_root()
+    files = stdlib_files(root)
+    train, val = split_files(files)
+    return root, files, train, val
+
+
+def _val_batches(args, root, val):
+    stream = TokenStream(root, val, shuffle=False)
+    return [stream.batch(args.batch, args.seq_len) for _ in range(args.eval_batches)]
+
+
+def _new_model(args, device):
+    torch.manual_seed(args.seed)
+    model = TransformerLM(VOCAB, args.d_model, args.heads, args.kv_heads, args.layers, args.seq_len, pos=args.pos)
+    model = model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay,
+                            foreach=False)
+    return model, opt
+
+
+def lr_at(args, step: int) -> float:
+    """Learning rate of step ``step`` (0-based): linear warmup over ``--warmup``
+    steps, then cosine decay from ``--lr`` to ``--lr / 10`` at the last step."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    span = max(1, args.steps - 1 - args.warmup)
+    frac = min(1.0, (step - args.warmup) / span)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * frac)))
+
+
+def _update(args, model, opt, step: int) -> None:
+    """Clip the global gradient norm (identical gradients on every rank: the
+    same factor everywhere), set the step's learning rate, take the AdamW step."""
+    if args.clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip, foreach=False)
+    for group in opt.param_groups:
+        group["lr"] = lr_at(args, step)
+    opt.step()
+
+
+def _parameter_digest(model) -> np.ndarray:
+    """SHA-256 of the parameters' bytes, as 4 uint64 (to compare ranks bit for bit)."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return np.frombuffer(h.digest(), dtype=np.uint64).copy()
+
+
+def _eval_points(args) -> list[int]:
+    return [s for s in range(args.steps) if (s + 1) % args.eval_every == 0 or s == args.steps - 1]
+
+
+def run(args, comm=None):
+    """Train as ``args`` (:func:`commlib.apps.lm.parse_args`) say, sequence-parallel over ``comm``.
+
+    Returns:
+        dict on rank 0 (the report: configuration, per-step figures, summary,
+        and ``verify`` with ``--verify``); None on the other ranks.
+
+    Raises:
+        commlib.InvalidArgument: from the attention layer, on every rank alike.
+    """
+    comm = comm or commlib.init()
+    rank, P = comm.rank, comm.size
+    threads = args.threads
+    torch.set_num_threads(threads)
+    device = _device(args, rank)
+    N = args.batch * args.seq_len
+
+    root, files, train_files, val_files = _data(args)
+    stream = TokenStream(root, train_files, seed=args.seed)
+    val_batches = _val_batches(args, root, val_files)
+    model, opt = _new_model(args, device)
+    sync = GradAllreduce(model.parameters(), comm)
+    shard = Shard(args, comm, device)
+    evals = set(_eval_points(args))
+
+    def local_loss(tokens):
+        inp, tgt, pos, attn = shard.split(tokens)
+        with _autocast(args, device):
+            logits = model(inp, pos, attn)
+        return loss_sum(logits, tgt)
+
+    def global_mean(local_sum: float, count: int) -> float:
+        buf = np.array([local_sum], dtype=np.float64)
+        if P > 1:
+            comm.allreduce(buf)
+        return float(buf[0]) / count
+
+    def evaluate() -> float:
+        model.eval()
+        with torch.no_grad():
+            s = sum(float(local_loss(b)) for b in val_batches)
+        model.train()
+        return global_mean(s, N * len(val_batches))
+
+    bar = range(args.steps)
+    if rank == 0 and not args.no_progress:
+        from tqdm import tqdm  # noqa: PLC0415
+
+        bar = tqdm(bar, desc=f"lm {args.attention}/{args.layout} P={P}", unit="step", file=sys.stderr)
+    train_loss, val_loss = [], {}
+    mine = np.zeros((args.steps, 2))  # per step: seconds, peak bytes on this rank
+    comm.barrier()
+    for step in bar:
+        tokens = stream.batch(args.batch, args.seq_len)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=False)
+        s = local_loss(tokens)
+        (s / N).backward()
+        sync()
+        _update(args, model, opt, step)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        mine[step] = time.perf_counter() - t0, _peak_memory(device)
+        train_loss.append(global_mean(float(s.detach()), N))
+        if step in evals:
+            val_loss[step] = evaluate()
+        if rank == 0 and hasattr(bar, "set_postfix"):
+            post = dict(loss=f"{train_loss[-1]:.4f}", tok_s=f"{N / mine[step, 0]:.0f}")
+            if step in val_loss:
+                post["val"] = f"{val_loss[step]:.4f}"
+                bar.write(f"step {step + 1}: train {train_loss[-1]:.4f}  val {val_loss[step]:.4f}")
+            bar.set_postfix(post)
+    if hasattr(bar, "close"):
+        bar.close()
+    per_rank = comm.allgather(mine)  # (P, steps, 2)
+    digests = comm.allgather(_parameter_digest(model))  # (P, 4): every rank's parameters, hashed
+    peak_per_rank = per_rank[:, :, 1].max(axis=1)
+
+    verify = None
+    if args.verify:
+        verify = _verify(args, comm, train_loss, val_loss)
+    if rank != 0:
+        return None
+
+    step_time = per_rank[:, :, 0].max(axis=0)  # the slowest rank
+    timed = step_time[1:] if args.steps > 1 else step_time
+    rows = [dict(step=s + 1, train_loss=train_loss[s], val_loss=val_loss.get(s), time_s=float(step_time[s]),
+                 tokens_per_s=float(N / step_time[s]), peak_memory_bytes=int(per_rank[:, s, 1].max()))
+            for s in range(args.steps)]
+    config = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    report = dict(
+        app="lm", config=config, ranks=P, threads_per_rank=threads,
+        device=str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
+        torch=torch.__version__, python=platform.python_version(),
+        sequence=dict(packed=shard.doc_mask, sequences=1 if shard.doc_mask else args.batch,
+                      sharded_length=shard.n, tokens_per_rank=N // P, tokens_per_step=N),
+        data=dict(root=root, files=len(files), train_files=len(train_files), val_files=len(val_files),
+                  digest=corpus_digest(files), train_documents_read=stream.documents,
+                  val_tokens=N * len(val_batches)),
+        parameters=int(sum(p.numel() for p in model.parameters())),
+        parameters_identical_across_ranks=bool((digests == digests[0]).all()),
+        memory_kind="torch.cuda.max_memory_allocated" if device.type == "cuda" else "max RSS",
+        steps=rows,
+        final_train_loss=train_loss[-1],
+        final_val_loss=val_loss[max(val_loss)],
+        tokens_per_s=float(N / np.median(timed)),
+        step_time_s=float(np.median(timed)),
+        peak_memory_bytes_per_rank=[int(b) for b in peak_per_rank],
+    )
+    if verify is not None:
+        report["verify"] = verify
+    return report
+
+
+# ------------------------------------------------------------------ the oracle
+def oracle_losses(args, device=None):
+    """Train the same model on the same batches in this process alone, with
+    plain torch attention (:func:`..model.dense_attention`) on whole sequences:
+    returns (training losses per step, {step: validation loss})."""
+    device = device or torch.device("cpu")
+    root, _, train_files, val_files = _data(args)
+    stream = TokenStream(root, train_files, seed=args.seed)
+    val_batches = _val_batches(args, root, val_files)
+    model, opt = _new_model(args, device)
+    N = args.batch * args.seq_len
+    pos = torch.arange(args.seq_len, device=device)
+    evals = set(_eval_points(args))
+
+    def loss_of(tokens):
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        mask = None
+        if not args.no_doc_mask:
+            mask = torch.from_numpy(document_mask(cu_seqlens(x), args.batch, args.seq_len)).to(device)
+        inp, tgt = torch.from_numpy(np.ascontiguousarray(x)).to(device), torch.from_numpy(
+            np.ascontiguousarray(y)).to(device)
+        with _autocast(args, device):
+            logits = model(inp, pos, lambda q, k, v: dense_attention(q, k, v, mask))
+        return loss_sum(logits, tgt)
+
+    train, val = [], {}
+    for step in range(args.steps):
+        tokens = stream.batch(args.batch, args.seq_len)
+        opt.zero_grad(set_to_none=False)
+        s = loss_of(tokens)
+        (s / N).backward()
+        _update(args, model, opt, step)
+        train.append(float(s.detach()) / N)
+        if step in evals:
+            model.eval()
+            with torch.no_grad():
+                val[step] = sum(float(loss_of(b)) for b in val_batches) / (N * len(val_batches))
+            model.train()
+    return train, val
+
+
+def _rel(a, b) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def _verify(args, comm, train_loss, val_loss):
+    """Rank 0 retrains alone (the oracle) while the others wait for it in a
+    broadcast; returns the comparison on rank 0, None elsewhere."""
+    res = np.zeros(3)  # max rel diff train, max rel diff val, passed
+    out = None
+    if comm.rank == 0:
+        device = torch.device("cpu") if args.device == "cpu" else torch.device("cuda", torch.cuda.current_device())
+        o_train, o_val = oracle_losses(args, device)
+        d_train = max(_rel(a, b) for a, b in zip(train_loss, o_train))
+        d_val = max(_rel(val_loss[s], o_val[s]) for s in o_val)
+        ok = max(d_train, d_val) <= args.verify_tol
+        res[:] = d_train, d_val, float(ok)
+        out = dict(oracle="single process, torch scaled_dot_product_attention on whole sequences",
+                   oracle_train_loss=o_train, oracle_val_loss={str(s + 1): v for s, v in o_val.items()},
+                   max_rel_diff_train=d_train, max_rel_diff_val=d_val, max_rel_diff=max(d_train, d_val),
+                   tolerance=args.verify_tol, passed=bool(ok))
+    comm.bcast(res, root=0)
+    return out
+
+
+# ------------------------------------------------------------------ output
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)  # pragma: no cover
+
+
+def print_report(rep) -> None:
+    c = rep["config"]
+    layout = c["layout"] + (f", ulysses degree {c['ulysses_degree']}" if c["attention"] == "hybrid" else "")
+    print(f"lm {c['attention']} ({layout}) on {rep['ranks']} rank(s), {rep['device']}, {c['dtype']}, "
+          f"{rep['threads_per_rank']} thread(s) per rank")
+    print(f"  model: {rep['parameters']:,} parameters, d_model {c['d_model']}, {c['layers']} layers, heads "
+          f"{c['heads']}/{c['kv_heads']}, {c['pos']} positions")
+    sq = rep["sequence"]
+    print(f"  tokens per step {sq['tokens_per_step']} ({c['batch']} x {c['seq_len']}"
+          f"{', packed with document masking' if sq['packed'] else ', no document masking'}), "
+          f"{sq['tokens_per_rank']} per rank; data: {rep['data']['train_files']} training / "
+          f"{rep['data']['val_files']} held-out files of the standard library")
+    print(f"  {c['steps']} steps: train loss {rep['steps'][0]['train_loss']:.4f} -> {rep['final_train_loss']:.4f}, "
+          f"val loss {rep['final_val_loss']:.4f}")
+    print(f"  {rep['tokens_per_s']:.0f} tokens/s (median step {rep['step_time_s'] * 1e3:.1f} ms, slowest rank)")
+    if not rep["parameters_identical_across_ranks"]:
+        print("  WARNING: the ranks' parameters differ")
+    print(f"  peak memory per rank ({rep['memory_kind']}): "
+          f"{', '.join(_fmt_bytes(b) for b in rep['peak_memory_bytes_per_rank'])}")
+    v = rep.get("verify")
+    if v is not None:
+        print(f"  single-process check: largest relative loss difference {v['max_rel_diff']:.2e} "
+              f"(train {v['max_rel_diff_train']:.2e}, val {v['max_rel_diff_val']:.2e}), tolerance "
+              f"{v['tolerance']:.0e}: {'PASSED' if v['passed'] else 'FAILED'}")
+
+
+def plot_losses(rep, path: str) -> None:
+    """PNG: training and validation loss against step (and the oracle's, after
+    ``--verify``), tokens/s below."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    rows = rep["steps"]
+    steps = [r["step"] for r in rows]
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(6.4, 6), sharex=True, gridspec_kw=dict(height_ratios=(3, 1)))
+    ax.plot(steps, [r["train_loss"] for r in rows], label=f"train ({rep['ranks']} ranks)")
+    vs = [(r["step"], r["val_loss"]) for r in rows if r["val_loss"] is not None]
+    ax.plot(*zip(*vs), "o-", label="validation")
+    v = rep.get("verify")
+    if v is not None:
+        ax.plot(steps, v["oracle_train_loss"], "k--", lw=1, label="train, single process")
+        ax.plot([int(s) for s in v["oracle_val_loss"]], list(v["oracle_val_loss"].values()), "kx", ms=7,
+                label="validation, single process")
+    c = rep["config"]
+    ax.set_ylabel("loss (nats per byte)")
+    ax.set_title(f"{c['attention']} attention, {c['layout']} layout, {rep['ranks']} ranks, "
+                 f"{c['batch']}x{c['seq_len']} tokens/step")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    ax2.plot(steps, [r["tokens_per_s"] for r in rows])
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("tokens/s")
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(rep, args) -> None:
+    """``--json`` and ``--plot`` (rank 0)."""
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(rep, fh, indent=1)
+    if args.plot:
+        plot_losses(rep, args.plot)

@@ -1,0 +1,206 @@
+"""The language-model training app (``python -m commlib.apps.lm``).
+
+Serial: ``pytest tests/test_lm_app.py`` (command line, data, the --verify path
+against the single-process oracle); MPI:
+``mpiexec -n N python -P -m pytest --with-mpi -m mpi tests/test_lm_app.py``
+(N ranks train with each attention kind and must give the losses of the app
+on one rank, within 1e-5 relative, over 20 float32 steps).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import commlib  # noqa: E402
+from commlib.apps import lm as app  # noqa: E402
+from commlib.apps.lm import data  # noqa: E402
+
+#: a tiny model: 20 steps of 2 x 48 tokens (48 divides into zigzag shards on 1-4 ranks)
+TINY = ["--steps", "20", "--seq-len", "48", "--batch", "2", "--d-model", "32", "--heads", "4", "--kv-heads", "2",
+        "--layers", "1", "--eval-every", "10", "--eval-batches", "1", "--threads", "1", "--quiet"]
+
+
+def _clean_env():
+    """The environment without the launcher's variables, so a child process
+    started from an MPI rank initializes as its own singleton."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "PMI_"))}
+
+
+def _losses(rep):
+    return ([s["train_loss"] for s in rep["steps"]],
+            {s["step"]: s["val_loss"] for s in rep["steps"] if s["val_loss"] is not None})
+
+
+# ----------------------------------------------------------------- data
+@pytest.mark.timeout(60)
+def test_data_is_deterministic_and_packed():
+    root = data.stdlib_root()
+    files = data.stdlib_files(root)
+    assert files == sorted(files) and not any("site-packages" in f for f in files)
+    train, val = data.split_files(files)
+    assert set(train).isdisjoint(val) and len(train) + len(val) == len(files)
+    assert 0.02 < len(val) / len(files) < 0.25
+    a = data.TokenStream(root, train, seed=3)
+    b = data.TokenStream(root, train, seed=3)
+    x1, x2 = a.batch(3, 40), a.batch(3, 40)
+    assert np.array_equal(x1, b.batch(3, 40)) and np.array_equal(x2, b.batch(3, 40))
+    assert x1.shape == (3, 41) and x1.max() <= data.BOS
+    assert np.array_equal(x1[:-1, -1], x1[1:, 0]) and x1[-1, -1] == x2[0, 0]  # rows overlap by one token
+    # the stream is the files, each opened by BOS, in the seeded order
+    order = np.random.default_rng([3, 0]).permutation(len(train))
+    with open(os.path.join(root, train[order[0]]), "rb") as fh:
+        head = np.frombuffer(fh.read(), np.uint8)[:39]
+    assert x1[0, 0] == data.BOS and np.array_equal(x1[0, 1:1 + head.size], head)
+    x = x1[:, :-1]
+    cu = data.cu_seqlens(x)
+    assert cu[0] == 0 and cu[-1] == x.size and np.all(np.diff(cu) > 0)
+    assert set(np.flatnonzero(x.reshape(-1) == data.BOS)) | {0, 40, 80} == set(cu[:-1].tolist())
+
+
+# ----------------------------------------------------------------- the command line
+@pytest.mark.timeout(60)
+def test_help_explains_options():
+    res = subprocess.run([sys.executable, "-P", "-m", "commlib.apps.lm", "--help"], capture_output=True, text=True,
+                         timeout=60, env=_clean_env())
+    assert res.returncode == 0, res.stderr
+    for opt in ("--attention", "--layout", "--ulysses-degree", "--steps", "--seq-len", "--batch", "--d-model",
+                "--heads", "--kv-heads", "--layers", "--lr", "--seed", "--threads", "--device", "--dtype",
+                "--verify", "--json", "--plot", "--eval-every"):
+        assert opt in res.stdout
+
+
+BAD_CLI = [
+    ["--steps", "0"], ["--seq-len", "-8"], ["--seq-len", "x"], ["--batch", "0"], ["--d-model", "30"],
+    ["--heads", "4", "--kv-heads", "3"], ["--d-model", "12", "--heads", "4"], ["--layers", "0"], ["--lr", "nan"],
+    ["--lr", "0"], ["--weight-decay", "-1"], ["--warmup", "-1"], ["--clip", "nan"], ["--seed", "-1"],
+    ["--threads", "0"], ["--eval-every", "0"],
+    ["--attention", "tree"], ["--layout", "diagonal"], ["--dtype", "float16"], ["--device", "tpu"],
+    ["--ulysses-degree", "2"], ["--attention", "hybrid", "--ulysses-degree", "0"], ["--verify-tol", "-1"],
+    ["--json", "/nonexistent/x.json"], ["--plot", "/"], ["--no-such-option"],
+]
+#: values refused for a given rank count (the launcher's, before MPI is up)
+BAD_FOR_SIZE = [
+    (4, ["--seq-len", "20"]),  # zigzag needs a multiple of 2P = 8
+    (3, ["--seq-len", "16", "--layout", "contiguous"]),
+    (4, ["--attention", "ulysses", "--heads", "6", "--kv-heads", "3", "--d-model", "48"]),
+    (4, ["--attention", "hybrid", "--ulysses-degree", "3"]),
+    (4, ["--attention", "hybrid", "--ulysses-degree", "4", "--heads", "2", "--kv-heads", "2"]),
+]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("size,argv", [(1, a) for a in BAD_CLI] + BAD_FOR_SIZE,
+                         ids=lambda x: " ".join(x) if isinstance(x, list) else str(x))
+def test_cli_refuses_bad_values_before_running(size, argv, capsys, monkeypatch):
+    """One line on stderr, exit status 2, nothing run."""
+    monkeypatch.setattr(app, "run", lambda *a, **k: pytest.fail("ran despite a bad value"))
+    monkeypatch.setattr(app, "world_size", lambda: size)
+    monkeypatch.setattr(app, "world_rank", lambda: 0)
+    monkeypatch.setattr("commlib.apps._cli.world_rank", lambda: 0)
+    assert app.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("lm: error: "), err
+
+
+@pytest.mark.timeout(60)
+def test_cli_process_exits_2_with_one_line():
+    res = subprocess.run([sys.executable, "-P", "-m", "commlib.apps.lm", "--heads", "4", "--kv-heads", "3"],
+                         capture_output=True, text=True, timeout=60, env=_clean_env())
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.count("\n") == 1 and res.stderr.startswith("lm: error: "), res.stderr
+    assert res.stdout == ""
+
+
+# ----------------------------------------------------------------- --verify (serial)
+@pytest.mark.timeout(120)
+def test_verify_against_single_process_oracle(tmp_path, capsys):
+    """Ring attention over the (1-rank) communicator against plain torch SDPA on
+    the whole sequences: the losses agree, --json and --plot are written."""
+    comm = commlib.init()
+    if comm.size != 1:
+        pytest.skip("serial test")
+    js, png = tmp_path / "lm.json", tmp_path / "lm.png"
+    argv = TINY[:-1] + ["--steps", "10", "--eval-every", "5", "--pos", "learned", "--verify", "--json", str(js),
+                        "--plot", str(png)]
+    assert app.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "tokens/s" in out and "PASSED" in out
+    rep = json.loads(js.read_text())
+    v = rep["verify"]
+    assert v["passed"] and v["max_rel_diff"] <= 1e-4
+    train, val = _losses(rep)
+    assert len(train) == 10 and sorted(val) == [5, 10]
+    assert np.isfinite(train).all() and train[-1] < train[0]  # it learns
+    assert max(abs(a - b) / b for a, b in zip(train, v["oracle_train_loss"])) == pytest.approx(
+        v["max_rel_diff_train"])
+    assert rep["tokens_per_s"] > 0 and rep["peak_memory_bytes_per_rank"][0] > 0
+    assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.timeout(120)
+def test_verify_failure_exits_1(monkeypatch, capsys):
+    """A single-process run whose losses differ fails --verify (exit status 1)."""
+    comm = commlib.init()
+    if comm.size != 1:
+        pytest.skip("serial test")
+    from commlib.apps.lm import train  # noqa: PLC0415
+
+    def off(args, device=None):
+        t, v = real(args, device)
+        return [x * 1.001 for x in t], v
+
+    real = train.oracle_losses
+    monkeypatch.setattr(train, "oracle_losses", off)
+    assert app.main(TINY[:-1] + ["--steps", "2", "--eval-every", "2", "--verify", "--no-progress"]) == 1
+    assert "FAILED" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------- P ranks against 1 rank
+@pytest.fixture(scope="module")
+def one_rank_losses():
+    """The app's losses on a 1-rank communicator (ring attention).  Every rank
+    trains its own copy side by side, which also warms every rank's torch up at
+    once rather than one after the other."""
+    comm = commlib.init()
+    solo = comm.split(color=comm.rank)
+    rep = app.run(app.parse_args(TINY, size=1), solo)
+    solo.free()
+    return _losses(rep)
+
+
+#: kind, layout, rank counts: every kind and layout at some rank count, few runs per count (CI time)
+KINDS = [("ring", "zigzag", (1, 2, 3, 4)), ("bidirectional", "striped", (2, 3)), ("ulysses", "contiguous", (2, 4)),
+         ("hybrid", "zigzag", (4,))]
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind,layout,sizes", KINDS, ids=lambda x: x if isinstance(x, str) else "")
+def test_ranks_train_like_one_rank(one_rank_losses, kind, layout, sizes):
+    comm = commlib.init()
+    P = comm.size
+    if P not in sizes:
+        pytest.skip(f"{kind}/{layout} runs on {sizes} ranks")
+    argv = TINY + ["--attention", kind, "--layout", layout]
+    if kind == "hybrid":
+        argv += ["--ulysses-degree", "2"]
+    rep = app.run(app.parse_args(argv, size=P), comm)
+    if comm.rank != 0:
+        assert rep is None
+        return
+    assert rep["ranks"] == P and rep["sequence"]["tokens_per_rank"] == 2 * 48 // P
+    assert rep["parameters_identical_across_ranks"]
+    train, val = _losses(rep)
+    ref_train, ref_val = one_rank_losses
+    diff = max(abs(a - b) / b for a, b in zip(train, ref_train))
+    diff_val = max(abs(val[s] - ref_val[s]) / ref_val[s] for s in ref_val)
+    print(f"{kind}/{layout} P={P}: max rel loss diff vs 1 rank: train {diff:.2e}, val {diff_val:.2e}; "
+          f"final train {train[-1]:.5f}")
+    assert len(train) == 20 and diff <= 1e-5 and diff_val <= 1e-5

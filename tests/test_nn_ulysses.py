@@ -378,7 +378,7 @@ def test_bad_input_raises_on_every_rank(world):
     _all_raise(world, lambda: U(q, k, k, world, causal=1), "causal")
     _all_raise(world, lambda: U(q, k, k, world, cu_seqlens=[0, 5, 1]), "cu_seqlens")
     _all_raise(world, lambda: U(q, k, k, world, cu_seqlens=[0.0, 2 * p]), "cu_seqlens")
-    _all_raise(world, lambda: U(q.numpy(), k, k, world), "torch.Tensor")
+    _all_raise(world, lambda: U(q.numpy(), k, k, world), "q must be a torch tensor")
     # one rank alone is wrong: every rank raises
     _all_raise(world, lambda: U(q if r else q[:, :, :, :3], k, k, world), r"rank\(s\) \[0\]" if r else "does not match")
     H = lambda *a, **kw: hybrid_attention(*a, timeout=30, **kw)  # noqa: E731

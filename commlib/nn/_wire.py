@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["wire_view", "before_send", "isend_tensor", "irecv_tensor"]
+__all__ = ["wire_view", "before_send", "isend_tensor", "irecv_tensor", "all_to_all_tensors"]
 
 
 def wire_view(t: torch.Tensor):
@@ -67,3 +67,33 @@ def irecv_tensor(transport, t: torch.Tensor, source: int, tag: int):
         # the receive must not race kernels still reading t on torch's stream
         torch.cuda.current_stream(t.device).synchronize()
     return transport.irecv(wire_view(t), source, tag)
+
+
+def all_to_all_tensors(transport, send, tag: int, timeout, op: str):
+    """Pairwise all-to-all of tensors: ``send[j]`` goes to rank ``j``; returns
+    the list whose entry ``i`` came from rank ``i`` (this rank's own entry is
+    ``send[rank]`` itself, not a copy).
+
+    Args:
+        transport: the group's transport.
+        send: ``transport.size`` contiguous tensors of one shape, dtype and device.
+        tag: the call's tag; timeout: seconds for the whole exchange (None: no bound).
+        op: the operation named in errors.
+
+    Raises:
+        CommTimeout: not complete within ``timeout``; CommError: a transport failure.
+    """
+    P, r = transport.size, transport.rank
+    recv = [None] * P
+    recv[r] = send[r]
+    reqs = []
+    for i in range(1, P):  # every receive posted before any send
+        src = (r - i) % P
+        recv[src] = torch.empty_like(send[r])
+        reqs.append(irecv_tensor(transport, recv[src], src, tag))
+    for i in range(1, P):
+        dst = (r + i) % P
+        reqs.append(isend_tensor(transport, send[dst], dst, tag))
+    transport.waitall(reqs, timeout, op=op)
+    return recv
+

@@ -41,14 +41,13 @@ from commlib.collectives.attention.schedule import RingSchedule, piece_positions
 from commlib.collectives.attention.transport import transport_of
 from commlib.core.errors import InvalidArgument
 
+from ._check import DEVICES, DTYPE_NAMES, DTYPES, check_qkv, cu_seqlens_of, softmax_scale_of
 from ._blocks import acc_dtype, block_backward, block_forward, merge, plan_block
 from ._wire import irecv_tensor, isend_tensor
 
 __all__ = ["ring_attention", "ring_attention_bidirectional"]
 
-DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
-_DEVICES = ("cpu", "cuda")
+_DTYPE_NAMES, _DEVICES = DTYPE_NAMES, DEVICES
 
 # Tags, as offsets in the block each call takes from its transport's allocator:
 # the K/V of stream s at s, the backward's travelling dk/dv of stream s at 2 + s.
@@ -106,61 +105,13 @@ def _disagreement(message, *, rank, op):
                            "dtype, device, options and cu_seqlens", rank=rank, op=op)
 
 
-def _as_cu_seqlens(cu, total, bad):
-    """``cu_seqlens`` as an int64 numpy array, checked against the global length ``total``."""
-    if isinstance(cu, torch.Tensor):
-        if cu.is_floating_point() or cu.is_complex() or cu.dtype == torch.bool:
-            raise bad(f"cu_seqlens must hold integers, got a {cu.dtype} tensor")
-        arr = cu.detach().cpu().numpy()
-    else:
-        try:
-            arr = np.asarray(cu)
-        except Exception:  # noqa: BLE001 - any unconvertible object is a bad argument
-            raise bad(f"cu_seqlens must be a 1-d sequence of ints, got {type(cu).__name__}") from None
-        if arr.dtype == object or not np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_:
-            raise bad(f"cu_seqlens must hold integers, got dtype {arr.dtype}")
-    if arr.ndim != 1 or arr.size < 2:
-        raise bad(f"cu_seqlens must be 1-d with at least 2 entries, got shape {tuple(arr.shape)}")
-    arr = arr.astype(np.int64)
-    if arr[0] != 0 or arr[-1] != total:
-        raise bad(f"cu_seqlens must run from 0 to the global length size * seq_local = {total}, "
-                  f"got {int(arr[0])} .. {int(arr[-1])}")
-    if np.any(np.diff(arr) < 0):
-        raise bad("cu_seqlens must be non-decreasing")
-    return arr
-
-
 def _validate_local(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op):
     rank, size = tp.rank, tp.size
 
     def bad(msg):
         return InvalidArgument(msg, rank=rank, op=op)
 
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor):
-            raise bad(f"{name} must be a torch tensor, got {type(x).__name__}")
-        if x.dim() != 4:
-            raise bad(f"{name} must be 4-d (batch, seq_local, heads, head_dim), got shape {tuple(x.shape)}")
-    if q.dtype not in DTYPES:
-        raise bad(f"dtype {q.dtype} is not supported; use one of {_DTYPE_NAMES}")
-    for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype:
-            raise bad(f"{name} has dtype {x.dtype}, q has {q.dtype}")
-        if x.device != q.device:
-            raise bad(f"{name} is on {x.device}, q is on {q.device}")
-    if q.device.type not in _DEVICES:
-        raise bad(f"device {q.device} is not supported; use CPU or CUDA tensors")
-    bsz, L, h, d = (int(s) for s in q.shape)
-    if tuple(k.shape) != tuple(v.shape):
-        raise bad(f"k shape {tuple(k.shape)} differs from v shape {tuple(v.shape)}")
-    kb, kl, hk, kd = (int(s) for s in k.shape)
-    if kb != bsz or kl != L or kd != d:
-        raise bad(f"k/v shape {tuple(k.shape)} does not match q shape {tuple(q.shape)} in batch, seq_local "
-                  "or head_dim")
-    if min(bsz, L, h, d) < 1:
-        raise bad(f"empty q: shape {tuple(q.shape)}")
-    if hk < 1 or h % hk:
-        raise bad(f"heads {h} is not a multiple of kv_heads {hk}")
+    bsz, L, h, hk, d = check_qkv(q, k, v, bad)
     if layout not in LAYOUTS:
         raise bad(f"layout {layout!r} is not one of {LAYOUTS}")
     if layout == "zigzag" and L % 2:
@@ -168,19 +119,11 @@ def _validate_local(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidi
     for name, flag in (("causal", causal), ("bidirectional", bidirectional)):
         if not isinstance(flag, (bool, np.bool_)):
             raise bad(f"{name} must be a bool, got {flag!r}")
-    if softmax_scale is None:
-        scale = d ** -0.5
-    else:
-        try:
-            scale = float(softmax_scale)
-        except (TypeError, ValueError):
-            raise bad(f"softmax_scale must be a positive float, got {softmax_scale!r}") from None
-        if not (math.isfinite(scale) and scale > 0):
-            raise bad(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
+    scale = softmax_scale_of(softmax_scale, d, bad)
     if timeout is not None:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise bad(f"timeout must be None or a positive number of seconds, got {timeout!r}")
-    cu = None if cu_seqlens is None else _as_cu_seqlens(cu_seqlens, size * L, bad)
+    cu = cu_seqlens_of(cu_seqlens, size * L, bad)
     return _Spec(op, rank, size, bsz, L, h, hk, d, q.dtype, scale, bool(causal), layout, bool(bidirectional),
                  cu, None if timeout is None else float(timeout))
 

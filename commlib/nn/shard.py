@@ -43,7 +43,7 @@ from commlib.collectives.attention.layout import LAYOUTS, local_seq_len, sequenc
 from commlib.collectives.attention.transport import transport_of
 from commlib.core.errors import InvalidArgument
 
-from ._wire import irecv_tensor, isend_tensor
+from ._wire import all_to_all_tensors, irecv_tensor, isend_tensor
 
 __all__ = ["shard_sequence", "unshard_sequence", "gather_order"]
 
@@ -178,18 +178,7 @@ class _Unshard(torch.autograd.Function):
 
         if not sum_grad or P == 1:
             return (slice_of(r),) + (None,) * 8
-        send = [slice_of(s) for s in range(P)]
-        recv = [None] * P
-        recv[r] = send[r]
-        reqs = []
-        for i in range(1, P):
-            src = (r - i) % P
-            recv[src] = torch.empty_like(send[r])
-            reqs.append(irecv_tensor(tp, recv[src], src, tag))
-        for i in range(1, P):
-            dst = (r + i) % P
-            reqs.append(isend_tensor(tp, send[dst], dst, tag))
-        tp.waitall(reqs, timeout, op=op + " (backward)")
+        recv = all_to_all_tensors(tp, [slice_of(s) for s in range(P)], tag, timeout, op + " (backward)")
         acc = recv[0].clone()
         for s in range(1, P):  # rank order, the same on every rank
             acc += recv[s]

@@ -29,7 +29,6 @@ back); any other ``kv_heads`` is refused.
 """
 from __future__ import annotations
 
-import math
 import zlib
 from dataclasses import dataclass
 
@@ -41,31 +40,20 @@ from commlib.collectives.agreement import agree_header
 from commlib.collectives.attention.transport import transport_of
 from commlib.core.errors import InvalidArgument
 
-from ._wire import irecv_tensor, isend_tensor
+from ._check import DTYPES, check_qkv, cu_seqlens_of, softmax_scale_of
+from ._wire import all_to_all_tensors
 
 __all__ = ["ulysses_attention"]
 
 #: dtypes the attention calls take, in header-code order
-DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 # ------------------------------------------------------------------ all-to-all
 def _all_to_all(x, tp, scatter_dim, gather_dim, tag, timeout, op):
     """Cut ``x`` in ``P`` equal chunks on ``scatter_dim``, send chunk ``j`` to
     rank ``j``, and concatenate what arrives, in rank order, on ``gather_dim``."""
-    P, r = tp.size, tp.rank
-    send = [c.contiguous() for c in x.chunk(P, dim=scatter_dim)]
-    recv = [None] * P
-    recv[r] = send[r]
-    reqs = []
-    for i in range(1, P):
-        src = (r - i) % P
-        recv[src] = torch.empty_like(send[r])
-        reqs.append(irecv_tensor(tp, recv[src], src, tag))
-    for i in range(1, P):
-        dst = (r + i) % P
-        reqs.append(isend_tensor(tp, send[dst], dst, tag))
-    tp.waitall(reqs, timeout, op=op)
+    send = [c.contiguous() for c in x.chunk(tp.size, dim=scatter_dim)]
+    recv = all_to_all_tensors(tp, send, tag, timeout, op)
     return torch.cat(recv, dim=gather_dim)
 
 
@@ -183,21 +171,8 @@ def _disagreement(message, *, rank, op):
 
 def check_cu_seqlens(cu_seqlens, seq_len, rank, op):
     """``cu_seqlens`` as a tuple of ints ``0 = c_0 <= c_1 <= ... <= c_n = seq_len`` (None stays None)."""
-    if cu_seqlens is None:
-        return None
-    try:
-        cu = torch.as_tensor(cu_seqlens).detach().cpu()
-    except (TypeError, ValueError, RuntimeError):
-        raise InvalidArgument(f"cu_seqlens must be a 1-d int tensor or sequence, got {type(cu_seqlens).__name__}",
-                              rank=rank, op=op) from None
-    if cu.dim() != 1 or cu.numel() < 2 or cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype == torch.bool:
-        raise InvalidArgument(f"cu_seqlens must be a 1-d int tensor of at least 2 boundaries, got dtype {cu.dtype} "
-                              f"shape {tuple(cu.shape)}", rank=rank, op=op)
-    vals = tuple(int(c) for c in cu.tolist())
-    if vals[0] != 0 or vals[-1] != seq_len or any(b < a for a, b in zip(vals, vals[1:])):
-        raise InvalidArgument(f"cu_seqlens must rise from 0 to the global length {seq_len}, got {list(vals)}",
-                              rank=rank, op=op)
-    return vals
+    arr = cu_seqlens_of(cu_seqlens, seq_len, lambda msg: InvalidArgument(msg, rank=rank, op=op))
+    return None if arr is None else tuple(int(c) for c in arr)
 
 
 def validate(tp, q, k, v, *, causal, softmax_scale, op, cu_seqlens=None, degree=None, checks=None,
@@ -243,42 +218,14 @@ def _validate_local(q, k, v, *, causal, softmax_scale, rank, op, cu_seqlens, siz
     def bad(msg):
         return InvalidArgument(msg, rank=rank, op=op)
 
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor):
-            raise bad(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 4:
-            raise bad(f"{name} must be 4-d (batch, seq_local, heads, head_dim), got shape {tuple(x.shape)}")
-    if q.dtype not in DTYPES:
-        raise bad(f"dtype {q.dtype} is not supported; use one of {[str(d) for d in DTYPES]}")
-    for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype:
-            raise bad(f"{name} has dtype {x.dtype}, q has {q.dtype}")
-        if x.device != q.device:
-            raise bad(f"{name} is on {x.device}, q on {q.device}")
-    bsz, L, h, d = (int(s) for s in q.shape)
-    if tuple(k.shape) != tuple(v.shape):
-        raise bad(f"k shape {tuple(k.shape)} differs from v shape {tuple(v.shape)}")
-    kb, kl, hk, kd = (int(s) for s in k.shape)
-    if kb != bsz or kl != L or kd != d:
-        raise bad(f"k/v shape {tuple(k.shape)} does not match q shape {tuple(q.shape)} in batch, seq_local or "
-                  "head_dim")
-    if hk < 1 or h % hk:
-        raise bad(f"heads {h} is not a multiple of kv_heads {hk}")
+    bsz, L, h, hk, d = check_qkv(q, k, v, bad)
     if degree is not None:
         if h % degree:
             raise bad(f"heads ({h}) must be divisible by the Ulysses degree ({degree})")
         if hk % degree and degree % hk:
             raise bad(f"kv_heads ({hk}) must be divisible by the Ulysses degree ({degree}), or divide it "
                       "(kv heads are then replicated)")
-    if softmax_scale is None:
-        scale = d ** -0.5 if d else 1.0
-    else:
-        try:
-            scale = float(softmax_scale)
-        except (TypeError, ValueError):
-            raise bad(f"softmax_scale must be a positive float, got {softmax_scale!r}") from None
-        if not (math.isfinite(scale) and scale > 0):
-            raise bad(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
+    scale = softmax_scale_of(softmax_scale, d, bad)
     if not isinstance(causal, (bool, np.bool_)):
         raise bad(f"causal must be a bool, got {causal!r}")
     cu = check_cu_seqlens(cu_seqlens, size * L, rank, op)

@@ -37,15 +37,6 @@ LAYOUTS = ("contiguous", "striped", "zigzag")
 F64 = torch.float64
 
 
-def _have_ring() -> bool:
-    try:
-        from commlib.nn.ring import ring_attention  # noqa: F401, PLC0415
-    except ImportError:
-        return False
-    return True
-
-
-needs_ring = pytest.mark.skipif(not _have_ring(), reason="commlib.nn.ring is not there yet")
 
 
 @pytest.fixture(scope="module")
@@ -232,8 +223,6 @@ def test_hybrid_matches_sdpa(world, which, layout, causal):
         pytest.skip(f"ulysses_degree {u} does not divide {p} ranks")
     if u == p and which != "all":
         pytest.skip(f"degree {u} on {p} ranks is the 'all' case")
-    if u < p and not _have_ring():
-        pytest.skip("commlib.nn.ring is not there yet")
     for hk in sorted({u, 1}):  # GQA with kv heads divisible by u; MQA (replicated when u > 1)
         check(world, lambda q, k, v: hybrid_attention(q, k, v, world, u, causal, layout, timeout=60),
               layout, causal, F64, 2 * u, hk, n=8 * p, seed=hk)
@@ -245,8 +234,6 @@ def test_hybrid_matches_sdpa(world, which, layout, causal):
 def test_hybrid_float32_documents_bidirectional(world, layout):
     p = world.size
     u = 2 if p % 2 == 0 else p
-    if u < p and not _have_ring():
-        pytest.skip("commlib.nn.ring is not there yet")
     n = 8 * p
     cu = [0, 5, n - 3, n]
     check(world, lambda q, k, v: hybrid_attention(q, k, v, world, u, True, layout, 0.4, bidirectional=True,
@@ -256,7 +243,6 @@ def test_hybrid_float32_documents_bidirectional(world, layout):
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.timeout(120)
-@needs_ring
 def test_hybrid_bf16_error_not_worse_than_sdpa(world):
     p = world.size
     if p % 2:
@@ -275,8 +261,8 @@ def test_hybrid_bf16_error_not_worse_than_sdpa(world):
 def test_hybrid_grid_is_made_once(world, monkeypatch):
     """Repeated calls reuse the cached sub-communicators (no new split)."""
     p = world.size
-    if p % 2 or not _have_ring():
-        pytest.skip("needs an even size and commlib.nn.ring")
+    if p % 2:
+        pytest.skip("needs an even size")
     q, k, v, _ = make_inputs(2, 1, 4 * p, 2, 2, 4)
     ql, kl, vl = (shard_sequence(x, world, "zigzag") for x in (q, k, v))
     hybrid_attention(ql, kl, vl, world, 2, True, timeout=60)
@@ -295,8 +281,6 @@ def test_hybrid_grid_is_made_once(world, monkeypatch):
 def test_module_dispatch(world, kind):
     p = world.size
     u = {"hybrid": 2 if p % 2 == 0 else 1, "ulysses": None}.get(kind)
-    if (kind in ("ring", "bidirectional") or kind == "hybrid" and u < p) and not _have_ring():
-        pytest.skip("commlib.nn.ring is not there yet")
     h = 2 * p
     for layout in ("zigzag", "contiguous"):
         attn = SequenceParallelAttention(world, kind, layout, causal=True, ulysses_degree=u, timeout=60)

@@ -68,6 +68,10 @@ def _cuda_extra():
     return "cuda13" if major is not None and major >= 13 else "cuda12"
 
 
+# the test runner and its plugins (the "test" extra adds what the whole suite needs)
+TEST_MPI = ["pytest>=7", "pytest-mpi>=0.6", "pytest-timeout>=2.1", "pytest-xdist>=3", "hypothesis>=6"]
+
+
 def _packages():
     """Every layer and its subpackages (e.g. ``commlib.collectives.attention``)."""
     pkgs = []
@@ -118,8 +122,9 @@ setup(
         # python -m commlib.apps.diloco (elastic DiLoCo on scikit-learn's digits)
         "apps": ["scikit-learn>=1.3"],
         # the suite tests the apps too (tests/test_diloco.py runs DiLoCo on real data)
-        "test": ["pytest>=7", "pytest-mpi>=0.6", "pytest-timeout>=2.1", "pytest-xdist>=3", "hypothesis>=6",
-                 "import-linter>=2.1", "scikit-learn>=1.3",
+        # what tests/run_mpich.sh's second venv needs (no torch, no apps)
+        "test-mpi": TEST_MPI,
+        "test": [*TEST_MPI, "import-linter>=2.1", "scikit-learn>=1.3",
                  # the torch layer's tests (CPU). Pinned on 3.11 to the CPU build kept on the
                  # development and CI machines (any other version pulls GBs of CUDA wheels);
                  # left out on 3.12+ (CI's second leg), where its tests skip.

@@ -9,7 +9,8 @@ cd "$(dirname "$0")/.."
 VENV=${MPICH_VENV:-.venv-mpich}
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV" || exit 1
-  "$VENV/bin/pip" install -q ".[mpich,test]" || exit 1
+  # the files this leg runs need no torch and no apps: "test-mpi", not "test"
+  "$VENV/bin/pip" install -q ".[mpich,test-mpi]" || exit 1
 else  # an existing venv gets this checkout, not the copy it was made with
   "$VENV/bin/pip" install -q --no-deps --force-reinstall . || exit 1
 fi

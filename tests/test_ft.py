@@ -53,7 +53,9 @@ NCALLS = 8
 REPLICATED = {0, 1, 3, 4, 6, 7}  # calls whose result is the same on every rank
 
 SEED = int(os.environ.get("COMMLIB_FT_SEED", str(int(time.time()) % 100000)))
-NCASES = int(os.environ.get("COMMLIB_FT_CASES", "28"))
+# 20 randomized runs catch a failure that happens one run in five with probability
+# 1 - 0.8**20 = 98.8% (the deterministic corners below come on top)
+NCASES = int(os.environ.get("COMMLIB_FT_CASES", "20"))
 
 
 # the byte transfer layers of the ULFM jobs (COMMLIB_TEST_FT_BTL overrides)

@@ -12,8 +12,8 @@ hang the suite:
   exchange) or after a random collective.  Every survivor must finish every
   call with the exact result over the surviving ranks' inputs (bit-identical
   across survivors), see the same failed set, get the failure callback, and
-  ``mpiexec`` must return within seconds.  ``COMMLIB_FT_CASES`` (default 28:
-  a failure in one run of five goes unseen with probability 0.8^28 < 0.2 %)
+  ``mpiexec`` must return within seconds.  ``COMMLIB_FT_CASES`` (default 20:
+  a failure in one run of five goes unseen with probability 0.8^20 = 1.2 %)
   sets the number of randomized cases, ``COMMLIB_FT_SEED`` the seed (printed);
   the random-*time* kills of 64 MiB allreduces are tests/test_ft_kill.py's.
 - MPICH (no ULFM): a victim ``os._exit``\\ s; every survivor must raise

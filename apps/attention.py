@@ -19,11 +19,35 @@ optionally backward, and reports:
 Each rank synthesizes only its own tokens (a counter-based hash of the token's
 global position), so inputs never exist globally and memory stays ``O(seq/P)``.
 
+Two backends:
+
+* ``--backend numpy`` (default): :mod:`commlib.collectives.attention`, the
+  numpy tile kernels, ring or Ulysses; memory by tracemalloc; checked against
+  a dense float64 reference (out, lse, dq, dk, dv).
+* ``--backend torch``: :mod:`commlib.nn` on ``--device cpu`` or ``cuda``
+  (one GPU per rank, by local rank), ``--algo`` ring, bidirectional (half of
+  K/V each way round the ring), ulysses or hybrid (Ulysses inside groups of
+  ``--ulysses-degree`` ranks, ring across them); the backward is torch's
+  autograd through the library's functions.  Memory is the peak growth of the
+  process's RSS during one call after an untimed warm one (CPU; Linux
+  ``/proc/self/clear_refs``; approximate: memory the allocator reuses is not
+  seen) or ``torch.cuda.max_memory_allocated`` (CUDA); no per-step balance.
+  The warm call and the memory call count as ``--warmup`` iterations.
+  ``--check`` compares out, dq, dk and dv with ``torch.nn.functional.
+  scaled_dot_product_attention`` in float64 with autograd on the whole
+  sequence (or, above ``--check-dense-max``, on a subsample of query rows
+  against all keys: out and dq).  ``--seq`` must be a multiple of P (2P for
+  zigzag): the torch functions take no padding length.
+
 Examples::
 
     mpiexec -n 4 python -m commlib.apps.attention --seq 8192 --heads 8 --kv-heads 2 \\
         --layout zigzag --causal --backward --check --json out.json
     mpiexec -n 2 python -m commlib.apps.attention --algo ulysses --seq 4096 --dtype bfloat16
+    mpiexec -n 4 python -m commlib.apps.attention --backend torch --algo bidirectional --seq 8192 \\
+        --dtype bfloat16 --causal --backward --check
+    mpiexec -n 4 python -m commlib.apps.attention --backend torch --device cuda --algo hybrid \\
+        --ulysses-degree 2 --seq 65536 --dtype bfloat16 --causal --backward
 """
 from __future__ import annotations
 
@@ -53,6 +77,11 @@ from commlib.collectives.attention import (
 from ._cli import OneLineParser, unwritable
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
+BACKENDS = ("numpy", "torch")
+DEVICES = ("cpu", "cuda")
+ALGOS = ("ring", "bidirectional", "ulysses", "hybrid")
+#: the algorithms only the torch backend (commlib.nn) has
+TORCH_ONLY_ALGOS = ("bidirectional", "hybrid")
 
 
 def _np_dtype(name):
@@ -102,21 +131,32 @@ def parse_args(argv=None):
         "attention",
         prog="python -m commlib.apps.attention",
         description="Exact sequence-parallel attention over MPI ranks: ring attention (contiguous, striped or "
-                    "zigzag layout) or DeepSpeed-Ulysses, forward and optionally backward. Reports tokens/s, "
-                    "per-rank peak memory (grows as seq/P) and the compute balance per ring step; --check "
-                    "compares with a dense float64 reference.",
+                    "zigzag layout; bidirectional with torch), DeepSpeed-Ulysses or (torch) the hybrid of both, "
+                    "forward and optionally backward, on numpy or torch (CPU or CUDA). Reports tokens/s, "
+                    "per-rank peak memory (grows as seq/P) and (numpy) the compute balance per ring step; "
+                    "--check compares with a dense float64 reference (torch: torch SDPA in float64).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--seq", type=int, default=4096, help="global sequence length in tokens (any value; padded "
-                   "to a multiple of P, or 2P for zigzag, and masked)")
+    p.add_argument("--seq", type=int, default=4096, help="global sequence length in tokens (numpy: any value, "
+                   "padded to a multiple of P, or 2P for zigzag, and masked; torch: a multiple of P, 2P for zigzag)")
     p.add_argument("--batch", type=int, default=1, help="batch size")
     p.add_argument("--heads", type=int, default=8, help="query heads")
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (grouped-query attention); "
                    "must divide --heads; default: --heads")
     p.add_argument("--head-dim", type=int, default=64, help="head dimension")
-    p.add_argument("--algo", choices=("ring", "ulysses"), default="ring", help="ring: K/V travel around the "
-                   "ring; ulysses: all-to-all over heads (heads and kv-heads divisible by P)")
-    p.add_argument("--layout", choices=LAYOUTS, default="zigzag", help="which tokens each rank holds: "
-                   "contiguous blocks, striped (token t on rank t mod P) or zigzag (chunks r and 2P-1-r)")
+    p.add_argument("--backend", choices=BACKENDS, default="numpy", help="numpy: commlib.collectives.attention "
+                   "(numpy tile kernels); torch: commlib.nn (torch's fused attention kernels, autograd backward), "
+                   "checked against torch SDPA in float64")
+    p.add_argument("--device", choices=DEVICES, default="cpu", help="where the tensors live (cuda: --backend "
+                   "torch, one GPU per rank by local rank)")
+    p.add_argument("--algo", "--attention", dest="algo", choices=ALGOS, default="ring",
+                   help="ring: K/V travel around the ring; bidirectional (torch): half of K/V each way round "
+                   "the ring; ulysses: all-to-all over heads (heads and kv-heads divisible by P); hybrid "
+                   "(torch): Ulysses inside groups of --ulysses-degree ranks, ring across the groups")
+    p.add_argument("--ulysses-degree", type=int, default=None, help="--algo hybrid: ranks per Ulysses group "
+                   "(divides P; heads and kv-heads divisible by it); default 2 when P is even, else 1")
+    p.add_argument("--layout", choices=LAYOUTS, default=None, help="which tokens each rank holds: "
+                   "contiguous blocks, striped (token t on rank t mod P) or zigzag (chunks r and 2P-1-r); "
+                   "default zigzag (torch ulysses: contiguous, its only layout)")
     p.add_argument("--causal", action="store_true", help="causal (autoregressive) mask")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="input dtype; float16/bfloat16/float32 "
                    "accumulate in float32, float64 in float64")
@@ -128,7 +168,10 @@ def parse_args(argv=None):
                    "in full (dk and dv included)")
     p.add_argument("--iters", type=int, default=3, help="timed iterations")
     p.add_argument("--warmup", type=int, default=1, help="untimed iterations (the first measures memory)")
-    p.add_argument("--tile", type=int, default=128, help="query rows per tile (fully masked tiles are skipped)")
+    p.add_argument("--tile", type=int, default=128, help="numpy: query rows per tile (fully masked tiles are "
+                   "skipped)")
+    p.add_argument("--threads", type=int, default=None, help="torch: intra-op threads per rank "
+                   "(torch.set_num_threads; default: torch's own choice)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic inputs")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for any ring step")
     p.add_argument("--json", metavar="PATH", default=None, help="write the report (rank 0) as JSON")
@@ -149,6 +192,22 @@ def parse_args(argv=None):
         p.error(f"--timeout must be a finite number of seconds > 0, got {a.timeout}")
     if a.heads % a.kv_heads:
         p.error(f"--heads {a.heads} is not a multiple of --kv-heads {a.kv_heads}")
+    if a.backend == "numpy":
+        if a.device != "cpu":
+            p.error(f"--device {a.device} needs --backend torch (the numpy backend runs on the host)")
+        if a.algo in TORCH_ONLY_ALGOS:
+            p.error(f"--algo {a.algo} needs --backend torch")
+    if a.threads is not None and not 1 <= a.threads <= 4096:
+        p.error(f"--threads must be in [1, 4096], got {a.threads}")
+    if a.ulysses_degree is not None:
+        if a.algo != "hybrid":
+            p.error(f"--ulysses-degree is for --algo hybrid, not --algo {a.algo}")
+        if not 1 <= a.ulysses_degree <= MAX_INT:
+            p.error(f"--ulysses-degree must be >= 1, got {a.ulysses_degree}")
+    if a.layout is None:
+        a.layout = "contiguous" if (a.backend == "torch" and a.algo == "ulysses") else "zigzag"
+    elif a.backend == "torch" and a.algo == "ulysses" and a.layout != "contiguous":
+        p.error(f"--layout {a.layout}: torch's Ulysses attention takes the contiguous layout only")
     if a.json is not None:
         problem = unwritable(a.json)
         if problem:
@@ -210,6 +269,8 @@ def _rel(got, want):
 def run(args, comm=None):
     """Run the app; returns the report dict on rank 0 (None elsewhere)."""
     comm = comm or commlib.init()
+    if args.backend == "torch":
+        return _run_torch(args, comm)
     rank, P = comm.rank, comm.size
     dtype = _np_dtype(args.dtype)
     L = local_seq_len(args.seq, P, args.layout)
@@ -275,7 +336,8 @@ def run(args, comm=None):
     med_b = float(np.median(tb_all)) if args.backward else 0.0
     tokens = args.batch * args.seq
     report = dict(
-        app="attention", algo=args.algo, layout=args.layout, causal=args.causal, dtype=args.dtype, ranks=P,
+        app="attention", backend="numpy", device="cpu", algo=args.algo, layout=args.layout, causal=args.causal,
+        dtype=args.dtype, ranks=P,
         seq=args.seq, seq_local=L, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
         head_dim=args.head_dim, tile=args.tile, iters=args.iters,
         fwd_time_s=med_f, bwd_time_s=med_b,
@@ -298,6 +360,269 @@ def run(args, comm=None):
     if args.check:
         report["check"] = _merge_checks(checks, args.dtype)
     return report
+
+
+# ----------------------------------------------------------------- torch backend
+#: commlib.nn's entry point of each --algo, and the submodule that defines it
+_NN_FUNCTIONS = {"ring": ("ring_attention", "ring"), "bidirectional": ("ring_attention_bidirectional", "ring"),
+                 "ulysses": ("ulysses_attention", "ulysses"), "hybrid": ("hybrid_attention", "hybrid")}
+
+
+def _nn_function(algo):
+    """commlib.nn's attention function for ``algo`` (from the package, else its submodule)."""
+    import importlib  # noqa: PLC0415
+
+    name, module = _NN_FUNCTIONS[algo]
+    nn = importlib.import_module("commlib.nn")
+    fn = getattr(nn, name, None)
+    if fn is None:
+        fn = getattr(importlib.import_module(f"commlib.nn.{module}"), name)
+    return fn
+
+
+def _torch_dtype(name):
+    import torch  # noqa: PLC0415
+
+    return getattr(torch, name)
+
+
+def _torch_synth(args, which, positions, heads, device):
+    """:func:`synth` as a torch tensor of ``--dtype`` on ``device`` (built in
+    float32, float64 for float64, then rounded: the same values on every rank
+    and in the reference)."""
+    import torch  # noqa: PLC0415
+
+    base = np.float64 if args.dtype == "float64" else np.float32
+    x = synth(args.seed, which, positions, args.batch, heads, args.head_dim, args.seq, base)
+    return torch.from_numpy(x).to(device=device, dtype=_torch_dtype(args.dtype))
+
+
+def _ulysses_degree(args, P):
+    if args.ulysses_degree is not None:
+        return args.ulysses_degree
+    return 2 if P % 2 == 0 else 1
+
+
+def _torch_problem(args, P, torch):
+    """Why this rank cannot run the torch backend as asked (None: it can)."""
+    multiple = 2 * P if args.layout == "zigzag" else P
+    if args.seq % multiple:
+        return (f"--backend torch needs --seq divisible by {multiple} ({'2P' if multiple != P else 'P'} for the "
+                f"{args.layout} layout at P={P}), got {args.seq}")
+    if args.algo == "hybrid":
+        d = _ulysses_degree(args, P)
+        if P % d:
+            return f"--ulysses-degree {d} does not divide the {P} ranks"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return "--device cuda: torch sees no CUDA device on this rank"
+    return None
+
+
+def _local_device(args, torch):
+    if args.device == "cpu":
+        return torch.device("cpu")
+    import os  # noqa: PLC0415
+
+    local = next((int(os.environ[v]) for v in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID",
+                                               "MV2_COMM_WORLD_LOCAL_RANK") if v in os.environ), 0)
+    dev = torch.device("cuda", local % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    return dev
+
+
+def _cpu_peak_reset():
+    """Reset this process's peak RSS (Linux ``/proc/self/clear_refs``); returns
+    the current RSS in bytes, or None where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
+            fh.write("5")
+        return _proc_status_bytes("VmRSS")
+    except OSError:
+        return None
+
+
+def _proc_status_bytes(field):
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _run_torch(args, comm):
+    """The torch backend (commlib.nn): forward and autograd backward, timed,
+    with peak memory per rank and, with ``--check``, the error against torch
+    SDPA in float64 with autograd on the whole sequence."""
+    import torch  # noqa: PLC0415
+
+    rank, P = comm.rank, comm.size
+    problem = _torch_problem(args, P, torch)
+    flags = np.zeros(P, dtype=np.int32)
+    flags[rank] = problem is not None
+    comm.allreduce(flags, op="max")
+    if flags.any():  # every rank raises alike, before any attention message
+        first = int(np.flatnonzero(flags)[0])
+        raise commlib.InvalidArgument(problem if problem else f"rank {first} cannot run this configuration",
+                                      rank=rank, op="attention app")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = _local_device(args, torch)
+    fn = _nn_function(args.algo)
+    multiple = 2 * P if args.layout == "zigzag" else P
+    L = args.seq // P
+    assert args.seq % multiple == 0
+    pos = sequence_positions(args.layout, rank, P, L)
+    q = _torch_synth(args, 0, pos, args.heads, device).requires_grad_(args.backward)
+    k = _torch_synth(args, 1, pos, args.kv_heads, device).requires_grad_(args.backward)
+    v = _torch_synth(args, 2, pos, args.kv_heads, device).requires_grad_(args.backward)
+    do = _torch_synth(args, 3, pos, args.heads, device) if args.backward else None
+    scale = args.head_dim ** -0.5
+    kw = dict(causal=args.causal, softmax_scale=scale, timeout=args.timeout)
+    if args.algo in ("ring", "bidirectional", "hybrid"):
+        kw["layout"] = args.layout
+    if args.algo == "hybrid":
+        kw["ulysses_degree"] = _ulysses_degree(args, P)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def one():
+        for t in (q, k, v):
+            t.grad = None
+        sync()
+        t0 = time.perf_counter()
+        with torch.set_grad_enabled(args.backward):
+            out = fn(q, k, v, comm, **kw)
+        sync()
+        t1 = time.perf_counter()
+        if args.backward:
+            out.backward(do)
+        sync()
+        t2 = time.perf_counter()
+        grads = (q.grad, k.grad, v.grad) if args.backward else None
+        return out.detach(), grads, t1 - t0, t2 - t1
+
+    one()  # warm: lazy imports, kernel selection and allocator growth stay out of the memory figure
+    comm.barrier()
+    inputs_bytes = sum(t.numel() * t.element_size() for t in (q, k, v) + ((do,) if do is not None else ()))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        out, grads, _, _ = one()
+        peak, method = torch.cuda.max_memory_allocated(device) - base, "torch.cuda.max_memory_allocated"
+    else:
+        base = _cpu_peak_reset()
+        out, grads, _, _ = one()
+        hwm = _proc_status_bytes("VmHWM")
+        peak, method = (hwm - base, "peak RSS growth") if base is not None and hwm is not None else (None, None)
+    for _ in range(max(0, args.warmup - 2)):
+        one()
+    times_f, times_b = [], []
+    bar = range(args.iters)
+    if rank == 0 and not args.quiet:
+        from tqdm import tqdm  # noqa: PLC0415
+
+        bar = tqdm(bar, desc=f"torch {args.algo}/{args.layout} P={P}", unit="it", file=sys.stderr)
+    for _ in bar:
+        comm.barrier()
+        _, _, tf, tb = one()
+        times_f.append(tf)
+        times_b.append(tb)
+    tf_all, tb_all = np.array(times_f), np.array(times_b)
+    comm.allreduce(tf_all, op="max")
+    comm.allreduce(tb_all, op="max")
+
+    check = _check_torch(args, comm, pos, out, grads, scale) if args.check else None
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    mine = dict(rank=rank, peak_bytes=None if peak is None else int(peak), inputs_bytes=int(inputs_bytes),
+                max_rss_bytes=int(rss))
+    gathered = _gather_objects(comm, (mine, check), root=0)
+    if rank != 0:
+        return None
+    everyone, checks = [g[0] for g in gathered], [g[1] for g in gathered]
+    med_f = float(np.median(tf_all))
+    med_b = float(np.median(tb_all)) if args.backward else 0.0
+    tokens = args.batch * args.seq
+    peaks = [e["peak_bytes"] for e in everyone]
+    known = [b for b in peaks if b is not None]
+    report = dict(
+        app="attention", backend="torch", device=args.device, algo=args.algo, layout=args.layout,
+        causal=args.causal, dtype=args.dtype, ranks=P, seq=args.seq, seq_local=L, batch=args.batch,
+        heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, iters=args.iters,
+        threads=torch.get_num_threads(),
+        fwd_time_s=med_f, bwd_time_s=med_b,
+        fwd_tokens_per_s=tokens / med_f if med_f else None,
+        fwd_bwd_tokens_per_s=tokens / (med_f + med_b) if args.backward else None,
+        fwd_times_s=tf_all.tolist(), bwd_times_s=tb_all.tolist() if args.backward else None,
+        memory=dict(
+            method=method,
+            peak_bytes_per_rank=peaks,
+            max_peak_bytes=max(known) if known else None,
+            peak_bytes_per_local_token=max(known) / (args.batch * L) if known else None,
+            inputs_bytes_per_rank=everyone[0]["inputs_bytes"],
+            max_rss_bytes_per_rank=[e["max_rss_bytes"] for e in everyone]),
+    )
+    if args.algo == "hybrid":
+        report["ulysses_degree"] = kw["ulysses_degree"]
+    if args.check:
+        report["check"] = _merge_checks(checks, args.dtype, backend="torch")
+    return report
+
+
+def _sdpa_reference(q, k, v, dout, scale, mask):
+    """torch SDPA in float64 with autograd: ``(out, dq, dk, dv)`` for
+    ``(B, L, H, D)`` q/dout and ``(B, S, Hkv, D)`` k/v (kv heads repeated for
+    grouped-query attention; dk/dv summed back over the group); ``mask``: bool
+    ``(L, S)``, True where a query attends, or None."""
+    import torch  # noqa: PLC0415
+    import torch.nn.functional as F  # noqa: PLC0415, N812
+
+    g = q.shape[2] // k.shape[2]
+    q, k, v = (t.detach().double().cpu().requires_grad_(True) for t in (q, k, v))
+    kr, vr = (t.repeat_interleave(g, dim=2) for t in (k, v))
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), kr.transpose(1, 2), vr.transpose(1, 2),
+                                         attn_mask=mask, scale=scale).transpose(1, 2)
+    out.backward(dout.double().cpu())
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _check_torch(args, comm, pos, out, grads, scale):
+    """This rank's errors against torch SDPA in float64 (all of out, dq, dk, dv
+    when the dense matrix fits ``--check-dense-max``, else a subsample of query
+    rows for out and dq)."""
+    import torch  # noqa: PLC0415
+
+    cpu = torch.device("cpu")
+    full = args.batch * args.heads * args.seq ** 2 <= args.check_dense_max
+    allpos = np.arange(args.seq)
+    k = _torch_synth(args, 1, allpos, args.kv_heads, cpu)
+    v = _torch_synth(args, 2, allpos, args.kv_heads, cpu)
+    npy = lambda t: t.detach().double().cpu().numpy()  # noqa: E731
+    res = {}
+    if full:
+        q = _torch_synth(args, 0, allpos, args.heads, cpu)
+        do = _torch_synth(args, 3, allpos, args.heads, cpu)
+        mask = torch.ones(args.seq, args.seq, dtype=torch.bool).tril() if args.causal else None
+        r_out, r_dq, r_dk, r_dv = (npy(t) for t in _sdpa_reference(q, k, v, do, scale, mask))
+        res["out"] = _rel(npy(out), r_out[:, pos])
+        if grads is not None:
+            for name, g, r in zip(("dq", "dk", "dv"), grads, (r_dq, r_dk, r_dv)):
+                res[name] = _rel(npy(g), r[:, pos])
+        res["mode"] = "full"
+    else:
+        rng = np.random.default_rng(args.seed + comm.rank)
+        rows = np.sort(rng.choice(len(pos), size=min(args.check_rows, len(pos)), replace=False))
+        q = _torch_synth(args, 0, pos[rows], args.heads, cpu)
+        do = _torch_synth(args, 3, pos[rows], args.heads, cpu)
+        mask = torch.from_numpy(allpos[None, :] <= pos[rows][:, None]) if args.causal else None
+        r_out, r_dq, _, _ = (npy(t) for t in _sdpa_reference(q, k, v, do, scale, mask))
+        res["out"] = _rel(npy(out)[:, rows], r_out)
+        if grads is not None:
+            res["dq"] = _rel(npy(grads[0])[:, rows], r_dq)
+        res["mode"] = f"{len(rows)} rows per rank"
+    res["nan"] = bool(np.isnan(npy(out)).any())
+    return res
 
 
 def _gather_objects(comm, obj, root=0):
@@ -359,8 +684,14 @@ def _check(args, comm, pos, q, out, lse, grads, dtype, scale):
     return res
 
 
-def _merge_checks(checks, dtype):
-    tol = {"float64": 1e-10, "float32": 1e-5, "float16": 2e-2, "bfloat16": 3e-2}[dtype]
+#: largest error relative to the reference's largest magnitude that passes, per backend and dtype (torch's
+#: bfloat16 kernels round P to bfloat16 before P @ V and in the backward, as FlashAttention does)
+TOLERANCES = {"numpy": {"float64": 1e-10, "float32": 1e-5, "float16": 2e-2, "bfloat16": 3e-2},
+              "torch": {"float64": 1e-10, "float32": 1e-5, "float16": 2e-2, "bfloat16": 3e-2}}
+
+
+def _merge_checks(checks, dtype, backend="numpy"):
+    tol = TOLERANCES[backend][dtype]
     keys = [k for k in checks[0] if k not in ("mode", "nan")]
     worst = {k: max(c[k] for c in checks) for k in keys}
     ok = all(v <= tol for v in worst.values()) and not any(c["nan"] for c in checks)
@@ -376,17 +707,21 @@ def _fmt_bytes(n):
 
 
 def print_report(rep):
-    print(f"attention {rep['algo']} layout={rep['layout']} causal={rep['causal']} dtype={rep['dtype']} "
-          f"P={rep['ranks']} seq={rep['seq']} (local {rep['seq_local']}) batch={rep['batch']} "
-          f"heads={rep['heads']}/{rep['kv_heads']} head_dim={rep['head_dim']}")
+    backend = rep.get("backend", "numpy")
+    extra = f" ulysses_degree={rep['ulysses_degree']}" if "ulysses_degree" in rep else ""
+    print(f"attention [{backend}/{rep.get('device', 'cpu')}] {rep['algo']} layout={rep['layout']} "
+          f"causal={rep['causal']} dtype={rep['dtype']} P={rep['ranks']} seq={rep['seq']} (local {rep['seq_local']}) "
+          f"batch={rep['batch']} heads={rep['heads']}/{rep['kv_heads']} head_dim={rep['head_dim']}{extra}")
     print(f"  forward : {rep['fwd_time_s'] * 1e3:9.2f} ms  {rep['fwd_tokens_per_s']:12.0f} tokens/s")
     if rep["fwd_bwd_tokens_per_s"]:
         print(f"  fwd+bwd : {(rep['fwd_time_s'] + rep['bwd_time_s']) * 1e3:9.2f} ms  "
               f"{rep['fwd_bwd_tokens_per_s']:12.0f} tokens/s")
     m = rep["memory"]
-    print(f"  peak memory per rank (tracemalloc): {', '.join(_fmt_bytes(b) for b in m['peak_bytes_per_rank'])}"
-          f"  ({m['peak_bytes_per_local_token']:.0f} B per local token)")
-    for phase, b in rep["balance"].items():
+    if m["peak_bytes_per_local_token"] is not None:
+        print(f"  peak memory per rank ({m.get('method', 'tracemalloc')}): "
+              f"{', '.join('?' if b is None else _fmt_bytes(b) for b in m['peak_bytes_per_rank'])}"
+              f"  ({m['peak_bytes_per_local_token']:.0f} B per local token)")
+    for phase, b in rep.get("balance", {}).items():
         if "max_over_mean_per_step" in b:
             steps = " ".join(f"{x:.2f}" for x in b["max_over_mean_per_step"])
             print(f"  {phase} balance per ring step (max/mean work): {steps}; critical path "
@@ -397,7 +732,8 @@ def print_report(rep):
     if "check" in rep:
         c = rep["check"]
         errs = ", ".join(f"{k} {v:.2e}" for k, v in c["max_rel_err"].items())
-        print(f"  check vs dense float64 ({c['mode']}): {errs}  tol {c['tolerance']:.0e}: "
+        ref = "torch SDPA float64" if backend == "torch" else "dense float64"
+        print(f"  check vs {ref} ({c['mode']}): {errs}  tol {c['tolerance']:.0e}: "
               f"{'PASSED' if c['passed'] else 'FAILED'}")
 
 

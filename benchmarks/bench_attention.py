@@ -23,6 +23,10 @@ Reports, for causal attention of the same global sequence:
 BLAS threads are pinned to 1 (before numpy loads) so one rank uses one core
 in both the single-rank and the distributed runs.  On these 2-core machines
 measured times at P = 4 are oversubscribed: read the work ratios there.
+
+``--backend torch`` runs ``bench_attention_torch.py`` instead (serially, not
+under mpiexec: it launches its own jobs): ``commlib.nn`` against torch's
+``scaled_dot_product_attention``, see that module.
 """
 from __future__ import annotations
 
@@ -87,8 +91,19 @@ def peak_memory(comm, args, seq, fn):
 
 
 def main(argv=None):
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--backend", choices=("numpy", "torch"), default="numpy")
+    known, _ = pre.parse_known_args(argv)
+    if known.backend == "torch":  # commlib.nn against torch SDPA: its own module and options
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import bench_attention_torch  # noqa: PLC0415
+
+        return bench_attention_torch.main(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--backend", choices=("numpy", "torch"), default="numpy",
+                    help="numpy: this benchmark; torch: commlib.nn vs torch SDPA (bench_attention_torch.py, "
+                         "its own options: --backend torch --help)")
     ap.add_argument("--seq", type=int, default=8192, help="global sequence length")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=8)

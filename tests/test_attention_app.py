@@ -5,6 +5,7 @@ Serial: ``pytest tests/test_attention_app.py``; MPI:
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -13,6 +14,9 @@ import pytest
 
 import commlib
 from commlib.apps import attention as app
+
+#: the torch backend's tests need torch (kept out of CI's Python 3.12 leg)
+needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 
 
 def _clean_env():
@@ -29,7 +33,8 @@ def test_help_explains_options():
                          text=True, timeout=60, env=_clean_env())
     assert res.returncode == 0
     for opt in ("--seq", "--batch", "--heads", "--kv-heads", "--head-dim", "--layout", "--causal", "--dtype",
-                "--backward", "--check", "--json", "--algo"):
+                "--backward", "--check", "--json", "--algo", "--attention", "--backend", "--device",
+                "--ulysses-degree", "--threads"):
         assert opt in res.stdout
 
 
@@ -48,6 +53,10 @@ BAD_CLI = [
     ["--timeout", "nan"], ["--timeout", "0"], ["--timeout", "-3"], ["--timeout", "inf"],
     ["--dtype", "int8"], ["--algo", "tree"], ["--layout", "diagonal"], ["--json", "/nonexistent/x.json"],
     ["--json", "/"], ["--seq", str(1 << 40)], ["--no-such-option"],
+    ["--backend", "jax"], ["--device", "tpu"], ["--device", "cuda"], ["--algo", "bidirectional"],
+    ["--attention", "hybrid"], ["--algo", "ring", "--ulysses-degree", "2"],
+    ["--backend", "torch", "--algo", "hybrid", "--ulysses-degree", "0"],
+    ["--backend", "torch", "--algo", "ulysses", "--layout", "zigzag"], ["--backend", "torch", "--threads", "0"],
 ]
 
 
@@ -123,3 +132,72 @@ def test_app_main_serial_subsampled_check(tmp_path):
     rep = json.loads(path.read_text())
     assert rep["check"]["passed"] and "rows" in rep["check"]["mode"]
     assert "tokens/s" in rc.stdout
+
+
+# ------------------------------------------------------------------ torch backend
+TORCH_CASES = [  # (algo, layout, dtype, causal)
+    ("ring", "zigzag", "float64", True), ("ring", "striped", "float32", False),
+    ("bidirectional", "zigzag", "bfloat16", True), ("ulysses", "contiguous", "float64", True),
+    ("hybrid", "zigzag", "float64", True),
+]
+
+
+@needs_torch
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("algo,layout,dtype,causal", TORCH_CASES, ids=lambda x: str(x))
+def test_torch_backend_checks_against_sdpa(algo, layout, dtype, causal):
+    """commlib.nn forward and autograd backward against torch SDPA in float64 on the whole sequence."""
+    comm = commlib.init()
+    P = comm.size
+    argv = ["--backend", "torch", "--seq", str(8 * P), "--batch", "2", "--heads", str(2 * P), "--kv-heads",
+            str(P), "--head-dim", "8", "--attention", algo, "--layout", layout, "--dtype", dtype, "--backward",
+            "--check", "--iters", "1", "--threads", "1", "--quiet"] + (["--causal"] if causal else [])
+    rep = app.run(app.parse_args(argv), comm)
+    if comm.rank != 0:
+        assert rep is None
+        return
+    c = rep["check"]
+    assert c["passed"], c
+    assert c["mode"] == "full" and set(c["max_rel_err"]) == {"out", "dq", "dk", "dv"}
+    assert (rep["backend"], rep["device"], rep["algo"], rep["layout"], rep["ranks"]) == ("torch", "cpu", algo,
+                                                                                        layout, P)
+    assert rep["fwd_tokens_per_s"] > 0 and rep["fwd_bwd_tokens_per_s"] > 0
+    assert len(rep["memory"]["peak_bytes_per_rank"]) == P
+    if algo == "hybrid":
+        assert rep["ulysses_degree"] == (2 if P % 2 == 0 else 1)
+    app.print_report(rep)
+
+
+@needs_torch
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(120)
+def test_torch_backend_refuses_indivisible_seq_on_every_rank(capsys):
+    """A length the torch layouts cannot split: exit 2, one line from rank 0, no attention run."""
+    comm = commlib.init()
+    P = comm.size
+    rc = app.main(["--backend", "torch", "--seq", str(2 * P + 1), "--heads", "2", "--head-dim", "8",
+                   "--layout", "zigzag", "--quiet"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    if comm.rank == 0:
+        assert err.startswith("attention: error: ") and err.count("\n") == 1 and "divisible" in err, err
+    else:
+        assert err == ""
+
+
+@needs_torch
+@pytest.mark.timeout(120)
+def test_torch_backend_main_serial_subsampled_check(tmp_path):
+    """main() end to end on one rank, torch backend, with the row-subsampled check (out and dq)."""
+    path = tmp_path / "r.json"
+    rc = subprocess.run([sys.executable, "-P", "-m", "commlib.apps.attention", "--backend", "torch", "--seq", "96",
+                         "--heads", "4", "--kv-heads", "2", "--head-dim", "8", "--causal", "--backward", "--check",
+                         "--check-dense-max", "10", "--check-rows", "5", "--iters", "1", "--threads", "1",
+                         "--json", str(path)],
+                        capture_output=True, text=True, timeout=120, env=_clean_env())
+    assert rc.returncode == 0, rc.stderr
+    rep = json.loads(path.read_text())
+    assert rep["backend"] == "torch" and rep["check"]["passed"] and rep["check"]["mode"] == "5 rows per rank"
+    assert set(rep["check"]["max_rel_err"]) == {"out", "dq"}
+    assert "tokens/s" in rc.stdout and "torch SDPA float64" in rc.stdout

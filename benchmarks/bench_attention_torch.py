@@ -788,7 +788,8 @@ def plot(res, path):
     short = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64"}
     bars = []  # (label, ratio, target, section)
     for r in res.get("single") or []:
-        bars.append((f"1 rank {r['seq']} {short[r['dtype']]} {'causal' if r['causal'] else 'full'} {r['mode']}",
+        bars.append((f"1 rank x{r.get('threads', 1)}t {r['seq']} {short[r['dtype']]} "
+                     f"{'causal' if r['causal'] else 'full'} {r['mode']}",
                      r["ratio"], TARGETS["single"], "single"))
     for r in res.get("ranks2") or []:
         bars.append((f"2x1 vs 1x2 {r['seq']} {short[r['dtype']]} {r['mode']}", r["ratio"], TARGETS["ranks2"],

@@ -4,47 +4,15 @@ This module is the wire of :mod:`commlib.elastic`.  It offers the transport
 contract of :mod:`commlib.transports.base` (``isend``/``irecv``/``send``/
 ``recv``/``sendrecv`` of contiguous arrays or :class:`~.base.Wire` bytes,
 ``waitall(timeout)``, :class:`~.base.Request` handles), so the ring algorithms
-of :mod:`commlib.collectives` run over it unchanged, plus the pieces the
-elastic layer builds on: frames, the authentication handshake, tickets and a
-listener.
+of :mod:`commlib.collectives` run over it unchanged.  The pieces the elastic
+layer builds on live beside it and are re-exported here (``tcp.NAME``): frames,
+connections and sockets in :mod:`commlib.transports.tcp_frames`; the
+authentication handshake, sealing, tickets, the secret and the listener in
+:mod:`commlib.transports.tcp_auth`.
 
-Frames (every integer in network byte order, ``struct`` format ``!2sBBHIQIHI``,
-28 bytes)::
-
-    magic   2s  b"CL"
-    version B   1
-    kind    B   CHALLENGE, RESPONSE, PROOF (handshake), CTRL (msgpack body),
-                DATA (raw array bytes), PING
-    flags   H   bit 0: the payload is AES-GCM sealed (16-byte tag at its end)
-    epoch   I   membership epoch of the sender's topology (0 for control)
-    tag     Q   operation tag (the transport's TagAllocator slot)
-    chunk   I   frame index within the message (see :func:`frame_bounds`)
-    stream  H   connection index within the peer pair
-    length  I   payload bytes that follow
-
-Hard caps: a frame before authentication carries at most :data:`PREAUTH_MAX`
-bytes, a control body at most :data:`CTRL_MAX`, a data frame at most
-:data:`FRAME_MAX`; a receiver never holds more than :data:`UNEXPECTED_MAX`
-bytes of data that no receive was posted for.  Anything malformed (bad magic,
-version, kind, an over-long length, undecodable msgpack, a failed AES-GCM tag)
-closes the connection without a reply.  Data frames of another epoch or of an
-aborted operation tag are read and dropped, so late bytes never land in a retry.
-
-Handshake (both directions, one deadline, HMAC-SHA256 over the shared secret,
-``hmac.compare_digest``):
-
-1. server → client ``CHALLENGE``: 32 random bytes ``Ns`` (the only bytes an
-   unauthenticated party ever receives);
-2. client → server ``RESPONSE``: ``Nc`` (32 random bytes), then
-   ``HMAC(secret, "commlib-c" | Ns | Nc | hello)`` (32), then ``hello`` (msgpack:
-   who the client is, the ticket of a peer-to-peer connection);
-3. server checks it (a wrong MAC: close, nothing sent), → client ``PROOF``:
-   ``HMAC(secret, "commlib-s" | Nc | Ns | hello)``; the client checks it.
-
-A replayed RESPONSE fails because ``Ns`` is fresh per connection.  With
-``encrypt=True`` both sides derive two AES-256-GCM keys with HKDF-SHA256
-(salt ``Ns | Nc``) and seal every later frame's payload (header as associated
-data, a per-direction counter as nonce).
+A receiver never holds more than :data:`UNEXPECTED_MAX` bytes of data that no
+receive was posted for.  Data frames of another epoch or of an aborted
+operation tag are read and dropped, so late bytes never land in a retry.
 
 Striping: a message of ``L`` bytes to a peer with ``S`` connections is cut into
 ``k = max(ceil(L / FRAME_MAX), min(S, ceil(L / STRIPE_MIN)), 1)`` nearly equal
@@ -54,15 +22,8 @@ compute the same cut from ``L`` and ``S``.
 Threads, not selectors: each connection has a receiver thread that reads frames
 straight into the posted receive buffer (``recv_into``, no copy) and a sender
 thread fed by a queue that writes header and payload with one ``sendmsg``;
-socket calls release the GIL, so the ``S`` streams of a pair move in parallel.
-Sockets use ``TCP_NODELAY`` and 4 MiB buffers.  A :class:`Connection` puts its
-socket in blocking mode once and never changes it: an unbounded read or write
-blocks in the kernel (the data path: one system call per wake-up), a bounded one
-passes ``MSG_DONTWAIT`` and waits in ``poll`` for its own deadline.  (Python's
-``settimeout`` is per socket object: a writer setting its timeout while a reader
-thread of the same socket ran without one used to switch the socket to
-non-blocking under the reader, whose ``recv`` then failed with ``EAGAIN`` and
-tore down a healthy control connection.)
+socket calls release the GIL, so the ``S`` streams of a pair move in parallel
+(how a :class:`~.tcp_frames.Connection` blocks: see :mod:`.tcp_frames`).
 
 Early frames: a frame of at least :data:`POST_WAIT_MIN` bytes whose receive is
 not posted yet (a ring neighbour one step ahead) is left in the kernel's socket
@@ -79,25 +40,24 @@ took the extra copy).
 """
 from __future__ import annotations
 
-import hashlib
-import hmac
-import os
 import queue
-import secrets
-import select
-import socket
-import struct
 import threading
 import time
 from collections import deque
 from typing import Callable
 
-import msgpack
 import numpy as np
 
-from commlib.core.errors import AuthenticationError, CommError, CommTimeout, InvalidArgument, ProcessFailed
+from commlib.core.errors import CommTimeout, InvalidArgument, ProcessFailed
 
 from .base import Request, Transport, Wire, check_plain_dtype
+# re-exported: the frames, sockets and authentication of this transport live in
+# tcp_frames and tcp_auth; commlib.elastic and the tests reach them as tcp.NAME
+from .tcp_auth import (PREAUTH_MAX, Listener, client_handshake, make_ticket, read_secret, server_handshake,
+                       verify_ticket)
+from .tcp_frames import (CTRL_MAX, FRAME_MAX, GCM_TAG, HEADER, K_CHALLENGE, K_CTRL, K_DATA, K_PING, K_PROOF,
+                         K_RESPONSE, MAGIC, VERSION, Connection, FrameError, open_socket, pack_ctrl, parse_address,
+                         tune_socket, unpack_ctrl)
 
 __all__ = [
     "HEADER", "MAGIC", "VERSION", "K_CHALLENGE", "K_RESPONSE", "K_PROOF", "K_CTRL", "K_DATA", "K_PING",
@@ -106,104 +66,10 @@ __all__ = [
     "pack_ctrl", "unpack_ctrl", "tune_socket", "parse_address", "read_secret", "open_socket",
 ]
 
-HEADER = struct.Struct("!2sBBHIQIHI")
-MAGIC = b"CL"
-VERSION = 1
-K_CHALLENGE, K_RESPONSE, K_PROOF, K_CTRL, K_DATA, K_PING = 1, 2, 3, 4, 5, 6
-_KINDS = frozenset((K_CHALLENGE, K_RESPONSE, K_PROOF, K_CTRL, K_DATA, K_PING))
-F_SEALED = 1
-
-PREAUTH_MAX = 4096            #: bytes of a frame before authentication
-CTRL_MAX = 4 << 20            #: bytes of a msgpack control body
-FRAME_MAX = 16 << 20          #: bytes of one data frame
 STRIPE_MIN = 64 << 10         #: a message is striped only in pieces of at least this
 UNEXPECTED_MAX = 1 << 30      #: bytes buffered for receives not yet posted, per transport
 POST_WAIT = 0.5               #: seconds a receiver thread holds a frame that came before its receive was posted
 POST_WAIT_MIN = 64 << 10      #: frames of at least this many bytes are held (smaller ones are buffered at once)
-SOCK_BUF = 4 << 20
-NONCE = 32
-MAC = 32
-GCM_TAG = 16
-
-
-class FrameError(CommError):
-    """A malformed or over-long frame (the connection is closed, nothing is replied)."""
-
-
-# ---------------------------------------------------------------- helpers
-def parse_address(addr: str) -> tuple[str, int]:
-    """``"host:port"`` → ``(host, port)`` (IPv6 as ``[::1]:port``)."""
-    if not isinstance(addr, str) or ":" not in addr:
-        raise InvalidArgument(f"address must be 'host:port', got {addr!r}", op="parse_address")
-    host, _, port = addr.rpartition(":")
-    host = host.strip("[]")
-    try:
-        p = int(port)
-    except ValueError:
-        raise InvalidArgument(f"bad port in {addr!r}", op="parse_address") from None
-    if not 0 <= p < 65536:
-        raise InvalidArgument(f"bad port in {addr!r}", op="parse_address")
-    return host, p
-
-
-def read_secret(secret: bytes | str | None = None, secret_file: str | None = None,
-                env: str = "COMMLIB_ELASTIC_SECRET") -> bytes:
-    """The shared secret: ``secret``, else the contents of ``secret_file``
-    (surrounding whitespace stripped), else the environment variable ``env``.
-
-    Raises:
-        AuthenticationError: none given, or shorter than 16 bytes.
-    """
-    if secret is None and secret_file is not None:
-        with open(secret_file, "rb") as f:
-            secret = f.read().strip()
-    if secret is None:
-        secret = os.environ.get(env)
-    if isinstance(secret, str):
-        secret = secret.encode()
-    if not secret:
-        raise AuthenticationError(f"no shared secret: pass secret= or secret_file=, or set {env}", op="secret")
-    if len(secret) < 16:
-        raise AuthenticationError("the shared secret must be at least 16 bytes", op="secret")
-    return bytes(secret)
-
-
-def open_socket(address: str, timeout: float) -> socket.socket:
-    """A TCP connection to ``"host:port"`` (not yet authenticated: pass it to :func:`client_handshake`).
-
-    Raises:
-        OSError: unreachable or refused.
-    """
-    return socket.create_connection(parse_address(address), timeout=timeout)
-
-
-def tune_socket(sock: socket.socket) -> None:
-    """TCP_NODELAY (no Nagle delay on small frames) and large kernel buffers."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
-        except OSError:  # pragma: no cover - capped by the kernel
-            pass
-
-
-def pack_ctrl(obj) -> bytes:
-    """A control body (msgpack; plain types only, never pickle)."""
-    return msgpack.packb(obj, use_bin_type=True)
-
-
-def unpack_ctrl(body: bytes, limit: int = CTRL_MAX):
-    """Decode a control body with hard limits; any failure is a :class:`FrameError`."""
-    if len(body) > limit:
-        raise FrameError("control body over its cap")
-    try:
-        # unpackb bounds every container by the body's length; the explicit
-        # caps below keep a small body from describing huge containers
-        obj = msgpack.unpackb(body, raw=False, max_str_len=limit, max_bin_len=limit, max_array_len=1 << 16,
-                              max_map_len=1 << 16, max_ext_len=0, strict_map_key=False, use_list=True)
-    except Exception as exc:  # noqa: BLE001 - msgpack raises many types on bad input
-        raise FrameError(f"undecodable control body ({type(exc).__name__})") from None
-    return obj
 
 
 def frame_bounds(nbytes: int, streams: int) -> list[int]:
@@ -211,435 +77,6 @@ def frame_bounds(nbytes: int, streams: int) -> list[int]:
     k = max(-(-nbytes // FRAME_MAX), min(streams, -(-nbytes // STRIPE_MIN)), 1)
     base, extra = divmod(nbytes, k)
     return [i * base + min(i, extra) for i in range(k + 1)]
-
-
-_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0x40)
-
-
-def _wait_io(sock: socket.socket, events: int, deadline: float) -> None:
-    """Wait until ``sock`` is ready for ``events`` (``select.POLLIN`` or
-    ``select.POLLOUT``; errors and hang-ups count as ready, so the next call
-    reports them), at most until ``deadline`` (``time.monotonic()`` seconds).
-
-    Raises:
-        socket.timeout: ``deadline`` passed.
-        ConnectionError: the socket was closed (by another thread).
-    """
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise socket.timeout("deadline passed")
-    fd = sock.fileno()
-    if fd < 0:
-        raise ConnectionError("connection closed")
-    poller = select.poll()
-    poller.register(fd, events | select.POLLERR | select.POLLHUP)
-    poller.poll(int(left * 1000) + 1)  # the caller retries its call, then waits again or times out
-
-
-def _recv_exact_into(sock: socket.socket, mv: memoryview, deadline: float | None = None) -> None:
-    """Fill ``mv`` from ``sock``, waiting at most until ``deadline`` (None: no bound).
-
-    The socket stays in blocking mode: without a deadline each ``recv`` blocks in
-    the kernel (one system call per wake-up on the data path); with one, each
-    ``recv`` is ``MSG_DONTWAIT`` and the waits are ``poll`` calls bounded by it."""
-    got, n = 0, len(mv)
-    flags = 0 if deadline is None else _DONTWAIT
-    while got < n:
-        try:
-            k = sock.recv_into(mv[got:], n - got, flags)
-        except BlockingIOError:
-            if deadline is None:  # pragma: no cover - a Connection's socket is blocking
-                raise
-            _wait_io(sock, select.POLLIN, deadline)
-            continue
-        if k == 0:
-            raise ConnectionError("connection closed")
-        got += k
-
-
-def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:
-    buf = bytearray(n)
-    _recv_exact_into(sock, memoryview(buf), deadline)
-    return buf
-
-
-def _send_all(sock: socket.socket, data, deadline: float | None = None) -> None:
-    """Write all of ``data`` (bytes-like) to ``sock``, waiting at most until
-    ``deadline`` (None: a plain blocking ``sendall``; else ``MSG_DONTWAIT`` sends
-    and bounded ``poll`` waits)."""
-    if deadline is None:
-        sock.sendall(data)
-        return
-    mv = memoryview(data).cast("B")
-    off, n = 0, len(mv)
-    while off < n:
-        try:
-            off += sock.send(mv[off:], _DONTWAIT)
-        except BlockingIOError:
-            _wait_io(sock, select.POLLOUT, deadline)
-
-
-# ------------------------------------------------------------- AES-GCM
-class _Sealer:
-    """AES-256-GCM for one direction: implicit counter nonces (a replayed or
-    reordered frame fails its tag), the frame header as associated data."""
-
-    def __init__(self, key: bytes, direction: bytes):
-        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
-        self.aead = AESGCM(key)
-        self.direction = direction
-        self.counter = 0
-
-    def _nonce(self) -> bytes:
-        n = self.direction + self.counter.to_bytes(8, "big")
-        self.counter += 1
-        return n
-
-    def seal(self, header: bytes, payload) -> bytes:
-        return self.aead.encrypt(self._nonce(), bytes(payload), header)
-
-    def open(self, header: bytes, payload) -> bytes:
-        try:
-            return self.aead.decrypt(self._nonce(), bytes(payload), header)
-        except Exception:  # noqa: BLE001 - InvalidTag
-            raise FrameError("sealed frame failed authentication") from None
-
-
-def _derive_keys(secret: bytes, ns: bytes, nc: bytes) -> tuple[bytes, bytes]:
-    from cryptography.hazmat.primitives import hashes
-    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-
-    okm = HKDF(algorithm=hashes.SHA256(), length=64, salt=ns + nc, info=b"commlib-elastic aes-gcm v1").derive(secret)
-    return okm[:32], okm[32:]  # client→server, server→client
-
-
-# ------------------------------------------------------------- connection
-class Connection:
-    """One authenticated TCP connection: framed, thread-safe sends, one reader.
-
-    Attributes:
-        sock: the socket.
-        hello: the client's hello (a dict) as the server received it (server side).
-        peer: free slot for the owner (peer id, rank...).
-    """
-
-    def __init__(self, sock: socket.socket, *, tx: _Sealer | None = None, rx: _Sealer | None = None):
-        sock.setblocking(True)  # once, for good: a bounded call passes MSG_DONTWAIT and polls
-        self.sock = sock
-        self.tx, self.rx = tx, rx
-        self.lock = threading.Lock()
-        self.closed = False
-        self.hello: dict = {}
-        self.peer = None
-        self.last_rx = time.monotonic()
-
-    # sends ------------------------------------------------------------
-    def send_frame(self, kind: int, payload=b"", *, epoch: int = 0, tag: int = 0, chunk: int = 0, stream: int = 0,
-                   timeout: float | None = None) -> int:
-        """Write one frame (the payload sealed when the connection is encrypted).
-
-        Args:
-            timeout: seconds the write may block (None: unbounded).
-
-        Returns:
-            bytes written: the 28-byte header, the payload and, sealed, its 16-byte tag.
-
-        Raises:
-            ConnectionError / OSError: the connection failed (it is then closed).
-        """
-        mv = memoryview(payload).cast("B") if not isinstance(payload, (bytes, bytearray)) else payload
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self.lock:
-            if self.closed:
-                raise ConnectionError("connection closed")
-            try:
-                if self.tx is not None:
-                    n = len(mv) + GCM_TAG
-                    hdr = HEADER.pack(MAGIC, VERSION, kind, F_SEALED, epoch, tag, chunk, stream, n)
-                    body = self.tx.seal(hdr, mv)
-                    _send_all(self.sock, hdr + body, deadline)
-                    return HEADER.size + n
-                hdr = HEADER.pack(MAGIC, VERSION, kind, 0, epoch, tag, chunk, stream, len(mv))
-                if len(mv) <= 65536:
-                    _send_all(self.sock, hdr + bytes(mv), deadline)
-                else:
-                    # header and payload in one system call (one segment less), the rest as it drains
-                    try:
-                        sent = self.sock.sendmsg([hdr, mv], [], 0 if deadline is None else _DONTWAIT)
-                    except BlockingIOError:  # MSG_DONTWAIT with a full buffer
-                        sent = 0
-                    if sent < HEADER.size:
-                        _send_all(self.sock, hdr[sent:], deadline)
-                        _send_all(self.sock, mv, deadline)
-                    elif sent < HEADER.size + len(mv):
-                        _send_all(self.sock, mv[sent - HEADER.size:], deadline)
-                return HEADER.size + len(mv)
-            except BaseException:
-                self._close_locked()
-                raise
-
-    def send_ctrl(self, obj, timeout: float | None = None) -> None:
-        self.send_frame(K_CTRL, pack_ctrl(obj), timeout=timeout)
-
-    # receives -----------------------------------------------------------
-    def read_header(self, deadline: float | None = None):
-        """The next header as a tuple ``(kind, flags, epoch, tag, chunk, stream, length)``.
-
-        Raises:
-            FrameError: bad magic, version or kind.
-            ConnectionError / OSError / socket.timeout: the connection failed.
-        """
-        raw = bytes(_recv_exact(self.sock, HEADER.size, deadline))
-        magic, version, kind, flags, epoch, tag, chunk, stream, length = HEADER.unpack(raw)
-        if magic != MAGIC or version != VERSION or kind not in _KINDS or flags & ~F_SEALED:
-            raise FrameError("bad frame header")
-        if bool(flags & F_SEALED) != (self.rx is not None):
-            raise FrameError("sealing does not match the session")
-        if self.rx is not None and length < GCM_TAG:
-            raise FrameError("sealed frame too short")
-        self.last_rx = time.monotonic()
-        self._hdr = raw
-        return kind, flags, epoch, tag, chunk, stream, length
-
-    def read_payload(self, length: int, into: memoryview | None = None, deadline: float | None = None):
-        """Read the payload of the header just read; sealed payloads are opened.
-
-        ``into`` (exactly the plaintext size) receives it without a copy when not sealed.
-        """
-        if self.rx is not None:
-            body = _recv_exact(self.sock, length, deadline)
-            plain = self.rx.open(self._hdr, body)
-            if into is not None:
-                if len(plain) != len(into):
-                    raise FrameError("frame length does not match the posted receive")
-                into[:] = plain
-                return None
-            return plain
-        if into is not None:
-            _recv_exact_into(self.sock, into, deadline)
-            return None
-        return bytes(_recv_exact(self.sock, length, deadline))
-
-    def plain_length(self, length: int) -> int:
-        return length - GCM_TAG if self.rx is not None else length
-
-    def discard(self, length: int) -> None:
-        """Read and drop ``length`` payload bytes (a frame of another epoch)."""
-        if self.rx is not None:
-            self.read_payload(length)  # keeps the nonce counter in step
-            return
-        buf = bytearray(min(length, 1 << 20))
-        mv = memoryview(buf)
-        left = length
-        while left:
-            k = min(left, len(buf))
-            _recv_exact_into(self.sock, mv[:k])
-            left -= k
-
-    def read_ctrl(self, deadline: float | None = None, limit: int = CTRL_MAX):
-        """The next frame that is not a PING, decoded: ``(kind, header, body)``;
-        a CTRL body is decoded msgpack, a DATA body raw bytes (capped by ``limit``)."""
-        while True:
-            kind, flags, epoch, tag, chunk, stream, length = self.read_header(deadline)
-            if length > limit + (GCM_TAG if self.rx is not None else 0):
-                raise FrameError("frame over its cap")
-            body = self.read_payload(length, deadline=deadline)
-            if kind == K_PING:
-                continue
-            if kind == K_CTRL:
-                return kind, (epoch, tag, chunk, stream), unpack_ctrl(bytes(body), limit)
-            return kind, (epoch, tag, chunk, stream), body
-
-    def _close_locked(self) -> None:
-        if not self.closed:
-            self.closed = True
-            try:
-                self.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            try:
-                self.sock.close()
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        """Close without a word (idempotent; safe from any thread)."""
-        if self.closed:
-            return
-        # never wait for the send lock: a sender may be blocked in sendall
-        self._close_locked()
-
-
-def _mac(secret: bytes, label: bytes, a: bytes, b: bytes, hello: bytes) -> bytes:
-    return hmac.new(secret, label + a + b + hello, hashlib.sha256).digest()
-
-
-def client_handshake(sock: socket.socket, secret: bytes, hello: dict, *, timeout: float = 10.0,
-                     encrypt: bool = False) -> Connection:
-    """Authenticate to a server (both directions) and send ``hello``.
-
-    Raises:
-        AuthenticationError: the server did not prove knowledge of the secret, or
-            closed the connection (a wrong secret on our side looks the same).
-        CommTimeout: ``timeout`` seconds passed.
-    """
-    deadline = time.monotonic() + timeout
-    tune_socket(sock)
-    conn = Connection(sock)
-    try:
-        kind, _, _, _, _, _, length = conn.read_header(deadline)
-        if kind != K_CHALLENGE or length != NONCE:
-            raise FrameError("expected a challenge")
-        ns = bytes(conn.read_payload(length, deadline=deadline))
-        nc = secrets.token_bytes(NONCE)
-        hb = pack_ctrl(hello)
-        if len(hb) + 2 * NONCE > PREAUTH_MAX:
-            raise InvalidArgument("hello too large", op="handshake")
-        conn.send_frame(K_RESPONSE, nc + _mac(secret, b"commlib-c", ns, nc, hb) + hb,
-                        timeout=max(0.001, deadline - time.monotonic()))
-        kind, _, _, _, _, _, length = conn.read_header(deadline)
-        if kind != K_PROOF or length != MAC:
-            raise FrameError("expected a proof")
-        proof = bytes(conn.read_payload(length, deadline=deadline))
-        if not hmac.compare_digest(proof, _mac(secret, b"commlib-s", nc, ns, hb)):
-            raise AuthenticationError("the server failed to prove the shared secret", op="handshake")
-    except socket.timeout:
-        conn.close()
-        raise CommTimeout(f"handshake not complete after {timeout} s", op="handshake") from None
-    except (FrameError, ConnectionError, OSError) as exc:
-        conn.close()
-        raise AuthenticationError(f"handshake refused ({type(exc).__name__})", op="handshake") from None
-    except BaseException:
-        conn.close()
-        raise
-    if encrypt:
-        c2s, s2c = _derive_keys(secret, ns, nc)
-        conn.tx, conn.rx = _Sealer(c2s, b"c2s_"), _Sealer(s2c, b"s2c_")
-    return conn
-
-
-def server_handshake(sock: socket.socket, secret: bytes, *, timeout: float = 5.0,
-                     encrypt: bool = False) -> Connection | None:
-    """Challenge a client; returns the authenticated connection (``conn.hello``
-    holds its hello) or None after closing it silently (wrong MAC, malformed
-    frame, deadline)."""
-    deadline = time.monotonic() + timeout
-    try:
-        tune_socket(sock)
-    except OSError:
-        pass
-    conn = Connection(sock)
-    try:
-        ns = secrets.token_bytes(NONCE)
-        conn.send_frame(K_CHALLENGE, ns, timeout=timeout)
-        kind, _, _, _, _, _, length = conn.read_header(deadline)
-        if kind != K_RESPONSE or not 2 * NONCE <= length <= PREAUTH_MAX:
-            raise FrameError("bad response")
-        body = bytes(conn.read_payload(length, deadline=deadline))
-        nc, mac, hb = body[:NONCE], body[NONCE:NONCE + MAC], body[2 * NONCE:]
-        if not hmac.compare_digest(mac, _mac(secret, b"commlib-c", ns, nc, hb)):
-            raise FrameError("bad mac")
-        hello = unpack_ctrl(hb, PREAUTH_MAX)
-        if not isinstance(hello, dict):
-            raise FrameError("bad hello")
-        conn.send_frame(K_PROOF, _mac(secret, b"commlib-s", nc, ns, hb),
-                        timeout=max(0.001, deadline - time.monotonic()))
-    except Exception:  # noqa: BLE001 - anything wrong: close without a word
-        conn.close()
-        return None
-    if encrypt:
-        c2s, s2c = _derive_keys(secret, ns, nc)
-        conn.tx, conn.rx = _Sealer(s2c, b"s2c_"), _Sealer(c2s, b"c2s_")
-    conn.hello = hello
-    return conn
-
-
-# ------------------------------------------------------------- tickets
-def make_ticket(key: bytes, epoch: int, src: int, dst: int, stream: int, expiry: float) -> bytes:
-    """The master's ticket for connection ``stream`` from peer ``src`` to peer
-    ``dst`` in ``epoch``, valid until ``expiry`` (Unix seconds): HMAC-SHA256 under
-    ``dst``'s ticket key (which only the master and ``dst`` hold)."""
-    msg = struct.pack("!IQQHd", epoch, src, dst, stream, float(expiry))
-    return hmac.new(key, b"commlib-ticket" + msg, hashlib.sha256).digest()
-
-
-def verify_ticket(key: bytes, ticket, epoch: int, src: int, dst: int, stream: int, expiry: float,
-                  skew: float = 300.0) -> bool:
-    """True when ``ticket`` is the master's for these fields and not expired."""
-    if not isinstance(ticket, bytes) or len(ticket) != MAC:
-        return False
-    try:
-        want = make_ticket(key, epoch, src, dst, stream, expiry)
-    except (struct.error, TypeError, OverflowError):
-        return False
-    return hmac.compare_digest(ticket, want) and time.time() <= float(expiry) + skew
-
-
-# ------------------------------------------------------------- listener
-class Listener:
-    """A listening socket whose accepted connections are authenticated each on
-    its own short-lived thread (a slow or hostile client cannot block others)
-    and handed to ``on_conn(conn)``; failures are closed silently.
-
-    Args:
-        bind: ``"host:port"`` (port 0: any free port).
-        secret: shared secret.
-        on_conn: called with each authenticated :class:`Connection`.
-        encrypt: seal frames after the handshake.
-        handshake_timeout: seconds for the whole handshake.
-        max_pending: handshakes in flight at once (more are closed at once).
-    """
-
-    def __init__(self, bind: str, secret: bytes, on_conn: Callable[[Connection], None], *, encrypt: bool = False,
-                 handshake_timeout: float = 5.0, max_pending: int = 64):
-        host, port = parse_address(bind)
-        fam = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.sock = socket.socket(fam, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
-        self.sock.listen(128)
-        self.secret, self.on_conn, self.encrypt = secret, on_conn, encrypt
-        self.handshake_timeout = handshake_timeout
-        self._slots = threading.BoundedSemaphore(max_pending)
-        self._stop = False
-        h, p = self.sock.getsockname()[:2]
-        self.address = f"[{h}]:{p}" if fam == socket.AF_INET6 else f"{h}:{p}"
-        self._thread = threading.Thread(target=self._accept_loop, name="commlib-tcp-accept", daemon=True)
-        self._thread.start()
-
-    def _accept_loop(self) -> None:
-        while not self._stop:
-            try:
-                s, _ = self.sock.accept()
-            except OSError:
-                if self._stop:
-                    return
-                time.sleep(0.01)
-                continue
-            if not self._slots.acquire(blocking=False):
-                s.close()
-                continue
-            threading.Thread(target=self._handshake, args=(s,), daemon=True, name="commlib-tcp-hs").start()
-
-    def _handshake(self, s: socket.socket) -> None:
-        try:
-            conn = server_handshake(s, self.secret, timeout=self.handshake_timeout, encrypt=self.encrypt)
-        finally:
-            self._slots.release()
-        if conn is None:
-            return
-        try:
-            self.on_conn(conn)
-        except Exception:  # noqa: BLE001 - a refused connection is closed silently
-            conn.close()
-
-    def close(self) -> None:
-        self._stop = True
-        try:
-            self.sock.close()
-        except OSError:
-            pass
 
 
 # ------------------------------------------------------------- transport

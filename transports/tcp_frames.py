@@ -1,0 +1,352 @@
+"""Frames and sockets of the TCP transport: the frame header, kinds and caps,
+:class:`FrameError`, and :class:`Connection`, which writes and reads the frames
+of one socket; with the socket helpers (:func:`parse_address`,
+:func:`open_socket`, :func:`tune_socket`) and the msgpack control bodies
+(:func:`pack_ctrl`, :func:`unpack_ctrl`).
+
+:mod:`commlib.transports.tcp_auth` authenticates a :class:`Connection` (and may
+give it AES-GCM sealers); :mod:`commlib.transports.tcp` stripes messages over
+connections.
+
+Frames (every integer in network byte order, ``struct`` format ``!2sBBHIQIHI``,
+28 bytes)::
+
+    magic   2s  b"CL"
+    version B   1
+    kind    B   CHALLENGE, RESPONSE, PROOF (handshake), CTRL (msgpack body),
+                DATA (raw array bytes), PING
+    flags   H   bit 0: the payload is AES-GCM sealed (16-byte tag at its end)
+    epoch   I   membership epoch of the sender's topology (0 for control)
+    tag     Q   operation tag (the transport's TagAllocator slot)
+    chunk   I   frame index within the message (see :func:`.tcp.frame_bounds`)
+    stream  H   connection index within the peer pair
+    length  I   payload bytes that follow
+
+Hard caps: a control body carries at most :data:`CTRL_MAX` bytes, a data frame
+at most :data:`FRAME_MAX` (a frame before authentication:
+:data:`.tcp_auth.PREAUTH_MAX`).  Anything malformed (bad magic, version, kind,
+an over-long length, undecodable msgpack, a failed AES-GCM tag) is a
+:class:`FrameError` and closes the connection without a reply.
+
+Sockets use ``TCP_NODELAY`` and 4 MiB buffers.  A :class:`Connection` puts its
+socket in blocking mode once and never changes it: an unbounded read or write
+blocks in the kernel (the data path: one system call per wake-up), a bounded one
+passes ``MSG_DONTWAIT`` and waits in ``poll`` for its own deadline.  (Python's
+``settimeout`` is per socket object: a writer setting its timeout while a reader
+thread of the same socket ran without one used to switch the socket to
+non-blocking under the reader, whose ``recv`` then failed with ``EAGAIN`` and
+tore down a healthy control connection.)
+"""
+from __future__ import annotations
+
+import select
+import socket
+import struct
+import threading
+import time
+
+import msgpack
+
+from commlib.core.errors import CommError, InvalidArgument
+
+__all__ = [
+    "HEADER", "MAGIC", "VERSION", "K_CHALLENGE", "K_RESPONSE", "K_PROOF", "K_CTRL", "K_DATA", "K_PING", "F_SEALED",
+    "CTRL_MAX", "FRAME_MAX", "SOCK_BUF", "GCM_TAG", "FrameError", "Connection", "pack_ctrl", "unpack_ctrl",
+    "tune_socket", "parse_address", "open_socket",
+]
+
+HEADER = struct.Struct("!2sBBHIQIHI")
+MAGIC = b"CL"
+VERSION = 1
+K_CHALLENGE, K_RESPONSE, K_PROOF, K_CTRL, K_DATA, K_PING = 1, 2, 3, 4, 5, 6
+_KINDS = frozenset((K_CHALLENGE, K_RESPONSE, K_PROOF, K_CTRL, K_DATA, K_PING))
+F_SEALED = 1
+
+CTRL_MAX = 4 << 20            #: bytes of a msgpack control body
+FRAME_MAX = 16 << 20          #: bytes of one data frame
+SOCK_BUF = 4 << 20
+GCM_TAG = 16
+
+
+class FrameError(CommError):
+    """A malformed or over-long frame (the connection is closed, nothing is replied)."""
+
+
+# ---------------------------------------------------------------- helpers
+def parse_address(addr: str) -> tuple[str, int]:
+    """``"host:port"`` → ``(host, port)`` (IPv6 as ``[::1]:port``)."""
+    if not isinstance(addr, str) or ":" not in addr:
+        raise InvalidArgument(f"address must be 'host:port', got {addr!r}", op="parse_address")
+    host, _, port = addr.rpartition(":")
+    host = host.strip("[]")
+    try:
+        p = int(port)
+    except ValueError:
+        raise InvalidArgument(f"bad port in {addr!r}", op="parse_address") from None
+    if not 0 <= p < 65536:
+        raise InvalidArgument(f"bad port in {addr!r}", op="parse_address")
+    return host, p
+
+
+def open_socket(address: str, timeout: float) -> socket.socket:
+    """A TCP connection to ``"host:port"`` (not yet authenticated: pass it to :func:`client_handshake`).
+
+    Raises:
+        OSError: unreachable or refused.
+    """
+    return socket.create_connection(parse_address(address), timeout=timeout)
+
+
+def tune_socket(sock: socket.socket) -> None:
+    """TCP_NODELAY (no Nagle delay on small frames) and large kernel buffers."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
+        except OSError:  # pragma: no cover - capped by the kernel
+            pass
+
+
+def pack_ctrl(obj) -> bytes:
+    """A control body (msgpack; plain types only, never pickle)."""
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack_ctrl(body: bytes, limit: int = CTRL_MAX):
+    """Decode a control body with hard limits; any failure is a :class:`FrameError`."""
+    if len(body) > limit:
+        raise FrameError("control body over its cap")
+    try:
+        # unpackb bounds every container by the body's length; the explicit
+        # caps below keep a small body from describing huge containers
+        obj = msgpack.unpackb(body, raw=False, max_str_len=limit, max_bin_len=limit, max_array_len=1 << 16,
+                              max_map_len=1 << 16, max_ext_len=0, strict_map_key=False, use_list=True)
+    except Exception as exc:  # noqa: BLE001 - msgpack raises many types on bad input
+        raise FrameError(f"undecodable control body ({type(exc).__name__})") from None
+    return obj
+
+
+_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0x40)
+
+
+def _wait_io(sock: socket.socket, events: int, deadline: float) -> None:
+    """Wait until ``sock`` is ready for ``events`` (``select.POLLIN`` or
+    ``select.POLLOUT``; errors and hang-ups count as ready, so the next call
+    reports them), at most until ``deadline`` (``time.monotonic()`` seconds).
+
+    Raises:
+        socket.timeout: ``deadline`` passed.
+        ConnectionError: the socket was closed (by another thread).
+    """
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise socket.timeout("deadline passed")
+    fd = sock.fileno()
+    if fd < 0:
+        raise ConnectionError("connection closed")
+    poller = select.poll()
+    poller.register(fd, events | select.POLLERR | select.POLLHUP)
+    poller.poll(int(left * 1000) + 1)  # the caller retries its call, then waits again or times out
+
+
+def _recv_exact_into(sock: socket.socket, mv: memoryview, deadline: float | None = None) -> None:
+    """Fill ``mv`` from ``sock``, waiting at most until ``deadline`` (None: no bound).
+
+    The socket stays in blocking mode: without a deadline each ``recv`` blocks in
+    the kernel (one system call per wake-up on the data path); with one, each
+    ``recv`` is ``MSG_DONTWAIT`` and the waits are ``poll`` calls bounded by it."""
+    got, n = 0, len(mv)
+    flags = 0 if deadline is None else _DONTWAIT
+    while got < n:
+        try:
+            k = sock.recv_into(mv[got:], n - got, flags)
+        except BlockingIOError:
+            if deadline is None:  # pragma: no cover - a Connection's socket is blocking
+                raise
+            _wait_io(sock, select.POLLIN, deadline)
+            continue
+        if k == 0:
+            raise ConnectionError("connection closed")
+        got += k
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:
+    buf = bytearray(n)
+    _recv_exact_into(sock, memoryview(buf), deadline)
+    return buf
+
+
+def _send_all(sock: socket.socket, data, deadline: float | None = None) -> None:
+    """Write all of ``data`` (bytes-like) to ``sock``, waiting at most until
+    ``deadline`` (None: a plain blocking ``sendall``; else ``MSG_DONTWAIT`` sends
+    and bounded ``poll`` waits)."""
+    if deadline is None:
+        sock.sendall(data)
+        return
+    mv = memoryview(data).cast("B")
+    off, n = 0, len(mv)
+    while off < n:
+        try:
+            off += sock.send(mv[off:], _DONTWAIT)
+        except BlockingIOError:
+            _wait_io(sock, select.POLLOUT, deadline)
+
+
+# ------------------------------------------------------------- connection
+class Connection:
+    """One authenticated TCP connection: framed, thread-safe sends, one reader.
+
+    Attributes:
+        sock: the socket.
+        tx, rx: the sealers of the frames sent / received (``seal(header, payload)``,
+            ``open(header, payload)``: :class:`.tcp_auth._Sealer`, set by the handshake
+            with ``encrypt=True``), or None: plain frames.
+        hello: the client's hello (a dict) as the server received it (server side).
+        peer: free slot for the owner (peer id, rank...).
+    """
+
+    def __init__(self, sock: socket.socket, *, tx=None, rx=None):
+        sock.setblocking(True)  # once, for good: a bounded call passes MSG_DONTWAIT and polls
+        self.sock = sock
+        self.tx, self.rx = tx, rx
+        self.lock = threading.Lock()
+        self.closed = False
+        self.hello: dict = {}
+        self.peer = None
+        self.last_rx = time.monotonic()
+
+    # sends ------------------------------------------------------------
+    def send_frame(self, kind: int, payload=b"", *, epoch: int = 0, tag: int = 0, chunk: int = 0, stream: int = 0,
+                   timeout: float | None = None) -> int:
+        """Write one frame (the payload sealed when the connection is encrypted).
+
+        Args:
+            timeout: seconds the write may block (None: unbounded).
+
+        Returns:
+            bytes written: the 28-byte header, the payload and, sealed, its 16-byte tag.
+
+        Raises:
+            ConnectionError / OSError: the connection failed (it is then closed).
+        """
+        mv = memoryview(payload).cast("B") if not isinstance(payload, (bytes, bytearray)) else payload
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.lock:
+            if self.closed:
+                raise ConnectionError("connection closed")
+            try:
+                if self.tx is not None:
+                    n = len(mv) + GCM_TAG
+                    hdr = HEADER.pack(MAGIC, VERSION, kind, F_SEALED, epoch, tag, chunk, stream, n)
+                    body = self.tx.seal(hdr, mv)
+                    _send_all(self.sock, hdr + body, deadline)
+                    return HEADER.size + n
+                hdr = HEADER.pack(MAGIC, VERSION, kind, 0, epoch, tag, chunk, stream, len(mv))
+                if len(mv) <= 65536:
+                    _send_all(self.sock, hdr + bytes(mv), deadline)
+                else:
+                    # header and payload in one system call (one segment less), the rest as it drains
+                    try:
+                        sent = self.sock.sendmsg([hdr, mv], [], 0 if deadline is None else _DONTWAIT)
+                    except BlockingIOError:  # MSG_DONTWAIT with a full buffer
+                        sent = 0
+                    if sent < HEADER.size:
+                        _send_all(self.sock, hdr[sent:], deadline)
+                        _send_all(self.sock, mv, deadline)
+                    elif sent < HEADER.size + len(mv):
+                        _send_all(self.sock, mv[sent - HEADER.size:], deadline)
+                return HEADER.size + len(mv)
+            except BaseException:
+                self._close_locked()
+                raise
+
+    def send_ctrl(self, obj, timeout: float | None = None) -> None:
+        self.send_frame(K_CTRL, pack_ctrl(obj), timeout=timeout)
+
+    # receives -----------------------------------------------------------
+    def read_header(self, deadline: float | None = None):
+        """The next header as a tuple ``(kind, flags, epoch, tag, chunk, stream, length)``.
+
+        Raises:
+            FrameError: bad magic, version or kind.
+            ConnectionError / OSError / socket.timeout: the connection failed.
+        """
+        raw = bytes(_recv_exact(self.sock, HEADER.size, deadline))
+        magic, version, kind, flags, epoch, tag, chunk, stream, length = HEADER.unpack(raw)
+        if magic != MAGIC or version != VERSION or kind not in _KINDS or flags & ~F_SEALED:
+            raise FrameError("bad frame header")
+        if bool(flags & F_SEALED) != (self.rx is not None):
+            raise FrameError("sealing does not match the session")
+        if self.rx is not None and length < GCM_TAG:
+            raise FrameError("sealed frame too short")
+        self.last_rx = time.monotonic()
+        self._hdr = raw
+        return kind, flags, epoch, tag, chunk, stream, length
+
+    def read_payload(self, length: int, into: memoryview | None = None, deadline: float | None = None):
+        """Read the payload of the header just read; sealed payloads are opened.
+
+        ``into`` (exactly the plaintext size) receives it without a copy when not sealed.
+        """
+        if self.rx is not None:
+            body = _recv_exact(self.sock, length, deadline)
+            plain = self.rx.open(self._hdr, body)
+            if into is not None:
+                if len(plain) != len(into):
+                    raise FrameError("frame length does not match the posted receive")
+                into[:] = plain
+                return None
+            return plain
+        if into is not None:
+            _recv_exact_into(self.sock, into, deadline)
+            return None
+        return bytes(_recv_exact(self.sock, length, deadline))
+
+    def plain_length(self, length: int) -> int:
+        return length - GCM_TAG if self.rx is not None else length
+
+    def discard(self, length: int) -> None:
+        """Read and drop ``length`` payload bytes (a frame of another epoch)."""
+        if self.rx is not None:
+            self.read_payload(length)  # keeps the nonce counter in step
+            return
+        buf = bytearray(min(length, 1 << 20))
+        mv = memoryview(buf)
+        left = length
+        while left:
+            k = min(left, len(buf))
+            _recv_exact_into(self.sock, mv[:k])
+            left -= k
+
+    def read_ctrl(self, deadline: float | None = None, limit: int = CTRL_MAX):
+        """The next frame that is not a PING, decoded: ``(kind, header, body)``;
+        a CTRL body is decoded msgpack, a DATA body raw bytes (capped by ``limit``)."""
+        while True:
+            kind, flags, epoch, tag, chunk, stream, length = self.read_header(deadline)
+            if length > limit + (GCM_TAG if self.rx is not None else 0):
+                raise FrameError("frame over its cap")
+            body = self.read_payload(length, deadline=deadline)
+            if kind == K_PING:
+                continue
+            if kind == K_CTRL:
+                return kind, (epoch, tag, chunk, stream), unpack_ctrl(bytes(body), limit)
+            return kind, (epoch, tag, chunk, stream), body
+
+    def _close_locked(self) -> None:
+        if not self.closed:
+            self.closed = True
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        """Close without a word (idempotent; safe from any thread)."""
+        if self.closed:
+            return
+        # never wait for the send lock: a sender may be blocked in sendall
+        self._close_locked()

@@ -5,7 +5,9 @@ One algorithm per module (``allreduce_ring``, ``allreduce_recursive_doubling``,
 ``alltoall_pairwise``, ``barrier``), written only against the transport's
 point-to-point contract; ``halo`` (Cartesian ghost-cell exchange);
 ``attention`` (sequence-parallel ring / striped / zigzag / Ulysses attention);
-``ft`` (fault tolerance: ULFM revoke, agree, shrink, retry).
+``recovery`` (the one retry runner and the recovery policies' contract),
+``ulfm`` (the ULFM policy: revoke, agree, shrink, retry) with its
+``watchdog``, and ``ft`` (a communicator's call under its policy).
 """
 from __future__ import annotations
 
@@ -15,7 +17,10 @@ import types
 # Every name loads on first use (module ``__getattr__``, PEP 562): importing
 # one light subpackage (``commlib.collectives.attention``: numpy only; the
 # attention app's command line takes LAYOUTS from it) does not import the
-# others (``ops`` and ``ft`` load mpi4py.MPI, ``halo`` the datatypes and numba).
+# others (``halo`` loads the datatypes and numba).  No module here imports
+# MPI; ``ft_mode``, ``ft_mode_info`` and ``bound_finalize_at_exit`` are the MPI
+# process's (commlib.transports.mpi_process), still reachable here by name for
+# code written against the older layout, and load mpi4py only when used.
 #: public name -> the submodule that defines it
 _LAZY = {
     **dict.fromkeys(("LAYOUTS", "local_seq_len", "ring_attention", "ring_attention_backward", "sequence_positions",
@@ -27,7 +32,8 @@ _LAZY = {
     "alltoall_pairwise": ".alltoall_pairwise",
     "barrier_dissemination": ".barrier",
     "bcast_binomial": ".bcast_binomial",
-    **dict.fromkeys(("FaultTolerance", "bound_finalize_at_exit", "ft_mode", "ft_mode_info", "recover"), ".ft"),
+    **dict.fromkeys(("FaultTolerance", "recover"), ".ft"),
+    **dict.fromkeys(("bound_finalize_at_exit", "ft_mode", "ft_mode_info"), "commlib.transports.mpi_process"),
     **dict.fromkeys(("HaloExchange", "HaloRequest"), ".halo"),
     **dict.fromkeys(("OPS", "Op", "get_op"), ".ops"),
     "reduce_scatter_ring": ".reduce_scatter_ring",

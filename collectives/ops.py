@@ -22,7 +22,6 @@ buffer's own dtype (a float16 sum accumulates in float16, as MPI and NCCL do).
 from __future__ import annotations
 
 import functools
-import sys
 import zlib
 from dataclasses import dataclass
 from typing import Callable
@@ -30,6 +29,7 @@ from typing import Callable
 import numpy as np
 
 from commlib.core.errors import InvalidArgument
+from commlib.transports.base import native_op_name
 
 __all__ = ["Op", "OPS", "get_op", "reduce_into", "dtype_code", "dtype_name", "is_floating", "is_integer"]
 
@@ -136,7 +136,11 @@ OPS: dict[str, Op] = {
 def get_op(op, *, rank=None, opname: str = "reduce") -> Op:
     """Look up an operator by name (case-insensitive) or pass an :class:`Op` through.
 
-    Also accepts ``mpi4py.MPI.Op`` objects ``SUM, PROD, MIN, MAX, BAND, BOR, BXOR``.
+    Also accepts a wire library's own reduction objects that a loaded
+    transport names (:func:`commlib.transports.base.native_op_name`): the MPI
+    transport (:mod:`commlib.transports.mpi`, loaded by ``commlib.init``) names
+    ``mpi4py.MPI.Op``'s ``SUM, PROD, MIN, MAX, BAND, BOR, BXOR``.  This module
+    never imports MPI (an elastic peer runs none).
 
     Raises:
         InvalidArgument: an unknown operator.
@@ -144,15 +148,11 @@ def get_op(op, *, rank=None, opname: str = "reduce") -> Op:
     if isinstance(op, Op):
         return op
     if not isinstance(op, str):
-        # an MPI.Op exists only once mpi4py.MPI is loaded: never load MPI here (an elastic peer runs none)
-        name = None
-        if "mpi4py.MPI" in sys.modules:
-            from commlib.transports.mpi import op_name  # noqa: PLC0415
-
-            name = op_name(op)
+        name = native_op_name(op)
         if name is not None:
             return OPS[name]
-        raise InvalidArgument(f"unknown op {op!r}; expected one of {sorted(OPS)}", rank=rank, op=opname)
+        raise InvalidArgument(f"unknown op {op!r}; expected one of {sorted(OPS)} (or an MPI.Op such as MPI.SUM "
+                              "once commlib's MPI transport is loaded)", rank=rank, op=opname)
     o = OPS.get(op.lower())
     if o is None:
         raise InvalidArgument(f"unknown op {op!r}; expected one of {sorted(OPS)}", rank=rank, op=opname)

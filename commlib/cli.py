@@ -20,11 +20,7 @@ import platform
 import subprocess
 import sys
 
-from mpi4py import MPI
-
 import commlib
-from commlib.calibrate import calibrate
-from commlib.collectives import ft_mode_info
 from commlib.core import device
 
 __all__ = ["device_kernel_check", "info", "main"]
@@ -145,6 +141,12 @@ def info(kernel_check: bool = True, kernel_timeout: float = KERNEL_CHECK_TIMEOUT
             reports ``"not checked"``.
         kernel_timeout: seconds that check may take.
     """
+    # MPI (MPI_Init) and the fault-tolerance module load here, not when the module is
+    # imported: ``commlib master`` runs an elastic master, which uses no MPI at all
+    from mpi4py import MPI  # noqa: PLC0415
+
+    from commlib.transports.mpi_process import ft_mode_info  # noqa: PLC0415
+
     rec = {
         "commlib": commlib.__version__,
         "python": platform.python_version(),
@@ -256,6 +258,8 @@ def main(argv=None) -> int:
         master.serve_forever()
         return 0
     if args.cmd == "calibrate":
+        from commlib.calibrate import calibrate  # noqa: PLC0415 - loads mpi4py.MPI (see info)
+
         comm = commlib.init()
         rec = calibrate(comm, args.sizes, args.blocks, repeat=args.repeat, device=args.device,
                         progress=comm.rank == 0 and sys.stderr.isatty())

@@ -15,7 +15,8 @@ import numpy as np
 from mpi4py import MPI
 
 from commlib.collective_api import CollectiveMixin
-from commlib.collectives.ft import FaultTolerance, ft_mode
+from commlib.collectives.ft import FaultTolerance
+from commlib.transports.mpi_process import PROCESS, ft_mode
 from commlib.core.config import config
 from commlib.core.errors import InvalidArgument
 from commlib.core.tags import check_user_tag
@@ -363,7 +364,7 @@ def init(comm: MPI.Comm | None = None, *, cuda_aware: bool | None = None, fault_
         comm: communicator to wrap (default ``MPI.COMM_WORLD``).
         cuda_aware: force CUDA-awareness (None: detect).
         fault_tolerant: survive rank failures in collectives.  Under ULFM
-            (``mpiexec --with-ft ulfm``; see :func:`commlib.collectives.ft.ft_mode`)
+            (``mpiexec --with-ft ulfm``; see :func:`commlib.transports.mpi_process.ft_mode`)
             the survivors revoke, agree, shrink and retry, and the call returns
             the result over the surviving ranks (``size``/``rank`` then describe
             the shrunk group).  Without ULFM every wait is bounded and a dead
@@ -389,7 +390,7 @@ def init(comm: MPI.Comm | None = None, *, cuda_aware: bool | None = None, fault_
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
     if not fault_tolerant:
         return Communicator(comm, cuda_aware=cuda_aware)
-    ft = FaultTolerance(ft_mode(), on_failure=on_failure, timeout=float(timeout or config.timeout))
+    ft = FaultTolerance(ft_mode(), on_failure=on_failure, timeout=float(timeout or config.timeout), process=PROCESS)
     base = MPITransport(MPI.COMM_WORLD if comm is None else comm, cuda_aware=cuda_aware)
     tp = base.dup()
     tp.set_errors_return()

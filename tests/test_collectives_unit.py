@@ -8,7 +8,8 @@ import commlib  # noqa: E402
 from commlib.collectives import ops  # noqa: E402
 from commlib.collectives._common import chunk_bounds  # noqa: E402
 from commlib.collectives.bcast_binomial import binomial_tree  # noqa: E402
-from commlib.collectives.ft import FaultTolerance, ft_mode, ft_mode_info  # noqa: E402
+from commlib.collectives.ft import FaultTolerance  # noqa: E402
+from commlib.transports.mpi_process import ft_mode, ft_mode_info  # noqa: E402
 from commlib.collectives.reduce_scatter_ring import ring_order  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

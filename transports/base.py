@@ -40,10 +40,46 @@ from abc import ABC, abstractmethod
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, NamedTuple, Sequence
 
-from commlib.core.errors import CommTimeout, InvalidArgument
+from commlib.core.errors import CommTimeout, InvalidArgument, ProcessFailed
 from commlib.core.tags import USER_TAG_MAX, TagAllocator
 
-__all__ = ["Request", "CompletedRequest", "FutureRequest", "Transport", "Wire", "wait_all", "check_plain_dtype"]
+__all__ = ["Request", "CompletedRequest", "FutureRequest", "Transport", "Wire", "wait_all", "check_plain_dtype",
+           "register_op_names", "native_op_name"]
+
+#: functions naming a wire library's own reduction objects, one per transport module that registered
+_OP_NAMERS: list[Callable[[Any], "str | None"]] = []
+
+
+def register_op_names(namer: Callable[[Any], "str | None"]) -> Callable[[Any], "str | None"]:
+    """Let :func:`native_op_name` recognize a wire library's own reduction objects.
+
+    A transport module calls this once, when it is imported, with its function
+    from such an object to the name of commlib's operator
+    (:mod:`commlib.collectives.ops`), e.g. :func:`commlib.transports.mpi.op_name`:
+    ``MPI.SUM`` -> ``"sum"``.  The collectives thus accept ``MPI.SUM`` without
+    importing MPI: the object can exist only once mpi4py is loaded, by the
+    process's MPI transport.
+
+    Args:
+        namer: ``namer(obj)`` returns the operator's name, or None for an object it does not know.
+
+    Returns:
+        ``namer`` (usable as a decorator).
+    """
+    if namer not in _OP_NAMERS:
+        _OP_NAMERS.append(namer)
+    return namer
+
+
+def native_op_name(op) -> str | None:
+    """The name (``"sum"``...) of commlib's operator for a wire library's own
+    reduction object (``MPI.SUM``), as a registered transport names it
+    (:func:`register_op_names`); None when no registered transport knows ``op``."""
+    for namer in _OP_NAMERS:
+        name = namer(op)
+        if name is not None:
+            return name
+    return None
 
 
 def check_plain_dtype(dtype, rank, op: str, what: str = "buffer") -> None:
@@ -346,6 +382,47 @@ class Transport(ABC):
         return getattr(type(self), f"native_{what}", None) is not getattr(Transport, f"native_{what}", None)
 
     # ---------------------------------------------------------- the group
+    # The Group contract: a transport plus these capabilities, each optional
+    # (``unsupported()`` by default, so a group without them fails with a clear
+    # error where they are needed, never silently); a recovery policy
+    # (commlib.collectives.recovery) runs over them.
+    def is_failure(self, exc: BaseException) -> bool:
+        """True when ``exc``, raised by an operation on this group, is a peer's
+        failure to recover from (a dead, silent or revoked peer), not a local error."""
+        return isinstance(exc, (ProcessFailed, CommTimeout))
+
+    def dup(self) -> "Transport":
+        """A transport over a duplicate of this group (collective)."""
+        raise self.unsupported("dup")
+
+    def split(self, color: int, key: int = 0) -> "Transport":
+        """A transport over the members with the same ``color``, ordered by ``key`` (collective)."""
+        raise self.unsupported("split")
+
+    def create_cart(self, dims, periods, reorder: bool = False) -> "Transport":
+        """A transport over a Cartesian grid of this group (collective)."""
+        raise self.unsupported("a Cartesian topology")
+
+    def world_ranks(self, ranks=None) -> tuple[int, ...]:
+        """The job-wide ranks of ``ranks`` of this group (default: every rank)."""
+        raise self.unsupported("world ranks")
+
+    def agree(self, flag: int) -> int:
+        """Fault-tolerant agreement: bitwise AND of ``flag`` over the live members."""
+        raise self.unsupported("agree")
+
+    def ack_failed(self) -> None:
+        """Acknowledge the failures seen so far (after a failed :meth:`agree`)."""
+        raise self.unsupported("ack_failed")
+
+    def shrink(self):
+        """``(transport over the live members, kept)``; ``kept[i]`` is new rank ``i``'s old rank."""
+        raise self.unsupported("shrink")
+
+    def abort(self, errorcode: int = 1) -> None:
+        """End every process of the job."""
+        raise self.unsupported("abort")
+
     def failed_ranks(self) -> tuple[int, ...]:
         """Ranks this transport knows to have failed (empty when it cannot tell)."""
         return ()

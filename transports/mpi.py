@@ -27,8 +27,8 @@ from commlib.core.buffer import Buffer, as_buffer
 from commlib.core.device import cuda_aware
 from commlib.core.errors import BufferError, CommError, CommTimeout, InvalidArgument
 
-from .base import CompletedRequest, Request, Transport, Wire, check_plain_dtype
-from .failures import mpi_failed_ranks, raise_classified, to_comm_error
+from .base import CompletedRequest, Request, Transport, Wire, check_plain_dtype, register_op_names
+from .failures import is_process_failure, mpi_failed_ranks, raise_classified, to_comm_error
 
 _BYTE = MPI.BYTE
 _U8 = np.dtype(np.uint8)  # builtin dtypes are singletons: `is` is the cheap test
@@ -612,6 +612,11 @@ class MPITransport(Transport):
             g.Free()
             w.Free()
 
+    def is_failure(self, exc: BaseException) -> bool:
+        """``MPI_ERR_PROC_FAILED(_PENDING)``, ``MPI_ERR_REVOKED``, or a classified
+        :class:`ProcessFailed` / :class:`CommTimeout`."""
+        return is_process_failure(exc)
+
     def failed_ranks(self) -> tuple[int, ...]:
         """Ranks the local ULFM runtime knows to have failed (empty without ULFM)."""
         return mpi_failed_ranks(self.comm)
@@ -696,8 +701,15 @@ def mpi_op(name: str) -> MPI.Op:
     return _OPS[name]
 
 
+@register_op_names
 def op_name(op) -> str | None:
-    """The name (``"sum"``...) of a predefined ``MPI.Op`` such as ``MPI.SUM``, or None."""
+    """The name (``"sum"``...) of a predefined ``MPI.Op`` such as ``MPI.SUM``, or None.
+
+    Registered with :func:`commlib.transports.base.register_op_names` when this
+    module is imported, so the collectives (``commlib.collectives.ops.get_op``)
+    accept ``MPI.Op`` objects without importing MPI themselves."""
+    if not isinstance(op, MPI.Op):
+        return None
     for name, o in _OPS.items():
         if name != "avg" and op == o:
             return name

@@ -14,6 +14,8 @@ __all__ = [
     "BufferError",
     "AuthenticationError",
     "InvalidArgument",
+    "PeerFailure",
+    "AuthError",
 ]
 
 
@@ -68,3 +70,13 @@ class BufferError(CommError):  # noqa: A001 - deliberately shadows the builtin i
 
 class AuthenticationError(CommError):
     """An elastic peer failed authentication; it is not admitted and is sent nothing."""
+
+
+class PeerFailure(ProcessFailed):
+    """An elastic all-reduce was aborted because a peer failed, and was not
+    retried (``retry=False``) or its retries could not complete it."""
+
+
+class AuthError(AuthenticationError):
+    """Authentication of an elastic peer with the master failed (wrong or missing
+    secret, or the master refused); the other side learned nothing."""

@@ -1,91 +1,12 @@
-"""Elastic peers over a WAN: a master, authenticated peers, an all-reduce that survives churn.
-
-The model is PCCL (Prime Collective Communications Library, arXiv 2505.14065):
-a master keeps membership; the topology changes only at step boundaries, by a
-vote of the live peers (:meth:`Peer.update_topology`); an all-reduce that loses
-a peer is aborted on every survivor, the inputs are restored and it is retried
-over the survivors; shared state is checked by SHA-256 hashes.  Every byte
-travels over :mod:`commlib.transports.tcp` (authenticated frames, no pickle);
-the all-reduce is :func:`commlib.collectives.allreduce_ring.allreduce_ring`
-over a :class:`~commlib.transports.tcp.TCPTransport` of the current epoch.
-
-Usage::
-
-    import commlib.elastic as el
-    master = el.Master(bind="0.0.0.0:29500", secret_file="secret"); master.start()
-    peer = el.connect("master-host:29500", secret_file="secret")  # streams: 1 on loopback, else 4
-    while training:
-        if peer.update_topology():          # step boundary; admits joiners
-            peer.sync_shared_state(state, revision)
-        peer.allreduce(grad, op="avg", quantize="int8")
-
-The master's state machine
---------------------------
-
-Peer states: ``pending`` (authenticated, not yet admitted) → ``member`` (in the
-current epoch) → ``dead`` (connection closed, a malformed frame, or silent for
-``heartbeat_timeout`` seconds; never comes back: a restarted process joins as
-a new peer).
-
-Epochs: ``epoch`` numbers membership + ring order.  A new epoch is made
-
-* at once when a member dies;
-* ``abort_grace`` seconds after an operation is aborted on a member's report
-  (``fail``) when no death explains it (same members, fresh connections);
-* when a vote completes and the live members plus the pending peers that are
-  waiting differ from the current members (admission).
-
-Each new epoch is pushed to its members (``topo``: members in ring order with
-their data addresses, the tickets this member needs); every operation of an
-older epoch that has no terminal state is aborted.
-
-Operations (all-reduce): tag ``(epoch, seq)``, ``seq`` counting the epoch's
-operations.  ``open`` → ``complete`` when every member of the epoch reported
-``done``; ``open`` → ``abort`` on a member's death, a member's ``fail`` report,
-or any report for an epoch older than the current one.  The terminal state is
-decided once and each live member of the epoch receives exactly one terminal
-message (``term``) for the tag.
-
-Votes (``update_topology``): members and pending peers send ``vote``; when every
-live member of the current epoch has voted, pending voters are admitted (a new
-epoch if membership changed) and every voter gets ``voted``.  With no live
-members, the pending voters form the first epoch.
-
-Shared state (``sync_shared_state``): rounds.  When every live member has sent
-``sync`` (revision, per-tensor SHA-256, dtypes and shapes), the master picks
-the highest revision, and among the peers there the largest group with equal
-hashes (ties: the group with the lowest ring rank); that group are the donors,
-the others fetch from them.  Every member gets ``plan``; when every live
-fetcher has reported ``synced`` (or died) every member gets ``sync_end``.  The
-master keeps the winning revision and hashes.
-
-Orphaned state: a live peer is always a member of the current epoch or pending
-(:meth:`Master.groups` checks it), so there is one group at a time.  When an
-epoch is made with no members after a revision was recorded, the group that held
-the job's state is gone; the group that pending voters form next must, at its
-first sync round, include a peer at that revision with those hashes (or a newer
-revision); otherwise the round is refused (``plan`` with ``lost``: every member's
-``sync_shared_state`` raises) instead of letting fresh peers start a second
-history of the job under the same master.
-
-Heartbeats: a peer is silent when nothing arrived for ``heartbeat_timeout`` and
-no unread bytes wait in its socket; a monitor tick that finds the master itself
-was not scheduled for over 0.5 s restarts every silence clock (the silence was
-the master's).
-
-Threat model (see docs/ELASTIC.md): anyone may reach the ports; only holders
-of the shared secret can authenticate (HMAC-SHA256 challenge-response both
-ways, nothing but a random challenge is sent before); only members of an epoch
-hold tickets to open peer-to-peer connections.  Members are trusted not to lie
-about their inputs; data frames can be sealed with AES-GCM (``encrypt=True``).
-"""
+"""An elastic peer: control connection to the master, the epoch's data transport, the
+all-reduce as a front end of the collective engine under the master's recovery policy,
+and the shared-state sync."""
 from __future__ import annotations
 
 import hashlib
 import ipaddress
 import os
 import queue
-import select
 import threading
 import time
 
@@ -96,462 +17,18 @@ from commlib.collectives.allreduce_ring import allreduce_ring, ring_scratch
 from commlib.collectives.snapshot import LazySnapshot
 from commlib.collectives.ops import get_op, is_floating
 from commlib.core.buffer import grown
-from commlib.core.errors import AuthenticationError, CommError, CommTimeout, InvalidArgument, ProcessFailed
+from commlib.core.errors import (AuthError, AuthenticationError, CommError, CommTimeout, InvalidArgument, PeerFailure,
+                                 ProcessFailed)
 from commlib.transports import tcp
-from commlib.transports.base import Request, check_plain_dtype
+from commlib.transports.base import check_plain_dtype
+from commlib.transports.quantize import QuantizingTransport
 
-__all__ = ["Master", "Peer", "connect", "PeerFailure", "AuthError"]
+from .protocol import (BYE, DONE, FAIL, FETCH, PLAN, RING, SYNC, SYNCED, SYNC_END, TERM, TOPO, VOTE, VOTED, WELCOME,
+                       AUTO_STREAMS, HEARTBEAT_INTERVAL, PAIR_EXCHANGE_MAX, TRAFFIC, is_int)
 
-#: seconds between a peer's heartbeats
-HEARTBEAT_INTERVAL = 0.25
-#: ring connections per pair of peers on different hosts with ``connect(streams=None)``
-#: (the default); a pair on loopback addresses uses one
-AUTO_STREAMS = 4
-#: bytes up to which a 2-peer unquantized all-reduce is one exchange of the whole
-#: vector instead of the ring's two steps (measured on loopback, 2 cores: 4-256 KiB
-#: 1.3-1.8x faster, 1 MiB even, 8 MiB slower)
-PAIR_EXCHANGE_MAX = 1 << 20
-_TRAFFIC = ("bytes_sent", "bytes_received", "wire_bytes_sent", "wire_bytes_received", "bytes_buffered")
-_TICKET_TTL = 6 * 3600.0
-_MAX_PEERS = 1024
-_DEBUG = bool(os.environ.get("COMMLIB_ELASTIC_DEBUG"))
+__all__ = ["Peer", "connect"]
 
 
-def _dbg(msg: str) -> None:
-    if _DEBUG:
-        import sys  # noqa: PLC0415
-        print(f"[elastic {time.monotonic():.3f} pid {os.getpid()}] {msg}", file=sys.stderr, flush=True)
-
-
-class PeerFailure(ProcessFailed):
-    """A peer died during an elastic operation (raised when ``retry=False``, or
-    when retries could not complete it)."""
-
-
-class AuthError(AuthenticationError):
-    """Authentication with the master failed (wrong or missing secret, or the
-    master refused); the other side learned nothing."""
-
-
-def _is_bytes(x, n=None) -> bool:
-    return isinstance(x, bytes) and (n is None or len(x) == n)
-
-
-def _is_int(x, lo=0, hi=(1 << 62)) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi
-
-
-# =====================================================================  master
-class _MPeer:
-    """The master's record of one peer."""
-
-    def __init__(self, pid: int, conn: tcp.Connection, data: str, streams: int, key: bytes):
-        self.id, self.conn, self.data, self.streams, self.key = pid, conn, data, streams, key
-        self.state = "pending"
-        self.waiting = False          # a pending peer waiting in update_topology
-        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
-
-    def send(self, msg) -> None:
-        self.outbox.put(msg)
-
-
-class Master:
-    """The membership master (see the module docstring for its state machine).
-
-    Args:
-        bind: ``"host:port"`` to listen on (port 0: any free port).
-        secret, secret_file: the shared secret (else ``COMMLIB_ELASTIC_SECRET``).
-        heartbeat_timeout: seconds of silence after which a peer is dead.
-        abort_grace: seconds to wait for a death report before re-forming an
-            epoch after an abort that no death explains.
-        form_wait: with no live members, seconds the first pending voter waits
-            for others starting at the same time (they form the first epoch together).
-        encrypt: seal frames with AES-GCM (peers must agree).
-    """
-
-    def __init__(self, bind: str = "127.0.0.1:0", secret: bytes | str | None = None, secret_file: str | None = None,
-                 *, heartbeat_timeout: float = 2.0, abort_grace: float = 0.3, form_wait: float = 0.25,
-                 encrypt: bool = False):
-        self.bind = bind
-        self.secret = tcp.read_secret(secret, secret_file)
-        self.heartbeat_timeout, self.abort_grace, self.encrypt = heartbeat_timeout, abort_grace, encrypt
-        self.form_wait = form_wait
-        self._key = os.urandom(32)            # master-only: derives each peer's ticket key
-        self._lock = threading.RLock()
-        self._peers: dict[int, _MPeer] = {}
-        self._next_id = 1
-        self.epoch = 0
-        self.step = 0                         # completed votes (the job's step counter)
-        self.members: list[int] = []         # ring order of the current epoch
-        self._epoch_members: dict[int, list[int]] = {}
-        self._ops: dict[tuple, dict] = {}     # (epoch, seq) -> {"done": set, "term": None|bool, "sent": set}
-        self._voters: set[int] = set()
-        self._sync: dict[int, dict] = {}      # id -> submission of the open round
-        self._sync_round = 0
-        self._fetchers: set[int] | None = None  # of the round being transferred
-        self._renew_at: float | None = None
-        self._form_at: float | None = None
-        self.revision = None
-        self.hashes: dict | None = None
-        # (revision, hashes) of a group that is gone: every member left or died after the
-        # state was synced.  A group formed later from pending peers alone must show it
-        # holds that state at its first sync, else the sync is refused ("lost"): one job,
-        # one history per master (see "Orphaned state" in the docstring)
-        self._orphan: tuple | None = None
-        self._last_tick: float | None = None
-        self._listener = None
-        self._stopped = threading.Event()
-        self.stats = {"epochs": 0, "aborts": 0, "completes": 0, "deaths": 0, "refused": 0, "stalls": 0,
-                      "lost_syncs": 0}
-
-    # lifecycle ---------------------------------------------------------------
-    def start(self) -> "Master":
-        """Listen and serve on background threads; returns self."""
-        self._listener = tcp.Listener(self.bind, self.secret, self._on_conn, encrypt=self.encrypt)
-        self.address = self._listener.address
-        threading.Thread(target=self._monitor, name="commlib-master-monitor", daemon=True).start()
-        return self
-
-    def serve_forever(self) -> None:
-        """Block until :meth:`stop` (or Ctrl-C)."""
-        if self._listener is None:
-            self.start()
-        try:
-            while not self._stopped.wait(0.5):
-                pass
-        except KeyboardInterrupt:
-            pass
-        finally:
-            self.stop()
-
-    def stop(self) -> None:
-        """Close the listener and every connection."""
-        self._stopped.set()
-        if self._listener is not None:
-            self._listener.close()
-        with self._lock:
-            peers = list(self._peers.values())
-        for p in peers:
-            p.outbox.put(None)
-            p.conn.close()
-
-    # connections -------------------------------------------------------------
-    def _on_conn(self, conn: tcp.Connection) -> None:
-        h = conn.hello
-        data, streams = h.get("data"), h.get("streams")
-        if h.get("role") != "peer" or not isinstance(data, str) or len(data) > 300 or not _is_int(streams, 1, 64):
-            conn.close()
-            return
-        try:
-            tcp.parse_address(data)
-        except CommError:
-            conn.close()
-            return
-        with self._lock:
-            if self._stopped.is_set() or len(self._peers) >= _MAX_PEERS:
-                conn.close()
-                return
-            pid = self._next_id
-            self._next_id += 1
-            key = hashlib.sha256(self._key + pid.to_bytes(8, "big")).digest()
-            p = _MPeer(pid, conn, data, streams, key)
-            self._peers[pid] = p
-        _dbg(f"master: peer {pid} connected (data {data})")
-        threading.Thread(target=self._writer, args=(p,), daemon=True, name="commlib-master-tx").start()
-        p.send({"t": "welcome", "id": pid, "key": key, "hb": HEARTBEAT_INTERVAL})
-        threading.Thread(target=self._reader, args=(p,), daemon=True, name="commlib-master-rx").start()
-
-    def _writer(self, p: _MPeer) -> None:
-        while True:
-            try:
-                msg = p.outbox.get(timeout=0.5)
-            except queue.Empty:
-                msg = "hb"
-            if msg is None or p.conn.closed:
-                return
-            try:
-                if msg == "hb":
-                    p.conn.send_frame(tcp.K_PING, b"", timeout=self.heartbeat_timeout)
-                else:
-                    p.conn.send_ctrl(msg, timeout=self.heartbeat_timeout)
-            except Exception as exc:  # noqa: BLE001 - a peer that does not read is dead
-                _dbg(f"master: writer to peer {p.id} failed: {exc!r}")
-                self._died(p.id)
-                return
-
-    def _reader(self, p: _MPeer) -> None:
-        try:
-            while not self._stopped.is_set():
-                kind, _, msg = p.conn.read_ctrl(limit=1 << 20)
-                if kind != tcp.K_CTRL or not isinstance(msg, dict):
-                    raise tcp.FrameError("expected a control message")
-                self._handle(p, msg)
-        except Exception as exc:  # noqa: BLE001 - closed, malformed, or a bad message: the peer is gone
-            _dbg(f"master: reader of peer {p.id} ended: {exc!r}")
-        self._died(p.id)
-
-    def _silent(self, p: _MPeer, now: float) -> bool:
-        """True when ``p`` sent nothing for ``heartbeat_timeout`` seconds.  Bytes
-        waiting unread in its socket count as a sign of life: the peer spoke, this
-        process (its reader thread) was just not scheduled to read them yet."""
-        if now - p.conn.last_rx <= self.heartbeat_timeout:
-            return False
-        try:
-            readable = bool(select.select([p.conn.sock], [], [], 0)[0])
-        except (OSError, ValueError):
-            return True
-        if readable:
-            p.conn.last_rx = now
-            return False
-        return True
-
-    def _monitor(self) -> None:
-        while not self._stopped.wait(0.05):
-            now = time.monotonic()
-            with self._lock:
-                last, self._last_tick = self._last_tick, now
-                if last is not None and now - last > 0.5:
-                    # this process was not scheduled for a while (a starved CPU): the
-                    # peers' silence is ours; restart their clocks rather than declare
-                    # live peers dead
-                    self.stats["stalls"] += 1
-                    _dbg(f"master: monitor stalled {now - last:.2f} s; heartbeat clocks restarted")
-                    for p in self._peers.values():
-                        p.conn.last_rx += now - last   # the silence before the stall still counts
-                    continue
-                for p in list(self._peers.values()):
-                    if p.state != "dead" and self._silent(p, now):
-                        self._died(p.id)
-                if self._form_at is not None and now >= self._form_at:
-                    self._check_vote()
-                if self._renew_at is not None and now >= self._renew_at:
-                    self._renew_at = None
-                    self._new_epoch(self._live(self.members), "abort")
-
-    # state machine -------------------------------------------------------------
-    def groups(self) -> list[list[int]]:
-        """The groups this master serves: ``[members]`` of the current epoch, or ``[]``
-        when it has none.  Raises AssertionError when the invariant "one group per
-        master" is broken: a peer the master considers alive is neither a member of
-        the current epoch nor pending, or a member is not alive (for tests)."""
-        with self._lock:
-            alive = {i for i, p in self._peers.items() if p.state != "dead"}
-            members = set(self.members)
-            stray = sorted(i for i in alive if i not in members and self._peers[i].state != "pending")
-            gone = sorted(members - alive)
-            assert not stray, f"peers {stray} alive but neither members of epoch {self.epoch} nor pending"
-            assert not gone, f"members {gone} of epoch {self.epoch} are dead"
-            assert all(self._peers[i].state == "member" for i in members)
-            return [list(self.members)] if self.members else []
-
-    def _live(self, ids) -> list[int]:
-        return [i for i in ids if i in self._peers and self._peers[i].state != "dead"]
-
-    def _died(self, pid: int) -> None:
-        with self._lock:
-            p = self._peers.get(pid)
-            if p is None or p.state == "dead":
-                return
-            was_member = p.state == "member"
-            _dbg(f"master: peer {pid} dead (was {p.state}; silent {time.monotonic() - p.conn.last_rx:.2f} s)")
-            p.state = "dead"
-            self.stats["deaths"] += 1
-            p.outbox.put(None)
-            p.conn.close()
-            self._voters.discard(pid)
-            self._sync.pop(pid, None)
-            if was_member and pid in self.members:
-                self._new_epoch(self._live(self.members), "death")
-            self._check_vote()
-            self._check_sync()
-            self._check_fetch()
-            # forget the dead once nothing refers to them
-            if not any(pid in m for m in self._epoch_members.values()):
-                self._peers.pop(pid, None)
-
-    def _new_epoch(self, members: list[int], why: str) -> None:
-        """Make epoch + 1 with ``members`` (ring order: join order); abort what
-        is open in older epochs; push the topology to every member."""
-        self._renew_at = None
-        old = self.epoch
-        self.epoch += 1
-        self.stats["epochs"] += 1
-        if not members and self.revision is not None:
-            self._orphan = (self.revision, dict(self.hashes or {}))
-        self.members = sorted(members)
-        self._epoch_members[self.epoch] = list(self.members)
-        _dbg(f"master: epoch {self.epoch} members {self.members} ({why}); peers "
-             f"{ {i: q.state + ('*' if q.waiting else '') for i, q in self._peers.items()} }")
-        for pid in self.members:
-            self._peers[pid].state = "member"
-            self._peers[pid].waiting = False
-        for (e, s), op in list(self._ops.items()):
-            if e <= old and op["term"] is None:
-                self._terminate((e, s), False)
-        exp = time.time() + _TICKET_TTL
-        addrs = [[pid, self._peers[pid].data] for pid in self.members]
-        for src in self.members:
-            ns = self._peers[src].streams
-            tickets = {dst: [tcp.make_ticket(self._peers[dst].key, self.epoch, src, dst, s, exp) for s in range(ns)]
-                       for dst in self.members if dst != src}
-            self._peers[src].send({"t": "topo", "e": self.epoch, "members": addrs, "tickets": tickets, "exp": exp,
-                                   "why": why, "rev": self.revision})
-        self._prune()
-
-    def _terminate(self, tag, ok: bool) -> None:
-        op = self._ops.setdefault(tag, {"done": set(), "term": None, "sent": set()})
-        if op["term"] is None:
-            op["term"] = ok
-            self.stats["completes" if ok else "aborts"] += 1
-        for pid in self._live(self._epoch_members.get(tag[0], [])):
-            if pid not in op["sent"]:
-                op["sent"].add(pid)
-                self._peers[pid].send({"t": "term", "e": tag[0], "s": tag[1], "ok": op["term"]})
-
-    def _prune(self) -> None:
-        """Forget operations every live member has its terminal message for, and empty old epochs."""
-        for tag, op in list(self._ops.items()):
-            if op["term"] is not None and set(self._live(self._epoch_members.get(tag[0], []))) <= op["sent"]:
-                if tag[0] < self.epoch:
-                    del self._ops[tag]
-        live_epochs = {t[0] for t in self._ops} | {self.epoch}
-        for e in list(self._epoch_members):
-            if e not in live_epochs:
-                del self._epoch_members[e]
-
-    def _handle(self, p: _MPeer, msg: dict) -> None:
-        t = msg.get("t")
-        with self._lock:
-            if p.state == "dead":
-                return
-            if t == "vote":
-                if p.state == "member":
-                    self._voters.add(p.id)
-                else:
-                    p.waiting = True
-                self._check_vote()
-            elif t in ("done", "fail"):
-                e, s = msg.get("e"), msg.get("s")
-                if not (_is_int(e) and _is_int(s)):
-                    raise tcp.FrameError("bad operation report")
-                if p.id not in self._epoch_members.get(e, ()):
-                    # an epoch this peer was not in (or long gone): refuse quietly
-                    p.send({"t": "term", "e": e, "s": s, "ok": False})
-                    return
-                tag = (e, s)
-                op = self._ops.get(tag)
-                if op is not None and op["term"] is not None:
-                    if p.id not in op["sent"]:
-                        op["sent"].add(p.id)
-                        p.send({"t": "term", "e": e, "s": s, "ok": op["term"]})
-                    return
-                if e < self.epoch or t == "fail":
-                    self._terminate(tag, False)
-                    if t == "fail" and e == self.epoch and self._renew_at is None:
-                        self._renew_at = time.monotonic() + self.abort_grace
-                    return
-                op = self._ops.setdefault(tag, {"done": set(), "term": None, "sent": set()})
-                op["done"].add(p.id)
-                if set(self._live(self.members)) <= op["done"]:
-                    self._terminate(tag, True)
-                    self._prune()
-            elif t == "sync":
-                if p.state != "member":
-                    raise tcp.FrameError("sync from a non-member")
-                rev, hashes, meta = msg.get("rev"), msg.get("hashes"), msg.get("meta")
-                if not (_is_int(rev, -(1 << 62)) and isinstance(hashes, dict) and isinstance(meta, dict)
-                        and all(isinstance(k, str) and _is_bytes(v, 32) for k, v in hashes.items())
-                        and set(meta) == set(hashes)):
-                    raise tcp.FrameError("bad sync message")
-                self._sync[p.id] = {"rev": rev, "hashes": hashes, "meta": meta}
-                self._check_sync()
-            elif t == "synced":
-                if self._fetchers is not None:
-                    self._fetchers.discard(p.id)
-                    self._check_fetch()
-            elif t == "bye":
-                raise tcp.FrameError("bye")
-            else:
-                raise tcp.FrameError("unknown message")
-
-    def _check_vote(self) -> None:
-        live = set(self._live(self.members))
-        waiting = [pid for pid, p in self._peers.items() if p.state == "pending" and p.waiting]
-        if not live <= self._voters or (not live and not waiting):
-            return
-        if not live:
-            # forming the first group (or re-forming after everyone died): gather
-            # the peers that start together for ``form_wait`` seconds
-            now = time.monotonic()
-            if self._form_at is None:
-                self._form_at = now + self.form_wait
-            if now < self._form_at:
-                return
-        self._form_at = None
-        new = sorted(live | set(waiting))
-        _dbg(f"master: vote {self.step + 1} complete: live {sorted(live)} waiting {sorted(waiting)} "
-             f"members {self.members}")
-        if new != self.members:
-            self._new_epoch(new, "vote")
-        self.step += 1
-        for pid in set(self._voters) | set(waiting):
-            if pid in self._peers and self._peers[pid].state == "member":
-                self._peers[pid].send({"t": "voted", "e": self.epoch, "v": self.step})
-        self._voters.clear()
-
-    def _check_sync(self) -> None:
-        live = self._live(self.members)
-        if self._fetchers is not None or not live or not set(live) <= set(self._sync):
-            return
-        subs = {pid: self._sync[pid] for pid in live}
-        top = max(s["rev"] for s in subs.values())
-        groups: dict = {}
-        for pid in live:  # ring order: ties go to the group holding the lowest rank
-            s = subs[pid]
-            if s["rev"] == top:
-                key = tuple(sorted((k, h, str(s["meta"][k])) for k, h in s["hashes"].items()))
-                groups.setdefault(key, []).append(pid)
-        if self._orphan is not None:
-            orev, ohashes = self._orphan
-            if not any(s["rev"] > orev or (s["rev"] == orev and s["hashes"] == ohashes) for s in subs.values()):
-                # every peer that held the job's state is gone; these peers would start a
-                # second history under this master: refuse (each member raises)
-                self._sync_round += 1
-                self._sync = {pid: s for pid, s in self._sync.items() if pid not in subs}
-                self.stats["lost_syncs"] += 1
-                _dbg(f"master: sync round {self._sync_round} refused: state at revision {orev} is held by no "
-                     f"live peer (best {top})")
-                for pid in live:
-                    self._peers[pid].send({"t": "plan", "round": self._sync_round, "e": self.epoch, "lost": orev})
-                return
-            self._orphan = None
-        donors = max(groups.values(), key=len)
-        win = subs[donors[0]]
-        fetchers = [pid for pid in live if pid not in donors]
-        self.revision, self.hashes = top, dict(win["hashes"])
-        self._sync_round += 1
-        self._sync = {pid: s for pid, s in self._sync.items() if pid not in subs}
-        self._fetchers = set(fetchers)
-        addrs = {pid: self._peers[pid].data for pid in donors}
-        plan = {"t": "plan", "round": self._sync_round, "e": self.epoch, "rev": top, "hashes": win["hashes"],
-                "meta": win["meta"], "donors": donors, "addrs": addrs, "fetchers": fetchers}
-        for pid in live:
-            self._peers[pid].send(plan)
-        self._check_fetch()
-
-    def _check_fetch(self) -> None:
-        if self._fetchers is None:
-            return
-        self._fetchers &= set(self._live(self._peers))
-        if self._fetchers:
-            return
-        self._fetchers = None
-        for pid in self._live(self.members):
-            self._peers[pid].send({"t": "sync_end", "round": self._sync_round})
-        self._check_sync()
-
-
-# =====================================================================  peer
 class _Topo:
     def __init__(self, msg: dict, my_id: int):
         self.epoch = msg["e"]
@@ -560,76 +37,6 @@ class _Topo:
         self.tickets = msg["tickets"]
         self.exp = msg["exp"]
         self.rank = self.ids.index(my_id) if my_id in self.ids else None
-
-
-class _QuantTransport:
-    """A view of a transport that sends float chunks as fp16 or int8 (+ one
-    float32 scale per message) and dequantizes on receipt, so the ring modules
-    run unchanged over quantized wire data.
-
-    Bit identity: the first time a region is sent, it is quantized and
-    overwritten in place with its own dequantized value; a region that arrived
-    (already dequantized) is forwarded with the exact bytes it came in.  So a
-    chunk's owner dequantizes its own reduced chunk before the all-gather and
-    every peer ends with the same bits.
-    """
-
-    def __init__(self, inner, mode: str):
-        self.inner, self.mode = inner, mode
-        self.tags = inner.tags
-        self._cache: dict = {}
-
-    rank = property(lambda self: self.inner.rank)
-    size = property(lambda self: self.inner.size)
-
-    def _wire_nbytes(self, count: int) -> int:
-        return 2 * count if self.mode == "fp16" else 4 + count
-
-    def _encode(self, x: np.ndarray) -> np.ndarray:
-        if self.mode == "fp16":
-            w = x.astype(np.float16)
-            x[...] = w.astype(x.dtype)
-            return w.view(np.uint8)
-        amax = float(np.max(np.abs(x))) if x.size else 0.0
-        scale = np.float32(amax / 127.0) if np.isfinite(amax) and amax > 0 else np.float32(1.0)
-        if scale == 0:
-            scale = np.float32(1.0)
-        q = np.clip(np.rint(x / scale), -127, 127).astype(np.int8)
-        w = np.empty(4 + x.size, np.uint8)
-        w[:4] = np.frombuffer(scale.tobytes(), np.uint8)
-        w[4:] = q.view(np.uint8)
-        self._decode(w, x)
-        return w
-
-    def _decode(self, w: np.ndarray, x: np.ndarray) -> None:
-        if self.mode == "fp16":
-            x[...] = w.view(np.float16).astype(x.dtype)
-            return
-        scale = x.dtype.type(w[:4].view(np.float32)[0])
-        np.multiply(w[4:].view(np.int8).astype(x.dtype), scale, out=x)
-
-    def isend(self, buf, dest, tag=0) -> Request:
-        key = (buf.ctypes.data, buf.nbytes)
-        w = self._cache.get(key)
-        if w is None:
-            w = self._encode(buf)
-            self._cache[key] = w
-        return self.inner.isend(w, dest, tag)
-
-    def irecv(self, buf, source, tag=0) -> Request:
-        w = np.empty(self._wire_nbytes(buf.size), np.uint8)
-        req = self.inner.irecv(w, source, tag)
-        key = (buf.ctypes.data, buf.nbytes)
-
-        def finish():
-            self._decode(w, buf)
-            self._cache[key] = w
-
-        req.on_complete = finish
-        return req
-
-    def waitall(self, requests, timeout=None, op="waitall") -> None:
-        self.inner.waitall(requests, timeout, op)
 
 
 class Peer:
@@ -665,7 +72,7 @@ class Peer:
             self._conn = tcp.client_handshake(sock, secret, {"role": "peer", "data": data, "streams": self.streams},
                                               timeout=min(timeout, 10.0), encrypt=encrypt)
             kind, _, msg = self._conn.read_ctrl(deadline=time.monotonic() + timeout, limit=1 << 16)
-            if kind != tcp.K_CTRL or not isinstance(msg, dict) or msg.get("t") != "welcome":
+            if kind != tcp.K_CTRL or not isinstance(msg, dict) or msg.get("t") != WELCOME:
                 raise tcp.FrameError("expected welcome")
         except (AuthenticationError, tcp.FrameError, OSError) as exc:
             self._listener.close()
@@ -691,7 +98,7 @@ class Peer:
         self._serving = None                 # (min epoch, {name: memoryview}) while a donor
         self._last_members: frozenset | None = None
         self._counts = {"retries": 0, "aborts": 0}
-        self._traffic = dict.fromkeys(_TRAFFIC, 0)  # of the ring transports of past epochs
+        self._traffic = dict.fromkeys(TRAFFIC, 0)  # of the ring transports of past epochs
         self._scratch: np.ndarray | None = None
         self._ring_keep: np.ndarray | None = None  # the in-place ring's receive scratch (ring_scratch)
         self._pair_keep: np.ndarray | None = None  # 2 peers: the result and the received vector
@@ -721,7 +128,7 @@ class Peer:
         with self._cv:
             out = dict(self._counts)
             tr = self._tr
-            for k in _TRAFFIC:
+            for k in TRAFFIC:
                 out[k] = self._traffic[k] + (getattr(tr, k) if tr is not None else 0)
         return out
 
@@ -731,7 +138,7 @@ class Peer:
         with self._cv:
             if self._tr is tr:
                 self._tr = None
-            for k in _TRAFFIC:
+            for k in TRAFFIC:
                 self._traffic[k] += getattr(tr, k)
 
     @property
@@ -760,24 +167,24 @@ class Peer:
                     raise tcp.FrameError("unexpected frame from the master")
                 t = msg.get("t")
                 with self._cv:
-                    if t == "topo":
+                    if t == TOPO:
                         topo = _Topo(msg, self.id)
                         if self._latest is None or topo.epoch > self._latest.epoch:
                             self._latest = topo
                             tr = self._tr
                             if tr is not None and tr.epoch < topo.epoch:
                                 tr.revoke("a newer epoch began")
-                    elif t == "term":
+                    elif t == TERM:
                         self._terms[(msg["e"], msg["s"])] = bool(msg["ok"])
                         tr = self._tr
                         if not msg["ok"] and tr is not None and tr.epoch == msg["e"]:
                             tr.revoke("operation aborted by the master")
-                    elif t == "voted":
+                    elif t == VOTED:
                         self._voted = int(msg["e"])
                         self.step = int(msg.get("v", 0))
-                    elif t == "plan":
+                    elif t == PLAN:
                         self._plans[int(msg["round"])] = msg
-                    elif t == "sync_end":
+                    elif t == SYNC_END:
                         self._sync_ends.add(int(msg["round"]))
                     self._cv.notify_all()
         except Exception as exc:  # noqa: BLE001
@@ -830,11 +237,11 @@ class Peer:
     def _on_data_conn(self, conn: tcp.Connection) -> None:
         h = conn.hello
         src, dst, e, st, ns, exp, tkt = (h.get(k) for k in ("src", "dst", "e", "stream", "streams", "exp", "tkt"))
-        if not (_is_int(src) and dst == self.id and _is_int(e) and _is_int(st, 0, 63) and _is_int(ns, 1, 64)
+        if not (is_int(src) and dst == self.id and is_int(e) and is_int(st, 0, 63) and is_int(ns, 1, 64)
                 and isinstance(exp, float) and tcp.verify_ticket(self._key, tkt, e, src, dst, st, exp)):
             conn.close()
             return
-        if h.get("purpose") == "fetch":
+        if h.get("purpose") == FETCH:
             threading.Thread(target=self._serve_when_ready, args=(conn, e), daemon=True, name="commlib-donor").start()
             return
         with self._cv:
@@ -863,7 +270,7 @@ class Peer:
             raise ProcessFailed(f"no ticket for peer {dst}", failed=[], rank=topo.rank, op="elastic")
         s = tcp.open_socket(topo.addrs[dst], timeout)
         hello = {"src": self.id, "dst": dst, "e": topo.epoch, "stream": stream,
-                 "streams": self._streams_to(topo.addrs[dst]) if purpose == "ring" else self.streams,
+                 "streams": self._streams_to(topo.addrs[dst]) if purpose == RING else self.streams,
                  "exp": float(topo.exp), "tkt": tickets[stream], "purpose": purpose}
         return tcp.client_handshake(s, self.secret, hello, timeout=timeout, encrypt=self.encrypt)
 
@@ -891,7 +298,7 @@ class Peer:
         if tr is not None:
             self._retire(tr)
         tr = tcp.TCPTransport(topo.rank, len(topo.ids), topo.epoch,
-                              lambda r, s: self._dial(topo, topo.ids[r], s, "ring", min(self.timeout, 10.0)),
+                              lambda r, s: self._dial(topo, topo.ids[r], s, RING, min(self.timeout, 10.0)),
                               streams=lambda r: self._streams_to(topo.addrs[topo.ids[r]]), timeout=self.timeout)
         with self._cv:
             self._tr = tr
@@ -925,7 +332,7 @@ class Peer:
         self._adopt()
         with self._cv:
             self._voted = None
-        self._send({"t": "vote"})
+        self._send({"t": VOTE})
         e = self._wait(lambda: self._voted, timeout, "update_topology")
         self._wait(lambda: True if self._latest is not None and self._latest.epoch >= e else None, timeout,
                    "update_topology")
@@ -1020,10 +427,10 @@ class Peer:
                         # the quantizing view overwrites a chunk with its dequantized value when it
                         # first sends it, before the ring's lazy saves: save everything up front
                         snap.save_all()
-                        allreduce_ring(_QuantTransport(tr, quantize), flat, opx, timeout=timeout, tmp=tmp)
-                report = "done"
+                        allreduce_ring(QuantizingTransport(tr, quantize), flat, opx, timeout=timeout, tmp=tmp)
+                report = DONE
             except (CommError, OSError):
-                report = "fail"
+                report = FAIL
             self._send({"t": report, "e": e, "s": s})
             ok = self._wait(lambda: self._terms.pop((e, s), None), timeout + 5.0, "allreduce")
             if ok:
@@ -1064,7 +471,7 @@ class Peer:
         topo = self._adopt()
         if topo is None or topo.rank is None:
             raise InvalidArgument("not a member: call update_topology() first", op="sync_shared_state")
-        if not _is_int(revision, -(1 << 62)):
+        if not is_int(revision, -(1 << 62)):
             raise InvalidArgument("revision must be an int", rank=topo.rank, op="sync_shared_state")
         hashes, meta, views = {}, {}, {}
         for name, arr in state.items():
@@ -1078,7 +485,7 @@ class Peer:
             views[name] = mv
         with self._cv:
             rounds_before = set(self._plans)
-        self._send({"t": "sync", "rev": int(revision), "hashes": hashes, "meta": meta})
+        self._send({"t": SYNC, "rev": int(revision), "hashes": hashes, "meta": meta})
         plan = self._wait(lambda: next((p for r, p in sorted(self._plans.items()) if r not in rounds_before), None),
                           timeout, "sync_shared_state")
         rnd = int(plan["round"])
@@ -1104,7 +511,7 @@ class Peer:
         try:
             got, donor = self._fetch(plan, state, topo, timeout, own=hashes)
         finally:
-            self._send({"t": "synced"})
+            self._send({"t": SYNCED})
         self._wait(lambda: True if rnd in self._sync_ends else None, timeout, "sync_shared_state")
         result.update(bytes_received=got, donor=donor, seconds=time.monotonic() - t0)
         return result
@@ -1139,7 +546,7 @@ class Peer:
                     raise tcp.FrameError("bad request")
                 name, off, n = msg.get("k"), msg.get("o"), msg.get("n")
                 mv = views.get(name) if isinstance(name, str) else None
-                if mv is None or not _is_int(off) or not _is_int(n, 0, tcp.FRAME_MAX) or off + n > len(mv):
+                if mv is None or not is_int(off) or not is_int(n, 0, tcp.FRAME_MAX) or off + n > len(mv):
                     raise tcp.FrameError("bad range")
                 if rate > 0:
                     step = 1 << 16
@@ -1212,7 +619,7 @@ class Peer:
 
         def worker(stream):
             try:
-                conn = self._dial(topo, donor, stream, "fetch", min(timeout, 10.0))
+                conn = self._dial(topo, donor, stream, FETCH, min(timeout, 10.0))
             except Exception as exc:  # noqa: BLE001
                 errors.append(exc)
                 return
@@ -1254,7 +661,7 @@ class Peer:
             return
         self._closed = True
         try:
-            self._conn.send_ctrl({"t": "bye"}, timeout=2.0)
+            self._conn.send_ctrl({"t": BYE}, timeout=2.0)
         except Exception:  # noqa: BLE001
             pass
         self._conn.close()

@@ -1,0 +1,38 @@
+"""Elastic peers over a WAN: a master, authenticated peers, an all-reduce that survives churn.
+
+The model is PCCL (Prime Collective Communications Library, arXiv 2505.14065):
+a master keeps membership; the topology changes only at step boundaries, by a
+vote of the live peers (:meth:`Peer.update_topology`); an all-reduce that loses
+a peer is aborted on every survivor, the inputs are restored and it is retried
+over the survivors; shared state is checked by SHA-256 hashes.  Every byte
+travels over :mod:`commlib.transports.tcp` (authenticated frames, no pickle);
+the all-reduce is :func:`commlib.collectives.allreduce_ring.allreduce_ring`
+over a :class:`~commlib.transports.tcp.TCPTransport` of the current epoch.
+
+Usage::
+
+    import commlib.elastic as el
+    master = el.Master(bind="0.0.0.0:29500", secret_file="secret"); master.start()
+    peer = el.connect("master-host:29500", secret_file="secret")  # streams: 1 on loopback, else 4
+    while training:
+        if peer.update_topology():          # step boundary; admits joiners
+            peer.sync_shared_state(state, revision)
+        peer.allreduce(grad, op="avg", quantize="int8")
+
+The package: :mod:`~commlib.elastic.protocol` (message kinds, limits, the
+master's state machine and the threat model), :mod:`~commlib.elastic.master`
+(:class:`Master`), :mod:`~commlib.elastic.peer` (:class:`Peer`,
+:func:`connect`).  The quantized wire format is
+:class:`commlib.transports.quantize.QuantizingTransport`; the errors
+(:class:`PeerFailure`, :class:`AuthError`) are in :mod:`commlib.core.errors`.
+"""
+from __future__ import annotations
+
+from commlib.core.errors import AuthError, PeerFailure
+
+from .master import Master
+from .peer import Peer, connect
+from .protocol import AUTO_STREAMS, HEARTBEAT_INTERVAL, PAIR_EXCHANGE_MAX
+
+__all__ = ["Master", "Peer", "connect", "PeerFailure", "AuthError", "AUTO_STREAMS", "HEARTBEAT_INTERVAL",
+           "PAIR_EXCHANGE_MAX"]

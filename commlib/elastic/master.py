@@ -1,0 +1,426 @@
+"""The membership master of an elastic job (its state machine: :mod:`commlib.elastic.protocol`)."""
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import select
+import threading
+import time
+
+from commlib.core.errors import CommError
+from commlib.transports import tcp
+
+from .protocol import (BYE, DONE, FAIL, PLAN, SYNC, SYNCED, SYNC_END, TERM, TOPO, VOTE, VOTED, WELCOME,
+                       HEARTBEAT_INTERVAL, MAX_PEERS, TICKET_TTL, dbg, is_bytes, is_int)
+
+__all__ = ["Master"]
+
+
+class _MPeer:
+    """The master's record of one peer."""
+
+    def __init__(self, pid: int, conn: tcp.Connection, data: str, streams: int, key: bytes):
+        self.id, self.conn, self.data, self.streams, self.key = pid, conn, data, streams, key
+        self.state = "pending"
+        self.waiting = False          # a pending peer waiting in update_topology
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def send(self, msg) -> None:
+        self.outbox.put(msg)
+
+
+class Master:
+    """The membership master (see the module docstring for its state machine).
+
+    Args:
+        bind: ``"host:port"`` to listen on (port 0: any free port).
+        secret, secret_file: the shared secret (else ``COMMLIB_ELASTIC_SECRET``).
+        heartbeat_timeout: seconds of silence after which a peer is dead.
+        abort_grace: seconds to wait for a death report before re-forming an
+            epoch after an abort that no death explains.
+        form_wait: with no live members, seconds the first pending voter waits
+            for others starting at the same time (they form the first epoch together).
+        encrypt: seal frames with AES-GCM (peers must agree).
+    """
+
+    def __init__(self, bind: str = "127.0.0.1:0", secret: bytes | str | None = None, secret_file: str | None = None,
+                 *, heartbeat_timeout: float = 2.0, abort_grace: float = 0.3, form_wait: float = 0.25,
+                 encrypt: bool = False):
+        self.bind = bind
+        self.secret = tcp.read_secret(secret, secret_file)
+        self.heartbeat_timeout, self.abort_grace, self.encrypt = heartbeat_timeout, abort_grace, encrypt
+        self.form_wait = form_wait
+        self._key = os.urandom(32)            # master-only: derives each peer's ticket key
+        self._lock = threading.RLock()
+        self._peers: dict[int, _MPeer] = {}
+        self._next_id = 1
+        self.epoch = 0
+        self.step = 0                         # completed votes (the job's step counter)
+        self.members: list[int] = []         # ring order of the current epoch
+        self._epoch_members: dict[int, list[int]] = {}
+        self._ops: dict[tuple, dict] = {}     # (epoch, seq) -> {"done": set, "term": None|bool, "sent": set}
+        self._voters: set[int] = set()
+        self._sync: dict[int, dict] = {}      # id -> submission of the open round
+        self._sync_round = 0
+        self._fetchers: set[int] | None = None  # of the round being transferred
+        self._renew_at: float | None = None
+        self._form_at: float | None = None
+        self.revision = None
+        self.hashes: dict | None = None
+        # (revision, hashes) of a group that is gone: every member left or died after the
+        # state was synced.  A group formed later from pending peers alone must show it
+        # holds that state at its first sync, else the sync is refused ("lost"): one job,
+        # one history per master (see "Orphaned state" in the docstring)
+        self._orphan: tuple | None = None
+        self._last_tick: float | None = None
+        self._listener = None
+        self._stopped = threading.Event()
+        self.stats = {"epochs": 0, "aborts": 0, "completes": 0, "deaths": 0, "refused": 0, "stalls": 0,
+                      "lost_syncs": 0}
+
+    # lifecycle ---------------------------------------------------------------
+    def start(self) -> "Master":
+        """Listen and serve on background threads; returns self."""
+        self._listener = tcp.Listener(self.bind, self.secret, self._on_conn, encrypt=self.encrypt)
+        self.address = self._listener.address
+        threading.Thread(target=self._monitor, name="commlib-master-monitor", daemon=True).start()
+        return self
+
+    def serve_forever(self) -> None:
+        """Block until :meth:`stop` (or Ctrl-C)."""
+        if self._listener is None:
+            self.start()
+        try:
+            while not self._stopped.wait(0.5):
+                pass
+        except KeyboardInterrupt:
+            pass
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        """Close the listener and every connection."""
+        self._stopped.set()
+        if self._listener is not None:
+            self._listener.close()
+        with self._lock:
+            peers = list(self._peers.values())
+        for p in peers:
+            p.outbox.put(None)
+            p.conn.close()
+
+    # connections -------------------------------------------------------------
+    def _on_conn(self, conn: tcp.Connection) -> None:
+        h = conn.hello
+        data, streams = h.get("data"), h.get("streams")
+        if h.get("role") != "peer" or not isinstance(data, str) or len(data) > 300 or not is_int(streams, 1, 64):
+            conn.close()
+            return
+        try:
+            tcp.parse_address(data)
+        except CommError:
+            conn.close()
+            return
+        with self._lock:
+            if self._stopped.is_set() or len(self._peers) >= MAX_PEERS:
+                conn.close()
+                return
+            pid = self._next_id
+            self._next_id += 1
+            key = hashlib.sha256(self._key + pid.to_bytes(8, "big")).digest()
+            p = _MPeer(pid, conn, data, streams, key)
+            self._peers[pid] = p
+        dbg(f"master: peer {pid} connected (data {data})")
+        threading.Thread(target=self._writer, args=(p,), daemon=True, name="commlib-master-tx").start()
+        p.send({"t": WELCOME, "id": pid, "key": key, "hb": HEARTBEAT_INTERVAL})
+        threading.Thread(target=self._reader, args=(p,), daemon=True, name="commlib-master-rx").start()
+
+    def _writer(self, p: _MPeer) -> None:
+        while True:
+            try:
+                msg = p.outbox.get(timeout=0.5)
+            except queue.Empty:
+                msg = "hb"
+            if msg is None or p.conn.closed:
+                return
+            try:
+                if msg == "hb":
+                    p.conn.send_frame(tcp.K_PING, b"", timeout=self.heartbeat_timeout)
+                else:
+                    p.conn.send_ctrl(msg, timeout=self.heartbeat_timeout)
+            except Exception as exc:  # noqa: BLE001 - a peer that does not read is dead
+                dbg(f"master: writer to peer {p.id} failed: {exc!r}")
+                self._died(p.id)
+                return
+
+    def _reader(self, p: _MPeer) -> None:
+        try:
+            while not self._stopped.is_set():
+                kind, _, msg = p.conn.read_ctrl(limit=1 << 20)
+                if kind != tcp.K_CTRL or not isinstance(msg, dict):
+                    raise tcp.FrameError("expected a control message")
+                self._handle(p, msg)
+        except Exception as exc:  # noqa: BLE001 - closed, malformed, or a bad message: the peer is gone
+            dbg(f"master: reader of peer {p.id} ended: {exc!r}")
+        self._died(p.id)
+
+    def _silent(self, p: _MPeer, now: float) -> bool:
+        """True when ``p`` sent nothing for ``heartbeat_timeout`` seconds.  Bytes
+        waiting unread in its socket count as a sign of life: the peer spoke, this
+        process (its reader thread) was just not scheduled to read them yet."""
+        if now - p.conn.last_rx <= self.heartbeat_timeout:
+            return False
+        try:
+            readable = bool(select.select([p.conn.sock], [], [], 0)[0])
+        except (OSError, ValueError):
+            return True
+        if readable:
+            p.conn.last_rx = now
+            return False
+        return True
+
+    def _monitor(self) -> None:
+        while not self._stopped.wait(0.05):
+            now = time.monotonic()
+            with self._lock:
+                last, self._last_tick = self._last_tick, now
+                if last is not None and now - last > 0.5:
+                    # this process was not scheduled for a while (a starved CPU): the
+                    # peers' silence is ours; restart their clocks rather than declare
+                    # live peers dead
+                    self.stats["stalls"] += 1
+                    dbg(f"master: monitor stalled {now - last:.2f} s; heartbeat clocks restarted")
+                    for p in self._peers.values():
+                        p.conn.last_rx += now - last   # the silence before the stall still counts
+                    continue
+                for p in list(self._peers.values()):
+                    if p.state != "dead" and self._silent(p, now):
+                        self._died(p.id)
+                if self._form_at is not None and now >= self._form_at:
+                    self._check_vote()
+                if self._renew_at is not None and now >= self._renew_at:
+                    self._renew_at = None
+                    self._new_epoch(self._live(self.members), "abort")
+
+    # state machine -------------------------------------------------------------
+    def groups(self) -> list[list[int]]:
+        """The groups this master serves: ``[members]`` of the current epoch, or ``[]``
+        when it has none.  Raises AssertionError when the invariant "one group per
+        master" is broken: a peer the master considers alive is neither a member of
+        the current epoch nor pending, or a member is not alive (for tests)."""
+        with self._lock:
+            alive = {i for i, p in self._peers.items() if p.state != "dead"}
+            members = set(self.members)
+            stray = sorted(i for i in alive if i not in members and self._peers[i].state != "pending")
+            gone = sorted(members - alive)
+            assert not stray, f"peers {stray} alive but neither members of epoch {self.epoch} nor pending"
+            assert not gone, f"members {gone} of epoch {self.epoch} are dead"
+            assert all(self._peers[i].state == "member" for i in members)
+            return [list(self.members)] if self.members else []
+
+    def _live(self, ids) -> list[int]:
+        return [i for i in ids if i in self._peers and self._peers[i].state != "dead"]
+
+    def _died(self, pid: int) -> None:
+        with self._lock:
+            p = self._peers.get(pid)
+            if p is None or p.state == "dead":
+                return
+            was_member = p.state == "member"
+            dbg(f"master: peer {pid} dead (was {p.state}; silent {time.monotonic() - p.conn.last_rx:.2f} s)")
+            p.state = "dead"
+            self.stats["deaths"] += 1
+            p.outbox.put(None)
+            p.conn.close()
+            self._voters.discard(pid)
+            self._sync.pop(pid, None)
+            if was_member and pid in self.members:
+                self._new_epoch(self._live(self.members), "death")
+            self._check_vote()
+            self._check_sync()
+            self._check_fetch()
+            # forget the dead once nothing refers to them
+            if not any(pid in m for m in self._epoch_members.values()):
+                self._peers.pop(pid, None)
+
+    def _new_epoch(self, members: list[int], why: str) -> None:
+        """Make epoch + 1 with ``members`` (ring order: join order); abort what
+        is open in older epochs; push the topology to every member."""
+        self._renew_at = None
+        old = self.epoch
+        self.epoch += 1
+        self.stats["epochs"] += 1
+        if not members and self.revision is not None:
+            self._orphan = (self.revision, dict(self.hashes or {}))
+        self.members = sorted(members)
+        self._epoch_members[self.epoch] = list(self.members)
+        dbg(f"master: epoch {self.epoch} members {self.members} ({why}); peers "
+             f"{ {i: q.state + ('*' if q.waiting else '') for i, q in self._peers.items()} }")
+        for pid in self.members:
+            self._peers[pid].state = "member"
+            self._peers[pid].waiting = False
+        for (e, s), op in list(self._ops.items()):
+            if e <= old and op["term"] is None:
+                self._terminate((e, s), False)
+        exp = time.time() + TICKET_TTL
+        addrs = [[pid, self._peers[pid].data] for pid in self.members]
+        for src in self.members:
+            ns = self._peers[src].streams
+            tickets = {dst: [tcp.make_ticket(self._peers[dst].key, self.epoch, src, dst, s, exp) for s in range(ns)]
+                       for dst in self.members if dst != src}
+            self._peers[src].send({"t": TOPO, "e": self.epoch, "members": addrs, "tickets": tickets, "exp": exp,
+                                   "why": why, "rev": self.revision})
+        self._prune()
+
+    def _terminate(self, tag, ok: bool) -> None:
+        op = self._ops.setdefault(tag, {"done": set(), "term": None, "sent": set()})
+        if op["term"] is None:
+            op["term"] = ok
+            self.stats["completes" if ok else "aborts"] += 1
+        for pid in self._live(self._epoch_members.get(tag[0], [])):
+            if pid not in op["sent"]:
+                op["sent"].add(pid)
+                self._peers[pid].send({"t": TERM, "e": tag[0], "s": tag[1], "ok": op["term"]})
+
+    def _prune(self) -> None:
+        """Forget operations every live member has its terminal message for, and empty old epochs."""
+        for tag, op in list(self._ops.items()):
+            if op["term"] is not None and set(self._live(self._epoch_members.get(tag[0], []))) <= op["sent"]:
+                if tag[0] < self.epoch:
+                    del self._ops[tag]
+        live_epochs = {t[0] for t in self._ops} | {self.epoch}
+        for e in list(self._epoch_members):
+            if e not in live_epochs:
+                del self._epoch_members[e]
+
+    def _handle(self, p: _MPeer, msg: dict) -> None:
+        t = msg.get("t")
+        with self._lock:
+            if p.state == "dead":
+                return
+            if t == VOTE:
+                if p.state == "member":
+                    self._voters.add(p.id)
+                else:
+                    p.waiting = True
+                self._check_vote()
+            elif t in (DONE, FAIL):
+                e, s = msg.get("e"), msg.get("s")
+                if not (is_int(e) and is_int(s)):
+                    raise tcp.FrameError("bad operation report")
+                if p.id not in self._epoch_members.get(e, ()):
+                    # an epoch this peer was not in (or long gone): refuse quietly
+                    p.send({"t": TERM, "e": e, "s": s, "ok": False})
+                    return
+                tag = (e, s)
+                op = self._ops.get(tag)
+                if op is not None and op["term"] is not None:
+                    if p.id not in op["sent"]:
+                        op["sent"].add(p.id)
+                        p.send({"t": TERM, "e": e, "s": s, "ok": op["term"]})
+                    return
+                if e < self.epoch or t == FAIL:
+                    self._terminate(tag, False)
+                    if t == FAIL and e == self.epoch and self._renew_at is None:
+                        self._renew_at = time.monotonic() + self.abort_grace
+                    return
+                op = self._ops.setdefault(tag, {"done": set(), "term": None, "sent": set()})
+                op["done"].add(p.id)
+                if set(self._live(self.members)) <= op["done"]:
+                    self._terminate(tag, True)
+                    self._prune()
+            elif t == SYNC:
+                if p.state != "member":
+                    raise tcp.FrameError("sync from a non-member")
+                rev, hashes, meta = msg.get("rev"), msg.get("hashes"), msg.get("meta")
+                if not (is_int(rev, -(1 << 62)) and isinstance(hashes, dict) and isinstance(meta, dict)
+                        and all(isinstance(k, str) and is_bytes(v, 32) for k, v in hashes.items())
+                        and set(meta) == set(hashes)):
+                    raise tcp.FrameError("bad sync message")
+                self._sync[p.id] = {"rev": rev, "hashes": hashes, "meta": meta}
+                self._check_sync()
+            elif t == SYNCED:
+                if self._fetchers is not None:
+                    self._fetchers.discard(p.id)
+                    self._check_fetch()
+            elif t == BYE:
+                raise tcp.FrameError("bye")
+            else:
+                raise tcp.FrameError("unknown message")
+
+    def _check_vote(self) -> None:
+        live = set(self._live(self.members))
+        waiting = [pid for pid, p in self._peers.items() if p.state == "pending" and p.waiting]
+        if not live <= self._voters or (not live and not waiting):
+            return
+        if not live:
+            # forming the first group (or re-forming after everyone died): gather
+            # the peers that start together for ``form_wait`` seconds
+            now = time.monotonic()
+            if self._form_at is None:
+                self._form_at = now + self.form_wait
+            if now < self._form_at:
+                return
+        self._form_at = None
+        new = sorted(live | set(waiting))
+        dbg(f"master: vote {self.step + 1} complete: live {sorted(live)} waiting {sorted(waiting)} "
+             f"members {self.members}")
+        if new != self.members:
+            self._new_epoch(new, "vote")
+        self.step += 1
+        for pid in set(self._voters) | set(waiting):
+            if pid in self._peers and self._peers[pid].state == "member":
+                self._peers[pid].send({"t": VOTED, "e": self.epoch, "v": self.step})
+        self._voters.clear()
+
+    def _check_sync(self) -> None:
+        live = self._live(self.members)
+        if self._fetchers is not None or not live or not set(live) <= set(self._sync):
+            return
+        subs = {pid: self._sync[pid] for pid in live}
+        top = max(s["rev"] for s in subs.values())
+        groups: dict = {}
+        for pid in live:  # ring order: ties go to the group holding the lowest rank
+            s = subs[pid]
+            if s["rev"] == top:
+                key = tuple(sorted((k, h, str(s["meta"][k])) for k, h in s["hashes"].items()))
+                groups.setdefault(key, []).append(pid)
+        if self._orphan is not None:
+            orev, ohashes = self._orphan
+            if not any(s["rev"] > orev or (s["rev"] == orev and s["hashes"] == ohashes) for s in subs.values()):
+                # every peer that held the job's state is gone; these peers would start a
+                # second history under this master: refuse (each member raises)
+                self._sync_round += 1
+                self._sync = {pid: s for pid, s in self._sync.items() if pid not in subs}
+                self.stats["lost_syncs"] += 1
+                dbg(f"master: sync round {self._sync_round} refused: state at revision {orev} is held by no "
+                     f"live peer (best {top})")
+                for pid in live:
+                    self._peers[pid].send({"t": PLAN, "round": self._sync_round, "e": self.epoch, "lost": orev})
+                return
+            self._orphan = None
+        donors = max(groups.values(), key=len)
+        win = subs[donors[0]]
+        fetchers = [pid for pid in live if pid not in donors]
+        self.revision, self.hashes = top, dict(win["hashes"])
+        self._sync_round += 1
+        self._sync = {pid: s for pid, s in self._sync.items() if pid not in subs}
+        self._fetchers = set(fetchers)
+        addrs = {pid: self._peers[pid].data for pid in donors}
+        plan = {"t": PLAN, "round": self._sync_round, "e": self.epoch, "rev": top, "hashes": win["hashes"],
+                "meta": win["meta"], "donors": donors, "addrs": addrs, "fetchers": fetchers}
+        for pid in live:
+            self._peers[pid].send(plan)
+        self._check_fetch()
+
+    def _check_fetch(self) -> None:
+        if self._fetchers is None:
+            return
+        self._fetchers &= set(self._live(self._peers))
+        if self._fetchers:
+            return
+        self._fetchers = None
+        for pid in self._live(self.members):
+            self._peers[pid].send({"t": SYNC_END, "round": self._sync_round})
+        self._check_sync()

@@ -1,0 +1,123 @@
+"""The elastic job's control protocol: message kinds, limits, and the master's state machine.
+
+Every control message is a msgpack map (:func:`commlib.transports.tcp_frames.pack_ctrl`;
+never pickle) whose ``"t"`` names its kind, one of the constants below.
+
+The master's state machine
+--------------------------
+
+Peer states: ``pending`` (authenticated, not yet admitted) → ``member`` (in the
+current epoch) → ``dead`` (connection closed, a malformed frame, or silent for
+``heartbeat_timeout`` seconds; never comes back: a restarted process joins as
+a new peer).
+
+Epochs: ``epoch`` numbers membership + ring order.  A new epoch is made
+
+* at once when a member dies;
+* ``abort_grace`` seconds after an operation is aborted on a member's report
+  (``fail``) when no death explains it (same members, fresh connections);
+* when a vote completes and the live members plus the pending peers that are
+  waiting differ from the current members (admission).
+
+Each new epoch is pushed to its members (``topo``: members in ring order with
+their data addresses, the tickets this member needs); every operation of an
+older epoch that has no terminal state is aborted.
+
+Operations (all-reduce): tag ``(epoch, seq)``, ``seq`` counting the epoch's
+operations.  ``open`` → ``complete`` when every member of the epoch reported
+``done``; ``open`` → ``abort`` on a member's death, a member's ``fail`` report,
+or any report for an epoch older than the current one.  The terminal state is
+decided once and each live member of the epoch receives exactly one terminal
+message (``term``) for the tag.
+
+Votes (``update_topology``): members and pending peers send ``vote``; when every
+live member of the current epoch has voted, pending voters are admitted (a new
+epoch if membership changed) and every voter gets ``voted``.  With no live
+members, the pending voters form the first epoch.
+
+Shared state (``sync_shared_state``): rounds.  When every live member has sent
+``sync`` (revision, per-tensor SHA-256, dtypes and shapes), the master picks
+the highest revision, and among the peers there the largest group with equal
+hashes (ties: the group with the lowest ring rank); that group are the donors,
+the others fetch from them.  Every member gets ``plan``; when every live
+fetcher has reported ``synced`` (or died) every member gets ``sync_end``.  The
+master keeps the winning revision and hashes.
+
+Orphaned state: a live peer is always a member of the current epoch or pending
+(:meth:`Master.groups` checks it), so there is one group at a time.  When an
+epoch is made with no members after a revision was recorded, the group that held
+the job's state is gone; the group that pending voters form next must, at its
+first sync round, include a peer at that revision with those hashes (or a newer
+revision); otherwise the round is refused (``plan`` with ``lost``: every member's
+``sync_shared_state`` raises) instead of letting fresh peers start a second
+history of the job under the same master.
+
+Heartbeats: a peer is silent when nothing arrived for ``heartbeat_timeout`` and
+no unread bytes wait in its socket; a monitor tick that finds the master itself
+was not scheduled for over 0.5 s restarts every silence clock (the silence was
+the master's).
+
+Threat model (see docs/ELASTIC.md): anyone may reach the ports; only holders
+of the shared secret can authenticate (HMAC-SHA256 challenge-response both
+ways, nothing but a random challenge is sent before); only members of an epoch
+hold tickets to open peer-to-peer connections.  Members are trusted not to lie
+about their inputs; data frames can be sealed with AES-GCM (``encrypt=True``).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+__all__ = ["WELCOME", "TOPO", "TERM", "VOTED", "PLAN", "SYNC_END", "VOTE", "DONE", "FAIL", "SYNC", "SYNCED",
+           "BYE", "RING", "FETCH", "HEARTBEAT_INTERVAL", "AUTO_STREAMS", "PAIR_EXCHANGE_MAX", "TICKET_TTL",
+           "MAX_PEERS", "TRAFFIC", "is_int", "is_bytes", "dbg"]
+
+# --- master -> peer
+WELCOME = "welcome"    #: after authentication: ``id``, the peer's ticket ``key``, ``hb`` (heartbeat seconds)
+TOPO = "topo"          #: a new epoch: ``e``, ``members`` ``[[id, data address]...]`` in ring order, ``tickets``, ``exp``
+TERM = "term"          #: an operation's terminal state: ``e``, ``s``, ``ok`` (committed or aborted)
+VOTED = "voted"        #: a vote completed: ``e`` (the epoch after it), ``v`` (the job's step count)
+PLAN = "plan"          #: a shared-state round's plan: ``round``, ``rev``, ``hashes``, ``donors``, ``fetchers``...
+SYNC_END = "sync_end"  #: every fetcher of ``round`` is done
+# --- peer -> master
+VOTE = "vote"          #: at a step boundary (:meth:`Peer.update_topology`)
+DONE = "done"          #: operation ``(e, s)`` finished on this peer
+FAIL = "fail"          #: operation ``(e, s)`` failed on this peer (a peer died, a bounded wait ran out)
+SYNC = "sync"          #: a shared-state submission: ``rev``, per-tensor ``hashes`` and ``meta``
+SYNCED = "synced"      #: this fetcher finished its transfers
+BYE = "bye"            #: leaving
+# --- the purpose of a peer-to-peer connection (in its authenticated hello)
+RING = "ring"          #: a collective's data connection of one epoch
+FETCH = "fetch"        #: a shared-state fetch from a donor
+
+#: seconds between a peer's heartbeats
+HEARTBEAT_INTERVAL = 0.25
+#: ring connections per pair of peers on different hosts with ``connect(streams=None)``
+#: (the default); a pair on loopback addresses uses one
+AUTO_STREAMS = 4
+#: bytes up to which a 2-peer unquantized all-reduce is one exchange of the whole
+#: vector instead of the ring's two steps (measured on loopback, 2 cores: 4-256 KiB
+#: 1.3-1.8x faster, 1 MiB even, 8 MiB slower)
+PAIR_EXCHANGE_MAX = 1 << 20
+#: seconds a ticket stays valid
+TICKET_TTL = 6 * 3600.0
+#: peers one master serves at most
+MAX_PEERS = 1024
+#: the data plane's traffic counters (:attr:`Peer.stats`)
+TRAFFIC = ("bytes_sent", "bytes_received", "wire_bytes_sent", "wire_bytes_received", "bytes_buffered")
+_DEBUG = bool(os.environ.get("COMMLIB_ELASTIC_DEBUG"))
+
+
+def dbg(msg: str) -> None:
+    """One trace line on stderr with ``COMMLIB_ELASTIC_DEBUG`` set."""
+    if _DEBUG:
+        print(f"[elastic {time.monotonic():.3f} pid {os.getpid()}] {msg}", file=sys.stderr, flush=True)
+
+
+def is_bytes(x, n=None) -> bool:
+    return isinstance(x, bytes) and (n is None or len(x) == n)
+
+
+def is_int(x, lo=0, hi=(1 << 62)) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi

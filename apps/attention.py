@@ -52,8 +52,10 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
+import os
 import resource
 import sys
 import time
@@ -370,8 +372,6 @@ _NN_FUNCTIONS = {"ring": ("ring_attention", "ring"), "bidirectional": ("ring_att
 
 def _nn_function(algo):
     """commlib.nn's attention function for ``algo`` (from the package, else its submodule)."""
-    import importlib  # noqa: PLC0415
-
     name, module = _NN_FUNCTIONS[algo]
     nn = importlib.import_module("commlib.nn")
     fn = getattr(nn, name, None)
@@ -421,8 +421,6 @@ def _torch_problem(args, P, torch):
 def _local_device(args, torch):
     if args.device == "cpu":
         return torch.device("cpu")
-    import os  # noqa: PLC0415
-
     local = next((int(os.environ[v]) for v in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID",
                                                "MV2_COMM_WORLD_LOCAL_RANK") if v in os.environ), 0)
     dev = torch.device("cuda", local % torch.cuda.device_count())

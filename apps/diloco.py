@@ -52,6 +52,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -61,6 +62,8 @@ import time
 import warnings
 
 import numpy as np
+
+from commlib.core.config import config  # light (the standard library only), unlike commlib.elastic
 
 QUANTIZE = ("none", "fp16", "int8")
 NUM_CLASSES = 10
@@ -443,7 +446,7 @@ def parse_args(argv=None):
         p.error("--wait and --timeout must be positive")
     if ":" not in a.master or not a.master.rsplit(":", 1)[1].isdigit():
         p.error(f"--master must be HOST:PORT, got {a.master!r}")
-    if a.secret_file is None and not os.environ.get("COMMLIB_ELASTIC_SECRET"):
+    if a.secret_file is None and config.elastic_secret is None:
         p.error("no secret: pass --secret-file or set COMMLIB_ELASTIC_SECRET")
     if a.secret_file is not None and not os.path.isfile(a.secret_file):
         p.error(f"--secret-file {a.secret_file!r} is not a readable file")
@@ -458,8 +461,6 @@ def main(argv=None) -> int:
     leave = []
     signal.signal(signal.SIGTERM, lambda *_: leave.append(True))  # leave gracefully at the next boundary
     args = parse_args(argv)
-    import importlib.util  # noqa: PLC0415
-
     if importlib.util.find_spec("sklearn") is None:
         print("diloco: error: needs scikit-learn (pip install 'commlib[apps]')", file=sys.stderr)
         return 2

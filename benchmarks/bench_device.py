@@ -59,7 +59,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -648,7 +647,9 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:
         args.repeat, args.warmup, args.heat_steps = 5, 1, 20
-    if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"):
+    from commlib.core.config import config
+
+    if config.cuda_simulator:
         print("bench_device: needs CuPy and a GPU, and NUMBA_ENABLE_CUDASIM unset (it is set: commlib's "
               "kernels would run in the simulator)", file=sys.stderr)
         return 2

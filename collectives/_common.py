@@ -3,15 +3,29 @@ from __future__ import annotations
 
 import numpy as np
 
+from commlib.core.errors import CommError
+
 __all__ = ["chunk_bounds", "chunk_bounds_list", "waitall", "exchange", "next_tag"]
+
 
 def next_tag(transport, width: int = 1) -> int:
     """The first of ``width`` fresh tags for one algorithm call, from the
     transport's allocator (:mod:`commlib.core.tags`; gloo's ``nextSlot``), so
     consecutive operations on one communicator never match each other's
-    messages.  A transport without an allocator (a test double) gets tag 0."""
+    messages.
+
+    Raises:
+        CommError: ``transport`` has no allocator (``tags``).  Every
+            :class:`~commlib.transports.base.Transport` makes one; a stand-in
+            must carry one too (e.g. the transport it wraps), since a fixed tag
+            would let two operations' messages match each other.
+    """
     tags = getattr(transport, "tags", None)
-    return tags.slot(width) if tags is not None else 0
+    if tags is None:
+        raise CommError(f"{type(transport).__name__} has no tag allocator (.tags): a collective needs fresh tags "
+                        "per call; pass a commlib Transport, or give the stand-in its inner transport's .tags",
+                        rank=getattr(transport, "rank", None), op="next_tag")
+    return tags.slot(width)
 
 
 def chunk_bounds(count: int, parts: int) -> np.ndarray:

@@ -31,6 +31,8 @@ import numpy as np
 from commlib.core.errors import InvalidArgument
 from commlib.transports.base import native_op_name
 
+from . import _device_reduce  # numpy and commlib.core.buffer; numba.cuda / CuPy load on a device array's first use
+
 __all__ = ["Op", "OPS", "get_op", "reduce_into", "dtype_code", "dtype_name", "is_floating", "is_integer"]
 
 try:  # ml_dtypes is a hard dependency, but keep the module importable without it
@@ -163,7 +165,7 @@ def reduce_into(acc, incoming, op) -> None:
     """``acc <- acc (op) incoming`` element-wise, in place, where the data lives:
     numpy arrays with the op's ufunc, device arrays (CuPy, numba, the CUDA
     simulator's) with the device kernels of :mod:`._device_reduce` (same bits
-    as the ufunc; imported only when a device array comes).
+    as the ufunc; numba.cuda or CuPy load when the first device array comes).
 
     Args:
         acc, incoming: 1-D arrays, same size and dtype, both host or both device.
@@ -173,6 +175,4 @@ def reduce_into(acc, incoming, op) -> None:
     if isinstance(acc, np.ndarray):
         o.reduce(acc, np.asarray(incoming))
         return
-    from . import _device_reduce  # noqa: PLC0415 - heavy (numba.cuda / CuPy), device buffers only
-
     _device_reduce.reduce_into(acc, incoming, o)

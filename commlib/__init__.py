@@ -15,6 +15,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+import importlib as _importlib
 import importlib.util as _util
 
 if _util.find_spec(f"{__name__}.transports") is None:
@@ -57,14 +58,12 @@ _SUBMODULES = {"datatypes": ".datatypes", "transports": ".transports", "apps": "
 
 
 def __getattr__(name):
-    import importlib
-
     if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        value = getattr(_importlib.import_module(_LAZY[name], __name__), name)
         globals()[name] = value  # later lookups skip this hook
         return value
     if name in _SUBMODULES:
-        return importlib.import_module(_SUBMODULES[name], __name__)
+        return _importlib.import_module(_SUBMODULES[name], __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -22,10 +22,11 @@ from typing import Sequence
 import numpy as np
 from numba import njit
 
+from commlib.core.buffer import as_buffer
 from commlib.core.errors import DatatypeError
 
 from . import _host
-from .pack import _WORD, pack, plan_for, unpack
+from .pack import _WORD, _packed_device, pack, plan_for, unpack
 
 __all__ = ["BatchPack"]
 
@@ -134,10 +135,7 @@ class BatchPack:
             return got[0]
         if type(bufs[0]) is np.ndarray or type(packed) is np.ndarray:
             return None
-        from commlib.core.buffer import as_buffer  # noqa: PLC0415
-
         from . import _device  # noqa: PLC0415 - numba.cuda: only for device buffers
-        from .pack import _packed_device  # noqa: PLC0415
 
         bb = [as_buffer(b, op=op) for b in bufs]
         if not all(b.is_device and b.dense for b in bb):

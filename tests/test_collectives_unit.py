@@ -87,6 +87,32 @@ def test_mpi_datatypes():
     assert MPITransport.native_dtype(np.int64) == MPI.INT64_T
     assert MPITransport.native_dtype(BF16) is None and MPITransport.native_dtype(np.float16) is None
     assert mpi_op("sum") == MPI.SUM and mpi_op("avg") == MPI.SUM and mpi_op("band") == MPI.BAND
+    # the MPI transport names MPI's ops for the collectives (which import no MPI themselves)
+    assert ops.get_op(MPI.SUM).name == "sum" and ops.get_op(MPI.BXOR).name == "bxor"
+    with pytest.raises(commlib.InvalidArgument, match="unknown op"):
+        ops.get_op(MPI.LOR)  # an MPI op commlib has no operator for
+    with pytest.raises(commlib.InvalidArgument, match="unknown op"):
+        ops.get_op(object())
+
+
+def test_next_tag_needs_an_allocator():
+    """An algorithm's tags come from its transport's allocator; a stand-in without
+    one is refused (it used to get tag 0, where two operations' messages could match)."""
+    from commlib.collectives._common import next_tag
+    from commlib.core.tags import TagAllocator
+
+    class WithTags:
+        rank = 0
+        tags = TagAllocator(0, 1 << 20)
+
+    a, b = next_tag(WithTags(), 3), next_tag(WithTags())
+    assert b >= a + 3
+
+    class NoTags:
+        rank = 2
+
+    with pytest.raises(commlib.CommError, match=r"rank 2: next_tag: NoTags has no tag allocator"):
+        next_tag(NoTags())
 
 
 def test_fault_tolerance_validation():

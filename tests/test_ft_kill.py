@@ -93,7 +93,7 @@ REPORT = os.environ.get("COMMLIB_KILL_REPORT")
 CALL_BOUND = float(os.environ.get("COMMLIB_KILL_CALL_BOUND", "0")) or 2 * TIMEOUT + 5 * GRACE + 5
 CALLS = 3
 STARTUP_S = 60  # launch, imports, and the three calls themselves under a loaded 2-core CI box
-FAILSTOP = 70   # commlib.collectives.ft.FAILSTOP_EXIT_STATUS
+FAILSTOP = 70   # commlib.collectives.watchdog.FAILSTOP_EXIT_STATUS
 
 
 def _ulfm():

@@ -1,6 +1,7 @@
 """The architecture's rules, checked on the installed package (docs/ARCHITECTURE.md).
 
-* layers import downward only and sibling modules import without cycles
+* layers import downward only, sibling modules import without cycles, and
+  the collectives import no MPI (``mpi4py``, ``commlib.transports.mpi``)
   (import-linter's contracts in ``.importlinter``);
 * only the transports call MPI to communicate: no module outside
   ``commlib.transports`` makes a point-to-point, collective, persistent-request,

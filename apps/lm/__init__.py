@@ -46,6 +46,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import sys
 
@@ -215,8 +216,6 @@ def parse_args(argv=None, size: int | None = None):
             if problem:
                 err(f"{opt} {path}: {problem}")
     if a.plot is not None:
-        import importlib.util  # noqa: PLC0415
-
         if importlib.util.find_spec("matplotlib") is None:
             err("--plot needs matplotlib (pip install matplotlib)")
     if a.quiet:

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from .config import config
 from .errors import BufferError
 
 __all__ = ["Buffer", "as_buffer", "is_device_array", "cupy_usable", "grown"]
@@ -221,9 +222,7 @@ class Buffer:
 
 
 def _simulator() -> bool:
-    import os  # noqa: PLC0415
-
-    return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
+    return config.cuda_simulator
 
 
 def cupy_usable() -> bool:

@@ -3,7 +3,10 @@
 The one place commlib reads its environment (the README lists the same table).
 Values are read when this module is imported; code may override them on
 :data:`config` (e.g. ``commlib.core.config.config.timeout = 5``) before creating
-communicators.
+communicators.  Three are read at each use instead (properties of
+:class:`Config`): ``COMMLIB_DATATYPE_STRATEGY`` and numba's
+``NUMBA_ENABLE_CUDASIM`` (a job or a test may set them late) and
+``COMMLIB_ELASTIC_SECRET`` (never stored).
 
 ==============================  =========  =====================================================
 variable                        default    meaning
@@ -32,9 +35,14 @@ variable                        default    meaning
                                            forces the numba.cuda ones (to test them on a GPU)
 ``COMMLIB_ELASTIC_SECRET``      (none)     the elastic peers' shared secret when no
                                            ``secret``/``--secret-file`` is given (read at each
-                                           use by ``transports.tcp``, never stored here)
+                                           use, :attr:`Config.elastic_secret`; never stored)
 ``COMMLIB_ELASTIC_SERVE_RATE``  ``0``      bytes/s cap on a donor's shared-state serving (0: no
                                            cap; for tests and WAN emulation)
+``COMMLIB_ELASTIC_DEBUG``       (off)      any value: trace the elastic master's and peers'
+                                           protocol (joins, votes, refused syncs, why a
+                                           connection ended) on stderr
+``NUMBA_ENABLE_CUDASIM``        ``0``      numba's own variable, read here too: ``1`` runs device
+                                           kernels in numba's CUDA simulator (CI without a GPU)
 ==============================  =========  =====================================================
 
 ``COMMLIB_SMALL_BYTES`` is 1 KiB because the one-round row (payload plus a 56-byte
@@ -80,6 +88,13 @@ class Config:
         datatype_strategy: forced typed-send strategy, or ``""`` (the model decides).
         model: path of a calibrated strategy model, or ``""``.
         small_bytes: one-round threshold of the small collectives, bytes.
+        device_kernels: ``"auto"`` or ``"numba"``.
+        elastic_debug: trace the elastic protocol on stderr.
+        elastic_serve_rate: bytes/s cap on a donor serving shared state to a
+            joining elastic peer (0: no cap).
+        elastic_secret: (property, read at each use) the elastic peers' shared
+            secret from ``COMMLIB_ELASTIC_SECRET``, or None.
+        cuda_simulator: (property, read at each use) numba's CUDA simulator is on.
     """
 
     cuda_aware: str = field(default_factory=lambda: _env_str("COMMLIB_CUDA_AWARE", "auto"))
@@ -93,6 +108,9 @@ class Config:
     model: str = field(default_factory=lambda: os.environ.get("COMMLIB_MODEL", "").strip())
     small_bytes: int = field(default_factory=lambda: int(os.environ.get("COMMLIB_SMALL_BYTES", "1024")))
     device_kernels: str = field(default_factory=lambda: _env_str("COMMLIB_DEVICE_KERNELS", "auto"))
+    elastic_debug: bool = field(default_factory=lambda: bool(os.environ.get("COMMLIB_ELASTIC_DEBUG")))
+    elastic_serve_rate: float = field(
+        default_factory=lambda: float(os.environ.get("COMMLIB_ELASTIC_SERVE_RATE", "0") or 0))
     forced_strategy: str | None = None
 
     @property
@@ -103,6 +121,24 @@ class Config:
         if self.forced_strategy is not None:
             return self.forced_strategy
         return _env_str("COMMLIB_DATATYPE_STRATEGY", "")
+
+    @property
+    def elastic_secret(self) -> bytes | None:
+        """The elastic peers' shared secret from ``COMMLIB_ELASTIC_SECRET`` (its
+        UTF-8 bytes; None when unset or empty), used when no ``secret`` or
+        ``secret_file`` is given.  Read at each use and never stored, so it stays
+        out of ``repr(config)`` and logs; a launcher may set it late.  Its length
+        is checked where it is used (at least 16 bytes)."""
+        v = os.environ.get("COMMLIB_ELASTIC_SECRET")
+        return v.encode() if v else None
+
+    @property
+    def cuda_simulator(self) -> bool:
+        """True when numba's CUDA simulator is switched on (``NUMBA_ENABLE_CUDASIM``
+        set and not ``0``).  Read at each use: numba reads it when its config is
+        first imported, and a test set-up may set it (and reload numba's config)
+        after commlib is imported."""
+        return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
 
 
 config = Config()

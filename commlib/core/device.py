@@ -17,8 +17,9 @@ __all__ = ["cuda_aware", "mpi_library_path", "ulfm_available", "visible_gpus", "
 
 
 def simulator_enabled() -> bool:
-    """True when numba's CUDA simulator is switched on (``NUMBA_ENABLE_CUDASIM=1``)."""
-    return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
+    """True when numba's CUDA simulator is switched on (``NUMBA_ENABLE_CUDASIM=1``;
+    :attr:`commlib.core.config.Config.cuda_simulator`, read at each call)."""
+    return config.cuda_simulator
 
 
 @functools.lru_cache(maxsize=None)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from .buffer import as_buffer, cupy_usable
+from .device import simulator_enabled as _sim
 
 __all__ = ["pinned_empty", "mapped_empty", "device_empty", "to_host_async", "to_device_async",
            "stream_synchronize", "StreamMark"]
@@ -104,12 +105,6 @@ def stream_synchronize() -> None:
 
     if not _sim():
         cuda.default_stream().synchronize()  # pragma: no cover - needs a GPU
-
-
-def _sim() -> bool:
-    from .device import simulator_enabled  # noqa: PLC0415
-
-    return simulator_enabled()
 
 
 class StreamMark:

@@ -51,6 +51,7 @@ from commlib.collectives.attention.layout import LAYOUTS, sequence_positions
 from commlib.collectives.attention.transport import transport_of
 from commlib.core.errors import InvalidArgument
 
+from .ring import ring_attention
 from .ulysses import document_mask, heads_to_seq, local_attention, seq_to_heads, spread_kv_heads, validate
 
 __all__ = ["hybrid_attention", "grid"]
@@ -190,7 +191,6 @@ def hybrid_attention(q, k, v, comm, ulysses_degree: int, causal: bool = False, l
     U = int(U)
     R = size // U
     if U == 1 and R > 1:
-        from .ring import ring_attention  # noqa: PLC0415 - the ring layer is optional here
         return ring_attention(q, k, v, comm, causal=causal, layout=layout, softmax_scale=spec.scale,
                               cu_seqlens=spec.cu_seqlens, bidirectional=bool(bidirectional), timeout=timeout)
     strided = _strided(layout)
@@ -210,7 +210,6 @@ def hybrid_attention(q, k, v, comm, ulysses_degree: int, causal: bool = False, l
                                                                   q.device)
         out = local_attention(qg, kg, vg, causal, spec.scale, mask)
     else:
-        from .ring import ring_attention  # noqa: PLC0415
         out = ring_attention(qg, kg, vg, rcomm, causal=causal, layout=layout, softmax_scale=spec.scale,
                              cu_seqlens=spec.cu_seqlens, bidirectional=bool(bidirectional), timeout=timeout)
     return heads_to_seq(out.index_select(1, inv), utp, timeout, op)

@@ -28,6 +28,10 @@ import torch
 from commlib.collectives.attention.layout import LAYOUTS
 from commlib.core.errors import InvalidArgument
 
+from .hybrid import hybrid_attention
+from .ring import ring_attention
+from .ulysses import ulysses_attention
+
 __all__ = ["SequenceParallelAttention", "KINDS"]
 
 KINDS = ("ring", "bidirectional", "ulysses", "hybrid")
@@ -108,13 +112,10 @@ class SequenceParallelAttention(torch.nn.Module):
         """
         kw = dict(causal=self.causal, softmax_scale=self.softmax_scale, cu_seqlens=cu_seqlens, timeout=self.timeout)
         if self.kind in ("ring", "bidirectional"):
-            from .ring import ring_attention  # noqa: PLC0415
             return ring_attention(q, k, v, self.comm, layout=self.layout, bidirectional=self.kind == "bidirectional",
                                   **kw)
         if self.kind == "ulysses" and self.layout == "contiguous":
-            from .ulysses import ulysses_attention  # noqa: PLC0415
             return ulysses_attention(q, k, v, self.comm, **kw)
-        from .hybrid import hybrid_attention  # noqa: PLC0415
         return hybrid_attention(q, k, v, self.comm, self.ulysses_degree, layout=self.layout, **kw)
 
     def extra_repr(self) -> str:

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from commlib.collectives.agreement import agree_header
+from commlib.collectives.attention.layout import LAYOUTS
 from commlib.collectives.attention.transport import transport_of
 from commlib.core.errors import InvalidArgument
 
@@ -159,7 +160,6 @@ def _describe(name, value):
     if name == "cu_seqlens":
         return "none" if value == -1 else f"crc32 {value:#010x}"
     if name == "layout":
-        from commlib.collectives.attention.layout import LAYOUTS  # noqa: PLC0415
         return repr(LAYOUTS[value]) if 0 <= value < len(LAYOUTS) else value
     return value
 

@@ -50,6 +50,8 @@ import numpy as np
 
 from commlib.core.errors import CommTimeout, InvalidArgument, ProcessFailed
 
+from commlib.core.tags import TagAllocator
+
 from .base import Request, Transport, Wire, check_plain_dtype
 # re-exported: the frames, sockets and authentication of this transport live in
 # tcp_frames and tcp_auth; commlib.elastic and the tests reach them as tcp.NAME
@@ -63,13 +65,16 @@ __all__ = [
     "HEADER", "MAGIC", "VERSION", "K_CHALLENGE", "K_RESPONSE", "K_PROOF", "K_CTRL", "K_DATA", "K_PING",
     "PREAUTH_MAX", "CTRL_MAX", "FRAME_MAX", "UNEXPECTED_MAX", "FrameError", "Connection", "client_handshake",
     "server_handshake", "make_ticket", "verify_ticket", "frame_bounds", "TCPTransport", "Listener",
-    "pack_ctrl", "unpack_ctrl", "tune_socket", "parse_address", "read_secret", "open_socket",
+    "pack_ctrl", "unpack_ctrl", "tune_socket", "parse_address", "read_secret", "open_socket", "FIRST_ROUND_TAG",
 ]
 
 STRIPE_MIN = 64 << 10         #: a message is striped only in pieces of at least this
 UNEXPECTED_MAX = 1 << 30      #: bytes buffered for receives not yet posted, per transport
 POST_WAIT = 0.5               #: seconds a receiver thread holds a frame that came before its receive was posted
 POST_WAIT_MIN = 64 << 10      #: frames of at least this many bytes are held (smaller ones are buffered at once)
+#: tags from here up carry a collective's first round (argument agreement, small
+#: payloads: :attr:`TCPTransport.first_round_tags`), counted apart from the data plane
+FIRST_ROUND_TAG = 1 << 61
 
 
 def frame_bounds(nbytes: int, streams: int) -> list[int]:
@@ -166,7 +171,10 @@ class _Link:
                 if self.failed is None and not self.t._dead:
                     n = conn.send_frame(K_DATA, mv, epoch=self.t.epoch, tag=tag, chunk=idx, stream=stream)
                     with self.t._lock:
-                        self.t.wire_bytes_sent += n
+                        if tag < FIRST_ROUND_TAG:
+                            self.t.wire_bytes_sent += n
+                        else:
+                            self.t.first_round_wire_bytes_sent += n
                         req._frame_done()
                 else:
                     req._fail(self.failed or self.t._failure or ProcessFailed("transport closed", failed=[self.rank]))
@@ -210,6 +218,13 @@ class TCPTransport(Transport):
             request completes, so the counts are exact after a ``waitall``.
         bytes_buffered: payload bytes that arrived before their receive was posted
             and were held in memory, then copied (each costs one extra copy).
+        first_round_bytes_sent, first_round_bytes_received,
+        first_round_wire_bytes_sent, first_round_wire_bytes_received: the same
+            for messages with tags from :data:`FIRST_ROUND_TAG` up (a
+            collective's first round, whose tags come from
+            :attr:`first_round_tags`), which the counters above leave out.
+        first_round_tags: the tag allocator of first rounds (``tags`` stays below
+            :data:`FIRST_ROUND_TAG`).
 
     Raises:
         InvalidArgument: ``streams`` out of 1..64.
@@ -218,7 +233,7 @@ class TCPTransport(Transport):
     name = "tcp"
     fault_tolerant = True
     thread_multiple = True
-    tag_ub = (1 << 62)
+    tag_ub = FIRST_ROUND_TAG - 1
 
     def __init__(self, rank: int, size: int, epoch: int, connect: Callable[[int, int], Connection], *,
                  streams: int | Callable[[int], int] = 4, timeout: float | None = 30.0):
@@ -243,6 +258,9 @@ class TCPTransport(Transport):
         self.wire_bytes_sent = 0      # DATA frames written: header + payload (+ AES-GCM tag)
         self.wire_bytes_received = 0  # DATA and PING frames read, dropped ones too
         self.bytes_buffered = 0       # payload bytes that came before their receive was posted (one extra copy)
+        self.first_round_bytes_sent = self.first_round_bytes_received = 0
+        self.first_round_wire_bytes_sent = self.first_round_wire_bytes_received = 0
+        self.first_round_tags = TagAllocator(FIRST_ROUND_TAG, (1 << 62))
 
     @property
     def rank(self) -> int:
@@ -376,7 +394,10 @@ class TCPTransport(Transport):
         req = TCPRequest(self, dest, len(bounds) - 1, "isend")
         req._tag = tag
         with self._lock:
-            self.bytes_sent += len(mv)
+            if tag < FIRST_ROUND_TAG:
+                self.bytes_sent += len(mv)
+            else:
+                self.first_round_bytes_sent += len(mv)
             if link.streams is None:  # inbound link not yet attached: striped when it is
                 link.early.append((req, mv))
                 return req
@@ -520,25 +541,24 @@ class TCPTransport(Transport):
                             if self._unexpected + plain > UNEXPECTED_MAX:
                                 raise FrameError("too many unexpected bytes")
                             self._unexpected += plain
-                            self.bytes_buffered += plain
+                            if tag < FIRST_ROUND_TAG:
+                                self.bytes_buffered += plain
                 if drop:
                     conn.discard(length)
                     with self._lock:
-                        self.wire_bytes_received += HEADER.size + length
+                        self._count_rx(tag, 0, HEADER.size + length)
                     continue
                 if target is not None:
                     conn.read_payload(length, into=target)
                     with self._lock:
-                        self.bytes_received += plain
-                        self.wire_bytes_received += HEADER.size + length
+                        self._count_rx(tag, plain, HEADER.size + length)
                         slot.req._frame_done()
                         self._retire_locked((src, tag))
                 else:
                     data = np.empty(plain, np.uint8)  # not zeroed: every byte is overwritten
                     conn.read_payload(length, into=memoryview(data))
                     with self._lock:
-                        self.bytes_received += plain
-                        self.wire_bytes_received += HEADER.size + length
+                        self._count_rx(tag, plain, HEADER.size + length)
                         if slot.bounds is not None:  # posted while we read
                             a, b = slot.bounds[chunk], slot.bounds[chunk + 1]
                             slot.view[a:b] = data
@@ -597,6 +617,15 @@ class TCPTransport(Transport):
                     if slot.req is not None:
                         slot.req._fail(self._failure)
             self._posted.notify_all()
+
+    def _count_rx(self, tag: int, payload: int, wire: int) -> None:
+        """Count a received frame (the caller holds the lock)."""
+        if tag < FIRST_ROUND_TAG:
+            self.bytes_received += payload
+            self.wire_bytes_received += wire
+        else:
+            self.first_round_bytes_received += payload
+            self.first_round_wire_bytes_received += wire
 
     def close(self) -> None:
         with self._lock:

@@ -15,7 +15,10 @@ import numpy as np
 from commlib.collectives.allreduce_recursive_doubling import allreduce_recursive_doubling
 from commlib.collectives.allreduce_ring import allreduce_ring, ring_scratch
 from commlib.collectives.snapshot import LazySnapshot
-from commlib.collectives.ops import get_op, is_floating
+from commlib.collectives.agreement import agree
+from commlib.collectives.one_round import reduce_rows, small_capacity
+from commlib.collectives.ops import OPS, dtype_code, dtype_name, get_op, is_floating
+from commlib.collectives.recovery import RecoveryPolicy, run
 from commlib.core.buffer import grown
 from commlib.core.errors import (AuthError, AuthenticationError, CommError, CommTimeout, InvalidArgument, PeerFailure,
                                  ProcessFailed)
@@ -37,6 +40,146 @@ class _Topo:
         self.tickets = msg["tickets"]
         self.exp = msg["exp"]
         self.rank = self.ids.index(my_id) if my_id in self.ids else None
+
+
+#: the header of an elastic all-reduce (the first round's argument agreement)
+_FIELDS = ("operation", "count", "dtype", "op", "quantize")
+_QUANTIZE = (None, "fp16", "int8")
+_SMALL = 0  # the quantize field of a call travelling in the first round (no quantization)
+_OPERATION = 1
+#: seconds past the call's deadline a peer still waits for the master's verdict on a
+#: report it sent (the master answers the last report within milliseconds)
+_VERDICT_GRACE = 2.0
+
+
+def _describe(name: str, value: int):
+    """Header codes as the user wrote them, for mismatch messages."""
+    if name == "quantize":
+        return "none (one round)" if value == _SMALL else _QUANTIZE[value - 1] if 0 < value <= 3 else value
+    if name == "dtype":
+        return dtype_name(value)
+    if name == "op":
+        return next((o.name for o in OPS.values() if o.code == value), value)
+    return value
+
+
+def _allreduce_header(buf, op, quantize, rank):
+    """Validate one peer's all-reduce arguments, before anything moves.
+
+    Returns:
+        ``(values, local_error, op)``: the header ints (:data:`_FIELDS`), this
+        peer's :class:`InvalidArgument` or None, and the :class:`~commlib.collectives.ops.Op`.
+    """
+    try:
+        if not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous:
+            raise InvalidArgument("buf must be a C-contiguous numpy array", rank=rank, op="allreduce")
+        if not buf.flags.writeable:
+            raise InvalidArgument("buf is read-only: the all-reduce writes its result into it", rank=rank,
+                                  op="allreduce")
+        check_plain_dtype(buf.dtype, rank, "allreduce", "buf")
+        if buf.dtype.kind not in "biufc":
+            raise InvalidArgument(f"buf must have a numeric dtype, got {buf.dtype}", rank=rank, op="allreduce")
+        if not isinstance(op, str) or op not in OPS:
+            raise InvalidArgument(f"op must be one of {', '.join(OPS)}, got {op!r}", rank=rank, op="allreduce")
+        opx = get_op(op, rank=rank, opname="allreduce")
+        opx.check(buf.dtype, rank=rank, op="allreduce")
+        if quantize not in _QUANTIZE:
+            raise InvalidArgument(f"quantize must be None, 'fp16' or 'int8', got {quantize!r}", rank=rank,
+                                  op="allreduce")
+        if quantize is not None and not is_floating(buf.dtype):
+            raise InvalidArgument("quantize needs a floating dtype", rank=rank, op="allreduce")
+    except InvalidArgument as exc:
+        return [0] * len(_FIELDS), exc, None
+    values = [_OPERATION, buf.size, dtype_code(buf.dtype), opx.code, _QUANTIZE.index(quantize) + 1]
+    return values, None, opx
+
+
+class _FirstRound:
+    """The epoch's transport as the first round uses it: its tags from the
+    transport's ``first_round_tags``, so the round's bytes are counted apart from
+    the data plane's (:attr:`Peer.stats`)."""
+
+    def __init__(self, tr):
+        self._tr = tr
+        self.tags = tr.first_round_tags
+
+    def __getattr__(self, name):
+        return getattr(self._tr, name)
+
+
+class _MasterPolicy(RecoveryPolicy):
+    """The elastic master's verdict as a recovery policy (PCCL's model).
+
+    An attempt runs on the current epoch's transport under tag ``(epoch,
+    seq)``; :meth:`settle` reports ``done`` or ``fail`` to the master and waits
+    for its terminal message: committed on every member, or aborted on every
+    member.  The tag is spent either way (the next call uses the next one).
+    :meth:`recover` waits for the next epoch (the survivors, fresh
+    connections) and retries, within the call's ``timeout`` and
+    ``max_retries``.  Argument errors found by the first round are the same on
+    every member: reported ``done``, raised everywhere.  Every wait is bounded
+    by the call's deadline.
+    """
+
+    def __init__(self, peer: "Peer", opname: str, deadline: float, timeout: float, retry: bool, max_retries: int):
+        self.peer, self.opname, self.deadline, self.timeout = peer, opname, deadline, timeout
+        self.retry, self.max_retries = retry, max_retries
+        self.aborts = 0
+        self.tag = None
+
+    def _left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def start(self):
+        peer = self.peer
+        if peer._closed:
+            raise CommError("this peer was closed (close() was called)", rank=peer.rank, op=self.opname)
+        topo = peer._adopt()
+        if topo is None or topo.rank is None:
+            raise InvalidArgument("this peer is not a member yet: call update_topology() first",
+                                  rank=None, op=self.opname)
+        if peer._lost is not None:
+            raise CommError(peer._lost, rank=topo.rank, op=self.opname)
+        self.tag = (topo.epoch, peer._seq)
+        tr = peer._transport(topo)
+        return tr, max(self._left(), 0.0), range(tr.size)
+
+    def is_failure(self, tp, exc) -> bool:
+        return isinstance(exc, (CommError, OSError)) and not isinstance(exc, InvalidArgument)
+
+    def settle(self, tp, outcome) -> bool:
+        peer, (e, s) = self.peer, self.tag
+        bad = outcome.failure is not None or (outcome.error is not None and not outcome.badarg)
+        peer._send({"t": FAIL if bad else DONE, "e": e, "s": s})
+        # the verdict follows the last member's report: bounded by what is left of
+        # the call, plus the master's answer to a report sent at the very end
+        try:
+            ok = peer._wait(lambda: peer._terms.pop((e, s), None), max(self._left(), 0.0) + _VERDICT_GRACE,
+                            self.opname)
+        finally:
+            peer._seq = s + 1  # the tag is spent (terminated, or given up on): never reuse it
+        if ok:
+            return True
+        if outcome.error is not None and not outcome.badarg:
+            raise outcome.error  # this peer's own error: not a failure to retry
+        return False
+
+    def recover(self, tp, outcome) -> None:
+        peer, e = self.peer, self.tag[0]
+        peer._counts["aborts"] += 1
+        self.aborts += 1
+        cause = outcome.failure if outcome.failure is not None else outcome.error
+        why = f"{type(cause).__name__}: {cause}" if cause is not None else "another member failed"
+        if not self.retry or self.aborts > self.max_retries:
+            raise PeerFailure(f"all-reduce aborted in epoch {e} ({why})", rank=tp.rank, op=self.opname)
+        if self._left() <= 0:
+            raise CommTimeout(f"no committed result within the call's {self.timeout:g} s timeout "
+                              f"({self.aborts} abort(s); last: {why}); did every member call it?",
+                              rank=tp.rank, op=self.opname)
+        # the next epoch (survivors, fresh connections) comes from the master
+        peer._wait(lambda: True if peer._latest is not None and peer._latest.epoch > e else None,
+                   max(self._left(), 0.0), self.opname)
+        peer._counts["retries"] += 1
 
 
 class Peer:
@@ -121,6 +264,12 @@ class Peer:
           epoch's, an aborted operation's);
         - ``bytes_buffered``: payload bytes that arrived before their receive was posted
           and took one extra copy.
+
+        - ``first_round_bytes_sent``, ``first_round_bytes_received`` (and
+          ``first_round_wire_bytes_*``): the first round of each all-reduce, its
+          argument agreement: ``n - 1`` rows of 48 header bytes plus
+          :func:`~commlib.collectives.one_round.small_capacity` payload bytes each
+          way per peer, which carry the whole vector of a small call.
 
         Not counted: the control connection to the master, handshakes, and
         :meth:`sync_shared_state` transfers (its result gives ``bytes_received``).
@@ -346,109 +495,120 @@ class Peer:
                   timeout: float | None = None, max_retries: int = 16) -> np.ndarray:
         """All-reduce ``buf`` in place over the current members; bit-identical on all.
 
-        Runs :func:`~commlib.collectives.allreduce_ring.allreduce_ring` over the
-        epoch's TCP transport, then waits for the master's terminal message.  If
-        the operation is aborted (a peer died or failed), ``buf`` is restored and
-        the operation is retried over the next epoch's members (``retry``).  The
-        restore comes from a copy-before-write snapshot taken while the ring's
-        transfers are in flight, into a scratch buffer the peer keeps between calls
-        (as large as its largest all-reduce).  With 2 members, no quantization and
-        at most :data:`PAIR_EXCHANGE_MAX` bytes, the ring's two steps become one
-        exchange of the whole vector
+        A front end of the collective engine's steps, run by the one retry runner
+        (:func:`commlib.collectives.recovery.run`) under the master's recovery
+        policy: the first round agrees on the call's header (operation, count,
+        dtype, op, quantize) over the epoch's TCP transport, so mismatched
+        calls raise :class:`~commlib.InvalidArgument` on every peer, naming the
+        difference, before any data byte moves; a call of at most
+        :func:`~commlib.collectives.one_round.small_capacity` bytes (unquantized)
+        travels inside that round and is reduced locally in the ring's order.
+        Larger calls run :func:`~commlib.collectives.allreduce_ring.allreduce_ring`,
+        or with 2 members, no quantization and at most :data:`PAIR_EXCHANGE_MAX`
+        bytes one exchange of the whole vector
         (:func:`~commlib.collectives.allreduce_recursive_doubling.allreduce_recursive_doubling`,
-        the same bytes on the wire, both peers combining rank 0's vector as the
-        left operand), computed into a kept scratch of twice ``buf``'s size and
-        copied into ``buf`` only once the master commits: an abort leaves ``buf``
-        untouched.
+        computed out of place into a kept scratch and copied into ``buf`` only
+        once the master commits).  Each peer then reports to the master, which
+        commits the operation when every member reported success and aborts it
+        otherwise; an aborted call is retried over the next epoch's members
+        (``retry``).  The ring restores from a copy-before-write snapshot kept
+        in a scratch buffer the peer reuses between calls.
+
+        This peer's invalid arguments (a read-only, non-contiguous or non-numeric
+        ``buf``, an unknown ``op`` or ``quantize``) raise at once, before anything
+        is sent.  On every error ``buf`` holds its input again, bit for bit, before the
+        error leaves the call (the master lost included), and the peer is ready
+        for the next call.
 
         Args:
-            buf: contiguous numpy array (any shape), same shape and dtype on every peer.
-            op: ``"sum"``, ``"avg"``, ``"min"``, ``"max"`` or ``"prod"``.
+            buf: writable C-contiguous numpy array (any shape) of a numeric dtype;
+                the same dtype and size on every peer.
+            op: a name of :data:`commlib.collectives.ops.OPS` (``"sum"``, ``"avg"``,
+                ``"min"``, ``"max"``, ``"prod"``, bitwise ops on integers).
             quantize: None, ``"fp16"`` or ``"int8"`` (floating dtypes only): the
                 wire format of each message; every peer still ends with the same bits.
             retry: on an abort, retry over the survivors (else raise PeerFailure).
-            timeout: seconds for each ring step and the wait for the verdict.
+            timeout: seconds the whole call may take, retries included (default:
+                the peer's ``timeout``).
             max_retries: aborts tolerated before PeerFailure.
 
         Returns:
             ``buf``.
 
         Raises:
-            InvalidArgument: bad buffer, op or quantize; not a member.
-            PeerFailure: aborted and ``retry=False`` (or too many retries).
+            InvalidArgument: bad buffer, op or quantize on any peer, or calls that
+                differ between peers (on every peer alike); not a member.
+            PeerFailure: aborted and ``retry=False`` (or more than ``max_retries`` aborts).
+            CommTimeout: no committed result within ``timeout`` seconds (e.g. a
+                member did not call the all-reduce).
+            CommError: the master is lost, or this peer was closed.
         """
-        timeout = self.timeout if timeout is None else timeout
-        if not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous:
-            raise InvalidArgument("buf must be a C-contiguous numpy array", rank=self.rank, op="allreduce")
-        check_plain_dtype(buf.dtype, self.rank, "allreduce", "buf")
-        if op not in ("sum", "avg", "min", "max", "prod"):
-            raise InvalidArgument(f"op must be sum, avg, min, max or prod, got {op!r}", rank=self.rank, op="allreduce")
-        opx = get_op(op)
-        opx.check(buf.dtype, rank=self.rank, op="allreduce")
-        if quantize not in (None, "fp16", "int8"):
-            raise InvalidArgument(f"quantize must be None, 'fp16' or 'int8', got {quantize!r}", rank=self.rank,
-                                  op="allreduce")
-        if quantize is not None and not is_floating(buf.dtype):
-            raise InvalidArgument("quantize needs a floating dtype", rank=self.rank, op="allreduce")
+        timeout = self.timeout if timeout is None else float(timeout)
+        deadline = time.monotonic() + timeout
+        rank = self.rank
+        values, local_error, opx = _allreduce_header(buf, op, quantize, rank)
+        if local_error is not None:
+            # this peer's own bad argument: raised here, before any byte moves; the
+            # members that called correctly end at their timeout (a member that did
+            # not call, as far as they can tell)
+            raise local_error
         flat = buf.reshape(-1)
-        aborts = 0
-        while True:
-            topo = self._adopt()
-            if topo is None or topo.rank is None:
-                raise InvalidArgument("this peer is not a member yet: call update_topology() first",
-                                      rank=None, op="allreduce")
-            e, s = topo.epoch, self._seq
-            snap = result = None
-            try:
-                tr = self._transport(topo)
-                if tr.size == 1:
-                    opx.finalize(flat, 1)  # the identity for every op: nothing to save
-                elif tr.size == 2 and quantize is None and flat.nbytes <= PAIR_EXCHANGE_MAX:
-                    # one exchange of the whole vector (recursive doubling at 2 ranks): half
-                    # the ring's steps, the same bytes; the result is built out of place, so
-                    # ``buf`` is untouched until the commit and an abort has nothing to restore.
-                    # Above PAIR_EXCHANGE_MAX the ring wins: its snapshot copies overlap its
-                    # transfers, while here the combine and the final copy of the whole
-                    # vector do not
-                    nb = flat.nbytes
-                    self._pair_keep = grown(self._pair_keep, 2 * nb)
-                    result = self._pair_keep[:nb].view(flat.dtype)
-                    allreduce_recursive_doubling(tr, result, opx, sendbuf=flat, timeout=timeout,
-                                                 tmp=self._pair_keep[nb:2 * nb].view(flat.dtype))
-                else:
-                    # copy-before-write snapshot into a reused scratch (no page faults, the
-                    # copies overlap the ring's transfers); restored only on an abort
-                    self._scratch = grown(self._scratch, flat.nbytes)  # the largest all-reduce so far
-                    snap = LazySnapshot(flat, self._scratch)
-                    self._ring_keep, tmp = ring_scratch(self._ring_keep, flat, tr.size)
-                    if quantize is None:
-                        allreduce_ring(tr, flat, opx, timeout=timeout, save=snap, tmp=tmp)
-                    else:
-                        # the quantizing view overwrites a chunk with its dequantized value when it
-                        # first sends it, before the ring's lazy saves: save everything up front
-                        snap.save_all()
-                        allreduce_ring(QuantizingTransport(tr, quantize), flat, opx, timeout=timeout, tmp=tmp)
-                report = DONE
-            except (CommError, OSError):
-                report = FAIL
-            self._send({"t": report, "e": e, "s": s})
-            ok = self._wait(lambda: self._terms.pop((e, s), None), timeout + 5.0, "allreduce")
-            if ok:
-                self._seq += 1
-                if result is not None:
-                    flat[...] = result
-                return buf
-            if snap is not None:
-                snap.restore()
-            self._counts["aborts"] += 1
-            aborts += 1
-            if not retry or aborts > max_retries:
-                raise PeerFailure(f"all-reduce aborted in epoch {e} (a peer failed)", rank=topo.rank,
-                                  op="allreduce")
-            # the next epoch (survivors, fresh connections) comes from the master
-            self._wait(lambda: True if self._latest is not None and self._latest.epoch > e else None,
-                       timeout, "allreduce")
-            self._counts["retries"] += 1
+        policy = _MasterPolicy(self, "allreduce", deadline, timeout, retry, max_retries)
+        keep = {}
+
+        def attempt(tr, left, survivors):
+            small = quantize is None and tr.size > 1 and flat.nbytes <= small_capacity(tr.size)
+            header = values[:4] + [_SMALL if small else values[4]]
+            rows = None
+            if tr.size > 1:
+                rows = agree(_FirstRound(tr), header, op="allreduce",
+                             payload=flat.view(np.uint8) if small else None, capacity=small_capacity(tr.size),
+                             timeout=left, names=_FIELDS, describe=_describe)
+            return self._allreduce_data(tr, flat, opx, quantize, left, rows if small else None, keep)
+
+        result = run(policy, attempt, lambda: keep["snap"].restore() if keep.get("snap") is not None else None)
+        if result is not None:
+            flat[...] = result
+        return buf
+
+    def _allreduce_data(self, tr, flat, opx, quantize, timeout, rows, keep):
+        """The data part of one all-reduce attempt on ``tr``; returns an out-of-place
+        result to copy into ``flat`` after the commit, or None when ``flat`` holds it."""
+        keep["snap"] = None
+        nb = flat.nbytes
+        if tr.size == 1:
+            opx.finalize(flat, 1)  # the identity for every op: nothing to save
+            return None
+        if rows is not None:  # the one-round path: every member's vector came in the first round
+            self._pair_keep = grown(self._pair_keep, 2 * nb)
+            result = self._pair_keep[:nb].view(flat.dtype)
+            reduce_rows(rows, flat.dtype, flat.size, opx, result)
+            return result
+        if tr.size == 2 and quantize is None and nb <= PAIR_EXCHANGE_MAX:
+            # one exchange of the whole vector (recursive doubling at 2 ranks): half
+            # the ring's steps, the same bytes; the result is built out of place, so
+            # ``buf`` is untouched until the commit and an abort has nothing to restore.
+            # Above PAIR_EXCHANGE_MAX the ring wins: its snapshot copies overlap its
+            # transfers, while here the combine and the final copy of the whole
+            # vector do not
+            self._pair_keep = grown(self._pair_keep, 2 * nb)
+            result = self._pair_keep[:nb].view(flat.dtype)
+            allreduce_recursive_doubling(tr, result, opx, sendbuf=flat, timeout=timeout,
+                                         tmp=self._pair_keep[nb:2 * nb].view(flat.dtype))
+            return result
+        # copy-before-write snapshot into a reused scratch (no page faults, the
+        # copies overlap the ring's transfers); restored only on an error
+        self._scratch = grown(self._scratch, nb)  # the largest all-reduce so far
+        snap = keep["snap"] = LazySnapshot(flat, self._scratch)
+        self._ring_keep, tmp = ring_scratch(self._ring_keep, flat, tr.size)
+        if quantize is None:
+            allreduce_ring(tr, flat, opx, timeout=timeout, save=snap, tmp=tmp)
+        else:
+            # the quantizing view overwrites a chunk with its dequantized value when it
+            # first sends it, before the ring's lazy saves: save everything up front
+            snap.save_all()
+            allreduce_ring(QuantizingTransport(tr, quantize), flat, opx, timeout=timeout, tmp=tmp)
+        return None
 
     def sync_shared_state(self, state: dict, revision: int, timeout: float | None = None) -> dict:
         """Make ``state`` identical on every member (see the module docstring).

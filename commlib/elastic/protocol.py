@@ -105,7 +105,9 @@ TICKET_TTL = 6 * 3600.0
 #: peers one master serves at most
 MAX_PEERS = 1024
 #: the data plane's traffic counters (:attr:`Peer.stats`)
-TRAFFIC = ("bytes_sent", "bytes_received", "wire_bytes_sent", "wire_bytes_received", "bytes_buffered")
+TRAFFIC = ("bytes_sent", "bytes_received", "wire_bytes_sent", "wire_bytes_received", "bytes_buffered",
+           "first_round_bytes_sent", "first_round_bytes_received", "first_round_wire_bytes_sent",
+           "first_round_wire_bytes_received")
 _DEBUG = bool(os.environ.get("COMMLIB_ELASTIC_DEBUG"))
 
 

@@ -1,0 +1,216 @@
+"""The elastic all-reduce as a front end of the engine, under the master's policy.
+
+Each defect a careless user hit before, as a bounded loopback test:
+
+- calls that differ between peers (dtype, count, op, quantize) are refused on
+  every peer within 1 s, naming the difference, and nothing of the data moves;
+- the caller's buffer equals its input, bit for bit, after every error; the
+  master killed mid-call, 12 randomized trials;
+- the call after a caught ``PeerFailure`` (a death, or an abort with no death)
+  completes;
+- a member that skips a collective makes the others fail within ``timeout`` + 2 s;
+- bad buffers (read-only, non-numeric) are refused before anything is sent.
+
+Oracles: the input's bytes (SHA-256) and the sum recomputed from the inputs.
+"""
+import hashlib
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import commlib
+import commlib.elastic as el
+
+from test_elastic import SECRET, form, run_peers
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _h(a) -> str:
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+def _group(n, timeout=20.0, **kw):
+    master = el.Master(secret=SECRET, **kw).start()
+    peers = [el.connect(master.address, secret=SECRET, timeout=timeout) for _ in range(n)]
+    form(peers, n)
+    return master, peers
+
+
+def _close(master, peers):
+    for p in peers:
+        p.close()
+    master.stop()
+
+
+def _outcomes(peers, fn, timeout=60):
+    """Run ``fn(i, peer)`` on every peer; returns ``[(result or None, exception or None, seconds)]``."""
+    res = [None] * len(peers)
+
+    def go(i):
+        t0 = time.monotonic()
+        try:
+            res[i] = (fn(i, peers[i]), None, time.monotonic() - t0)
+        except BaseException as exc:  # noqa: BLE001
+            res[i] = (None, exc, time.monotonic() - t0)
+
+    ths = [threading.Thread(target=go, args=(i,), daemon=True) for i in range(len(peers))]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in ths), "a peer hung"
+    return res
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("case", ["dtype", "count", "op", "quantize", "small-dtype"])
+def test_mismatched_calls_refused_on_every_peer(n, case):
+    """float32[1000] on one peer and int32[1000] on the others (the same bytes) and
+    the other mismatches: InvalidArgument on every peer within 1 s, naming the
+    field; the buffers untouched; no data-plane byte sent; the next call works."""
+    master, peers = _group(n)
+    try:
+        def args(i):
+            odd = i == n - 1
+            if case == "dtype":
+                return np.arange(1000, dtype=np.int32 if odd else np.float32), "sum", None
+            if case == "small-dtype":  # a call small enough to travel in the first round
+                return np.arange(8, dtype=np.int32 if odd else np.float32), "sum", None
+            if case == "count":
+                return np.ones(1000 + odd, np.float32), "sum", None
+            if case == "op":
+                return np.ones(5000, np.float32), "max" if odd else "sum", None
+            return np.ones(5000, np.float32), "sum", "int8" if odd else None
+
+        bufs = [args(i) for i in range(n)]
+        inputs = [_h(b[0]) for b in bufs]
+        before = [p.stats for p in peers]
+        out = _outcomes(peers, lambda i, p: p.allreduce(bufs[i][0], bufs[i][1], quantize=bufs[i][2]))
+        field = "dtype" if case == "small-dtype" else case
+        for i, (r, exc, dt) in enumerate(out):
+            assert isinstance(exc, commlib.InvalidArgument), (i, r, exc)
+            assert field in str(exc), str(exc)
+            assert dt < 1.0, f"peer {i} took {dt:.2f} s to refuse"
+            assert _h(bufs[i][0]) == inputs[i]
+        for p, b in zip(peers, before):
+            assert p.stats["bytes_sent"] == b["bytes_sent"], "data moved before the refusal"
+        # the group is fine: the next matching call completes
+        res = run_peers(peers, lambda i, p: p.allreduce(np.full(100, i + 1.0), "sum"))
+        assert all(np.all(r == n * (n + 1) / 2) for r in res)
+    finally:
+        _close(master, peers)
+
+
+def test_master_killed_mid_call_restores_the_input():
+    """12 trials, the master stopped (its sockets closed, as a kill does) at a random
+    point 0-60 ms into a ring all-reduce of 4 MiB over 3 peers: a peer whose call
+    returned holds the sum; one whose call raised holds its input, bit for bit."""
+    rng = random.Random(1234)
+    raised = 0
+    for trial in range(12):
+        master, peers = _group(3)
+        try:
+            data = [np.random.default_rng(trial * 10 + i).standard_normal(1 << 20).astype(np.float32)
+                    for i in range(3)]
+            bufs = [d.copy() for d in data]
+            ref = (data[1] + data[2]) + data[0]  # the ring's order is checked by test_elastic; here: the values
+            delay = rng.uniform(0.0, 0.06)
+            killer = threading.Timer(delay, master.stop)
+            killer.start()
+            out = _outcomes(peers, lambda i, p: p.allreduce(bufs[i], "sum", timeout=10))
+            killer.join()
+            for i, (r, exc, dt) in enumerate(out):
+                if exc is None:
+                    np.testing.assert_allclose(bufs[i], ref, rtol=1e-5, atol=1e-5)
+                else:
+                    raised += 1
+                    assert isinstance(exc, commlib.CommError), repr(exc)
+                    assert _h(bufs[i]) == _h(data[i]), f"trial {trial} peer {i}: buffer neither input nor result"
+                    assert dt < 10 + 3
+        finally:
+            _close(master, peers)
+    assert raised > 0, "no trial stopped the master inside a call"
+
+
+@pytest.mark.parametrize("how", ["death", "abort"])
+def test_call_after_a_caught_peer_failure_completes(how):
+    """retry=False: a peer dies mid-call (closed), or one peer's attempt fails with no
+    death (its transport revoked); the others raise PeerFailure with their input
+    restored; the next call completes over the survivors, bit-identical."""
+    master, peers = _group(3)
+    try:
+        n = 1 << 20
+        data = [np.full(n, i + 1.0, np.float32) for i in range(3)]
+        bufs = [d.copy() for d in data]
+        victim = peers[2]
+        if how == "death":
+            threading.Timer(0.02, victim.close).start()
+        else:
+            victim._adopt()
+            victim._transport(victim._topo).revoke("test: an attempt fails with no death")
+        out = _outcomes(peers, lambda i, p: p.allreduce(bufs[i], "sum", retry=False, timeout=10))
+        failures = 0
+        for i, (r, exc, dt) in enumerate(out[:2]):
+            if exc is not None:
+                failures += 1
+                assert isinstance(exc, el.PeerFailure), repr(exc)
+                assert _h(bufs[i]) == _h(data[i])
+        if how == "abort":
+            assert failures == 2 and isinstance(out[2][1], el.PeerFailure)
+        survivors = peers[:2] if how == "death" else peers
+        if how == "death":
+            form(survivors, 2)
+        t0 = time.monotonic()
+        res = run_peers(survivors, lambda i, p: p.allreduce(np.full(1000, i + 1.0), "sum", timeout=10))
+        assert time.monotonic() - t0 < 8
+        expect = sum(range(1, len(survivors) + 1))
+        assert all(np.all(r == expect) for r in res)
+        assert len({_h(r) for r in res}) == 1
+    finally:
+        _close(master, peers)
+
+
+@pytest.mark.parametrize("nbytes", [64, 1 << 20])
+def test_skipped_collective_fails_within_timeout(nbytes):
+    """Two of three members call allreduce(timeout=2), the third skips it: both raise
+    CommTimeout within timeout + 2 s with their input intact; afterwards all three
+    complete a call."""
+    master, peers = _group(3)
+    try:
+        data = [np.full(nbytes // 4, i + 1.0, np.float32) for i in range(2)]
+        bufs = [d.copy() for d in data]
+        out = _outcomes(peers[:2], lambda i, p: p.allreduce(bufs[i], "sum", timeout=2))
+        for i, (r, exc, dt) in enumerate(out):
+            assert isinstance(exc, commlib.CommTimeout), repr(exc)
+            assert dt < 2 + 2, f"peer {i} took {dt:.2f} s"
+            assert _h(bufs[i]) == _h(data[i])
+        res = run_peers(peers, lambda i, p: p.allreduce(np.full(10, i + 1.0), "sum", timeout=10))
+        assert all(np.all(r == 6.0) for r in res)
+    finally:
+        _close(master, peers)
+
+
+def test_bad_buffers_refused_before_anything_is_sent():
+    master, peers = _group(2)
+    try:
+        p = peers[0]
+        ro = np.ones(100, np.float32)
+        ro.flags.writeable = False
+        before = p.stats
+        for buf, what in ((ro, "read-only"), (np.array(["a", "b"]), "numeric"),
+                          (np.ones((4, 4))[:, 0], "contiguous")):
+            t0 = time.monotonic()
+            with pytest.raises(commlib.InvalidArgument, match=what):
+                p.allreduce(buf)
+            assert time.monotonic() - t0 < 0.5
+        after = p.stats
+        assert all(after[k] == before[k] for k in after)
+        # nothing was started: the group's next call works
+        res = run_peers(peers, lambda i, q: q.allreduce(np.full(10, 1.0), "sum"))
+        assert all(np.all(r == 2.0) for r in res)
+    finally:
+        _close(master, peers)

@@ -1,0 +1,378 @@
+"""The heat model: grid, initial condition, FTCS stencil kernels, halo layout.
+
+``du/dt = alpha * laplace(u)`` on the unit square or cube (1-D for tests) with
+zero Dirichlet boundaries and ``u(x, 0) = prod_i sin(pi x_i)``; its exact
+solution :func:`exact_solution` is the oracle every run is measured against.
+The grid has ``N_i`` interior points per dimension, ``dx_i = 1/(N_i+1)``;
+:func:`time_step` gives the stable FTCS step.  A rank's block of the grid is
+:func:`block_of` (remainders spread by :func:`decompose`); its field is a
+float64 array padded by one ghost layer per side, ``shape_i + 2``.
+
+The kernels update the box ``[lo, hi)`` (padded coordinates) of ``un`` from
+``u``: numpy (slices), numba (``@njit``, compiled on first call) and, in
+``commlib.apps._heat_cuda`` / ``commlib.apps._heat_cupy``, numba.cuda and CuPy
+launches configured by :func:`launch_geometry`.  Every backend does the same
+arithmetic in the same order per cell (the device ones up to FMA contraction
+on a real GPU), so the way the owned cells are split into boxes
+(:func:`interior_region`, :func:`shell_regions`) never changes a bit.
+
+Nothing here communicates; :mod:`.solver` runs the time loop over ranks.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .._heat_cupy import cupy_slice_step  # noqa: F401 - public: the CuPy slice-expression baseline
+
+#: every backend; the device ones keep both fields on the GPU
+BACKENDS = ("numpy", "numba", "cuda", "cupy")
+DEVICE_BACKENDS = ("cuda", "cupy")
+
+
+# ----------------------------------------------------------------- geometry
+def decompose(n: int, parts: int, index: int) -> tuple[int, int]:
+    """Split ``n`` cells over ``parts`` blocks; block ``index`` gets ``(count, offset)``.
+
+    The first ``n % parts`` blocks get one extra cell.  Pure integer
+    arithmetic, no check: ``0 <= index < parts`` is the caller's (a block may
+    be empty when ``n < parts``).
+    """
+    base, rem = divmod(n, parts)
+    count = base + (1 if index < rem else 0)
+    offset = index * base + min(index, rem)
+    return count, offset
+
+
+def block_of(grid, dims, coords) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Local shape and global offset of the block at Cartesian ``coords``.
+
+    Args:
+        grid: global interior points per dimension (d ints).
+        dims: ranks per dimension (d ints).
+        coords: the block's Cartesian coordinates (d ints, ``0 <= coords_i < dims_i``).
+
+    Returns:
+        ``(shape, offset)``: two tuples of d ints, cells owned and the global
+        index of the first one, per dimension (:func:`decompose`).
+    """
+    got = [decompose(n, p, c) for n, p, c in zip(grid, dims, coords)]
+    return tuple(g[0] for g in got), tuple(g[1] for g in got)
+
+
+def exact_solution(grid, offset, shape, t, alpha) -> np.ndarray:
+    """Exact ``u(x, t) = exp(-d pi^2 alpha t) prod_i sin(pi x_i)`` on a block.
+
+    Args:
+        grid: global interior points per dimension (d ints).
+        offset: global index of the block's first cell (d ints).
+        shape: cells of the block (d ints); the point of global index ``k``
+            along dimension i is ``x_i = (k + 1) / (grid_i + 1)``.
+        t: model time (the unit of ``1 / alpha``; 0 gives the initial condition).
+        alpha: diffusivity (> 0).
+
+    Returns:
+        float64 array of ``shape`` (unpadded).
+    """
+    d = len(grid)
+    u = np.ones(shape, dtype=np.float64)
+    for i, (n, o, m) in enumerate(zip(grid, offset, shape)):
+        x = (np.arange(o, o + m, dtype=np.float64) + 1.0) / (n + 1)
+        s = [1] * d
+        s[i] = m
+        u = u * np.sin(np.pi * x).reshape(s)
+    return u * math.exp(-d * math.pi ** 2 * alpha * t)
+
+
+def time_step(grid, alpha, cfl, steps, t_final=None) -> tuple[list, float, int, np.ndarray]:
+    """The FTCS step for ``grid``.
+
+    Args:
+        grid: global interior points per dimension (d ints).
+        alpha: diffusivity (> 0); cfl: fraction of the stability limit (0 < cfl <= 1).
+        steps: time steps (used when ``t_final`` is None).
+        t_final: model time to reach, or None.
+
+    Returns:
+        ``(dx, dt, steps, c)``: ``dx`` the spacing per dimension (list of d
+        floats, ``1/(N_i+1)``); ``dt = cfl / (2 alpha sum_i 1/dx_i^2)`` (the
+        stability limit times ``cfl``), shortened so ``steps * dt == t_final``
+        with ``steps = ceil(t_final/dt)`` when ``t_final`` is given; ``steps``
+        an int; ``c_i = alpha dt / dx_i^2`` (float64 array of d).  No check:
+        the drivers validate ``alpha`` and ``cfl`` first.
+    """
+    dx = [1.0 / (n + 1) for n in grid]
+    dt = cfl / (2.0 * alpha * sum(1.0 / h ** 2 for h in dx))
+    if t_final is not None:
+        steps = max(1, math.ceil(t_final / dt - 1e-12))
+        dt = t_final / steps
+    c = np.array([alpha * dt / h ** 2 for h in dx], dtype=np.float64)
+    return dx, dt, int(steps), c
+
+
+# ------------------------------------------------------------------ kernels
+# Host kernels: update(u, un, c, lo, hi) writes the FTCS update of the box
+# [lo, hi) of the padded float64 field u into un (same shape), reading one
+# cell beyond the box on every side; c as from time_step.
+def _numpy_update(u, un, c, lo, hi):
+    d = u.ndim
+    box = tuple(slice(a, b) for a, b in zip(lo, hi))
+    centre = u[box]
+    acc = None
+    for i in range(d):
+        m = list(box)
+        p = list(box)
+        m[i] = slice(lo[i] - 1, hi[i] - 1)
+        p[i] = slice(lo[i] + 1, hi[i] + 1)
+        term = c[i] * (u[tuple(m)] - 2.0 * centre + u[tuple(p)])
+        acc = term if acc is None else acc + term
+    un[box] = centre + acc
+
+
+_numba_kernels: dict = {}
+
+
+def _get_numba(d):
+    if d in _numba_kernels:
+        return _numba_kernels[d]
+    import numba  # noqa: PLC0415
+
+    # Unsigned indices: numba emits no negative-index wraparound for them, so
+    # the innermost loop over 1-D row views vectorizes (about 6x faster).
+    if d == 1:
+        @numba.njit(cache=True, nogil=True)
+        def k(u, un, c, lo, hi):
+            one = np.uint64(1)
+            c0 = c[0]
+            for i in range(np.uint64(lo[0]), np.uint64(hi[0])):
+                ctr = u[i]
+                un[i] = ctr + c0 * (u[i - one] - 2.0 * ctr + u[i + one])
+    elif d == 2:
+        @numba.njit(cache=True, nogil=True)
+        def k(u, un, c, lo, hi):
+            one = np.uint64(1)
+            c0, c1 = c[0], c[1]
+            for i in range(np.uint64(lo[0]), np.uint64(hi[0])):
+                um, uc, up, out = u[i - one], u[i], u[i + one], un[i]
+                for j in range(np.uint64(lo[1]), np.uint64(hi[1])):
+                    ctr = uc[j]
+                    out[j] = ctr + (c0 * (um[j] - 2.0 * ctr + up[j])
+                                    + c1 * (uc[j - one] - 2.0 * ctr + uc[j + one]))
+    else:
+        @numba.njit(cache=True, nogil=True)
+        def k(u, un, c, lo, hi):
+            one = np.uint64(1)
+            c0, c1, c2 = c[0], c[1], c[2]
+            for i in range(np.uint64(lo[0]), np.uint64(hi[0])):
+                for j in range(np.uint64(lo[1]), np.uint64(hi[1])):
+                    um, up = u[i - one, j], u[i + one, j]
+                    us, un_ = u[i, j - one], u[i, j + one]
+                    uc, out = u[i, j], un[i, j]
+                    for l in range(np.uint64(lo[2]), np.uint64(hi[2])):  # noqa: E741
+                        ctr = uc[l]
+                        out[l] = ctr + ((c0 * (um[l] - 2.0 * ctr + up[l])
+                                         + c1 * (us[l] - 2.0 * ctr + un_[l]))
+                                        + c2 * (uc[l - one] - 2.0 * ctr + uc[l + one]))
+    _numba_kernels[d] = k
+    return k
+
+
+def _numba_update(u, un, c, lo, hi):
+    _get_numba(u.ndim)(u, un, c, np.asarray(lo, np.int64), np.asarray(hi, np.int64))
+
+
+_UPDATES = {"numpy": _numpy_update, "numba": _numba_update}  # host backends
+
+
+# -------------------------------------------------------------- halo layout
+def neighbour_sides(dims, coords) -> tuple[tuple[bool, bool], ...]:
+    """Per dimension, ``(has a lower neighbour, has an upper neighbour)`` of the
+    block at ``coords`` on a non-periodic Cartesian layout ``dims`` (d ints
+    each): the sides whose ghost cells the halo exchange fills (the others
+    hold the Dirichlet boundary, zero, for the whole run)."""
+    return tuple((c > 0, c < p - 1) for p, c in zip(dims, coords))
+
+
+def shell_regions(shape, width, sides=None) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Boxes ``(lo, hi)`` in padded coordinates that cover the owned cells whose
+    stencil reads ghost cells filled by the exchange (the "shell"), each cell
+    exactly once; the rest is ``interior_region``.
+
+    Args:
+        shape: owned cells per dimension (d ints >= 1).
+        width: ghost layers per dimension (d ints; the owned cells of
+            dimension i are ``[width_i, width_i + shape_i)``).
+        sides: from :func:`neighbour_sides`: the sides that have a neighbour;
+            None means every side.  A side without one adds no shell: its
+            ghost cells are boundary values that never change.
+
+    Returns:
+        list of ``(lo, hi)`` pairs of d-int tuples, half-open, non-empty and
+        disjoint (empty when no side has a neighbour).
+    """
+    d = len(shape)
+    if sides is None:
+        sides = ((True, True),) * d
+    full = [(w, w + n) for n, w in zip(shape, width)]
+    inner = _inner_box(shape, width, sides)
+    out = []
+    for i in range(d):
+        faces = set()
+        if sides[i][0]:
+            faces.add(full[i][0])
+        if sides[i][1]:
+            faces.add(full[i][1] - 1)
+        for f in sorted(faces):
+            lo = [inner[j][0] if j < i else full[j][0] for j in range(d)]
+            hi = [inner[j][1] if j < i else full[j][1] for j in range(d)]
+            lo[i], hi[i] = f, f + 1
+            if all(h > l for l, h in zip(lo, hi)):
+                out.append((tuple(lo), tuple(hi)))
+    return out
+
+
+def _inner_box(shape, width, sides):
+    out = []
+    for n, w, (low, high) in zip(shape, width, sides):
+        a = w + (1 if low else 0)
+        out.append((a, max(a, w + n - (1 if high else 0))))
+    return out
+
+
+def interior_region(shape, width, sides=None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The owned cells whose stencil reads no ghost cell filled by the exchange,
+    as one box ``(lo, hi)`` of d-int tuples in padded coordinates (half-open;
+    empty, ``hi_i == lo_i`` somewhere, when the block is too thin).
+
+    ``shape``, ``width``, ``sides`` as in :func:`shell_regions` (None: every
+    side has a neighbour)."""
+    if sides is None:
+        sides = ((True, True),) * len(shape)
+    inner = _inner_box(shape, width, sides)
+    return tuple(a for a, _ in inner), tuple(b for _, b in inner)
+
+
+# Launch geometry of the device kernels (cuda and cupy backends).
+THREADS_3D = (32, 8, 1)     # last axis, middle axis: a warp reads 32 consecutive doubles
+THREADS_2D = (128, 1, 1)    # last axis
+TARGET_BLOCKS = 4096        # enough blocks for a few waves on a large GPU (H100: 132 SMs)
+CHUNK_MIN, CHUNK_MAX = 16, 64  # cells per thread along the first axis
+
+
+def launch_geometry(lo, hi, chunk=None):
+    """``(blocks, threads, chunk)`` for a device update of the box ``[lo, hi)``
+    (2 or 3 ints each), or None when the box is empty.
+
+    Threads cover the last axis (fastest thread index, coalesced) and, in 3-D,
+    the middle one; each thread marches ``chunk`` cells along the first axis.
+    ``chunk`` (unless given) is the largest in ``[CHUNK_MIN, CHUNK_MAX]`` that
+    still gives about ``TARGET_BLOCKS`` blocks: longer marches re-read fewer
+    planes (2 per chunk), more blocks fill the GPU.  ``blocks`` and
+    ``threads`` are 3-tuples of ints (CUDA grid and block); ``chunk`` an int
+    in ``[1, hi_0 - lo_0]``.
+    """
+    ext = [b - a for a, b in zip(lo, hi)]
+    if min(ext) <= 0:
+        return None
+    threads = THREADS_3D if len(ext) == 3 else THREADS_2D
+    bx = -(-ext[-1] // threads[0])
+    by = -(-ext[1] // threads[1]) if len(ext) == 3 else 1
+    if chunk is None:
+        want = max(1, -(-TARGET_BLOCKS // (bx * by)))
+        chunk = max(CHUNK_MIN, min(CHUNK_MAX, -(-ext[0] // want)))
+    chunk = max(1, min(int(chunk), ext[0]))
+    bz = -(-ext[0] // chunk)
+    blocks = (bx, by, bz) if len(ext) == 3 else (bx, bz, 1)
+    return blocks, threads, chunk
+
+
+# ------------------------------------------------------------ backend glue
+def _to_backend(backend, u0):
+    """The two fields ``(u, un)`` of ``backend``, both equal to ``u0``."""
+    if backend == "cuda":
+        from numba import cuda  # noqa: PLC0415 - numba.cuda only when asked for
+
+        return cuda.to_device(u0), cuda.to_device(u0)
+    if backend == "cupy":
+        import cupy  # noqa: PLC0415
+
+        return cupy.asarray(u0), cupy.asarray(u0)
+    return u0, u0.copy()
+
+
+def _to_host(backend, u):
+    if backend == "cuda":
+        return u.copy_to_host()
+    if backend == "cupy":
+        import cupy  # noqa: PLC0415
+
+        return cupy.asnumpy(u)
+    return u
+
+
+def _synchronizer(backend):
+    """A callable that waits for the backend's queued device work (no-op on the host)."""
+    if backend == "cuda":
+        from numba import cuda  # noqa: PLC0415
+
+        return cuda.synchronize
+    if backend == "cupy":
+        import cupy  # noqa: PLC0415
+
+        return lambda: cupy.cuda.get_current_stream().synchronize()
+    return lambda: None
+
+
+def _noop(parity):
+    return None
+
+
+def _region_updates(backend, fields, c, shape, width, sides, chunk=None):
+    """Three callables of the step parity ``p`` (each updates from
+    ``fields[p]`` into ``fields[1 - p]``), built once per solve:
+
+    * ``run_all``: every owned cell (one device launch);
+    * ``run_inner``: the cells whose stencil reads no exchanged ghost cell
+      (one launch; a no-op when that box is empty);
+    * ``run_shell``: the other owned cells (device: ONE launch over the owned
+      box that skips the interior; host: one call per face).
+
+    Device launches are configured here (kernel specialized and bound to its
+    grid, arguments for both parities prepared), so a step allocates nothing.
+    """
+    full_lo = tuple(width)
+    full_hi = tuple(w + n for n, w in zip(shape, width))
+    inner_lo, inner_hi = interior_region(shape, width, sides)
+    if backend in DEVICE_BACKENDS:
+        if backend == "cuda":
+            from .. import _heat_cuda as kernels  # noqa: PLC0415 - numba.cuda only when asked for
+        else:
+            from .. import _heat_cupy as kernels  # noqa: PLC0415 - CuPy only when asked for
+        a, b = fields
+
+        def region(lo, hi, skip=None):
+            geo = launch_geometry(lo, hi, chunk)
+            if geo is None:
+                return _noop
+            return kernels.Launch(a, b, c, lo, hi, skip, *geo).launch
+
+        return (region(full_lo, full_hi), region(inner_lo, inner_hi),
+                region(full_lo, full_hi, (inner_lo, inner_hi)))
+
+    update = _UPDATES[backend]
+    shell = shell_regions(shape, width, sides)
+    pairs = (fields, fields[::-1])
+
+    def run_all(p):
+        update(*pairs[p], c, full_lo, full_hi)
+
+    def run_inner(p):
+        if all(h > l for l, h in zip(inner_lo, inner_hi)):
+            update(*pairs[p], c, inner_lo, inner_hi)
+
+    def run_shell(p):
+        for lo, hi in shell:
+            update(*pairs[p], c, lo, hi)
+
+    return run_all, run_inner, run_shell

@@ -1,0 +1,578 @@
+"""The distributed time loop: one FTCS loop for the plain and the fault-tolerant driver.
+
+:func:`run_steps` is the only time loop.  It compiles and warms up every
+kernel the loop uses (adding the seconds to ``timers.compile_s``), waits for
+every rank (so compilation never counts as step or communication time),
+then takes the steps ``[start, stop)`` on a :class:`_Block` (this rank's
+block of the grid in one decomposition: two padded fields swapped by step
+parity, the halo exchange and the region updates), exchanging halos with or
+without overlap, and returns the seconds the steps took.
+
+* :func:`solve` (plain): one block, ``run_steps(0, steps)``.
+* :func:`solve_ft` (fault tolerant, ULFM): the same ``run_steps`` per
+  *epoch* (one decomposition over the ranks alive), started at the step of
+  the last checkpoint, plus its recovery hooks: ``before_step`` takes the
+  in-memory buddy checkpoints and injects the requested kills; a failure
+  raised anywhere in the epoch revokes the epoch's communicators, shrinks
+  ``comm``, rebuilds the checkpoint's field and starts the next epoch.
+
+Both end in :func:`_summary` (error against :func:`.model.exact_solution`,
+MLUPS, communication share, compile time; one :class:`HeatResult`).
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+import commlib  # light: commlib's names load on first use
+from commlib import CommTimeout, InvalidArgument, ProcessFailed
+
+from .model import (BACKENDS, DEVICE_BACKENDS, _region_updates, _synchronizer, _to_backend, _to_host, block_of,
+                    exact_solution, neighbour_sides, time_step)
+
+
+def _load_solver():
+    """Import what a run needs (the communicator: mpi4py.MPI; the halo
+    exchange: the datatypes and numba) in one go, before MPI's first
+    collective, as ``import commlib`` did before the command line became
+    light: a rank still importing while its peer spins in a collective would
+    share the cores with it (on 2 cores a 2-rank run took 0.5 s longer)."""
+    import commlib.communicator  # noqa: F401, PLC0415
+
+    _halo_exchange()
+
+
+def _halo_exchange():
+    """The halo exchange class the drivers build: the package's
+    ``commlib.apps.heat.HaloExchange`` (it loads on first use), looked up at
+    each call so that a test may replace it there."""
+    return getattr(sys.modules[__package__], "HaloExchange")
+
+
+# ------------------------------------------------------------------ result
+@dataclass
+class HeatResult:
+    """Summary of one run (what ``--json`` writes); the same on every rank.
+
+    Attributes:
+        grid: global interior points per dimension (list of ints).
+        ranks: number of MPI ranks (at the end); dims: their Cartesian layout.
+        backend: the backend's name (``BACKENDS``).
+        steps: time steps taken; alpha: diffusivity; dt, t_final: model time
+            (the unit of ``1 / alpha`` on the unit domain), ``t_final = steps * dt``.
+        l2_error: discrete L2 norm of ``u - exact`` over the unit domain.
+        max_error: max abs of ``u - exact``; rel_l2_error: l2_error over the
+            exact solution's L2 norm.
+        mlups: million lattice-site updates per second (``grid`` points times
+            ``steps`` over ``wall_s``).
+        glups: the same in billions (``mlups / 1000``).
+        comm_fraction: share of the wall time spent in halo exchange calls
+            (not hidden behind the interior update), max over ranks.
+        wall_s: seconds of the time loop, max over ranks (fault tolerant:
+            from the start to the final reductions, checkpoints and
+            recoveries included, kernel warm-up excluded); verified:
+            bit-identical to a single-process run (None when not checked).
+        extra: driver details (fault tolerant: ``fault_tolerant``, ``failed``,
+            ``checkpoint_every``, ``recoveries``, ``recovery_s``).
+        compile_s: seconds of kernel compilation and warm-up before the
+            timed loop, max over ranks (summed over the epochs when fault
+            tolerant; None where the driver does not report it).
+    """
+
+    grid: list
+    ranks: int
+    dims: list
+    backend: str
+    steps: int
+    alpha: float
+    dt: float
+    t_final: float
+    l2_error: float
+    max_error: float
+    rel_l2_error: float
+    mlups: float
+    comm_fraction: float
+    wall_s: float
+    verified: bool | None = None
+    extra: dict = field(default_factory=dict)
+    glups: float = float("nan")
+    compile_s: float | None = None
+
+    def __post_init__(self):
+        if math.isnan(self.glups):
+            self.glups = self.mlups / 1e3
+
+
+# ------------------------------------------------------------------- setup
+def _check_args(comm, grid, backend, cfl, alpha, progress, op):
+    """Raise InvalidArgument (on every rank alike: the values are global)
+    before any message moves."""
+    if backend not in BACKENDS:
+        raise InvalidArgument(f"unknown backend {backend!r}; choose one of {BACKENDS}", rank=comm.rank, op=op)
+    if not 1 <= len(grid) <= 3 or min(grid) < 1:
+        raise InvalidArgument(f"grid {grid} must have 1 to 3 positive sizes", rank=comm.rank, op=op)
+    if backend in DEVICE_BACKENDS and len(grid) == 1:
+        raise InvalidArgument(f"the {backend} backend needs a 2-D or 3-D grid", rank=comm.rank, op=op)
+    if not 0 < cfl <= 1 or alpha <= 0:
+        raise InvalidArgument(f"need 0 < cfl <= 1 and alpha > 0 (got cfl={cfl}, alpha={alpha})",
+                              rank=comm.rank, op=op)
+    if progress is not None and progress is not False and not callable(progress):
+        raise InvalidArgument(f"progress must be None or a callable progress(total, initial) returning a bar "
+                              f"(commlib.apps.heat.cli.progress_bar), got {progress!r}", rank=comm.rank, op=op)
+    if backend == "cupy":
+        from .. import _heat_cupy  # noqa: PLC0415 - CuPy only when asked for
+
+        _heat_cupy.require_cupy(rank=comm.rank, op=op)
+
+
+def _setup(comm, grid, op):
+    """The Cartesian communicator over ``comm`` (``commlib.compute_dims``)
+    and this rank's ``(cart, shape, offset)``; InvalidArgument on every rank
+    when a dimension has fewer points than ranks."""
+    d = len(grid)
+    dims = list(commlib.compute_dims(comm.size, d))
+    for i, (n, p) in enumerate(zip(grid, dims)):
+        if n < p:  # same verdict on every rank: grid and dims are global
+            raise InvalidArgument(f"grid {list(grid)} has {n} point(s) in dimension {i} but {p} ranks along it "
+                                  f"(dims {dims}); use a larger --grid or fewer ranks", rank=comm.rank, op=op)
+    cart = comm.cart_create(dims=dims, periods=[False] * d)
+    shape, offset = block_of(grid, cart.dims, cart.coords)
+    return cart, shape, offset
+
+
+class _Block:
+    """This rank's block of the grid in one decomposition.
+
+    ``fields``: two padded float64 fields of ``halo.shape`` on the backend,
+    both equal at the start: step ``s`` reads ``fields[s & 1]`` and writes
+    the other, so the halo always sees the same two array objects.  The owned
+    cells start as the exact initial condition, or as the owned box of
+    ``start`` (a global field of ``grid``'s shape) when given.
+    """
+
+    def __init__(self, cart, halo, shape, offset, grid, alpha, backend, c, start=None):
+        self.cart, self.halo, self.shape, self.offset, self.backend = cart, halo, shape, offset, backend
+        u0 = np.zeros(halo.shape)
+        if start is None:
+            u0[halo.interior] = exact_solution(grid, offset, shape, 0.0, alpha)
+        else:
+            u0[halo.interior] = start[tuple(slice(o, o + m) for o, m in zip(offset, shape))]
+        self.fields = _to_backend(backend, u0)
+        self.sides = neighbour_sides(cart.dims, cart.coords)
+        self.exchange = any(low or high for low, high in self.sides)  # False at 1 rank: no halo call at all
+        self.run_all, self.run_inner, self.run_shell = _region_updates(backend, self.fields, c, shape, halo.width,
+                                                                       self.sides)
+        self.sync = _synchronizer(backend)
+
+    def owned(self, parity):
+        """A new C-contiguous float64 host array of ``shape``: the owned
+        cells of ``fields[parity]``."""
+        return _to_host(self.backend, self.fields[parity])[self.halo.interior].copy()
+
+
+@dataclass
+class _Timers:
+    """Seconds accumulated by :func:`run_steps` (over the epochs of a fault-tolerant run)."""
+
+    compile_s: float = 0.0
+    comm_s: float = 0.0
+
+
+# --------------------------------------------------------------- time loop
+def run_steps(comm, blk, start, stop, overlap, timers, before_step=None, progress=None):
+    """Take the steps ``[start, stop)`` on ``blk``: the one time loop of both drivers.
+
+    First every kernel the loop uses is compiled and warmed up (numba
+    compiles on first call; the halo exchange packs with kernels of its own;
+    with overlap the interior and shell updates are kernels of their own):
+    the updates read ``fields[start & 1]`` and write the other field, which
+    step ``start`` overwrites; the exchange fills the ghost cells step
+    ``start`` fills again.  Those seconds go to ``timers.compile_s``.  Then
+    the ranks wait for the slowest compiler (``comm.barrier()``) before the
+    clock starts, so none of it counts as step or communication time.
+
+    Per step ``s`` (parity ``p = s & 1``): ``before_step(s)`` when given (the
+    fault-tolerant driver's checkpoints and kills), then without a
+    neighbour the whole block in one update; with overlap the exchange of
+    ``fields[p]`` starts, the interior is updated, the exchange completes and
+    the shell is updated; without overlap the exchange, then the whole block.
+    Seconds inside halo calls go to ``timers.comm_s``.
+
+    Args:
+        comm: the Communicator ``blk`` was decomposed over.
+        blk: a :class:`_Block` whose ``fields[start & 1]`` holds step ``start``.
+        start, stop: first step and the step to reach (``start <= stop``).
+        overlap: update the interior while the halo exchange is in flight.
+        timers: a :class:`_Timers` to add to.
+        before_step: None or a callable of the step index.
+        progress: None or ``progress(total, initial)`` returning a bar (its
+            ``update(1)`` after each step, ``close()`` at the end).
+
+    Returns:
+        float: seconds of the steps (wall clock on this rank, device work
+        included).  Afterwards ``fields[stop & 1]`` holds step ``stop``.
+
+    Raises:
+        whatever the halo exchange, the barrier or ``before_step`` raise
+        (``ProcessFailed``, ``CommTimeout`` in fault-tolerant mode).
+    """
+    fields, halo, exchange = blk.fields, blk.halo, blk.exchange
+    run_all, run_inner, run_shell = blk.run_all, blk.run_inner, blk.run_shell
+    clock = time.perf_counter
+    p0 = start & 1
+    t_compile = clock()
+    if exchange:  # the halo's pack/unpack kernels too; step start's exchange fills the same ghost cells again
+        halo.exchange(fields[p0])
+    run_all(p0)
+    if exchange and overlap:
+        run_inner(p0)
+        run_shell(p0)
+    blk.sync()
+    timers.compile_s += clock() - t_compile
+    bar = progress(stop, start) if progress else None
+    t_comm = 0.0
+    try:
+        comm.barrier()
+        t0 = clock()
+        for s in range(start, stop):
+            p = s & 1
+            if before_step is not None:
+                before_step(s)
+            if not exchange:
+                run_all(p)
+            elif overlap:
+                a = clock()
+                req = halo.start(fields[p])
+                t_comm += clock() - a
+                run_inner(p)
+                a = clock()
+                req.wait()
+                t_comm += clock() - a
+                run_shell(p)
+            else:
+                a = clock()
+                halo.exchange(fields[p])
+                t_comm += clock() - a
+                run_all(p)
+            if bar is not None:
+                bar.update(1)
+        blk.sync()
+        wall = clock() - t0
+    finally:
+        timers.comm_s += t_comm
+        if bar is not None:
+            bar.close()
+    return wall
+
+
+def _summary(comm, grid, blk, local, backend, steps, alpha, dt, dx, wall, timers, extra=None):
+    """The HeatResult of a run that ended with ``local`` (this rank's owned
+    block): two reductions over ``comm`` (every rank calls it)."""
+    t = steps * dt
+    ex = exact_solution(grid, blk.offset, blk.shape, t, alpha)
+    err = local - ex
+    sums = comm.allreduce(np.array([float(np.sum(err * err)), float(np.sum(ex * ex))]), op="sum")
+    maxes = comm.allreduce(np.array([float(np.max(np.abs(err))) if err.size else 0.0, wall,
+                                     timers.comm_s / wall if wall else 0.0, timers.compile_s]), op="max")
+    vol = float(np.prod(dx))
+    cells = int(np.prod(grid))
+    return HeatResult(
+        grid=grid, ranks=comm.size, dims=list(blk.cart.dims), backend=backend, steps=steps, alpha=alpha,
+        dt=dt, t_final=t, l2_error=math.sqrt(sums[0] * vol), max_error=float(maxes[0]),
+        rel_l2_error=math.sqrt(sums[0] / sums[1]) if sums[1] > 0 else float("nan"),
+        mlups=cells * steps / maxes[1] / 1e6 if maxes[1] > 0 else float("nan"),
+        comm_fraction=float(maxes[2]), wall_s=float(maxes[1]), compile_s=float(maxes[3]), extra=extra or {},
+    )
+
+
+# ------------------------------------------------------------------ drivers
+def solve(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final=None,
+          progress=None, overlap=True):
+    """Run the solver on ``comm``.
+
+    Args:
+        comm: a commlib Communicator (any size).
+        grid: global interior points per dimension (2 or 3 ints; 1 for tests).
+        steps: time steps (ignored when ``t_final`` is given).
+        alpha: diffusivity (unit domain, so any positive float).
+        backend: ``"numpy"``, ``"numba"`` (host kernels), ``"cuda"``
+            (numba.cuda kernels on numba device arrays; the CUDA simulator
+            without a GPU) or ``"cupy"`` (a CUDA C ``cupy.RawKernel`` on CuPy
+            arrays, on CuPy's current stream; needs CuPy and a GPU).  The
+            device backends update a region in one launch: thread blocks on
+            the last two axes, each thread marching along the first.
+        cfl: fraction of the FTCS stability limit used for ``dt`` (0 < cfl <= 1).
+        t_final: model time to reach; ``steps = ceil(t_final/dt_max)``.
+        progress: None, or ``progress(total, initial)`` returning a bar with
+            ``update(n)`` and ``close()``, called on the ranks that pass it
+            (the command line passes :func:`commlib.apps.heat.cli.progress_bar`'s
+            tqdm bar on rank 0).
+        overlap: update the interior while the halo exchange is in flight
+            (then the shell).  Where a rank has no neighbour on a side, that
+            side needs no exchange and no shell; a rank with no neighbour at
+            all (one rank) updates its block in one call and never calls the
+            halo exchange.
+
+    Returns:
+        (HeatResult, local_field): the summary (same on every rank) and this
+        rank's owned block as a float64 numpy array of its local shape.
+
+    Raises:
+        InvalidArgument: unknown backend, bad grid, cfl or alpha, a
+            ``progress`` that is not callable, or more ranks along a
+            dimension than points; raised on every rank before any halo
+            message moves.  Also (on each rank that lacks it) the cupy
+            backend without CuPy or without a GPU.
+    """
+    op = "heat.solve"
+    grid = [int(n) for n in grid]
+    _check_args(comm, grid, backend, cfl, alpha, progress, op)
+    dx, dt, steps, c = time_step(grid, alpha, cfl, steps, t_final)
+    cart, shape, offset = _setup(comm, grid, op)
+    halo = _halo_exchange()(cart, shape, width=1, corners=False, dtype=np.float64)
+    blk = _Block(cart, halo, shape, offset, grid, alpha, backend, c)
+    timers = _Timers()
+    wall = run_steps(comm, blk, 0, steps, overlap, timers, progress=progress)
+    halo.free()
+    local = blk.owned(steps & 1)
+    res = _summary(comm, grid, blk, local, backend, steps, alpha, dt, dx, wall, timers)
+    cart.free()
+    return res, local
+
+
+_GATHER_TAG = 77  # user tag of gather_field's blocks
+
+
+def gather_field(comm, grid, local, root=0):
+    """Assemble the global field on ``root`` from every rank's block.
+
+    Each rank's block geometry is recomputed from its Cartesian coordinates,
+    so only the float64 data travels (no pickling).  The blocks move on a
+    Cartesian communicator of their own (the same layout as :func:`solve`'s),
+    so the gather's messages cannot match anything else in flight on ``comm``.
+    Collective: every rank of ``comm`` calls it.
+
+    Args:
+        comm: the Communicator the field was solved on.
+        grid: global interior points per dimension (d ints).
+        local: this rank's owned block (as :func:`solve` returns it; cast to float64).
+        root: the rank that receives.
+
+    Returns:
+        float64 array of shape ``grid`` on ``root``; None elsewhere.
+    """
+    d = len(grid)
+    dims = commlib.compute_dims(comm.size, d)
+    cart = comm.cart_create(dims=dims, periods=[False] * d)
+    try:
+        if cart.rank != root:
+            cart.send(np.ascontiguousarray(local, dtype=np.float64), dest=root, tag=_GATHER_TAG)
+            return None
+        out = np.empty(grid, dtype=np.float64)
+        for r in range(cart.size):
+            shape, offset = block_of(grid, cart.dims, cart.coords_of(r))
+            box = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+            if r == cart.rank:
+                out[box] = local
+            else:
+                buf = np.empty(shape, dtype=np.float64)
+                cart.recv(buf, source=r, tag=_GATHER_TAG)
+                out[box] = buf
+        return out
+    finally:
+        cart.free()
+
+
+def matches_one_rank(comm, grid, full, steps, alpha=1.0, backend="numba", cfl=0.5, t_final=None) -> bool:
+    """Whether ``full`` (the gathered field on rank 0) equals bit for bit the
+    field of a single-process run (:func:`solve` on a one-rank communicator
+    split from ``comm``, on rank 0).  Collective: every rank of ``comm`` calls
+    it and gets the same answer.
+
+    Args:
+        comm: the Communicator of the run.
+        grid, steps, alpha, backend, cfl, t_final: as the run's (:func:`solve`;
+            ``steps``: the steps it took).
+        full: float64 array of shape ``grid`` on rank 0 (:func:`gather_field`);
+            ignored elsewhere.
+    """
+    ok = None
+    solo = comm.split(color=comm.rank)  # collective: a 1-rank communicator on every rank
+    if comm.rank == 0:
+        _, ref = solve(solo, grid, steps=steps, alpha=alpha, backend=backend, cfl=cfl, t_final=t_final)
+        ok = bool(np.array_equal(full, ref))
+    solo.free()
+    return bool(comm.bcast(np.array([1 if ok else 0], dtype=np.int32), root=0)[0])
+
+
+# --------------------------------------------------------- fault tolerance
+def _kill_self():
+    import os  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _buddy_checkpoint(comm, blk, step, geo, members):
+    """My block at ``step`` to rank r+1, r-1's block to me; returns the
+    checkpoint (committed: ``sendrecv_resilient`` returns on every rank only
+    if it succeeded on every rank)."""
+    n, r = comm.size, comm.rank
+    mine = blk.owned(step & 1)
+    left = (r - 1) % n
+    theirs = np.empty(geo[left][0], dtype=np.float64)
+    comm.sendrecv_resilient(mine, (r + 1) % n, theirs, left, name="heat.checkpoint")
+    return {"step": step, "members": members, "geo": geo, "blocks": {members[r]: mine, members[left]: theirs}}
+
+
+def solve_ft(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final=None,
+             checkpoint_every=20, kill=(), progress=None):
+    """Run the solver so that it survives rank failures (ULFM).
+
+    The time loop is :func:`solve`'s (:func:`run_steps`, with overlap), run
+    once per epoch, plus recovery hooks.  Every ``checkpoint_every`` steps,
+    and after the last one, each rank keeps a copy of its owned block and
+    sends one to its buddy, rank ``(r + 1) % size`` (in-memory buddy
+    checkpointing), committed only when every survivor agreed the exchange
+    succeeded.  When a rank dies (seen as :class:`commlib.ProcessFailed` or
+    :class:`commlib.CommTimeout` from the halo exchange, a checkpoint, a
+    barrier or the final reductions), the survivors revoke the Cartesian
+    communicator, shrink ``comm`` (:meth:`commlib.Communicator.recover`),
+    rebuild the field of the last checkpoint from the owners' and buddies'
+    copies, re-decompose the grid over the remaining ranks and go on from that
+    step.  FTCS does the same arithmetic per cell whatever the decomposition,
+    so the final field equals a failure-free run bit for bit.  A block is lost
+    only when its owner and its buddy both die between two checkpoints.
+
+    Args:
+        comm: ``commlib.init(fault_tolerant=True, on_failure="raise")`` under
+            ``mpiexec --with-ft ulfm``.
+        grid, steps, alpha, backend, cfl, t_final, progress: as :func:`solve`
+            (backends ``"numpy"`` and ``"numba"``; a bar per epoch).
+        checkpoint_every: steps between checkpoints (K >= 1).
+        kill: ``(world_rank, step)`` pairs: that rank SIGKILLs itself when it is
+            about to take that step (fault injection for tests and demos).
+
+    Returns:
+        (HeatResult, local_field): as :func:`solve` (``ranks`` and ``dims``
+        of the last epoch; ``wall_s`` from the start to the final reductions,
+        recoveries included); ``extra`` holds ``fault_tolerant`` (True),
+        ``failed`` (lost COMM_WORLD ranks), ``checkpoint_every``,
+        ``recoveries`` (count) and ``recovery_s`` (seconds from detection to
+        the re-decomposed block, each).
+
+    Raises:
+        InvalidArgument: as :func:`solve`, ``comm`` not fault tolerant (ULFM),
+            another backend, or ``checkpoint_every < 1``.
+        ProcessFailed: a block and its buddy copy were both lost.
+    """
+    op = "heat.solve_ft"
+    grid = [int(n) for n in grid]
+    if comm.fault_tolerant != "ulfm":
+        raise InvalidArgument("--fault-tolerant needs ULFM: mpiexec --with-ft ulfm --mca btl tcp,self",
+                              rank=comm.rank, op=op)
+    if backend not in ("numpy", "numba"):
+        raise InvalidArgument("fault-tolerant mode runs the numpy and numba backends", rank=comm.rank, op=op)
+    if checkpoint_every < 1:
+        raise InvalidArgument("checkpoint_every must be >= 1", rank=comm.rank, op=op)
+    _check_args(comm, grid, backend, cfl, alpha, progress, op)
+    dx, dt, steps, c = time_step(grid, alpha, cfl, steps, t_final)
+    world = comm.world_ranks[comm.rank]
+    kills = {int(s) for r, s in kill if int(r) == world}
+
+    full = None          # field to restart from (global, after a recovery)
+    step = 0             # the step it holds
+    ck = None            # committed checkpoint
+    stats = {"recoveries": 0, "recovery_s": []}
+    timers = _Timers()
+    t_start = time.perf_counter()
+    t_detect = None
+    while True:  # one epoch per pass: a decomposition over the ranks alive
+        cart = halo = None
+        try:
+            cart, shape, offset = _setup(comm, grid, op)
+            halo = _halo_exchange()(cart, shape, width=1, corners=False, dtype=np.float64)
+            blk = _Block(cart, halo, shape, offset, grid, alpha, backend, c, start=full)
+            full = None
+            # geometry of every rank's block in this epoch (for the buddy copies)
+            geo = [block_of(grid, cart.dims, cart.coords_of(q)) for q in range(comm.size)]
+            members = [int(x) for x in comm.world_ranks]
+            if t_detect is not None:
+                stats["recovery_s"].append(time.perf_counter() - t_detect)
+                t_detect = None
+
+            def before_step(s):  # the recovery hooks of this epoch's run_steps
+                nonlocal ck
+                if s % checkpoint_every == 0:
+                    ck = _buddy_checkpoint(comm, blk, s, geo, members)
+                if s in kills:
+                    _kill_self()
+
+            run_steps(comm, blk, step, steps, True, timers, before_step=before_step, progress=progress)
+            ck = _buddy_checkpoint(comm, blk, steps, geo, members)  # a failure in the reductions restarts here
+            local = blk.owned(steps & 1)
+            wall = time.perf_counter() - t_start - timers.compile_s
+            extra = {"fault_tolerant": True, "failed": list(comm.failed_ranks), "checkpoint_every": checkpoint_every,
+                     "recoveries": stats["recoveries"], "recovery_s": stats["recovery_s"]}
+            res = _summary(comm, grid, blk, local, backend, steps, alpha, dt, dx, wall, timers, extra)
+            break
+        except (ProcessFailed, CommTimeout) as exc:  # a peer died (or was revoked): recover collectively
+            t_detect = time.perf_counter()
+            # revoke what the halo traffic runs on, so survivors blocked on a
+            # live neighbour are released and join the recovery
+            if halo is not None:
+                halo.revoke()
+            if cart is not None:
+                try:
+                    cart.revoke()
+                except commlib.CommError:  # already revoked, or its peers gone
+                    pass
+            if not getattr(exc, "recovered", False):
+                comm.recover()
+            stats["recoveries"] += 1
+            full, step = _restore_checkpoint(comm, grid, ck, op)
+    try:
+        halo.free()
+        cart.free()
+    except Exception:  # noqa: BLE001
+        pass
+    return res, local
+
+
+def _restore_checkpoint(comm, grid, ck, op):
+    """Rebuild the global field of the last committed checkpoint on every survivor.
+
+    Each survivor contributes the blocks it holds (its own and its buddy copy)
+    through one fault-tolerant allgather of fixed-size records; returns
+    ``(field, step)`` (``(None, 0)`` without a checkpoint: start over).
+    """
+    if ck is None:
+        return None, 0
+    geo, members = ck["geo"], ck["members"]
+    maxlen = max(int(np.prod(s)) for s, _ in geo)
+    rec = np.full((2, 1 + maxlen), -1.0)
+    for slot, (w, data) in enumerate(sorted(ck["blocks"].items())[:2]):
+        rec[slot, 0] = w
+        rec[slot, 1:1 + data.size] = data.reshape(-1)
+    allrec = comm.allgather(rec).reshape(-1, 1 + maxlen)
+    field_ = np.empty(grid, dtype=np.float64)
+    have = set()
+    for row in allrec:
+        w = int(row[0])
+        if w < 0 or w in have:
+            continue
+        q = members.index(w)
+        shape, offset = geo[q]
+        box = tuple(slice(o, o + m) for o, m in zip(offset, shape))
+        field_[box] = row[1:1 + int(np.prod(shape))].reshape(shape)
+        have.add(w)
+    missing = sorted(set(members) - have)
+    if missing:
+        raise ProcessFailed(f"checkpoint blocks of COMM_WORLD ranks {missing} lost (owner and buddy both failed)",
+                            failed=comm.failed_ranks, rank=comm.rank, op=op)
+    return field_, ck["step"]

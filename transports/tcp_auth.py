@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import secrets
 import socket
 import struct
@@ -36,6 +35,7 @@ import threading
 import time
 from typing import Callable
 
+from commlib.core.config import config
 from commlib.core.errors import AuthenticationError, CommTimeout, InvalidArgument
 
 from .tcp_frames import (K_CHALLENGE, K_PROOF, K_RESPONSE, Connection, FrameError, pack_ctrl, parse_address,
@@ -52,23 +52,28 @@ MAC = 32
 
 
 # ------------------------------------------------------------- secret
-def read_secret(secret: bytes | str | None = None, secret_file: str | None = None,
-                env: str = "COMMLIB_ELASTIC_SECRET") -> bytes:
+def read_secret(secret: bytes | str | None = None, secret_file: str | None = None) -> bytes:
     """The shared secret: ``secret``, else the contents of ``secret_file``
-    (surrounding whitespace stripped), else the environment variable ``env``.
+    (surrounding whitespace stripped), else ``COMMLIB_ELASTIC_SECRET``
+    (:attr:`commlib.core.config.Config.elastic_secret`, read at each use).
 
     Raises:
-        AuthenticationError: none given, or shorter than 16 bytes.
+        AuthenticationError: none given, ``secret_file`` unreadable, or shorter than 16 bytes.
     """
     if secret is None and secret_file is not None:
-        with open(secret_file, "rb") as f:
-            secret = f.read().strip()
+        try:
+            with open(secret_file, "rb") as f:
+                secret = f.read().strip()
+        except OSError as exc:
+            raise AuthenticationError(f"cannot read the secret file {secret_file!r}: {exc.strerror or exc}",
+                                      op="secret") from None
     if secret is None:
-        secret = os.environ.get(env)
+        secret = config.elastic_secret
     if isinstance(secret, str):
         secret = secret.encode()
     if not secret:
-        raise AuthenticationError(f"no shared secret: pass secret= or secret_file=, or set {env}", op="secret")
+        raise AuthenticationError("no shared secret: pass secret= or secret_file=, or set COMMLIB_ELASTIC_SECRET",
+                                  op="secret")
     if len(secret) < 16:
         raise AuthenticationError("the shared secret must be at least 16 bytes", op="secret")
     return bytes(secret)

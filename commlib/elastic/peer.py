@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
-import os
 import queue
 import threading
 import time
@@ -20,6 +19,7 @@ from commlib.collectives.one_round import reduce_rows, small_capacity
 from commlib.collectives.ops import OPS, dtype_code, dtype_name, get_op, is_floating
 from commlib.collectives.recovery import RecoveryPolicy, run
 from commlib.core.buffer import grown
+from commlib.core.config import config
 from commlib.core.errors import (AuthError, AuthenticationError, CommError, CommTimeout, InvalidArgument, PeerFailure,
                                  ProcessFailed)
 from commlib.transports import tcp
@@ -698,7 +698,7 @@ class Peer:
 
     def _serve(self, conn: tcp.Connection, views: dict) -> None:
         """Donor side of one fetch connection: answer range requests from ``views``."""
-        rate = float(os.environ.get("COMMLIB_ELASTIC_SERVE_RATE", "0") or 0)  # bytes/s; testing / WAN emulation
+        rate = config.elastic_serve_rate  # bytes/s; testing / WAN emulation
         try:
             while self._serving is not None:
                 kind, _, msg = conn.read_ctrl(deadline=time.monotonic() + self.timeout, limit=1 << 12)

@@ -69,6 +69,8 @@ import os
 import sys
 import time
 
+from commlib.core.config import config
+
 __all__ = ["WELCOME", "TOPO", "TERM", "VOTED", "PLAN", "SYNC_END", "VOTE", "DONE", "FAIL", "SYNC", "SYNCED",
            "BYE", "RING", "FETCH", "HEARTBEAT_INTERVAL", "AUTO_STREAMS", "PAIR_EXCHANGE_MAX", "TICKET_TTL",
            "MAX_PEERS", "TRAFFIC", "is_int", "is_bytes", "dbg"]
@@ -108,12 +110,11 @@ MAX_PEERS = 1024
 TRAFFIC = ("bytes_sent", "bytes_received", "wire_bytes_sent", "wire_bytes_received", "bytes_buffered",
            "first_round_bytes_sent", "first_round_bytes_received", "first_round_wire_bytes_sent",
            "first_round_wire_bytes_received")
-_DEBUG = bool(os.environ.get("COMMLIB_ELASTIC_DEBUG"))
 
 
 def dbg(msg: str) -> None:
     """One trace line on stderr with ``COMMLIB_ELASTIC_DEBUG`` set."""
-    if _DEBUG:
+    if config.elastic_debug:
         print(f"[elastic {time.monotonic():.3f} pid {os.getpid()}] {msg}", file=sys.stderr, flush=True)
 
 

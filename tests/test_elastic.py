@@ -23,14 +23,19 @@ def _h(a) -> str:
     return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
 
 
-def run_peers(peers, fn, timeout=60):
-    out, err = [None] * len(peers), [None] * len(peers)
+def run_outcomes(peers, fn, timeout=60):
+    """Run ``fn(i, peer)`` on every peer at once; returns ``[(result, exception, seconds)]``
+    (one of result and exception None).  Fails when a peer is still running after ``timeout``."""
+    import time
+
+    res = [None] * len(peers)
 
     def go(i):
+        t0 = time.monotonic()
         try:
-            out[i] = fn(i, peers[i])
+            res[i] = (fn(i, peers[i]), None, time.monotonic() - t0)
         except BaseException as exc:  # noqa: BLE001
-            err[i] = exc
+            res[i] = (None, exc, time.monotonic() - t0)
 
     ths = [threading.Thread(target=go, args=(i,), daemon=True) for i in range(len(peers))]
     for t in ths:
@@ -38,10 +43,16 @@ def run_peers(peers, fn, timeout=60):
     for t in ths:
         t.join(timeout)
     assert not any(t.is_alive() for t in ths), "a peer hung"
-    for e in err:
+    return res
+
+
+def run_peers(peers, fn, timeout=60):
+    """:func:`run_outcomes`, raising the first peer's exception; returns the results."""
+    out = run_outcomes(peers, fn, timeout)
+    for _, e, _ in out:
         if e is not None:
             raise e
-    return out
+    return [r for r, _, _ in out]
 
 
 def form(peers, n, timeout=30.0):

@@ -24,7 +24,7 @@ import pytest
 import commlib
 import commlib.elastic as el
 
-from test_elastic import SECRET, form, run_peers
+from test_elastic import SECRET, form, run_outcomes as _outcomes, run_peers
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -44,26 +44,6 @@ def _close(master, peers):
     for p in peers:
         p.close()
     master.stop()
-
-
-def _outcomes(peers, fn, timeout=60):
-    """Run ``fn(i, peer)`` on every peer; returns ``[(result or None, exception or None, seconds)]``."""
-    res = [None] * len(peers)
-
-    def go(i):
-        t0 = time.monotonic()
-        try:
-            res[i] = (fn(i, peers[i]), None, time.monotonic() - t0)
-        except BaseException as exc:  # noqa: BLE001
-            res[i] = (None, exc, time.monotonic() - t0)
-
-    ths = [threading.Thread(target=go, args=(i,), daemon=True) for i in range(len(peers))]
-    for t in ths:
-        t.start()
-    for t in ths:
-        t.join(timeout)
-    assert not any(t.is_alive() for t in ths), "a peer hung"
-    return res
 
 
 @pytest.mark.parametrize("n", [2, 3])

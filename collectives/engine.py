@@ -1,118 +1,66 @@
-"""The collective engine: one table of collective specifications and the first round every call makes.
+"""The collective engine: every collective call, from one table of specifications.
 
-Every collective call (``Communicator.allreduce``, ``reduce_scatter``,
-``allgather``, ``bcast``, ``alltoall``) runs the same steps:
+Every collective of a communicator (``allreduce``, ``reduce_scatter``,
+``allgather``, ``bcast``, ``alltoall``, ``barrier``) is one call of
+:meth:`Engine.execute` with its row of :data:`~commlib.collectives.specs.SPECS`,
+which carries the collective's validation, header and algorithms.  The
+engine alone runs the steps:
 
-1. **validate** this rank's arguments locally (never raising yet);
-2. **first round**: one all-gather of a fixed-size *row* per rank holding the
-   call's header (:mod:`commlib.core.agreement`: error flag, operation, count,
-   dtype, op, root, algorithm) and, for a small allreduce / reduce_scatter /
-   bcast, the payload itself.  The row has the same size on every rank
-   whatever its arguments (:func:`small_capacity` depends on the group size
-   only), so ranks whose calls differ
-   still make matching calls; every rank reads every header and raises the
-   same :class:`~commlib.InvalidArgument` before any payload byte of a large
-   call moves;
+1. **validate** this rank's arguments locally (the row's ``prepare``; an
+   error is kept, not raised yet) and encode the call's header;
+2. **first round** (:func:`first_round`): one all-gather of a fixed-size
+   *row* per rank holding the header (:mod:`commlib.core.agreement`: error
+   flag, operation, count, dtype, op, root, algorithm) and, for a small
+   ``"auto"`` allreduce / reduce_scatter / bcast, the payload itself.  The
+   row has the same size on every rank whatever its arguments
+   (:func:`~.one_round.small_capacity` depends on the group size only), so
+   ranks whose calls differ still make matching calls; every rank reads every
+   header and raises the same :class:`~commlib.InvalidArgument` before any
+   payload byte of a large call moves;
 3. **small calls end here**: the payloads are in the gathered rows and each
-   rank reduces them locally in rank order (0, 1, ..., size-1), so every rank
-   computes the same bits: one round of messages instead of two;
-4. **large calls** choose an algorithm (:data:`SPECS` thresholds) and run it
-   over the transport, under fault tolerance (:func:`commlib.collectives.ft.run_collective`).
+   rank combines them locally in the ring's order (:mod:`.one_round`), so
+   every rank computes the same bits: one round of messages instead of two;
+4. **choose** the algorithm (the row's thresholds, already applied by
+   ``prepare``) and its host or device variant, stage the buffers, and
+   **snapshot** an input the algorithm overwrites (fault-tolerant mode);
+5. **run** it over the transport under the recovery policy
+   (:func:`commlib.collectives.ft.run_collective`: bounded waits, and under
+   ULFM revoke/agree/shrink/retry, the snapshot restored before each retry);
+6. **return** what the row's ``deliver`` makes of the result.
 
-The first round is the one argument-agreement protocol of
-:mod:`commlib.collectives.agreement`, given room for a payload.
+``COMMLIB_CHECK_ARGS=0`` skips the first round of large calls (small calls
+keep it: it carries their data).
+
+The one hot path, an allreduce of host numpy arrays outside fault-tolerant
+mode, runs from a plan the engine caches per (dtype, count, op, algorithm)
+(:class:`HostAllreduce`): the row its first round sends is the one
+:func:`first_round` encodes for the same call (recorded once, when the plan
+is made from the row's own ``prepare``), so the call costs one native
+all-gather (plus the algorithm for a large call) and a few microseconds of
+Python, with no per-call staging objects.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from commlib.core.agreement import FIELDS
+from commlib.core.buffer import grown
 from commlib.core.config import config
 from commlib.core.errors import BufferError, CommError, InvalidArgument, ProcessFailed
 
 from . import ops
-from ._common import chunk_bounds_list
-from .agreement import agree, judge
-from .allreduce_recursive_doubling import allreduce_recursive_doubling
+from .agreement import agree, check_all, judge
 from .allreduce_ring import allreduce_ring, ring_scratch
 from .ft import run_collective
+from .one_round import SMALL, apply_steps, reduce_rows, ring_order_steps, small_capacity
+from .snapshot import LazySnapshot
+from .specs import SPECS, Call, CollectiveSpec, valid_root
+from .staging import Staged, wrap
 
-__all__ = ["CollectiveSpec", "SPECS", "SmallAllreduce", "execute", "first_round", "reduce_rows", "describe_field"]
+__all__ = ["Engine", "CollectiveSpec", "SPECS", "HostAllreduce", "SmallAllreduce", "validate", "first_round",
+           "reduce_rows", "small_capacity", "describe_field"]
 
-
-@dataclass(frozen=True)
-class CollectiveSpec:
-    """What the engine knows about one collective.
-
-    Attributes:
-        name: the operation (``"allreduce"``...).
-        code: its number in the header (``operation`` field).
-        algorithms: accepted ``algorithm=`` values; ``"auto"`` first, then the default.
-        small: True when a small call travels inside the first round.
-        thresholds: ``(max_bytes, algorithm)`` or ``(max_bytes, algorithm,
-            min_ranks)`` entries ``"auto"`` picks from, in order (an entry with
-            ``min_ranks`` applies on groups of at least that many ranks); the
-            default algorithm above them all.
-        snapshot: True when fault-tolerant mode must keep the input for a retry
-            (the operation overwrites its input in place).
-    """
-
-    name: str
-    code: int
-    algorithms: tuple
-    small: bool = False
-    thresholds: tuple = field(default_factory=tuple)
-    snapshot: bool = False
-
-    def choose(self, algorithm: str, nbytes: int = 0, *, rank=None, nranks: int | None = None) -> str:
-        """The algorithm to run for ``algorithm`` (``"auto"`` by size in bytes
-        and, where a threshold says so, by ``nranks``, the group's size).
-
-        Raises:
-            InvalidArgument: an algorithm this collective does not have.
-        """
-        if algorithm not in self.algorithms:
-            raise InvalidArgument(f"algorithm {algorithm!r} not in {self.algorithms}", rank=rank, op=self.name)
-        if algorithm != "auto":
-            return algorithm
-        for max_bytes, algo, *min_ranks in self.thresholds:
-            if nbytes <= max_bytes and (not min_ranks or nranks is None or nranks >= min_ranks[0]):
-                return algo
-        return self.algorithms[1]
-
-    def algorithm_code(self, algorithm: str) -> int:
-        return self.algorithms.index(algorithm) + 1
-
-
-#: the collectives, their algorithms and "auto" thresholds (allreduce: recursive
-#: doubling up to 256 KiB, ring above; measured with benchmarks/bench_allreduce.py
-#: at 2 and 4 ranks, shared memory, 2 cores: the two cross between 64 and 256 KiB.
-#: At 2 ranks the ring from the one-round capacity on: with both on the host fast
-#: path the ring was 0.13-0.93x MPI at 2-128 KiB against recursive doubling's
-#: 0.11-0.57x, and the two give the same bits there, every op being commutative)
-SPECS = {s.name: s for s in (
-    CollectiveSpec("allreduce", 1, ("auto", "ring", "recursive_doubling", "mpi"), small=True,
-                   thresholds=((256 * 1024, "recursive_doubling", 3),), snapshot=True),
-    CollectiveSpec("reduce_scatter", 2, ("auto", "ring", "mpi"), small=True),
-    CollectiveSpec("allgather", 3, ("auto", "ring", "mpi")),
-    CollectiveSpec("bcast", 4, ("auto", "binomial", "mpi"), small=True, snapshot=True),
-    CollectiveSpec("alltoall", 5, ("auto", "pairwise", "mpi")),
-    CollectiveSpec("barrier", 6, ("auto", "dissemination", "mpi")),
-)}
-
-#: header code of the one-round small path (``"auto"`` below :func:`small_capacity`)
-SMALL = 0
-_NFIELDS = len(FIELDS)
-_HEAD = 8 * (1 + _NFIELDS)  # bytes: error flag + fields, int64
-
-
-def small_capacity(size: int) -> int:
-    """Payload bytes a first-round row carries on a group of ``size`` ranks:
-    ``COMMLIB_SMALL_BYTES``, capped so that a row gathered from every rank stays
-    within 64 KiB (the first round must stay cheap for large calls too)."""
-    return max(0, min(config.small_bytes, 65536 // max(size, 1) - _HEAD)) // 8 * 8
+_ROOT = FIELDS.index("root")
 
 
 def describe_field(opname: str):
@@ -136,7 +84,7 @@ def describe_field(opname: str):
 def first_round(transport, opname: str, values, local_error: CommError | None, payload: np.ndarray | None,
                 timeout: float | None):
     """The first round of a collective: :func:`~commlib.collectives.agreement.agree`
-    on the call's header, with room for :func:`small_capacity` payload bytes.
+    on the call's header, with room for :func:`~.one_round.small_capacity` payload bytes.
 
     Args:
         transport: the group's transport.
@@ -158,191 +106,361 @@ def first_round(transport, opname: str, values, local_error: CommError | None, p
                  capacity=small_capacity(transport.size), timeout=timeout, describe=describe_field(opname))
 
 
-def execute(comm, opname, prepare, run, *, small=None, restore=None, on_failure=None, root=None):
-    """The engine: validate, agree, stage, run one collective under fault tolerance, return.
+def validate(c: Call):
+    """Step 1 for call ``c``: the row's ``prepare``, then the one-round payload
+    when the call is small.
+
+    Returns:
+        ``(values, local_error)``: the header as ints in
+        :data:`~commlib.core.agreement.FIELDS` order (``algorithm`` 0 for a
+        small call) and this rank's argument error (an InvalidArgument; a
+        BufferError becomes one), or None.  ``c.payload`` is set.
+    """
+    spec = c.spec
+    try:
+        header = spec.prepare(c)
+        c.payload = spec.one_round.payload(c) if spec.one_round is not None else None
+        if c.payload is not None:
+            header["algorithm"] = SMALL
+        return spec.values(header), None
+    except InvalidArgument as exc:
+        return [0] * len(FIELDS), exc
+    except BufferError as exc:
+        return [0] * len(FIELDS), InvalidArgument(exc.detail, rank=c.rank, op=spec.name)
+
+
+class Engine:
+    """The collective engine of one communicator, with what it keeps between calls.
 
     Args:
-        comm: the communicator, speaking the protocol of :func:`run_collective`
-            (``ft``, ``rank``, ``size``, ``collective_transport()``, ``shrink()``)
-            and ``failed_ranks``.
-        opname: the operation.
-        prepare: ``prepare()`` validates this rank's arguments and returns its
-            header (a dict over :data:`commlib.core.agreement.FIELDS`);
-            raises InvalidArgument / BufferError on a bad argument.  Every
-            rank then raises alike, in the first round.
-        run: ``run(tp, timeout, survivors, rows)`` finishes the call after
-            the first round; ``rows`` holds the gathered payloads of a
-            small call (None for a large one).
-        small: ``small()`` after ``prepare``: the 1-D host array to carry
-            in the first round (a small call), or None.
-        restore: restores in-place input before a retry (fault tolerance).
-        on_failure: overrides the communicator's ``on_failure``.
-        root: the call's root (bcast): the header carries its rank in the
-            current, possibly shrunk, group.
+        comm: the communicator, speaking the protocol of
+            :func:`~commlib.collectives.ft.run_collective` (``ft``, ``rank``,
+            ``size``, ``collective_transport()``, ``shrink()``), plus
+            ``failed_ranks`` and ``transport`` (whose ``native_dtype`` says
+            which dtypes the native collectives take).
 
-    Raises:
-        InvalidArgument: on every rank, when any rank's arguments are bad
-            or the ranks' calls differ.
-        ProcessFailed / CommTimeout: see ``commlib.init``.
+    Kept: the pinned staging of device buffers (:meth:`staging`), the scratch
+    of fault-tolerant snapshots (:meth:`lazy_snapshot`), and the cached plans
+    of host allreduces (:class:`HostAllreduce`).
     """
-    local_error = None
-    values = [0] * 6
-    payload = None
-    try:
-        header = prepare()
-        payload = small() if small is not None else None
-        if payload is not None:
-            header["algorithm"] = SMALL
-        values = [int(header.get(k, 0)) for k in FIELDS]
-    except InvalidArgument as exc:
-        local_error = exc
-    except BufferError as exc:
-        local_error = InvalidArgument(exc.detail, rank=comm.rank, op=opname)
-    check = payload is not None or local_error is not None or config.check_args
 
-    def attempt(tp, timeout, survivors):
-        v = values
-        if root is not None and local_error is None:
-            if root not in survivors:  # not a failure to recover from: every survivor raises
-                raise _RootLost(f"{opname} root {root} failed", rank=tp.rank, op=opname)
-            v = values[:4] + [survivors.index(root)] + values[5:]
-        rows = None
-        if tp.size > 1 and check:
-            rows = first_round(tp, opname, v, local_error, payload, timeout)
-        elif local_error is not None:
-            raise local_error
-        elif payload is not None:  # one rank: its own payload is the result
-            rows = payload.view(np.uint8).reshape(1, -1)
-        return run(tp, timeout, survivors, rows if payload is not None else None)
+    __slots__ = ("comm", "_staging", "_scratch", "_host")
 
-    try:
-        return run_collective(comm, opname, attempt, restore, on_failure)
-    except _RootLost:
-        raise ProcessFailed(f"{opname} root {root} failed; no survivor holds its data",
-                            failed=comm.failed_ranks, rank=comm.rank, op=opname) from None
+    def __init__(self, comm):
+        self.comm = comm
+        self._staging = self._scratch = self._host = None
+
+    def staging(self):
+        """The communicator's pinned staging buffers for device arrays
+        (:class:`~commlib.collectives._device_reduce.StagingCache`, created on first use)."""
+        cache = self._staging
+        if cache is None:
+            from ._device_reduce import StagingCache  # noqa: PLC0415 - numba/CuPy only when device arrays come
+
+            cache = self._staging = StagingCache()
+        return cache
+
+    def lazy_snapshot(self, buf: np.ndarray) -> LazySnapshot:
+        """A :class:`~commlib.collectives.snapshot.LazySnapshot` of ``buf`` whose copy
+        lives in a scratch buffer kept here (grown as needed), so repeated
+        fault-tolerant calls do not pay fresh page faults each time."""
+        self._scratch = grown(self._scratch, buf.nbytes)
+        return LazySnapshot(buf, self._scratch)
+
+    # ------------------------------------------------------------ the general path
+    def execute(self, opname: str, sendbuf=None, recvbuf=None, op="sum", algorithm: str = "auto", root=None, *,
+                on_failure: str | None = None):
+        """Run one collective: validate, first round, choose, snapshot, run under
+        the recovery policy, return.
+
+        Args:
+            opname: the collective (a key of :data:`SPECS`).
+            sendbuf, recvbuf, op, algorithm, root: the call's arguments as the
+                user passed them (bcast's ``buf`` is ``sendbuf``).
+            on_failure: overrides the communicator's ``on_failure``.
+
+        Returns:
+            What the row's ``deliver`` returns (the result array, ``recvbuf``...).
+
+        Raises:
+            InvalidArgument: on every rank, when any rank's arguments are bad
+                or the ranks' calls differ.
+            ProcessFailed / CommTimeout: see ``commlib.init``.
+        """
+        comm, spec = self.comm, SPECS[opname]
+        c = Call(spec, self, sendbuf, recvbuf, op, algorithm, root)
+        if not spec.agree:  # nothing to agree on (barrier): a bad argument is refused here
+            spec.prepare(c)
+            return spec.deliver(c, run_collective(comm, opname, c.run, c.restore, on_failure))
+        values, local_error = validate(c)
+        payload = c.payload
+        check = payload is not None or local_error is not None or config.check_args
+        root_rank = c.root_rank
+
+        def attempt(tp, timeout, survivors):
+            v = values
+            if root_rank is not None and local_error is None:
+                if root_rank not in survivors:  # not a failure to recover from: every survivor raises
+                    raise _RootLost(f"{opname} root {root_rank} failed", rank=tp.rank, op=opname)
+                v = values[:_ROOT] + [survivors.index(root_rank)] + values[_ROOT + 1:]
+            rows = None
+            if tp.size > 1 and check:
+                rows = first_round(tp, opname, v, local_error, payload, timeout)
+            elif local_error is not None:
+                raise local_error
+            elif payload is not None:  # one rank: its own payload is the result
+                rows = payload.view(np.uint8).reshape(1, -1)
+            if not c.staged:  # once per call: the views the path runs on, and its snapshot
+                if spec.stage is not None:
+                    spec.stage(c, payload is not None)
+                if spec.snapshot is not None and c.ft:
+                    c.snapshot = spec.snapshot(c)
+                c.staged = True
+            if payload is not None:
+                return spec.one_round.finish(c, tp, rows, survivors)
+            return c.run(tp, timeout, survivors)
+
+        try:
+            result = run_collective(comm, opname, attempt, c.restore, on_failure)
+        except _RootLost:
+            raise ProcessFailed(f"{opname} root {root_rank} failed; no survivor holds its data",
+                                failed=comm.failed_ranks, rank=comm.rank, op=opname) from None
+        return spec.deliver(c, result)
+
+    def sendrecv(self, sendbuf, dest: int, recvbuf, source: int, opname: str = "sendrecv_resilient"):
+        """One exchange with ``dest``/``source`` as a fault-tolerant step every
+        rank takes: a flag per rank agreed first (a bad argument anywhere is
+        refused on every rank, before any byte moves), then the exchange on the
+        collective transport with bounded waits, under the recovery policy
+        with ``on_failure="raise"`` (not retried: ``dest``/``source`` name
+        other ranks after a shrink).  Returns ``recvbuf``.
+
+        Raises:
+            InvalidArgument: on every rank, when any rank's arguments are bad.
+            ProcessFailed / CommTimeout: a failure (after recovery, on every survivor).
+        """
+        comm = self.comm
+        rank, size = comm.rank, comm.size
+        problem = src = dst = None
+        try:
+            sb = wrap(sendbuf, opname, "sendbuf", rank)
+            rb = wrap(recvbuf, opname, "recvbuf", rank)
+            for peer, what in ((dest, "dest"), (source, "source")):
+                if isinstance(peer, bool) or not valid_root(peer, size):
+                    raise InvalidArgument(f"{what} {peer!r} out of range [0, {size})", rank=rank, op=opname)
+            src, dst = Staged(sb, self.staging, "src"), Staged(rb, self.staging, "dst", down=False)
+        except (InvalidArgument, BufferError) as exc:
+            problem = exc.detail
+
+        def attempt(tp, timeout, survivors):
+            # every rank raises alike, before any byte moves (one flag per rank)
+            check_all(tp, problem, opname, timeout=timeout)
+            tag = tp.tags.slot()
+            tp.waitall([tp.irecv(dst.host, int(source), tag), tp.isend(src.host, int(dest), tag)], timeout, op=opname)
+
+        run_collective(comm, opname, attempt, on_failure="raise")
+        dst.flush()
+        return recvbuf
+
+    # -------------------------------------------------------------- the hot path
+    def allreduce(self, sendbuf, recvbuf=None, op="sum", algorithm: str = "auto"):
+        """:meth:`execute` of an allreduce; exact numpy arrays outside
+        fault-tolerant mode run from the cached plan (:class:`HostAllreduce`),
+        with the same messages and bits."""
+        if (type(sendbuf) is np.ndarray and (recvbuf is None or type(recvbuf) is np.ndarray)
+                and self.comm.ft is None):
+            host = self._host
+            if host is None:
+                host = self._host = HostAllreduce(self.comm.collective_transport(), engine=self)
+            done = host.allreduce(sendbuf, recvbuf, op, algorithm)
+            if done is not None:
+                return done
+        return self.execute("allreduce", sendbuf, recvbuf, op, algorithm)
 
 
 class _RootLost(CommError):
     """The root of a rooted collective is among the failed ranks (internal)."""
 
 
-def ring_order_steps(parts: list, count: int, op) -> list:
-    """The ring's reduction order over per-rank operands, as steps for :func:`apply_steps`.
+class _RowRecorder:
+    """A stand-in for a group of ``size`` ranks whose all-gather records the
+    row :func:`first_round` encoded and hands it back as every rank's row (so
+    the agreement passes): a cached plan sends the very bytes the general
+    path's first round sends for the same call."""
 
-    Element ``j`` of chunk ``c`` (``chunk_bounds(count, size)``) combines the
-    ranks in :func:`~commlib.collectives.reduce_scatter_ring.ring_order` ``(c)``
-    (``c+1, c+2, ...`` mod size), the order the ring allreduce and
-    reduce_scatter use, so a one-round call and a ring call of the same data
-    give the same bits.
+    __slots__ = ("size", "rank", "row")
 
-    Args:
-        parts: one 1-D array of ``count`` elements per rank, in rank order.
-        count: elements per rank.
-        op: an :class:`~commlib.collectives.ops.Op`.
+    def __init__(self, size: int):
+        self.size, self.rank, self.row = size, 0, None
 
-    Returns:
-        list of ``(lo, hi, operands)``: elements ``[lo, hi)`` combine ``operands`` left to right.
-    """
-    n = len(parts)
-    if n == 2 and op.name in _COMMUTATIVE:
-        # ring order at 2 ranks is (1, 0) for chunk 0 and (0, 1) for chunk 1;
-        # IEEE 754 + and *, and the bitwise ops, are exactly commutative, so
-        # one call over the whole vector gives the ring's bits
-        return [(0, count, parts)]
-    b = chunk_bounds_list(count, n)
-    return [(b[c], b[c + 1], [parts[(c + 1 + k) % n][b[c]:b[c + 1]] for k in range(n)])
-            for c in range(n) if b[c + 1] > b[c]]
+    def has_native(self, what: str) -> bool:
+        return what == "allgather"
+
+    def native_allgather(self, row, rows) -> None:
+        self.row = row.copy()
+        rows.reshape(self.size, -1)[...] = row
 
 
-def apply_steps(steps: list, ufunc, out: np.ndarray) -> None:
-    """Combine each step's operands left to right with ``ufunc`` into ``out[lo:hi]`` (1-D)."""
-    if len(steps) == 1 and len(steps[0][2]) == 2:  # the 2-rank commutative case: one call
-        lo, hi, (a, b) = steps[0]
-        ufunc(a, b, out=out if hi - lo == out.shape[0] else out[lo:hi])
-        return
-    whole = out.shape[0]
-    for lo, hi, operands in steps:
-        dst = out if hi - lo == whole else out[lo:hi]
-        if len(operands) == 1:
-            dst[...] = operands[0]
-            continue
-        ufunc(operands[0], operands[1], out=dst)
-        for p in operands[2:]:
-            ufunc(dst, p, out=dst)
+class HostAllreduce:
+    """The engine's cached plans for allreduce of host numpy arrays on one transport.
 
-
-def reduce_rows(payloads: np.ndarray, dtype, count: int, op, out: np.ndarray) -> None:
-    """Reduce the ranks' first-round payloads into ``out`` in the ring's order
-    (:func:`ring_order_steps`; bit-identical on every rank).
+    A plan is made once per (dtype, count, op) for a one-round small call, or
+    (dtype, count, op, algorithm) for a large call that resolves to the ring
+    or recursive doubling, by the general path's own steps: the allreduce
+    row's ``prepare`` and one-round test give the header, and
+    :func:`first_round` encodes the row (recorded by :class:`_RowRecorder`).
+    A call then copies its payload into the kept row, makes one native
+    all-gather into the kept ``rows``, checks every rank's header against its
+    own (bytes; :func:`~.agreement.judge` raises on every rank alike when one
+    differs), and either combines the payloads in the ring's order (views kept
+    in the plan: :func:`~.one_round.ring_order_steps`) or runs the row's
+    algorithm function on the arrays themselves.  Same messages and bits as
+    :meth:`Engine.execute`; on a 2-core machine the general path's per-call
+    staging and bookkeeping took ~30 us a call, 15% of a 1 MiB ring at 2 ranks
+    and 70-90% of a 2-32 KiB recursive doubling (benchmarks/bench_allreduce.py).
 
     Args:
-        payloads: uint8, shape ``(size, capacity)`` from :func:`first_round`.
-        dtype, count: the elements in each payload.
-        op: an :class:`~commlib.collectives.ops.Op`.
-        out: 1-D host array of ``count`` elements of ``dtype``.
-    """
-    nb = count * np.dtype(dtype).itemsize
-    parts = [np.ascontiguousarray(p[:nb]).view(dtype) for p in payloads]
-    apply_steps(ring_order_steps(parts, count, op), op.ufunc, out)
-    op.finalize(out, len(parts))
-
-
-class SmallAllreduce:
-    """The one-round small allreduce of host numpy arrays on one transport, without
-    the general path's staging: the same first-round row as :func:`first_round`
-    and the same ring-order reduction as :func:`reduce_rows` (so the same bits).
-
-    ``rows`` receives every rank's first-round row (``_HEAD`` header bytes, then
-    ``cap`` payload bytes); a plan for (dtype, count, op) holds the header bytes,
-    the op, and the payload views the ring-order reduction reads.
+        tp: the collective transport.
+        cap: payload bytes per row; must be ``small_capacity(tp.size)`` (default).
+        engine: the :class:`Engine` whose ``prepare`` calls build the plans
+            (None: one of its own over a stand-in communicator of ``tp``).
     """
 
-    __slots__ = ("tp", "cap", "row", "rows", "heads", "plans", "large_plans", "current", "scratch")
+    __slots__ = ("tp", "cap", "engine", "head", "row", "rows", "heads", "plans", "large_plans", "current", "scratch")
 
-    def __init__(self, tp, cap: int):
-        self.tp, self.cap = tp, cap
-        self.rows = np.zeros((tp.size, _HEAD + cap), np.uint8)
-        self.row = np.zeros(_HEAD + cap, np.uint8)
-        mv, rb = memoryview(self.rows).cast("B"), _HEAD + cap
-        self.heads = [mv[i * rb:i * rb + _HEAD] for i in range(tp.size)]  # each rank's header, as received
+    def __init__(self, tp, cap: int | None = None, *, engine: Engine | None = None):
+        if cap is not None and cap != small_capacity(tp.size):
+            raise ValueError(f"cap {cap} is not the first round's capacity {small_capacity(tp.size)}")
+        self.tp, self.cap = tp, small_capacity(tp.size)
+        self.engine = engine if engine is not None else Engine(_TransportComm(tp))
+        self.head = self.row = self.rows = self.heads = None
         self.plans: dict = {}
         self.large_plans: dict = {}
         self.current = None
         self.scratch = None  # the in-place ring's receive scratch, kept (allreduce_ring.ring_scratch)
 
-    def plan(self, dtype, count: int, op, rank):
-        try:
-            o = ops.get_op(op, rank=rank, opname="allreduce")
-            o.check(dtype, rank=rank, op="allreduce")
-        except InvalidArgument:
-            return None  # the general path raises it, on every rank
-        n, nb = self.tp.size, count * dtype.itemsize
-        head = np.array([0, SPECS["allreduce"].code, count, ops.dtype_code(dtype), o.code, 0, SMALL], np.int64)
-        parts = [self.rows[i, _HEAD:_HEAD + nb].view(dtype) for i in range(n)]
-        steps = ring_order_steps(parts, count, o)
-        plan = (head.view(np.uint8).tobytes(), o, memoryview(self.row[_HEAD:_HEAD + nb]), steps, nb)
-        if len(self.plans) >= 64:
-            self.plans.pop(next(iter(self.plans)))
-        self.plans[(dtype, count, op)] = plan
+    def allreduce(self, sendbuf: np.ndarray, recvbuf, op, algorithm: str = "auto"):
+        """Allreduce exact numpy arrays from a plan; None when the call does not
+        qualify (not C-contiguous, a ``recvbuf`` that does not match, an
+        algorithm without a host function, a bad argument: the general path
+        then runs it, and raises any argument error on every rank)."""
+        large = sendbuf.nbytes > self.cap or algorithm != "auto"
+        if large and algorithm not in ("auto", "ring", "recursive_doubling"):
+            return None
+        if not sendbuf.flags.c_contiguous or (
+                recvbuf is not None and recvbuf is not sendbuf and not (
+                    recvbuf.flags.c_contiguous and recvbuf.flags.writeable and recvbuf.dtype == sendbuf.dtype
+                    and recvbuf.size == sendbuf.size)):
+            return None
+        if type(op) is not str:  # an MPI.Op (unhashable) or an Op: key by name
+            try:
+                op = ops.get_op(op, opname="allreduce").name
+            except InvalidArgument:
+                return None
+        if large:
+            if recvbuf is None or recvbuf is sendbuf:
+                if not sendbuf.flags.writeable:
+                    return None
+                recvbuf = sendbuf
+            plan = self.large_plans.get((sendbuf.dtype, sendbuf.size, op, algorithm))
+            if plan is None:
+                plan = self.large_plan(sendbuf, op, algorithm)
+            if not plan:
+                return None
+            self.run_large(plan, sendbuf, recvbuf)
+            return recvbuf
+        plan = self.plans.get((sendbuf.dtype, sendbuf.size, op))
+        if plan is None:
+            plan = self.plan(sendbuf, op)
+            if plan is None:
+                return None
+        out = sendbuf if recvbuf is None else recvbuf
+        self.run(plan, sendbuf, out)
+        return out
+
+    # ------------------------------------------------------------------ plans
+    def _header(self, sendbuf: np.ndarray, op, algorithm: str):
+        """``(header bytes, Call)`` of this call as the general path encodes
+        it (the row's ``prepare`` and one-round test, then :func:`first_round`);
+        None when an argument is bad."""
+        c = Call(SPECS["allreduce"], self.engine, sendbuf, None, op, algorithm)
+        values, err = validate(c)
+        if err is not None:
+            return None
+        n = self.tp.size
+        if n == 1:
+            return b"", c
+        rec = _RowRecorder(n)
+        first_round(rec, "allreduce", values, None, None, None)
+        if self.row is None:  # the kept row and rows, shaped as first_round's
+            self.head = rec.row.size - self.cap
+            self.row = np.zeros_like(rec.row)
+            self.rows = np.zeros((n, rec.row.size), np.uint8)
+            mv, rb = memoryview(self.rows).cast("B"), rec.row.size
+            self.heads = [mv[i * rb:i * rb + self.head] for i in range(n)]  # each rank's header, as received
+        return rec.row[:self.head].tobytes(), c
+
+    @staticmethod
+    def _keep(cache: dict, key, plan) -> None:
+        if len(cache) >= 64:
+            cache.pop(next(iter(cache)))
+        cache[key] = plan
+
+    def plan(self, sendbuf: np.ndarray, op):
+        """The one-round plan of ``sendbuf``'s (dtype, count) and ``op`` (a
+        name): ``(header bytes, Op, payload view of the kept row, ring-order
+        steps over views of the kept rows, payload bytes)``; None when the
+        call is not a one-round call or an argument is bad."""
+        made = self._header(sendbuf, op, "auto")
+        if made is None or made[1].payload is None:
+            return None
+        hbytes, c = made
+        dtype, count, nb = sendbuf.dtype, sendbuf.size, sendbuf.nbytes
+        if self.tp.size == 1:
+            payload, steps = None, []
+        else:
+            h = self.head
+            parts = [self.rows[i, h:h + nb].view(dtype) for i in range(self.tp.size)]
+            payload, steps = memoryview(self.row[h:h + nb]), ring_order_steps(parts, count, c.o)
+        plan = (hbytes, c.o, payload, steps, nb)
+        self._keep(self.plans, (dtype, count, op), plan)
         return plan
 
+    def large_plan(self, sendbuf: np.ndarray, op, algorithm: str):
+        """``(header bytes, Op, algorithm function)`` for a call that
+        ``algorithm`` resolves to an algorithm with a host function (the ring,
+        recursive doubling) above the one-round capacity; False otherwise, or
+        when an argument is bad (the general path raises it, on every rank).
+        Cached in :attr:`large_plans` under ``(dtype, count, op, algorithm)``."""
+        made = self._header(sendbuf, op, algorithm)
+        plan = False
+        if made is not None and made[1].payload is None:
+            hbytes, c = made
+            fn = SPECS["allreduce"].impl[c.algo].host
+            if fn is not None:
+                plan = (hbytes, c.o, fn)
+        self._keep(self.large_plans, (sendbuf.dtype, sendbuf.size, op, algorithm), plan)
+        return plan
+
+    # ------------------------------------------------------------------- runs
     def run(self, plan, sendbuf: np.ndarray, out: np.ndarray) -> None:
+        """A one-round call: the first round, then the ring-order combination into ``out``."""
         # the hot path of every small host allreduce (a few microseconds of Python
         # around one MPI_Allgather): _gather_rows and apply_steps are inlined
         hbytes, o, payload, steps, nb = plan
+        tp, n = self.tp, self.tp.size
+        if n == 1:
+            if out is not sendbuf:
+                out[...] = sendbuf
+            return
         if self.current is not plan:
-            self.row[:_HEAD] = np.frombuffer(hbytes, np.uint8)
+            self.row[:self.head] = np.frombuffer(hbytes, np.uint8)
             self.current = plan
         if nb:
             try:
                 payload[:] = sendbuf.data.cast("B")
             except (ValueError, TypeError):  # dtypes without a buffer format (bfloat16)
                 np.frombuffer(payload, np.uint8)[...] = sendbuf.reshape(-1).view(np.uint8)
-        tp, n = self.tp, self.tp.size
-        if n == 1:
-            if out is not sendbuf:
-                out[...] = sendbuf
-            return
         tp.native_allgather(self.row, self.rows)
         for h in self.heads:
             if h.tobytes() != hbytes:
@@ -367,40 +485,8 @@ class SmallAllreduce:
 
     def _judge(self, tp, hbytes: bytes) -> None:
         """A header differs from this rank's: :func:`judge` raises, on every rank alike."""
-        judge(tp, self.rows[:, :_HEAD], np.frombuffer(hbytes, np.int64)[1:].tolist(), op="allreduce",
+        judge(tp, self.rows[:, :self.head], np.frombuffer(hbytes, np.int64)[1:].tolist(), op="allreduce",
               describe=describe_field("allreduce"))
-
-    # A host allreduce above the one-round capacity that resolves to the ring or
-    # to recursive doubling takes the same first round (the header row above,
-    # payload bytes ignored) and the same algorithm call as the general path,
-    # without its per-call staging objects: on a 2-core machine that bookkeeping
-    # took ~30 us a call, 15% of a 1 MiB ring at 2 ranks, and 70-90% of a 2-32 KiB
-    # recursive doubling (benchmarks/bench_allreduce.py).
-
-    def large_plan(self, dtype, count: int, op, algorithm: str, rank):
-        """``(header bytes, Op, algorithm)`` for a host allreduce of ``count``
-        elements of ``dtype`` that ``algorithm`` resolves to the ring or to
-        recursive doubling, above the one-round capacity when ``"auto"``; False
-        otherwise, or when an argument is bad (the general path raises it, on
-        every rank).  Cached in :attr:`large_plans` under ``(dtype, count, op,
-        algorithm)``."""
-        spec = SPECS["allreduce"]
-        nb = count * dtype.itemsize
-        try:
-            o = ops.get_op(op, rank=rank, opname="allreduce")
-            o.check(dtype, rank=rank, op="allreduce")
-            algo = spec.choose(algorithm, nb, rank=rank, nranks=self.tp.size)
-        except InvalidArgument:
-            o = algo = None
-        plan = False
-        if algo in _FAST_ALGORITHMS and not (algorithm == "auto" and nb <= self.cap):
-            head = np.array([0, spec.code, count, ops.dtype_code(dtype), o.code, 0, spec.algorithm_code(algo)],
-                            np.int64)
-            plan = (head.view(np.uint8).tobytes(), o, _FAST_ALGORITHMS[algo])
-        if len(self.large_plans) >= 64:
-            self.large_plans.pop(next(iter(self.large_plans)))
-        self.large_plans[(dtype, count, op, algorithm)] = plan
-        return plan
 
     def run_large(self, plan, sendbuf: np.ndarray, out: np.ndarray) -> None:
         """The first round (when ``COMMLIB_CHECK_ARGS``), then the plan's
@@ -411,7 +497,7 @@ class SmallAllreduce:
         tp, n = self.tp, self.tp.size
         if n > 1 and config.check_args:
             if self.current is not plan:
-                self.row[:_HEAD] = np.frombuffer(hbytes, np.uint8)
+                self.row[:self.head] = np.frombuffer(hbytes, np.uint8)
                 self.current = plan
             self._gather_rows(tp, hbytes)
         work = out if out.ndim == 1 else out.reshape(-1)
@@ -425,5 +511,23 @@ class SmallAllreduce:
             fn(tp, work, o, sendbuf=src)
 
 
-_FAST_ALGORITHMS = {"ring": allreduce_ring, "recursive_doubling": allreduce_recursive_doubling}
-_COMMUTATIVE = ("sum", "prod", "avg", "band", "bor", "bxor")
+#: the former name of the engine's cached host-allreduce plans
+SmallAllreduce = HostAllreduce
+
+
+class _TransportComm:
+    """The little of a communicator a :class:`HostAllreduce` made without an
+    :class:`Engine` needs to build plans: the group of one transport, not fault tolerant."""
+
+    ft = None
+
+    def __init__(self, tp):
+        self.transport = tp
+
+    @property
+    def rank(self) -> int:
+        return self.transport.rank
+
+    @property
+    def size(self) -> int:
+        return self.transport.size

@@ -1,16 +1,17 @@
-"""Collective operations of :class:`commlib.Communicator` (a mixin).
+"""Collective operations of :class:`commlib.Communicator` (a mixin): the front ends.
 
-Each method validates its arguments locally, then goes through the engine of
-:mod:`commlib.collectives.engine`: a first round that makes every rank agree
-on the call (a mismatch or a bad argument on any rank raises
-:class:`~commlib.errors.InvalidArgument` on every rank, before any payload
-moves) and, for a small ``algorithm="auto"`` allreduce, reduce_scatter or
-bcast, carries the data itself, so the call is one round of messages.  Larger
-calls then run one algorithm of :mod:`commlib.collectives` (``"ring"``,
-``"recursive_doubling"``, ...) or the transport's native collective
-(``algorithm="mpi"``) on the transport reserved for collectives, through
-:func:`commlib.collectives.ft.run_collective` (bounded waits, and under ULFM
-revoke/agree/shrink/retry, in fault-tolerant mode).
+Each collective method checks nothing itself: it hands its arguments to the
+communicator's :class:`~commlib.collectives.engine.Engine`, which runs the
+collective from its row of :data:`commlib.collectives.specs.SPECS`: a first
+round that makes every rank agree on the call (a mismatch or a bad argument
+on any rank raises :class:`~commlib.errors.InvalidArgument` on every rank,
+before any payload moves) and, for a small ``algorithm="auto"`` allreduce,
+reduce_scatter or bcast, carries the data itself, so the call is one round of
+messages.  Larger calls then run one algorithm of :mod:`commlib.collectives`
+(``"ring"``, ``"recursive_doubling"``, ...) or the transport's native
+collective (``algorithm="mpi"``) on the transport reserved for collectives,
+through :func:`commlib.collectives.ft.run_collective` (bounded waits, and
+under ULFM revoke/agree/shrink/retry, in fault-tolerant mode).
 
 Device buffers (CuPy, numba, the CUDA simulator's): the ring allreduce and
 reduce_scatter reduce on the device (:mod:`commlib.collectives._device_reduce`,
@@ -18,7 +19,7 @@ same order and bits as the host ring), handing device buffers to the transport
 when it is CUDA-aware and otherwise staging each segment through pinned host
 buffers the communicator keeps; the other algorithms, and one-round small
 calls, run on a pinned host copy made and written back asynchronously on the
-caller's stream.
+caller's stream (:mod:`commlib.collectives.staging`).
 
 ``COMMLIB_CHECK_ARGS=0`` skips the first round of large calls (small calls
 keep it: it carries their data).
@@ -28,100 +29,26 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-import numpy as np
-
-from commlib.collectives import ops as _ops
-from commlib.collectives._common import chunk_bounds
-from commlib.collectives.allgather_ring import allgather_ring
-from commlib.collectives.allreduce_recursive_doubling import allreduce_recursive_doubling
-from commlib.collectives.allreduce_ring import allreduce_ring
-from commlib.collectives.alltoall_pairwise import alltoall_pairwise
-from commlib.collectives.barrier import barrier_dissemination
-from commlib.collectives.bcast_binomial import bcast_binomial
-from commlib.collectives.engine import SPECS, SmallAllreduce, execute, reduce_rows, small_capacity
-from commlib.collectives.ft import recover, run_collective
-from commlib.collectives.snapshot import LazySnapshot
-from commlib.collectives.reduce_scatter_ring import reduce_scatter_ring_inplace
-from commlib.core.buffer import Buffer, as_buffer, grown
-from commlib.core.errors import BufferError, CommError, InvalidArgument
-from commlib.collectives.agreement import check_all
-from commlib.transports.base import CompletedRequest, FutureRequest, check_plain_dtype
+from commlib.collectives.engine import SPECS, Engine
+from commlib.collectives.ft import recover
+from commlib.core.errors import CommError, InvalidArgument
+from commlib.transports.base import CompletedRequest, FutureRequest
 
 __all__ = ["CollectiveMixin", "ALGORITHMS"]
 
 ALGORITHMS = {name: spec.algorithms for name, spec in SPECS.items()}
 
 
-class _Staged:
-    """A 1-D host view of a user buffer.
-
-    Host buffers are viewed.  C-contiguous device buffers (CuPy, numba, the
-    CUDA simulator's) are copied into pinned host memory that the communicator
-    keeps per (role, count, dtype) (:class:`~commlib.collectives._device_reduce.StagingCache`),
-    asynchronously on the caller's stream; :meth:`flush` copies back the same
-    way, without waiting (the caller's later work on that stream is ordered
-    after it).  Other device buffers take a fresh pageable copy.
-    """
-
-    __slots__ = ("buf", "host", "shape", "dev", "kind", "entry", "stream")
-
-    def __init__(self, b: Buffer, comm=None, role: str = "src", down: bool = True):
-        self.buf = b
-        self.shape = b.shape
-        self.dev = self.entry = None
-        if not b.is_device:
-            self.host = np.asarray(b.array()).ravel(order="K")
-            return
-        dv = _device_view(b)
-        if dv is None or comm is None:
-            self.host = b.to_host().reshape(-1)
-            return
-        from commlib.collectives import _device_reduce as dr  # noqa: PLC0415
-
-        self.kind, self.dev, self.stream = dv
-        self.entry = comm._staging().get(role, self.kind, b.size, b.dtype)
-        self.host = dr.stage_down(self.kind, self.dev, self.entry, self.stream) if down else self.entry.host
-
-    def flush(self) -> None:
-        """Copy the host result back into a device buffer."""
-        if not self.buf.is_device:
-            return
-        if self.entry is not None:
-            from commlib.collectives import _device_reduce as dr  # noqa: PLC0415
-
-            dr.stage_up(self.kind, self.entry, self.dev, self.stream)
-        else:
-            self.buf.from_host(self.host.reshape(self.shape))
-
-
-def _device_kind(arr) -> str:
-    from commlib.collectives import _device_reduce as dr  # noqa: PLC0415
-
-    return dr.as_device_array(arr)[0]
-
-
-def _to_host(arr) -> np.ndarray:
-    return arr.get() if _device_kind(arr) == "cupy" else arr.copy_to_host()
-
-
-def _device_view(b: Buffer):
-    """``(kind, 1-D device array, caller's stream)`` for a C-contiguous device
-    buffer the device kernels can drive, else None (host, F-order, DLPack-only)."""
-    if not b.is_device or not b.contiguous:
-        return None
-    from commlib.collectives import _device_reduce as dr  # noqa: PLC0415
-
-    kind, arr = dr.as_device_array(b.obj)
-    return kind, dr.flat(kind, arr), dr.stream_of(kind, arr)
-
-
 class CollectiveMixin:
     """Collective methods; mixed into :class:`commlib.Communicator`.
 
     The host class provides ``transport``, ``rank``, ``size``, ``cuda_aware``,
-    ``_coll_tp`` and ``_ft``; the mixin implements the fault-tolerance protocol
-    of :func:`commlib.collectives.ft.run_collective` (``ft``,
-    ``collective_transport()``, ``shrink()``).
+    ``_coll_tp``, ``_ft`` and ``_worker``; the mixin implements the
+    fault-tolerance protocol of :func:`commlib.collectives.ft.run_collective`
+    (``ft``, ``collective_transport()``, ``shrink()``).  Every collective is a
+    front end of the communicator's :class:`~commlib.collectives.engine.Engine`
+    (made on first use), which runs it from its row of
+    :data:`~commlib.collectives.specs.SPECS`.
     """
 
     # ------------------------------------------------ fault-tolerance protocol
@@ -197,27 +124,7 @@ class CollectiveMixin:
             dest, source: ranks of this communicator.
             name: operation name for errors.
         """
-        problem = None
-        try:
-            sb = self._wrap(sendbuf, name, "sendbuf")
-            rb = self._wrap(recvbuf, name, "recvbuf")
-            for peer, what in ((dest, "dest"), (source, "source")):
-                if (isinstance(peer, bool) or not isinstance(peer, (int, np.integer))
-                        or not 0 <= int(peer) < self.size):
-                    raise InvalidArgument(f"{what} {peer!r} out of range [0, {self.size})", rank=self.rank, op=name)
-            src, dst = _Staged(sb, self, "src"), _Staged(rb, self, "dst", down=False)
-        except (InvalidArgument, BufferError) as exc:
-            problem = exc.detail
-
-        def attempt(tp, timeout, survivors):
-            # every rank raises alike, before any byte moves (one flag per rank)
-            check_all(tp, problem, name, timeout=timeout)
-            tag = tp.tags.slot()
-            tp.waitall([tp.irecv(dst.host, int(source), tag), tp.isend(src.host, int(dest), tag)], timeout, op=name)
-
-        run_collective(self, name, attempt, on_failure="raise")
-        dst.flush()
-        return recvbuf
+        return self._engine().sendrecv(sendbuf, dest, recvbuf, source, name)
 
     def recover(self) -> tuple:
         """Revoke, agree and shrink after the application saw a failure in its
@@ -236,23 +143,20 @@ class CollectiveMixin:
         return self._ft.mode if self._ft is not None else None
 
     # ------------------------------------------------------------ the engine
+    _coll_engine = None  # this communicator's collectives.engine.Engine, made on first use
+
+    def _engine(self) -> Engine:
+        """The communicator's collective engine (created on first use)."""
+        eng = self._coll_engine
+        if eng is None:
+            eng = self._coll_engine = Engine(self)
+        return eng
+
     def _staging(self):
         """This communicator's pinned staging buffers for device arrays (created on first use)."""
-        cache = getattr(self, "_dev_staging", None)
-        if cache is None:
-            from commlib.collectives._device_reduce import StagingCache  # noqa: PLC0415
+        return self._engine().staging()
 
-            cache = self._dev_staging = StagingCache()
-        return cache
-
-    def _wrap(self, obj, opname, what="buffer") -> Buffer:
-        b = as_buffer(obj, op=opname, rank=self.rank)
-        check_plain_dtype(b.dtype, self.rank, opname, what)
-        if not b.dense:
-            raise BufferError(f"{what} is not contiguous", rank=self.rank, op=opname)
-        return b
-
-    # ------------------------------------------------------------- allreduce
+    # ---------------------------------------------------------- the collectives
     def allreduce(self, sendbuf, recvbuf=None, op="sum", algorithm: str = "auto"):
         """Combine ``sendbuf`` element-wise over all ranks; every rank gets the result.
 
@@ -283,165 +187,8 @@ class CollectiveMixin:
             BufferError: unsupported or non-contiguous buffers.
             ProcessFailed / CommTimeout: fault-tolerant mode, see ``commlib.init``.
         """
-        if (type(sendbuf) is np.ndarray and self._ft is None
-                and (recvbuf is None or type(recvbuf) is np.ndarray)):
-            done = self._small_allreduce(sendbuf, recvbuf, op, algorithm)
-            if done is not None:
-                return done
-        opname, spec = "allreduce", SPECS["allreduce"]
-        inplace = recvbuf is None or recvbuf is sendbuf
-        st = {}
+        return (self._coll_engine or self._engine()).allreduce(sendbuf, recvbuf, op, algorithm)
 
-        def prepare():
-            sb = self._wrap(sendbuf, opname, "sendbuf")
-            o = _ops.get_op(op, rank=self.rank, opname=opname)
-            o.check(sb.dtype, rank=self.rank, op=opname)
-            rb = sb if inplace else self._wrap(recvbuf, opname, "recvbuf")
-            if not inplace and (rb.size != sb.size or rb.dtype != sb.dtype):
-                raise InvalidArgument(f"recvbuf ({rb.size} x {rb.dtype}) does not match sendbuf "
-                                      f"({sb.size} x {sb.dtype})", rank=self.rank, op=opname)
-            algo = spec.choose(algorithm, sb.nbytes, rank=self.rank, nranks=self.size)
-            if algo == "mpi" and self.transport.native_dtype(sb.dtype) is None:
-                raise InvalidArgument(f"MPI has no datatype for {sb.dtype.name}; use algorithm='ring'",
-                                      rank=self.rank, op=opname)
-            st.update(sb=sb, rb=rb, o=o, algo=algo)
-            return {"operation": spec.code, "count": sb.size, "dtype": _ops.dtype_code(sb.dtype),
-                    "op": o.code, "algorithm": spec.algorithm_code(algo)}
-
-        def small():
-            sb = st["sb"]
-            if algorithm != "auto" or sb.nbytes > small_capacity(self.size):
-                return None
-            src = _Staged(sb, self, "src")
-            st["src"] = src
-            # fault tolerance may retry after this rank wrote its result: keep the input
-            return src.host.copy() if (inplace and self._ft is not None) else src.host
-
-        def setup():
-            if st["algo"] == "ring" and "src" not in st:
-                dsrc = _device_view(st["sb"])
-                ddst = dsrc if inplace else _device_view(st["rb"])
-                if dsrc is not None and ddst is not None and dsrc[0] == ddst[0]:
-                    device_setup(dsrc, ddst)
-                    return
-            src = st.get("src") or _Staged(st["sb"], self, "src")
-            dst = src if inplace else _Staged(st["rb"], self, "dst", down=False)
-            st["src"], st["dst"] = src, dst
-            # The input must survive a retry: out of place it does (sendbuf is only
-            # read); in place, fault-tolerant mode keeps a snapshot and restores it
-            # before a retry.  The ring saves each chunk lazily, just before it
-            # first overwrites it, behind that step's transfer; the others copy up front.
-            st["snapshot"] = self._snapshot(dst.host) if (inplace and spec.snapshot and self._ft is not None) else None
-
-        def device_setup(dsrc, ddst):
-            # the ring on device buffers: reduced on the device, staged per segment
-            # through pinned memory when the transport is not CUDA-aware
-            from commlib.collectives import _device_reduce as dr  # noqa: PLC0415
-
-            kind, dev, stream = ddst
-            st["dev"] = (kind, dev, None if inplace else dsrc[1], stream)
-            st["dst"] = None
-            if inplace and self._ft is not None:  # input kept on the device for a retry
-                saved = dr.device_empty(kind, dev.size, dev.dtype)
-                dr.d2d(kind, dev, saved, stream)
-                st["dev_saved"] = saved
-
-        def run_device(tp, timeout):
-            from commlib.collectives import _device_reduce as dr  # noqa: PLC0415
-
-            kind, dev, dsrc, stream = st["dev"]
-            entry = None if tp.cuda_aware else self._staging().get("ring", kind, dev.size, dev.dtype)
-            dr.allreduce_ring_device(tp, dev, st["o"], kind=kind, src=dsrc, timeout=timeout, entry=entry,
-                                     stream=stream)
-
-        def run(tp, timeout, survivors, rows):
-            if "dst" not in st:
-                setup()
-            if "dev" in st and rows is None:
-                return run_device(tp, timeout)
-            work, o, algo, snapshot = st["dst"].host, st["o"], st["algo"], st["snapshot"]
-            source = None if inplace else st["src"].host
-            if rows is not None:
-                reduce_rows(rows, work.dtype, work.size, o, work)
-            elif algo == "ring":
-                allreduce_ring(tp, work, o, sendbuf=source, timeout=timeout, save=snapshot)
-            else:
-                if snapshot is not None:
-                    snapshot.save_all()
-                if algo == "recursive_doubling" or tp.size == 1 and algo != "mpi":
-                    allreduce_recursive_doubling(tp, work, o, sendbuf=source, timeout=timeout)
-                else:
-                    tp.native_allreduce(source, work, o.name)
-                    o.finalize(work, tp.size)
-
-        def restore():
-            if st.get("snapshot") is not None:
-                st["snapshot"].restore()
-            if st.get("dev_saved") is not None:
-                from commlib.collectives import _device_reduce as dr  # noqa: PLC0415
-
-                kind, dev, _, stream = st["dev"]
-                dr.d2d(kind, st["dev_saved"], dev, stream)
-
-        execute(self, opname, prepare, run, small=small, restore=restore)
-        if st.get("dst") is not None:
-            st["dst"].flush()
-        return sendbuf if inplace else recvbuf
-
-    def _small_allreduce(self, sendbuf: np.ndarray, recvbuf, op, algorithm: str = "auto"):
-        """Host numpy arrays without the general path's staging objects: the
-        one-round small allreduce (``"auto"``, at most the first-round
-        capacity), or a large call that resolves to the ring (the same
-        first-round row, then :func:`allreduce_ring`).  The same messages and
-        bits as the engine, on buffers and views the communicator keeps per
-        (dtype, count, op).  Returns None when the call does not qualify (the
-        general path then handles it, and raises any argument error)."""
-        small = self._small
-        if small is None:
-            tp = self.collective_transport()
-            small = self._small = SmallAllreduce(tp, small_capacity(tp.size))
-        large = sendbuf.nbytes > small.cap or algorithm != "auto"
-        if large and algorithm not in ("auto", "ring", "recursive_doubling"):
-            return None
-        if not sendbuf.flags.c_contiguous or (
-                recvbuf is not None and recvbuf is not sendbuf and not (
-                    recvbuf.flags.c_contiguous and recvbuf.flags.writeable and recvbuf.dtype == sendbuf.dtype
-                    and recvbuf.size == sendbuf.size)):
-            return None
-        if type(op) is not str:  # an MPI.Op (unhashable) or an Op: key by name
-            try:
-                op = _ops.get_op(op, rank=self.rank, opname="allreduce").name
-            except InvalidArgument:
-                return None
-        if large:
-            if recvbuf is None or recvbuf is sendbuf:
-                if not sendbuf.flags.writeable:
-                    return None
-                recvbuf = sendbuf
-            plan = small.large_plans.get((sendbuf.dtype, sendbuf.size, op, algorithm))
-            if plan is None:
-                plan = small.large_plan(sendbuf.dtype, sendbuf.size, op, algorithm, self.rank)
-            if not plan:
-                return None
-            small.run_large(plan, sendbuf, recvbuf)
-            return recvbuf
-        plan = small.plans.get((sendbuf.dtype, sendbuf.size, op))
-        if plan is None:
-            plan = small.plan(sendbuf.dtype, sendbuf.size, op, self.rank)
-            if plan is None:
-                return None
-        out = sendbuf if recvbuf is None else recvbuf
-        small.run(plan, sendbuf, out)
-        return out
-
-    def _snapshot(self, buf: np.ndarray):
-        """A :class:`~commlib.collectives.snapshot.LazySnapshot` of ``buf`` whose copy
-        lives in a scratch buffer kept by the communicator (grown as needed), so
-        repeated fault-tolerant calls do not pay fresh page faults each time."""
-        self._ft_scratch = grown(self._ft_scratch, buf.nbytes)
-        return LazySnapshot(buf, self._ft_scratch)
-
-    # -------------------------------------------------------- reduce_scatter
     def reduce_scatter(self, sendbuf, recvbuf=None, op="sum", algorithm: str = "auto"):
         """Reduce ``sendbuf`` over all ranks and give rank ``r`` block ``r``
         (``MPI_Reduce_scatter_block`` when ``count`` divides evenly).
@@ -464,108 +211,8 @@ class CollectiveMixin:
         Raises:
             InvalidArgument, BufferError, ProcessFailed, CommTimeout: as :meth:`allreduce`.
         """
-        opname, spec = "reduce_scatter", SPECS["reduce_scatter"]
-        st = {}
+        return self._engine().execute("reduce_scatter", sendbuf, recvbuf, op, algorithm)
 
-        def prepare():
-            sb = self._wrap(sendbuf, opname, "sendbuf")
-            o = _ops.get_op(op, rank=self.rank, opname=opname)
-            o.check(sb.dtype, rank=self.rank, op=opname)
-            algo = spec.choose(algorithm, sb.nbytes, rank=self.rank)
-            if algo == "mpi" and (self.transport.native_dtype(sb.dtype) is None or sb.size % self.size):
-                raise InvalidArgument("algorithm='mpi' needs an MPI datatype and count divisible by size",
-                                      rank=self.rank, op=opname)
-            b = chunk_bounds(sb.size, self.size)
-            mylen = int(b[self.rank + 1] - b[self.rank])
-            if recvbuf is not None:
-                rb = self._wrap(recvbuf, opname, "recvbuf")
-                if rb.size != mylen or rb.dtype != sb.dtype:
-                    raise InvalidArgument(f"recvbuf must hold {mylen} x {sb.dtype.name}, has {rb.size} x {rb.dtype}",
-                                          rank=self.rank, op=opname)
-            st.update(sb=sb, o=o, algo=algo)
-            return {"operation": spec.code, "count": sb.size, "dtype": _ops.dtype_code(sb.dtype),
-                    "op": o.code, "algorithm": spec.algorithm_code(algo)}
-
-        def small():
-            sb = st["sb"]
-            if algorithm != "auto" or sb.nbytes > small_capacity(self.size):
-                return None
-            st["src"] = _Staged(sb, self, "src")
-            return st["src"].host
-
-        def run(tp, timeout, survivors, rows):
-            o, algo = st["o"], st["algo"]
-            n, r = tp.size, tp.rank
-            if rows is None and algo == "ring" and "src" not in st:
-                dv = _device_view(st["sb"])
-                if dv is not None:
-                    return self._reduce_scatter_device(tp, dv, o, timeout)
-            if "src" not in st:
-                st["src"] = _Staged(st["sb"], self, "src")
-            src = st["src"]
-            bounds = chunk_bounds(src.host.size, n)
-            if rows is not None:
-                full = np.empty(src.host.size, src.host.dtype)
-                reduce_rows(rows, full.dtype, full.size, o, full)
-                return full[bounds[r]:bounds[r + 1]].copy()
-            if algo == "mpi":
-                out = np.empty(int(bounds[r + 1] - bounds[r]), dtype=src.host.dtype)
-                tp.native_reduce_scatter_block(src.host, out, o.name)
-                o.finalize(out, n)
-                return out
-            work = np.array(src.host, copy=True)
-            reduce_scatter_ring_inplace(tp, work, o, bounds, timeout=timeout)
-            out = work[bounds[r]:bounds[r + 1]]
-            o.finalize(out, n)
-            return out
-
-        out = execute(self, opname, prepare, run, small=small)
-        return self._deliver(recvbuf, out, opname, out.shape)
-
-    def _reduce_scatter_device(self, tp, dv, o, timeout):
-        """The ring reduce-scatter of a device ``sendbuf``, reduced on the device
-        (same order and bits as the host ring); returns this rank's block as
-        the same kind of device array."""
-        from commlib.collectives import _device_reduce as dr  # noqa: PLC0415
-
-        kind, dsrc, stream = dv
-        n, r = tp.size, tp.rank
-        b = [int(x) for x in chunk_bounds(dsrc.size, n)]
-        work = dr.device_empty(kind, dsrc.size, dsrc.dtype)
-        if n == 1:
-            dr.d2d(kind, dsrc, work, stream)
-        else:
-            entry = None if tp.cuda_aware else self._staging().get("ring", kind, dsrc.size, dsrc.dtype)
-            dr.reduce_scatter_ring_device(tp, work, o, b, kind=kind, src=dsrc, timeout=timeout, entry=entry,
-                                          stream=stream)
-        mine = work[b[r]:b[r + 1]]
-        dr.finalize(mine, n, o, kind, stream)
-        return mine
-
-    def _deliver(self, recvbuf, out, opname: str, shape):
-        """Copy a result into ``recvbuf`` when it fits (else return it, shaped; a
-        device result comes back to the host, as a staged one does)."""
-        dev = not isinstance(out, np.ndarray)
-        if recvbuf is not None:
-            rb = self._wrap(recvbuf, opname, "recvbuf")
-            if rb.size == out.size:
-                if dev:
-                    dv = _device_view(rb)
-                    if dv is not None and dv[0] == _device_kind(out):
-                        from commlib.collectives import _device_reduce as dr  # noqa: PLC0415
-
-                        dr.d2d(dv[0], out, dv[1], dv[2])
-                        return recvbuf
-                    out = _to_host(out)
-                st = _Staged(rb, self, "out", down=False)
-                st.host[...] = out.reshape(-1)
-                st.flush()
-                return recvbuf
-        if dev:
-            out = _to_host(out)
-        return out.reshape(shape)
-
-    # ------------------------------------------------------------- allgather
     def allgather(self, sendbuf, recvbuf=None, algorithm: str = "auto"):
         """Gather every rank's ``sendbuf`` on every rank (``MPI_Allgather``).
 
@@ -584,34 +231,8 @@ class CollectiveMixin:
         Raises:
             InvalidArgument, BufferError, ProcessFailed, CommTimeout: as :meth:`allreduce`.
         """
-        opname, spec = "allgather", SPECS["allgather"]
-        st = {}
+        return self._engine().execute("allgather", sendbuf, recvbuf, algorithm=algorithm)
 
-        def prepare():
-            sb = self._wrap(sendbuf, opname, "sendbuf")
-            algo = spec.choose(algorithm, rank=self.rank)
-            if recvbuf is not None:
-                rb = self._wrap(recvbuf, opname, "recvbuf")
-                if rb.size != sb.size * self.size or rb.dtype != sb.dtype:
-                    raise InvalidArgument(f"recvbuf must hold {self.size} x {sb.size} x {sb.dtype.name}, "
-                                          f"has {rb.size} x {rb.dtype}", rank=self.rank, op=opname)
-            st.update(src=_Staged(sb, self, "src"), algo=algo, shape=tuple(sb.shape))
-            return {"operation": spec.code, "count": sb.size, "dtype": _ops.dtype_code(sb.dtype),
-                    "algorithm": spec.algorithm_code(algo)}
-
-        def run(tp, timeout, survivors, rows):
-            src = st["src"].host
-            out = np.empty(tp.size * src.size, dtype=src.dtype)
-            if st["algo"] == "mpi":
-                tp.native_allgather(src, out)
-            else:
-                allgather_ring(tp, src, out, timeout=timeout)
-            return out
-
-        out = execute(self, opname, prepare, run)
-        return self._deliver(recvbuf, out, opname, (self.size,) + st["shape"])
-
-    # ----------------------------------------------------------------- bcast
     def bcast(self, buf, root: int = 0, algorithm: str = "auto"):
         """Broadcast ``buf`` from ``root`` to every rank, in place (``MPI_Bcast``).
 
@@ -629,44 +250,8 @@ class CollectiveMixin:
             InvalidArgument: root out of range or different across ranks (every rank).
             ProcessFailed: fault-tolerant mode and the root failed (every survivor).
         """
-        opname, spec = "bcast", SPECS["bcast"]
-        st = {}
-        ok_root = isinstance(root, (int, np.integer)) and 0 <= int(root) < self.size
+        return self._engine().execute("bcast", buf, algorithm=algorithm, root=root)
 
-        def prepare():
-            b = self._wrap(buf, opname, "buf")
-            algo = spec.choose(algorithm, rank=self.rank)
-            if not ok_root:
-                raise InvalidArgument(f"root {root} out of range [0, {self.size})", rank=self.rank, op=opname)
-            s = _Staged(b, self, "buf")
-            st.update(st=s, algo=algo, saved=np.array(s.host, copy=True) if spec.snapshot and self._ft is not None else None)
-            return {"operation": spec.code, "count": b.size, "dtype": _ops.dtype_code(b.dtype),
-                    "root": int(root), "algorithm": spec.algorithm_code(algo)}
-
-        def small():
-            h = st["st"].host
-            return h if algorithm == "auto" and h.nbytes <= small_capacity(self.size) else None
-
-        def run(tp, timeout, survivors, rows):
-            h = st["st"].host
-            newroot = survivors.index(int(root))
-            if rows is not None:
-                h[...] = np.ascontiguousarray(rows[newroot, :h.nbytes]).view(h.dtype)
-            elif st["algo"] == "mpi":
-                tp.native_bcast(h, newroot)
-            else:
-                bcast_binomial(tp, h, newroot, timeout=timeout)
-
-        def restore():
-            if st.get("saved") is not None:
-                st["st"].host[...] = st["saved"]
-
-        execute(self, opname, prepare, run, small=small, restore=restore,
-                         root=int(root) if ok_root else None)
-        st["st"].flush()
-        return buf
-
-    # -------------------------------------------------------------- alltoall
     def alltoall(self, sendbuf, recvbuf=None, algorithm: str = "auto"):
         """Every rank sends block ``j`` of ``sendbuf`` to rank ``j`` (``MPI_Alltoall``).
 
@@ -686,40 +271,8 @@ class CollectiveMixin:
         Raises:
             InvalidArgument: count not divisible by size, mismatch across ranks.
         """
-        opname, spec = "alltoall", SPECS["alltoall"]
-        st = {}
-        nblk = self.size
+        return self._engine().execute("alltoall", sendbuf, recvbuf, algorithm=algorithm)
 
-        def prepare():
-            sb = self._wrap(sendbuf, opname, "sendbuf")
-            algo = spec.choose(algorithm, rank=self.rank)
-            if sb.size % nblk:
-                raise InvalidArgument(f"sendbuf has {sb.size} elements, not a multiple of size {nblk}",
-                                      rank=self.rank, op=opname)
-            if recvbuf is not None:
-                rb = self._wrap(recvbuf, opname, "recvbuf")
-                if rb.size != sb.size or rb.dtype != sb.dtype:
-                    raise InvalidArgument("recvbuf must match sendbuf in count and dtype", rank=self.rank, op=opname)
-                if rb.obj is sb.obj:
-                    raise InvalidArgument("alltoall cannot run in place", rank=self.rank, op=opname)
-            st.update(src=_Staged(sb, self, "src"), algo=algo, blk=sb.size // nblk)
-            return {"operation": spec.code, "count": sb.size, "dtype": _ops.dtype_code(sb.dtype),
-                    "algorithm": spec.algorithm_code(algo)}
-
-        def run(tp, timeout, survivors, rows):
-            src, blk = st["src"].host, st["blk"]
-            send = src.reshape(nblk, blk)[list(survivors)].reshape(-1) if len(survivors) != nblk else src
-            out = np.empty(tp.size * blk, dtype=src.dtype)
-            if st["algo"] == "mpi":
-                tp.native_alltoall(np.ascontiguousarray(send), out)
-            else:
-                alltoall_pairwise(tp, np.ascontiguousarray(send), out, timeout=timeout)
-            return out
-
-        out = execute(self, opname, prepare, run)
-        return self._deliver(recvbuf, out, opname, (self.size, st["blk"]))
-
-    # --------------------------------------------------------------- barrier
     def barrier(self, algorithm: str = "auto") -> None:
         """Block until every rank has entered the barrier.
 
@@ -728,18 +281,7 @@ class CollectiveMixin:
                 ``"mpi"`` (``MPI_Barrier``) or ``"auto"`` (``"mpi"`` when not
                 fault tolerant, else dissemination with bounded waits).
         """
-        opname = "barrier"
-        if algorithm == "auto":
-            algorithm = "mpi" if self._ft is None else "dissemination"
-        algo = SPECS[opname].choose(algorithm, rank=self.rank)
-
-        def attempt(tp, timeout, survivors):
-            if algo == "mpi":
-                tp.native_barrier()
-            else:
-                barrier_dissemination(tp, timeout=timeout)
-
-        run_collective(self, opname, attempt)
+        self._engine().execute("barrier", algorithm=algorithm)
 
     # ---------------------------------------------------------- non-blocking
     def iallreduce(self, sendbuf, recvbuf=None, op="sum", algorithm: str = "auto"):

@@ -1,0 +1,154 @@
+"""The collectives' view of a user buffer: checked, and on the host.
+
+Every collective algorithm of :mod:`commlib.collectives` takes 1-D host arrays
+(the ring allreduce and reduce-scatter also have a device variant,
+:mod:`commlib.collectives._device_reduce`).  This module turns the user's
+buffer into one:
+
+- :func:`wrap`: any array (numpy, CuPy, numba device, DLPack) as a
+  :class:`~commlib.core.buffer.Buffer`, refused unless its elements are plain
+  bytes and it is contiguous;
+- :class:`Staged`: a 1-D host view, host buffers viewed, C-contiguous device
+  buffers copied through pinned memory that the communicator keeps per
+  (role, count, dtype), asynchronously on the caller's stream;
+- :func:`device_view`: a device buffer the device kernels can drive;
+- :func:`deliver`: a result copied into the caller's ``recvbuf`` (or returned).
+
+It lives with the collectives, not the user API, because the engine
+(:mod:`commlib.collectives.engine`) stages and restores buffers itself: an
+algorithm never calls back up into the layer that called it.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from commlib.core.buffer import Buffer, as_buffer
+from commlib.core.errors import BufferError
+from commlib.transports.base import check_plain_dtype
+
+__all__ = ["wrap", "Staged", "device_view", "device_kind", "to_host", "deliver"]
+
+
+def wrap(obj, opname: str, what: str = "buffer", rank=None) -> Buffer:
+    """``obj`` as a :class:`~commlib.core.buffer.Buffer` a collective can use.
+
+    Raises:
+        BufferError: not an array, elements holding references, or not contiguous.
+    """
+    b = as_buffer(obj, op=opname, rank=rank)
+    check_plain_dtype(b.dtype, rank, opname, what)
+    if not b.dense:
+        raise BufferError(f"{what} is not contiguous", rank=rank, op=opname)
+    return b
+
+
+class Staged:
+    """A 1-D host view of a user buffer.
+
+    Host buffers are viewed.  C-contiguous device buffers (CuPy, numba, the
+    CUDA simulator's) are copied into pinned host memory from ``staging()``
+    (a :class:`~commlib.collectives._device_reduce.StagingCache`, kept per
+    (role, count, dtype)), asynchronously on the caller's stream; :meth:`flush`
+    copies back the same way, without waiting (the caller's later work on that
+    stream is ordered after it).  Other device buffers, or no ``staging``,
+    take a fresh pageable copy.
+
+    Args:
+        b: the buffer.
+        staging: zero-argument callable giving the communicator's staging cache, or None.
+        role: the cache key's role (``"src"``, ``"dst"``, ``"buf"``, ``"out"``).
+        down: copy a device buffer's contents to the host now (False: the host
+            side is only written, e.g. a ``recvbuf``).
+    """
+
+    __slots__ = ("buf", "host", "shape", "dev", "kind", "entry", "stream")
+
+    def __init__(self, b: Buffer, staging: Callable | None = None, role: str = "src", down: bool = True):
+        self.buf = b
+        self.shape = b.shape
+        self.dev = self.entry = None
+        if not b.is_device:
+            self.host = np.asarray(b.array()).ravel(order="K")
+            return
+        dv = device_view(b)
+        if dv is None or staging is None:
+            self.host = b.to_host().reshape(-1)
+            return
+        from commlib.collectives import _device_reduce as dr  # noqa: PLC0415
+
+        self.kind, self.dev, self.stream = dv
+        self.entry = staging().get(role, self.kind, b.size, b.dtype)
+        self.host = dr.stage_down(self.kind, self.dev, self.entry, self.stream) if down else self.entry.host
+
+    def flush(self) -> None:
+        """Copy the host result back into a device buffer."""
+        if not self.buf.is_device:
+            return
+        if self.entry is not None:
+            from commlib.collectives import _device_reduce as dr  # noqa: PLC0415
+
+            dr.stage_up(self.kind, self.entry, self.dev, self.stream)
+        else:
+            self.buf.from_host(self.host.reshape(self.shape))
+
+
+def device_kind(arr) -> str:
+    """``"cupy"`` or ``"numba"`` for a device array."""
+    from commlib.collectives import _device_reduce as dr  # noqa: PLC0415
+
+    return dr.as_device_array(arr)[0]
+
+
+def to_host(arr) -> np.ndarray:
+    """A device array's contents as a new numpy array."""
+    return arr.get() if device_kind(arr) == "cupy" else arr.copy_to_host()
+
+
+def device_view(b: Buffer):
+    """``(kind, 1-D device array, caller's stream)`` for a C-contiguous device
+    buffer the device kernels can drive, else None (host, F-order, DLPack-only)."""
+    if not b.is_device or not b.contiguous:
+        return None
+    from commlib.collectives import _device_reduce as dr  # noqa: PLC0415
+
+    kind, arr = dr.as_device_array(b.obj)
+    return kind, dr.flat(kind, arr), dr.stream_of(kind, arr)
+
+
+def deliver(recvbuf, out, opname: str, shape, *, staging: Callable | None = None, rank=None):
+    """Copy a result into ``recvbuf`` when it fits, else return it shaped ``shape``.
+
+    Args:
+        recvbuf: the caller's receive buffer, or None.
+        out: the result, a 1-D numpy array or a device array (from the device
+            variant of an algorithm).
+        opname, rank: for errors.
+        shape: the shape of a returned result.
+        staging: as :class:`Staged`.
+
+    Returns:
+        ``recvbuf``, holding the result, when it has ``out``'s size; else the
+        result as a numpy array of ``shape`` (a device result comes back to
+        the host, as a staged one does).
+    """
+    dev = not isinstance(out, np.ndarray)
+    if recvbuf is not None:
+        rb = wrap(recvbuf, opname, "recvbuf", rank)
+        if rb.size == out.size:
+            if dev:
+                dv = device_view(rb)
+                if dv is not None and dv[0] == device_kind(out):
+                    from commlib.collectives import _device_reduce as dr  # noqa: PLC0415
+
+                    dr.d2d(dv[0], out, dv[1], dv[2])
+                    return recvbuf
+                out = to_host(out)
+            st = Staged(rb, staging, "out", down=False)
+            st.host[...] = out.reshape(-1)
+            st.flush()
+            return recvbuf
+    if dev:
+        out = to_host(out)
+    return out.reshape(shape)

@@ -24,7 +24,28 @@ from commlib.core.errors import CommError, InvalidArgument
 
 from .allgather_ring import allgather_ring
 
-__all__ = ["agree", "agree_header", "check_all", "judge"]
+__all__ = ["agree", "agree_header", "check_all", "judge", "encode_row"]
+
+
+def encode_row(values: Sequence[int], *, local_error: CommError | None = None, payload: np.ndarray | None = None,
+               capacity: int = 0) -> np.ndarray:
+    """One rank's row of the agreement: ``[err, values...]`` as int64, then
+    ``capacity`` payload bytes (``payload``'s bytes first, zeros after).
+
+    Returns:
+        np.ndarray: uint8, ``8 * (1 + len(values)) + capacity`` bytes (the same
+        size on every rank whatever its arguments).
+    """
+    head = 8 * (1 + len(values))
+    row = np.zeros(head + capacity, np.uint8)
+    h = row[:head].view(np.int64)
+    if local_error is not None:
+        h[0] = 1
+    else:
+        h[1:] = values
+        if payload is not None:
+            row[head:head + payload.nbytes] = payload.view(np.uint8)
+    return row
 
 
 def agree(transport, values: Sequence[int], *, op: str, local_error: CommError | None = None,
@@ -53,15 +74,8 @@ def agree(transport, values: Sequence[int], *, op: str, local_error: CommError |
         ProcessFailed / CommTimeout: from the transport.
     """
     n, head = transport.size, 8 * (1 + len(values))
-    rb = head + capacity
-    row = np.zeros(rb, np.uint8)
-    h = row[:head].view(np.int64)
-    if local_error is not None:
-        h[0] = 1
-    else:
-        h[1:] = values
-        if payload is not None:
-            row[head:head + payload.nbytes] = payload.view(np.uint8)
+    row = encode_row(values, local_error=local_error, payload=payload, capacity=capacity)
+    rb = row.size
     if n == 1:
         rows = row
     else:

@@ -34,8 +34,8 @@ keep it: it carries their data).
 The one hot path, an allreduce of host numpy arrays outside fault-tolerant
 mode, runs from a plan the engine caches per (dtype, count, op, algorithm)
 (:class:`HostAllreduce`): the row its first round sends is the one
-:func:`first_round` encodes for the same call (recorded once, when the plan
-is made from the row's own ``prepare``), so the call costs one native
+:func:`first_round` sends for the same call (both encode it with
+:func:`~.agreement.encode_row`, the plan once, from the row's own ``prepare``), so the call costs one native
 all-gather (plus the algorithm for a large call) and a few microseconds of
 Python, with no per-call staging objects.
 """
@@ -49,7 +49,7 @@ from commlib.core.config import config
 from commlib.core.errors import BufferError, CommError, InvalidArgument, ProcessFailed
 
 from . import ops
-from .agreement import agree, check_all, judge
+from .agreement import agree, check_all, encode_row, judge
 from .allreduce_ring import allreduce_ring, ring_scratch
 from .ft import run_collective
 from .one_round import SMALL, apply_steps, reduce_rows, ring_order_steps, small_capacity
@@ -282,25 +282,6 @@ class _RootLost(CommError):
     """The root of a rooted collective is among the failed ranks (internal)."""
 
 
-class _RowRecorder:
-    """A stand-in for a group of ``size`` ranks whose all-gather records the
-    row :func:`first_round` encoded and hands it back as every rank's row (so
-    the agreement passes): a cached plan sends the very bytes the general
-    path's first round sends for the same call."""
-
-    __slots__ = ("size", "rank", "row")
-
-    def __init__(self, size: int):
-        self.size, self.rank, self.row = size, 0, None
-
-    def has_native(self, what: str) -> bool:
-        return what == "allgather"
-
-    def native_allgather(self, row, rows) -> None:
-        self.row = row.copy()
-        rows.reshape(self.size, -1)[...] = row
-
-
 class HostAllreduce:
     """The engine's cached plans for allreduce of host numpy arrays on one transport.
 
@@ -308,7 +289,7 @@ class HostAllreduce:
     (dtype, count, op, algorithm) for a large call that resolves to the ring
     or recursive doubling, by the general path's own steps: the allreduce
     row's ``prepare`` and one-round test give the header, and
-    :func:`first_round` encodes the row (recorded by :class:`_RowRecorder`).
+    :func:`~.agreement.encode_row` encodes the row, as :func:`first_round` does.
     A call then copies its payload into the kept row, makes one native
     all-gather into the kept ``rows``, checks every rank's header against its
     own (bytes; :func:`~.agreement.judge` raises on every rank alike when one
@@ -390,15 +371,14 @@ class HostAllreduce:
         n = self.tp.size
         if n == 1:
             return b"", c
-        rec = _RowRecorder(n)
-        first_round(rec, "allreduce", values, None, None, None)
+        row = encode_row(values, capacity=self.cap)  # first_round's row of this call
         if self.row is None:  # the kept row and rows, shaped as first_round's
-            self.head = rec.row.size - self.cap
-            self.row = np.zeros_like(rec.row)
-            self.rows = np.zeros((n, rec.row.size), np.uint8)
-            mv, rb = memoryview(self.rows).cast("B"), rec.row.size
+            self.head = row.size - self.cap
+            self.row = np.zeros_like(row)
+            self.rows = np.zeros((n, row.size), np.uint8)
+            mv, rb = memoryview(self.rows).cast("B"), row.size
             self.heads = [mv[i * rb:i * rb + self.head] for i in range(n)]  # each rank's header, as received
-        return rec.row[:self.head].tobytes(), c
+        return row[:self.head].tobytes(), c
 
     @staticmethod
     def _keep(cache: dict, key, plan) -> None:

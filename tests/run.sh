@@ -38,7 +38,7 @@ TIMED=${COMMLIB_TIMED_TESTS-"tests/test_ft.py tests/test_ft_heat.py tests/test_f
 # in their subprocesses too), instead of in the stages above, so an import of
 # MPI on the elastic path fails CI and the suite takes no longer.
 NO_MPI=${COMMLIB_NO_MPI_TESTS-"tests/test_elastic_no_mpi.py tests/test_elastic.py tests/test_elastic_engine.py
-  tests/test_elastic_churn.py tests/test_tcp.py tests/test_diloco.py"}
+  tests/test_elastic_adversary.py tests/test_elastic_churn.py tests/test_tcp.py tests/test_diloco.py"}
 WORKERS=${COMMLIB_TEST_WORKERS:-2}
 skip=()
 for f in $TIMED $NO_MPI; do skip+=("--ignore=$f"); done

@@ -11,8 +11,15 @@ authentication handshake, sealing, tickets, the secret and the listener in
 :mod:`commlib.transports.tcp_auth`.
 
 A receiver never holds more than :data:`UNEXPECTED_MAX` bytes of data that no
-receive was posted for.  Data frames of another epoch or of an aborted
-operation tag are read and dropped, so late bytes never land in a retry.
+receive was posted for, counting each buffered frame at its payload plus
+:data:`FRAME_COST` bytes (the bookkeeping a frame costs: its slot, array header,
+dictionary entries), and from one peer at most :data:`UNEXPECTED_FRAMES` such
+frames: the memory a peer can make this side hold is bounded by what it sends
+(payload bytes plus at most ``UNEXPECTED_FRAMES * FRAME_COST`` = 4 MiB).  A peer
+over either bound has its link closed and is reported through ``on_abuse``
+(:mod:`commlib.elastic` tells the master, which drops it).  Data frames of
+another epoch or of an aborted operation tag are read and dropped, so late
+bytes never land in a retry.
 
 Striping: a message of ``L`` bytes to a peer with ``S`` connections is cut into
 ``k = max(ceil(L / FRAME_MAX), min(S, ceil(L / STRIPE_MIN)), 1)`` nearly equal
@@ -48,33 +55,44 @@ from typing import Callable
 
 import numpy as np
 
-from commlib.core.errors import CommTimeout, InvalidArgument, ProcessFailed
+from commlib.core.errors import CommError, CommTimeout, InvalidArgument, ProcessFailed
 
 from commlib.core.tags import TagAllocator
 
 from .base import Request, Transport, Wire, check_plain_dtype
 # re-exported: the frames, sockets and authentication of this transport live in
 # tcp_frames and tcp_auth; commlib.elastic and the tests reach them as tcp.NAME
-from .tcp_auth import (PREAUTH_MAX, Listener, client_handshake, make_ticket, read_secret, server_handshake,
-                       verify_ticket)
-from .tcp_frames import (CTRL_MAX, FRAME_MAX, GCM_TAG, HEADER, K_CHALLENGE, K_CTRL, K_DATA, K_PING, K_PROOF,
+from .tcp_auth import (HANDSHAKE_TIMEOUT, PREAUTH_MAX, Listener, client_handshake, make_ticket, read_secret,
+                       retry_delay, server_handshake, verify_ticket)
+from .tcp_frames import (CTRL_MAX, FRAME_MAX, GCM_TAG, HEADER, K_BUSY, K_CHALLENGE, K_CTRL, K_DATA, K_PING, K_PROOF,
                          K_RESPONSE, MAGIC, VERSION, Connection, FrameError, open_socket, pack_ctrl, parse_address,
                          tune_socket, unpack_ctrl)
 
 __all__ = [
-    "HEADER", "MAGIC", "VERSION", "K_CHALLENGE", "K_RESPONSE", "K_PROOF", "K_CTRL", "K_DATA", "K_PING",
-    "PREAUTH_MAX", "CTRL_MAX", "FRAME_MAX", "UNEXPECTED_MAX", "FrameError", "Connection", "client_handshake",
-    "server_handshake", "make_ticket", "verify_ticket", "frame_bounds", "TCPTransport", "Listener",
-    "pack_ctrl", "unpack_ctrl", "tune_socket", "parse_address", "read_secret", "open_socket", "FIRST_ROUND_TAG",
+    "HEADER", "MAGIC", "VERSION", "K_CHALLENGE", "K_RESPONSE", "K_PROOF", "K_CTRL", "K_DATA", "K_PING", "K_BUSY",
+    "PREAUTH_MAX", "CTRL_MAX", "FRAME_MAX", "UNEXPECTED_MAX", "UNEXPECTED_FRAMES", "FRAME_COST", "FrameError",
+    "Connection", "client_handshake", "server_handshake", "make_ticket", "verify_ticket", "frame_bounds",
+    "TCPTransport", "Listener", "pack_ctrl", "unpack_ctrl", "tune_socket", "parse_address", "read_secret",
+    "open_socket", "retry_delay", "HANDSHAKE_TIMEOUT", "FIRST_ROUND_TAG", "Overrun",
 ]
 
 STRIPE_MIN = 64 << 10         #: a message is striped only in pieces of at least this
-UNEXPECTED_MAX = 1 << 30      #: bytes buffered for receives not yet posted, per transport
+UNEXPECTED_MAX = 1 << 30      #: bytes buffered for receives not yet posted, per transport (frames at FRAME_COST more)
+UNEXPECTED_FRAMES = 4096      #: frames buffered for receives not yet posted, per peer
+FRAME_COST = 1 << 10          #: bytes each buffered frame is counted at beyond its payload (slot, array, dict entries)
 POST_WAIT = 0.5               #: seconds a receiver thread holds a frame that came before its receive was posted
 POST_WAIT_MIN = 64 << 10      #: frames of at least this many bytes are held (smaller ones are buffered at once)
 #: tags from here up carry a collective's first round (argument agreement, small
 #: payloads: :attr:`TCPTransport.first_round_tags`), counted apart from the data plane
 FIRST_ROUND_TAG = 1 << 61
+#: seconds a revoke waits for frames being read into posted buffers before it cuts their links
+QUIESCE = 1.0
+
+
+class Overrun(FrameError):
+    """A peer sent more data for receives not posted than this side holds for it
+    (:data:`UNEXPECTED_MAX`, :data:`UNEXPECTED_FRAMES`): its link is closed and it
+    is reported (``TCPTransport(on_abuse=...)``)."""
 
 
 def frame_bounds(nbytes: int, streams: int) -> list[int]:
@@ -168,7 +186,7 @@ class _Link:
                 return
             req, mv, idx, tag = job
             try:
-                if self.failed is None and not self.t._dead:
+                if self.failed is None and not self.t._dead and not self.t._stopping:
                     n = conn.send_frame(K_DATA, mv, epoch=self.t.epoch, tag=tag, chunk=idx, stream=stream)
                     with self.t._lock:
                         if tag < FIRST_ROUND_TAG:
@@ -207,6 +225,9 @@ class TCPTransport(Transport):
             ``streams(rank) -> int`` giving the count per higher-ranked peer (the
             higher rank learns the count from the connections' hello).
         timeout: default seconds of a wait (None: unbounded).
+        on_abuse: ``on_abuse(rank, reason)``, called (on the link's receiver thread,
+            before the link is failed) when peer ``rank`` sent more unexpected data
+            than it may (:class:`Overrun`).
 
     Attributes:
         bytes_sent, bytes_received: payload bytes of the messages posted with
@@ -236,7 +257,8 @@ class TCPTransport(Transport):
     tag_ub = FIRST_ROUND_TAG - 1
 
     def __init__(self, rank: int, size: int, epoch: int, connect: Callable[[int, int], Connection], *,
-                 streams: int | Callable[[int], int] = 4, timeout: float | None = 30.0):
+                 streams: int | Callable[[int], int] = 4, timeout: float | None = 30.0,
+                 on_abuse: Callable[[int, str], None] | None = None):
         super().__init__()
         self._streams_for = streams if callable(streams) else None
         if self._streams_for is None and not 1 <= streams <= 64:
@@ -248,11 +270,15 @@ class TCPTransport(Transport):
         self._posted = threading.Condition(self._lock)  # notified on every post, revoke, abort, close
         self._links: dict[int, _Link] = {}
         self._slots: dict[tuple[int, int], deque] = {}
-        self._unexpected = 0
+        self._unexpected = 0          # bytes counted against UNEXPECTED_MAX (payload + FRAME_COST per frame)
+        self._unexpected_by: dict[int, list] = {}  # source rank -> [counted bytes, frames]
+        self._on_abuse = on_abuse
         self._failure: BaseException | None = None
         self._failed: set[int] = set()
         self._aborted: set[int] = set()
         self._dead = False
+        self._stopping = False        # revoked: no frame is placed into a posted buffer any more
+        self._inflight = 0            # frames being read straight into posted buffers now
         self.bytes_sent = 0           # payload bytes of the messages posted with isend
         self.bytes_received = 0       # payload bytes of DATA frames placed or buffered
         self.wire_bytes_sent = 0      # DATA frames written: header + payload (+ AES-GCM tag)
@@ -363,7 +389,14 @@ class TCPTransport(Transport):
                 c.close()
 
     def _peer_error(self, peer: int, op: str) -> ProcessFailed:
-        return ProcessFailed(f"connection to rank {peer} failed (epoch {self.epoch})", failed=[peer],
+        link = self._links.get(peer)
+        cause = link.failed if link is not None else None
+        why = ""
+        if isinstance(cause, CommError):
+            why = f": {cause.detail}"
+        elif cause is not None:
+            why = f" ({type(cause).__name__}: {cause})"
+        return ProcessFailed(f"connection to rank {peer} failed (epoch {self.epoch}){why}", failed=[peer],
                              rank=self._rank, op=op)
 
     # point to point --------------------------------------------------------
@@ -451,7 +484,7 @@ class TCPTransport(Transport):
                                              failed=[key[0]], rank=self._rank, op="irecv"))
                 return
             slot.view[slot.bounds[idx]:slot.bounds[idx + 1]] = data
-            self._unexpected -= len(data)
+            self._release_locked(key[0], len(data))
             slot.req._frame_done()
         slot.frames.clear()
         self._retire_locked(key)
@@ -486,7 +519,7 @@ class TCPTransport(Transport):
             if left <= 0:
                 break
             self._posted.wait(left)
-        return tag in self._aborted or self._dead
+        return tag in self._aborted or self._dead or self._stopping
 
     def _other_posted_locked(self, src: int, slot: _Slot) -> bool:
         """True when a receive from ``src`` other than ``slot`` is posted and not complete."""
@@ -513,7 +546,7 @@ class TCPTransport(Transport):
                     raise FrameError("unexpected frame kind on a data link")
                 plain = conn.plain_length(length)
                 with self._lock:
-                    drop = epoch != self.epoch or tag in self._aborted or self._dead
+                    drop = epoch != self.epoch or tag in self._aborted or self._dead or self._stopping
                     target = None
                     slot = None
                     if not drop:
@@ -537,10 +570,9 @@ class TCPTransport(Transport):
                             if chunk >= n or slot.bounds[chunk + 1] - slot.bounds[chunk] != plain:
                                 raise FrameError("frame does not match the posted receive")
                             target = slot.view[slot.bounds[chunk]:slot.bounds[chunk + 1]]
+                            self._inflight += 1  # revoke() waits for it: the caller may restore the buffer
                         else:
-                            if self._unexpected + plain > UNEXPECTED_MAX:
-                                raise FrameError("too many unexpected bytes")
-                            self._unexpected += plain
+                            self._charge_locked(src, plain)
                             if tag < FIRST_ROUND_TAG:
                                 self.bytes_buffered += plain
                 if drop:
@@ -549,7 +581,13 @@ class TCPTransport(Transport):
                         self._count_rx(tag, 0, HEADER.size + length)
                     continue
                 if target is not None:
-                    conn.read_payload(length, into=target)
+                    try:
+                        conn.read_payload(length, into=target)
+                    finally:
+                        with self._lock:
+                            self._inflight -= 1
+                            if not self._inflight:
+                                self._posted.notify_all()
                     with self._lock:
                         self._count_rx(tag, plain, HEADER.size + length)
                         slot.req._frame_done()
@@ -559,17 +597,47 @@ class TCPTransport(Transport):
                     conn.read_payload(length, into=memoryview(data))
                     with self._lock:
                         self._count_rx(tag, plain, HEADER.size + length)
-                        if slot.bounds is not None:  # posted while we read
+                        if slot.bounds is not None and (self._stopping or self._dead):
+                            self._release_locked(src, plain)  # revoked while we read: never placed
+                        elif slot.bounds is not None:  # posted while we read
                             a, b = slot.bounds[chunk], slot.bounds[chunk + 1]
                             slot.view[a:b] = data
-                            self._unexpected -= plain
+                            self._release_locked(src, plain)
                             slot.req._frame_done()
                             self._retire_locked((src, tag))
                         else:
                             slot.frames[chunk] = data
         except Exception as exc:  # noqa: BLE001 - a closed or malformed link fails its peer
             if not self._dead:
+                if isinstance(exc, Overrun) and self._on_abuse is not None:
+                    try:
+                        self._on_abuse(src, str(exc))
+                    except Exception:  # noqa: BLE001 - the report is best effort; the link fails anyway
+                        pass
                 self._link_failed(link, exc)
+
+    def _charge_locked(self, src: int, plain: int) -> None:
+        """Count a frame buffered for a receive not posted yet against the caps."""
+        cost = plain + FRAME_COST
+        u = self._unexpected_by.setdefault(src, [0, 0])
+        if u[1] >= UNEXPECTED_FRAMES:
+            raise Overrun(f"rank {src} sent more than {UNEXPECTED_FRAMES} frames for receives not posted "
+                          f"({u[0]} bytes counted)")
+        if self._unexpected + cost > UNEXPECTED_MAX:
+            raise Overrun(f"rank {src} sent more unexpected data than the {UNEXPECTED_MAX} bytes held "
+                          f"({u[0]} bytes and {u[1]} frames of it)")
+        self._unexpected += cost
+        u[0] += cost
+        u[1] += 1
+
+    def _release_locked(self, src: int, plain: int) -> None:
+        """A buffered frame was copied into its posted receive."""
+        cost = plain + FRAME_COST
+        self._unexpected -= cost
+        u = self._unexpected_by.get(src)
+        if u is not None:
+            u[0] -= cost
+            u[1] -= 1
 
     # waits -----------------------------------------------------------------
     def waitall(self, requests, timeout: float | None = None, op: str = "waitall") -> None:
@@ -606,10 +674,35 @@ class TCPTransport(Transport):
             self._aborted.add(tag)
             self._posted.notify_all()
 
+    def _quiesce_locked(self, seconds: float) -> bool:
+        """Place no more frames into posted buffers, and wait (the lock released) until
+        no receiver thread is reading one into them; False when ``seconds`` passed first."""
+        self._stopping = True
+        self._posted.notify_all()
+        deadline = time.monotonic() + seconds
+        while self._inflight:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._posted.wait(left)
+        return True
+
     def revoke(self, reason: str = "operation aborted") -> None:
-        """Fail every pending and later request (an abort from the master)."""
+        """Fail every pending and later request (an abort from the master).
+
+        Before any request fails, no receiver thread writes into a posted buffer any
+        more (frames arriving later are dropped, frames being read finish first, for
+        at most :data:`QUIESCE` seconds, after which their links are cut): a caller
+        woken by the failure may restore its buffers, and no late byte of this
+        transport lands in them."""
         with self._lock:
             if self._failure is None:
+                if not self._quiesce_locked(QUIESCE):
+                    for link in self._links.values():
+                        for c in link.conns:
+                            if c is not None:
+                                c.close()  # lock-free: aborts the reads in flight
+                    self._quiesce_locked(QUIESCE)
                 self._failure = ProcessFailed(f"{reason} (epoch {self.epoch})", failed=sorted(self._failed),
                                               rank=self._rank, op="tcp")
             for dq in self._slots.values():
@@ -642,3 +735,6 @@ class TCPTransport(Transport):
             self._posted.notify_all()
         for link in links:
             link.close()
+        if threading.current_thread().name != "commlib-tcp-rx":
+            with self._lock:  # the reads in flight end with their sockets: wait for them (briefly)
+                self._quiesce_locked(QUIESCE)

@@ -14,7 +14,8 @@ Frames (every integer in network byte order, ``struct`` format ``!2sBBHIQIHI``,
     magic   2s  b"CL"
     version B   1
     kind    B   CHALLENGE, RESPONSE, PROOF (handshake), CTRL (msgpack body),
-                DATA (raw array bytes), PING
+                DATA (raw array bytes), PING, BUSY (a listener with no
+                handshake slot for this connection, before closing it)
     flags   H   bit 0: the payload is AES-GCM sealed (16-byte tag at its end)
     epoch   I   membership epoch of the sender's topology (0 for control)
     tag     Q   operation tag (the transport's TagAllocator slot)
@@ -50,7 +51,8 @@ import msgpack
 from commlib.core.errors import CommError, InvalidArgument
 
 __all__ = [
-    "HEADER", "MAGIC", "VERSION", "K_CHALLENGE", "K_RESPONSE", "K_PROOF", "K_CTRL", "K_DATA", "K_PING", "F_SEALED",
+    "HEADER", "MAGIC", "VERSION", "K_CHALLENGE", "K_RESPONSE", "K_PROOF", "K_CTRL", "K_DATA", "K_PING", "K_BUSY",
+    "F_SEALED",
     "CTRL_MAX", "FRAME_MAX", "SOCK_BUF", "GCM_TAG", "FrameError", "Connection", "pack_ctrl", "unpack_ctrl",
     "tune_socket", "parse_address", "open_socket",
 ]
@@ -58,8 +60,8 @@ __all__ = [
 HEADER = struct.Struct("!2sBBHIQIHI")
 MAGIC = b"CL"
 VERSION = 1
-K_CHALLENGE, K_RESPONSE, K_PROOF, K_CTRL, K_DATA, K_PING = 1, 2, 3, 4, 5, 6
-_KINDS = frozenset((K_CHALLENGE, K_RESPONSE, K_PROOF, K_CTRL, K_DATA, K_PING))
+K_CHALLENGE, K_RESPONSE, K_PROOF, K_CTRL, K_DATA, K_PING, K_BUSY = 1, 2, 3, 4, 5, 6, 7
+_KINDS = frozenset((K_CHALLENGE, K_RESPONSE, K_PROOF, K_CTRL, K_DATA, K_PING, K_BUSY))
 F_SEALED = 1
 
 CTRL_MAX = 4 << 20            #: bytes of a msgpack control body

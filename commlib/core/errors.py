@@ -16,6 +16,11 @@ __all__ = [
     "InvalidArgument",
     "PeerFailure",
     "AuthError",
+    "SecretError",
+    "EncryptionMismatch",
+    "NoHandshakeSlot",
+    "SilentPort",
+    "PeerClosed",
 ]
 
 
@@ -80,3 +85,31 @@ class PeerFailure(ProcessFailed):
 class AuthError(AuthenticationError):
     """Authentication of an elastic peer with the master failed (wrong or missing
     secret, or the master refused); the other side learned nothing."""
+
+
+class SecretError(AuthError):
+    """The shared secret is unusable on this side: none given, its file missing,
+    unreadable or empty, or shorter than 16 bytes.  A setup error found before
+    any byte is sent; the message names the file."""
+
+
+class EncryptionMismatch(CommError):
+    """Both sides proved the shared secret, but one seals frames (``encrypt=True``,
+    ``--encrypt``) and the other does not; the connection is closed.  Start every
+    peer and the master with the same setting."""
+
+
+class NoHandshakeSlot(CommError):
+    """The listener had no handshake slot for this connection (it holds too many
+    unauthenticated connections from this source, e.g. a flood) and closed it
+    with a *busy* reply: not a wrong secret.  Retried with backoff within the
+    caller's timeout before it is raised."""
+
+
+class SilentPort(CommTimeout):
+    """The address accepted the TCP connection but sent no challenge within the
+    timeout: not a commlib listener, or a stalled process."""
+
+
+class PeerClosed(CommError):
+    """The elastic peer was used after :meth:`~commlib.elastic.Peer.close`."""

@@ -24,15 +24,17 @@ master's state machine and the threat model), :mod:`~commlib.elastic.master`
 (:class:`Master`), :mod:`~commlib.elastic.peer` (:class:`Peer`,
 :func:`connect`).  The quantized wire format is
 :class:`commlib.transports.quantize.QuantizingTransport`; the errors
-(:class:`PeerFailure`, :class:`AuthError`) are in :mod:`commlib.core.errors`.
+(:class:`PeerFailure`, :class:`AuthError`, :class:`SecretError`, :class:`EncryptionMismatch`,
+:class:`NoHandshakeSlot`, :class:`SilentPort`, :class:`PeerClosed`) are in :mod:`commlib.core.errors`.
 """
 from __future__ import annotations
 
-from commlib.core.errors import AuthError, PeerFailure
+from commlib.core.errors import (AuthError, EncryptionMismatch, NoHandshakeSlot, PeerClosed, PeerFailure, SecretError,
+                                 SilentPort)
 
 from .master import Master
 from .peer import Peer, connect
 from .protocol import AUTO_STREAMS, HEARTBEAT_INTERVAL, PAIR_EXCHANGE_MAX
 
-__all__ = ["Master", "Peer", "connect", "PeerFailure", "AuthError", "AUTO_STREAMS", "HEARTBEAT_INTERVAL",
-           "PAIR_EXCHANGE_MAX"]
+__all__ = ["Master", "Peer", "connect", "PeerFailure", "AuthError", "SecretError", "EncryptionMismatch",
+           "NoHandshakeSlot", "SilentPort", "PeerClosed", "AUTO_STREAMS", "HEARTBEAT_INTERVAL", "PAIR_EXCHANGE_MAX"]

@@ -11,8 +11,8 @@ import time
 from commlib.core.errors import CommError
 from commlib.transports import tcp
 
-from .protocol import (BYE, DONE, FAIL, PLAN, SYNC, SYNCED, SYNC_END, TERM, TOPO, VOTE, VOTED, WELCOME,
-                       HEARTBEAT_INTERVAL, MAX_PEERS, TICKET_TTL, dbg, is_bytes, is_int)
+from .protocol import (BYE, DONE, DROP, FAIL, FETCH, PLAN, RING, SYNC, SYNCED, SYNC_END, TERM, TOPO, VOTE, VOTED,
+                       WELCOME, HEARTBEAT_INTERVAL, MAX_PEERS, TICKET_TTL, dbg, is_bytes, is_int)
 
 __all__ = ["Master"]
 
@@ -77,7 +77,7 @@ class Master:
         self._listener = None
         self._stopped = threading.Event()
         self.stats = {"epochs": 0, "aborts": 0, "completes": 0, "deaths": 0, "refused": 0, "stalls": 0,
-                      "lost_syncs": 0}
+                      "lost_syncs": 0, "dropped": 0}
 
     # lifecycle ---------------------------------------------------------------
     def start(self) -> "Master":
@@ -267,7 +267,8 @@ class Master:
         addrs = [[pid, self._peers[pid].data] for pid in self.members]
         for src in self.members:
             ns = self._peers[src].streams
-            tickets = {dst: [tcp.make_ticket(self._peers[dst].key, self.epoch, src, dst, s, exp) for s in range(ns)]
+            tickets = {dst: [tcp.make_ticket(self._peers[dst].key, self.epoch, src, dst, s, exp, RING)
+                             for s in range(ns)]
                        for dst in self.members if dst != src}
             self._peers[src].send({"t": TOPO, "e": self.epoch, "members": addrs, "tickets": tickets, "exp": exp,
                                    "why": why, "rev": self.revision})
@@ -344,6 +345,19 @@ class Master:
                 if self._fetchers is not None:
                     self._fetchers.discard(p.id)
                     self._check_fetch()
+            elif t == DROP:
+                # a member reports that another one overran its receive caps (a flood of
+                # frames for receives never posted): drop the accused as if it had died
+                e, accused = msg.get("e"), msg.get("id")
+                if not (is_int(e) and is_int(accused)):
+                    raise tcp.FrameError("bad drop report")
+                if (p.state == "member" and e == self.epoch and accused != p.id and accused in self.members
+                        and p.id in self.members):
+                    self.stats["dropped"] += 1
+                    why = msg.get("why")
+                    dbg(f"master: peer {accused} dropped on the report of peer {p.id} "
+                        f"({why if isinstance(why, str) else '?'})")
+                    self._died(accused)
             elif t == BYE:
                 raise tcp.FrameError("bye")
             else:
@@ -408,10 +422,19 @@ class Master:
         self._sync = {pid: s for pid, s in self._sync.items() if pid not in subs}
         self._fetchers = set(fetchers)
         addrs = {pid: self._peers[pid].data for pid in donors}
-        plan = {"t": PLAN, "round": self._sync_round, "e": self.epoch, "rev": top, "hashes": win["hashes"],
+        rnd = self._sync_round
+        plan = {"t": PLAN, "round": rnd, "e": self.epoch, "rev": top, "hashes": win["hashes"],
                 "meta": win["meta"], "donors": donors, "addrs": addrs, "fetchers": fetchers}
+        exp = time.time() + TICKET_TTL
         for pid in live:
-            self._peers[pid].send(plan)
+            if pid in self._fetchers:
+                # a fetcher's tickets to each donor: purpose FETCH, this round only
+                ns = self._peers[pid].streams
+                tickets = {d: [tcp.make_ticket(self._peers[d].key, self.epoch, pid, d, s, exp, FETCH, rnd)
+                               for s in range(ns)] for d in donors}
+                self._peers[pid].send({**plan, "tickets": tickets, "exp": exp})
+            else:
+                self._peers[pid].send(plan)
         self._check_fetch()
 
     def _check_fetch(self) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import queue
+import socket
 import threading
 import time
 
@@ -20,14 +21,15 @@ from commlib.collectives.ops import OPS, dtype_code, dtype_name, get_op, is_floa
 from commlib.collectives.recovery import RecoveryPolicy, run
 from commlib.core.buffer import grown
 from commlib.core.config import config
-from commlib.core.errors import (AuthError, AuthenticationError, CommError, CommTimeout, InvalidArgument, PeerFailure,
-                                 ProcessFailed)
+from commlib.core.errors import (AuthError, AuthenticationError, CommError, CommTimeout, EncryptionMismatch,
+                                 InvalidArgument, NoHandshakeSlot, PeerClosed, PeerFailure, ProcessFailed)
 from commlib.transports import tcp
 from commlib.transports.base import check_plain_dtype
 from commlib.transports.quantize import QuantizingTransport
 
-from .protocol import (BYE, DONE, FAIL, FETCH, PLAN, RING, SYNC, SYNCED, SYNC_END, TERM, TOPO, VOTE, VOTED, WELCOME,
-                       AUTO_STREAMS, HEARTBEAT_INTERVAL, PAIR_EXCHANGE_MAX, TRAFFIC, is_int)
+from .protocol import (BYE, DONE, DROP, FAIL, FETCH, PLAN, RING, SYNC, SYNCED, SYNC_END, TERM, TOPO, VOTE, VOTED,
+                       WELCOME, AUTO_STREAMS, FETCH_MAX, FETCH_PARK, FETCH_PARK_S, HEARTBEAT_INTERVAL,
+                       PAIR_EXCHANGE_MAX, TRAFFIC, is_int)
 
 __all__ = ["Peer", "connect"]
 
@@ -133,7 +135,7 @@ class _MasterPolicy(RecoveryPolicy):
     def start(self):
         peer = self.peer
         if peer._closed:
-            raise CommError("this peer was closed (close() was called)", rank=peer.rank, op=self.opname)
+            raise PeerClosed("this peer was closed (close() was called)", rank=peer.rank, op=self.opname)
         topo = peer._adopt()
         if topo is None or topo.rank is None:
             raise InvalidArgument("this peer is not a member yet: call update_topology() first",
@@ -146,6 +148,12 @@ class _MasterPolicy(RecoveryPolicy):
 
     def is_failure(self, tp, exc) -> bool:
         return isinstance(exc, (CommError, OSError)) and not isinstance(exc, InvalidArgument)
+
+    def failed(self, tp, exc) -> None:
+        # the attempt may have left receives posted into the caller's buffer: stop the
+        # transport placing frames (the epoch's operation is aborted anyway) before
+        # the runner restores the input
+        tp.revoke(f"this peer's attempt failed ({type(exc).__name__})")
 
     def settle(self, tp, outcome) -> bool:
         peer, (e, s) = self.peer, self.tag
@@ -203,24 +211,49 @@ class Peer:
         self.streams = AUTO_STREAMS if streams is None else int(streams)
         self.secret, self.timeout, self.encrypt = secret, float(timeout), encrypt
         self.master_address = address
-        try:
-            sock = tcp.open_socket(address, timeout)
-        except OSError as exc:
-            raise CommError(f"cannot reach the master at {address}: {exc}", op="connect") from None
+        deadline = time.monotonic() + timeout
+        sock = self._reach_master(address, timeout)
         local = sock.getsockname()[0]
         self._listener = tcp.Listener(bind or f"{local}:0", secret, self._on_data_conn, encrypt=encrypt)
         data = advertise or (self._listener.address if bind is None or not bind.startswith("0.0.0.0")
                              else f"{local}:{self._listener.address.rsplit(':', 1)[1]}")
+        hello = {"role": "peer", "data": data, "streams": self.streams}
+        who = f"the master at {address}"
+        tries = 0
         try:
-            self._conn = tcp.client_handshake(sock, secret, {"role": "peer", "data": data, "streams": self.streams},
-                                              timeout=min(timeout, 10.0), encrypt=encrypt)
-            kind, _, msg = self._conn.read_ctrl(deadline=time.monotonic() + timeout, limit=1 << 16)
-            if kind != tcp.K_CTRL or not isinstance(msg, dict) or msg.get("t") != WELCOME:
-                raise tcp.FrameError("expected welcome")
-        except (AuthenticationError, tcp.FrameError, OSError) as exc:
+            while True:
+                tries += 1
+                try:
+                    self._conn = tcp.client_handshake(sock, secret, hello, encrypt=encrypt, name=who,
+                                                      timeout=max(0.05, min(deadline - time.monotonic(), 10.0)))
+                    break
+                except NoHandshakeSlot:
+                    # the master's listener is flooded: back off (with jitter) and try again
+                    # within the timeout; then say so (not "wrong secret")
+                    delay = tcp.retry_delay(tries)
+                    if time.monotonic() + delay + 0.05 >= deadline:
+                        raise
+                    time.sleep(delay)
+                    sock = self._reach_master(address, max(0.05, deadline - time.monotonic()))
+            try:
+                kind, _, msg = self._conn.read_ctrl(deadline=max(deadline, time.monotonic() + 1.0), limit=1 << 16)
+                if kind != tcp.K_CTRL or not isinstance(msg, dict) or msg.get("t") != WELCOME:
+                    raise tcp.FrameError("expected welcome")
+            except socket.timeout:
+                self._conn.close()
+                raise CommTimeout(f"{who} authenticated this peer but sent no welcome within {timeout:g} s",
+                                  op="connect") from None
+            except (tcp.FrameError, OSError) as exc:
+                self._conn.close()
+                raise AuthError(f"{who} closed the connection after authenticating this peer "
+                                f"({type(exc).__name__}): it refused this peer's hello, or serves its maximum "
+                                "of peers", op="connect") from None
+        except (NoHandshakeSlot, EncryptionMismatch, CommTimeout, AuthError):
             self._listener.close()
-            raise AuthError(f"the master at {address} refused the connection ({type(exc).__name__})",
-                            op="connect") from None
+            raise
+        except AuthenticationError as exc:
+            self._listener.close()
+            raise AuthError(exc.detail, op="connect") from None
         except BaseException:
             self._listener.close()
             raise
@@ -238,8 +271,15 @@ class Peer:
         self.step = 0
         self._tr: tcp.TCPTransport | None = None
         self._parked: list = []
-        self._serving = None                 # (min epoch, {name: memoryview}) while a donor
+        self._serving = None                 # (sync round, {name: memoryview}) while a donor
         self._last_members: frozenset | None = None
+        # state fetches this peer serves as a donor (see _on_fetch_conn): the plans' (donors,
+        # fetchers) by round, the highest round seen, the open fetch connections, and those
+        # parked (no thread) until the plan that names them is read
+        self._plan_pairs: dict = {}
+        self._round_seen = 0
+        self._fetch_active: dict = {}        # (src, stream) -> conn of the round being served
+        self._fetch_parked: list = []        # (deadline, round, src, stream, conn)
         self._counts = {"retries": 0, "aborts": 0}
         self._traffic = dict.fromkeys(TRAFFIC, 0)  # of the ring transports of past epochs
         self._scratch: np.ndarray | None = None
@@ -247,6 +287,13 @@ class Peer:
         self._pair_keep: np.ndarray | None = None  # 2 peers: the result and the received vector
         threading.Thread(target=self._reader, daemon=True, name="commlib-peer-rx").start()
         threading.Thread(target=self._heartbeat, daemon=True, name="commlib-peer-hb").start()
+
+    @staticmethod
+    def _reach_master(address: str, timeout: float) -> socket.socket:
+        try:
+            return tcp.open_socket(address, timeout)
+        except OSError as exc:
+            raise CommError(f"cannot reach the master at {address}: {exc}", op="connect") from None
 
     # properties --------------------------------------------------------------
     @property
@@ -332,17 +379,32 @@ class Peer:
                         self._voted = int(msg["e"])
                         self.step = int(msg.get("v", 0))
                     elif t == PLAN:
-                        self._plans[int(msg["round"])] = msg
+                        rnd = int(msg["round"])
+                        self._plans[rnd] = msg
+                        self._round_seen = max(self._round_seen, rnd)
+                        if msg.get("lost") is None:
+                            self._plan_pairs[rnd] = ({int(d) for d in msg["donors"]},
+                                                     {int(f) for f in msg["fetchers"]})
+                            for old in [r for r in self._plan_pairs if r < rnd - 8]:
+                                del self._plan_pairs[old]
+                        self._sweep_fetches_locked()
                     elif t == SYNC_END:
                         self._sync_ends.add(int(msg["round"]))
+                        self._sweep_fetches_locked()
                     self._cv.notify_all()
         except Exception as exc:  # noqa: BLE001
+            # revoke before anyone learns of the loss: a caller that restores its buffer
+            # on the error then finds no receiver writing into it
             with self._cv:
-                self._lost = self._lost or f"lost the master ({type(exc).__name__})"
                 tr = self._tr
-                self._cv.notify_all()
             if tr is not None:
                 tr.revoke("lost the master")
+            with self._cv:
+                self._lost = self._lost or f"lost the master ({type(exc).__name__})"
+                later = self._tr
+                self._cv.notify_all()
+            if later is not None and later is not tr:
+                later.revoke("lost the master")
 
     def _heartbeat(self) -> None:
         while not self._closed and self._lost is None:
@@ -350,6 +412,9 @@ class Peer:
                 self._conn.send_frame(tcp.K_PING, b"", timeout=5.0)
             except Exception:  # noqa: BLE001
                 return
+            if self._fetch_parked:
+                with self._cv:
+                    self._sweep_fetches_locked()  # parked fetch connections past their deadline
             time.sleep(HEARTBEAT_INTERVAL)
 
     def _send(self, msg) -> None:
@@ -386,18 +451,24 @@ class Peer:
     def _on_data_conn(self, conn: tcp.Connection) -> None:
         h = conn.hello
         src, dst, e, st, ns, exp, tkt = (h.get(k) for k in ("src", "dst", "e", "stream", "streams", "exp", "tkt"))
+        purpose, rnd = h.get("purpose", RING), h.get("r", 0)
         if not (is_int(src) and dst == self.id and is_int(e) and is_int(st, 0, 63) and is_int(ns, 1, 64)
-                and isinstance(exp, float) and tcp.verify_ticket(self._key, tkt, e, src, dst, st, exp)):
+                and purpose in (RING, FETCH) and is_int(rnd) and isinstance(exp, float)
+                and tcp.verify_ticket(self._key, tkt, e, src, dst, st, exp, purpose=purpose,
+                                      round=rnd if purpose == FETCH else 0)):
             conn.close()
             return
-        if h.get("purpose") == FETCH:
-            threading.Thread(target=self._serve_when_ready, args=(conn, e), daemon=True, name="commlib-donor").start()
+        if purpose == FETCH:
+            self._on_fetch_conn(conn, rnd, src, st)
             return
         with self._cv:
             tr = self._tr
+            known = self._latest.epoch if self._latest is not None else 0
             if tr is not None and tr.epoch == e:
                 pass
-            elif (tr is None or e > tr.epoch) and len(self._parked) < 4096:
+            elif (tr is None or e > tr.epoch) and e >= known and len(self._parked) < 4096:
+                # an epoch this peer has not started yet (its topology may still be on the
+                # way): held until it does; older epochs are refused at once
                 self._parked.append((e, src, st, ns, conn))
                 return
             else:
@@ -413,15 +484,62 @@ class Peer:
             return
         tr.attach(topo.ids.index(src), st, ns, conn)
 
-    def _dial(self, topo: _Topo, dst: int, stream: int, purpose: str, timeout: float) -> tcp.Connection:
-        tickets = topo.tickets.get(dst)
+    def _dial(self, topo: _Topo, dst: int, stream: int, purpose: str, timeout: float, *, plan: dict | None = None,
+              ) -> tcp.Connection:
+        """An authenticated connection to peer ``dst`` carrying the master's ticket:
+        a ring connection of ``topo``'s epoch, or (``plan``: the sync round's plan,
+        which holds this fetcher's tickets) a state fetch.
+
+        A dial that cannot get through (the destination's listener busy or
+        silent, a connect that times out) is retried with jittered exponential
+        backoff (:func:`~commlib.transports.tcp_auth.retry_delay`) within
+        ``timeout``; a ring dial stops as soon as a newer epoch is known (the
+        master decided without this link).  A refused connect means the
+        destination's process is gone: no retry.
+
+        Raises:
+            ProcessFailed: the peer is gone, or could not be reached within ``timeout``
+                (each message says which).
+            AuthenticationError, EncryptionMismatch: the destination refused the handshake.
+        """
+        src_tickets = topo.tickets if plan is None else plan.get("tickets", {})
+        tickets = src_tickets.get(dst)
         if tickets is None or stream >= len(tickets):
             raise ProcessFailed(f"no ticket for peer {dst}", failed=[], rank=topo.rank, op="elastic")
-        s = tcp.open_socket(topo.addrs[dst], timeout)
-        hello = {"src": self.id, "dst": dst, "e": topo.epoch, "stream": stream,
-                 "streams": self._streams_to(topo.addrs[dst]) if purpose == RING else self.streams,
-                 "exp": float(topo.exp), "tkt": tickets[stream], "purpose": purpose}
-        return tcp.client_handshake(s, self.secret, hello, timeout=timeout, encrypt=self.encrypt)
+        if plan is None:
+            addr, exp, rnd, e = topo.addrs[dst], topo.exp, 0, topo.epoch
+        else:
+            addr, exp, rnd, e = str(plan["addrs"][dst]), plan["exp"], int(plan["round"]), int(plan["e"])
+        hello = {"src": self.id, "dst": dst, "e": e, "stream": stream,
+                 "streams": self._streams_to(addr) if purpose == RING else self.streams,
+                 "exp": float(exp), "tkt": tickets[stream], "purpose": purpose, "r": rnd}
+        who = f"peer {dst} at {addr}"
+        deadline = time.monotonic() + timeout
+        tries, last = 0, None
+        while True:
+            tries += 1
+            left = max(0.05, deadline - time.monotonic())
+            try:
+                s = tcp.open_socket(addr, left)
+            except ConnectionRefusedError:
+                raise ProcessFailed(f"{who} refused the connection: its process is gone", failed=[],
+                                    rank=topo.rank, op="elastic") from None
+            except OSError as exc:  # a connect timeout, an unreachable network: cannot connect (yet)
+                last = exc
+            else:
+                try:
+                    return tcp.client_handshake(s, self.secret, hello, timeout=left, encrypt=self.encrypt, name=who)
+                except (NoHandshakeSlot, CommTimeout) as exc:  # busy or silent (SilentPort): not a death
+                    last = exc
+            if self._closed or (purpose == RING and self._latest is not None and self._latest.epoch > topo.epoch):
+                raise ProcessFailed(f"gave up connecting to {who}: epoch {topo.epoch} is over", failed=[],
+                                    rank=topo.rank, op="elastic")
+            delay = tcp.retry_delay(tries)
+            if time.monotonic() + delay >= deadline:
+                raise ProcessFailed(f"cannot connect to {who} (alive as far as this peer knows): {tries} tries in "
+                                    f"{timeout:g} s, last: {type(last).__name__}: {last}", failed=[],
+                                    rank=topo.rank, op="elastic")
+            time.sleep(delay)
 
     def _streams_to(self, addr: str) -> int:
         """Ring connections to the peer whose data address is ``addr``: ``streams`` as
@@ -446,9 +564,15 @@ class Peer:
             return tr
         if tr is not None:
             self._retire(tr)
+
+        def abuse(r: int, why: str) -> None:
+            # a member overran this peer's receive caps: the master drops it (as if it died)
+            self._conn.send_ctrl({"t": DROP, "e": topo.epoch, "id": topo.ids[r], "why": why[:200]}, timeout=2.0)
+
         tr = tcp.TCPTransport(topo.rank, len(topo.ids), topo.epoch,
                               lambda r, s: self._dial(topo, topo.ids[r], s, RING, min(self.timeout, 10.0)),
-                              streams=lambda r: self._streams_to(topo.addrs[topo.ids[r]]), timeout=self.timeout)
+                              streams=lambda r: self._streams_to(topo.addrs[topo.ids[r]]), timeout=self.timeout,
+                              on_abuse=abuse)
         with self._cv:
             self._tr = tr
             parked, self._parked = self._parked, []
@@ -478,6 +602,7 @@ class Peer:
             CommError: the master is gone.
         """
         timeout = self.timeout if timeout is None else timeout
+        self._check_open("update_topology")
         self._adopt()
         with self._cv:
             self._voted = None
@@ -541,7 +666,8 @@ class Peer:
             PeerFailure: aborted and ``retry=False`` (or more than ``max_retries`` aborts).
             CommTimeout: no committed result within ``timeout`` seconds (e.g. a
                 member did not call the all-reduce).
-            CommError: the master is lost, or this peer was closed.
+            PeerClosed: this peer was closed.
+            CommError: the master is lost.
         """
         timeout = self.timeout if timeout is None else float(timeout)
         deadline = time.monotonic() + timeout
@@ -628,6 +754,7 @@ class Peer:
         """
         timeout = self.timeout if timeout is None else timeout
         t0 = time.monotonic()
+        self._check_open("sync_shared_state")
         topo = self._adopt()
         if topo is None or topo.rank is None:
             raise InvalidArgument("not a member: call update_topology() first", op="sync_shared_state")
@@ -661,11 +788,11 @@ class Peer:
             result["seconds"] = time.monotonic() - t0
             return result
         if self.id in donors:
-            self._serving = (int(plan["e"]), views)
+            self._start_serving(rnd, views)
             try:
                 self._wait(lambda: True if rnd in self._sync_ends else None, timeout, "sync_shared_state")
             finally:
-                self._serving = None
+                self._stop_serving(rnd)
             result["seconds"] = time.monotonic() - t0
             return result
         try:
@@ -679,28 +806,92 @@ class Peer:
     # state transfer ---------------------------------------------------------
     _RANGE = 4 << 20
 
-    def _serve_when_ready(self, conn: tcp.Connection, e: int) -> None:
-        """A fetcher may dial as soon as it has the sync plan, before this donor
-        has read the same plan: wait for it (bounded by ``timeout``), then serve;
-        a fetch for an older epoch is refused."""
-        deadline = time.monotonic() + self.timeout
-        while True:
-            serving = self._serving
-            if serving is not None:
-                if e < serving[0]:
-                    break
-                self._serve(conn, serving[1])
+    def _on_fetch_conn(self, conn: tcp.Connection, rnd: int, src: int, stream: int) -> None:
+        """A fetch connection whose FETCH ticket verified (bound to sync round ``rnd``,
+        ``src`` → this donor, ``stream``).  Served only while this peer serves round
+        ``rnd`` as a donor of a plan that names ``src`` as a fetcher, at most
+        :data:`FETCH_MAX` at once and one per (``src``, ``stream``); a fetcher may dial
+        before this donor has read the same plan: such a connection is parked, with
+        no thread, until the plan arrives and serving starts (at most
+        :data:`FETCH_PARK` of them, each for :data:`FETCH_PARK_S` seconds).  A ticket of
+        an ended round, or of a round that does not name the pair, is closed at once."""
+        with self._cv:
+            if self._closed or rnd in self._sync_ends:
+                conn.close()
                 return
-            if self._closed or time.monotonic() > deadline:
-                break
-            time.sleep(0.002)
-        conn.close()
+            pairs = self._plan_pairs.get(rnd)
+            if pairs is None and rnd <= self._round_seen:
+                conn.close()  # a round this donor saw without naming the pair (or long gone)
+                return
+            if pairs is not None and (self.id not in pairs[0] or src not in pairs[1]):
+                conn.close()
+                return
+            serving = self._serving
+            if serving is not None and serving[0] == rnd:
+                self._serve_locked(conn, rnd, src, stream, serving[1])
+                return
+            self._sweep_fetches_locked()
+            if len(self._fetch_parked) >= FETCH_PARK:
+                conn.close()
+                return
+            self._fetch_parked.append((time.monotonic() + FETCH_PARK_S, rnd, src, stream, conn))
 
-    def _serve(self, conn: tcp.Connection, views: dict) -> None:
-        """Donor side of one fetch connection: answer range requests from ``views``."""
+    def _serve_locked(self, conn, rnd: int, src: int, stream: int, views: dict) -> None:
+        """Serve one admitted fetch connection on a thread of its own (capped)."""
+        key = (src, stream)
+        if key in self._fetch_active or len(self._fetch_active) >= FETCH_MAX:
+            conn.close()
+            return
+        self._fetch_active[key] = conn
+        threading.Thread(target=self._serve, args=(conn, views, rnd, key), daemon=True, name="commlib-donor").start()
+
+    def _sweep_fetches_locked(self) -> None:
+        """Close the parked fetch connections that can no longer be served: past their
+        deadline, of an ended round, or of a known round that does not name the pair."""
+        now = time.monotonic()
+        keep = []
+        for item in self._fetch_parked:
+            deadline, rnd, src, _st, conn = item
+            pairs = self._plan_pairs.get(rnd)
+            if (now > deadline or self._closed or rnd in self._sync_ends
+                    or (pairs is None and rnd <= self._round_seen)
+                    or (pairs is not None and (self.id not in pairs[0] or src not in pairs[1]))):
+                conn.close()
+            else:
+                keep.append(item)
+        self._fetch_parked = keep
+
+    def _start_serving(self, rnd: int, views: dict) -> None:
+        """Serve round ``rnd`` as a donor: admit its parked fetch connections."""
+        with self._cv:
+            self._serving = (rnd, views)
+            self._sweep_fetches_locked()
+            parked, self._fetch_parked = self._fetch_parked, []
+            for item in parked:
+                if item[1] == rnd:
+                    self._serve_locked(item[4], rnd, item[2], item[3], views)
+                else:
+                    self._fetch_parked.append(item)
+
+    def _stop_serving(self, rnd: int) -> None:
+        """Round ``rnd`` is over: close its fetch connections (their threads end at once)."""
+        with self._cv:
+            self._serving = None
+            active, self._fetch_active = self._fetch_active, {}
+            self._sweep_fetches_locked()
+        for conn in active.values():
+            conn.close()
+
+    def _serving_round(self):
+        serving = self._serving
+        return None if serving is None else serving[0]
+
+    def _serve(self, conn: tcp.Connection, views: dict, rnd: int, key) -> None:
+        """Donor side of one fetch connection: answer range requests from ``views``
+        while round ``rnd`` is served."""
         rate = config.elastic_serve_rate  # bytes/s; testing / WAN emulation
         try:
-            while self._serving is not None:
+            while self._serving_round() == rnd:
                 kind, _, msg = conn.read_ctrl(deadline=time.monotonic() + self.timeout, limit=1 << 12)
                 if kind != tcp.K_CTRL or not isinstance(msg, dict):
                     raise tcp.FrameError("bad request")
@@ -712,12 +903,15 @@ class Peer:
                     step = 1 << 16
                     for a in range(off, off + n, step):
                         time.sleep(min(step, off + n - a) / rate)
-                        if self._serving is None:
+                        if self._serving_round() != rnd:
                             raise ConnectionError("round over")
                 conn.send_frame(tcp.K_DATA, mv[off:off + n], timeout=self.timeout)
         except Exception:  # noqa: BLE001
             pass
         conn.close()
+        with self._cv:
+            if self._fetch_active.get(key) is conn:
+                del self._fetch_active[key]
 
     def _fetch(self, plan: dict, state: dict, topo: _Topo, timeout: float, own: dict | None = None):
         """Fetch every tensor whose hash differs, from the donors in turn; verify.
@@ -752,7 +946,7 @@ class Peer:
             if not todo:
                 break
             try:
-                n, todo = self._fetch_from(d, topo, views, todo, timeout)
+                n, todo = self._fetch_from(d, topo, views, todo, timeout, plan)
                 got += n
                 used = d
             except _DonorFailed as exc:
@@ -765,7 +959,7 @@ class Peer:
                                 rank=topo.rank, op="sync_shared_state")
         return got, used
 
-    def _fetch_from(self, donor: int, topo: _Topo, views, todo, timeout):
+    def _fetch_from(self, donor: int, topo: _Topo, views, todo, timeout, plan: dict):
         """Fetch ranges ``todo`` from ``donor`` over up to ``streams`` connections.
 
         Returns (bytes, []) or raises :class:`_DonorFailed` with what is left."""
@@ -779,7 +973,7 @@ class Peer:
 
         def worker(stream):
             try:
-                conn = self._dial(topo, donor, stream, FETCH, min(timeout, 10.0))
+                conn = self._dial(topo, donor, stream, FETCH, min(timeout, 10.0), plan=plan)
             except Exception as exc:  # noqa: BLE001
                 errors.append(exc)
                 return
@@ -815,8 +1009,15 @@ class Peer:
             raise _DonorFailed(done_bytes[0], left)
         return done_bytes[0], []
 
+    def _check_open(self, op: str) -> None:
+        if self._closed:
+            raise PeerClosed("this peer was closed (close() was called): connect() again to rejoin",
+                             rank=self.rank, op=op)
+
     def close(self) -> None:
-        """Leave: say goodbye to the master and close every connection."""
+        """Leave: say goodbye to the master and close every connection.  Any later
+        call on this peer raises :class:`~commlib.core.errors.PeerClosed` (the
+        all-reduce: :class:`~commlib.core.errors.CommError` "this peer was closed")."""
         if self._closed:
             return
         self._closed = True
@@ -830,6 +1031,12 @@ class Peer:
         self._listener.close()
         for item in self._parked:
             item[4].close()
+        with self._cv:
+            self._serving = None
+            fetches = list(self._fetch_active.values()) + [item[4] for item in self._fetch_parked]
+            self._fetch_active, self._fetch_parked = {}, []
+        for conn in fetches:
+            conn.close()
 
     def __enter__(self):
         return self
@@ -867,11 +1074,18 @@ def connect(address: str, secret: bytes | str | None = None, secret_file: str | 
         advertise: the ``host:port`` other peers should dial (behind NAT / port forwarding).
 
     Raises:
-        AuthError: the secret is wrong or missing, or the master refused.
+        SecretError: (an :class:`AuthError`) the secret is missing, its file missing or
+            empty, or too short; the message names the file.
+        AuthError: the secret is wrong, or the master refused this peer.
+        NoHandshakeSlot: the master's listener had no handshake slot for this peer
+            within ``timeout`` (retried with backoff until then): a flood, not a secret problem.
+        SilentPort: (a :class:`CommTimeout`) the address accepts connections but sends
+            no challenge: not a commlib master.
+        EncryptionMismatch: the master and this peer disagree on ``encrypt``.
         CommError: the master cannot be reached.
     """
     try:
         key = tcp.read_secret(secret, secret_file)
-    except AuthenticationError as exc:
-        raise AuthError(exc.detail, op="connect") from None
+    except AuthenticationError as exc:  # SecretError (an AuthError), named for connect
+        raise (type(exc) if isinstance(exc, AuthError) else AuthError)(exc.detail, op="connect") from None
     return Peer(address, key, streams=streams, timeout=timeout, encrypt=encrypt, bind=bind, advertise=advertise)

@@ -57,11 +57,18 @@ no unread bytes wait in its socket; a monitor tick that finds the master itself
 was not scheduled for over 0.5 s restarts every silence clock (the silence was
 the master's).
 
+Dropped members: a member whose peer-to-peer traffic overruns another member's
+receive caps (too many frames or bytes for receives never posted) is reported by
+that member (``drop``) and declared dead, as if its connection had closed.
+
 Threat model (see docs/ELASTIC.md): anyone may reach the ports; only holders
 of the shared secret can authenticate (HMAC-SHA256 challenge-response both
-ways, nothing but a random challenge is sent before); only members of an epoch
-hold tickets to open peer-to-peer connections.  Members are trusted not to lie
-about their inputs; data frames can be sealed with AES-GCM (``encrypt=True``).
+ways, nothing but a random challenge is sent before, and a BUSY frame to a
+connection the listener evicts); only members of an epoch hold tickets to open
+peer-to-peer connections, each bound to (epoch or sync round, source,
+destination, stream, purpose).  Members are trusted not to lie about their
+inputs; frames can be sealed with AES-GCM under keys from an ephemeral X25519
+exchange (``encrypt=True``).
 """
 from __future__ import annotations
 
@@ -72,8 +79,8 @@ import time
 from commlib.core.config import config
 
 __all__ = ["WELCOME", "TOPO", "TERM", "VOTED", "PLAN", "SYNC_END", "VOTE", "DONE", "FAIL", "SYNC", "SYNCED",
-           "BYE", "RING", "FETCH", "HEARTBEAT_INTERVAL", "AUTO_STREAMS", "PAIR_EXCHANGE_MAX", "TICKET_TTL",
-           "MAX_PEERS", "TRAFFIC", "is_int", "is_bytes", "dbg"]
+           "BYE", "DROP", "RING", "FETCH", "HEARTBEAT_INTERVAL", "AUTO_STREAMS", "PAIR_EXCHANGE_MAX", "TICKET_TTL",
+           "MAX_PEERS", "FETCH_MAX", "FETCH_PARK", "FETCH_PARK_S", "TRAFFIC", "is_int", "is_bytes", "dbg"]
 
 # --- master -> peer
 WELCOME = "welcome"    #: after authentication: ``id``, the peer's ticket ``key``, ``hb`` (heartbeat seconds)
@@ -81,6 +88,7 @@ TOPO = "topo"          #: a new epoch: ``e``, ``members`` ``[[id, data address].
 TERM = "term"          #: an operation's terminal state: ``e``, ``s``, ``ok`` (committed or aborted)
 VOTED = "voted"        #: a vote completed: ``e`` (the epoch after it), ``v`` (the job's step count)
 PLAN = "plan"          #: a shared-state round's plan: ``round``, ``rev``, ``hashes``, ``donors``, ``fetchers``...
+#:                        (a fetcher's plan also carries its ``tickets`` to each donor, purpose FETCH, bound to the round)
 SYNC_END = "sync_end"  #: every fetcher of ``round`` is done
 # --- peer -> master
 VOTE = "vote"          #: at a step boundary (:meth:`Peer.update_topology`)
@@ -89,6 +97,7 @@ FAIL = "fail"          #: operation ``(e, s)`` failed on this peer (a peer died,
 SYNC = "sync"          #: a shared-state submission: ``rev``, per-tensor ``hashes`` and ``meta``
 SYNCED = "synced"      #: this fetcher finished its transfers
 BYE = "bye"            #: leaving
+DROP = "drop"          #: member ``id`` of epoch ``e`` overran this peer's receive caps (``why``): drop it
 # --- the purpose of a peer-to-peer connection (in its authenticated hello)
 RING = "ring"          #: a collective's data connection of one epoch
 FETCH = "fetch"        #: a shared-state fetch from a donor
@@ -106,6 +115,12 @@ PAIR_EXCHANGE_MAX = 1 << 20
 TICKET_TTL = 6 * 3600.0
 #: peers one master serves at most
 MAX_PEERS = 1024
+#: fetch connections a donor serves at once
+FETCH_MAX = 64
+#: fetch connections a donor holds, without a thread, while the plan that names them is
+#: on its way to it (the fetcher read the same plan first), and for how many seconds
+FETCH_PARK = 64
+FETCH_PARK_S = 5.0
 #: the data plane's traffic counters (:attr:`Peer.stats`)
 TRAFFIC = ("bytes_sent", "bytes_received", "wire_bytes_sent", "wire_bytes_received", "bytes_buffered",
            "first_round_bytes_sent", "first_round_bytes_received", "first_round_wire_bytes_sent",

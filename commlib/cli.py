@@ -145,7 +145,7 @@ def info(kernel_check: bool = True, kernel_timeout: float = KERNEL_CHECK_TIMEOUT
     # imported: ``commlib master`` runs an elastic master, which uses no MPI at all
     from mpi4py import MPI  # noqa: PLC0415
 
-    from commlib.transports.mpi_process import ft_mode_info  # noqa: PLC0415
+    from commlib.transports.mpi_process import ft_mode_info, tcp_flags_text  # noqa: PLC0415
 
     rec = {
         "commlib": commlib.__version__,
@@ -172,6 +172,13 @@ def info(kernel_check: bool = True, kernel_timeout: float = KERNEL_CHECK_TIMEOUT
         rec["fault_tolerance"] = ft["mode"]
         if ft.get("hint"):
             rec["fault_tolerance_hint"] = ft["hint"]
+        tcp = ft.get("tcp_rdma")
+        if tcp is not None:  # Open MPI: under ULFM the TCP BTL should do no RDMA put (docs/FAULTS.md)
+            if not tcp["tcp_btl"]:
+                rec["tcp_btl_rdma"] = "n/a (TCP BTL not in use)"
+            else:
+                rec["tcp_btl_rdma"] = (f"{'on' if tcp['rdma'] else 'off'} (btl_tcp_flags "
+                                       f"{tcp_flags_text(tcp['btl_tcp_flags'])}, read via {tcp['source']})")
     except Exception as exc:  # noqa: BLE001 - info must print whatever is broken
         rec["fault_tolerance"] = f"unknown ({exc})"
     rec["cuda_aware_query"] = device.cuda_support_query()

@@ -391,6 +391,7 @@ def init(comm: MPI.Comm | None = None, *, cuda_aware: bool | None = None, fault_
     if not fault_tolerant:
         return Communicator(comm, cuda_aware=cuda_aware)
     ft = FaultTolerance(ft_mode(), on_failure=on_failure, timeout=float(timeout or config.timeout), process=PROCESS)
+    PROCESS.warn_tcp_rdma()  # once, under ULFM with the TCP BTL's RDMA put on (docs/FAULTS.md)
     base = MPITransport(MPI.COMM_WORLD if comm is None else comm, cuda_aware=cuda_aware)
     tp = base.dup()
     tp.set_errors_return()

@@ -9,6 +9,8 @@ commlib, so it tests nothing: the harnesses launch it again (at most
 messages printed before any rank starts are listed, and a relaunch happens
 only when no rank wrote a result.
 """
+import os
+
 LAUNCH_ATTEMPTS = 3
 
 # prterun's messages for a job it could not start (no rank ran)
@@ -29,3 +31,34 @@ def launcher_failed(text: str, results) -> bool:
 # with 1 s against 4.3-6.9 s with the default 3 s, the results and recovery times
 # the same), so the suite's ~100 kill jobs bound it at 1 s: the shortest alarm(2) takes.
 FINALIZE_TIMEOUT = "1"
+
+# Open MPI's TCP BTL flags without RDMA put (the default is
+# "send,put,inplace,need-ack,need-csum,hetero-rdma"): large messages go as
+# pipelined sends and ob1 sends no FIN, whose path wedged survivors under ULFM
+# (docs/FAULTS.md, "The put-less TCP BTL").  The same value as
+# commlib.transports.mpi_process.TCP_FLAGS_WITHOUT_PUT.
+TCP_FLAGS_WITHOUT_PUT = "send,inplace,need-ack,need-csum"
+
+
+# COMMLIB_TEST_FT_TCP_FLAGS overrides the flags of the harnesses' ULFM jobs
+# ("default": Open MPI's own, RDMA put on: the setting before issue 22)
+FT_TCP_FLAGS = os.environ.get("COMMLIB_TEST_FT_TCP_FLAGS") or TCP_FLAGS_WITHOUT_PUT
+FT_TCP_FLAGS = None if FT_TCP_FLAGS == "default" else FT_TCP_FLAGS
+
+
+def ft_args(btl="tcp,self", tcp_flags=FT_TCP_FLAGS):
+    """``mpiexec`` arguments of a ULFM job over the BTLs ``btl``, with the TCP
+    BTL's flags ``tcp_flags`` (None: Open MPI's default, RDMA put on)."""
+    args = ["--with-ft", "ulfm", "--mca", "btl", btl]
+    if tcp_flags:
+        args += ["--mca", "btl_tcp_flags", tcp_flags]
+    return args + ["--prtemca", "state_base_error_non_zero_exit", "0"]
+
+
+# mpiexec arguments of every fault-tolerant (ULFM) job the harnesses launch:
+# survivors are told about failures (--with-ft ulfm), the TCP BTL (the
+# shared-memory one did not report a killed rank), without RDMA put, and a
+# rank that exits non-zero does not make prterun end the whole job.
+FT_ARGS = ft_args()
+# the same with Open MPI's default TCP flags (RDMA put on): the soak's other arm
+FT_PUT_ARGS = ft_args(tcp_flags=None)

@@ -4,8 +4,10 @@ A driver (plain ``pytest``, no mpiexec) launches many small jobs of
 ``tests/ft_worker.py``, each with a hard timeout, so a hanging rank can never
 hang the suite:
 
-- Open MPI with ULFM: ``mpiexec --with-ft ulfm --mca btl tcp,self --prtemca
-  state_base_error_non_zero_exit 0`` (else prterun ends the whole job when a
+- Open MPI with ULFM: ``mpiexec --with-ft ulfm --mca btl tcp,self --mca
+  btl_tcp_flags send,inplace,need-ack,need-csum --prtemca
+  state_base_error_non_zero_exit 0`` (``launch.FT_ARGS``: the TCP BTL without
+  RDMA put, docs/FAULTS.md; the last, else prterun ends the whole job when a
   rank exits with a non-zero status, as ``os._exit(17)`` does); 3 to 6
   ranks, one or two victims killed (``os._exit`` or SIGKILL) before, during
   (at a random point-to-point send: any ring/tree step or the header
@@ -40,7 +42,7 @@ import mpi4py
 mpi4py.rc.initialize = False
 from mpi4py import MPI  # noqa: E402
 
-from launch import FINALIZE_TIMEOUT, LAUNCH_ATTEMPTS, launcher_failed  # noqa: E402 - tests/launch.py
+from launch import FINALIZE_TIMEOUT, LAUNCH_ATTEMPTS, ft_args, launcher_failed  # noqa: E402 - tests/launch.py
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "ft_worker.py")
@@ -78,7 +80,7 @@ def _run(nprocs, spec, timeout=45, env_extra=None, ulfm=True):
         cmd = [MPIEXEC, "--oversubscribe"]
         if ulfm:
             # a rank that exits non-zero must not make prterun end the job
-            cmd += ["--with-ft", "ulfm", "--mca", "btl", FT_BTL, "--prtemca", "state_base_error_non_zero_exit", "0"]
+            cmd += ft_args(FT_BTL)  # the TCP BTL without RDMA put (tests/launch.py)
     else:
         cmd = [MPIEXEC, "-disable-auto-cleanup"]
     cmd += ["-n", str(nprocs), sys.executable, WORKER, json.dumps(spec)]

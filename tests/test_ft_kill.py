@@ -1,6 +1,7 @@
 """Randomized kill test: ranks die at random *times* during large fault-tolerant allreduces.
 
-Each run is one ``mpiexec --with-ft ulfm`` job of ``tests/ft_worker.py`` in
+Each run is one ``mpiexec --with-ft ulfm`` job (``launch.FT_ARGS``: the TCP
+BTL without RDMA put, docs/FAULTS.md) of ``tests/ft_worker.py`` in
 timed mode: NP ranks, three successive float32 allreduces of MIB MiB in
 ``commlib.init(fault_tolerant=True)`` mode, and one or two victims that die a
 random 0-400 ms after entering a call (the first one included), by
@@ -43,6 +44,10 @@ environment variables (the defaults are the CI configuration):
 ``COMMLIB_KILL_CALL_BOUND`` (above)  seconds any call may take (the soak: ``15``)
 ==========================  =======  ==============================================
 
+``test_a_death_costs_only_the_victim`` is the CI-size ULFM soak (benchmarks/soak_ulfm.py
+has the full one, A/B of the TCP BTL flags): only ``os._exit`` victims, and
+no rank but them may die.
+
 CI's 20 runs take about 2 minutes on a busy 2-core machine.  The issue's
 target, by hand (about 40 s per run there; ``REPORT.partial`` grows as it goes)::
 
@@ -69,7 +74,7 @@ import mpi4py
 mpi4py.rc.initialize = False
 from mpi4py import MPI  # noqa: E402
 
-from launch import FINALIZE_TIMEOUT, LAUNCH_ATTEMPTS, launcher_failed  # noqa: E402 - tests/launch.py
+from launch import FINALIZE_TIMEOUT, FT_ARGS, LAUNCH_ATTEMPTS, launcher_failed  # noqa: E402 - tests/launch.py
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "ft_worker.py")
@@ -122,8 +127,56 @@ def plan(seed: int, runs: int, nprocs: int):
     return out
 
 
-def run_one(spec, seed, nprocs=NP, mib=MIB, timeout=TIMEOUT):
-    """One job; returns an outcome dict (never raises for the job's own faults)."""
+def exit_plan(seed: int, runs: int, nprocs: int, calls: int = CALLS, two: float = 0.4, first: float = 0.4):
+    """The soak's kill plans (benchmarks/soak_ulfm.py, test_a_death_costs_only_the_victim):
+    per run ``[[rank, call, delay_ms, "exit"], ...]``, every victim calls ``os._exit``;
+    two victims with probability ``two`` (any ranks); each victim's call is the
+    first with probability ``first`` (else a later one, uniformly); its delay
+    40-300 ms into the call (one in five 0-40 ms: right at the call's start)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(runs):
+        victims = rng.sample(range(nprocs), 2 if rng.random() < two else 1)
+        spec = []
+        for v in victims:
+            call = 0 if rng.random() < first else rng.randrange(1, calls)
+            delay = rng.randint(0, 39) if rng.random() < 0.2 else rng.randint(40, 300)
+            spec.append([v, call, delay, "exit"])
+        out.append(spec)
+    return out
+
+
+def extra_deaths(o, nprocs):
+    """Add to ``run_one``'s outcome ``o`` what one death cost beyond its victims:
+    ``victims_planned``/``victims_died``, ``extra_ranks`` (ranks that died but no
+    plan killed: a watchdog fail-stop after Open MPI wedged them, or any other
+    death) and ``extra_failstop_ranks`` (those that printed the fail-stop line),
+    and ``recovery_s``: per call with a kill, the slowest survivor's call time
+    less the first kill's delay in that call (about kill to recovered result;
+    the ranks enter a call within a few ms of each other), the run's worst."""
+    victims = {v[0] for v in o["spec"]}
+    dead = set(range(nprocs)) - set(o["survivors"])
+    o["victims_planned"] = len(victims)
+    o["victims_died"] = len(victims & dead)
+    if o["outcome"] == "hang":  # no result files were read: nobody's fate is known
+        o["extra_ranks"], o["extra_failstop_ranks"] = [], []
+    else:
+        o["extra_ranks"] = sorted(dead - victims)
+        o["extra_failstop_ranks"] = sorted(r for r in o["extra_ranks"]
+                                           if any(f"COMM_WORLD rank {r}," in ln for ln in o["failstop_lines"]))
+    rec = []
+    for c in sorted({v[1] for v in o["spec"]}):
+        ts = [t[c] for t in o["call_times"].values() if len(t) > c]
+        if ts:
+            rec.append(max(ts) - min(v[2] for v in o["spec"] if v[1] == c) / 1000)
+    o["recovery_s"] = round(max(rec), 3) if rec else None
+    return o
+
+
+def run_one(spec, seed, nprocs=NP, mib=MIB, timeout=TIMEOUT, ft_args=None):
+    """One job; returns an outcome dict (never raises for the job's own faults).
+    ``ft_args``: the job's fault-tolerance arguments to ``mpiexec`` (default
+    ``launch.FT_ARGS``; benchmarks/soak_ulfm.py passes both arms of its A/B)."""
     n = int(mib * (1 << 20)) // 4
     env = dict(os.environ, COMMLIB_TIMEOUT=str(timeout), COMMLIB_FT_GRACE=str(GRACE),
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1")
@@ -131,8 +184,8 @@ def run_one(spec, seed, nprocs=NP, mib=MIB, timeout=TIMEOUT):
     env.setdefault("COMMLIB_FINALIZE_TIMEOUT", FINALIZE_TIMEOUT)
     out_dir = tempfile.mkdtemp(prefix="commlib-kill-")
     env["FT_OUT_DIR"] = out_dir
-    cmd = [MPIEXEC, "--oversubscribe", "--with-ft", "ulfm", "--mca", "btl", "tcp,self",
-           "--prtemca", "state_base_error_non_zero_exit", "0", "-n", str(nprocs), sys.executable, WORKER,
+    cmd = [MPIEXEC, "--oversubscribe", *(FT_ARGS if ft_args is None else ft_args), "-n", str(nprocs),
+           sys.executable, WORKER,
            json.dumps({"timed": {"n": n, "calls": CALLS}, "victims": spec, "seed": seed, "oracle": False})]
     limit = STARTUP_S + timeout + 5
     log = Path(out_dir) / "output.txt"  # a file, not a pipe: a process that left the group cannot hold us
@@ -353,3 +406,68 @@ def test_random_kill_times():
     assert not bad, "\n\n".join(
         f"run {i} (seed {SEED}, spec {o['spec']}): {o['outcome']}: {o['problems']}\n{o.get('tail', '')}"
         for i, o in bad[:3]) + f"\n\nsummary: {summary}"
+
+
+# The CI-size ULFM soak (benchmarks/soak_ulfm.py has the full one): one rank's
+# death must cost exactly that rank.  Open MPI's TCP BTL with RDMA put on
+# (its default) wedged a healthy survivor in ob1's FIN path in about one run
+# in five, which the watchdog then fail-stopped; launch.FT_ARGS turns the put
+# off (docs/FAULTS.md, "The put-less TCP BTL").  Settings: COMMLIB_SOAK_RUNS
+# (runs per case), COMMLIB_KILL_SEED.
+SOAK_RUNS = int(os.environ.get("COMMLIB_SOAK_RUNS", "4"))
+SOAK_PAR = 2  # two jobs at once on the 2-core CI box
+
+
+@pytest.mark.skipif(not _ulfm(), reason="needs Open MPI with ULFM")
+@pytest.mark.timeout(SOAK_RUNS * (STARTUP_S + 8 + 5) // SOAK_PAR + 120)
+@pytest.mark.parametrize("nprocs,mib", [(4, 16), (5, 32)])
+def test_a_death_costs_only_the_victim(nprocs, mib):
+    """SOAK_RUNS jobs of ``nprocs`` ranks, three ``mib`` MiB float32 allreduces,
+    launched as fault-tolerant jobs are (``launch.FT_ARGS``); one or two
+    random victims ``os._exit`` 0-300 ms into a random call, the first call
+    in run 0 and two victims in run 1.  Every run: no rank dies but the
+    victims (0 extra fail-stops), every survivor holds every call's ring
+    oracle over the ranks that call ended with (bit-identical), and the call
+    with the kill returns within ``T`` (8 s) of it.  With Open MPI's default
+    flags (``COMMLIB_TEST_FT_TCP_FLAGS=default``) the 5-rank case failed,
+    2 of its 4 runs losing a second rank (docs/FAULTS.md)."""
+    seed = SEED + nprocs
+    kills = exit_plan(seed, SOAK_RUNS, nprocs)
+    kills[0][0][1] = 0                                   # a kill inside the first call
+    if len(kills) > 1 and len(kills[1]) == 1:            # and two victims
+        kills[1].append([(kills[1][0][0] + 2) % nprocs, 0, 150, "exit"])
+    outcomes = [None] * len(kills)
+
+    def one(i):
+        outcomes[i] = extra_deaths(run_one(kills[i], seed + i, nprocs=nprocs, mib=mib, timeout=8.0), nprocs)
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(max_workers=SOAK_PAR) as ex:
+        list(ex.map(one, range(len(kills))))
+    print(f"\nsoak {nprocs} ranks x {mib:g} MiB, seed {seed}, {time.monotonic() - t0:.1f} s:",
+          [(o["outcome"], o["extra_ranks"], o["recovery_s"], o["wall"]) for o in outcomes])
+    # no stall either: a survivor Open MPI wedged but the revoke at T freed made a call of about T
+    bad = [(i, o) for i, o in enumerate(outcomes)
+           if o["outcome"] != "recovered" or o["extra_ranks"] or (o["recovery_s"] or 0) >= 8.0]
+    assert not bad, "\n\n".join(
+        f"run {i} (seed {seed}, spec {o['spec']}): {o['outcome']}, extra deaths {o['extra_ranks']} "
+        f"(fail-stops {o['extra_failstop_ranks']}), recovery {o['recovery_s']} s: {o['problems']}\n{o.get('tail', '')}"
+        for i, o in bad[:3])
+
+
+def test_tcp_flags_parsing():
+    """What commlib info and the ULFM warning read from btl_tcp_flags / btl."""
+    from commlib.transports.mpi_process import (TCP_FLAGS_WITHOUT_PUT, _tcp_btl_selected, _tcp_flags_rdma,
+                                                tcp_flags_text)
+
+    from launch import TCP_FLAGS_WITHOUT_PUT as launched
+
+    assert launched == TCP_FLAGS_WITHOUT_PUT
+    assert not _tcp_flags_rdma(TCP_FLAGS_WITHOUT_PUT) and not _tcp_flags_rdma(0x39)
+    assert _tcp_flags_rdma("send,put,inplace,need-ack,need-csum,hetero-rdma") and _tcp_flags_rdma(0x13b)
+    assert _tcp_flags_rdma("send, get") and _tcp_flags_rdma("0x3") and _tcp_flags_rdma("3")
+    assert not _tcp_flags_rdma("0x39") and not _tcp_flags_rdma("send,put-am")
+    assert tcp_flags_text(0x39) == TCP_FLAGS_WITHOUT_PUT
+    assert tcp_flags_text(0x13b) == "send,put,inplace,need-ack,need-csum,hetero-rdma"
+    assert _tcp_btl_selected(None) and _tcp_btl_selected("tcp,self") and _tcp_btl_selected("^sm")
+    assert not _tcp_btl_selected("self,sm") and not _tcp_btl_selected("^tcp,openib")

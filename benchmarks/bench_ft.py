@@ -14,7 +14,7 @@ same outcome before returning: one ``MPIX_Comm_agree``), plus ``memcpy /
 plain`` in place (when the outcome is agreed, the input, kept for a retry,
 and the result must both exist, so one of them was copied)::
 
-    mpiexec --with-ft ulfm --mca btl tcp,self --oversubscribe -n 4 \\
+    mpiexec --with-ft ulfm --mca btl tcp,self --mca btl_tcp_flags send,inplace,need-ack,need-csum --oversubscribe -n 4 \\
         python benchmarks/bench_ft.py overhead --json ft_overhead.json
 
 ``recovery`` (a driver, run without mpiexec): launches ``--runs`` jobs of 4
@@ -186,6 +186,7 @@ def recovery(args):
         out = tempfile.mkdtemp(prefix="commlib-ftbench-")
         k = int(rng.integers(0, 2 * (args.ranks - 1)))  # one of the ring's 2 (n - 1) sends
         cmd = [mpiexec, "--oversubscribe", "--with-ft", "ulfm", "--mca", "btl", "tcp,self",
+               "--mca", "btl_tcp_flags", "send,inplace,need-ack,need-csum",  # RDMA put off: docs/FAULTS.md
                "--prtemca", "state_base_error_non_zero_exit", "0", "-n", str(args.ranks),
                sys.executable, os.path.abspath(__file__), "recovery-worker", "--out", out,
                "--kill-at", str(k), "--victim", "2"]

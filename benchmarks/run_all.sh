@@ -24,7 +24,7 @@ for n in 2 4; do
   M "$n" benchmarks/bench_allreduce.py --json "$OUT/allreduce_p$n.json" --plot "$OUT/allreduce_p$n.png"
 done
 # fault-tolerant mode: overhead without failure (under ULFM) and recovery time
-run "$MPIEXEC" --oversubscribe --with-ft ulfm --mca btl tcp,self --prtemca state_base_error_non_zero_exit 0 \
+run "$MPIEXEC" --oversubscribe --with-ft ulfm --mca btl tcp,self --mca btl_tcp_flags send,inplace,need-ack,need-csum --prtemca state_base_error_non_zero_exit 0 \
   -n 2 "$PY" benchmarks/bench_ft.py overhead --trials 25 --min-bytes 1048576 --json "$OUT/ft_overhead.json"
 run "$PY" benchmarks/bench_ft.py recovery --runs "${RUNS:-20}" --json "$OUT/ft_recovery.json"
 echo; echo "results in $OUT/"

@@ -54,9 +54,7 @@ class Communicator(CollectiveMixin):
         self._ft = None
         self._strategy_memo: dict = {}
         self._worker = None
-        self._ft_scratch = None
         self._mpi_types = _MPITypes()
-        self._small = None  # buffers of the one-round small allreduce
 
     @property
     def mpi_comm(self) -> MPI.Comm:

@@ -22,7 +22,7 @@ mpi4py.rc.initialize = False
 from mpi4py import MPI  # noqa: E402
 
 from commlib.core.device import ulfm_available  # noqa: E402
-from launch import FINALIZE_TIMEOUT, LAUNCH_ATTEMPTS, launcher_failed  # noqa: E402 - tests/launch.py
+from launch import FINALIZE_TIMEOUT, FT_ARGS, LAUNCH_ATTEMPTS, launcher_failed  # noqa: E402 - tests/launch.py
 
 pytestmark = pytest.mark.skipif(not ("Open MPI" in MPI.Get_library_version() and ulfm_available()),
                                 reason="needs Open MPI with ULFM")
@@ -33,7 +33,7 @@ def _heat(n, args, ft=True, timeout=90):
     out = tempfile.mktemp(suffix=".json")
     cmd = [MPIEXEC, "--oversubscribe"]
     if ft:
-        cmd += ["--with-ft", "ulfm", "--mca", "btl", "tcp,self", "--prtemca", "state_base_error_non_zero_exit", "0"]
+        cmd += FT_ARGS
     cmd += ["-n", str(n), sys.executable, "-P", "-m", "commlib.apps.heat", "--json", out, "--no-progress"] + args
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     env.pop("NUMBA_ENABLE_CUDASIM", None)

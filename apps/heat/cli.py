@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gather the field and compare bit for bit with a single-process run")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--fault-tolerant", action="store_true",
-                   help="survive rank failures (ULFM: mpiexec --with-ft ulfm --mca btl tcp,self): in-memory buddy "
+                   help="survive rank failures (ULFM: mpiexec --with-ft ulfm --mca btl tcp,self --mca btl_tcp_flags send,inplace,need-ack,need-csum): in-memory buddy "
                         "checkpoints, shrink, re-decompose, restore")
     p.add_argument("--checkpoint-every", type=int, default=20, metavar="K",
                    help="steps between buddy checkpoints in --fault-tolerant mode (default 20)")

@@ -474,7 +474,8 @@ def solve_ft(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final
     op = "heat.solve_ft"
     grid = [int(n) for n in grid]
     if comm.fault_tolerant != "ulfm":
-        raise InvalidArgument("--fault-tolerant needs ULFM: mpiexec --with-ft ulfm --mca btl tcp,self",
+        raise InvalidArgument("--fault-tolerant needs ULFM: mpiexec --with-ft ulfm --mca btl tcp,self "
+                              "--mca btl_tcp_flags send,inplace,need-ack,need-csum",
                               rank=comm.rank, op=op)
     if backend not in ("numpy", "numba"):
         raise InvalidArgument("fault-tolerant mode runs the numpy and numba backends", rank=comm.rank, op=op)

@@ -33,12 +33,13 @@ status=0
 TIMED=${COMMLIB_TIMED_TESTS-"tests/test_ft.py tests/test_ft_heat.py tests/test_ft_kill.py
   tests/test_cli_refusal.py"}
 # The elastic layer, its TCP transport and the DiLoCo app run with no MPI: these
-# files run (one test at a time, as they are timing-driven too) with mpi4py made
+# files run (the timing-driven ones one test at a time) with mpi4py made
 # unimportable (tests/no_mpi first on PYTHONPATH: "import mpi4py" raises there,
 # in their subprocesses too), instead of in the stages above, so an import of
 # MPI on the elastic path fails CI and the suite takes no longer.
 NO_MPI=${COMMLIB_NO_MPI_TESTS-"tests/test_elastic_no_mpi.py tests/test_elastic.py tests/test_elastic_engine.py
   tests/test_elastic_adversary.py tests/test_elastic_churn.py tests/test_tcp.py tests/test_diloco.py"}
+NO_MPI_TIMED="tests/test_elastic_engine.py tests/test_elastic_adversary.py tests/test_elastic_churn.py"
 WORKERS=${COMMLIB_TEST_WORKERS:-2}
 skip=()
 for f in $TIMED $NO_MPI; do skip+=("--ignore=$f"); done
@@ -59,11 +60,25 @@ no_mpi_tests() {
     return 1
   fi
   echo "+ PYTHONPATH=$pp (mpi4py blocked)"
-  # shellcheck disable=SC2086
-  PYTHONPATH=$pp timeout 1500 "$PY" -P -m pytest -q -rfE -p no:cacheprovider --timeout=600 $NO_MPI "$@"
+  # the timing-driven files (kills, floods, deadlines) one test at a time; the
+  # rest in $WORKERS pytest-xdist workers, as they ran before they moved here
+  local f timed="" rest="" rc=0
+  for f in $NO_MPI; do
+    case " $NO_MPI_TIMED " in *" $f "*) timed="$timed $f" ;; *) rest="$rest $f" ;; esac
+  done
+  if [ -n "${rest// /}" ]; then
+    # shellcheck disable=SC2086
+    PYTHONPATH=$pp timeout 1500 "$PY" -P -m pytest -q -rfE -p no:cacheprovider --timeout=600 -n "$WORKERS" $rest "$@" ||
+      rc=1
+  fi
+  if [ -n "${timed// /}" ]; then
+    # shellcheck disable=SC2086
+    PYTHONPATH=$pp timeout 1500 "$PY" -P -m pytest -q -rfE -p no:cacheprovider --timeout=600 $timed "$@" || rc=1
+  fi
+  return $rc
 }
 if want no-mpi && [ -n "${NO_MPI// /}" ]; then
-  stage "serial tests without MPI: elastic, TCP, DiLoCo (mpi4py blocked; one at a time)" no_mpi_tests "$@" ||
+  stage "serial tests without MPI: elastic, TCP, DiLoCo (mpi4py blocked)" no_mpi_tests "$@" ||
     status=1
 fi
 

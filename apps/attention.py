@@ -268,6 +268,28 @@ def _rel(got, want):
     return float(np.abs(got - want).max(initial=0.0) / scale)
 
 
+def _timed_iters(comm, args, one, desc: str):
+    """``args.iters`` timed calls of ``one()`` (whose last two results are the
+    forward and backward seconds), each after a barrier, with a progress bar on
+    rank 0.  Returns the per-iteration seconds of the slowest rank, forward and
+    backward (float64 arrays of ``args.iters``)."""
+    times_f, times_b = [], []
+    bar = range(args.iters)
+    if comm.rank == 0 and not args.quiet:
+        from tqdm import tqdm  # noqa: PLC0415
+
+        bar = tqdm(bar, desc=desc, unit="it", file=sys.stderr)
+    for _ in bar:
+        comm.barrier()
+        *_, tf, tb = one()
+        times_f.append(tf)
+        times_b.append(tb)
+    tf_all, tb_all = np.array(times_f), np.array(times_b)
+    comm.allreduce(tf_all, op="max")  # slowest rank per iteration
+    comm.allreduce(tb_all, op="max")
+    return tf_all, tb_all
+
+
 def run(args, comm=None):
     """Run the app; returns the report dict on rank 0 (None elsewhere)."""
     comm = comm or commlib.init()
@@ -306,21 +328,7 @@ def run(args, comm=None):
     tracemalloc.stop()
     for _ in range(max(0, args.warmup - 1)):
         one()
-    times_f, times_b = [], []
-    bar = range(args.iters)
-    if rank == 0 and not args.quiet:
-        from tqdm import tqdm  # noqa: PLC0415
-
-        bar = tqdm(bar, desc=f"{args.algo}/{args.layout} P={P}", unit="it", file=sys.stderr)
-    for _ in bar:
-        comm.barrier()
-        _, _, _, tf, tb = one()
-        times_f.append(tf)
-        times_b.append(tb)
-    # slowest rank per iteration
-    tf_all, tb_all = np.array(times_f), np.array(times_b)
-    comm.allreduce(tf_all, op="max")
-    comm.allreduce(tb_all, op="max")
+    tf_all, tb_all = _timed_iters(comm, args, one, f"{args.algo}/{args.layout} P={P}")
 
     check = None
     if args.check:
@@ -516,20 +524,7 @@ def _run_torch(args, comm):
         peak, method = (hwm - base, "peak RSS growth") if base is not None and hwm is not None else (None, None)
     for _ in range(max(0, args.warmup - 2)):
         one()
-    times_f, times_b = [], []
-    bar = range(args.iters)
-    if rank == 0 and not args.quiet:
-        from tqdm import tqdm  # noqa: PLC0415
-
-        bar = tqdm(bar, desc=f"torch {args.algo}/{args.layout} P={P}", unit="it", file=sys.stderr)
-    for _ in bar:
-        comm.barrier()
-        _, _, tf, tb = one()
-        times_f.append(tf)
-        times_b.append(tb)
-    tf_all, tb_all = np.array(times_f), np.array(times_b)
-    comm.allreduce(tf_all, op="max")
-    comm.allreduce(tb_all, op="max")
+    tf_all, tb_all = _timed_iters(comm, args, one, f"torch {args.algo}/{args.layout} P={P}")
 
     check = _check_torch(args, comm, pos, out, grads, scale) if args.check else None
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

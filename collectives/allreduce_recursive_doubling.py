@@ -18,10 +18,10 @@ import numpy as np
 from ._common import next_tag, waitall
 from .ops import get_op
 
-__all__ = ["allreduce_recursive_doubling"]
+__all__ = ["allreduce_recursive_doubling", "combine_pair"]
 
 
-def _combine(op, out: np.ndarray, mine: np.ndarray, other: np.ndarray, other_is_lower: bool) -> None:
+def combine_pair(op, out: np.ndarray, mine: np.ndarray, other: np.ndarray, other_is_lower: bool) -> None:
     """``out <- lower (op) higher``: the lower rank's partial is always the left
     operand, so both partners compute the same bits (NaN payloads and signed
     zeros included)."""
@@ -79,7 +79,7 @@ def allreduce_recursive_doubling(transport, buf: np.ndarray, op="sum", *, sendbu
             newrank = -1
         else:
             waitall(transport, [transport.irecv(tmp, r - 1, tag)], timeout)
-            _combine(op, buf, cur, tmp, True)
+            combine_pair(op, buf, cur, tmp, True)
             cur = buf
             newrank = r // 2
     else:
@@ -92,7 +92,7 @@ def allreduce_recursive_doubling(transport, buf: np.ndarray, op="sum", *, sendbu
             rq = transport.irecv(tmp, peer, tag + 1)
             sq = transport.isend(cur, peer, tag + 1)
             waitall(transport, [rq, sq], timeout)
-            _combine(op, buf, cur, tmp, peer < r)
+            combine_pair(op, buf, cur, tmp, peer < r)
             cur = buf
             mask <<= 1
         op.finalize(buf, n)

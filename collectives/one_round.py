@@ -88,7 +88,8 @@ def reduce_rows(payloads: np.ndarray, dtype, count: int, op, out: np.ndarray) ->
     (:func:`ring_order_steps`; bit-identical on every rank).
 
     Args:
-        payloads: uint8, shape ``(size, capacity)`` from the first round.
+        payloads: uint8, shape ``(size, capacity)`` from the first round, or a
+            sequence of ``size`` uint8 rows (:func:`.pair_round.pair_first_round`).
         dtype, count: the elements in each payload.
         op: an :class:`~commlib.collectives.ops.Op`.
         out: 1-D host array of ``count`` elements of ``dtype``.

@@ -576,6 +576,32 @@ def _nothing(c: Call, result) -> None:
 
 
 # ------------------------------------------------------------------------ the table
+#: bytes up to which a 2-member unquantized elastic all-reduce (over the TCP
+#: transport: :meth:`commlib.elastic.Peer.allreduce`) is one exchange of the whole
+#: vector, shipped behind its header (:mod:`.pair_round`), instead of the ring's
+#: two steps after the first round (measured on loopback, 2 cores: 4-256 KiB
+#: 1.3-1.8x faster, 1 MiB even, 8 MiB slower)
+PAIR_EXCHANGE_MAX = 1 << 20
+#: the elastic all-reduce's choice over the TCP transport, as ``(max_bytes,
+#: algorithm, min_ranks, max_ranks)``: the first entry that fits wins, else the
+#: ring (a quantized call always takes the ring; a call of at most
+#: :func:`~.one_round.small_capacity` bytes travels inside the first round)
+TCP_ALLREDUCE_THRESHOLDS = ((PAIR_EXCHANGE_MAX, "pair_exchange", 2, 2),)
+
+
+def choose_tcp_allreduce(nbytes: int, nranks: int, quantized: bool) -> str:
+    """The elastic all-reduce's algorithm: ``"small"`` (inside the first round),
+    ``"pair_exchange"`` or ``"ring"``, by :data:`TCP_ALLREDUCE_THRESHOLDS`."""
+    if quantized:
+        return "ring"
+    if nranks > 1 and nbytes <= small_capacity(nranks):
+        return "small"
+    for max_bytes, algo, min_ranks, max_ranks in TCP_ALLREDUCE_THRESHOLDS:
+        if nbytes <= max_bytes and min_ranks <= nranks <= max_ranks:
+            return algo
+    return "ring"
+
+
 #: the collectives (allreduce "auto": recursive doubling up to 256 KiB on 3 or
 #: more ranks, ring above; measured with benchmarks/bench_allreduce.py at 2 and
 #: 4 ranks, shared memory, 2 cores: the two cross between 64 and 256 KiB.  At 2

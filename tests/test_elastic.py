@@ -128,14 +128,22 @@ def _ring_messages(count, itemsize, n, r, received=False):
     all-reduce of ``count`` items over ``n`` ranks: reduce-scatter step s sends chunk
     r-s-1, the all-gather chunk r-s; rank r receives what rank r-1 sends; chunks as
     numpy.array_split cuts them.  At 2 ranks an unquantized all-reduce of at most
-    ``PAIR_EXCHANGE_MAX`` bytes is one exchange of the whole vector (the same bytes
-    in one message)."""
+    ``PAIR_EXCHANGE_MAX`` bytes sends none: its vector travels whole in the first
+    round (:func:`_pair_round_bytes`)."""
     if n == 2 and count * itemsize <= el.PAIR_EXCHANGE_MAX:
-        return [count * itemsize]
+        return []
     if received:
         r = (r - 1) % n
     sizes = [len(c) * itemsize for c in np.array_split(np.arange(count), n)]
     return [sizes[(r - s - 1) % n] for s in range(n - 1)] + [sizes[(r - s) % n] for s in range(n - 1)]
+
+
+def _pair_round_bytes(nbytes):
+    """At 2 peers, the first-round message of an all-reduce of ``nbytes`` bytes (at
+    most PAIR_EXCHANGE_MAX): 48 header bytes, then the vector, or the small-call
+    area of ``small_capacity(2)`` bytes, whichever is larger (one frame)."""
+    from commlib.collectives.one_round import small_capacity
+    return 48 + max(small_capacity(2), nbytes)
 
 
 def _frames(nbytes, streams):
@@ -148,8 +156,10 @@ def _frames(nbytes, streams):
 @pytest.mark.parametrize("count,dtype", [(1000, np.float32), (300_001, np.float64)])
 def test_stats_count_the_ring_traffic(group, count, dtype):
     """Peer.stats against the ring's known traffic: 2 (n-1)/n x the buffer per peer
-    (exactly the chunk sizes; at 2 peers up to 1 MiB one message of the whole buffer), 2 (n-1) x
-    the buffer over all peers, plus 28 bytes of header per frame on the wire."""
+    (exactly the chunk sizes), 2 (n-1) x the buffer over all peers, plus 28 bytes of
+    header per frame on the wire.  At 2 peers up to 1 MiB the whole buffer travels in
+    the first round instead, one message each way (48 header bytes and the vector,
+    one frame), and the data plane carries nothing."""
     _, peers = group
     n = len(peers)
     streams = peers[0].streams
@@ -164,12 +174,18 @@ def test_stats_count_the_ring_traffic(group, count, dtype):
         rmsgs = _ring_messages(count, np.dtype(dtype).itemsize, n, p.rank, received=True)
         assert d["bytes_sent"] == sum(msgs) and d["bytes_received"] == sum(rmsgs)
         for k in ("bytes_sent", "bytes_received"):
-            assert abs(d[k] - 2 * (n - 1) / n * nbytes) <= 2 * (n - 1) * np.dtype(dtype).itemsize
+            if msgs:  # a ring (not a 2-peer call that went whole in the first round)
+                assert abs(d[k] - 2 * (n - 1) / n * nbytes) <= 2 * (n - 1) * np.dtype(dtype).itemsize
         assert d["wire_bytes_sent"] == sum(msgs) + 28 * sum(_frames(m, streams) for m in msgs)
         assert d["wire_bytes_received"] == sum(rmsgs) + 28 * sum(_frames(m, streams) for m in rmsgs)
         assert d["bytes_buffered"] <= d["bytes_received"]
         assert d["retries"] == d["aborts"] == 0
         total += d["bytes_sent"]
+        if n == 2 and nbytes <= el.PAIR_EXCHANGE_MAX:
+            m = _pair_round_bytes(nbytes)
+            assert d["first_round_bytes_sent"] == d["first_round_bytes_received"] == m
+            assert d["first_round_wire_bytes_sent"] == d["first_round_wire_bytes_received"] == m + 28
+            total += m - 48
     assert total == 2 * (n - 1) * nbytes
 
 
@@ -205,12 +221,14 @@ def test_stats_survive_epochs():
     try:
         form([a, b], 2)
         run_peers([a, b], lambda i, p: p.allreduce(np.ones(1000, np.float32)))
-        sent = a.stats["bytes_sent"]
-        assert sent == 4000  # 2 (n - 1) / n x 4000 bytes
+        first = a.stats["first_round_bytes_sent"]
+        assert first == _pair_round_bytes(4000)  # at 2 peers the vector goes in the first round
         c = el.connect(master.address, secret=SECRET, streams=1, timeout=20)
         form([a, b, c], 3)
         run_peers([a, b, c], lambda i, p: p.allreduce(np.ones(999, np.float32)))
-        assert a.stats["bytes_sent"] == sent + sum(_ring_messages(999, 4, 3, a.rank))
+        assert a.stats["bytes_sent"] == sum(_ring_messages(999, 4, 3, a.rank))
+        from commlib.collectives.one_round import small_capacity
+        assert a.stats["first_round_bytes_sent"] == first + 2 * (48 + small_capacity(3))  # 2 ring steps of rows
     finally:
         for p in (a, b, c):
             if p is not None:

@@ -3,7 +3,9 @@
 Each defect a careless user hit before, as a bounded loopback test:
 
 - calls that differ between peers (dtype, count, op, quantize) are refused on
-  every peer within 1 s, naming the difference, and nothing of the data moves;
+  every peer within 1 s, naming the difference; nothing moves on the data plane
+  (at 2 peers a call of at most PAIR_EXCHANGE_MAX bytes carries its vector in its
+  first-round message, one round trip instead of two: the peer drops it);
 - the caller's buffer equals its input, bit for bit, after every error; the
   master killed mid-call, 12 randomized trials;
 - the call after a caught ``PeerFailure`` (a death, or an abort with no death)
@@ -23,6 +25,7 @@ import pytest
 
 import commlib
 import commlib.elastic as el
+from commlib.collectives.one_round import small_capacity
 
 from test_elastic import SECRET, form, run_outcomes as _outcomes, run_peers
 
@@ -51,7 +54,10 @@ def _close(master, peers):
 def test_mismatched_calls_refused_on_every_peer(n, case):
     """float32[1000] on one peer and int32[1000] on the others (the same bytes) and
     the other mismatches: InvalidArgument on every peer within 1 s, naming the
-    field; the buffers untouched; no data-plane byte sent; the next call works."""
+    field; the buffers untouched; no data-plane byte sent, and nothing in the first
+    round beyond each peer's own first-round message (header and small payload, or
+    at 2 peers header and vector) and, when the messages' sizes differ, a bare
+    48-byte header row; the next call works."""
     master, peers = _group(n)
     try:
         def args(i):
@@ -76,8 +82,14 @@ def test_mismatched_calls_refused_on_every_peer(n, case):
             assert field in str(exc), str(exc)
             assert dt < 1.0, f"peer {i} took {dt:.2f} s to refuse"
             assert _h(bufs[i][0]) == inputs[i]
-        for p, b in zip(peers, before):
+        for i, (p, b) in enumerate(zip(peers, before)):
             assert p.stats["bytes_sent"] == b["bytes_sent"], "data moved before the refusal"
+            buf, _, q = bufs[i]
+            nb = buf.nbytes
+            cap = small_capacity(n)
+            own = 48 + (max(cap, nb) if n == 2 and q is None and nb <= el.PAIR_EXCHANGE_MAX else cap)
+            sent = p.stats["first_round_bytes_sent"] - b["first_round_bytes_sent"]
+            assert sent in ((n - 1) * own, (n - 1) * own + 48), (sent, own)
         # the group is fine: the next matching call completes
         res = run_peers(peers, lambda i, p: p.allreduce(np.full(100, i + 1.0), "sum"))
         assert all(np.all(r == n * (n + 1) / 2) for r in res)

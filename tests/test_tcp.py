@@ -485,3 +485,65 @@ def test_connection_reader_survives_a_writer_with_timeouts():
         cb.close()
     assert not errors, errors
     assert got == list(range(count))
+
+
+@pytest.mark.parametrize("posted_first", [True, False])
+@pytest.mark.parametrize("sent,posted", [(4096, 4000), (200_000, 300_000), (1 << 20, 48)])
+def test_first_round_message_of_another_size_fails_its_receive_only(posted_first, sent, posted):
+    """A first-round message (one frame, never striped, even with 4 streams) whose
+    size differs from the receive posted for it fails that receive with
+    InvalidArgument, whether it came before or after the post (buffered, held, or
+    read straight in); the link stays up: the next messages, both ways, arrive
+    intact."""
+    ts, lst = make_group(2, 4)
+    try:
+        _warm(ts)
+        tag = tcp.FIRST_ROUND_TAG + 7
+        src = np.random.default_rng(1).integers(0, 255, sent, dtype=np.uint8)
+        dst = np.zeros(posted, np.uint8)
+        if posted_first:
+            rq = ts[1].irecv(dst, 0, tag=tag)
+            sq = ts[0].isend(src, 1, tag=tag)
+        else:
+            sq = ts[0].isend(src, 1, tag=tag)
+            time.sleep(0.1)  # the frame arrives before the post
+            rq = ts[1].irecv(dst, 0, tag=tag)
+        with pytest.raises(commlib.InvalidArgument, match="does not match the posted receive"):
+            rq.wait(10)
+        sq.wait(10)
+        assert not ts[0].failed_ranks() and not ts[1].failed_ranks()
+        for a, b in ((0, 1), (1, 0)):
+            x = np.random.default_rng(a).integers(0, 255, 70_000, dtype=np.uint8)
+            y = np.zeros_like(x)
+            r = ts[b].irecv(y, a, tag=9 + a)
+            ts[a].isend(x, b, tag=9 + a).wait(10)
+            r.wait(10)
+            assert np.array_equal(x, y)
+    finally:
+        for t in ts:
+            t.close()
+        for s in lst:
+            s.close()
+
+
+def test_small_messages_written_inline_keep_their_order():
+    """Small messages go out from the caller's thread when the connection is idle,
+    larger ones through the sender thread: 200 messages of mixed sizes on one tag
+    arrive in the order sent (MPI's non-overtaking rule), bytes intact."""
+    ts, lst = make_group(2, 1)
+    try:
+        _warm(ts)
+        rng = np.random.default_rng(3)
+        sizes = rng.choice([8, 1000, tcp.INLINE_MAX, tcp.INLINE_MAX + 1, 200_000], 200)
+        msgs = [rng.integers(0, 255, int(n), dtype=np.uint8) for n in sizes]
+        outs = [np.zeros_like(m) for m in msgs]
+        rqs = [ts[1].irecv(o, 0, tag=3) for o in outs]
+        sqs = [ts[0].isend(m, 1, tag=3) for m in msgs]
+        ts[0].waitall(sqs, 20)
+        ts[1].waitall(rqs, 20)
+        assert all(np.array_equal(m, o) for m, o in zip(msgs, outs))
+    finally:
+        for t in ts:
+            t.close()
+        for s in lst:
+            s.close()

@@ -82,8 +82,11 @@ UNEXPECTED_FRAMES = 4096      #: frames buffered for receives not yet posted, pe
 FRAME_COST = 1 << 10          #: bytes each buffered frame is counted at beyond its payload (slot, array, dict entries)
 POST_WAIT = 0.5               #: seconds a receiver thread holds a frame that came before its receive was posted
 POST_WAIT_MIN = 64 << 10      #: frames of at least this many bytes are held (smaller ones are buffered at once)
+INLINE_MAX = 16 << 10         #: messages of at most this many bytes are written by the caller's thread when its connection is idle
 #: tags from here up carry a collective's first round (argument agreement, small
-#: payloads: :attr:`TCPTransport.first_round_tags`), counted apart from the data plane
+#: payloads: :attr:`TCPTransport.first_round_tags`), counted apart from the data
+#: plane and sent as one frame each (never striped): a receive posted for another
+#: size fails at once with :class:`InvalidArgument`, the link staying up
 FIRST_ROUND_TAG = 1 << 61
 #: seconds a revoke waits for frames being read into posted buffers before it cuts their links
 QUIESCE = 1.0
@@ -165,6 +168,7 @@ class _Link:
         self.t, self.rank, self.streams = transport, rank, streams
         self.conns: list[Connection | None] = [None] * streams
         self.queues = [queue.SimpleQueue() for _ in range(streams)]
+        self.pending = [0] * streams  # frames queued or being written, per connection (under the transport's lock)
         self.failed: BaseException | None = None
         self.early: list = []   # sends posted before an inbound link's first connection
 
@@ -180,25 +184,30 @@ class _Link:
 
     def _sender(self, stream: int, conn: Connection) -> None:
         q = self.queues[stream]
+        t = self.t
         while True:
             job = q.get()
             if job is None:
                 return
             req, mv, idx, tag = job
             try:
-                if self.failed is None and not self.t._dead and not self.t._stopping:
-                    n = conn.send_frame(K_DATA, mv, epoch=self.t.epoch, tag=tag, chunk=idx, stream=stream)
-                    with self.t._lock:
-                        if tag < FIRST_ROUND_TAG:
-                            self.t.wire_bytes_sent += n
-                        else:
-                            self.t.first_round_wire_bytes_sent += n
+                if self.failed is None and not t._dead and not t._stopping:
+                    if idx < 0:  # the rest of a frame the caller's thread began (TCPTransport._try_inline_locked)
+                        conn.send_raw(mv)
+                        n = -idx
+                    else:
+                        n = conn.send_frame(K_DATA, mv, epoch=t.epoch, tag=tag, chunk=idx, stream=stream)
+                    with t._lock:
+                        t._count_tx(tag, n)
                         req._frame_done()
                 else:
-                    req._fail(self.failed or self.t._failure or ProcessFailed("transport closed", failed=[self.rank]))
+                    req._fail(self.failed or t._failure or ProcessFailed("transport closed", failed=[self.rank]))
             except Exception as exc:  # noqa: BLE001
-                self.t._link_failed(self, exc)
-                req._fail(self.t._peer_error(self.rank, "isend"))
+                t._link_failed(self, exc)
+                req._fail(t._peer_error(self.rank, "isend"))
+            finally:
+                with t._lock:
+                    self.pending[stream] -= 1
 
     def close(self) -> None:
         for q in self.queues:
@@ -358,6 +367,7 @@ class TCPTransport(Transport):
             link.streams = nstreams
             link.conns = [None] * nstreams
             link.queues = [queue.SimpleQueue() for _ in range(nstreams)]
+            link.pending = [0] * nstreams
             early, link.early = link.early, []
             for req, mv in early:
                 self._enqueue(link, req, mv)
@@ -434,16 +444,54 @@ class TCPTransport(Transport):
             if link.streams is None:  # inbound link not yet attached: striped when it is
                 link.early.append((req, mv))
                 return req
-            self._enqueue(link, req, mv)
+            if not self._try_inline_locked(link, req, mv):
+                self._enqueue(link, req, mv)
         return req
 
+    def _try_inline_locked(self, link: _Link, req: TCPRequest, mv: memoryview) -> bool:
+        """Write a message of one small frame from the caller's thread when nothing
+        is queued on its connection: no hand-off to the sender thread, whose wake-up
+        costs a loopback round trip tens of microseconds.  One non-blocking send;
+        what the socket does not take at once goes to the sender thread, ahead of
+        any later frame.  False when the message must be queued instead."""
+        conn = link.conns[0] if link.conns else None
+        if (len(mv) > INLINE_MAX or link.pending[0] or conn is None or link.failed is not None
+                or self._dead or self._stopping or not conn.lock.acquire(blocking=False)):
+            return False
+        try:
+            req.left = 1
+            link.pending[0] = 1
+            try:
+                n, rest = conn.try_send_frame_locked(K_DATA, mv, epoch=self.epoch, tag=req._tag, chunk=0, stream=0)
+            except Exception:  # noqa: BLE001 - the sender thread reports it as for a queued frame
+                # the connection is closed: the sender thread fails the request and the link
+                link.queues[0].put((req, mv, 0, req._tag))
+                return True
+            if len(rest):
+                link.queues[0].put((req, rest, -n, req._tag))
+            else:
+                link.pending[0] = 0
+                self._count_tx(req._tag, n)
+                req._frame_done()
+            return True
+        finally:
+            conn.lock.release()
+
+    def _count_tx(self, tag: int, n: int) -> None:
+        """Count ``n`` bytes written on the wire for tag ``tag`` (the lock held)."""
+        if tag < FIRST_ROUND_TAG:
+            self.wire_bytes_sent += n
+        else:
+            self.first_round_wire_bytes_sent += n
+
     def _enqueue(self, link: _Link, req: TCPRequest, mv: memoryview) -> None:
-        bounds = frame_bounds(len(mv), link.streams)
+        bounds = frame_bounds(len(mv), link.streams if req._tag < FIRST_ROUND_TAG else 1)
         req.left = len(bounds) - 1
         if link.failed is not None:
             req._fail(self._peer_error(link.rank, "isend"))
             return
         for i in range(len(bounds) - 1):
+            link.pending[i % link.streams] += 1
             link.queues[i % link.streams].put((req, mv[bounds[i]:bounds[i + 1]], i, req._tag))
 
     def irecv(self, buf, source: int, tag: int = 0) -> Request:
@@ -474,20 +522,36 @@ class TCPTransport(Transport):
         return req
 
     def _post_locked(self, slot: _Slot, streams: int, key) -> None:
-        slot.bounds = frame_bounds(len(slot.view), streams)
+        slot.bounds = frame_bounds(len(slot.view), streams if key[1] < FIRST_ROUND_TAG else 1)
         n = len(slot.bounds) - 1
         slot.req.left = n
         slot.req.event.clear() if n else slot.req.event.set()
         for idx, data in list(slot.frames.items()):
             if idx >= n or len(data) != slot.bounds[idx + 1] - slot.bounds[idx]:
-                slot.req._fail(ProcessFailed(f"message from rank {key[0]} does not match the posted receive",
-                                             failed=[key[0]], rank=self._rank, op="irecv"))
+                for d in slot.frames.values():
+                    self._release_locked(key[0], len(d))
+                slot.frames.clear()
+                self._mismatch_locked(slot, key)
                 return
             slot.view[slot.bounds[idx]:slot.bounds[idx + 1]] = data
             self._release_locked(key[0], len(data))
             slot.req._frame_done()
         slot.frames.clear()
         self._retire_locked(key)
+        self._posted.notify_all()
+
+    def _mismatch_locked(self, slot: _Slot, key) -> None:
+        """A message from ``key[0]`` does not fit the receive posted for it (its size
+        differs): fail that receive with :class:`InvalidArgument` and drop the rest of
+        the message (its tag ``key[1]`` is aborted); the link stays up."""
+        slot.req._fail(InvalidArgument(f"a message from rank {key[0]} does not match the posted receive "
+                                       f"({len(slot.view)} bytes)", rank=self._rank, op="irecv"))
+        self._aborted.add(key[1])
+        dq = self._slots.get(key)
+        if dq is not None and slot in dq:
+            dq.remove(slot)
+            if not dq:
+                del self._slots[key]
         self._posted.notify_all()
 
     def _retire_locked(self, key) -> None:
@@ -568,9 +632,11 @@ class TCPTransport(Transport):
                         if slot.bounds is not None:
                             n = len(slot.bounds) - 1
                             if chunk >= n or slot.bounds[chunk + 1] - slot.bounds[chunk] != plain:
-                                raise FrameError("frame does not match the posted receive")
-                            target = slot.view[slot.bounds[chunk]:slot.bounds[chunk + 1]]
-                            self._inflight += 1  # revoke() waits for it: the caller may restore the buffer
+                                self._mismatch_locked(slot, key)  # the receive fails; the link stays up
+                                drop = True
+                            else:
+                                target = slot.view[slot.bounds[chunk]:slot.bounds[chunk + 1]]
+                                self._inflight += 1  # revoke() waits for it: the caller may restore the buffer
                         else:
                             self._charge_locked(src, plain)
                             if tag < FIRST_ROUND_TAG:

@@ -262,6 +262,53 @@ class Connection:
                 self._close_locked()
                 raise
 
+    def try_send_frame_locked(self, kind: int, payload, *, epoch: int = 0, tag: int = 0, chunk: int = 0,
+                              stream: int = 0):
+        """Write one frame without blocking, :attr:`lock` held by the caller.
+
+        Returns:
+            ``(wire_bytes, rest)``: the frame's bytes on the wire (header, payload,
+            sealed: its tag) and the memoryview of what the socket did not take at
+            once (empty when all was written). The caller writes ``rest`` with
+            :meth:`send_raw` before any other frame on this connection.
+
+        Raises:
+            ConnectionError / OSError: the connection failed (it is then closed).
+        """
+        if self.closed:
+            raise ConnectionError("connection closed")
+        mv = memoryview(payload).cast("B")
+        try:
+            if self.tx is not None:
+                n = len(mv) + GCM_TAG
+                hdr = HEADER.pack(MAGIC, VERSION, kind, F_SEALED, epoch, tag, chunk, stream, n)
+                data = hdr + self.tx.seal(hdr, mv)
+            else:
+                data = HEADER.pack(MAGIC, VERSION, kind, 0, epoch, tag, chunk, stream, len(mv)) + bytes(mv)
+            try:
+                sent = self.sock.send(data, _DONTWAIT)
+            except BlockingIOError:
+                sent = 0
+            return len(data), memoryview(data)[sent:]
+        except BaseException:
+            self._close_locked()
+            raise
+
+    def send_raw(self, data) -> None:
+        """Write bytes that continue a frame :meth:`try_send_frame_locked` began.
+
+        Raises:
+            ConnectionError / OSError: the connection failed (it is then closed).
+        """
+        with self.lock:
+            if self.closed:
+                raise ConnectionError("connection closed")
+            try:
+                _send_all(self.sock, data)
+            except BaseException:
+                self._close_locked()
+                raise
+
     def send_ctrl(self, obj, timeout: float | None = None) -> None:
         self.send_frame(K_CTRL, pack_ctrl(obj), timeout=timeout)
 

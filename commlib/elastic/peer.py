@@ -12,11 +12,13 @@ import time
 
 import numpy as np
 
-from commlib.collectives.allreduce_recursive_doubling import allreduce_recursive_doubling
+from commlib.collectives.allreduce_recursive_doubling import combine_pair
 from commlib.collectives.allreduce_ring import allreduce_ring, ring_scratch
 from commlib.collectives.snapshot import LazySnapshot
 from commlib.collectives.agreement import agree
 from commlib.collectives.one_round import reduce_rows, small_capacity
+from commlib.collectives.pair_round import message_bytes, pair_first_round
+from commlib.collectives.specs import choose_tcp_allreduce
 from commlib.collectives.ops import OPS, dtype_code, dtype_name, get_op, is_floating
 from commlib.collectives.recovery import RecoveryPolicy, run
 from commlib.core.buffer import grown
@@ -29,7 +31,7 @@ from commlib.transports.quantize import QuantizingTransport
 
 from .protocol import (BYE, DONE, DROP, FAIL, FETCH, PLAN, RING, SYNC, SYNCED, SYNC_END, TERM, TOPO, VOTE, VOTED,
                        WELCOME, AUTO_STREAMS, FETCH_MAX, FETCH_PARK, FETCH_PARK_S, HEARTBEAT_INTERVAL,
-                       PAIR_EXCHANGE_MAX, TRAFFIC, is_int)
+                       TRAFFIC, is_int)
 
 __all__ = ["Peer", "connect"]
 
@@ -284,7 +286,8 @@ class Peer:
         self._traffic = dict.fromkeys(TRAFFIC, 0)  # of the ring transports of past epochs
         self._scratch: np.ndarray | None = None
         self._ring_keep: np.ndarray | None = None  # the in-place ring's receive scratch (ring_scratch)
-        self._pair_keep: np.ndarray | None = None  # 2 peers: the result and the received vector
+        self._pair_keep: np.ndarray | None = None  # the one-round and pair-exchange result
+        self._round_keep: np.ndarray | None = None  # 2 peers: the first round's two messages
         threading.Thread(target=self._reader, daemon=True, name="commlib-peer-rx").start()
         threading.Thread(target=self._heartbeat, daemon=True, name="commlib-peer-hb").start()
 
@@ -316,7 +319,10 @@ class Peer:
           ``first_round_wire_bytes_*``): the first round of each all-reduce, its
           argument agreement: ``n - 1`` rows of 48 header bytes plus
           :func:`~commlib.collectives.one_round.small_capacity` payload bytes each
-          way per peer, which carry the whole vector of a small call.
+          way per peer, which carry the whole vector of a small call; at 2 peers
+          one message each way of 48 bytes plus the larger of that capacity and,
+          for a call of at most :data:`commlib.elastic.PAIR_EXCHANGE_MAX` bytes,
+          the whole vector (the data plane then carries nothing).
 
         Not counted: the control connection to the master, handshakes, and
         :meth:`sync_shared_state` transfers (its result gives ``bytes_received``).
@@ -625,13 +631,17 @@ class Peer:
         policy: the first round agrees on the call's header (operation, count,
         dtype, op, quantize) over the epoch's TCP transport, so mismatched
         calls raise :class:`~commlib.InvalidArgument` on every peer, naming the
-        difference, before any data byte moves; a call of at most
+        difference, before anything is written; a call of at most
         :func:`~commlib.collectives.one_round.small_capacity` bytes (unquantized)
         travels inside that round and is reduced locally in the ring's order.
-        Larger calls run :func:`~commlib.collectives.allreduce_ring.allreduce_ring`,
-        or with 2 members, no quantization and at most :data:`PAIR_EXCHANGE_MAX`
-        bytes one exchange of the whole vector
-        (:func:`~commlib.collectives.allreduce_recursive_doubling.allreduce_recursive_doubling`,
+        Larger calls run :func:`~commlib.collectives.allreduce_ring.allreduce_ring`
+        after the first round, or with 2 members, no quantization and at most
+        :data:`commlib.elastic.PAIR_EXCHANGE_MAX` bytes (the specification table's threshold,
+        :func:`commlib.collectives.specs.choose_tcp_allreduce`) one exchange of
+        the whole vector, shipped right behind the header
+        (:func:`commlib.collectives.pair_round.pair_first_round`: one round trip
+        instead of two; a mismatched call then has sent its vector, which the
+        other peer reads into a throwaway buffer and drops), the result
         computed out of place into a kept scratch and copied into ``buf`` only
         once the master commits).  Each peer then reports to the master, which
         commits the operation when every member reported success and aborts it
@@ -683,44 +693,53 @@ class Peer:
         keep = {}
 
         def attempt(tr, left, survivors):
-            small = quantize is None and tr.size > 1 and flat.nbytes <= small_capacity(tr.size)
-            header = values[:4] + [_SMALL if small else values[4]]
+            n = tr.size
+            algo = choose_tcp_allreduce(flat.nbytes, n, quantize is not None)
+            header = values[:4] + [_SMALL if algo == "small" else values[4]]
+            payload = flat.view(np.uint8) if algo == "small" else None
             rows = None
-            if tr.size > 1:
-                rows = agree(_FirstRound(tr), header, op="allreduce",
-                             payload=flat.view(np.uint8) if small else None, capacity=small_capacity(tr.size),
+            if n == 2:  # one message each way: the header row with the payload or the whole vector
+                vector = flat if algo == "pair_exchange" else None
+                nb = message_bytes(len(header), small_capacity(n), flat.nbytes if vector is not None else 0)
+                self._round_keep = grown(self._round_keep, 2 * nb)
+                rows = pair_first_round(_FirstRound(tr), header, op="allreduce", capacity=small_capacity(n),
+                                        sendbuf=self._round_keep[:nb], recvbuf=self._round_keep[nb:2 * nb],
+                                        payload=payload, vector=vector, timeout=left, names=_FIELDS,
+                                        describe=_describe)
+            elif n > 2:
+                rows = agree(_FirstRound(tr), header, op="allreduce", payload=payload, capacity=small_capacity(n),
                              timeout=left, names=_FIELDS, describe=_describe)
-            return self._allreduce_data(tr, flat, opx, quantize, left, rows if small else None, keep)
+            return self._allreduce_data(tr, flat, opx, quantize, left, algo, rows, keep)
 
         result = run(policy, attempt, lambda: keep["snap"].restore() if keep.get("snap") is not None else None)
         if result is not None:
             flat[...] = result
         return buf
 
-    def _allreduce_data(self, tr, flat, opx, quantize, timeout, rows, keep):
-        """The data part of one all-reduce attempt on ``tr``; returns an out-of-place
-        result to copy into ``flat`` after the commit, or None when ``flat`` holds it."""
+    def _allreduce_data(self, tr, flat, opx, quantize, timeout, algo, rows, keep):
+        """The data part of one all-reduce attempt on ``tr`` (``algo`` from
+        :func:`~commlib.collectives.specs.choose_tcp_allreduce`); returns an
+        out-of-place result to copy into ``flat`` after the commit, or None when
+        ``flat`` holds it."""
         keep["snap"] = None
         nb = flat.nbytes
         if tr.size == 1:
             opx.finalize(flat, 1)  # the identity for every op: nothing to save
             return None
-        if rows is not None:  # the one-round path: every member's vector came in the first round
-            self._pair_keep = grown(self._pair_keep, 2 * nb)
+        if algo in ("small", "pair_exchange"):
+            # every member's vector came in the first round (at 2 members up to
+            # PAIR_EXCHANGE_MAX bytes: collectives/pair_round.py), reduced out of place,
+            # so ``buf`` is untouched until the commit and an abort has nothing to
+            # restore; bit-identical on every member: a small call in the ring's order,
+            # the pair exchange as recursive doubling's, rank 0's vector on the left
+            self._pair_keep = grown(self._pair_keep, nb)
             result = self._pair_keep[:nb].view(flat.dtype)
-            reduce_rows(rows, flat.dtype, flat.size, opx, result)
-            return result
-        if tr.size == 2 and quantize is None and nb <= PAIR_EXCHANGE_MAX:
-            # one exchange of the whole vector (recursive doubling at 2 ranks): half
-            # the ring's steps, the same bytes; the result is built out of place, so
-            # ``buf`` is untouched until the commit and an abort has nothing to restore.
-            # Above PAIR_EXCHANGE_MAX the ring wins: its snapshot copies overlap its
-            # transfers, while here the combine and the final copy of the whole
-            # vector do not
-            self._pair_keep = grown(self._pair_keep, 2 * nb)
-            result = self._pair_keep[:nb].view(flat.dtype)
-            allreduce_recursive_doubling(tr, result, opx, sendbuf=flat, timeout=timeout,
-                                         tmp=self._pair_keep[nb:2 * nb].view(flat.dtype))
+            if algo == "small":
+                reduce_rows(rows, flat.dtype, flat.size, opx, result)
+            else:
+                combine_pair(opx, result, rows[tr.rank][:nb].view(flat.dtype), rows[1 - tr.rank][:nb].view(flat.dtype),
+                             tr.rank == 1)
+                opx.finalize(result, 2)
             return result
         # copy-before-write snapshot into a reused scratch (no page faults, the
         # copies overlap the ring's transfers); restored only on an error

@@ -76,6 +76,7 @@ import os
 import sys
 import time
 
+from commlib.collectives.specs import PAIR_EXCHANGE_MAX as _PAIR_EXCHANGE_MAX
 from commlib.core.config import config
 
 __all__ = ["WELCOME", "TOPO", "TERM", "VOTED", "PLAN", "SYNC_END", "VOTE", "DONE", "FAIL", "SYNC", "SYNCED",
@@ -108,9 +109,9 @@ HEARTBEAT_INTERVAL = 0.25
 #: (the default); a pair on loopback addresses uses one
 AUTO_STREAMS = 4
 #: bytes up to which a 2-peer unquantized all-reduce is one exchange of the whole
-#: vector instead of the ring's two steps (measured on loopback, 2 cores: 4-256 KiB
-#: 1.3-1.8x faster, 1 MiB even, 8 MiB slower)
-PAIR_EXCHANGE_MAX = 1 << 20
+#: vector: the collective specification table's threshold
+#: (:data:`commlib.collectives.specs.PAIR_EXCHANGE_MAX`), named here for users
+PAIR_EXCHANGE_MAX = _PAIR_EXCHANGE_MAX
 #: seconds a ticket stays valid
 TICKET_TTL = 6 * 3600.0
 #: peers one master serves at most

@@ -35,13 +35,16 @@ from _util import write_json  # noqa: E402
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--min-bytes", type=int, default=4)
-    ap.add_argument("--max-bytes", type=int, default=64 << 20)
-    ap.add_argument("--trials", type=int, default=5)
-    ap.add_argument("--variants", default="ring,recursive_doubling,auto")
-    ap.add_argument("--no-check-args", action="store_true")
+    ap.add_argument("--min-bytes", type=int, default=4, help="smallest message, bytes (sizes go x4 below 1 MiB, x2 above, up to --max-bytes)")
+    ap.add_argument("--max-bytes", type=int, default=64 << 20, help="largest message, bytes")
+    ap.add_argument("--trials", type=int, default=5, help="timed trials per size and variant (the best is kept)")
+    ap.add_argument("--variants", default="ring,recursive_doubling,auto",
+                    help="comma-separated commlib algorithms to time beside MPI.Comm.Allreduce: "
+                         "ring, recursive_doubling, auto, mpi")
+    ap.add_argument("--no-check-args", action="store_true",
+                    help="skip commlib's argument-agreement first round of large calls (COMMLIB_CHECK_ARGS=0)")
     ap.add_argument("--fault-tolerant", action="store_true", help="run commlib variants in FT mode")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="write every row (time, algbw, busbw, ratio) to this JSON file")
     ap.add_argument("--plot", default=None, help="PNG: busbw and ratio to MPI against message size")
     args = ap.parse_args(argv)
     if args.no_check_args:

@@ -1,0 +1,136 @@
+"""Per-call latency of the elastic all-reduce, this checkout against another build, interleaved.
+
+Loopback A/B for changes to :mod:`commlib.elastic` and its TCP transport: for
+each repetition and size, a fresh master and ``--peers`` peer processes run
+``--iters`` all-reduces of a float32 vector after 20 warm-up calls, once with
+the installed commlib (``after``) and once with the build in ``--before`` (a
+folder made by ``pip install --no-deps --target DIR .`` in a worktree of the
+older commit), one after the other, so both sides see the same machine
+noise.  Printed per size: the median and minimum of the per-call time over
+the repetitions (the slowest peer's mean of each run), and after/before as a
+speed ratio (above 1: this checkout is faster).  The bench_elastic busbw
+figures come from best-of-trials of ~0.2 s each; on a shared 2-core machine
+their run-to-run spread is ±30%, which this harness's medians narrow.
+
+Run::
+
+    git worktree add /tmp/before <rev>
+    (cd /tmp/before && pip install -q --no-deps --no-build-isolation --target /tmp/before_site .)
+    python -P benchmarks/ab_elastic.py --before /tmp/before_site --peers 2 --sizes 4096,65536,1048576
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+SECRET = b"ab-elastic-benchmark-secret-0123"
+
+
+def _peer(addr: str, n: int, nbytes: int, iters: int) -> None:
+    import numpy as np
+
+    import commlib.elastic as el
+
+    p = el.connect(addr, secret=SECRET, timeout=30)
+    while p.size != n or p.rank is None:
+        p.update_topology()
+        time.sleep(0.05)
+    x = np.zeros(max(1, nbytes // 4), np.float32)
+    for _ in range(20):
+        p.allreduce(x)
+    t = time.perf_counter()
+    for _ in range(iters):
+        p.allreduce(x)
+    print(f"us/call {(time.perf_counter() - t) / iters * 1e6:.1f}", flush=True)
+    p.close()
+
+
+def _master(n: int, nbytes: int, iters: int) -> None:
+    import commlib.elastic as el
+
+    m = el.Master(bind="127.0.0.1:0", secret=SECRET).start()
+    procs = [subprocess.Popen([sys.executable, "-P", __file__, "--_peer", m.address, str(n), str(nbytes), str(iters)],
+                              stdout=subprocess.PIPE, text=True) for _ in range(n)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    m.stop()
+    times = [float(x) for o in outs for x in re.findall(r"us/call ([0-9.]+)", o)]
+    if len(times) != n:
+        raise SystemExit(f"ab_elastic: {n - len(times)} peer(s) did not report")
+    print(f"us/call {max(times):.1f}", flush=True)
+
+
+def _one(site: str | None, n: int, nbytes: int, iters: int) -> float:
+    env = dict(os.environ)
+    if site:
+        env["PYTHONPATH"] = site + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    out = subprocess.run([sys.executable, "-P", __file__, "--_master", str(n), str(nbytes), str(iters)], env=env,
+                         capture_output=True, text=True, timeout=900)
+    m = re.findall(r"us/call ([0-9.]+)", out.stdout)
+    if out.returncode or not m:
+        raise SystemExit(f"ab_elastic: a run failed ({'before' if site else 'after'}, {nbytes} B): "
+                         f"{(out.stderr or out.stdout).strip().splitlines()[-1:]}")
+    return float(m[-1])
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(s) for s in text.split(",") if s]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of byte counts: {text!r}") from None
+    if not sizes or any(not 4 <= s <= 1 << 30 for s in sizes):
+        raise argparse.ArgumentTypeError("sizes must be 4 .. 1 GiB bytes")
+    return sizes
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--_peer":
+        _peer(argv[1], int(argv[2]), int(argv[3]), int(argv[4]))
+        return 0
+    if argv and argv[0] == "--_master":
+        _master(int(argv[1]), int(argv[2]), int(argv[3]))
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 epilog="Exit status 2 for bad values (argparse's one-line error).")
+    ap.add_argument("--before", required=True, help="folder of the older build (pip install --target), "
+                    "put first on PYTHONPATH for the 'before' runs")
+    ap.add_argument("--peers", type=_positive, default=2, help="peer processes per run (default: 2)")
+    ap.add_argument("--sizes", type=_sizes, default=_sizes("4096,65536,1048576"),
+                    help="comma-separated all-reduce sizes, bytes (default: 4096,65536,1048576)")
+    ap.add_argument("--reps", type=_positive, default=4, help="repetitions of every (size, side) run (default: 4)")
+    ap.add_argument("--iters", type=_positive, default=300, help="timed calls per run (default: 300)")
+    a = ap.parse_args(argv)
+    if not os.path.isdir(os.path.join(a.before, "commlib")):
+        ap.error(f"--before {a.before!r} holds no commlib package (make it with pip install --target)")
+    res = {s: {"before": [], "after": []} for s in a.sizes}
+    for rep in range(a.reps):
+        for s in a.sizes:
+            for side, site in (("before", a.before), ("after", None)):
+                res[s][side].append(_one(site, a.peers, s, a.iters))
+        print(f"repetition {rep + 1}/{a.reps} done", file=sys.stderr, flush=True)
+    print(f"{a.peers} peers, {a.reps} repetitions of {a.iters} calls; us per call (slowest peer's mean)")
+    for s in a.sizes:
+        b, f = res[s]["before"], res[s]["after"]
+        print(f"{s:>10} B  before median {statistics.median(b):8.0f} min {min(b):8.0f}   "
+              f"after median {statistics.median(f):8.0f} min {min(f):8.0f}   "
+              f"after/before {statistics.median(b) / statistics.median(f):.2f}x (speed, medians)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,7 @@
 """Shared helpers for the benchmarks: timing and JSON output (not installed)."""
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -39,3 +40,17 @@ def find_mpiexec():
     on ``PATH``; None when there is none."""
     here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     return here if os.access(here, os.X_OK) else shutil.which("mpiexec")
+
+
+def int_in(lo, hi, what):
+    """argparse type: an integer in ``lo..hi`` (``what``: its unit, for the message);
+    a bad value is argparse's one-line error, exit status 2."""
+    def parse(text):
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer number of {what}, got {text!r}") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"must be {lo}..{hi} {what}, got {v}")
+        return v
+    return parse

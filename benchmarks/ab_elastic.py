@@ -28,6 +28,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _util import int_in  # noqa: E402
+
 SECRET = b"ab-elastic-benchmark-secret-0123"
 
 
@@ -78,23 +81,11 @@ def _one(site: str | None, n: int, nbytes: int, iters: int) -> float:
 
 
 def _sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(s) for s in text.split(",") if s]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of byte counts: {text!r}") from None
-    if not sizes or any(not 4 <= s <= 1 << 30 for s in sizes):
-        raise argparse.ArgumentTypeError("sizes must be 4 .. 1 GiB bytes")
+    size = int_in(4, 1 << 30, "bytes")
+    sizes = [size(s) for s in text.split(",") if s]
+    if not sizes:
+        raise argparse.ArgumentTypeError("no size given")
     return sizes
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
-    return v
 
 
 def main(argv=None) -> int:
@@ -109,11 +100,11 @@ def main(argv=None) -> int:
                                  epilog="Exit status 2 for bad values (argparse's one-line error).")
     ap.add_argument("--before", required=True, help="folder of the older build (pip install --target), "
                     "put first on PYTHONPATH for the 'before' runs")
-    ap.add_argument("--peers", type=_positive, default=2, help="peer processes per run (default: 2)")
+    ap.add_argument("--peers", type=int_in(2, 64, "peers"), default=2, help="peer processes per run (default: 2)")
     ap.add_argument("--sizes", type=_sizes, default=_sizes("4096,65536,1048576"),
                     help="comma-separated all-reduce sizes, bytes (default: 4096,65536,1048576)")
-    ap.add_argument("--reps", type=_positive, default=4, help="repetitions of every (size, side) run (default: 4)")
-    ap.add_argument("--iters", type=_positive, default=300, help="timed calls per run (default: 300)")
+    ap.add_argument("--reps", type=int_in(1, 1000, "repetitions"), default=4, help="repetitions of every (size, side) run (default: 4)")
+    ap.add_argument("--iters", type=int_in(1, 10**6, "calls"), default=300, help="timed calls per run (default: 300)")
     a = ap.parse_args(argv)
     if not os.path.isdir(os.path.join(a.before, "commlib")):
         ap.error(f"--before {a.before!r} holds no commlib package (make it with pip install --target)")

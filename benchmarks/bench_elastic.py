@@ -66,7 +66,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _util import find_mpiexec, write_json  # noqa: E402
+from _util import find_mpiexec, int_in as _int_in, write_json  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -1088,18 +1088,6 @@ def _streams_arg(text):
         return None
     v = _int_in(1, 64, "connections")(text)
     return v
-
-
-def _int_in(lo, hi, what):
-    def parse(text):
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer number of {what}, got {text!r}") from None
-        if not lo <= v <= hi:
-            raise argparse.ArgumentTypeError(f"must be {lo}..{hi} {what}, got {v}")
-        return v
-    return parse
 
 
 def _float_in(lo, hi, what, lo_ok=False):

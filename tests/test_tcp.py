@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import socket
 import threading
@@ -55,6 +56,19 @@ def make_group(n, streams=2, epoch=1, encrypt=False):
         ts[r] = tcp.TCPTransport(r, n, epoch, connect_for(r), streams=streams, timeout=10)
     ready.set()
     return ts, lst
+
+
+@contextlib.contextmanager
+def tcp_group(n, streams=2, epoch=1, encrypt=False):
+    """:func:`make_group`'s transports, closed (with their listeners) on exit."""
+    ts, lst = make_group(n, streams, epoch, encrypt)
+    try:
+        yield ts
+    finally:
+        for t in ts:
+            t.close()
+        for s in lst:
+            s.close()
 
 
 def run_all(items, fn):
@@ -104,8 +118,7 @@ def challenge_only(data: bytes) -> bool:
 # ------------------------------------------------------------------ transport
 @pytest.mark.parametrize("n,streams,encrypt", [(2, 1, False), (3, 4, False), (4, 2, False), (3, 2, True)])
 def test_ring_allreduce_over_tcp(n, streams, encrypt):
-    ts, lst = make_group(n, streams, encrypt=encrypt)
-    try:
+    with tcp_group(n, streams, encrypt=encrypt) as ts:
         for count in (0, 3, 4099, 1 << 19):
             data = [np.random.default_rng(i).standard_normal(count) for i in range(n)]
 
@@ -117,11 +130,6 @@ def test_ring_allreduce_over_tcp(n, streams, encrypt):
             out = run_all(ts, fn)
             assert len({o.tobytes() for o in out}) == 1
             np.testing.assert_allclose(out[0], np.sum(data, axis=0), rtol=1e-12, atol=1e-12)
-    finally:
-        for t in ts:
-            t.close()
-        for s in lst:
-            s.close()
 
 
 def test_frame_bounds_and_striping():
@@ -151,8 +159,7 @@ def test_early_frames_wait_for_their_receive_and_counters(streams, encrypt):
     """A large message sent before its receive is posted stays in the kernel until the
     post (then lands in the buffer with no extra copy: bytes_buffered stays 0); the byte
     counters match the frames the spec says were written."""
-    ts, lst = make_group(2, streams, encrypt=encrypt)
-    try:
+    with tcp_group(2, streams, encrypt=encrypt) as ts:
         nbytes = 3 << 20
         src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
         dst = np.zeros(nbytes, np.uint8)
@@ -167,19 +174,13 @@ def test_early_frames_wait_for_their_receive_and_counters(streams, encrypt):
         per_frame = tcp.HEADER.size + (tcp.GCM_TAG if encrypt else 0)
         assert ts[0].bytes_sent == ts[1].bytes_received == nbytes + 1
         assert ts[0].wire_bytes_sent == ts[1].wire_bytes_received == nbytes + 1 + (k + 1) * per_frame
-    finally:
-        for t in ts:
-            t.close()
-        for s in lst:
-            s.close()
 
 
 def test_early_frame_buffered_when_another_receive_waits():
     """Receives posted in the reverse order of the sends on one connection: the first
     frame is buffered at once (the application waits for the one behind it), no stall
     of POST_WAIT, no deadlock."""
-    ts, lst = make_group(2, 1)
-    try:
+    with tcp_group(2, 1) as ts:
         a = np.arange(1 << 18, dtype=np.float32)
         b = a[::-1].copy()
         ra, rb = np.zeros_like(a), np.zeros_like(b)
@@ -193,18 +194,12 @@ def test_early_frame_buffered_when_another_receive_waits():
         ts[0].waitall([s1, s2], 10)
         assert np.array_equal(ra, a) and np.array_equal(rb, b)
         assert ts[1].bytes_buffered == a.nbytes
-    finally:
-        for t in ts:
-            t.close()
-        for s in lst:
-            s.close()
 
 
 def test_early_frame_never_posted_is_buffered_after_post_wait():
     """A frame whose receive is not posted within POST_WAIT seconds is buffered (bounded
     by UNEXPECTED_MAX) and the connection goes on: a later message is delivered."""
-    ts, lst = make_group(2, 1)
-    try:
+    with tcp_group(2, 1) as ts:
         x = np.ones(1 << 17, np.float32)
         y = np.full(1 << 17, 2.0, np.float32)
         ts[0].isend(x, 1, tag=7)
@@ -216,16 +211,10 @@ def test_early_frame_never_posted_is_buffered_after_post_wait():
         ts[1].irecv(got_x, 0, tag=7).wait(5)
         assert np.array_equal(got_x, x) and np.array_equal(got_y, y)
         assert ts[1].bytes_buffered == x.nbytes
-    finally:
-        for t in ts:
-            t.close()
-        for s in lst:
-            s.close()
 
 
 def test_peer_death_is_process_failed():
-    ts, lst = make_group(2, 2)
-    try:
+    with tcp_group(2, 2) as ts:
         b = np.zeros(1 << 16)
         r = ts[1].irecv(b, 0, 7)
         ts[0].send(np.ones(16), 1, 3)    # opens the link
@@ -235,11 +224,6 @@ def test_peer_death_is_process_failed():
         r2 = ts[1].irecv(np.zeros(4), 0, 9)
         with pytest.raises((commlib.ProcessFailed, commlib.CommTimeout)):
             ts[1].waitall([r2], timeout=0.5)
-    finally:
-        for t in ts:
-            t.close()
-        for s in lst:
-            s.close()
 
 
 # ------------------------------------------------------------------ authentication
@@ -495,8 +479,7 @@ def test_first_round_message_of_another_size_fails_its_receive_only(posted_first
     InvalidArgument, whether it came before or after the post (buffered, held, or
     read straight in); the link stays up: the next messages, both ways, arrive
     intact."""
-    ts, lst = make_group(2, 4)
-    try:
+    with tcp_group(2, 4) as ts:
         _warm(ts)
         tag = tcp.FIRST_ROUND_TAG + 7
         src = np.random.default_rng(1).integers(0, 255, sent, dtype=np.uint8)
@@ -519,19 +502,13 @@ def test_first_round_message_of_another_size_fails_its_receive_only(posted_first
             ts[a].isend(x, b, tag=9 + a).wait(10)
             r.wait(10)
             assert np.array_equal(x, y)
-    finally:
-        for t in ts:
-            t.close()
-        for s in lst:
-            s.close()
 
 
 def test_small_messages_written_inline_keep_their_order():
     """Small messages go out from the caller's thread when the connection is idle,
     larger ones through the sender thread: 200 messages of mixed sizes on one tag
     arrive in the order sent (MPI's non-overtaking rule), bytes intact."""
-    ts, lst = make_group(2, 1)
-    try:
+    with tcp_group(2, 1) as ts:
         _warm(ts)
         rng = np.random.default_rng(3)
         sizes = rng.choice([8, 1000, tcp.INLINE_MAX, tcp.INLINE_MAX + 1, 200_000], 200)
@@ -542,8 +519,3 @@ def test_small_messages_written_inline_keep_their_order():
         ts[0].waitall(sqs, 20)
         ts[1].waitall(rqs, 20)
         assert all(np.array_equal(m, o) for m, o in zip(msgs, outs))
-    finally:
-        for t in ts:
-            t.close()
-        for s in lst:
-            s.close()

@@ -50,7 +50,7 @@ def _close(master, peers):
 
 
 @pytest.mark.parametrize("n", [2, 3])
-@pytest.mark.parametrize("case", ["dtype", "count", "op", "quantize", "small-dtype"])
+@pytest.mark.parametrize("case", ["dtype", "count", "op", "quantize", "small-dtype", "small-count"])
 def test_mismatched_calls_refused_on_every_peer(n, case):
     """float32[1000] on one peer and int32[1000] on the others (the same bytes) and
     the other mismatches: InvalidArgument on every peer within 1 s, naming the
@@ -66,6 +66,8 @@ def test_mismatched_calls_refused_on_every_peer(n, case):
                 return np.arange(1000, dtype=np.int32 if odd else np.float32), "sum", None
             if case == "small-dtype":  # a call small enough to travel in the first round
                 return np.arange(8, dtype=np.int32 if odd else np.float32), "sum", None
+            if case == "small-count":  # one call inside the first round, the other a vector behind its header
+                return np.ones(2000 if odd else 8, np.float32), "sum", None
             if case == "count":
                 return np.ones(1000 + odd, np.float32), "sum", None
             if case == "op":
@@ -76,7 +78,7 @@ def test_mismatched_calls_refused_on_every_peer(n, case):
         inputs = [_h(b[0]) for b in bufs]
         before = [p.stats for p in peers]
         out = _outcomes(peers, lambda i, p: p.allreduce(bufs[i][0], bufs[i][1], quantize=bufs[i][2]))
-        field = "dtype" if case == "small-dtype" else case
+        field = {"small-dtype": "dtype", "small-count": "count"}.get(case, case)
         for i, (r, exc, dt) in enumerate(out):
             assert isinstance(exc, commlib.InvalidArgument), (i, r, exc)
             assert field in str(exc), str(exc)

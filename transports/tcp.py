@@ -371,9 +371,9 @@ class TCPTransport(Transport):
             early, link.early = link.early, []
             for req, mv in early:
                 self._enqueue(link, req, mv)
-            for (src, _tag), dq in self._slots.items():
+            for (src, _tag), dq in list(self._slots.items()):  # a mismatched post drops its slot
                 if src == link.rank:
-                    for slot in dq:
+                    for slot in list(dq):
                         if slot.req is not None and slot.bounds is None:
                             self._post_locked(slot, nstreams, (src, _tag))
         if link.streams != nstreams:
@@ -526,13 +526,13 @@ class TCPTransport(Transport):
         n = len(slot.bounds) - 1
         slot.req.left = n
         slot.req.event.clear() if n else slot.req.event.set()
+        if any(idx >= n or len(data) != slot.bounds[idx + 1] - slot.bounds[idx] for idx, data in slot.frames.items()):
+            for d in slot.frames.values():
+                self._release_locked(key[0], len(d))
+            slot.frames.clear()
+            self._mismatch_locked(slot, key)
+            return
         for idx, data in list(slot.frames.items()):
-            if idx >= n or len(data) != slot.bounds[idx + 1] - slot.bounds[idx]:
-                for d in slot.frames.values():
-                    self._release_locked(key[0], len(d))
-                slot.frames.clear()
-                self._mismatch_locked(slot, key)
-                return
             slot.view[slot.bounds[idx]:slot.bounds[idx + 1]] = data
             self._release_locked(key[0], len(data))
             slot.req._frame_done()

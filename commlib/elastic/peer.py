@@ -641,7 +641,7 @@ class Peer:
         the whole vector, shipped right behind the header
         (:func:`commlib.collectives.pair_round.pair_first_round`: one round trip
         instead of two; a mismatched call then has sent its vector, which the
-        other peer reads into a throwaway buffer and drops), the result
+        other peer drops unused), the result
         computed out of place into a kept scratch and copied into ``buf`` only
         once the master commits).  Each peer then reports to the master, which
         commits the operation when every member reported success and aborts it
@@ -693,28 +693,39 @@ class Peer:
         keep = {}
 
         def attempt(tr, left, survivors):
-            n = tr.size
-            algo = choose_tcp_allreduce(flat.nbytes, n, quantize is not None)
-            header = values[:4] + [_SMALL if algo == "small" else values[4]]
-            payload = flat.view(np.uint8) if algo == "small" else None
-            rows = None
-            if n == 2:  # one message each way: the header row with the payload or the whole vector
-                vector = flat if algo == "pair_exchange" else None
-                nb = message_bytes(len(header), small_capacity(n), flat.nbytes if vector is not None else 0)
-                self._round_keep = grown(self._round_keep, 2 * nb)
-                rows = pair_first_round(_FirstRound(tr), header, op="allreduce", capacity=small_capacity(n),
-                                        sendbuf=self._round_keep[:nb], recvbuf=self._round_keep[nb:2 * nb],
-                                        payload=payload, vector=vector, timeout=left, names=_FIELDS,
-                                        describe=_describe)
-            elif n > 2:
-                rows = agree(_FirstRound(tr), header, op="allreduce", payload=payload, capacity=small_capacity(n),
-                             timeout=left, names=_FIELDS, describe=_describe)
+            algo = choose_tcp_allreduce(flat.nbytes, tr.size, quantize is not None)
+            rows = self._first_round(tr, values, algo, flat, left)
             return self._allreduce_data(tr, flat, opx, quantize, left, algo, rows, keep)
 
         result = run(policy, attempt, lambda: keep["snap"].restore() if keep.get("snap") is not None else None)
         if result is not None:
             flat[...] = result
         return buf
+
+    def _first_round(self, tr, values, algo, flat, timeout):
+        """The all-reduce's first round on ``tr``: the argument agreement, carrying a
+        small call's vector (``algo == "small"``) and, at 2 members, a pair exchange's
+        (:mod:`commlib.collectives.pair_round`); returns every member's payload in
+        rank order, or None on 1 member.
+
+        Raises:
+            InvalidArgument: the members' calls differ (on every member alike).
+        """
+        n = tr.size
+        header = values[:4] + [_SMALL if algo == "small" else values[4]]
+        payload = flat.view(np.uint8) if algo == "small" else None
+        if n == 2:  # one message each way: the header row with the payload or the whole vector
+            vector = flat if algo == "pair_exchange" else None
+            nb = message_bytes(len(header), small_capacity(n), flat.nbytes if vector is not None else 0)
+            self._round_keep = grown(self._round_keep, 2 * nb)
+            return pair_first_round(_FirstRound(tr), header, op="allreduce", capacity=small_capacity(n),
+                                    sendbuf=self._round_keep[:nb], recvbuf=self._round_keep[nb:2 * nb],
+                                    payload=payload, vector=vector, timeout=timeout, names=_FIELDS,
+                                    describe=_describe)
+        if n > 2:
+            return agree(_FirstRound(tr), header, op="allreduce", payload=payload, capacity=small_capacity(n),
+                         timeout=timeout, names=_FIELDS, describe=_describe)
+        return None
 
     def _allreduce_data(self, tr, flat, opx, quantize, timeout, algo, rows, keep):
         """The data part of one all-reduce attempt on ``tr`` (``algo`` from

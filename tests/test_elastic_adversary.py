@@ -43,6 +43,8 @@ import commlib
 import commlib.elastic as el
 from commlib.transports import tcp, tcp_auth
 
+from test_elastic import form, run_peers  # tests/ is on sys.path (the engine tests do the same)
+
 pytestmark = pytest.mark.timeout(120)
 
 SECRET = b"adversary-secret-0123456789abcdef"
@@ -50,36 +52,13 @@ FLOOD = 200
 
 
 # ---------------------------------------------------------------- helpers
-def run_peers(peers, fn, timeout=60):
-    out, err = [None] * len(peers), [None] * len(peers)
-
-    def go(i):
-        try:
-            out[i] = fn(i, peers[i])
-        except BaseException as exc:  # noqa: BLE001
-            err[i] = exc
-
-    ths = [threading.Thread(target=go, args=(i,), daemon=True) for i in range(len(peers))]
-    for t in ths:
-        t.start()
-    for t in ths:
-        t.join(timeout)
-    assert not any(t.is_alive() for t in ths), "a peer hung"
-    for e in err:
-        if e is not None:
-            raise e
-    return out
-
-
-def form(peers, n, timeout=30.0):
-    def fn(i, p):
-        deadline = time.monotonic() + timeout
-        p.update_topology()
-        while p.size != n:
-            assert time.monotonic() < deadline, "the group did not form"
-            p.update_topology()
-
-    run_peers(peers, fn)
+def _victim_env() -> dict:
+    """The victim subprocess's environment: ``python -P`` leaves this file's folder off
+    ``sys.path``, and this file imports its helpers from ``test_elastic`` there (kept
+    after any ``PYTHONPATH`` already set, e.g. CI's no-MPI stub, which must stay first)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    pp = os.environ.get("PYTHONPATH")
+    return dict(os.environ, MPI4PY_RC_INITIALIZE="0", PYTHONPATH=f"{pp}{os.pathsep}{here}" if pp else here)
 
 
 def group(n, **kw):
@@ -280,7 +259,7 @@ def test_flood_on_every_port_kill_recovers_in_2s():
     for trial in range(2):
         master = el.Master(secret=SECRET).start()
         proc = subprocess.Popen([sys.executable, "-P", __file__, "victim", master.address, "3"],
-                                env=dict(os.environ, MPI4PY_RC_INITIALIZE="0"), stdout=subprocess.DEVNULL,
+                                env=_victim_env(), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE)
         peers = [el.connect(master.address, secret=SECRET, timeout=15) for _ in range(2)]
         socks = []

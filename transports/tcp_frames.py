@@ -237,30 +237,33 @@ class Connection:
             if self.closed:
                 raise ConnectionError("connection closed")
             try:
-                if self.tx is not None:
-                    n = len(mv) + GCM_TAG
-                    hdr = HEADER.pack(MAGIC, VERSION, kind, F_SEALED, epoch, tag, chunk, stream, n)
-                    body = self.tx.seal(hdr, mv)
-                    _send_all(self.sock, hdr + body, deadline)
-                    return HEADER.size + n
+                if self.tx is not None or len(mv) <= 65536:
+                    data = self._frame_bytes(kind, mv, epoch, tag, chunk, stream)
+                    _send_all(self.sock, data, deadline)
+                    return len(data)
                 hdr = HEADER.pack(MAGIC, VERSION, kind, 0, epoch, tag, chunk, stream, len(mv))
-                if len(mv) <= 65536:
-                    _send_all(self.sock, hdr + bytes(mv), deadline)
-                else:
-                    # header and payload in one system call (one segment less), the rest as it drains
-                    try:
-                        sent = self.sock.sendmsg([hdr, mv], [], 0 if deadline is None else _DONTWAIT)
-                    except BlockingIOError:  # MSG_DONTWAIT with a full buffer
-                        sent = 0
-                    if sent < HEADER.size:
-                        _send_all(self.sock, hdr[sent:], deadline)
-                        _send_all(self.sock, mv, deadline)
-                    elif sent < HEADER.size + len(mv):
-                        _send_all(self.sock, mv[sent - HEADER.size:], deadline)
+                # header and payload in one system call (one segment less), the rest as it drains
+                try:
+                    sent = self.sock.sendmsg([hdr, mv], [], 0 if deadline is None else _DONTWAIT)
+                except BlockingIOError:  # MSG_DONTWAIT with a full buffer
+                    sent = 0
+                if sent < HEADER.size:
+                    _send_all(self.sock, hdr[sent:], deadline)
+                    _send_all(self.sock, mv, deadline)
+                elif sent < HEADER.size + len(mv):
+                    _send_all(self.sock, mv[sent - HEADER.size:], deadline)
                 return HEADER.size + len(mv)
             except BaseException:
                 self._close_locked()
                 raise
+
+    def _frame_bytes(self, kind: int, mv, epoch: int, tag: int, chunk: int, stream: int) -> bytes:
+        """One whole frame as bytes: the header, then the payload, sealed (with its
+        16-byte tag) when the connection is encrypted."""
+        if self.tx is not None:
+            hdr = HEADER.pack(MAGIC, VERSION, kind, F_SEALED, epoch, tag, chunk, stream, len(mv) + GCM_TAG)
+            return hdr + self.tx.seal(hdr, mv)
+        return HEADER.pack(MAGIC, VERSION, kind, 0, epoch, tag, chunk, stream, len(mv)) + bytes(mv)
 
     def try_send_frame_locked(self, kind: int, payload, *, epoch: int = 0, tag: int = 0, chunk: int = 0,
                               stream: int = 0):
@@ -277,14 +280,8 @@ class Connection:
         """
         if self.closed:
             raise ConnectionError("connection closed")
-        mv = memoryview(payload).cast("B")
         try:
-            if self.tx is not None:
-                n = len(mv) + GCM_TAG
-                hdr = HEADER.pack(MAGIC, VERSION, kind, F_SEALED, epoch, tag, chunk, stream, n)
-                data = hdr + self.tx.seal(hdr, mv)
-            else:
-                data = HEADER.pack(MAGIC, VERSION, kind, 0, epoch, tag, chunk, stream, len(mv)) + bytes(mv)
+            data = self._frame_bytes(kind, memoryview(payload).cast("B"), epoch, tag, chunk, stream)
             try:
                 sent = self.sock.send(data, _DONTWAIT)
             except BlockingIOError:

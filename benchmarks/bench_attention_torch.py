@@ -70,7 +70,18 @@ float16 runs its GEMMs in the half type, 50-100x slower than float32 (SDPA and
 the ring alike, the same kernel); ``--half-bwd-max-seq`` (default 4096) skips
 those fwdbwd cases above that length.
 
-Roles ``ring2``, ``sdpa2`` and ``bidir`` are the child jobs (``--role``);
+``error``
+    (not in the default sections) bfloat16 error against the rank count:
+    for each ``--error-ranks`` P, one job (``mpiexec -n P``, every rank on
+    ``--device``, one GPU per local rank modulo the GPUs there are) runs zigzag
+    causal ring attention forward + backward on ``--error-seq`` tokens, gathers
+    out, dq, dk, dv and compares them on rank 0 with float64 SDPA on the whole
+    sequence (same bf16-rounded inputs): relative Frobenius error
+    ``||x - x64|| / ||x64||``, and that of single-process bfloat16 SDPA on the
+    same device beside it.  Ratio ``err_ring / err_sdpa`` (target <= 1.5,
+    flat in P: the blocks are merged in float32).
+
+Roles ``ring2``, ``sdpa2``, ``bidir`` and ``error`` are the child jobs (``--role``);
 each writes its JSON to ``--out``.
 """
 from __future__ import annotations
@@ -88,9 +99,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from _util import find_mpiexec  # noqa: E402
 
-SECTIONS = ("single", "ranks2", "bidir")
+SECTIONS = ("single", "ranks2", "bidir", "error")
+#: what runs without --sections
+DEFAULT_SECTIONS = ("single", "ranks2", "bidir")
 MODES = ("fwd", "fwdbwd")
-TARGETS = {"single": 0.9, "ranks2": 0.8, "bidir": 1.3}
+TARGETS = {"single": 0.9, "ranks2": 0.8, "bidir": 1.3, "error": 1.5}
 #: messages of at most this many bytes are argument agreement, not ring payload
 SMALL_MESSAGE = 4096
 
@@ -652,6 +665,61 @@ def section_bidir(args, log=print):
     return rows
 
 
+# -------------------------------------------------------------- 4. error
+def role_error(args):
+    """Child job (mpiexec -n P): bf16 zigzag causal ring vs float64 and bf16 SDPA on rank 0."""
+    torch = _torch()
+    import commlib  # noqa: PLC0415
+    from commlib.nn import shard_sequence, unshard_sequence  # noqa: PLC0415
+
+    torch.set_num_threads(args.threads)
+    comm = commlib.init()
+    device = device_of(args, local_rank())
+    ring = _nn("ring_attention")
+    n, scale = args.error_seq, args.head_dim ** -0.5
+    q, k, v, do = (x.detach().to(torch.bfloat16) for x in inputs(args, n, torch.float32, args.seed, False))
+    local = [shard_sequence(x.to(device), comm, "zigzag").requires_grad_() for x in (q, k, v)]
+    out = ring(*local, comm, causal=True, layout="zigzag", softmax_scale=scale, timeout=args.timeout)
+    grads = torch.autograd.grad((out * shard_sequence(do.to(device), comm, "zigzag")).sum(), local)
+    got = [unshard_sequence(x.detach(), comm, "zigzag", timeout=args.timeout) for x in (out, *grads)]
+    if comm.rank != 0:
+        return None
+
+    def sdpa_grads(dtype):
+        xs = [x.to(device=device, dtype=dtype).requires_grad_() for x in (q, k, v)]
+        o = sdpa(*xs, True, scale)
+        return [t.detach().to(torch.float64) for t in (o, *torch.autograd.grad((o * do.to(o)).sum(), xs))]
+
+    exact, base = sdpa_grads(torch.float64), sdpa_grads(torch.bfloat16)
+    row = dict(ranks=comm.size, seq=n, dtype="bfloat16", layout="zigzag", causal=True, device=str(device))
+    for name, g, e, b in zip(("out", "dq", "dk", "dv"), got, exact, base):
+        err = ((g.to(torch.float64) - e).norm() / e.norm()).item()
+        ref = ((b - e).norm() / e.norm()).item()
+        row[name] = dict(ring=err, sdpa=ref, ratio=err / ref)
+    return [row]
+
+
+def section_error(args, log=print):
+    """Driver: one ``--role error`` job per rank count."""
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        log("  error: no mpiexec found; skipped")
+        return None
+    rows = []
+    for P in args.error_ranks:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "e.json")
+            _child([mpiexec, "--oversubscribe", "-n", str(P), sys.executable, "-P", __file__, "--role", "error",
+                    "--out", out, "--device", args.device, "--error-seq", str(args.error_seq),
+                    "--threads", str(args.threads)] + _child_common(args), args)
+            r = json.load(open(out))[0]
+        rows.append(r)
+        log(f"  error P={P} seq={r['seq']} bf16 zigzag causal ({r['device']}): " + "  ".join(
+            f"{name} {r[name]['ring']:.2e}/{r[name]['sdpa']:.2e}={r[name]['ratio']:.2f}x"
+            for name in ("out", "dq", "dk", "dv")) + f" (ring/SDPA, target <= {TARGETS['error']})")
+    return rows
+
+
 # ------------------------------------------------------------- driver
 def _child_common(args, heads=True):
     out = ["--dtypes", ",".join(args.dtypes), "--modes", ",".join(args.modes), "--batch", str(args.batch),
@@ -696,15 +764,18 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="bench_attention.py --backend torch", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--backend", choices=("torch",), default="torch", help=argparse.SUPPRESS)
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: sections single and bidir "
-                    "on GPUs (one per rank); written for, but not yet measured on, a GPU")
-    ap.add_argument("--sections", type=_names(SECTIONS), default=",".join(SECTIONS),
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: sections single, bidir and error "
+                    "on GPUs (one per local rank)")
+    ap.add_argument("--sections", type=_names(SECTIONS), default=",".join(DEFAULT_SECTIONS),
                     help="comma-separated, of: " + ", ".join(SECTIONS))
     ap.add_argument("--seq-lens", type=_ints, default="4096,8192", help="section single: tokens (4k-16k)")
     ap.add_argument("--seq-lens-2", type=_ints, default="8192,16384", help="section ranks2: global tokens")
     ap.add_argument("--bidir-seq-lens", type=_ints, default="512,2048", help="section bidir: global tokens "
                     "(512: 128 per rank, communication-bound on the emulated link; 2048: compute weighs more)")
     ap.add_argument("--bidir-ranks", type=int, default=4)
+    ap.add_argument("--error-ranks", type=_ints, default="1,2,4", help="section error: rank counts, one job each")
+    ap.add_argument("--error-seq", type=int, default=2048, help="section error: global tokens (divisible by "
+                    "2 x each rank count)")
     ap.add_argument("--bidir-heads", type=int, default=8, help="section bidir: heads = kv heads")
     ap.add_argument("--bidir-head-dim", type=int, default=64)
     ap.add_argument("--link-gbps", type=float, default=0.03, help="section bidir: emulated link bandwidth per "
@@ -732,7 +803,7 @@ def parse_args(argv=None):
     ap.add_argument("--child-timeout", type=float, default=3600.0, help="seconds per child job")
     ap.add_argument("--json", metavar="PATH", help="write the results")
     ap.add_argument("--plot", metavar="PATH", help="PNG: the ratios against their targets")
-    ap.add_argument("--role", choices=("ring2", "sdpa2", "bidir"), help=argparse.SUPPRESS)
+    ap.add_argument("--role", choices=("ring2", "sdpa2", "bidir", "error"), help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.device == "cuda" and "ranks2" in a.sections and not a.role:
@@ -744,7 +815,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     if args.role:
-        res = {"ring2": role_ring2, "sdpa2": role_sdpa2, "bidir": role_bidir}[args.role](args)
+        res = {"ring2": role_ring2, "sdpa2": role_sdpa2, "bidir": role_bidir, "error": role_error}[args.role](args)
         if res is not None:
             with open(args.out, "w", encoding="utf-8") as fh:
                 json.dump(res, fh)
@@ -769,6 +840,9 @@ def main(argv=None):
         print(f"{args.bidir_ranks} ranks x 1 thread (oversubscribed on {os.cpu_count()} cores), non-causal "
               f"contiguous: bidirectional vs unidirectional ring")
         res["bidir"] = section_bidir(args)
+    if "error" in args.sections:
+        print(f"bfloat16 error against the rank count ({args.device}): ring vs float64, beside bf16 SDPA")
+        res["error"] = section_error(args)
     res["load_avg_end"] = os.getloadavg()
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:

@@ -129,7 +129,7 @@ run_stage mpi2-device-files "${MPI_TIMEOUT:-540}" "$MPIEXEC" $MPIFLAGS -n 2 "$PY
   --with-mpi -m mpi --timeout=300 "${MPI_DEVICE[@]}"
 MPI_FILES=()
 for f in tests/test_typed_p2p.py tests/test_halo.py tests/test_collectives.py \
-         tests/test_communicator.py tests/test_heat.py tests/test_datatypes_batch.py tests/test_attention.py; do
+         tests/test_communicator.py tests/test_heat.py tests/test_datatypes_batch.py tests/test_attention.py tests/test_nn_cuda.py; do
   [ -f "$f" ] && MPI_FILES+=("$f")
 done
 # shellcheck disable=SC2086

@@ -25,13 +25,21 @@ Kernels: on CPU ``aten._scaled_dot_product_flash_attention_for_cpu`` and its
 backward for float16, bfloat16, float32 and float64 (float64 is exact to
 about 1e-15; masks go in as an additive float mask in the input dtype, which
 the op takes with a correct lse, except that rows with no visible key get lse
-0: they are set to ``-inf`` here).  On CUDA the flash kernel
-(``aten._scaled_dot_product_flash_attention``, float16/bfloat16, no mask,
-head_dim a multiple of 8 up to 256), else the memory-efficient kernel
-(``aten._scaled_dot_product_efficient_attention``, float16/bfloat16/float32,
-masks as an additive bias; its lse is padded to a multiple of 32 rows and is
-sliced), else (float64 on CUDA, or a kernel that refuses the shapes) an
-explicit matmul fallback in the accumulation dtype.
+0: they are set to ``-inf`` here).  On CUDA, float16/bfloat16 blocks without a mask take
+cuDNN's fused attention (``aten._scaled_dot_product_cudnn_attention``, head_dim
+a multiple of 8 up to 128) on compute capability 9.0 and newer (Hopper: about
+twice the flash kernel's speed there, and what torch's own SDPA picks), else
+the flash kernel (``aten._scaled_dot_product_flash_attention``, head_dim a
+multiple of 8 up to 256; also wherever cuDNN refuses a shape, remembered per
+shape); :data:`CUDA_HALF_KERNEL` pins one of the two.  Masked blocks and
+float32 take the memory-efficient kernel
+(``aten._scaled_dot_product_efficient_attention``, masks as an additive bias;
+its lse is padded to a multiple of 32 rows and is sliced); the backward of a
+*masked* half-precision block runs that kernel in float32 (in half precision
+its gradients were wrong on an H200, torch 2.11: ``tests/test_nn_cuda.py``).
+Float64 on CUDA, or a kernel that refuses the shapes, takes an explicit
+matmul fallback in the accumulation dtype.  :data:`KERNELS` counts the
+calls of each.
 
 Partial results are merged by :func:`merge` in float32 (float64 for float64
 inputs), never in half precision (the bf16 error growth with ranks that
@@ -49,6 +57,7 @@ backward; Ring Attention (Liu et al. 2023, arXiv:2310.01889) for the merge.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import NamedTuple
 
 import numpy as np
@@ -67,6 +76,13 @@ __all__ = [
 ]
 
 _HALF = (torch.float16, torch.bfloat16)
+
+#: CUDA kernel for float16/bfloat16 blocks without a mask: "auto" (cuDNN on
+#: compute capability >= 9.0, else flash), "cudnn" or "flash"
+CUDA_HALF_KERNEL = "auto"
+#: calls per kernel and direction since import, e.g. ``KERNELS["cudnn_fwd"]``
+#: (keys: ``{cpu,cudnn,flash,efficient,explicit}_{fwd,bwd}``)
+KERNELS: Counter = Counter()
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -138,6 +154,7 @@ def explicit_forward(q, k, v, scale: float, kind: str = "full", mask=None):
     """Block forward with plain matmuls in the accumulation dtype (float64 on
     CUDA, and any case no fused kernel takes).  Arguments and results as
     :func:`block_forward`."""
+    KERNELS["explicit_fwd"] += 1
     cd = acc_dtype(q.dtype)
     h, lq, lk = q.shape[1], q.shape[2], k.shape[2]
     qf = q.to(cd)
@@ -161,6 +178,7 @@ def explicit_forward(q, k, v, scale: float, kind: str = "full", mask=None):
 def explicit_backward(dout, q, k, v, out, lse, scale: float, kind: str = "full", mask=None):
     """Block backward with plain matmuls in the accumulation dtype; arguments
     and results as :func:`block_backward`."""
+    KERNELS["explicit_bwd"] += 1
     cd = acc_dtype(q.dtype)
     h, hk, lq, lk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
     qf, dof, of = q.to(cd), dout.to(cd), out.to(cd)
@@ -187,6 +205,8 @@ def explicit_backward(dout, q, k, v, out, lse, scale: float, kind: str = "full",
 
 # ------------------------------------------------------------------ CUDA
 _RNG = {}
+_CUDNN_REFUSED = set()  # (device, dtype, Lq, Lk, D, causal) cuDNN raised on: flash from then on
+_CAPABILITY = {}
 
 
 def _flash_rng(device, dtype):
@@ -201,15 +221,54 @@ def _flash_rng(device, dtype):
     return _RNG[key]
 
 
+def _cudnn_rng(device, dtype):
+    """cuDNN's philox seed/offset tensors (unused without dropout) and the
+    number of dimensions of its lse (3, or 4 with a trailing 1), from a tiny call."""
+    key = ("cudnn", str(device), dtype)
+    if key not in _RNG:
+        x = torch.zeros(1, 1, 8, 8, dtype=dtype, device=device)
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(x, x, x, None, True, 0.0, False, False)
+        _RNG[key] = (res[6], res[7], res[1].dim())
+    return _RNG[key]
+
+
 def _flash_ok(q, vis) -> bool:
     d = q.shape[-1]
     return vis is None and q.dtype in _HALF and d % 8 == 0 and d <= 256
 
 
+def _cudnn_key(q, kf, causal):
+    return (str(q.device), q.dtype, q.shape[2], kf.shape[2], q.shape[-1], causal)
+
+
+def _cudnn_ok(q, kf, vis, causal) -> bool:
+    d = q.shape[-1]
+    if CUDA_HALF_KERNEL == "flash" or vis is not None or q.dtype not in _HALF or d % 8 or d > 128:
+        return False
+    if _cudnn_key(q, kf, causal) in _CUDNN_REFUSED:
+        return False
+    if CUDA_HALF_KERNEL == "cudnn":
+        return True
+    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    if dev not in _CAPABILITY:
+        _CAPABILITY[dev] = torch.cuda.get_device_capability(dev) >= (9, 0) and torch.backends.cudnn.is_available()
+    return _CAPABILITY[dev]
+
+
 def _cuda_forward(q, kf, vf, scale, causal, vis):  # pragma: no cover - needs a GPU
     lq = q.shape[2]
+    if _cudnn_ok(q, kf, vis, causal):
+        try:
+            res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, kf, vf, None, True, 0.0, causal, False,
+                                                                     scale=scale)
+            KERNELS["cudnn_fwd"] += 1
+            lse = res[1]
+            return res[0], (lse.squeeze(-1) if lse.dim() == 4 else lse)
+        except RuntimeError:
+            _CUDNN_REFUSED.add(_cudnn_key(q, kf, causal))
     if _flash_ok(q, vis):
         res = torch.ops.aten._scaled_dot_product_flash_attention(q, kf, vf, 0.0, causal, False, scale=scale)
+        KERNELS["flash_fwd"] += 1
         return res[0], res[1]
     if q.dtype in _HALF or q.dtype == torch.float32:
         bias = None
@@ -217,17 +276,35 @@ def _cuda_forward(q, kf, vf, scale, causal, vis):  # pragma: no cover - needs a 
             bias = _bias(vis, q.dtype, 16).expand(q.shape[0], q.shape[1], lq, kf.shape[2])
         res = torch.ops.aten._scaled_dot_product_efficient_attention(q, kf, vf, bias, True, 0.0, causal,
                                                                      scale=scale)
+        KERNELS["efficient_fwd"] += 1
         return res[0], res[1][..., :lq]
     raise NotImplementedError(f"no fused CUDA attention for {q.dtype}")
 
 
 def _cuda_backward(dout, q, kf, vf, out, lse, scale, causal, vis):  # pragma: no cover - needs a GPU
     lq, lk = q.shape[2], kf.shape[2]
+    if _cudnn_ok(q, kf, vis, causal):
+        seed, offset, lse_dims = _cudnn_rng(q.device, q.dtype)
+        lse_c = (lse if lse_dims == 3 else lse.unsqueeze(-1)).contiguous()
+        if dout.stride() != out.stride():  # cuDNN reads both with one layout
+            dout = dout.contiguous()
+            out = out.contiguous()
+        try:
+            res = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                dout, q, kf, vf, out, lse_c, seed, offset, None, None, None, lq, lk, 0.0, causal, scale=scale)
+            KERNELS["cudnn_bwd"] += 1
+            return res[0], res[1], res[2]
+        except RuntimeError:
+            _CUDNN_REFUSED.add(_cudnn_key(q, kf, causal))
     if _flash_ok(q, vis):
         seed, offset = _flash_rng(q.device, q.dtype)
+        KERNELS["flash_bwd"] += 1
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
             dout, q, kf, vf, out, lse.contiguous(), None, None, lq, lk, 0.0, causal, seed, offset, scale=scale)
     if q.dtype in _HALF or q.dtype == torch.float32:
+        dtype = q.dtype
+        if vis is not None and dtype in _HALF:  # see the module docstring: float32 for masked half blocks
+            dout, q, kf, vf, out = (x.float() for x in (dout, q, kf, vf, out))
         bias = None
         if vis is not None:
             bias = _bias(vis, q.dtype, 16).expand(q.shape[0], q.shape[1], lq, lk)
@@ -237,7 +314,8 @@ def _cuda_backward(dout, q, kf, vf, out, lse, scale, causal, vis):  # pragma: no
         empty = torch.empty((), dtype=torch.int64, device=q.device)
         res = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             dout, q, kf, vf, bias, out, lse_p, empty, empty, 0.0, [True, True, True, False], causal, scale=scale)
-        return res[0], res[1], res[2]
+        KERNELS["efficient_bwd"] += 1
+        return res[0].to(dtype), res[1].to(dtype), res[2].to(dtype)
     raise NotImplementedError(f"no fused CUDA attention for {q.dtype}")
 
 
@@ -274,6 +352,7 @@ def block_forward(q, k, v, scale: float, kind: str = "full", mask=None):
             return explicit_forward(q, k, v, scale, kind, mask)
     elif q.device.type == "cpu":
         op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        KERNELS["cpu_fwd"] += 1
         if vis is None:
             out, lse = op(q, kf, vf, 0.0, causal, scale=scale)
         else:
@@ -316,6 +395,7 @@ def block_backward(dout, q, k, v, out, lse, scale: float, kind: str = "full", ma
             return explicit_backward(dout, q, k, v, out, lse, scale, kind, mask)
     elif q.device.type == "cpu":
         op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        KERNELS["cpu_bwd"] += 1
         if vis is None:
             dq, dk, dv = op(dout, q, kf, vf, out, lse, 0.0, causal, scale=scale)
         else:

@@ -22,7 +22,7 @@ mkdir -p "$OUT"
 BUDGET_S=${BUDGET_S:-540}
 SEQ=${SEQ:-32768}
 ERROR_SEQ=${ERROR_SEQ:-8192}
-PY=${PYTHON:-python3}
+PY=$(command -v "${PYTHON:-python3}")  # a full path: mpiexec's PATH may find another python3
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 COMMLIB_REAL_GPU=1
 if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
 T0=$(date +%s)

@@ -28,9 +28,11 @@ backward.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -142,6 +144,8 @@ def _header(spec: _Spec, device_type: str) -> tuple:
 def _validate(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op) -> _Spec:
     """Check the call on every rank together: raise the same InvalidArgument everywhere, before any K/V moves."""
     problem, spec = None, None
+    if tp.size == 1:  # nobody to disagree with: the local checks are the whole validation
+        return _validate_local(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op)
     try:
         spec = _validate_local(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op)
     except InvalidArgument as exc:
@@ -166,7 +170,17 @@ class _Plan:
 
 
 def _plan(spec: _Spec) -> _Plan:
-    P, r, L = spec.size, spec.rank, spec.seq_local
+    """The call's plan, cached per (ranks, rank, seq_local, layout, causal,
+    bidirectional, cu_seqlens): a training loop repeats one call shape, and
+    building it costs host time that a GPU step waits for."""
+    cu = None if spec.cu_seqlens is None else tuple(int(x) for x in spec.cu_seqlens)
+    return _plan_cached(spec.size, spec.rank, spec.seq_local, spec.layout, spec.causal, spec.bidirectional, cu)
+
+
+@functools.lru_cache(maxsize=64)
+def _plan_cached(P, r, L, layout, causal, bidirectional, cu) -> _Plan:
+    spec = SimpleNamespace(size=P, rank=r, seq_local=L, layout=layout, causal=causal, bidirectional=bidirectional,
+                           cu_seqlens=None if cu is None else np.asarray(cu, dtype=np.int64))
     sched = RingSchedule(P, r, spec.bidirectional and P > 1)
     halves = split_halves(spec.layout, L) if sched.bidirectional else None
     qpos = sequence_positions(spec.layout, r, P, L)

@@ -90,15 +90,14 @@ def rel(got, want):
 # ------------------------------------------------------------ block kernels
 @pytest.mark.gpu
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kernel", ["auto", "flash"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "f16", "f32"])
+@pytest.mark.parametrize("dtype,kernel", [(torch.bfloat16, "auto"), (torch.float16, "auto"), (torch.float32, "auto"),
+                                          (torch.bfloat16, "flash"), (torch.float16, "flash")],
+                         ids=["bf16", "f16", "f32", "bf16-flash", "f16-flash"])
 def test_fused_block_kernels(dtype, kernel, monkeypatch):
     """block_forward / block_backward on CUDA (fused only) against the float64
     explicit kernels on the CPU, on the same (rounded) inputs; half precision
     without a mask takes cuDNN on compute capability 9.0+ ("auto") and the
     flash kernel when pinned, masks and float32 the memory-efficient kernel."""
-    if kernel == "flash" and dtype == torch.float32:
-        pytest.skip("the flash kernel takes float16/bfloat16 only")
     monkeypatch.setattr(_blocks, "CUDA_HALF_KERNEL", kernel)
     explicit_f, explicit_b = _blocks.explicit_forward, _blocks.explicit_backward
     before = dict(_blocks.KERNELS)

@@ -10,8 +10,10 @@ depends only on the header length and ``capacity``, never on the arguments,
 so ranks whose calls differ still make matching calls.
 
 The all-gather is the transport's native one when it has one and waits need
-no bound (under ULFM a dead peer makes it err, it never hangs), else the ring
-all-gather over the transport with every wait bounded by ``timeout`` seconds.
+no bound (under ULFM a dead peer makes it err, it never hangs), else Bruck's
+all-gather over the transport (``ceil(log2 n)`` steps: a row is a few hundred
+bytes, so the steps' latency is the round's cost) with every wait bounded by
+``timeout`` seconds.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import numpy as np
 from commlib.core import agreement as _hdr
 from commlib.core.errors import CommError, InvalidArgument
 
-from .allgather_ring import allgather_ring
+from .allgather_bruck import allgather_bruck
 
 __all__ = ["agree", "agree_header", "check_all", "judge", "encode_row"]
 
@@ -83,7 +85,7 @@ def agree(transport, values: Sequence[int], *, op: str, local_error: CommError |
         if timeout is None and transport.has_native("allgather"):
             transport.native_allgather(row, rows)
         else:
-            allgather_ring(transport, row, rows, timeout=timeout)
+            allgather_bruck(transport, row, rows, timeout=timeout)
     rows = rows.reshape(n, rb)
     if local_error is None and n > 1:
         mine = bytes(row[:head])

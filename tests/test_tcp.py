@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 import commlib
 import commlib.elastic as el
+from commlib.collectives.allgather_bruck import allgather_bruck
 from commlib.collectives.allreduce_ring import allreduce_ring
 from commlib.transports import tcp
 
@@ -130,6 +131,39 @@ def test_ring_allreduce_over_tcp(n, streams, encrypt):
             out = run_all(ts, fn)
             assert len({o.tobytes() for o in out}) == 1
             np.testing.assert_allclose(out[0], np.sum(data, axis=0), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7])
+def test_bruck_allgather_over_tcp(n):
+    """Bruck's allgather (the argument agreement's) on 1-7 ranks gives every
+    rank every block in rank order, bit for bit, and each rank sends
+    ceil(log2 n) messages carrying n - 1 blocks."""
+    with tcp_group(n, 2) as ts:
+        for count in (1, 6, 700):
+            data = [np.random.default_rng(10 * n + i).integers(0, 1 << 60, count, dtype=np.int64) for i in range(n)]
+            sent = [t.bytes_sent for t in ts]
+            sends = [0] * n
+
+            def fn(t):
+                isend = t.isend
+
+                def counted(*a, **kw):
+                    sends[t.rank] += 1
+                    return isend(*a, **kw)
+
+                t.isend = counted
+                try:
+                    out = np.full(n * count, -1, np.int64)
+                    allgather_bruck(t, data[t.rank], out, timeout=10)
+                finally:
+                    del t.isend
+                return out
+
+            for o in run_all(ts, fn):
+                assert o.tobytes() == np.concatenate(data).tobytes()
+            for t, before in zip(ts, sent):
+                assert sends[t.rank] == (n - 1).bit_length()  # ceil(log2 n) steps
+                assert t.bytes_sent - before == (n - 1) * count * 8
 
 
 def test_frame_bounds_and_striping():

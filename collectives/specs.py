@@ -582,16 +582,23 @@ def _nothing(c: Call, result) -> None:
 #: two steps after the first round (measured on loopback, 2 cores: 4-256 KiB
 #: 1.3-1.8x faster, 1 MiB even, 8 MiB slower)
 PAIR_EXCHANGE_MAX = 1 << 20
+#: bytes up to which an unquantized elastic all-reduce on 3 or more members runs
+#: recursive doubling (``ceil(log2 n)`` exchanges of the whole vector, plus two
+#: when ``n`` is not a power of two) instead of the ring's ``2 (n - 1)`` steps of
+#: ``1/n`` of it: below this the steps' latency, not the bytes, is the cost
+RECURSIVE_DOUBLING_TCP_MAX = 256 << 10
 #: the elastic all-reduce's choice over the TCP transport, as ``(max_bytes,
 #: algorithm, min_ranks, max_ranks)``: the first entry that fits wins, else the
 #: ring (a quantized call always takes the ring; a call of at most
 #: :func:`~.one_round.small_capacity` bytes travels inside the first round)
-TCP_ALLREDUCE_THRESHOLDS = ((PAIR_EXCHANGE_MAX, "pair_exchange", 2, 2),)
+TCP_ALLREDUCE_THRESHOLDS = ((PAIR_EXCHANGE_MAX, "pair_exchange", 2, 2),
+                            (RECURSIVE_DOUBLING_TCP_MAX, "recursive_doubling", 3, 1 << 30))
 
 
 def choose_tcp_allreduce(nbytes: int, nranks: int, quantized: bool) -> str:
     """The elastic all-reduce's algorithm: ``"small"`` (inside the first round),
-    ``"pair_exchange"`` or ``"ring"``, by :data:`TCP_ALLREDUCE_THRESHOLDS`."""
+    ``"pair_exchange"``, ``"recursive_doubling"`` or ``"ring"``, by
+    :data:`TCP_ALLREDUCE_THRESHOLDS`."""
     if quantized:
         return "ring"
     if nranks > 1 and nbytes <= small_capacity(nranks):

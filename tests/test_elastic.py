@@ -13,6 +13,7 @@ import pytest
 
 import commlib
 import commlib.elastic as el
+from commlib.collectives.specs import RECURSIVE_DOUBLING_TCP_MAX
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -138,6 +139,35 @@ def _ring_messages(count, itemsize, n, r, received=False):
     return [sizes[(r - s - 1) % n] for s in range(n - 1)] + [sizes[(r - s) % n] for s in range(n - 1)]
 
 
+def _rd_messages(count, itemsize, n, r, received=False):
+    """Byte sizes of the messages rank ``r`` sends (``received``: receives) in a
+    recursive-doubling all-reduce of ``count`` items over ``n`` ranks (MPICH's
+    scheme, collectives/allreduce_recursive_doubling.py): with ``p2`` the largest
+    power of two <= n and ``rem = n - p2``, even ranks below ``2 rem`` send their
+    vector to ``r + 1`` and get the result back at the end; every other rank makes
+    ``log2(p2)`` whole-vector exchanges, and odd ranks below ``2 rem`` also receive
+    the fold-in and send the result back."""
+    nbytes = count * itemsize
+    p2 = 1 << (n.bit_length() - 1)
+    rem, k = n - p2, p2.bit_length() - 1
+    if r < 2 * rem and r % 2 == 0:
+        return [nbytes]
+    return [nbytes] * (k + (1 if r < 2 * rem else 0))
+
+
+def _data_messages(count, itemsize, n, r, received=False):
+    """The data plane's messages of an unquantized all-reduce: the algorithm
+    :func:`commlib.collectives.specs.choose_tcp_allreduce` picks (the first round's
+    aside: a small or 2-peer call sends none on the data plane)."""
+    from commlib.collectives.specs import choose_tcp_allreduce
+    algo = choose_tcp_allreduce(count * itemsize, n, False)
+    if algo == "recursive_doubling":
+        return _rd_messages(count, itemsize, n, r, received)
+    if algo == "ring":
+        return _ring_messages(count, itemsize, n, r, received)
+    return []
+
+
 def _pair_round_bytes(nbytes):
     """At 2 peers, the first-round message of an all-reduce of ``nbytes`` bytes (at
     most PAIR_EXCHANGE_MAX): 48 header bytes, then the vector, or the small-call
@@ -155,11 +185,14 @@ def _frames(nbytes, streams):
 @pytest.mark.parametrize("group", [(2, 1), (3, 2), (4, 1)], indirect=True)
 @pytest.mark.parametrize("count,dtype", [(1000, np.float32), (300_001, np.float64)])
 def test_stats_count_the_ring_traffic(group, count, dtype):
-    """Peer.stats against the ring's known traffic: 2 (n-1)/n x the buffer per peer
-    (exactly the chunk sizes), 2 (n-1) x the buffer over all peers, plus 28 bytes of
-    header per frame on the wire.  At 2 peers up to 1 MiB the whole buffer travels in
-    the first round instead, one message each way (48 header bytes and the vector,
-    one frame), and the data plane carries nothing."""
+    """Peer.stats against the algorithm's known traffic, plus 28 bytes of header per
+    frame on the wire.  The ring (300_001 float64 on 3-4 peers): 2 (n-1)/n x the
+    buffer per peer (exactly the chunk sizes), 2 (n-1) x the buffer over all peers.
+    Recursive doubling (1000 float32 on 3-4 peers, up to RECURSIVE_DOUBLING_TCP_MAX):
+    whole-vector messages, log2(n) per peer at 4, and at 3 one fold-in and one
+    fold-out besides (each peer receives as many as it sends).  At 2 peers up to 1 MiB the whole buffer travels in the first
+    round instead, one message each way (48 header bytes and the vector, one
+    frame), and the data plane carries nothing."""
     _, peers = group
     n = len(peers)
     streams = peers[0].streams
@@ -170,11 +203,12 @@ def test_stats_count_the_ring_traffic(group, count, dtype):
     total = 0
     for p in peers:
         d = {k: after[p.id][k] - before[p.id][k] for k in after[p.id]}
-        msgs = _ring_messages(count, np.dtype(dtype).itemsize, n, p.rank)
-        rmsgs = _ring_messages(count, np.dtype(dtype).itemsize, n, p.rank, received=True)
+        msgs = _data_messages(count, np.dtype(dtype).itemsize, n, p.rank)
+        rmsgs = _data_messages(count, np.dtype(dtype).itemsize, n, p.rank, received=True)
         assert d["bytes_sent"] == sum(msgs) and d["bytes_received"] == sum(rmsgs)
+        ring = n > 2 and nbytes > RECURSIVE_DOUBLING_TCP_MAX
         for k in ("bytes_sent", "bytes_received"):
-            if msgs:  # a ring (not a 2-peer call that went whole in the first round)
+            if ring:
                 assert abs(d[k] - 2 * (n - 1) / n * nbytes) <= 2 * (n - 1) * np.dtype(dtype).itemsize
         assert d["wire_bytes_sent"] == sum(msgs) + 28 * sum(_frames(m, streams) for m in msgs)
         assert d["wire_bytes_received"] == sum(rmsgs) + 28 * sum(_frames(m, streams) for m in rmsgs)
@@ -186,7 +220,10 @@ def test_stats_count_the_ring_traffic(group, count, dtype):
             assert d["first_round_bytes_sent"] == d["first_round_bytes_received"] == m
             assert d["first_round_wire_bytes_sent"] == d["first_round_wire_bytes_received"] == m + 28
             total += m - 48
-    assert total == 2 * (n - 1) * nbytes
+    if ring or n == 2:
+        assert total == 2 * (n - 1) * nbytes
+    else:  # recursive doubling: n log2(n) vectors at 4 peers; at 3, 1 + 2 + 1
+        assert total == {3: 4, 4: 8}[n] * nbytes
 
 
 def test_stats_encrypted_and_auto_streams():
@@ -226,9 +263,9 @@ def test_stats_survive_epochs():
         c = el.connect(master.address, secret=SECRET, streams=1, timeout=20)
         form([a, b, c], 3)
         run_peers([a, b, c], lambda i, p: p.allreduce(np.ones(999, np.float32)))
-        assert a.stats["bytes_sent"] == sum(_ring_messages(999, 4, 3, a.rank))
+        assert a.stats["bytes_sent"] == sum(_data_messages(999, 4, 3, a.rank))
         from commlib.collectives.one_round import small_capacity
-        assert a.stats["first_round_bytes_sent"] == first + 2 * (48 + small_capacity(3))  # 2 ring steps of rows
+        assert a.stats["first_round_bytes_sent"] == first + 2 * (48 + small_capacity(3))  # 2 rows (Bruck: 2 steps)
     finally:
         for p in (a, b, c):
             if p is not None:

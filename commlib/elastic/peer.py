@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from commlib.collectives.allreduce_recursive_doubling import combine_pair
+from commlib.collectives.allreduce_recursive_doubling import allreduce_recursive_doubling, combine_pair
 from commlib.collectives.allreduce_ring import allreduce_ring, ring_scratch
 from commlib.collectives.snapshot import LazySnapshot
 from commlib.collectives.agreement import agree
@@ -286,7 +286,8 @@ class Peer:
         self._traffic = dict.fromkeys(TRAFFIC, 0)  # of the ring transports of past epochs
         self._scratch: np.ndarray | None = None
         self._ring_keep: np.ndarray | None = None  # the in-place ring's receive scratch (ring_scratch)
-        self._pair_keep: np.ndarray | None = None  # the one-round and pair-exchange result
+        self._pair_keep: np.ndarray | None = None  # the one-round, pair-exchange and recursive-doubling result
+        self._rd_keep: np.ndarray | None = None  # recursive doubling's receive scratch
         self._round_keep: np.ndarray | None = None  # 2 peers: the first round's two messages
         threading.Thread(target=self._reader, daemon=True, name="commlib-peer-rx").start()
         threading.Thread(target=self._heartbeat, daemon=True, name="commlib-peer-hb").start()
@@ -635,7 +636,11 @@ class Peer:
         :func:`~commlib.collectives.one_round.small_capacity` bytes (unquantized)
         travels inside that round and is reduced locally in the ring's order.
         Larger calls run :func:`~commlib.collectives.allreduce_ring.allreduce_ring`
-        after the first round, or with 2 members, no quantization and at most
+        after the first round; on 3 or more members, unquantized, up to
+        :data:`~commlib.collectives.specs.RECURSIVE_DOUBLING_TCP_MAX` (256 KiB)
+        :func:`~commlib.collectives.allreduce_recursive_doubling.allreduce_recursive_doubling`
+        out of place (``ceil(log2 n)`` steps instead of ``2 (n - 1)``; ``buf`` only
+        read until the commit); or with 2 members, no quantization and at most
         :data:`commlib.elastic.PAIR_EXCHANGE_MAX` bytes (the specification table's threshold,
         :func:`commlib.collectives.specs.choose_tcp_allreduce`) one exchange of
         the whole vector, shipped right behind the header
@@ -751,6 +756,15 @@ class Peer:
                 combine_pair(opx, result, rows[tr.rank][:nb].view(flat.dtype), rows[1 - tr.rank][:nb].view(flat.dtype),
                              tr.rank == 1)
                 opx.finalize(result, 2)
+            return result
+        if algo == "recursive_doubling":
+            # out of place, from ``flat`` (read, never written) into a kept scratch:
+            # as the pair exchange, nothing to restore on an abort
+            self._pair_keep = grown(self._pair_keep, nb)
+            self._rd_keep = grown(self._rd_keep, nb)
+            result = self._pair_keep[:nb].view(flat.dtype)
+            allreduce_recursive_doubling(tr, result, opx, sendbuf=flat, timeout=timeout,
+                                         tmp=self._rd_keep[:nb].view(flat.dtype))
             return result
         # copy-before-write snapshot into a reused scratch (no page faults, the
         # copies overlap the ring's transfers); restored only on an error

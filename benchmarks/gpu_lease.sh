@@ -13,7 +13,10 @@
 #   3. bf16 error against the rank count (1, 2, 4, 8 ranks, ERROR_SEQ tokens);
 #   4. tests/run_gpu.sh (the device kernels, collectives, halo, heat, attention);
 #   5. tests/test_nn_cuda.py at 4 ranks;
-#   6. bench_device allreduce at 2 ranks (the engine's device path vs CuPy + MPI).
+#   6. bench_device allreduce at 2 ranks (the engine's device path vs CuPy + MPI);
+#   7. python -m commlib.apps.lm on the GPU with --verify: 4-rank zigzag ring (fp32),
+#      2 ranks bf16 at 4096 tokens, 4-rank hybrid.
+# STEPS (default: all) names the steps to run, e.g. STEPS="lm_ring4 lm_bf16".
 # A step starts only while BUDGET_S (default 540) seconds are not spent.
 set -u
 cd "$(dirname "$0")/.."
@@ -32,9 +35,11 @@ SUMMARY="$OUT/summary.txt"
 note() { echo "$*" | tee -a "$SUMMARY"; }
 
 # step NAME MAX_SECONDS CMD...: runs it bounded by min(MAX, what is left), logs $OUT/NAME.log
+STEPS=${STEPS:-"nn_serial nn_mpi2 bench_single bench_error run_gpu nn_mpi4 bench_allreduce lm_ring4 lm_bf16 lm_hybrid"}
 step() {
   local name=$1 max=$2
   shift 2
+  case " $STEPS " in *" $name "*) ;; *) return ;; esac
   local l
   l=$(left)
   if [ "$l" -lt 30 ]; then note "== $name: not run (budget spent)"; return; fi
@@ -94,6 +99,13 @@ step run_gpu 300 env LOGDIR="$OUT/run_gpu" PYTHON="$PY" MPIEXEC="$MPIEXEC" SERIA
 step nn_mpi4 100 "$MPIEXEC" --oversubscribe -n 4 "$PY" "${PT[@]}" --with-mpi -m mpi --timeout=300 tests/test_nn_cuda.py
 step bench_allreduce 60 "$MPIEXEC" --oversubscribe -n 2 "$PY" -P benchmarks/bench_device.py --cases allreduce \
   --json "$OUT/allreduce.json"
+# the training app on the GPU, each against its single-process oracle (--verify)
+LM=(-P -m commlib.apps.lm --device cuda --no-progress --verify)
+step lm_ring4 90 "$MPIEXEC" --oversubscribe -n 4 "$PY" "${LM[@]}" --steps 20 --json "$OUT/lm_ring4.json"
+step lm_bf16 90 "$MPIEXEC" --oversubscribe -n 2 "$PY" "${LM[@]}" --dtype bfloat16 --seq-len 4096 --d-model 256 \
+  --heads 8 --kv-heads 4 --layers 4 --steps 30 --json "$OUT/lm_bf16.json"
+step lm_hybrid 90 "$MPIEXEC" --oversubscribe -n 4 "$PY" "${LM[@]}" --attention hybrid --ulysses-degree 2 \
+  --heads 8 --kv-heads 4 --steps 10
 echo
 echo "== summary ($(( $(date +%s) - T0 )) s)"
 cat "$SUMMARY"

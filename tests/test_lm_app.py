@@ -145,6 +145,32 @@ def test_verify_against_single_process_oracle(tmp_path, capsys):
 
 
 @pytest.mark.timeout(120)
+def test_verify_bfloat16_judges_the_first_step(monkeypatch, capsys, tmp_path):
+    """bfloat16: a difference in a later loss is reported, not judged (two bf16
+    trainings drift apart); one in the first step's loss fails."""
+    comm = commlib.init()
+    if comm.size != 1:
+        pytest.skip("serial test")
+    from commlib.apps.lm import train  # noqa: PLC0415
+
+    real = train.oracle_losses
+    for scale_first, code in ((1.0, 0), (1.05, 1)):
+        def off(args, device=None, s=scale_first):
+            t, v = real(args, device)
+            return [t[0] * s] + [x * 1.05 for x in t[1:]], v
+
+        monkeypatch.setattr(train, "oracle_losses", off)
+        js = tmp_path / f"v{code}.json"
+        argv = TINY[:-1] + ["--steps", "3", "--eval-every", "3", "--dtype", "bfloat16", "--verify", "--no-progress",
+                            "--json", str(js)]
+        assert app.main(argv) == code
+        v = json.loads(js.read_text())["verify"]
+        assert v["judged"] == "first step" and v["max_rel_diff_train"] > 0.04
+        assert (v["first_step_rel_diff"] <= 1e-2) == (code == 0)
+        assert ("PASSED" if code == 0 else "FAILED") in capsys.readouterr().out
+
+
+@pytest.mark.timeout(120)
 def test_verify_failure_exits_1(monkeypatch, capsys):
     """A single-process run whose losses differ fails --verify (exit status 1)."""
     comm = commlib.init()

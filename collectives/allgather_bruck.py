@@ -24,8 +24,7 @@ from ._common import exchange, next_tag
 __all__ = ["allgather_bruck"]
 
 
-def allgather_bruck(transport, sendbuf: np.ndarray, recvbuf: np.ndarray, *, timeout: float | None = None,
-                    work: np.ndarray | None = None) -> None:
+def allgather_bruck(transport, sendbuf: np.ndarray, recvbuf: np.ndarray, *, timeout: float | None = None) -> None:
     """``MPI_Allgather`` by Bruck's algorithm.
 
     Args:
@@ -34,16 +33,13 @@ def allgather_bruck(transport, sendbuf: np.ndarray, recvbuf: np.ndarray, *, time
         recvbuf: 1-D contiguous host array of ``n * count`` elements, same dtype;
             block ``i`` receives rank ``i``'s ``sendbuf``.
         timeout: seconds per step (None: unbounded).
-        work: optional scratch of at least ``n * count`` elements of the same
-            dtype (allocated when None).
 
     Raises:
         CommTimeout / ProcessFailed / CommError: from the transport.
     """
     n, r = transport.size, transport.rank
     count = sendbuf.size
-    if work is None:
-        work = np.empty(n * count, sendbuf.dtype)
+    work = np.empty(n * count, sendbuf.dtype)  # block i: rank (r + i) % n's
     work[:count] = sendbuf
     have, k = 1, 1
     tag = next_tag(transport)

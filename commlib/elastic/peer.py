@@ -284,10 +284,9 @@ class Peer:
         self._fetch_parked: list = []        # (deadline, round, src, stream, conn)
         self._counts = {"retries": 0, "aborts": 0}
         self._traffic = dict.fromkeys(TRAFFIC, 0)  # of the ring transports of past epochs
-        self._scratch: np.ndarray | None = None
+        self._scratch: np.ndarray | None = None  # the ring's snapshot; recursive doubling's receives
         self._ring_keep: np.ndarray | None = None  # the in-place ring's receive scratch (ring_scratch)
         self._pair_keep: np.ndarray | None = None  # the one-round, pair-exchange and recursive-doubling result
-        self._rd_keep: np.ndarray | None = None  # recursive doubling's receive scratch
         self._round_keep: np.ndarray | None = None  # 2 peers: the first round's two messages
         threading.Thread(target=self._reader, daemon=True, name="commlib-peer-rx").start()
         threading.Thread(target=self._heartbeat, daemon=True, name="commlib-peer-hb").start()
@@ -761,10 +760,10 @@ class Peer:
             # out of place, from ``flat`` (read, never written) into a kept scratch:
             # as the pair exchange, nothing to restore on an abort
             self._pair_keep = grown(self._pair_keep, nb)
-            self._rd_keep = grown(self._rd_keep, nb)
+            self._scratch = grown(self._scratch, nb)  # the ring's snapshot scratch, unused here: the receives
             result = self._pair_keep[:nb].view(flat.dtype)
             allreduce_recursive_doubling(tr, result, opx, sendbuf=flat, timeout=timeout,
-                                         tmp=self._rd_keep[:nb].view(flat.dtype))
+                                         tmp=self._scratch[:nb].view(flat.dtype))
             return result
         # copy-before-write snapshot into a reused scratch (no page faults, the
         # copies overlap the ring's transfers); restored only on an error

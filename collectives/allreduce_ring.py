@@ -37,7 +37,7 @@ __all__ = ["allreduce_ring", "ring_scratch"]
 
 
 def allreduce_ring(transport, buf: np.ndarray, op="sum", *, sendbuf: np.ndarray | None = None,
-                   timeout: float | None = None, save=None, tmp: np.ndarray | None = None) -> None:
+                   timeout: float | None = None, save=None, tmp: np.ndarray | None = None, first=None) -> None:
     """Allreduce ``buf`` in place by the ring algorithm.
 
     Args:
@@ -58,6 +58,10 @@ def allreduce_ring(transport, buf: np.ndarray, op="sum", *, sendbuf: np.ndarray 
             ``ceil(count / n) + 1`` elements; a caller that keeps one saves
             allocating (and page-faulting) half the buffer on every call at 2
             ranks.  Unused out of place.  None: allocated when needed.
+        first: a callable run once while the first step's messages are in
+            flight, before anything is combined or written into ``buf``
+            (:func:`.reduce_scatter_ring.reduce_scatter_ring_inplace`); on one
+            rank it runs before the copy.
 
     Raises:
         CommTimeout: a step did not complete within ``timeout``.
@@ -66,13 +70,15 @@ def allreduce_ring(transport, buf: np.ndarray, op="sum", *, sendbuf: np.ndarray 
     op = get_op(op)
     n = transport.size
     if n == 1:  # nothing is overwritten: no save needed
+        if first is not None:
+            first()
         if sendbuf is not None:
             buf[...] = sendbuf
         op.finalize(buf, 1)
         return
     bounds = _bounds(buf.size, n)
     reduce_scatter_ring_inplace(transport, buf, op, bounds, timeout=timeout, src=sendbuf, tmp=tmp,
-                                save=save if sendbuf is None else None)
+                                save=save if sendbuf is None else None, first=first)
     r = transport.rank
     if op.mean:
         op.finalize(buf[bounds[r]:bounds[r + 1]], n)

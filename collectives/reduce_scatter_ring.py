@@ -32,7 +32,7 @@ def ring_order(chunk: int, size: int) -> list[int]:
 
 def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds, *,
                                 timeout: float | None = None, tmp: np.ndarray | None = None,
-                                src: np.ndarray | None = None, save=None) -> None:
+                                src: np.ndarray | None = None, save=None, first=None) -> None:
     """Reduce-scatter ``work`` in place over the ring.
 
     Args:
@@ -55,6 +55,13 @@ def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds, *,
             that step's messages are in flight, so the copy hides behind the
             transfer.  The last step also saves chunk ``(r - 1) % n``, the
             one the allgather overwrites first.
+        first: a callable run once while the first step's send and receive
+            are in flight, before anything is combined (and, in place, before
+            anything is written into ``work``; out of place the first partial
+            is received straight into its chunk): the elastic peer's argument agreement,
+            :meth:`commlib.elastic.Peer.allreduce`.  An exception it raises
+            leaves with that step's requests still posted: the caller aborts
+            their tag.
 
     Raises:
         CommTimeout: a step did not finish within ``timeout``.
@@ -82,7 +89,7 @@ def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds, *,
     tag = next_tag(transport)
     local = work if src is None else src
     ufunc = op.ufunc
-    if timeout is None and save is None:  # exchange()'s unbounded step, without its call per step
+    if timeout is None and save is None and first is None:  # exchange()'s unbounded step, without its call per step
         sendrecv = transport.sendrecv
         for s in range(n - 1):
             sc = (r - s - 1) % n
@@ -103,9 +110,16 @@ def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds, *,
         if save is not None:
             chunks = [(a, b)] + ([(bounds[left], bounds[left + 1])] if s == n - 2 else [])
             overlap = functools.partial(_save_chunks, save, chunks)
+        if s == 0 and first is not None:
+            overlap = first if overlap is None else functools.partial(_in_turn, first, overlap)
         exchange(transport, (local if s == 0 else work)[bounds[sc]:bounds[sc + 1]], right, rbuf, left, tag,
                  timeout, overlap)
         ufunc(local[a:b], rbuf, out=dst)  # own contribution (op) partial from the left
+
+
+def _in_turn(*calls) -> None:
+    for call in calls:
+        call()
 
 
 def _save_chunks(save, chunks) -> None:

@@ -3,9 +3,11 @@
 Each defect a careless user hit before, as a bounded loopback test:
 
 - calls that differ between peers (dtype, count, op, quantize) are refused on
-  every peer within 1 s, naming the difference; nothing moves on the data plane
-  (at 2 peers a call of at most PAIR_EXCHANGE_MAX bytes carries its vector in its
-  first-round message, one round trip instead of two: the peer drops it);
+  every peer within 1 s, naming the difference, before anything is combined or
+  written; nothing moves on the data plane (at 2 peers a call of at most
+  PAIR_EXCHANGE_MAX bytes carries its vector in its first-round message, one
+  round trip instead of two: the peer drops it), except a ring-sized call's first
+  chunk, in flight while its first round runs, dropped unused;
 - the caller's buffer equals its input, bit for bit, after every error; the
   master killed mid-call, 12 randomized trials;
 - the call after a caught ``PeerFailure`` (a death, or an abort with no death)
@@ -26,6 +28,7 @@ import pytest
 import commlib
 import commlib.elastic as el
 from commlib.collectives.one_round import small_capacity
+from commlib.collectives.specs import RECURSIVE_DOUBLING_TCP_MAX as RD_MAX
 
 from test_elastic import SECRET, form, run_outcomes as _outcomes, run_peers
 
@@ -95,6 +98,59 @@ def test_mismatched_calls_refused_on_every_peer(n, case):
         # the group is fine: the next matching call completes
         res = run_peers(peers, lambda i, p: p.allreduce(np.full(100, i + 1.0), "sum"))
         assert all(np.all(r == n * (n + 1) / 2) for r in res)
+    finally:
+        _close(master, peers)
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_ring_sized_mismatch_refused_before_anything_is_combined(n):
+    """Ring-sized calls run their first round while the ring's first chunk is in
+    flight.  15 randomized trials of calls that differ (dtype: float32 vs int32 of
+    the same bytes; op: sum vs max; count: a ring-sized call against one taken by
+    recursive doubling or inside the first round), the odd peer drawn at random:
+    InvalidArgument on every peer within 1 s naming the field; every buffer holds
+    its input bit for bit; on the data plane a peer sent at most its first ring
+    chunk (exactly that chunk's bytes when it chose the ring, nothing otherwise);
+    no frame of a refused call is left buffered; and after every trial a
+    ring-sized call completes, bit-identical on every peer and equal to the sum."""
+    rng = random.Random(2611 + n)
+    master, peers = _group(n)
+    try:
+        big = (1 << 18) + rng.randrange(1, 1000)  # float32: about 1 MiB, the ring
+        for trial in range(15):
+            case = ("dtype", "op", "count")[trial % 3]
+            odd = rng.randrange(n)
+
+            def args(i):
+                if case == "dtype":
+                    return np.arange(big, dtype=np.int32 if i == odd else np.float32), "sum"
+                if case == "op":
+                    return np.ones(big, np.float32), "max" if i == odd else "sum"
+                return np.ones(rng.choice([64, 1 << 14]) if i == odd else big, np.float32), "sum"
+
+            bufs = [args(i) for i in range(n)]
+            inputs = [_h(b[0]) for b in bufs]
+            before = [p.stats for p in peers]
+            out = _outcomes(peers, lambda i, p: p.allreduce(bufs[i][0], bufs[i][1]))
+            for i, (r, exc, dt) in enumerate(out):
+                assert isinstance(exc, commlib.InvalidArgument), (trial, case, i, r, exc)
+                assert case in str(exc), str(exc)
+                assert dt < 1.0, f"trial {trial} ({case}): peer {i} took {dt:.2f} s to refuse"
+                assert _h(bufs[i][0]) == inputs[i], f"trial {trial} ({case}): peer {i}'s buffer changed"
+            for i, (p, b) in enumerate(zip(peers, before)):
+                buf = bufs[i][0]
+                ring = buf.nbytes > RD_MAX
+                first = (buf.size // n + (1 if (p.rank - 1) % n < buf.size % n else 0)) * buf.itemsize
+                sent = p.stats["bytes_sent"] - b["bytes_sent"]
+                assert sent == (first if ring else 0), (trial, case, i, sent, first)
+            deadline = time.monotonic() + 5
+            while any(p._tr._unexpected for p in peers):  # late frames of the refused call: dropped
+                assert time.monotonic() < deadline, [p._tr._unexpected for p in peers]
+                time.sleep(0.01)
+            data = [np.random.default_rng(trial * 10 + i).standard_normal(big).astype(np.float32) for i in range(n)]
+            res = run_peers(peers, lambda i, p: p.allreduce(data[i].copy(), "sum"))
+            assert len({_h(r) for r in res}) == 1
+            np.testing.assert_allclose(res[0], np.sum(data, axis=0, dtype=np.float64), rtol=1e-5, atol=1e-5)
     finally:
         _close(master, peers)
 

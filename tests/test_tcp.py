@@ -539,13 +539,20 @@ def test_first_round_message_of_another_size_fails_its_receive_only(posted_first
 
 
 def test_small_messages_written_inline_keep_their_order():
-    """Small messages go out from the caller's thread when the connection is idle,
-    larger ones through the sender thread: 200 messages of mixed sizes on one tag
-    arrive in the order sent (MPI's non-overtaking rule), bytes intact."""
-    with tcp_group(2, 1) as ts:
+    """Messages go out from the caller's thread when the connection is idle (any
+    one-frame message up to INLINE_LARGE_MAX to a peer with one connection, small
+    ones only when it has several), others through the sender thread: 200 messages
+    of mixed sizes on one tag arrive in the order sent (MPI's non-overtaking rule),
+    bytes intact, over one connection and over two."""
+    for streams in (1, 2):
+        _inline_order(streams)
+
+
+def _inline_order(streams):
+    with tcp_group(2, streams) as ts:
         _warm(ts)
         rng = np.random.default_rng(3)
-        sizes = rng.choice([8, 1000, tcp.INLINE_MAX, tcp.INLINE_MAX + 1, 200_000], 200)
+        sizes = rng.choice([8, 1000, tcp.INLINE_MAX, tcp.INLINE_MAX + 1, 200_000, 1 << 20], 200)
         msgs = [rng.integers(0, 255, int(n), dtype=np.uint8) for n in sizes]
         outs = [np.zeros_like(m) for m in msgs]
         rqs = [ts[1].irecv(o, 0, tag=3) for o in outs]
@@ -553,3 +560,44 @@ def test_small_messages_written_inline_keep_their_order():
         ts[0].waitall(sqs, 20)
         ts[1].waitall(rqs, 20)
         assert all(np.array_equal(m, o) for m, o in zip(msgs, outs))
+
+
+def test_abort_tag_unposts_receives_and_drops_frames():
+    """abort_tag: a posted receive of the tag fails with CommError and its buffer is
+    never written; a frame of the tag buffered before the abort is freed; frames of
+    it arriving later are dropped at once (not held for POST_WAIT), and the next
+    message on the connection is delivered."""
+    with tcp_group(2, 1) as ts:
+        _warm(ts)
+        ts[0].isend(np.full(100, 3, np.uint8), 1, tag=9).wait(5)  # small: buffered, never posted
+        deadline = time.monotonic() + 5
+        while ts[1]._unexpected == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        ts[1].abort_tag(9)
+        assert ts[1]._unexpected == 0
+        got = np.zeros(1 << 18, np.uint8)
+        rq = ts[1].irecv(got, 0, tag=5)
+        ts[1].abort_tag(5)
+        with pytest.raises(commlib.CommError, match="aborted"):
+            rq.wait(5)
+        after = np.zeros(8, np.uint8)
+        t0 = time.monotonic()
+        ts[0].waitall([ts[0].isend(np.ones(1 << 18, np.uint8), 1, tag=5),
+                       ts[0].isend(np.arange(8, dtype=np.uint8), 1, tag=6)], 5)
+        ts[1].irecv(after, 0, tag=6).wait(5)
+        assert time.monotonic() - t0 < tcp.POST_WAIT
+        assert np.array_equal(after, np.arange(8)) and not got.any()
+        assert ts[1]._unexpected == 0 and ts[1].bytes_buffered == 100
+
+
+def test_begin_operation_numbers_tags_from_the_sequence():
+    """An operation's data and first-round tags follow from its sequence number
+    alone, whatever earlier operations took."""
+    with tcp_group(2, 1) as ts:
+        ts[0].tags.slot(5)
+        for t in ts:
+            tags = t.begin_operation(3)
+            assert tags == range(3 * tcp.OPERATION_TAGS, 4 * tcp.OPERATION_TAGS)
+            assert t.tags.slot(2) == tags[0] and t.tags.slot(1) == tags[2]
+            assert t.first_round_tags.slot() == tcp.FIRST_ROUND_TAG + tags[0]

@@ -83,6 +83,7 @@ FRAME_COST = 1 << 10          #: bytes each buffered frame is counted at beyond 
 POST_WAIT = 0.5               #: seconds a receiver thread holds a frame that came before its receive was posted
 POST_WAIT_MIN = 64 << 10      #: frames of at least this many bytes are held (smaller ones are buffered at once)
 INLINE_MAX = 16 << 10         #: messages of at most this many bytes are written by the caller's thread when its connection is idle
+INLINE_LARGE_MAX = 4 << 20    #: and, to a peer with one connection, messages of at most this many (one frame)
 #: tags from here up carry a collective's first round (argument agreement, small
 #: payloads: :attr:`TCPTransport.first_round_tags`), counted apart from the data
 #: plane and sent as one frame each (never striped): a receive posted for another
@@ -90,6 +91,9 @@ INLINE_MAX = 16 << 10         #: messages of at most this many bytes are written
 FIRST_ROUND_TAG = 1 << 61
 #: seconds a revoke waits for frames being read into posted buffers before it cuts their links
 QUIESCE = 1.0
+#: tags one operation numbered by :meth:`TCPTransport.begin_operation` owns (an
+#: elastic all-reduce takes at most 2 data tags and 1 first-round tag)
+OPERATION_TAGS = 16
 
 
 class Overrun(FrameError):
@@ -455,7 +459,8 @@ class TCPTransport(Transport):
         what the socket does not take at once goes to the sender thread, ahead of
         any later frame.  False when the message must be queued instead."""
         conn = link.conns[0] if link.conns else None
-        if (len(mv) > INLINE_MAX or link.pending[0] or conn is None or link.failed is not None
+        if ((len(mv) > INLINE_MAX and (len(mv) > INLINE_LARGE_MAX or (link.streams != 1 and req._tag < FIRST_ROUND_TAG)))
+                or link.pending[0] or conn is None or link.failed is not None
                 or self._dead or self._stopping or not conn.lock.acquire(blocking=False)):
             return False
         try:
@@ -617,7 +622,9 @@ class TCPTransport(Transport):
                         key = (src, tag)
                         dq = self._slots.setdefault(key, deque())
                         for s in dq:
-                            if chunk not in s.arrived:
+                            # (a posted receive of fewer frames is not this frame's: with
+                            # several streams a later message's frame may pass its slot)
+                            if chunk not in s.arrived and (s.bounds is None or chunk < len(s.bounds) - 1):
                                 slot = s
                                 break
                         if slot is None:
@@ -663,7 +670,9 @@ class TCPTransport(Transport):
                     conn.read_payload(length, into=memoryview(data))
                     with self._lock:
                         self._count_rx(tag, plain, HEADER.size + length)
-                        if slot.bounds is not None and (self._stopping or self._dead):
+                        if tag in self._aborted:
+                            self._release_locked(src, plain)  # aborted while we read (abort_tag): dropped
+                        elif slot.bounds is not None and (self._stopping or self._dead):
                             self._release_locked(src, plain)  # revoked while we read: never placed
                         elif slot.bounds is not None:  # posted while we read
                             a, b = slot.bounds[chunk], slot.bounds[chunk + 1]
@@ -734,10 +743,41 @@ class TCPTransport(Transport):
     def failed_ranks(self) -> tuple[int, ...]:
         return tuple(sorted(self._failed))
 
+    def begin_operation(self, seq: int) -> range:
+        """Number the tags of the group's operation ``seq`` from ``seq`` alone.
+
+        Both allocators (``tags`` and ``first_round_tags``) restart at the block of
+        :data:`OPERATION_TAGS` tags that belongs to operation ``seq``, so members
+        that took different paths through an earlier operation (calls that
+        differed, refused by the argument agreement after some member had already
+        sent a first data message) still give the next operation the same tags,
+        and no late frame of one operation can meet another.
+
+        Returns:
+            the operation's data tags (what :meth:`abort_tag` drops when the
+            operation is abandoned).
+        """
+        base = seq * OPERATION_TAGS
+        if base + OPERATION_TAGS > FIRST_ROUND_TAG:
+            raise InvalidArgument(f"operation {seq} is past the tag space", rank=self._rank, op="begin_operation")
+        self.tags = TagAllocator(base, base + OPERATION_TAGS - 1)
+        self.first_round_tags = TagAllocator(FIRST_ROUND_TAG + base, FIRST_ROUND_TAG + base + OPERATION_TAGS - 1)
+        return range(base, base + OPERATION_TAGS)
+
     def abort_tag(self, tag: int) -> None:
-        """Drop every later frame of operation ``tag``."""
+        """Drop every later frame of operation ``tag``, and unpost its receives:
+        each fails with :class:`CommError` (if not complete), frames buffered for
+        it are freed, and no frame of ``tag`` is placed in their buffers any more
+        (one being read into them as this runs still lands)."""
         with self._lock:
             self._aborted.add(tag)
+            for key in [k for k in self._slots if k[1] == tag]:
+                for slot in self._slots.pop(key):
+                    for data in slot.frames.values():
+                        self._release_locked(key[0], len(data))
+                    slot.frames.clear()
+                    if slot.req is not None:
+                        slot.req._fail(CommError(f"operation tag {tag} aborted", rank=self._rank, op="irecv"))
             self._posted.notify_all()
 
     def _quiesce_locked(self, seconds: float) -> bool:

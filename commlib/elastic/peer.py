@@ -130,6 +130,7 @@ class _MasterPolicy(RecoveryPolicy):
         self.retry, self.max_retries = retry, max_retries
         self.aborts = 0
         self.tag = None
+        self.tags = range(0)  # the data tags of the current attempt (tcp.TCPTransport.begin_operation)
 
     def _left(self) -> float:
         return self.deadline - time.monotonic()
@@ -146,6 +147,7 @@ class _MasterPolicy(RecoveryPolicy):
             raise CommError(peer._lost, rank=topo.rank, op=self.opname)
         self.tag = (topo.epoch, peer._seq)
         tr = peer._transport(topo)
+        self.tags = tr.begin_operation(peer._seq)  # the call's tags follow from (epoch, seq) alone
         return tr, max(self._left(), 0.0), range(tr.size)
 
     def is_failure(self, tp, exc) -> bool:
@@ -634,8 +636,11 @@ class Peer:
         difference, before anything is written; a call of at most
         :func:`~commlib.collectives.one_round.small_capacity` bytes (unquantized)
         travels inside that round and is reduced locally in the ring's order.
-        Larger calls run :func:`~commlib.collectives.allreduce_ring.allreduce_ring`
-        after the first round; on 3 or more members, unquantized, up to
+        Larger calls run :func:`~commlib.collectives.allreduce_ring.allreduce_ring`,
+        the first round running while the ring's first chunk is in flight and
+        ending before anything is combined or written (a mismatched call has then
+        sent that chunk, which its neighbour drops unused: the price of the first
+        round off the critical path; a quantized ring runs it first); on 3 or more members, unquantized, up to
         :data:`~commlib.collectives.specs.RECURSIVE_DOUBLING_TCP_MAX` (256 KiB)
         :func:`~commlib.collectives.allreduce_recursive_doubling.allreduce_recursive_doubling`
         out of place (``ceil(log2 n)`` steps instead of ``2 (n - 1)``; ``buf`` only
@@ -698,8 +703,25 @@ class Peer:
 
         def attempt(tr, left, survivors):
             algo = choose_tcp_allreduce(flat.nbytes, tr.size, quantize is not None)
-            rows = self._first_round(tr, values, algo, flat, left)
-            return self._allreduce_data(tr, flat, opx, quantize, left, algo, rows, keep)
+            try:
+                if algo == "ring" and tr.size > 1 and quantize is None:
+                    # the first round runs while the ring's first step is in flight, and
+                    # ends before anything is combined or written into buf (a quantized
+                    # ring writes a chunk's dequantized value into buf as it sends it:
+                    # its first round comes first)
+                    return self._allreduce_data(tr, flat, opx, quantize, left, algo, None, keep,
+                                                first=lambda: self._first_round(tr, values, algo, flat, left))
+                rows = self._first_round(tr, values, algo, flat, left)
+                return self._allreduce_data(tr, flat, opx, quantize, left, algo, rows, keep)
+            except InvalidArgument:
+                # the calls differ, refused alike on every member: a member that chose
+                # the ring has sent its first chunk (and posted its receive) under this
+                # call's tags; drop them everywhere, and the kept scratch a frame being
+                # read as its tag is aborted may still land in
+                for t in policy.tags:
+                    tr.abort_tag(t)
+                self._ring_keep = None
+                raise
 
         result = run(policy, attempt, lambda: keep["snap"].restore() if keep.get("snap") is not None else None)
         if result is not None:
@@ -731,11 +753,12 @@ class Peer:
                          timeout=timeout, names=_FIELDS, describe=_describe)
         return None
 
-    def _allreduce_data(self, tr, flat, opx, quantize, timeout, algo, rows, keep):
+    def _allreduce_data(self, tr, flat, opx, quantize, timeout, algo, rows, keep, first=None):
         """The data part of one all-reduce attempt on ``tr`` (``algo`` from
         :func:`~commlib.collectives.specs.choose_tcp_allreduce`); returns an
         out-of-place result to copy into ``flat`` after the commit, or None when
-        ``flat`` holds it."""
+        ``flat`` holds it.  ``first``: the ring's first-step overlap (the first
+        round), see :func:`~commlib.collectives.allreduce_ring.allreduce_ring`."""
         keep["snap"] = None
         nb = flat.nbytes
         if tr.size == 1:
@@ -771,7 +794,7 @@ class Peer:
         snap = keep["snap"] = LazySnapshot(flat, self._scratch)
         self._ring_keep, tmp = ring_scratch(self._ring_keep, flat, tr.size)
         if quantize is None:
-            allreduce_ring(tr, flat, opx, timeout=timeout, save=snap, tmp=tmp)
+            allreduce_ring(tr, flat, opx, timeout=timeout, save=snap, tmp=tmp, first=first)
         else:
             # the quantizing view overwrites a chunk with its dequantized value when it
             # first sends it, before the ring's lazy saves: save everything up front

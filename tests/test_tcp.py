@@ -539,11 +539,11 @@ def test_first_round_message_of_another_size_fails_its_receive_only(posted_first
 
 
 def test_small_messages_written_inline_keep_their_order():
-    """Messages go out from the caller's thread when the connection is idle (any
-    one-frame message up to INLINE_LARGE_MAX to a peer with one connection, small
-    ones only when it has several), others through the sender thread: 200 messages
-    of mixed sizes on one tag arrive in the order sent (MPI's non-overtaking rule),
-    bytes intact, over one connection and over two."""
+    """Small messages go out from the caller's thread when the connection is idle,
+    larger ones through the sender thread (striped over two connections): 200
+    messages of mixed sizes on one tag arrive in the order sent (MPI's
+    non-overtaking rule), bytes intact, over one connection and over two (where
+    a later message's second frame may pass an earlier one-frame message)."""
     for streams in (1, 2):
         _inline_order(streams)
 
@@ -582,10 +582,11 @@ def test_abort_tag_unposts_receives_and_drops_frames():
         with pytest.raises(commlib.CommError, match="aborted"):
             rq.wait(5)
         after = np.zeros(8, np.uint8)
+        r6 = ts[1].irecv(after, 0, tag=6)
         t0 = time.monotonic()
         ts[0].waitall([ts[0].isend(np.ones(1 << 18, np.uint8), 1, tag=5),
                        ts[0].isend(np.arange(8, dtype=np.uint8), 1, tag=6)], 5)
-        ts[1].irecv(after, 0, tag=6).wait(5)
+        r6.wait(5)
         assert time.monotonic() - t0 < tcp.POST_WAIT
         assert np.array_equal(after, np.arange(8)) and not got.any()
         assert ts[1]._unexpected == 0 and ts[1].bytes_buffered == 100

@@ -83,7 +83,6 @@ FRAME_COST = 1 << 10          #: bytes each buffered frame is counted at beyond 
 POST_WAIT = 0.5               #: seconds a receiver thread holds a frame that came before its receive was posted
 POST_WAIT_MIN = 64 << 10      #: frames of at least this many bytes are held (smaller ones are buffered at once)
 INLINE_MAX = 16 << 10         #: messages of at most this many bytes are written by the caller's thread when its connection is idle
-INLINE_LARGE_MAX = 4 << 20    #: and, to a peer with one connection, messages of at most this many (one frame)
 #: tags from here up carry a collective's first round (argument agreement, small
 #: payloads: :attr:`TCPTransport.first_round_tags`), counted apart from the data
 #: plane and sent as one frame each (never striped): a receive posted for another
@@ -459,8 +458,7 @@ class TCPTransport(Transport):
         what the socket does not take at once goes to the sender thread, ahead of
         any later frame.  False when the message must be queued instead."""
         conn = link.conns[0] if link.conns else None
-        if ((len(mv) > INLINE_MAX and (len(mv) > INLINE_LARGE_MAX or (link.streams != 1 and req._tag < FIRST_ROUND_TAG)))
-                or link.pending[0] or conn is None or link.failed is not None
+        if (len(mv) > INLINE_MAX or link.pending[0] or conn is None or link.failed is not None
                 or self._dead or self._stopping or not conn.lock.acquire(blocking=False)):
             return False
         try:

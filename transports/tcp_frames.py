@@ -281,18 +281,7 @@ class Connection:
         if self.closed:
             raise ConnectionError("connection closed")
         try:
-            mv = memoryview(payload).cast("B")
-            if self.tx is None and len(mv) > 65536:
-                # header and payload in one system call, no copy of the payload
-                hdr = HEADER.pack(MAGIC, VERSION, kind, 0, epoch, tag, chunk, stream, len(mv))
-                try:
-                    sent = self.sock.sendmsg([hdr, mv], [], _DONTWAIT)
-                except BlockingIOError:
-                    sent = 0
-                if sent >= HEADER.size:
-                    return HEADER.size + len(mv), mv[sent - HEADER.size:]
-                return HEADER.size + len(mv), memoryview(hdr[sent:] + bytes(mv))
-            data = self._frame_bytes(kind, mv, epoch, tag, chunk, stream)
+            data = self._frame_bytes(kind, memoryview(payload).cast("B"), epoch, tag, chunk, stream)
             try:
                 sent = self.sock.send(data, _DONTWAIT)
             except BlockingIOError:

@@ -22,7 +22,7 @@ Usage::
 The package: :mod:`~commlib.elastic.protocol` (message kinds, limits, the
 master's state machine and the threat model), :mod:`~commlib.elastic.master`
 (:class:`Master`), :mod:`~commlib.elastic.peer` (:class:`Peer`,
-:func:`connect`).  The quantized wire format is
+:func:`connect`), :mod:`~commlib.elastic.state_sync` (the peer's shared-state sync).  The quantized wire format is
 :class:`commlib.transports.quantize.QuantizingTransport`; the errors
 (:class:`PeerFailure`, :class:`AuthError`, :class:`SecretError`, :class:`EncryptionMismatch`,
 :class:`NoHandshakeSlot`, :class:`SilentPort`, :class:`PeerClosed`) are in :mod:`commlib.core.errors`.

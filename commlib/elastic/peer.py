@@ -1,11 +1,9 @@
 """An elastic peer: control connection to the master, the epoch's data transport, the
 all-reduce as a front end of the collective engine under the master's recovery policy,
-and the shared-state sync."""
+and the shared-state sync (its methods in :mod:`.state_sync`)."""
 from __future__ import annotations
 
-import hashlib
 import ipaddress
-import queue
 import socket
 import threading
 import time
@@ -22,15 +20,15 @@ from commlib.collectives.specs import choose_tcp_allreduce
 from commlib.collectives.ops import OPS, dtype_code, dtype_name, get_op, is_floating
 from commlib.collectives.recovery import RecoveryPolicy, run
 from commlib.core.buffer import grown
-from commlib.core.config import config
 from commlib.core.errors import (AuthError, AuthenticationError, CommError, CommTimeout, EncryptionMismatch,
                                  InvalidArgument, NoHandshakeSlot, PeerClosed, PeerFailure, ProcessFailed)
 from commlib.transports import tcp
 from commlib.transports.base import check_plain_dtype
 from commlib.transports.quantize import QuantizingTransport
 
-from .protocol import (BYE, DONE, DROP, FAIL, FETCH, PLAN, RING, SYNC, SYNCED, SYNC_END, TERM, TOPO, VOTE, VOTED,
-                       WELCOME, AUTO_STREAMS, FETCH_MAX, FETCH_PARK, FETCH_PARK_S, HEARTBEAT_INTERVAL,
+from .state_sync import StateSync
+from .protocol import (BYE, DONE, DROP, FAIL, FETCH, PLAN, RING, SYNC_END, TERM, TOPO, VOTE, VOTED,
+                       WELCOME, AUTO_STREAMS, HEARTBEAT_INTERVAL,
                        TRAFFIC, is_int)
 
 __all__ = ["Peer", "connect"]
@@ -194,7 +192,7 @@ class _MasterPolicy(RecoveryPolicy):
         peer._counts["retries"] += 1
 
 
-class Peer:
+class Peer(StateSync):
     """One elastic peer (made by :func:`connect`).
 
     Attributes:
@@ -802,279 +800,6 @@ class Peer:
             allreduce_ring(QuantizingTransport(tr, quantize), flat, opx, timeout=timeout, tmp=tmp)
         return None
 
-    def sync_shared_state(self, state: dict, revision: int, timeout: float | None = None) -> dict:
-        """Make ``state`` identical on every member (see the module docstring).
-
-        Args:
-            state: name → numpy array (C-contiguous); updated in place (a missing
-                name, or one of another dtype/shape, gets a new array).
-            revision: this peer's revision of ``state``.
-            timeout: seconds to wait for the plan and for the transfers.
-
-        Returns:
-            ``{"revision", "bytes_received", "donor", "seconds"}`` (donor: the peer
-            id bytes came from, None when in sync).
-
-        Raises:
-            CommError: every donor failed or the received bytes did not verify.
-        """
-        timeout = self.timeout if timeout is None else timeout
-        t0 = time.monotonic()
-        self._check_open("sync_shared_state")
-        topo = self._adopt()
-        if topo is None or topo.rank is None:
-            raise InvalidArgument("not a member: call update_topology() first", op="sync_shared_state")
-        if not is_int(revision, -(1 << 62)):
-            raise InvalidArgument("revision must be an int", rank=topo.rank, op="sync_shared_state")
-        hashes, meta, views = {}, {}, {}
-        for name, arr in state.items():
-            if not isinstance(name, str) or not isinstance(arr, np.ndarray) or not arr.flags.c_contiguous:
-                raise InvalidArgument(f"state[{name!r}] must be a C-contiguous numpy array keyed by str",
-                                      rank=topo.rank, op="sync_shared_state")
-            check_plain_dtype(arr.dtype, topo.rank, "sync_shared_state", name)
-            mv = memoryview(arr.reshape(-1).view(np.uint8))
-            hashes[name] = hashlib.sha256(mv).digest()
-            meta[name] = [arr.dtype.str, list(arr.shape)]
-            views[name] = mv
-        with self._cv:
-            rounds_before = set(self._plans)
-        self._send({"t": SYNC, "rev": int(revision), "hashes": hashes, "meta": meta})
-        plan = self._wait(lambda: next((p for r, p in sorted(self._plans.items()) if r not in rounds_before), None),
-                          timeout, "sync_shared_state")
-        rnd = int(plan["round"])
-        with self._cv:
-            self._plans.pop(rnd, None)
-        if plan.get("lost") is not None:
-            raise CommError(f"the job's shared state (revision {plan['lost']}) is held by no live peer: every peer "
-                            "that had it left or died before this group formed; start a new master for a new job",
-                            rank=topo.rank, op="sync_shared_state")
-        donors = [int(d) for d in plan["donors"]]
-        result = {"revision": int(plan["rev"]), "bytes_received": 0, "donor": None}
-        if not plan["fetchers"]:
-            result["seconds"] = time.monotonic() - t0
-            return result
-        if self.id in donors:
-            self._start_serving(rnd, views)
-            try:
-                self._wait(lambda: True if rnd in self._sync_ends else None, timeout, "sync_shared_state")
-            finally:
-                self._stop_serving(rnd)
-            result["seconds"] = time.monotonic() - t0
-            return result
-        try:
-            got, donor = self._fetch(plan, state, topo, timeout, own=hashes)
-        finally:
-            self._send({"t": SYNCED})
-        self._wait(lambda: True if rnd in self._sync_ends else None, timeout, "sync_shared_state")
-        result.update(bytes_received=got, donor=donor, seconds=time.monotonic() - t0)
-        return result
-
-    # state transfer ---------------------------------------------------------
-    _RANGE = 4 << 20
-
-    def _on_fetch_conn(self, conn: tcp.Connection, rnd: int, src: int, stream: int) -> None:
-        """A fetch connection whose FETCH ticket verified (bound to sync round ``rnd``,
-        ``src`` → this donor, ``stream``).  Served only while this peer serves round
-        ``rnd`` as a donor of a plan that names ``src`` as a fetcher, at most
-        :data:`FETCH_MAX` at once and one per (``src``, ``stream``); a fetcher may dial
-        before this donor has read the same plan: such a connection is parked, with
-        no thread, until the plan arrives and serving starts (at most
-        :data:`FETCH_PARK` of them, each for :data:`FETCH_PARK_S` seconds).  A ticket of
-        an ended round, or of a round that does not name the pair, is closed at once."""
-        with self._cv:
-            if self._closed or rnd in self._sync_ends:
-                conn.close()
-                return
-            pairs = self._plan_pairs.get(rnd)
-            if pairs is None and rnd <= self._round_seen:
-                conn.close()  # a round this donor saw without naming the pair (or long gone)
-                return
-            if pairs is not None and (self.id not in pairs[0] or src not in pairs[1]):
-                conn.close()
-                return
-            serving = self._serving
-            if serving is not None and serving[0] == rnd:
-                self._serve_locked(conn, rnd, src, stream, serving[1])
-                return
-            self._sweep_fetches_locked()
-            if len(self._fetch_parked) >= FETCH_PARK:
-                conn.close()
-                return
-            self._fetch_parked.append((time.monotonic() + FETCH_PARK_S, rnd, src, stream, conn))
-
-    def _serve_locked(self, conn, rnd: int, src: int, stream: int, views: dict) -> None:
-        """Serve one admitted fetch connection on a thread of its own (capped)."""
-        key = (src, stream)
-        if key in self._fetch_active or len(self._fetch_active) >= FETCH_MAX:
-            conn.close()
-            return
-        self._fetch_active[key] = conn
-        threading.Thread(target=self._serve, args=(conn, views, rnd, key), daemon=True, name="commlib-donor").start()
-
-    def _sweep_fetches_locked(self) -> None:
-        """Close the parked fetch connections that can no longer be served: past their
-        deadline, of an ended round, or of a known round that does not name the pair."""
-        now = time.monotonic()
-        keep = []
-        for item in self._fetch_parked:
-            deadline, rnd, src, _st, conn = item
-            pairs = self._plan_pairs.get(rnd)
-            if (now > deadline or self._closed or rnd in self._sync_ends
-                    or (pairs is None and rnd <= self._round_seen)
-                    or (pairs is not None and (self.id not in pairs[0] or src not in pairs[1]))):
-                conn.close()
-            else:
-                keep.append(item)
-        self._fetch_parked = keep
-
-    def _start_serving(self, rnd: int, views: dict) -> None:
-        """Serve round ``rnd`` as a donor: admit its parked fetch connections."""
-        with self._cv:
-            self._serving = (rnd, views)
-            self._sweep_fetches_locked()
-            parked, self._fetch_parked = self._fetch_parked, []
-            for item in parked:
-                if item[1] == rnd:
-                    self._serve_locked(item[4], rnd, item[2], item[3], views)
-                else:
-                    self._fetch_parked.append(item)
-
-    def _stop_serving(self, rnd: int) -> None:
-        """Round ``rnd`` is over: close its fetch connections (their threads end at once)."""
-        with self._cv:
-            self._serving = None
-            active, self._fetch_active = self._fetch_active, {}
-            self._sweep_fetches_locked()
-        for conn in active.values():
-            conn.close()
-
-    def _serving_round(self):
-        serving = self._serving
-        return None if serving is None else serving[0]
-
-    def _serve(self, conn: tcp.Connection, views: dict, rnd: int, key) -> None:
-        """Donor side of one fetch connection: answer range requests from ``views``
-        while round ``rnd`` is served."""
-        rate = config.elastic_serve_rate  # bytes/s; testing / WAN emulation
-        try:
-            while self._serving_round() == rnd:
-                kind, _, msg = conn.read_ctrl(deadline=time.monotonic() + self.timeout, limit=1 << 12)
-                if kind != tcp.K_CTRL or not isinstance(msg, dict):
-                    raise tcp.FrameError("bad request")
-                name, off, n = msg.get("k"), msg.get("o"), msg.get("n")
-                mv = views.get(name) if isinstance(name, str) else None
-                if mv is None or not is_int(off) or not is_int(n, 0, tcp.FRAME_MAX) or off + n > len(mv):
-                    raise tcp.FrameError("bad range")
-                if rate > 0:
-                    step = 1 << 16
-                    for a in range(off, off + n, step):
-                        time.sleep(min(step, off + n - a) / rate)
-                        if self._serving_round() != rnd:
-                            raise ConnectionError("round over")
-                conn.send_frame(tcp.K_DATA, mv[off:off + n], timeout=self.timeout)
-        except Exception:  # noqa: BLE001
-            pass
-        conn.close()
-        with self._cv:
-            if self._fetch_active.get(key) is conn:
-                del self._fetch_active[key]
-
-    def _fetch(self, plan: dict, state: dict, topo: _Topo, timeout: float, own: dict | None = None):
-        """Fetch every tensor whose hash differs, from the donors in turn; verify.
-
-        ``own``: name → SHA-256 of this peer's tensors as they were when the
-        call began (still valid for an array kept as it is: one pass over the
-        state less before the first byte)."""
-        want = {k: bytes(v) for k, v in plan["hashes"].items()}
-        own = dict(own or {})
-        views = {}
-        for name, h in want.items():
-            dt, shape = plan["meta"][name]
-            dt = np.dtype(dt)
-            if dt.hasobject:
-                raise CommError("a donor's state holds object dtype", op="sync_shared_state")
-            shape = tuple(int(x) for x in shape)
-            arr = state.get(name)
-            if not isinstance(arr, np.ndarray) or arr.dtype != dt or arr.shape != shape or not arr.flags.c_contiguous:
-                arr = np.empty(shape, dt)
-                state[name] = arr
-                own.pop(name, None)
-            views[name] = memoryview(arr.reshape(-1).view(np.uint8))
-        todo = [(k, o, min(self._RANGE, len(views[k]) - o)) for k in sorted(views)
-                if (own.get(k) or hashlib.sha256(views[k]).digest()) != want[k]
-                for o in range(0, max(len(views[k]), 1), self._RANGE)]
-        todo = [r for r in todo if r[2] > 0 or len(views[r[0]]) == 0]
-        donors = [int(d) for d in plan["donors"]]
-        start = (topo.rank or 0) % len(donors)
-        order = donors[start:] + donors[:start]
-        got, used = 0, None
-        for d in order:
-            if not todo:
-                break
-            try:
-                n, todo = self._fetch_from(d, topo, views, todo, timeout, plan)
-                got += n
-                used = d
-            except _DonorFailed as exc:
-                got += exc.nbytes
-                todo = exc.todo
-                continue
-        for k in views:
-            if hashlib.sha256(views[k]).digest() != want[k]:
-                raise CommError(f"state tensor {k!r} did not verify (every donor failed or lied)",
-                                rank=topo.rank, op="sync_shared_state")
-        return got, used
-
-    def _fetch_from(self, donor: int, topo: _Topo, views, todo, timeout, plan: dict):
-        """Fetch ranges ``todo`` from ``donor`` over up to ``streams`` connections.
-
-        Returns (bytes, []) or raises :class:`_DonorFailed` with what is left."""
-        work = queue.SimpleQueue()
-        for r in todo:
-            work.put(r)
-        left = list(todo)
-        lock = threading.Lock()
-        done_bytes = [0]
-        errors = []
-
-        def worker(stream):
-            try:
-                conn = self._dial(topo, donor, stream, FETCH, min(timeout, 10.0), plan=plan)
-            except Exception as exc:  # noqa: BLE001
-                errors.append(exc)
-                return
-            try:
-                while True:
-                    try:
-                        r = work.get_nowait()
-                    except queue.Empty:
-                        return
-                    k, o, n = r
-                    try:
-                        conn.send_ctrl({"k": k, "o": o, "n": n}, timeout=timeout)
-                        kind, flags, ep, tg, ch, st, length = conn.read_header(time.monotonic() + timeout)
-                        if kind != tcp.K_DATA or conn.plain_length(length) != n:
-                            raise tcp.FrameError("bad reply")
-                        conn.read_payload(length, into=views[k][o:o + n], deadline=time.monotonic() + timeout)
-                    except Exception as exc:  # noqa: BLE001
-                        errors.append(exc)
-                        return
-                    with lock:
-                        left.remove(r)
-                        done_bytes[0] += n
-            finally:
-                conn.close()
-
-        nconn = max(1, min(self.streams, len(todo)))
-        threads = [threading.Thread(target=worker, args=(s,), daemon=True) for s in range(nconn)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(timeout + 15.0)
-        if left:
-            raise _DonorFailed(done_bytes[0], left)
-        return done_bytes[0], []
-
     def _check_open(self, op: str) -> None:
         if self._closed:
             raise PeerClosed("this peer was closed (close() was called): connect() again to rejoin",
@@ -1109,11 +834,6 @@ class Peer:
 
     def __exit__(self, *exc):
         self.close()
-
-
-class _DonorFailed(Exception):
-    def __init__(self, nbytes, todo):
-        self.nbytes, self.todo = nbytes, todo
 
 
 def connect(address: str, secret: bytes | str | None = None, secret_file: str | None = None, *,

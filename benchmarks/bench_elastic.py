@@ -16,7 +16,9 @@ Sections (``--sections``, all by default), each measured side by side in one run
 - ``wan``: 2 peers whose data connections pass through a user-space proxy (this script,
   another process) that adds ``--wan-latency-ms`` each way and caps each TCP connection at
   ``--wan-rate-mbps``; all-reduce of ``--wan-bytes`` with 1 and with 4 streams. The peers
-  listen on fixed ports and advertise the proxy's (``connect(bind=, advertise=)``).
+  listen on fixed ports and advertise the proxy's (``connect(bind=, advertise=)``).  Above
+  ``PAIR_EXCHANGE_MAX`` (the ring) each run is repeated with the first round before the ring's
+  first chunk (``Peer.overlap_first_round = False``), the baseline of the overlap.
 - ``kill``: 4 peers all-reduce 64 KiB in a loop; a random one is SIGKILLed, and the time to
   the first all-reduce completed over the survivors only (its size is 3) is taken, the
   slowest survivor's; a new peer then joins and the next trial starts (``--kill-trials``).
@@ -138,6 +140,7 @@ def worker_elastic(a):
     if a.bind:
         kw = {"bind": a.bind, "advertise": a.advertise}
     peer = _join_group(el, a, **kw)
+    peer.overlap_first_round = not a.first_round_first
     n = peer.size
     one = np.zeros(1, np.float64)
 
@@ -607,7 +610,7 @@ def _run_all(procs, timeout):
         raise RuntimeError(f"worker exit status {bad}")
 
 
-def run_elastic(tmp, n, sz, trials, streams, timeout, wan=None):
+def run_elastic(tmp, n, sz, trials, streams, timeout, wan=None, first_round_first=False):
     m = Master(tmp)
     out = os.path.join(tmp, f"el_{n}_{streams}_{'wan' if wan else 'lo'}.json")
     procs, proxy = [], None
@@ -628,6 +631,8 @@ def run_elastic(tmp, n, sz, trials, streams, timeout, wan=None):
                         "--out", out]
             if binds[i]:
                 cmd += ["--bind", binds[i][0], "--advertise", binds[i][1]]
+            if first_round_first:
+                cmd += ["--first-round-first"]
             procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=open(os.path.join(tmp, f"el{i}.log"), "wb"),
                                           stderr=subprocess.STDOUT))
         _run_all(procs, timeout)
@@ -739,6 +744,11 @@ def section_allreduce(args, tmp, log):
     return res
 
 
+def el_pair_max() -> int:
+    from commlib.elastic import PAIR_EXCHANGE_MAX  # noqa: PLC0415
+    return PAIR_EXCHANGE_MAX
+
+
 def section_wan(args, tmp, log):
     out = {"latency_ms": args.wan_latency_ms, "rate_mbps_per_connection": args.wan_rate_mbps,
            "bytes": args.wan_bytes, "streams": {}}
@@ -748,6 +758,13 @@ def section_wan(args, tmp, log):
         t = r["rows"][0]["time_s"]
         out["streams"][str(s)] = {"time_s": t, "busbw_MBps": r["rows"][0]["bytes"] / t / 1e6}
         log(f"  wan {s} stream(s): {t:.3f} s per all-reduce of {args.wan_bytes} B")
+        if args.wan_bytes > el_pair_max():
+            # the baseline: the ring's first round before its first chunk (Peer.overlap_first_round)
+            b = run_elastic(tmp, 2, [args.wan_bytes], max(1, args.trials // 2), s, args.timeout,
+                            wan=(args.wan_latency_ms, args.wan_rate_mbps), first_round_first=True)["rows"][0]["time_s"]
+            out["streams"][str(s)].update(first_round_first_time_s=b, overlap_speedup=b / t)
+            log(f"  wan {s} stream(s), first round before the ring: {b:.3f} s; overlapped {b / t:.2f}x "
+                f"({(b - t) * 1e3:.1f} ms a call)")
     out["ratio_4_vs_1"] = out["streams"]["1"]["time_s"] / out["streams"]["4"]["time_s"]
     log(f"  4 streams / 1 stream: {out['ratio_4_vs_1']:.2f}x")
     return out
@@ -1188,6 +1205,7 @@ def main(argv=None):
         ap.add_argument(k, default=None, help=argparse.SUPPRESS)
     for k in ("--n", "--port", "--rank", "--seed"):
         ap.add_argument(k, type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--first-round-first", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--latency-ms", type=float, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--rate-mbps", type=float, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)

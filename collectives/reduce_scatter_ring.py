@@ -111,7 +111,9 @@ def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds, *,
             chunks = [(a, b)] + ([(bounds[left], bounds[left + 1])] if s == n - 2 else [])
             overlap = functools.partial(_save_chunks, save, chunks)
         if s == 0 and first is not None:
-            overlap = first if overlap is None else functools.partial(_in_turn, first, overlap)
+            # the save first: it writes only the snapshot, and overlaps the transfer
+            # even when ``first`` waits behind this step's frames on a connection
+            overlap = first if overlap is None else functools.partial(_in_turn, overlap, first)
         exchange(transport, (local if s == 0 else work)[bounds[sc]:bounds[sc + 1]], right, rbuf, left, tag,
                  timeout, overlap)
         ufunc(local[a:b], rbuf, out=dst)  # own contribution (op) partial from the left

@@ -192,6 +192,20 @@ class _MasterPolicy(RecoveryPolicy):
         peer._counts["retries"] += 1
 
 
+def _loopback(addr: str) -> bool:
+    """True when the data address ``addr`` (``host:port``) is on a loopback address."""
+    try:
+        host = tcp.parse_address(addr)[0]
+    except CommError:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class Peer(StateSync):
     """One elastic peer (made by :func:`connect`).
 
@@ -200,15 +214,18 @@ class Peer(StateSync):
         rank, size, epoch: in the current topology (``rank`` None while pending).
         step: the master's count of completed votes, as of this peer's last
             :meth:`update_topology` (the same on every member: a job-wide step number).
-        overlap_first_round: True (the default): a ring-sized all-reduce runs its
-            first round while the ring's first chunk is in flight, which hides the
-            round's latency (on an emulated 20 ms link, 2 peers, 2 MiB: 20 ms a
-            call); a refused call has then sent that chunk, dropped unused.  False:
-            the first round first, nothing on the data plane before the agreement.
-            The same on every member (a class attribute, or set on each peer).
+        overlap_first_round: True: a ring-sized all-reduce runs its first round
+            while the ring's first chunk is in flight, which hides the round's
+            latency on a link where latency, not the CPU, bounds a step (an
+            emulated 20 ms link, 2 peers, 2 MiB: 20 ms a call); a refused call has
+            then sent that chunk, dropped unused.  False: the first round first,
+            nothing on the data plane before the agreement (on loopback, where
+            every step costs thread wake-ups, the overlap gained nothing: 0.93-1.04x).
+            None (the default): True when a ring neighbour's address is not a
+            loopback address.  Members may differ: the messages are the same.
     """
 
-    overlap_first_round = True
+    overlap_first_round: bool | None = None
 
     def __init__(self, address: str, secret: bytes, *, streams: int | None = None, timeout: float = 30.0,
                  encrypt: bool = False, bind: str | None = None, advertise: str | None = None):
@@ -555,22 +572,21 @@ class Peer(StateSync):
                                     rank=topo.rank, op="elastic")
             time.sleep(delay)
 
+    def _overlap(self, tr) -> bool:
+        """:attr:`overlap_first_round` for a call on ``tr`` (None: a ring neighbour off loopback)."""
+        if self.overlap_first_round is not None:
+            return bool(self.overlap_first_round)
+        topo = self._topo
+        n = tr.size
+        return any(not _loopback(topo.addrs[topo.ids[(tr.rank + d) % n]]) for d in (-1, 1))
+
     def _streams_to(self, addr: str) -> int:
         """Ring connections to the peer whose data address is ``addr``: ``streams`` as
         given, or with ``streams=None``, 1 on a loopback address and :data:`AUTO_STREAMS`
         elsewhere."""
         if not self._auto_streams:
             return self.streams
-        try:
-            host = tcp.parse_address(addr)[0]
-        except CommError:
-            return self.streams
-        if host == "localhost":
-            return 1
-        try:
-            return 1 if ipaddress.ip_address(host).is_loopback else self.streams
-        except ValueError:
-            return self.streams
+        return 1 if _loopback(addr) else self.streams
 
     def _transport(self, topo: _Topo) -> tcp.TCPTransport:
         tr = self._tr
@@ -642,11 +658,13 @@ class Peer(StateSync):
         difference, before anything is written; a call of at most
         :func:`~commlib.collectives.one_round.small_capacity` bytes (unquantized)
         travels inside that round and is reduced locally in the ring's order.
-        Larger calls run :func:`~commlib.collectives.allreduce_ring.allreduce_ring`,
-        the first round running while the ring's first chunk is in flight and
-        ending before anything is combined or written (a mismatched call has then
-        sent that chunk, which its neighbour drops unused: the price of the first
-        round off the critical path; a quantized ring runs it first); on 3 or more members, unquantized, up to
+        Larger calls run :func:`~commlib.collectives.allreduce_ring.allreduce_ring`
+        after the first round, or, with :attr:`overlap_first_round` (by default where
+        a ring neighbour is off loopback), with the first round running while the
+        ring's first chunk is in flight and ending before anything is combined or
+        written (a mismatched call has then sent that chunk, which its neighbour
+        drops unused: the price of the round's latency hidden; a quantized ring
+        runs it first); on 3 or more members, unquantized, up to
         :data:`~commlib.collectives.specs.RECURSIVE_DOUBLING_TCP_MAX` (256 KiB)
         :func:`~commlib.collectives.allreduce_recursive_doubling.allreduce_recursive_doubling`
         out of place (``ceil(log2 n)`` steps instead of ``2 (n - 1)``; ``buf`` only
@@ -710,7 +728,7 @@ class Peer(StateSync):
         def attempt(tr, left, survivors):
             algo = choose_tcp_allreduce(flat.nbytes, tr.size, quantize is not None)
             try:
-                if algo == "ring" and tr.size > 1 and quantize is None and self.overlap_first_round:
+                if algo == "ring" and tr.size > 1 and quantize is None and self._overlap(tr):
                     # the first round runs while the ring's first step is in flight, and
                     # ends before anything is combined or written into buf (a quantized
                     # ring writes a chunk's dequantized value into buf as it sends it:

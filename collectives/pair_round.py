@@ -60,7 +60,8 @@ def pair_first_round(first, values: Sequence[int], *, op: str, capacity: int, se
 
     Returns:
         tuple: both messages' areas (uint8, ``area`` bytes each) in rank order,
-        views of ``sendbuf`` and ``recvbuf`` (no copy).
+        views of ``sendbuf`` (or of ``vector``, sent by a gather) and ``recvbuf``
+        (no copy).
 
     Raises:
         InvalidArgument: the headers differ (on both ranks alike).
@@ -72,8 +73,15 @@ def pair_first_round(first, values: Sequence[int], *, op: str, capacity: int, se
     area = max(capacity, vector.nbytes if vector is not None else 0)
     msg, other = sendbuf[:head + area], recvbuf[:head + area]
     msg[:head] = encode_row(values)
+    mine = msg[head:]
+    # header row and vector as one message without copying the vector: a gather send,
+    # where the transport has one (TCPTransport.gather_sends, first-round tags)
+    gather = vector is not None and getattr(first, "gather_sends", False)
     if vector is not None:
-        msg[head:] = vector.reshape(-1).view(np.uint8)
+        if gather:
+            mine = vector.reshape(-1).view(np.uint8)
+        else:
+            msg[head:] = vector.reshape(-1).view(np.uint8)
     else:
         n = 0 if payload is None else payload.nbytes
         if n:
@@ -81,7 +89,7 @@ def pair_first_round(first, values: Sequence[int], *, op: str, capacity: int, se
         msg[head + n:] = 0
     tag = next_tag(first, 1)
     rreq = first.irecv(other, peer, tag)
-    sreq = first.isend(msg, peer, tag)
+    sreq = first.isend((msg[:head], mine) if gather else msg, peer, tag)
     try:
         waitall(first, [rreq], timeout)
     except InvalidArgument:
@@ -100,4 +108,4 @@ def pair_first_round(first, values: Sequence[int], *, op: str, capacity: int, se
     if other[:head].tobytes() != msg[:head].tobytes():
         judge(first, np.stack([msg[:head], other[:head]] if r == 0 else [other[:head], msg[:head]]), values,
               op=op, names=names, describe=describe)
-    return (msg[head:], other[head:]) if r == 0 else (other[head:], msg[head:])
+    return (mine, other[head:]) if r == 0 else (other[head:], mine)

@@ -602,3 +602,27 @@ def test_begin_operation_numbers_tags_from_the_sequence():
             assert tags == range(3 * tcp.OPERATION_TAGS, 4 * tcp.OPERATION_TAGS)
             assert t.tags.slot(2) == tags[0] and t.tags.slot(1) == tags[2]
             assert t.first_round_tags.slot() == tcp.FIRST_ROUND_TAG + tags[0]
+
+
+@pytest.mark.parametrize("streams,encrypt", [(1, False), (2, False), (2, True)])
+def test_gather_send_is_one_message_of_its_parts(streams, encrypt):
+    """isend of a tuple under a first-round tag: the receiver's one buffer holds the
+    parts back to back (small gathers joined, large ones sent without a copy; sealed
+    connections join them), counted as first-round bytes; a data tag is refused."""
+    with tcp_group(2, streams, encrypt=encrypt) as ts:
+        _warm(ts)
+        rng = np.random.default_rng(5)
+        tag = tcp.FIRST_ROUND_TAG + 40
+        for n in (8, tcp.INLINE_MAX, 300_000, 1 << 20):
+            head = rng.integers(0, 255, 48, dtype=np.uint8)
+            body = rng.standard_normal(n // 4 or 1).astype(np.float32)
+            got = np.zeros(48 + body.nbytes, np.uint8)
+            before = ts[0].first_round_bytes_sent, ts[0].bytes_sent
+            rq = ts[1].irecv(got, 0, tag)
+            ts[0].isend((head, body), 1, tag).wait(10)
+            rq.wait(10)
+            assert got[:48].tobytes() == head.tobytes() and got[48:].tobytes() == body.tobytes()
+            assert ts[0].first_round_bytes_sent - before[0] == got.nbytes and ts[0].bytes_sent == before[1]
+            tag += 1
+        with pytest.raises(commlib.InvalidArgument, match="first-round tag"):
+            ts[0].isend((head, body), 1, 3)

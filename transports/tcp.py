@@ -429,7 +429,29 @@ class TCPTransport(Transport):
             raise InvalidArgument("the TCP transport needs contiguous host arrays", rank=rank, op=op)
         return memoryview(arr.reshape(-1).view(np.uint8))
 
+    #: :meth:`isend` takes a tuple of buffers (a gather) under first-round tags
+    gather_sends = True
+
     def isend(self, buf, dest: int, tag: int = 0) -> Request:
+        """Send ``buf`` to ``dest`` under ``tag``.
+
+        A tuple of buffers is a gather (first-round tags only: one frame, sent
+        with one ``sendmsg``, no copy of the parts; the receiver posts one buffer
+        of their total size).
+
+        Raises:
+            InvalidArgument: a gather under a data tag, or a buffer of another kind.
+        """
+        if isinstance(buf, tuple):
+            if tag < FIRST_ROUND_TAG:
+                raise InvalidArgument("a gather send (a tuple of buffers) needs a first-round tag",
+                                      rank=self._rank, op="isend")
+            parts = tuple(self._bytes_view(b, "isend", self._rank) for b in buf)
+            total = sum(len(p) for p in parts)
+            if total <= INLINE_MAX or total > FRAME_MAX:
+                buf = np.frombuffer(b"".join(parts), np.uint8)  # small (or over a frame): one buffer
+            else:
+                return self._isend_gather(parts, total, dest, tag)
         mv = self._bytes_view(buf, "isend", self._rank)
         link = self._link(dest)
         with self._lock:
@@ -449,6 +471,21 @@ class TCPTransport(Transport):
                 return req
             if not self._try_inline_locked(link, req, mv):
                 self._enqueue(link, req, mv)
+        return req
+
+    def _isend_gather(self, parts: tuple, total: int, dest: int, tag: int) -> Request:
+        """One frame of ``parts`` (``total`` bytes) through the sender thread of stream 0."""
+        link = self._link(dest)
+        req = TCPRequest(self, dest, 1, "isend")
+        req._tag = tag
+        with self._lock:
+            if self._failure is not None:
+                raise self._failure
+            self.first_round_bytes_sent += total
+            if link.streams is None:  # sent when the inbound link attaches
+                link.early.append((req, parts))
+            else:
+                self._enqueue(link, req, parts)
         return req
 
     def _try_inline_locked(self, link: _Link, req: TCPRequest, mv: memoryview) -> bool:
@@ -487,7 +524,15 @@ class TCPTransport(Transport):
         else:
             self.first_round_wire_bytes_sent += n
 
-    def _enqueue(self, link: _Link, req: TCPRequest, mv: memoryview) -> None:
+    def _enqueue(self, link: _Link, req: TCPRequest, mv) -> None:
+        if isinstance(mv, tuple):  # a gather (first-round tag): one frame on stream 0
+            req.left = 1
+            if link.failed is not None:
+                req._fail(self._peer_error(link.rank, "isend"))
+                return
+            link.pending[0] += 1
+            link.queues[0].put((req, mv, 0, req._tag))
+            return
         bounds = frame_bounds(len(mv), link.streams if req._tag < FIRST_ROUND_TAG else 1)
         req.left = len(bounds) - 1
         if link.failed is not None:

@@ -231,12 +231,21 @@ class Connection:
         Raises:
             ConnectionError / OSError: the connection failed (it is then closed).
         """
-        mv = memoryview(payload).cast("B") if not isinstance(payload, (bytes, bytearray)) else payload
+        if isinstance(payload, tuple):  # a gather: the parts of one payload
+            parts = [memoryview(p).cast("B") for p in payload]
+            if self.tx is not None:  # sealing needs one buffer
+                payload, parts = b"".join(parts), None
+        else:
+            parts = None
+        mv = None if parts is not None else (
+            memoryview(payload).cast("B") if not isinstance(payload, (bytes, bytearray)) else payload)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.lock:
             if self.closed:
                 raise ConnectionError("connection closed")
             try:
+                if parts is not None:
+                    return self._send_parts_locked(kind, parts, epoch, tag, chunk, stream, deadline)
                 if self.tx is not None or len(mv) <= 65536:
                     data = self._frame_bytes(kind, mv, epoch, tag, chunk, stream)
                     _send_all(self.sock, data, deadline)
@@ -256,6 +265,24 @@ class Connection:
             except BaseException:
                 self._close_locked()
                 raise
+
+    def _send_parts_locked(self, kind: int, parts: list, epoch: int, tag: int, chunk: int, stream: int,
+                           deadline) -> int:
+        """One unsealed frame whose payload is ``parts``: header and parts in one
+        ``sendmsg`` (no copy), the rest as the socket drains; the lock held."""
+        n = sum(len(p) for p in parts)
+        views = [memoryview(HEADER.pack(MAGIC, VERSION, kind, 0, epoch, tag, chunk, stream, n))] + parts
+        try:
+            sent = self.sock.sendmsg(views, [], 0 if deadline is None else _DONTWAIT)
+        except BlockingIOError:
+            sent = 0
+        for v in views:
+            if sent >= len(v):
+                sent -= len(v)
+                continue
+            _send_all(self.sock, v[sent:], deadline)
+            sent = 0
+        return HEADER.size + n
 
     def _frame_bytes(self, kind: int, mv, epoch: int, tag: int, chunk: int, stream: int) -> bytes:
         """One whole frame as bytes: the header, then the payload, sealed (with its

@@ -28,7 +28,7 @@ import pytest
 import commlib
 import commlib.elastic as el
 from commlib.collectives.one_round import small_capacity
-from commlib.collectives.specs import RECURSIVE_DOUBLING_TCP_MAX as RD_MAX
+from commlib.collectives.specs import choose_tcp_allreduce
 
 from test_elastic import SECRET, form, run_outcomes as _outcomes, run_peers
 
@@ -102,12 +102,13 @@ def test_mismatched_calls_refused_on_every_peer(n, case):
         _close(master, peers)
 
 
-@pytest.mark.parametrize("n,overlap", [(3, True), (4, True), (3, None)])
+@pytest.mark.parametrize("n,overlap", [(2, True), (3, True), (4, True), (3, None)])
 def test_ring_sized_mismatch_refused_before_anything_is_combined(n, overlap):
     """Ring-sized calls run their first round while the ring's first chunk is in
     flight.  15 randomized trials of calls that differ (dtype: float32 vs int32 of
     the same bytes; op: sum vs max; count: a ring-sized call against one taken by
-    recursive doubling or inside the first round), the odd peer drawn at random:
+    recursive doubling, the pair exchange or inside the first round), the odd
+    peer drawn at random:
     InvalidArgument on every peer within 1 s naming the field; every buffer holds
     its input bit for bit; on the data plane a peer sent at most its first ring
     chunk (exactly that chunk's bytes when it chose the ring, nothing otherwise);
@@ -143,7 +144,7 @@ def test_ring_sized_mismatch_refused_before_anything_is_combined(n, overlap):
                 assert _h(bufs[i][0]) == inputs[i], f"trial {trial} ({case}): peer {i}'s buffer changed"
             for i, (p, b) in enumerate(zip(peers, before)):
                 buf = bufs[i][0]
-                ring = buf.nbytes > RD_MAX and overlap is True
+                ring = choose_tcp_allreduce(buf.nbytes, n, False) == "ring" and overlap is True
                 first = (buf.size // n + (1 if (p.rank - 1) % n < buf.size % n else 0)) * buf.itemsize
                 sent = p.stats["bytes_sent"] - b["bytes_sent"]
                 assert sent == (first if ring else 0), (trial, case, i, sent, first)

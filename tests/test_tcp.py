@@ -626,3 +626,43 @@ def test_gather_send_is_one_message_of_its_parts(streams, encrypt):
             tag += 1
         with pytest.raises(commlib.InvalidArgument, match="first-round tag"):
             ts[0].isend((head, body), 1, 3)
+
+
+def test_receive_posted_for_another_size_while_its_frame_is_read():
+    """The race a ring-sized call against a pair exchange hit: a large first-round
+    frame is read into a private buffer (another receive from that peer is posted,
+    so it is not held), and its receive is posted, for another size, while the
+    bytes come in.  That receive fails with InvalidArgument; nothing is written past
+    it and the link stays up (it used to fail the link with numpy's ValueError)."""
+    with tcp_group(2, 1) as ts:
+        _warm(ts)
+        tag = tcp.FIRST_ROUND_TAG + 3
+        pending = ts[1].irecv(np.zeros(16, np.uint8), 0, tag=5)  # posted, never sent: no hold
+        conn = ts[1]._links[0].conns[0]
+        small = np.zeros(1072, np.uint8)
+        posted = {}
+        real = conn.read_payload
+
+        def read_payload(length, into=None):
+            if length >= tcp.POST_WAIT_MIN and "rq" not in posted:
+                posted["rq"] = ts[1].irecv(small, 0, tag=tag)  # posted while the frame is being read
+            return real(length, into=into)
+
+        conn.read_payload = read_payload
+        big = np.ones(65584, np.uint8)
+        ts[0].isend(big, 1, tag=tag).wait(10)
+        deadline = time.monotonic() + 5
+        while "rq" not in posted:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.raises(commlib.InvalidArgument, match="does not match the posted receive"):
+            posted["rq"].wait(10)
+        assert not small.any() and not ts[1].failed_ranks()
+        x, y = np.arange(100, dtype=np.uint8), np.zeros(100, np.uint8)
+        r = ts[1].irecv(y, 0, tag=6)
+        ts[0].isend(x, 1, tag=6).wait(10)
+        r.wait(10)
+        assert np.array_equal(x, y)
+        ts[1].abort_tag(5)
+        with pytest.raises(commlib.CommError):
+            pending.wait(1)

@@ -718,11 +718,15 @@ class TCPTransport(Transport):
                         elif slot.bounds is not None and (self._stopping or self._dead):
                             self._release_locked(src, plain)  # revoked while we read: never placed
                         elif slot.bounds is not None:  # posted while we read
-                            a, b = slot.bounds[chunk], slot.bounds[chunk + 1]
-                            slot.view[a:b] = data
                             self._release_locked(src, plain)
-                            slot.req._frame_done()
-                            self._retire_locked((src, tag))
+                            if chunk >= len(slot.bounds) - 1 or slot.bounds[chunk + 1] - slot.bounds[chunk] != plain:
+                                # posted for another size (calls that differ): the receive fails,
+                                # the link stays up, as for a frame that finds its receive posted
+                                self._mismatch_locked(slot, (src, tag))
+                            else:
+                                slot.view[slot.bounds[chunk]:slot.bounds[chunk + 1]] = data
+                                slot.req._frame_done()
+                                self._retire_locked((src, tag))
                         else:
                             slot.frames[chunk] = data
         except Exception as exc:  # noqa: BLE001 - a closed or malformed link fails its peer

@@ -745,12 +745,9 @@ def section_allreduce(args, tmp, log):
     return res
 
 
-def el_pair_max() -> int:
-    from commlib.elastic import PAIR_EXCHANGE_MAX  # noqa: PLC0415
-    return PAIR_EXCHANGE_MAX
-
-
 def section_wan(args, tmp, log):
+    from commlib.elastic import PAIR_EXCHANGE_MAX  # noqa: PLC0415
+
     out = {"latency_ms": args.wan_latency_ms, "rate_mbps_per_connection": args.wan_rate_mbps,
            "bytes": args.wan_bytes, "streams": {}}
     for s in (1, 4):
@@ -759,7 +756,7 @@ def section_wan(args, tmp, log):
         t = r["rows"][0]["time_s"]
         out["streams"][str(s)] = {"time_s": t, "busbw_MBps": r["rows"][0]["bytes"] / t / 1e6}
         log(f"  wan {s} stream(s): {t:.3f} s per all-reduce of {args.wan_bytes} B (ring: first round overlapped)")
-        if args.wan_bytes > el_pair_max():
+        if args.wan_bytes > PAIR_EXCHANGE_MAX:
             # the baseline: the ring's first round before its first chunk (Peer.overlap_first_round)
             b = run_elastic(tmp, 2, [args.wan_bytes], max(1, args.trials // 2), s, args.timeout,
                             wan=(args.wan_latency_ms, args.wan_rate_mbps), first_round_first=True)["rows"][0]["time_s"]

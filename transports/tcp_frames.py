@@ -231,50 +231,34 @@ class Connection:
         Raises:
             ConnectionError / OSError: the connection failed (it is then closed).
         """
-        if isinstance(payload, tuple):  # a gather: the parts of one payload
-            parts = [memoryview(p).cast("B") for p in payload]
-            if self.tx is not None:  # sealing needs one buffer
-                payload, parts = b"".join(parts), None
-        else:
-            parts = None
-        mv = None if parts is not None else (
-            memoryview(payload).cast("B") if not isinstance(payload, (bytes, bytearray)) else payload)
+        # a tuple is a gather: the parts of one payload
+        parts = [p if isinstance(p, (bytes, bytearray)) else memoryview(p).cast("B")
+                 for p in (payload if isinstance(payload, tuple) else (payload,))]
+        n = sum(len(p) for p in parts)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.lock:
             if self.closed:
                 raise ConnectionError("connection closed")
             try:
-                if parts is not None:
-                    return self._send_parts_locked(kind, parts, epoch, tag, chunk, stream, deadline)
-                if self.tx is not None or len(mv) <= 65536:
+                if self.tx is not None or n <= 65536:  # sealing (or a small frame): one buffer
+                    mv = parts[0] if len(parts) == 1 else b"".join(parts)
                     data = self._frame_bytes(kind, mv, epoch, tag, chunk, stream)
                     _send_all(self.sock, data, deadline)
                     return len(data)
-                hdr = HEADER.pack(MAGIC, VERSION, kind, 0, epoch, tag, chunk, stream, len(mv))
-                # header and payload in one system call (one segment less), the rest as it drains
-                try:
-                    sent = self.sock.sendmsg([hdr, mv], [], 0 if deadline is None else _DONTWAIT)
-                except BlockingIOError:  # MSG_DONTWAIT with a full buffer
-                    sent = 0
-                if sent < HEADER.size:
-                    _send_all(self.sock, hdr[sent:], deadline)
-                    _send_all(self.sock, mv, deadline)
-                elif sent < HEADER.size + len(mv):
-                    _send_all(self.sock, mv[sent - HEADER.size:], deadline)
-                return HEADER.size + len(mv)
+                return self._send_parts_locked(kind, parts, n, epoch, tag, chunk, stream, deadline)
             except BaseException:
                 self._close_locked()
                 raise
 
-    def _send_parts_locked(self, kind: int, parts: list, epoch: int, tag: int, chunk: int, stream: int,
+    def _send_parts_locked(self, kind: int, parts: list, n: int, epoch: int, tag: int, chunk: int, stream: int,
                            deadline) -> int:
-        """One unsealed frame whose payload is ``parts``: header and parts in one
-        ``sendmsg`` (no copy), the rest as the socket drains; the lock held."""
-        n = sum(len(p) for p in parts)
+        """One unsealed frame whose payload is ``parts`` (``n`` bytes): header and
+        parts in one ``sendmsg`` (one segment less, no copy), the rest as the socket
+        drains; the lock held."""
         views = [memoryview(HEADER.pack(MAGIC, VERSION, kind, 0, epoch, tag, chunk, stream, n))] + parts
         try:
             sent = self.sock.sendmsg(views, [], 0 if deadline is None else _DONTWAIT)
-        except BlockingIOError:
+        except BlockingIOError:  # MSG_DONTWAIT with a full buffer
             sent = 0
         for v in views:
             if sent >= len(v):

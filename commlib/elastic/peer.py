@@ -3,6 +3,7 @@ all-reduce as a front end of the collective engine under the master's recovery p
 and the shared-state sync (its methods in :mod:`.state_sync`)."""
 from __future__ import annotations
 
+import functools
 import ipaddress
 import socket
 import threading
@@ -192,8 +193,10 @@ class _MasterPolicy(RecoveryPolicy):
         peer._counts["retries"] += 1
 
 
+@functools.lru_cache(maxsize=1024)
 def _loopback(addr: str) -> bool:
-    """True when the data address ``addr`` (``host:port``) is on a loopback address."""
+    """True when the data address ``addr`` (``host:port``) is on a loopback address
+    (kept per address: each ring call asks about its neighbours')."""
     try:
         host = tcp.parse_address(addr)[0]
     except CommError:

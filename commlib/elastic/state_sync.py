@@ -5,10 +5,11 @@ sends ``sync`` (its revision, the SHA-256 of every array, dtypes and shapes);
 when every live member has, the master picks the highest revision and, among
 the peers there, the largest group with equal hashes (ties: the lowest ring
 rank) as donors, and sends every member ``plan``.  A member whose hashes differ
-fetches the differing arrays from the donors, in ranges of at most 4 MiB
-spread over the donors' streams, on connections of purpose ``FETCH`` (tickets
-of this round, from the plan), and verifies every array against the plan's
-hash before the sync returns; a donor that fails is left for the next one.  A
+fetches the differing arrays in ranges of at most 4 MiB from one donor at a
+time (the first chosen by its rank), spread over up to ``streams`` connections
+of purpose ``FETCH`` to it (tickets of this round, from the plan); what a
+failed donor left goes to the next, and every array is verified against the
+plan's hash before the sync returns.  A
 donor serves read-only views of its arrays while the round lasts (a fetch
 connection that arrives before the plan is parked, without a thread, for at
 most :data:`~commlib.elastic.protocol.FETCH_PARK_S` seconds).  PCCL's

@@ -17,9 +17,8 @@ Sections (``--sections``, all by default), each measured side by side in one run
   another process) that adds ``--wan-latency-ms`` each way and caps each TCP connection at
   ``--wan-rate-mbps``; all-reduce of ``--wan-bytes`` with 1 and with 4 streams. The peers
   listen on fixed ports and advertise the proxy's (``connect(bind=, advertise=)``).  Above
-  ``PAIR_EXCHANGE_MAX`` (the ring) the runs set ``Peer.overlap_first_round = True`` (the proxy's
-  addresses are loopback ones, where the default is off) and each is repeated with False, the
-  first round before the ring's first chunk: the baseline of the overlap.
+  ``PAIR_EXCHANGE_MAX`` (the ring) each run is repeated with ``Peer.overlap_first_round =
+  False``, the first round before the ring's first chunk: the baseline of the overlap.
 - ``kill``: 4 peers all-reduce 64 KiB in a loop; a random one is SIGKILLed, and the time to
   the first all-reduce completed over the survivors only (its size is 3) is taken, the
   slowest survivor's; a new peer then joins and the next trial starts (``--kill-trials``).
@@ -141,7 +140,7 @@ def worker_elastic(a):
     if a.bind:
         kw = {"bind": a.bind, "advertise": a.advertise}
     peer = _join_group(el, a, **kw)
-    peer.overlap_first_round = not a.first_round_first  # explicit: the proxy's addresses are loopback ones
+    peer.overlap_first_round = not a.first_round_first
     n = peer.size
     one = np.zeros(1, np.float64)
 

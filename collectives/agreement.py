@@ -24,9 +24,10 @@ import numpy as np
 from commlib.core import agreement as _hdr
 from commlib.core.errors import CommError, InvalidArgument
 
+from ._common import next_tag, waitall
 from .allgather_bruck import allgather_bruck
 
-__all__ = ["agree", "agree_header", "check_all", "judge", "encode_row"]
+__all__ = ["agree", "agree_header", "check_all", "judge", "encode_row", "post_neighbour_check", "NeighbourRefusal"]
 
 
 def encode_row(values: Sequence[int], *, local_error: CommError | None = None, payload: np.ndarray | None = None,
@@ -122,6 +123,72 @@ def agree_header(transport, values: Sequence[int], *, op: str, local_error: Comm
     """:func:`agree` without a payload (argument agreement only)."""
     agree(transport, values, op=op, local_error=local_error, timeout=timeout, names=names, describe=describe,
           exc_type=exc_type)
+
+
+class NeighbourRefusal(InvalidArgument):
+    """A neighbour check (:func:`post_neighbour_check`) found this rank's header
+    different from its neighbour's.  Only the ranks that compared the two headers
+    know: the caller makes the refusal every rank's (the elastic master's verdict,
+    :meth:`commlib.elastic.Peer.allreduce`)."""
+
+
+def post_neighbour_check(first, values: Sequence[int], *, op: str, capacity: int, sendbuf: np.ndarray,
+                         recvbuf: np.ndarray, timeout: float | None = None, names: Sequence[str] = _hdr.FIELDS,
+                         describe: Callable[[str, int], object] | None = None) -> Callable[[], None]:
+    """The first step of :func:`agree`'s all-gather alone: post this rank's row to
+    rank ``r - 1`` and the receive of rank ``r + 1``'s; the returned callable
+    waits for both and compares the headers.
+
+    Around the ring of ranks, every rank finding its right neighbour's header
+    equal to its own means every header is equal: one message per rank, posted
+    ahead of the collective's own first message and checked while that is in
+    flight, instead of :func:`agree`'s ``ceil(log2 n)`` steps before it.  The row
+    has :func:`agree`'s size and the message its first step's tag (the first of
+    ``first``'s allocator), so a rank whose call differs and chose to run
+    :func:`agree` exchanges this very message; its later steps wait until the
+    refusal reaches it.
+
+    Args:
+        first: the group's transport as the first round uses it (``tags``: the
+            first-round allocator), ``n >= 2`` ranks.
+        values: this rank's header ints (no error flag: a rank with invalid
+            arguments raises before it calls this).
+        op: operation name for errors.
+        capacity: payload bytes of :func:`agree`'s row (zeros here).
+        sendbuf, recvbuf: uint8 scratch of at least ``8 * (1 + len(values)) +
+            capacity`` bytes each.
+        timeout: seconds the wait may take.
+        names, describe: as :func:`agree`.
+
+    Returns:
+        callable: ``finish()``, which raises :class:`NeighbourRefusal` (naming
+        the fields that differ with both ranks' values, as a message every rank
+        can raise) when the headers differ, or ProcessFailed / CommTimeout from the transport.
+    """
+    n, r = first.size, first.rank
+    head = 8 * (1 + len(values))
+    row, theirs = sendbuf[:head + capacity], recvbuf[:head + capacity]
+    row[:head] = encode_row(values)
+    row[head:] = 0
+    right = (r + 1) % n
+    tag = next_tag(first)
+    rq = first.irecv(theirs, right, tag)
+    sq = first.isend(row, (r - 1) % n, tag)
+
+    def finish() -> None:
+        waitall(first, [rq, sq], timeout)
+        if theirs[:head].tobytes() != row[:head].tobytes():
+            other = theirs[:head].view(np.int64)
+            if other[0]:
+                why = f"rank {right} passed invalid arguments and rejected the call (see its error)"
+            else:
+                d = describe or (lambda _name, v: v)
+                why = "the calls differ: " + "; ".join(
+                    f"{name} {d(name, mine)} on rank {r}, {d(name, int(theirs_v))} on rank {right}"
+                    for name, mine, theirs_v in zip(names, values, other[1:]) if mine != theirs_v)
+            raise NeighbourRefusal(why, rank=r, op=op)
+
+    return finish
 
 
 def check_all(transport, problem: str | None, op: str, exc_type=InvalidArgument, timeout: float | None = None) -> None:

@@ -287,10 +287,11 @@ class TCPTransport(Transport):
         self._on_abuse = on_abuse
         self._failure: BaseException | None = None
         self._failed: set[int] = set()
-        self._aborted: set[int] = set()
+        self._aborted: dict[int, Callable | None] = {}  # aborted tag -> its receives' error (abort_tags)
         self._dead = False
         self._stopping = False        # revoked: no frame is placed into a posted buffer any more
         self._inflight = 0            # frames being read straight into posted buffers now
+        self._inflight_tags: dict[int, int] = {}  # the same, per tag (abort_tags waits for its tags')
         self.bytes_sent = 0           # payload bytes of the messages posted with isend
         self.bytes_received = 0       # payload bytes of DATA frames placed or buffered
         self.wire_bytes_sent = 0      # DATA frames written: header + payload (+ AES-GCM tag)
@@ -548,6 +549,10 @@ class TCPTransport(Transport):
         with self._lock:
             if self._failure is not None:
                 raise self._failure
+            if tag in self._aborted:  # a receive of an abandoned operation, posted after its abort
+                req = TCPRequest(self, source, 1, "irecv")
+                req._fail(self._abort_error(tag))
+                return req
             dq = self._slots.setdefault((source, tag), deque())
             slot = None
             for s in dq:
@@ -594,7 +599,7 @@ class TCPTransport(Transport):
         the message (its tag ``key[1]`` is aborted); the link stays up."""
         slot.req._fail(InvalidArgument(f"a message from rank {key[0]} does not match the posted receive "
                                        f"({len(slot.view)} bytes)", rank=self._rank, op="irecv"))
-        self._aborted.add(key[1])
+        self._aborted.setdefault(key[1], None)
         dq = self._slots.get(key)
         if dq is not None and slot in dq:
             dq.remove(slot)
@@ -687,6 +692,7 @@ class TCPTransport(Transport):
                             else:
                                 target = slot.view[slot.bounds[chunk]:slot.bounds[chunk + 1]]
                                 self._inflight += 1  # revoke() waits for it: the caller may restore the buffer
+                                self._inflight_tags[tag] = self._inflight_tags.get(tag, 0) + 1
                         else:
                             self._charge_locked(src, plain)
                             if tag < FIRST_ROUND_TAG:
@@ -702,7 +708,10 @@ class TCPTransport(Transport):
                     finally:
                         with self._lock:
                             self._inflight -= 1
-                            if not self._inflight:
+                            still = self._inflight_tags.pop(tag) - 1
+                            if still:
+                                self._inflight_tags[tag] = still
+                            elif tag in self._aborted or not self._inflight:
                                 self._posted.notify_all()
                     with self._lock:
                         self._count_rx(tag, plain, HEADER.size + length)
@@ -811,21 +820,56 @@ class TCPTransport(Transport):
         self.first_round_tags = TagAllocator(FIRST_ROUND_TAG + base, FIRST_ROUND_TAG + base + OPERATION_TAGS - 1)
         return range(base, base + OPERATION_TAGS)
 
+    def operation_tags(self, seq: int) -> tuple[range, range]:
+        """Operation ``seq``'s tags (:meth:`begin_operation`): its data tags and its
+        first-round tags, what :meth:`abort_tags` drops when the operation is refused."""
+        base = seq * OPERATION_TAGS
+        return range(base, base + OPERATION_TAGS), range(FIRST_ROUND_TAG + base,
+                                                         FIRST_ROUND_TAG + base + OPERATION_TAGS)
+
+    def _abort_error(self, tag: int) -> CommError:
+        error = self._aborted.get(tag)
+        return error(tag) if error is not None else CommError(f"operation tag {tag} aborted", rank=self._rank,
+                                                              op="irecv")
+
     def abort_tag(self, tag: int) -> None:
-        """Drop every later frame of operation ``tag``, and unpost its receives:
-        each fails with :class:`CommError` (if not complete), frames buffered for
-        it are freed, and no frame of ``tag`` is placed in their buffers any more
-        (one being read into them as this runs still lands)."""
+        """:meth:`abort_tags` of one tag."""
+        self.abort_tags((tag,))
+
+    def abort_tags(self, tags, error: Callable[[int], CommError] | None = None,
+                   wait: float = QUIESCE) -> None:
+        """Drop every later frame of the operations ``tags``, and unpost their receives.
+
+        Each posted receive of those tags fails (if not complete) with
+        ``error(tag)`` (default: :class:`CommError` "operation tag aborted"), frames
+        buffered for them are freed, no frame of theirs is placed in a buffer any
+        more, and, before this returns, no receiver thread is still reading one into
+        a posted buffer (it waits at most ``wait`` seconds for reads in flight, then
+        revokes the transport, which cuts those links): a caller may restore
+        the buffers those receives were posted into.  A receive of those tags
+        posted later fails at once with the same error.  Other tags' traffic goes
+        on (the transport stays usable, unlike :meth:`revoke`)."""
+        tags = set(tags)
         with self._lock:
-            self._aborted.add(tag)
-            for key in [k for k in self._slots if k[1] == tag]:
+            for t in tags:
+                self._aborted[t] = error
+            for key in [k for k in self._slots if k[1] in tags]:
                 for slot in self._slots.pop(key):
                     for data in slot.frames.values():
                         self._release_locked(key[0], len(data))
                     slot.frames.clear()
                     if slot.req is not None:
-                        slot.req._fail(CommError(f"operation tag {tag} aborted", rank=self._rank, op="irecv"))
+                        slot.req._fail(self._abort_error(key[1]))
             self._posted.notify_all()
+            deadline = time.monotonic() + wait
+            while any(t in tags for t in self._inflight_tags):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._posted.wait(left)
+            else:
+                return
+        self.revoke("a frame of an aborted operation was still being read")
 
     def _quiesce_locked(self, seconds: float) -> bool:
         """Place no more frames into posted buffers, and wait (the lock released) until

@@ -11,8 +11,9 @@ import time
 from commlib.core.errors import CommError
 from commlib.transports import tcp
 
-from .protocol import (BYE, DONE, DROP, FAIL, FETCH, PLAN, RING, SYNC, SYNCED, SYNC_END, TERM, TOPO, VOTE, VOTED,
-                       WELCOME, HEARTBEAT_INTERVAL, MAX_PEERS, TICKET_TTL, dbg, is_bytes, is_int)
+from .protocol import (BYE, DONE, DROP, FAIL, FETCH, PLAN, REFUSE, RING, SYNC, SYNCED, SYNC_END, TERM, TOPO, VOTE, VOTED,
+                       WELCOME, HEARTBEAT_INTERVAL, MAX_PEERS, TICKET_TTL, WHY_MAX, dbg, is_bytes,
+                       is_int)
 
 __all__ = ["Master"]
 
@@ -274,15 +275,23 @@ class Master:
                                    "why": why, "rev": self.revision})
         self._prune()
 
-    def _terminate(self, tag, ok: bool) -> None:
+    @staticmethod
+    def _term_msg(tag, op) -> dict:
+        msg = {"t": TERM, "e": tag[0], "s": tag[1], "ok": op["term"]}
+        if op.get("why") is not None:
+            msg["why"] = op["why"]
+        return msg
+
+    def _terminate(self, tag, ok: bool, why: str | None = None) -> None:
         op = self._ops.setdefault(tag, {"done": set(), "term": None, "sent": set()})
         if op["term"] is None:
             op["term"] = ok
-            self.stats["completes" if ok else "aborts"] += 1
+            op["why"] = why
+            self.stats["completes" if ok else "refused" if why is not None else "aborts"] += 1
         for pid in self._live(self._epoch_members.get(tag[0], [])):
             if pid not in op["sent"]:
                 op["sent"].add(pid)
-                self._peers[pid].send({"t": TERM, "e": tag[0], "s": tag[1], "ok": op["term"]})
+                self._peers[pid].send(self._term_msg(tag, op))
 
     def _prune(self) -> None:
         """Forget operations every live member has its terminal message for, and empty old epochs."""
@@ -306,9 +315,11 @@ class Master:
                 else:
                     p.waiting = True
                 self._check_vote()
-            elif t in (DONE, FAIL):
+            elif t in (DONE, FAIL, REFUSE):
                 e, s = msg.get("e"), msg.get("s")
-                if not (is_int(e) and is_int(s)):
+                why = msg.get("why") if t == REFUSE else None
+                if not (is_int(e) and is_int(s)) or (t == REFUSE and not (isinstance(why, str)
+                                                                         and 0 < len(why) <= WHY_MAX)):
                     raise tcp.FrameError("bad operation report")
                 if p.id not in self._epoch_members.get(e, ()):
                     # an epoch this peer was not in (or long gone): refuse quietly
@@ -319,7 +330,12 @@ class Master:
                 if op is not None and op["term"] is not None:
                     if p.id not in op["sent"]:
                         op["sent"].add(p.id)
-                        p.send({"t": TERM, "e": e, "s": s, "ok": op["term"]})
+                        p.send(self._term_msg(tag, op))
+                    return
+                if t == REFUSE:
+                    # the members' calls differ: refused on every member, over the same
+                    # connections (no new epoch: nobody failed)
+                    self._terminate(tag, False, why)
                     return
                 if e < self.epoch or t == FAIL:
                     self._terminate(tag, False)

@@ -14,9 +14,9 @@ import numpy as np
 from commlib.collectives.allreduce_recursive_doubling import allreduce_recursive_doubling, combine_pair
 from commlib.collectives.allreduce_ring import allreduce_ring, ring_scratch
 from commlib.collectives.snapshot import LazySnapshot
-from commlib.collectives.agreement import agree
+from commlib.collectives.agreement import NeighbourRefusal, agree, post_neighbour_check
 from commlib.collectives.one_round import reduce_rows, small_capacity
-from commlib.collectives.pair_round import message_bytes, pair_first_round
+from commlib.collectives.pair_round import message_bytes, pair_first_round, post_pair_round
 from commlib.collectives.specs import choose_tcp_allreduce
 from commlib.collectives.ops import OPS, dtype_code, dtype_name, get_op, is_floating
 from commlib.collectives.recovery import RecoveryPolicy, run
@@ -28,9 +28,9 @@ from commlib.transports.base import check_plain_dtype
 from commlib.transports.quantize import QuantizingTransport
 
 from .state_sync import StateSync
-from .protocol import (BYE, DONE, DROP, FAIL, FETCH, PLAN, RING, SYNC_END, TERM, TOPO, VOTE, VOTED,
+from .protocol import (BYE, DONE, DROP, FAIL, FETCH, PLAN, REFUSE, RING, SYNC_END, TERM, TOPO, VOTE, VOTED,
                        WELCOME, AUTO_STREAMS, HEARTBEAT_INTERVAL,
-                       TRAFFIC, is_int)
+                       TRAFFIC, WHY_MAX, is_int)
 
 __all__ = ["Peer", "connect"]
 
@@ -161,7 +161,11 @@ class _MasterPolicy(RecoveryPolicy):
     def settle(self, tp, outcome) -> bool:
         peer, (e, s) = self.peer, self.tag
         bad = outcome.failure is not None or (outcome.error is not None and not outcome.badarg)
-        peer._send({"t": FAIL if bad else DONE, "e": e, "s": s})
+        if isinstance(outcome.error, NeighbourRefusal):
+            # this member alone saw that the calls differ: the master makes it every member's
+            peer._send({"t": REFUSE, "e": e, "s": s, "why": outcome.error.detail[:WHY_MAX]})
+        else:
+            peer._send({"t": FAIL if bad else DONE, "e": e, "s": s})
         # the verdict follows the last member's report: bounded by what is left of
         # the call, plus the master's answer to a report sent at the very end
         try:
@@ -170,6 +174,14 @@ class _MasterPolicy(RecoveryPolicy):
         finally:
             peer._seq = s + 1  # the tag is spent (terminated, or given up on): never reuse it
         if ok:
+            return True
+        why = peer._refusals.pop((e, s), None)
+        if why is not None:
+            # refused by a member whose call differs: raised here as well (this member's
+            # own argument error, when it has one, names its side)
+            if not outcome.badarg:
+                outcome.error = peer._refusal(why, None)
+                outcome.failure = None
             return True
         if outcome.error is not None and not outcome.badarg:
             raise outcome.error  # this peer's own error: not a failure to retry
@@ -196,7 +208,7 @@ class _MasterPolicy(RecoveryPolicy):
 @functools.lru_cache(maxsize=1024)
 def _loopback(addr: str) -> bool:
     """True when the data address ``addr`` (``host:port``) is on a loopback address
-    (kept per address: each ring call asks about its neighbours')."""
+    (kept per address: asked for every peer of every epoch)."""
     try:
         host = tcp.parse_address(addr)[0]
     except CommError:
@@ -217,18 +229,18 @@ class Peer(StateSync):
         rank, size, epoch: in the current topology (``rank`` None while pending).
         step: the master's count of completed votes, as of this peer's last
             :meth:`update_topology` (the same on every member: a job-wide step number).
-        overlap_first_round: True: a ring-sized all-reduce runs its first round
-            while the ring's first chunk is in flight, which hides the round's
-            latency on a link where latency, not the CPU, bounds a step (an
-            emulated 20 ms link, 2 peers, 2 MiB: 20 ms a call); a refused call has
-            then sent that chunk, dropped unused.  False: the first round first,
-            nothing on the data plane before the agreement (on loopback, where
-            every step costs thread wake-ups, the overlap gained nothing: 0.93-1.04x).
-            None (the default): True when a ring neighbour's address is not a
-            loopback address.  Members may differ: the messages are the same.
+        overlap_first_round: True (the default): a ring-sized all-reduce checks
+            its neighbour's header (its first round: one message, posted ahead of
+            the ring's first chunk) while that chunk is in flight, which hides the
+            round's latency (4 peers on loopback, 1-4 MiB: 1.12-1.15x of the check
+            first, 2-core box; an emulated 20 ms link, 2 peers, 2 MiB: 20 ms a
+            call); a refused call has then sent that chunk, dropped unused.
+            False: the check before the ring's first chunk (this member then sends
+            nothing on the data plane before it; members whose own check passed
+            may have).  Members may differ: the messages are the same.
     """
 
-    overlap_first_round: bool | None = None
+    overlap_first_round: bool = True
 
     def __init__(self, address: str, secret: bytes, *, streams: int | None = None, timeout: float = 30.0,
                  encrypt: bool = False, bind: str | None = None, advertise: str | None = None):
@@ -292,6 +304,7 @@ class Peer(StateSync):
         self._topo: _Topo | None = None      # adopted
         self._latest: _Topo | None = None    # newest pushed
         self._terms: dict = {}
+        self._refusals: dict = {}  # (epoch, seq) -> why: operations a member refused (REFUSE)
         self._voted: int | None = None
         self._plans: dict = {}
         self._sync_ends: set = set()
@@ -405,9 +418,20 @@ class Peer(StateSync):
                             if tr is not None and tr.epoch < topo.epoch:
                                 tr.revoke("a newer epoch began")
                     elif t == TERM:
-                        self._terms[(msg["e"], msg["s"])] = bool(msg["ok"])
+                        e, s, why = msg["e"], msg["s"], msg.get("why")
+                        self._terms[(e, s)] = bool(msg["ok"])
                         tr = self._tr
-                        if not msg["ok"] and tr is not None and tr.epoch == msg["e"]:
+                        if isinstance(why, str) and not msg["ok"]:
+                            # a member's call differs from its neighbour's: every member
+                            # refuses it over the same connections; the operation's waits
+                            # end now with the reporter's reason (nothing lands in a
+                            # buffer after this returns: the caller may restore it)
+                            why = why[:WHY_MAX]
+                            self._refusals[(e, s)] = why
+                            if tr is not None and tr.epoch == e:
+                                data, first = tr.operation_tags(s)
+                                tr.abort_tags((*data, *first), functools.partial(self._refusal, why))
+                        elif not msg["ok"] and tr is not None and tr.epoch == e:
                             tr.revoke("operation aborted by the master")
                     elif t == VOTED:
                         self._voted = int(msg["e"])
@@ -479,6 +503,7 @@ class Peer(StateSync):
                 self._topo = latest
                 self._seq = 0
                 self._terms = {k: v for k, v in self._terms.items() if k[0] >= latest.epoch}
+                self._refusals = {k: v for k, v in self._refusals.items() if k[0] >= latest.epoch}
             return self._topo
 
     # data plane -------------------------------------------------------------
@@ -575,14 +600,6 @@ class Peer(StateSync):
                                     rank=topo.rank, op="elastic")
             time.sleep(delay)
 
-    def _overlap(self, tr) -> bool:
-        """:attr:`overlap_first_round` for a call on ``tr`` (None: a ring neighbour off loopback)."""
-        if self.overlap_first_round is not None:
-            return bool(self.overlap_first_round)
-        topo = self._topo
-        n = tr.size
-        return any(not _loopback(topo.addrs[topo.ids[(tr.rank + d) % n]]) for d in (-1, 1))
-
     def _streams_to(self, addr: str) -> int:
         """Ring connections to the peer whose data address is ``addr``: ``streams`` as
         given, or with ``streams=None``, 1 on a loopback address and :data:`AUTO_STREAMS`
@@ -658,16 +675,21 @@ class Peer(StateSync):
         policy: the first round agrees on the call's header (operation, count,
         dtype, op, quantize) over the epoch's TCP transport, so mismatched
         calls raise :class:`~commlib.InvalidArgument` on every peer, naming the
-        difference, before anything is written; a call of at most
+        difference, and every buffer holds its input; a call of at most
         :func:`~commlib.collectives.one_round.small_capacity` bytes (unquantized)
         travels inside that round and is reduced locally in the ring's order.
-        Larger calls run :func:`~commlib.collectives.allreduce_ring.allreduce_ring`
-        after the first round, or, with :attr:`overlap_first_round` (by default where
-        a ring neighbour is off loopback), with the first round running while the
-        ring's first chunk is in flight and ending before anything is combined or
-        written (a mismatched call has then sent that chunk, which its neighbour
-        drops unused: the price of the round's latency hidden; a quantized ring
-        runs it first); on 3 or more members, unquantized, up to
+        Larger calls run :func:`~commlib.collectives.allreduce_ring.allreduce_ring`,
+        whose first round is one message to a ring neighbour
+        (:func:`~commlib.collectives.agreement.post_neighbour_check`; at 2 members
+        the pair message), posted ahead of the ring's first chunk and checked
+        while that is in flight (:attr:`overlap_first_round`), before anything is
+        combined or written: around the ring, every member finding its
+        neighbour's header equal to its own means all are equal; a member that
+        finds a difference reports it to the master, whose verdict ends the call
+        on every member with that member's message (other members may by then
+        have run a few ring steps, undone from the snapshot; their chunks are
+        dropped unused: the price of a first round that costs no step of its
+        own); on 3 or more members, unquantized, up to
         :data:`~commlib.collectives.specs.RECURSIVE_DOUBLING_TCP_MAX` (256 KiB)
         :func:`~commlib.collectives.allreduce_recursive_doubling.allreduce_recursive_doubling`
         out of place (``ceil(log2 n)`` steps instead of ``2 (n - 1)``; ``buf`` only
@@ -731,22 +753,27 @@ class Peer(StateSync):
         def attempt(tr, left, survivors):
             algo = choose_tcp_allreduce(flat.nbytes, tr.size, quantize is not None)
             try:
-                if algo == "ring" and tr.size > 1 and quantize is None and self._overlap(tr):
-                    # the first round runs while the ring's first step is in flight, and
-                    # ends before anything is combined or written into buf (a quantized
-                    # ring writes a chunk's dequantized value into buf as it sends it:
-                    # its first round comes first)
-                    return self._allreduce_data(tr, flat, opx, quantize, left, algo, None, keep,
-                                                first=lambda: self._first_round(tr, values, algo, flat, left))
+                if algo == "ring" and tr.size > 1:
+                    # the ring's first round: one message to a neighbour, posted ahead of the
+                    # ring's first chunk and checked while that is in flight (before
+                    # anything is combined or written into buf), or before the ring starts
+                    # (overlap_first_round False; a quantized ring writes a chunk's
+                    # dequantized value into buf as it sends it)
+                    check = self._post_ring_round(tr, values, left)
+                    if quantize is None and self.overlap_first_round:
+                        return self._allreduce_data(tr, flat, opx, quantize, left, algo, None, keep, first=check)
+                    check()
+                    return self._allreduce_data(tr, flat, opx, quantize, left, algo, None, keep)
                 rows = self._first_round(tr, values, algo, flat, left)
                 return self._allreduce_data(tr, flat, opx, quantize, left, algo, rows, keep)
             except InvalidArgument:
-                # the calls differ, refused alike on every member: a member that chose
-                # the ring has sent its first chunk (and posted its receive) under this
-                # call's tags; drop them everywhere, and the kept scratch a frame being
-                # read as its tag is aborted may still land in
-                for t in policy.tags:
-                    tr.abort_tag(t)
+                # the calls differ: a member that chose the ring has sent its first chunk
+                # (and posted its receive) under this call's tags, another may wait in
+                # the first round for a message that will not come; drop them all here,
+                # and the kept scratch a frame being read as its tag is aborted may
+                # still land in
+                data, first = tr.operation_tags(policy.tag[1])
+                tr.abort_tags((*data, *first))
                 self._ring_keep = None
                 raise
 
@@ -754,6 +781,36 @@ class Peer(StateSync):
         if result is not None:
             flat[...] = result
         return buf
+
+    def _refusal(self, why: str, tag) -> InvalidArgument:
+        """The error of an operation a member refused (:data:`.protocol.REFUSE`)."""
+        return InvalidArgument(why, rank=self.rank, op="allreduce")
+
+    def _post_ring_round(self, tr, values, timeout):
+        """The first round of a ring-sized all-reduce on ``tr``: this member's
+        message posted now, the returned callable waits for the neighbour's and
+        compares.  At 2 members both compare, and both refuse a difference
+        (:func:`~commlib.collectives.pair_round.post_pair_round`); on 3 or more
+        one header row to the left neighbour, the right one's in
+        (:func:`~commlib.collectives.agreement.post_neighbour_check`, the first
+        step of the all-gather a member whose call chose another algorithm
+        runs): a member that finds a difference raises
+        :class:`~commlib.collectives.agreement.NeighbourRefusal`, which it reports
+        (``refuse``), and the master's verdict ends the call on every member."""
+        n = tr.size
+        header = values[:5]
+        cap = small_capacity(n)
+        if n == 2:
+            nb = message_bytes(len(header), cap)
+            self._round_keep = grown(self._round_keep, 2 * nb)
+            return post_pair_round(_FirstRound(tr), header, op="allreduce", capacity=cap,
+                                   sendbuf=self._round_keep[:nb], recvbuf=self._round_keep[nb:2 * nb],
+                                   timeout=timeout, names=_FIELDS, describe=_describe)
+        rb = 8 * (1 + len(header)) + cap
+        self._round_keep = grown(self._round_keep, 2 * rb)
+        return post_neighbour_check(_FirstRound(tr), header, op="allreduce", capacity=cap,
+                                    sendbuf=self._round_keep[:rb], recvbuf=self._round_keep[rb:2 * rb],
+                                    timeout=timeout, names=_FIELDS, describe=_describe)
 
     def _first_round(self, tr, values, algo, flat, timeout):
         """The all-reduce's first round on ``tr``: the argument agreement, carrying a

@@ -26,7 +26,11 @@ older epoch that has no terminal state is aborted.
 Operations (all-reduce): tag ``(epoch, seq)``, ``seq`` counting the epoch's
 operations.  ``open`` → ``complete`` when every member of the epoch reported
 ``done``; ``open`` → ``abort`` on a member's death, a member's ``fail`` report,
-or any report for an epoch older than the current one.  The terminal state is
+or any report for an epoch older than the current one; ``open`` → ``refused``
+on a member's ``refuse`` report (its call differs from its ring neighbour's:
+the members' calls differ), with no new epoch: every member's ``term`` carries
+the reporter's ``why``, and each raises it as :class:`~commlib.InvalidArgument`
+over the same connections.  The terminal state is
 decided once and each live member of the epoch receives exactly one terminal
 message (``term``) for the tag.
 
@@ -79,14 +83,15 @@ import time
 from commlib.collectives.specs import PAIR_EXCHANGE_MAX as _PAIR_EXCHANGE_MAX
 from commlib.core.config import config
 
-__all__ = ["WELCOME", "TOPO", "TERM", "VOTED", "PLAN", "SYNC_END", "VOTE", "DONE", "FAIL", "SYNC", "SYNCED",
+__all__ = ["WELCOME", "TOPO", "TERM", "VOTED", "PLAN", "SYNC_END", "VOTE", "DONE", "FAIL", "REFUSE", "SYNC", "SYNCED",
            "BYE", "DROP", "RING", "FETCH", "HEARTBEAT_INTERVAL", "AUTO_STREAMS", "PAIR_EXCHANGE_MAX", "TICKET_TTL",
-           "MAX_PEERS", "FETCH_MAX", "FETCH_PARK", "FETCH_PARK_S", "TRAFFIC", "is_int", "is_bytes", "dbg"]
+           "MAX_PEERS", "FETCH_MAX", "FETCH_PARK", "FETCH_PARK_S", "TRAFFIC", "WHY_MAX", "is_int", "is_bytes", "dbg"]
 
 # --- master -> peer
 WELCOME = "welcome"    #: after authentication: ``id``, the peer's ticket ``key``, ``hb`` (heartbeat seconds)
 TOPO = "topo"          #: a new epoch: ``e``, ``members`` ``[[id, data address]...]`` in ring order, ``tickets``, ``exp``
-TERM = "term"          #: an operation's terminal state: ``e``, ``s``, ``ok`` (committed or aborted)
+TERM = "term"          #: an operation's terminal state: ``e``, ``s``, ``ok`` (committed or aborted); ``why``
+#:                        when a member refused it (``refuse``): the members' calls differ
 VOTED = "voted"        #: a vote completed: ``e`` (the epoch after it), ``v`` (the job's step count)
 PLAN = "plan"          #: a shared-state round's plan: ``round``, ``rev``, ``hashes``, ``donors``, ``fetchers``...
 #:                        (a fetcher's plan also carries its ``tickets`` to each donor, purpose FETCH, bound to the round)
@@ -95,6 +100,7 @@ SYNC_END = "sync_end"  #: every fetcher of ``round`` is done
 VOTE = "vote"          #: at a step boundary (:meth:`Peer.update_topology`)
 DONE = "done"          #: operation ``(e, s)`` finished on this peer
 FAIL = "fail"          #: operation ``(e, s)`` failed on this peer (a peer died, a bounded wait ran out)
+REFUSE = "refuse"      #: operation ``(e, s)``: this peer's call differs from its ring neighbour's (``why``)
 SYNC = "sync"          #: a shared-state submission: ``rev``, per-tensor ``hashes`` and ``meta``
 SYNCED = "synced"      #: this fetcher finished its transfers
 BYE = "bye"            #: leaving
@@ -122,6 +128,8 @@ FETCH_MAX = 64
 #: on its way to it (the fetcher read the same plan first), and for how many seconds
 FETCH_PARK = 64
 FETCH_PARK_S = 5.0
+#: characters of a refusal's reason (``refuse``, ``term``) the master relays
+WHY_MAX = 2000
 #: the data plane's traffic counters (:attr:`Peer.stats`)
 TRAFFIC = ("bytes_sent", "bytes_received", "wire_bytes_sent", "wire_bytes_received", "bytes_buffered",
            "first_round_bytes_sent", "first_round_bytes_received", "first_round_wire_bytes_sent",

@@ -96,6 +96,10 @@ def test_mismatched_calls_refused_on_every_peer(n, case):
             sent = p.stats["first_round_bytes_sent"] - b["first_round_bytes_sent"]
             if n > 2 and choose_tcp_allreduce(nb, n, q is not None) == "ring":
                 assert sent == own, (sent, own)  # one row, to the left neighbour
+            elif n > 2 and any(choose_tcp_allreduce(b[0].nbytes, n, b[2] is not None) == "ring" for b in bufs):
+                # the all-gather's first step at least (a ring member does only that one);
+                # later steps unless the refusal came first
+                assert sent in range(own, (n - 1) * own + 1, own), (sent, own)
             else:
                 assert sent in ((n - 1) * own, (n - 1) * own + 48), (sent, own)
         # the group is fine: the next matching call completes
@@ -120,14 +124,17 @@ def test_ring_sized_mismatch_refused_before_anything_is_combined(n, overlap):
     chunk with the overlap, nothing otherwise; at 3 or more, nothing from a peer
     that did not choose the ring and at most ``n`` chunks from one that did (the
     steps its neighbours completed before the refusal reached them);
-    no frame of a refused call is left buffered; and after every trial a
-    ring-sized call completes, bit-identical on every peer and equal to the sum."""
+    no frame of a refused call is left buffered; no new epoch (the same
+    connections), the master counting each refusal at 3 or more peers; and after
+    every trial a ring-sized call completes, bit-identical on every peer and equal
+    to the sum."""
     rng = random.Random(2611 + n)
     master, peers = _group(n)
     for p in peers:
         p.overlap_first_round = overlap
     try:
         big = (1 << 18) + rng.randrange(1, 1000)  # float32: about 1 MiB, the ring
+        run_peers(peers, lambda i, p: p.allreduce(np.ones(10)))  # the epoch's connections
         for trial in range(15):
             case = ("dtype", "op", "count")[trial % 3]
             odd = rng.randrange(n)
@@ -142,7 +149,12 @@ def test_ring_sized_mismatch_refused_before_anything_is_combined(n, overlap):
             bufs = [args(i) for i in range(n)]
             inputs = [_h(b[0]) for b in bufs]
             before = [p.stats for p in peers]
+            links = [(p.epoch, p._tr) for p in peers]
             out = _outcomes(peers, lambda i, p: p.allreduce(bufs[i][0], bufs[i][1]))
+            # refused over the same connections: no new epoch (nobody failed); at 3 or
+            # more peers through the master's verdict (a member's refuse report)
+            assert [(p.epoch, p._tr) for p in peers] == links, trial
+            assert master.stats["refused"] == (trial + 1 if n > 2 else 0), master.stats
             for i, (r, exc, dt) in enumerate(out):
                 assert isinstance(exc, commlib.InvalidArgument), (trial, case, i, r, exc)
                 assert case in str(exc), str(exc)

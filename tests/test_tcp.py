@@ -592,6 +592,38 @@ def test_abort_tag_unposts_receives_and_drops_frames():
         assert ts[1]._unexpected == 0 and ts[1].bytes_buffered == 100
 
 
+def test_abort_tags_waits_for_reads_in_flight_and_fails_later_receives():
+    """abort_tags (a refusal): it returns only once no frame of its tags is being read
+    into a posted buffer (the caller restores that buffer next); the posted receive
+    fails with the given error; a receive of those tags posted afterwards fails at
+    once with it; the rest of the aborted message is dropped, and other tags' traffic
+    goes on over the same link."""
+    with tcp_group(2, 1) as ts:
+        _warm(ts)
+        data, first = ts[1].operation_tags(2)
+        assert data == range(2 * tcp.OPERATION_TAGS, 3 * tcp.OPERATION_TAGS)
+        assert first[0] == tcp.FIRST_ROUND_TAG + data[0] and len(first) == tcp.OPERATION_TAGS
+        tag = data[1]
+        big = np.zeros(1 << 28, np.uint8)
+        rq = ts[1].irecv(big, 0, tag=tag)
+        sq = ts[0].isend(np.ones(1 << 28, np.uint8), 1, tag=tag)
+        deadline = time.monotonic() + 10
+        while not ts[1]._inflight_tags.get(tag):
+            assert time.monotonic() < deadline, "the frame was never read into the posted buffer"
+        ts[1].abort_tags((*data, *first), lambda t: commlib.InvalidArgument(f"refused {t}", rank=1, op="x"))
+        assert tag not in ts[1]._inflight_tags, "abort_tags returned while a frame was read into the buffer"
+        with pytest.raises(commlib.InvalidArgument, match=f"refused {tag}"):
+            rq.wait(5)
+        late = ts[1].irecv(np.zeros(8, np.uint8), 0, tag=first[0])
+        with pytest.raises(commlib.InvalidArgument, match=f"refused {first[0]}"):
+            late.wait(0.1)
+        sq.wait(10)  # the receiver drops the rest
+        out = np.zeros(8, np.uint8)
+        r = ts[1].irecv(out, 0, tag=data[-1] + 1)
+        ts[0].waitall([ts[0].isend(np.arange(8, dtype=np.uint8), 1, tag=data[-1] + 1), r], 5)
+        assert np.array_equal(out, np.arange(8)) and ts[1]._failure is None
+
+
 def test_begin_operation_numbers_tags_from_the_sequence():
     """An operation's data and first-round tags follow from its sequence number
     alone, whatever earlier operations took."""

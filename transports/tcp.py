@@ -810,8 +810,9 @@ class TCPTransport(Transport):
         and no late frame of one operation can meet another.
 
         Returns:
-            the operation's data tags (what :meth:`abort_tag` drops when the
-            operation is abandoned).
+            the operation's data tags (:meth:`operation_tags` gives them with the
+            first-round ones, what :meth:`abort_tags` drops when the operation is
+            abandoned).
         """
         base = seq * OPERATION_TAGS
         if base + OPERATION_TAGS > FIRST_ROUND_TAG:

@@ -120,8 +120,11 @@ class _MasterPolicy(RecoveryPolicy):
     :meth:`recover` waits for the next epoch (the survivors, fresh
     connections) and retries, within the call's ``timeout`` and
     ``max_retries``.  Argument errors found by the first round are the same on
-    every member: reported ``done``, raised everywhere.  Every wait is bounded
-    by the call's deadline.
+    every member: reported ``done``, raised everywhere; one found by a ring
+    member's neighbour check alone (:class:`~commlib.collectives.agreement.NeighbourRefusal`)
+    is reported ``refuse``, and the master's verdict carries its message to every
+    member (the peer's reader aborts the operation's tags with it).  Every wait
+    is bounded by the call's deadline.
     """
 
     def __init__(self, peer: "Peer", opname: str, deadline: float, timeout: float, retry: bool, max_retries: int):
@@ -129,7 +132,6 @@ class _MasterPolicy(RecoveryPolicy):
         self.retry, self.max_retries = retry, max_retries
         self.aborts = 0
         self.tag = None
-        self.tags = range(0)  # the data tags of the current attempt (tcp.TCPTransport.begin_operation)
 
     def _left(self) -> float:
         return self.deadline - time.monotonic()
@@ -146,7 +148,7 @@ class _MasterPolicy(RecoveryPolicy):
             raise CommError(peer._lost, rank=topo.rank, op=self.opname)
         self.tag = (topo.epoch, peer._seq)
         tr = peer._transport(topo)
-        self.tags = tr.begin_operation(peer._seq)  # the call's tags follow from (epoch, seq) alone
+        tr.begin_operation(peer._seq)  # the call's tags follow from (epoch, seq) alone
         return tr, max(self._left(), 0.0), range(tr.size)
 
     def is_failure(self, tp, exc) -> bool:

@@ -119,7 +119,8 @@ def test_ring_sized_mismatch_refused_before_anything_is_combined(n, overlap):
     (dtype: float32 vs int32 of the same bytes; op: sum vs max; count: a
     ring-sized call against one taken by recursive doubling, the pair exchange
     or inside the first round), the odd peer drawn at random:
-    InvalidArgument on every peer within 1 s naming the field; every buffer holds
+    InvalidArgument on every peer within 1 s naming the field (at 3 or more peers
+    the same message everywhere: the refusing member's); every buffer holds
     its input bit for bit; on the data plane, at 2 peers exactly the first ring
     chunk with the overlap, nothing otherwise; at 3 or more, nothing from a peer
     that did not choose the ring and at most ``n`` chunks from one that did (the
@@ -155,6 +156,8 @@ def test_ring_sized_mismatch_refused_before_anything_is_combined(n, overlap):
             # more peers through the master's verdict (a member's refuse report)
             assert [(p.epoch, p._tr) for p in peers] == links, trial
             assert master.stats["refused"] == (trial + 1 if n > 2 else 0), master.stats
+            if n > 2:  # the refusing member's message, on every member alike
+                assert len({getattr(exc, "detail", None) for _, exc, _ in out}) == 1, [e for _, e, _ in out]
             for i, (r, exc, dt) in enumerate(out):
                 assert isinstance(exc, commlib.InvalidArgument), (trial, case, i, r, exc)
                 assert case in str(exc), str(exc)

@@ -179,11 +179,10 @@ class _MasterPolicy(RecoveryPolicy):
             return True
         why = peer._refusals.pop((e, s), None)
         if why is not None:
-            # refused by a member whose call differs: raised here as well (this member's
-            # own argument error, when it has one, names its side)
-            if not outcome.badarg:
-                outcome.error = peer._refusal(why, None)
-                outcome.failure = None
+            # refused by a member whose call differs from its neighbour's: its message is
+            # raised on every member alike (this one's own view of the difference, e.g. a
+            # first-round message of another size, names less)
+            outcome.error, outcome.failure = peer._refusal(why, None), None
             return True
         if outcome.error is not None and not outcome.badarg:
             raise outcome.error  # this peer's own error: not a failure to retry

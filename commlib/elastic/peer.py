@@ -58,7 +58,7 @@ _VERDICT_GRACE = 2.0
 def _describe(name: str, value: int):
     """Header codes as the user wrote them, for mismatch messages."""
     if name == "quantize":
-        return "none (one round)" if value == _SMALL else _QUANTIZE[value - 1] if 0 < value <= 3 else value
+        return "none (one round)" if value == _SMALL else (_QUANTIZE[value - 1] or "none") if 0 < value <= 3 else value
     if name == "dtype":
         return dtype_name(value)
     if name == "op":

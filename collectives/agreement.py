@@ -27,7 +27,8 @@ from commlib.core.errors import CommError, InvalidArgument
 from ._common import next_tag, waitall
 from .allgather_bruck import allgather_bruck
 
-__all__ = ["agree", "agree_header", "check_all", "judge", "encode_row", "post_neighbour_check", "NeighbourRefusal"]
+__all__ = ["agree", "agree_header", "check_all", "judge", "encode_row", "post_neighbour_check", "NeighbourRefusal",
+           "RingHead"]
 
 
 def encode_row(values: Sequence[int], *, local_error: CommError | None = None, payload: np.ndarray | None = None,
@@ -132,12 +133,104 @@ class NeighbourRefusal(InvalidArgument):
     :meth:`commlib.elastic.Peer.allreduce`)."""
 
 
+def _difference(names, describe, values, other, r: int, source: int) -> str:
+    """The message of a neighbour check that found ``other`` (int64 ``[err, header...]``
+    of rank ``source``) different from this rank's ``values``: the same text on
+    every rank that raises it."""
+    if other[0]:
+        return f"rank {source} passed invalid arguments and rejected the call (see its error)"
+    d = describe or (lambda _name, v: v)
+    return "the calls differ: " + "; ".join(
+        f"{name} {d(name, mine)} on rank {r}, {d(name, int(theirs))} on rank {source}"
+        for name, mine, theirs in zip(names, values, other[1:]) if mine != theirs)
+
+
+class RingHead:
+    """A ring's first step carrying the argument agreement: this rank's header row
+    rides in front of its first chunk, and the row in front of the chunk from the
+    left neighbour is compared before that chunk is combined (one message per
+    rank, the check costs no message of its own).
+
+    Around the ring, every rank finding its left neighbour's header equal to its
+    own means every header is equal.  The first step then goes under the first
+    tag of the first-round allocator ``first.tags``, to rank ``r + 1`` and from
+    rank ``r - 1``: the tag and direction of the first step of :func:`agree`'s
+    all-gather over a mirrored view of the ranks (what the elastic peer runs for
+    calls that chose another algorithm), so a rank whose call differs meets this
+    message, of another size, and fails its receive at once.  A link may carry
+    the row on its own instead (``send_joined``/``recv_joined`` False: the
+    bare :func:`agree` row under that tag, the chunk under the ring's data tag),
+    decided from what both ends know alike.
+
+    Args:
+        first: the group's transport as the first round uses it (``tags``: the
+            first-round allocator; single-frame messages, gather sends).
+        values: this rank's header ints.
+        op: operation name for errors.
+        capacity: payload bytes of :func:`agree`'s row (zeros here).
+        keep: uint8 scratch of at least :meth:`need` bytes (64-byte aligned).
+        send_joined, recv_joined: row and chunk in one message to the right /
+            from the left.
+        names, describe: as :func:`agree`.
+    """
+
+    def __init__(self, first, values: Sequence[int], *, op: str, capacity: int, keep: np.ndarray,
+                 send_joined: bool, recv_joined: bool, names: Sequence[str] = _hdr.FIELDS,
+                 describe: Callable[[str, int], object] | None = None):
+        self.first, self.values, self.op, self.names, self.describe = first, values, op, names, describe
+        self.head = 8 * (1 + len(values))
+        self.rowbytes = self.head + capacity      # agree()'s row: the bare form
+        self.prefix = -(-self.rowbytes // 64) * 64  # the joined form's row, the chunk aligned after it
+        self.send_joined, self.recv_joined = send_joined, recv_joined
+        self.keep = keep
+        self.row = keep[:self.prefix]
+        self.row[:self.head] = encode_row(values)
+        self.row[self.head:] = 0
+        self.tag = next_tag(first)
+
+    @staticmethod
+    def need(nfields: int, capacity: int, chunk_nbytes: int) -> int:
+        """Scratch bytes for a chunk of at most ``chunk_nbytes``: this rank's row and
+        the left neighbour's message."""
+        prefix = -(-(8 * (1 + nfields) + capacity) // 64) * 64
+        return 2 * prefix + chunk_nbytes
+
+    def recv_buffer(self, nbytes: int) -> np.ndarray:
+        """Where the left neighbour's message lands: its row, then (joined) a chunk of ``nbytes``."""
+        base = self.prefix
+        return self.keep[base:base + (self.prefix + nbytes if self.recv_joined else self.rowbytes)]
+
+    def send_parts(self, chunk: np.ndarray):
+        """This rank's first-round message to the right: the row alone, or the row and ``chunk``."""
+        return (self.row, chunk) if self.send_joined else self.row[:self.rowbytes]
+
+    def check(self, got: np.ndarray, source: int) -> None:
+        """Compare the left neighbour's row (the first bytes of ``got``).
+
+        Raises:
+            NeighbourRefusal: the headers differ.
+        """
+        if got[:self.head].tobytes() != self.row[:self.head].tobytes():
+            raise NeighbourRefusal(_difference(self.names, self.describe, self.values,
+                                               got[:self.head].view(np.int64), self.first.rank, source),
+                                   rank=self.first.rank, op=self.op)
+
+    def refuse_size(self, source: int):
+        """The left neighbour's first-round message has another size: its call differs."""
+        d = self.describe or (lambda _name, v: v)
+        mine = ", ".join(f"{name} {d(name, v)}" for name, v in zip(self.names, self.values))
+        raise NeighbourRefusal(f"the calls differ: rank {source}'s first message does not fit rank "
+                               f"{self.first.rank}'s call ({mine}): its count, dtype, quantize or "
+                               "algorithm differs", rank=self.first.rank, op=self.op) from None
+
+
 def post_neighbour_check(first, values: Sequence[int], *, op: str, capacity: int, sendbuf: np.ndarray,
                          recvbuf: np.ndarray, timeout: float | None = None, names: Sequence[str] = _hdr.FIELDS,
-                         describe: Callable[[str, int], object] | None = None) -> Callable[[], None]:
+                         describe: Callable[[str, int], object] | None = None, source: int | None = None,
+                         dest: int | None = None) -> Callable[[], None]:
     """The first step of :func:`agree`'s all-gather alone: post this rank's row to
-    rank ``r - 1`` and the receive of rank ``r + 1``'s; the returned callable
-    waits for both and compares the headers.
+    rank ``dest`` (default ``r - 1``) and the receive of rank ``source``'s (default
+    ``r + 1``); the returned callable waits for both and compares the headers.
 
     Around the ring of ranks, every rank finding its right neighbour's header
     equal to its own means every header is equal: one message per rank, posted
@@ -170,23 +263,22 @@ def post_neighbour_check(first, values: Sequence[int], *, op: str, capacity: int
     row, theirs = sendbuf[:head + capacity], recvbuf[:head + capacity]
     row[:head] = encode_row(values)
     row[head:] = 0
-    right = (r + 1) % n
+    source = (r + 1) % n if source is None else source
     tag = next_tag(first)
-    rq = first.irecv(theirs, right, tag)
-    sq = first.isend(row, (r - 1) % n, tag)
+    rq = first.irecv(theirs, source, tag)
+    sq = first.isend(row, (r - 1) % n if dest is None else dest, tag)
 
     def finish() -> None:
-        waitall(first, [rq, sq], timeout)
+        try:
+            waitall(first, [rq], timeout)
+        except InvalidArgument:
+            raise NeighbourRefusal(f"the calls differ: rank {source}'s first message is not a header row of "
+                                   f"this call's size (its count, dtype, quantize or algorithm differs)",
+                                   rank=r, op=op) from None
+        waitall(first, [sq], timeout)
         if theirs[:head].tobytes() != row[:head].tobytes():
-            other = theirs[:head].view(np.int64)
-            if other[0]:
-                why = f"rank {right} passed invalid arguments and rejected the call (see its error)"
-            else:
-                d = describe or (lambda _name, v: v)
-                why = "the calls differ: " + "; ".join(
-                    f"{name} {d(name, mine)} on rank {r}, {d(name, int(theirs_v))} on rank {right}"
-                    for name, mine, theirs_v in zip(names, values, other[1:]) if mine != theirs_v)
-            raise NeighbourRefusal(why, rank=r, op=op)
+            raise NeighbourRefusal(_difference(names, describe, values, theirs[:head].view(np.int64), r, source),
+                                   rank=r, op=op)
 
     return finish
 

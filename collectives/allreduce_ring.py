@@ -37,7 +37,8 @@ __all__ = ["allreduce_ring", "ring_scratch"]
 
 
 def allreduce_ring(transport, buf: np.ndarray, op="sum", *, sendbuf: np.ndarray | None = None,
-                   timeout: float | None = None, save=None, tmp: np.ndarray | None = None, first=None) -> None:
+                   timeout: float | None = None, save=None, tmp: np.ndarray | None = None, first=None,
+                   head=None) -> None:
     """Allreduce ``buf`` in place by the ring algorithm.
 
     Args:
@@ -62,6 +63,8 @@ def allreduce_ring(transport, buf: np.ndarray, op="sum", *, sendbuf: np.ndarray 
             flight, before anything is combined or written into ``buf``
             (:func:`.reduce_scatter_ring.reduce_scatter_ring_inplace`); on one
             rank it runs before the copy.
+        head: a :class:`.agreement.RingHead`: the first step carries the argument
+            agreement (:func:`.reduce_scatter_ring.reduce_scatter_ring_inplace`).
 
     Raises:
         CommTimeout: a step did not complete within ``timeout``.
@@ -78,7 +81,7 @@ def allreduce_ring(transport, buf: np.ndarray, op="sum", *, sendbuf: np.ndarray 
         return
     bounds = _bounds(buf.size, n)
     reduce_scatter_ring_inplace(transport, buf, op, bounds, timeout=timeout, src=sendbuf, tmp=tmp,
-                                save=save if sendbuf is None else None, first=first)
+                                save=save if sendbuf is None else None, first=first, head=head)
     r = transport.rank
     if op.mean:
         op.finalize(buf[bounds[r]:bounds[r + 1]], n)

@@ -19,7 +19,9 @@ import functools
 
 import numpy as np
 
-from ._common import next_tag, exchange
+from commlib.core.errors import InvalidArgument
+
+from ._common import exchange, next_tag, waitall
 from .ops import get_op
 
 __all__ = ["reduce_scatter_ring", "reduce_scatter_ring_inplace", "ring_order"]
@@ -32,7 +34,7 @@ def ring_order(chunk: int, size: int) -> list[int]:
 
 def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds, *,
                                 timeout: float | None = None, tmp: np.ndarray | None = None,
-                                src: np.ndarray | None = None, save=None, first=None) -> None:
+                                src: np.ndarray | None = None, save=None, first=None, head=None) -> None:
     """Reduce-scatter ``work`` in place over the ring.
 
     Args:
@@ -62,6 +64,12 @@ def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds, *,
             :meth:`commlib.elastic.Peer.allreduce`.  An exception it raises
             leaves with that step's requests still posted: the caller aborts
             their tag.
+        head: a :class:`.agreement.RingHead`: the first step carries the
+            argument agreement (the header row in front of the first chunk, under
+            the first-round tag), and the left neighbour's row is compared before
+            its chunk is combined; raises its
+            :class:`~.agreement.NeighbourRefusal` with that step's requests
+            still posted.
 
     Raises:
         CommTimeout: a step did not finish within ``timeout``.
@@ -89,7 +97,7 @@ def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds, *,
     tag = next_tag(transport)
     local = work if src is None else src
     ufunc = op.ufunc
-    if timeout is None and save is None and first is None:  # exchange()'s unbounded step, without its call per step
+    if timeout is None and save is None and first is None and head is None:  # exchange()'s unbounded step
         sendrecv = transport.sendrecv
         for s in range(n - 1):
             sc = (r - s - 1) % n
@@ -114,9 +122,40 @@ def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds, *,
             # the save first: it writes only the snapshot, and overlaps the transfer
             # even when ``first`` waits behind this step's frames on a connection
             overlap = first if overlap is None else functools.partial(_in_turn, overlap, first)
+        if s == 0 and head is not None:
+            _headed_step(transport, head, local[bounds[sc]:bounds[sc + 1]], right, rbuf, left, tag, timeout,
+                         overlap, local[a:b], dst, ufunc, work.dtype)
+            continue
         exchange(transport, (local if s == 0 else work)[bounds[sc]:bounds[sc + 1]], right, rbuf, left, tag,
                  timeout, overlap)
         ufunc(local[a:b], rbuf, out=dst)  # own contribution (op) partial from the left
+
+
+def _headed_step(transport, head, chunk, right: int, rbuf, left: int, tag: int, timeout, overlap, mine, dst,
+                 ufunc, dtype) -> None:
+    """The ring's first step with the argument agreement in front (``head``, a
+    :class:`.agreement.RingHead`): the row (and, joined, the chunk) under the
+    first-round tag, the left neighbour's row compared before its chunk is
+    combined into ``dst``."""
+    first = head.first
+    nbytes = rbuf.nbytes
+    got = head.recv_buffer(nbytes)
+    rq = first.irecv(got, left, head.tag)
+    data = [] if head.recv_joined else [transport.irecv(rbuf, left, tag)]
+    sends = [first.isend(head.send_parts(chunk), right, head.tag)]
+    if not head.send_joined:
+        sends.append(transport.isend(chunk, right, tag))
+    if overlap is not None:
+        overlap()
+    try:
+        waitall(first, [rq], timeout)
+    except InvalidArgument:
+        head.refuse_size(left)
+    head.check(got, left)
+    waitall(transport, data + sends, timeout)
+    if head.recv_joined:
+        rbuf = got[head.prefix:head.prefix + nbytes].view(dtype)
+    ufunc(mine, rbuf, out=dst)
 
 
 def _in_turn(*calls) -> None:

@@ -13,7 +13,8 @@ import pytest
 
 import commlib
 import commlib.elastic as el
-from commlib.collectives.specs import RECURSIVE_DOUBLING_TCP_MAX
+from commlib.collectives.one_round import small_capacity
+from commlib.collectives.specs import choose_tcp_allreduce
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -130,13 +131,26 @@ def _ring_messages(count, itemsize, n, r, received=False):
     r-s-1, the all-gather chunk r-s; rank r receives what rank r-1 sends; chunks as
     numpy.array_split cuts them.  At 2 ranks an unquantized all-reduce of at most
     ``PAIR_EXCHANGE_MAX`` bytes sends none: its vector travels whole in the first
-    round (:func:`_pair_round_bytes`)."""
+    round (:func:`_pair_round_bytes`).  Between loopback addresses the first
+    reduce-scatter chunk travels in the first round too, behind the header row
+    (:func:`_ring_first_round_bytes`): left out here."""
     if n == 2 and count * itemsize <= el.PAIR_EXCHANGE_MAX:
         return []
     if received:
         r = (r - 1) % n
     sizes = [len(c) * itemsize for c in np.array_split(np.arange(count), n)]
-    return [sizes[(r - s - 1) % n] for s in range(n - 1)] + [sizes[(r - s) % n] for s in range(n - 1)]
+    return [sizes[(r - s - 1) % n] for s in range(1, n - 1)] + [sizes[(r - s) % n] for s in range(n - 1)]
+
+
+def _ring_first_round_bytes(count, itemsize, n, r, received=False):
+    """The first-round message of a ring all-reduce between loopback addresses
+    (collectives/agreement.py, RingHead): the header row (48 bytes and the small-call
+    area of ``small_capacity(n)``, padded to 64 bytes), then the first chunk rank
+    ``r`` sends (``received``: the one it receives from ``r - 1``)."""
+    if received:
+        r = (r - 1) % n
+    sizes = [len(c) * itemsize for c in np.array_split(np.arange(count), n)]
+    return -(-(48 + small_capacity(n)) // 64) * 64 + sizes[(r - 1) % n]
 
 
 def _rd_messages(count, itemsize, n, r, received=False):
@@ -159,7 +173,6 @@ def _data_messages(count, itemsize, n, r, received=False):
     """The data plane's messages of an unquantized all-reduce: the algorithm
     :func:`commlib.collectives.specs.choose_tcp_allreduce` picks (the first round's
     aside: a small or 2-peer call sends none on the data plane)."""
-    from commlib.collectives.specs import choose_tcp_allreduce
     algo = choose_tcp_allreduce(count * itemsize, n, False)
     if algo == "recursive_doubling":
         return _rd_messages(count, itemsize, n, r, received)
@@ -172,7 +185,6 @@ def _pair_round_bytes(nbytes):
     """At 2 peers, the first-round message of an all-reduce of ``nbytes`` bytes (at
     most PAIR_EXCHANGE_MAX): 48 header bytes, then the vector, or the small-call
     area of ``small_capacity(2)`` bytes, whichever is larger (one frame)."""
-    from commlib.collectives.one_round import small_capacity
     return 48 + max(small_capacity(2), nbytes)
 
 
@@ -206,10 +218,16 @@ def test_stats_count_the_ring_traffic(group, count, dtype):
         msgs = _data_messages(count, np.dtype(dtype).itemsize, n, p.rank)
         rmsgs = _data_messages(count, np.dtype(dtype).itemsize, n, p.rank, received=True)
         assert d["bytes_sent"] == sum(msgs) and d["bytes_received"] == sum(rmsgs)
-        ring = n > 2 and nbytes > RECURSIVE_DOUBLING_TCP_MAX
-        for k in ("bytes_sent", "bytes_received"):
-            if ring:
-                assert abs(d[k] - 2 * (n - 1) / n * nbytes) <= 2 * (n - 1) * np.dtype(dtype).itemsize
+        ring = choose_tcp_allreduce(nbytes, n, False) == "ring"
+        if ring:  # the first chunk rides behind the header row, in the first round
+            fr = _ring_first_round_bytes(count, np.dtype(dtype).itemsize, n, p.rank)
+            frr = _ring_first_round_bytes(count, np.dtype(dtype).itemsize, n, p.rank, received=True)
+            assert d["first_round_bytes_sent"] == fr and d["first_round_bytes_received"] == frr
+            assert d["first_round_wire_bytes_sent"] == fr + 28 and d["first_round_wire_bytes_received"] == frr + 28
+            pad = -(-(48 + small_capacity(n)) // 64) * 64
+            total += fr - pad
+            for k, first in (("bytes_sent", fr - pad), ("bytes_received", frr - pad)):
+                assert abs(d[k] + first - 2 * (n - 1) / n * nbytes) <= 2 * (n - 1) * np.dtype(dtype).itemsize
         assert d["wire_bytes_sent"] == sum(msgs) + 28 * sum(_frames(m, streams) for m in msgs)
         assert d["wire_bytes_received"] == sum(rmsgs) + 28 * sum(_frames(m, streams) for m in rmsgs)
         assert d["bytes_buffered"] <= d["bytes_received"]
@@ -264,7 +282,6 @@ def test_stats_survive_epochs():
         form([a, b, c], 3)
         run_peers([a, b, c], lambda i, p: p.allreduce(np.ones(999, np.float32)))
         assert a.stats["bytes_sent"] == sum(_data_messages(999, 4, 3, a.rank))
-        from commlib.collectives.one_round import small_capacity
         assert a.stats["first_round_bytes_sent"] == first + 2 * (48 + small_capacity(3))  # 2 rows (Bruck: 2 steps)
     finally:
         for p in (a, b, c):

@@ -109,30 +109,31 @@ def test_mismatched_calls_refused_on_every_peer(n, case):
         _close(master, peers)
 
 
-@pytest.mark.parametrize("n,overlap", [(2, True), (3, True), (4, True), (3, False)])
-def test_ring_sized_mismatch_refused_before_anything_is_combined(n, overlap):
-    """Ring-sized calls check their neighbour's header (3 or more peers: one row;
-    2 peers: the pair message) while the ring's first chunk is in flight, or
-    before it (``overlap_first_round`` None on loopback addresses, as here); a
-    member that sees a difference reports it and the master's verdict refuses
-    the call on every member.  15 randomized trials of calls that differ
-    (dtype: float32 vs int32 of the same bytes; op: sum vs max; count: a
-    ring-sized call against one taken by recursive doubling, the pair exchange
-    or inside the first round), the odd peer drawn at random:
-    InvalidArgument on every peer within 1 s naming the field (at 3 or more peers
-    the same message everywhere: the refusing member's); every buffer holds
-    its input bit for bit; on the data plane, at 2 peers exactly the first ring
-    chunk with the overlap, nothing otherwise; at 3 or more, nothing from a peer
-    that did not choose the ring and at most ``n`` chunks from one that did (the
-    steps its neighbours completed before the refusal reached them);
-    no frame of a refused call is left buffered; no new epoch (the same
-    connections), the master counting each refusal at 3 or more peers; and after
-    every trial a ring-sized call completes, bit-identical on every peer and equal
-    to the sum."""
+@pytest.mark.parametrize("n,overlap,joined", [(2, True, None), (3, True, None), (4, True, None), (2, True, False),
+                                              (3, True, False), (3, False, None)])
+def test_ring_sized_mismatch_refused_before_anything_is_combined(n, overlap, joined):
+    """A ring-sized call's first step carries its header row: in front of the first
+    chunk (``joined``: by default between loopback addresses, as here) or as a
+    message of its own beside it (``Peer.first_round_in_chunk`` False), or checked
+    before the ring starts (``overlap_first_round`` False); a member whose left
+    neighbour's header differs reports it and the master's verdict refuses the call
+    on every member.  15 randomized trials of calls that differ (dtype: float32 vs
+    int32 of the same bytes; op: sum vs max; count: a ring-sized call against one
+    taken by recursive doubling, the pair exchange or inside the first round), the
+    odd peer drawn at random: InvalidArgument on every peer within 1 s naming the
+    field, the same message everywhere (the refusing member's); every buffer holds
+    its input bit for bit; on the data plane, at 2 peers nothing (beside the row:
+    exactly a ring member's first chunk); at 3 or more,
+    nothing from a peer that did not choose the ring and at most ``n`` chunks from
+    one that did (the steps its neighbours completed before the refusal reached
+    them); no frame of a refused call is left buffered; no new epoch (the same
+    connections), the master counting each refusal; and after every trial a
+    ring-sized call completes, bit-identical on every peer and equal to the sum."""
     rng = random.Random(2611 + n)
     master, peers = _group(n)
     for p in peers:
         p.overlap_first_round = overlap
+        p.first_round_in_chunk = joined
     try:
         big = (1 << 18) + rng.randrange(1, 1000)  # float32: about 1 MiB, the ring
         run_peers(peers, lambda i, p: p.allreduce(np.ones(10)))  # the epoch's connections
@@ -155,9 +156,9 @@ def test_ring_sized_mismatch_refused_before_anything_is_combined(n, overlap):
             # refused over the same connections: no new epoch (nobody failed); at 3 or
             # more peers through the master's verdict (a member's refuse report)
             assert [(p.epoch, p._tr) for p in peers] == links, trial
-            assert master.stats["refused"] == (trial + 1 if n > 2 else 0), master.stats
-            if n > 2:  # the refusing member's message, on every member alike
-                assert len({getattr(exc, "detail", None) for _, exc, _ in out}) == 1, [e for _, e, _ in out]
+            assert master.stats["refused"] == trial + 1, master.stats
+            # the refusing member's message, on every member alike
+            assert len({getattr(exc, "detail", None) for _, exc, _ in out}) == 1, [e for _, e, _ in out]
             for i, (r, exc, dt) in enumerate(out):
                 assert isinstance(exc, commlib.InvalidArgument), (trial, case, i, r, exc)
                 assert case in str(exc), str(exc)
@@ -169,7 +170,10 @@ def test_ring_sized_mismatch_refused_before_anything_is_combined(n, overlap):
                 first = (buf.size // n + (1 if (p.rank - 1) % n < buf.size % n else 0)) * buf.itemsize
                 sent = p.stats["bytes_sent"] - b["bytes_sent"]
                 if n == 2:
-                    assert sent == (first if ring and overlap is True else 0), (trial, case, i, sent, first)
+                    # the first chunk goes joined to the header row (first-round bytes), beside
+                    # it (then that chunk alone), or after the check (nothing)
+                    beside = ring and overlap is True and joined is False
+                    assert sent == (first if beside else 0), (trial, case, i, sent, first)
                 else:
                     # the member k places right of a refuser completes at most k ring steps
                     assert sent <= (n * -(-buf.size // n) * buf.itemsize if ring else 0), (trial, case, i, sent)

@@ -14,9 +14,9 @@ import numpy as np
 from commlib.collectives.allreduce_recursive_doubling import allreduce_recursive_doubling, combine_pair
 from commlib.collectives.allreduce_ring import allreduce_ring, ring_scratch
 from commlib.collectives.snapshot import LazySnapshot
-from commlib.collectives.agreement import NeighbourRefusal, agree, post_neighbour_check
+from commlib.collectives.agreement import NeighbourRefusal, RingHead, agree, post_neighbour_check
 from commlib.collectives.one_round import reduce_rows, small_capacity
-from commlib.collectives.pair_round import message_bytes, pair_first_round, post_pair_round
+from commlib.collectives.pair_round import message_bytes, pair_first_round
 from commlib.collectives.specs import choose_tcp_allreduce
 from commlib.collectives.ops import OPS, dtype_code, dtype_name, get_op, is_floating
 from commlib.collectives.recovery import RecoveryPolicy, run
@@ -100,11 +100,21 @@ def _allreduce_header(buf, op, quantize, rank):
 class _FirstRound:
     """The epoch's transport as the first round uses it: its tags from the
     transport's ``first_round_tags``, so the round's bytes are counted apart from
-    the data plane's (:attr:`Peer.stats`)."""
+    the data plane's (:attr:`Peer.stats`).  ``mirror``: ranks seen mirrored
+    (``(n - r) % n``), so the first step of Bruck's all-gather goes to rank
+    ``r + 1`` and comes from ``r - 1``, as a ring's first step does: a member whose
+    call differs and chose the ring meets it (:class:`~commlib.collectives.agreement.RingHead`)."""
 
-    def __init__(self, tr):
+    def __init__(self, tr, mirror: bool = False):
         self._tr = tr
         self.tags = tr.first_round_tags
+        if mirror:
+            n = tr.size
+            self.rank = (n - tr.rank) % n
+            self.isend = lambda buf, dest, tag=0: tr.isend(buf, (n - dest) % n, tag)
+            self.irecv = lambda buf, source, tag=0: tr.irecv(buf, (n - source) % n, tag)
+            self.sendrecv = lambda sb, dest, rb, source, stag=0, rtag=0: tr.sendrecv(sb, (n - dest) % n, rb,
+                                                                                    (n - source) % n, stag, rtag)
 
     def __getattr__(self, name):
         return getattr(self._tr, name)
@@ -239,9 +249,16 @@ class Peer(StateSync):
             False: the check before the ring's first chunk (this member then sends
             nothing on the data plane before it; members whose own check passed
             may have).  Members may differ: the messages are the same.
+        first_round_in_chunk: None (the default): a ring-sized all-reduce sends its
+            header row in front of its first chunk, one message, on a link whose
+            two ends are on loopback addresses (elsewhere the row goes beside the
+            chunk, which keeps the ring's striping over the link's connections);
+            True / False: on every link / on none.  Every member must use the same
+            setting (a member refuses a first message of the other form).
     """
 
     overlap_first_round: bool = True
+    first_round_in_chunk: bool | None = None
 
     def __init__(self, address: str, secret: bytes, *, streams: int | None = None, timeout: float = 30.0,
                  encrypt: bool = False, bind: str | None = None, advertise: str | None = None):
@@ -755,15 +772,14 @@ class Peer(StateSync):
             algo = choose_tcp_allreduce(flat.nbytes, tr.size, quantize is not None)
             try:
                 if algo == "ring" and tr.size > 1:
-                    # the ring's first round: one message to a neighbour, posted ahead of the
-                    # ring's first chunk and checked while that is in flight (before
-                    # anything is combined or written into buf), or before the ring starts
+                    # the ring's first round: the header row in front of the ring's first
+                    # chunk, compared before anything is combined or written into buf; or
                     # (overlap_first_round False; a quantized ring writes a chunk's
-                    # dequantized value into buf as it sends it)
-                    check = self._post_ring_round(tr, values, left)
-                    if quantize is None and self.overlap_first_round:
-                        return self._allreduce_data(tr, flat, opx, quantize, left, algo, None, keep, first=check)
-                    check()
+                    # dequantized value into buf as it sends it) that row alone first
+                    head = self._ring_head(tr, values, flat, left, quantize is not None)
+                    if isinstance(head, RingHead):
+                        return self._allreduce_data(tr, flat, opx, quantize, left, algo, None, keep, head=head)
+                    head()
                     return self._allreduce_data(tr, flat, opx, quantize, left, algo, None, keep)
                 rows = self._first_round(tr, values, algo, flat, left)
                 return self._allreduce_data(tr, flat, opx, quantize, left, algo, rows, keep)
@@ -787,31 +803,41 @@ class Peer(StateSync):
         """The error of an operation a member refused (:data:`.protocol.REFUSE`)."""
         return InvalidArgument(why, rank=self.rank, op="allreduce")
 
-    def _post_ring_round(self, tr, values, timeout):
-        """The first round of a ring-sized all-reduce on ``tr``: this member's
-        message posted now, the returned callable waits for the neighbour's and
-        compares.  At 2 members both compare, and both refuse a difference
-        (:func:`~commlib.collectives.pair_round.post_pair_round`); on 3 or more
-        one header row to the left neighbour, the right one's in
-        (:func:`~commlib.collectives.agreement.post_neighbour_check`, the first
-        step of the all-gather a member whose call chose another algorithm
-        runs): a member that finds a difference raises
-        :class:`~commlib.collectives.agreement.NeighbourRefusal`, which it reports
-        (``refuse``), and the master's verdict ends the call on every member."""
-        n = tr.size
+    def _ring_head(self, tr, values, flat, timeout, quantized: bool):
+        """The first round of a ring-sized all-reduce on ``tr`` (3 or more members:
+        ``tr``'s ranks as the ring sees them, 2: the pair): a
+        :class:`~commlib.collectives.agreement.RingHead`, the header row in front of
+        the ring's first chunk, one message per member; or, with
+        :attr:`overlap_first_round` False or a quantized call, a callable that checks
+        the row, posted now as a message of its own (the same tag and direction).
+
+        A link carries row and chunk joined when both its ends are on loopback
+        addresses (both ends see that alike; elsewhere the chunk keeps the ring's
+        striping over the link's connections) and they fit one frame."""
+        n, r = tr.size, tr.rank
         header = values[:5]
         cap = small_capacity(n)
-        if n == 2:
-            nb = message_bytes(len(header), cap)
-            self._round_keep = grown(self._round_keep, 2 * nb)
-            return post_pair_round(_FirstRound(tr), header, op="allreduce", capacity=cap,
-                                   sendbuf=self._round_keep[:nb], recvbuf=self._round_keep[nb:2 * nb],
-                                   timeout=timeout, names=_FIELDS, describe=_describe)
+        left, right = (r - 1) % n, (r + 1) % n
+        first = _FirstRound(tr)
+        chunk = -(-flat.size // n) * flat.itemsize
+        need = RingHead.need(len(header), cap, chunk)
+        self._round_keep = grown(self._round_keep, need)
+        if self.overlap_first_round and not quantized:
+            topo = self._topo
+            fits = need <= tcp.FRAME_MAX
+
+            def joined(a, b):
+                if self.first_round_in_chunk is not None:
+                    return fits and self.first_round_in_chunk
+                return fits and _loopback(topo.addrs[topo.ids[a]]) and _loopback(topo.addrs[topo.ids[b]])
+
+            return RingHead(first, header, op="allreduce", capacity=cap, keep=self._round_keep,
+                            send_joined=joined(r, right), recv_joined=joined(left, r), names=_FIELDS,
+                            describe=_describe)
         rb = 8 * (1 + len(header)) + cap
-        self._round_keep = grown(self._round_keep, 2 * rb)
-        return post_neighbour_check(_FirstRound(tr), header, op="allreduce", capacity=cap,
-                                    sendbuf=self._round_keep[:rb], recvbuf=self._round_keep[rb:2 * rb],
-                                    timeout=timeout, names=_FIELDS, describe=_describe)
+        return post_neighbour_check(first, header, op="allreduce", capacity=cap, sendbuf=self._round_keep[:rb],
+                                    recvbuf=self._round_keep[rb:2 * rb], timeout=timeout, names=_FIELDS,
+                                    describe=_describe, source=left, dest=right)
 
     def _first_round(self, tr, values, algo, flat, timeout):
         """The all-reduce's first round on ``tr``: the argument agreement, carrying a
@@ -834,16 +860,19 @@ class Peer(StateSync):
                                     payload=payload, vector=vector, timeout=timeout, names=_FIELDS,
                                     describe=_describe)
         if n > 2:
-            return agree(_FirstRound(tr), header, op="allreduce", payload=payload, capacity=small_capacity(n),
-                         timeout=timeout, names=_FIELDS, describe=_describe)
+            # mirrored: the all-gather's first step goes the ring's way, so a member whose
+            # call differs and chose the ring meets it (RingHead); rows back in rank order
+            rows = agree(_FirstRound(tr, mirror=True), header, op="allreduce", payload=payload,
+                         capacity=small_capacity(n), timeout=timeout, names=_FIELDS, describe=_describe)
+            return rows[[(n - r) % n for r in range(n)]]
         return None
 
-    def _allreduce_data(self, tr, flat, opx, quantize, timeout, algo, rows, keep, first=None):
+    def _allreduce_data(self, tr, flat, opx, quantize, timeout, algo, rows, keep, head=None):
         """The data part of one all-reduce attempt on ``tr`` (``algo`` from
         :func:`~commlib.collectives.specs.choose_tcp_allreduce`); returns an
         out-of-place result to copy into ``flat`` after the commit, or None when
-        ``flat`` holds it.  ``first``: the ring's first-step overlap (the first
-        round), see :func:`~commlib.collectives.allreduce_ring.allreduce_ring`."""
+        ``flat`` holds it.  ``head``: the ring's first step carrying the first
+        round (:class:`~commlib.collectives.agreement.RingHead`)."""
         keep["snap"] = None
         nb = flat.nbytes
         if tr.size == 1:
@@ -879,7 +908,7 @@ class Peer(StateSync):
         snap = keep["snap"] = LazySnapshot(flat, self._scratch)
         self._ring_keep, tmp = ring_scratch(self._ring_keep, flat, tr.size)
         if quantize is None:
-            allreduce_ring(tr, flat, opx, timeout=timeout, save=snap, tmp=tmp, first=first)
+            allreduce_ring(tr, flat, opx, timeout=timeout, save=snap, tmp=tmp, head=head)
         else:
             # the quantizing view overwrites a chunk with its dequantized value when it
             # first sends it, before the ring's lazy saves: save everything up front

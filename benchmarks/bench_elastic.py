@@ -141,6 +141,10 @@ def worker_elastic(a):
         kw = {"bind": a.bind, "advertise": a.advertise}
     peer = _join_group(el, a, **kw)
     peer.overlap_first_round = not a.first_round_first
+    if a.bind:
+        # the emulated WAN: the proxy's addresses are loopback ones, but the link is not
+        # (the first chunk keeps its striping over the link's connections)
+        peer.first_round_in_chunk = False
     n = peer.size
     one = np.zeros(1, np.float64)
 

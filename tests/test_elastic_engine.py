@@ -85,6 +85,7 @@ def test_mismatched_calls_refused_on_every_peer(n, case):
         for i, (r, exc, dt) in enumerate(out):
             assert isinstance(exc, commlib.InvalidArgument), (i, r, exc)
             assert field in str(exc), str(exc)
+            assert exc.rank == peers[i].rank, (exc.rank, peers[i].rank)  # this peer's own rank
             assert dt < 1.0, f"peer {i} took {dt:.2f} s to refuse"
             assert _h(bufs[i][0]) == inputs[i]
         for i, (p, b) in enumerate(zip(peers, before)):

@@ -240,15 +240,14 @@ class Peer(StateSync):
         rank, size, epoch: in the current topology (``rank`` None while pending).
         step: the master's count of completed votes, as of this peer's last
             :meth:`update_topology` (the same on every member: a job-wide step number).
-        overlap_first_round: True (the default): a ring-sized all-reduce checks
-            its neighbour's header (its first round: one message, posted ahead of
-            the ring's first chunk) while that chunk is in flight, which hides the
-            round's latency (4 peers on loopback, 1-4 MiB: 1.12-1.15x of the check
-            first, 2-core box; an emulated 20 ms link, 2 peers, 2 MiB: 20 ms a
-            call); a refused call has then sent that chunk, dropped unused.
-            False: the check before the ring's first chunk (this member then sends
-            nothing on the data plane before it; members whose own check passed
-            may have).  Members may differ: the messages are the same.
+        overlap_first_round: True (the default): a ring-sized all-reduce's first
+            round travels with the ring's first step (:attr:`first_round_in_chunk`),
+            which hides its latency (an emulated 20 ms link, 2 peers, 2 MiB: 20 ms
+            a call); a refused call has then sent its first chunk, dropped unused.
+            False: the header row alone, checked before the ring's first chunk
+            (this member then sends no chunk before the check; members whose own
+            check passed may have).  Every member must use the same setting (the
+            first messages differ: a member refuses one of the other form).
         first_round_in_chunk: None (the default): a ring-sized all-reduce sends its
             header row in front of its first chunk, one message, on a link whose
             two ends are on loopback addresses (elsewhere the row goes beside the
@@ -697,17 +696,19 @@ class Peer(StateSync):
         :func:`~commlib.collectives.one_round.small_capacity` bytes (unquantized)
         travels inside that round and is reduced locally in the ring's order.
         Larger calls run :func:`~commlib.collectives.allreduce_ring.allreduce_ring`,
-        whose first round is one message to a ring neighbour
-        (:func:`~commlib.collectives.agreement.post_neighbour_check`; at 2 members
-        the pair message), posted ahead of the ring's first chunk and checked
-        while that is in flight (:attr:`overlap_first_round`), before anything is
-        combined or written: around the ring, every member finding its
-        neighbour's header equal to its own means all are equal; a member that
-        finds a difference reports it to the master, whose verdict ends the call
-        on every member with that member's message (other members may by then
-        have run a few ring steps, undone from the snapshot; their chunks are
-        dropped unused: the price of a first round that costs no step of its
-        own); on 3 or more members, unquantized, up to
+        whose first step carries the first round
+        (:class:`~commlib.collectives.agreement.RingHead`): each member's header
+        row goes in front of its first chunk (between loopback addresses; beside
+        it elsewhere, :attr:`first_round_in_chunk`), and the left neighbour's row
+        is compared before its chunk is combined or anything written: around the
+        ring, every member finding its neighbour's header equal to its own means
+        all are equal, at no message of its own; a member that finds a difference
+        (or a first message of another size: a call that chose another
+        algorithm) reports it to the master, whose verdict ends the call on every
+        member with that member's message (other members may by then have run a
+        few ring steps, undone from the snapshot; their chunks are dropped
+        unused); with :attr:`overlap_first_round` False, or quantized, the row
+        alone is checked before the ring starts; on 3 or more members, unquantized, up to
         :data:`~commlib.collectives.specs.RECURSIVE_DOUBLING_TCP_MAX` (256 KiB)
         :func:`~commlib.collectives.allreduce_recursive_doubling.allreduce_recursive_doubling`
         out of place (``ceil(log2 n)`` steps instead of ``2 (n - 1)``; ``buf`` only
@@ -862,8 +863,11 @@ class Peer(StateSync):
         if n > 2:
             # mirrored: the all-gather's first step goes the ring's way, so a member whose
             # call differs and chose the ring meets it (RingHead); rows back in rank order
-            rows = agree(_FirstRound(tr, mirror=True), header, op="allreduce", payload=payload,
-                         capacity=small_capacity(n), timeout=timeout, names=_FIELDS, describe=_describe)
+            try:
+                rows = agree(_FirstRound(tr, mirror=True), header, op="allreduce", payload=payload,
+                             capacity=small_capacity(n), timeout=timeout, names=_FIELDS, describe=_describe)
+            except InvalidArgument as exc:  # raised under the mirrored rank: this member's real one
+                raise InvalidArgument(exc.detail, rank=tr.rank, op=exc.op) from None
             return rows[[(n - r) % n for r in range(n)]]
         return None
 

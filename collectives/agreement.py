@@ -127,7 +127,7 @@ def agree_header(transport, values: Sequence[int], *, op: str, local_error: Comm
 
 
 class NeighbourRefusal(InvalidArgument):
-    """A neighbour check (:func:`post_neighbour_check`) found this rank's header
+    """A neighbour check (:class:`RingHead`, :func:`post_neighbour_check`) found this rank's header
     different from its neighbour's.  Only the ranks that compared the two headers
     know: the caller makes the refusal every rank's (the elastic master's verdict,
     :meth:`commlib.elastic.Peer.allreduce`)."""

@@ -37,7 +37,7 @@ __all__ = ["allreduce_ring", "ring_scratch"]
 
 
 def allreduce_ring(transport, buf: np.ndarray, op="sum", *, sendbuf: np.ndarray | None = None,
-                   timeout: float | None = None, save=None, tmp: np.ndarray | None = None, first=None,
+                   timeout: float | None = None, save=None, tmp: np.ndarray | None = None,
                    head=None) -> None:
     """Allreduce ``buf`` in place by the ring algorithm.
 
@@ -59,10 +59,6 @@ def allreduce_ring(transport, buf: np.ndarray, op="sum", *, sendbuf: np.ndarray 
             ``ceil(count / n) + 1`` elements; a caller that keeps one saves
             allocating (and page-faulting) half the buffer on every call at 2
             ranks.  Unused out of place.  None: allocated when needed.
-        first: a callable run once while the first step's messages are in
-            flight, before anything is combined or written into ``buf``
-            (:func:`.reduce_scatter_ring.reduce_scatter_ring_inplace`); on one
-            rank it runs before the copy.
         head: a :class:`.agreement.RingHead`: the first step carries the argument
             agreement (:func:`.reduce_scatter_ring.reduce_scatter_ring_inplace`).
 
@@ -73,15 +69,13 @@ def allreduce_ring(transport, buf: np.ndarray, op="sum", *, sendbuf: np.ndarray 
     op = get_op(op)
     n = transport.size
     if n == 1:  # nothing is overwritten: no save needed
-        if first is not None:
-            first()
         if sendbuf is not None:
             buf[...] = sendbuf
         op.finalize(buf, 1)
         return
     bounds = _bounds(buf.size, n)
     reduce_scatter_ring_inplace(transport, buf, op, bounds, timeout=timeout, src=sendbuf, tmp=tmp,
-                                save=save if sendbuf is None else None, first=first, head=head)
+                                save=save if sendbuf is None else None, head=head)
     r = transport.rank
     if op.mean:
         op.finalize(buf[bounds[r]:bounds[r + 1]], n)

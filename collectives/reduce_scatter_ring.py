@@ -34,7 +34,7 @@ def ring_order(chunk: int, size: int) -> list[int]:
 
 def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds, *,
                                 timeout: float | None = None, tmp: np.ndarray | None = None,
-                                src: np.ndarray | None = None, save=None, first=None, head=None) -> None:
+                                src: np.ndarray | None = None, save=None, head=None) -> None:
     """Reduce-scatter ``work`` in place over the ring.
 
     Args:
@@ -57,19 +57,13 @@ def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds, *,
             that step's messages are in flight, so the copy hides behind the
             transfer.  The last step also saves chunk ``(r - 1) % n``, the
             one the allgather overwrites first.
-        first: a callable run once while the first step's send and receive
-            are in flight, before anything is combined (and, in place, before
-            anything is written into ``work``; out of place the first partial
-            is received straight into its chunk): the elastic peer's argument agreement,
-            :meth:`commlib.elastic.Peer.allreduce`.  An exception it raises
-            leaves with that step's requests still posted: the caller aborts
-            their tag.
         head: a :class:`.agreement.RingHead`: the first step carries the
             argument agreement (the header row in front of the first chunk, under
             the first-round tag), and the left neighbour's row is compared before
-            its chunk is combined; raises its
+            its chunk is combined (the elastic peer's argument agreement,
+            :meth:`commlib.elastic.Peer.allreduce`); raises its
             :class:`~.agreement.NeighbourRefusal` with that step's requests
-            still posted.
+            still posted: the caller aborts their tags.
 
     Raises:
         CommTimeout: a step did not finish within ``timeout``.
@@ -97,7 +91,7 @@ def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds, *,
     tag = next_tag(transport)
     local = work if src is None else src
     ufunc = op.ufunc
-    if timeout is None and save is None and first is None and head is None:  # exchange()'s unbounded step
+    if timeout is None and save is None and head is None:  # exchange()'s unbounded step, without its call per step
         sendrecv = transport.sendrecv
         for s in range(n - 1):
             sc = (r - s - 1) % n
@@ -118,10 +112,6 @@ def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds, *,
         if save is not None:
             chunks = [(a, b)] + ([(bounds[left], bounds[left + 1])] if s == n - 2 else [])
             overlap = functools.partial(_save_chunks, save, chunks)
-        if s == 0 and first is not None:
-            # the save first: it writes only the snapshot, and overlaps the transfer
-            # even when ``first`` waits behind this step's frames on a connection
-            overlap = first if overlap is None else functools.partial(_in_turn, overlap, first)
         if s == 0 and head is not None:
             _headed_step(transport, head, local[bounds[sc]:bounds[sc + 1]], right, rbuf, left, tag, timeout,
                          overlap, local[a:b], dst, ufunc, work.dtype)
@@ -156,11 +146,6 @@ def _headed_step(transport, head, chunk, right: int, rbuf, left: int, tag: int, 
     if head.recv_joined:
         rbuf = got[head.prefix:head.prefix + nbytes].view(dtype)
     ufunc(mine, rbuf, out=dst)
-
-
-def _in_turn(*calls) -> None:
-    for call in calls:
-        call()
 
 
 def _save_chunks(save, chunks) -> None:

@@ -22,7 +22,7 @@ saved round trip.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -31,7 +31,7 @@ from commlib.core.errors import InvalidArgument
 from ._common import next_tag, waitall
 from .agreement import encode_row, judge
 
-__all__ = ["pair_first_round", "post_pair_round", "message_bytes"]
+__all__ = ["pair_first_round", "message_bytes"]
 
 
 def message_bytes(nfields: int, capacity: int, vector_nbytes: int = 0) -> int:
@@ -42,7 +42,7 @@ def message_bytes(nfields: int, capacity: int, vector_nbytes: int = 0) -> int:
 
 def pair_first_round(first, values: Sequence[int], *, op: str, capacity: int, sendbuf: np.ndarray,
                      recvbuf: np.ndarray, payload: np.ndarray | None = None, vector: np.ndarray | None = None,
-                     timeout: float | None = None, names: Sequence[str], describe=None):
+                     timeout: float | None = None, names: Sequence[str], describe=None) -> tuple:
     """Agree on a 2-rank call's header, carrying a small payload or the whole vector.
 
     Args:
@@ -67,18 +67,6 @@ def pair_first_round(first, values: Sequence[int], *, op: str, capacity: int, se
         InvalidArgument: the headers differ (on both ranks alike).
         ProcessFailed / CommTimeout: from the transport.
     """
-    return post_pair_round(first, values, op=op, capacity=capacity, sendbuf=sendbuf, recvbuf=recvbuf,
-                           payload=payload, vector=vector, timeout=timeout, names=names, describe=describe)()
-
-
-def post_pair_round(first, values: Sequence[int], *, op: str, capacity: int, sendbuf: np.ndarray,
-                    recvbuf: np.ndarray, payload: np.ndarray | None = None, vector: np.ndarray | None = None,
-                    timeout: float | None = None, names: Sequence[str], describe=None) -> Callable:
-    """:func:`pair_first_round` in two halves: post the message's send and receive
-    now, and return the callable that waits for them and compares the headers
-    (what :func:`pair_first_round` returns, or raises).  Between the two a caller
-    may post other messages (the elastic ring's first chunk goes right behind
-    this one)."""
     r = first.rank
     peer = 1 - r
     head = 8 * (1 + len(values))
@@ -102,26 +90,22 @@ def post_pair_round(first, values: Sequence[int], *, op: str, capacity: int, sen
     tag = next_tag(first, 1)
     rreq = first.irecv(other, peer, tag)
     sreq = first.isend((msg[:head], mine) if gather else msg, peer, tag)
-
-    def finish():
-        try:
-            waitall(first, [rreq], timeout)
-        except InvalidArgument:
-            # the peer's message has another size, so its call differs: bare rows name how
-            waitall(first, [sreq], timeout)
-            row = msg[:head].copy()
-            theirs = np.empty_like(row)
-            tag2 = next_tag(first, 1)
-            rq = first.irecv(theirs, peer, tag2)
-            waitall(first, [rq, first.isend(row, peer, tag2)], timeout)
-            judge(first, np.stack([row, theirs] if r == 0 else [theirs, row]), values, op=op, names=names,
-                  describe=describe)
-            raise InvalidArgument("the two ranks' calls differ (their first-round messages differ in size)",
-                                  rank=r, op=op) from None
+    try:
+        waitall(first, [rreq], timeout)
+    except InvalidArgument:
+        # the peer's message has another size, so its call differs: bare rows name how
         waitall(first, [sreq], timeout)
-        if other[:head].tobytes() != msg[:head].tobytes():
-            judge(first, np.stack([msg[:head], other[:head]] if r == 0 else [other[:head], msg[:head]]), values,
-                  op=op, names=names, describe=describe)
-        return (mine, other[head:]) if r == 0 else (other[head:], mine)
-
-    return finish
+        row = msg[:head].copy()
+        theirs = np.empty_like(row)
+        tag = next_tag(first, 1)
+        rq = first.irecv(theirs, peer, tag)
+        waitall(first, [rq, first.isend(row, peer, tag)], timeout)
+        judge(first, np.stack([row, theirs] if r == 0 else [theirs, row]), values, op=op, names=names,
+              describe=describe)
+        raise InvalidArgument("the two ranks' calls differ (their first-round messages differ in size)",
+                              rank=r, op=op) from None
+    waitall(first, [sreq], timeout)
+    if other[:head].tobytes() != msg[:head].tobytes():
+        judge(first, np.stack([msg[:head], other[:head]] if r == 0 else [other[:head], msg[:head]]), values,
+              op=op, names=names, describe=describe)
+    return (mine, other[head:]) if r == 0 else (other[head:], mine)

@@ -27,8 +27,7 @@ from commlib.core.errors import CommError, InvalidArgument
 from ._common import next_tag, waitall
 from .allgather_bruck import allgather_bruck
 
-__all__ = ["agree", "agree_header", "check_all", "judge", "encode_row", "post_neighbour_check", "NeighbourRefusal",
-           "RingHead"]
+__all__ = ["agree", "agree_header", "check_all", "judge", "encode_row", "NeighbourRefusal", "RingHead"]
 
 
 def encode_row(values: Sequence[int], *, local_error: CommError | None = None, payload: np.ndarray | None = None,
@@ -127,7 +126,7 @@ def agree_header(transport, values: Sequence[int], *, op: str, local_error: Comm
 
 
 class NeighbourRefusal(InvalidArgument):
-    """A neighbour check (:class:`RingHead`, :func:`post_neighbour_check`) found this rank's header
+    """A neighbour check (:class:`RingHead`) found this rank's header
     different from its neighbour's.  Only the ranks that compared the two headers
     know: the caller makes the refusal every rank's (the elastic master's verdict,
     :meth:`commlib.elastic.Peer.allreduce`)."""
@@ -160,7 +159,8 @@ class RingHead:
     message, of another size, and fails its receive at once.  A link may carry
     the row on its own instead (``send_joined``/``recv_joined`` False: the
     bare :func:`agree` row under that tag, the chunk under the ring's data tag),
-    decided from what both ends know alike.
+    decided from what both ends know alike; :meth:`check_alone` exchanges and
+    checks that bare row before the ring starts.
 
     Args:
         first: the group's transport as the first round uses it (``tags``: the
@@ -215,6 +215,25 @@ class RingHead:
                                                got[:self.head].view(np.int64), self.first.rank, source),
                                    rank=self.first.rank, op=self.op)
 
+    def check_alone(self, source: int, dest: int, timeout: float | None) -> None:
+        """The bare row alone, before the ring's first chunk moves: sent to ``dest``,
+        ``source``'s received and compared (the ring then runs without this head).
+
+        Raises:
+            NeighbourRefusal: the headers differ, or ``source``'s first message
+                has another size.
+            ProcessFailed / CommTimeout: from the transport.
+        """
+        got = self.keep[self.prefix:self.prefix + self.rowbytes]
+        rq = self.first.irecv(got, source, self.tag)
+        sq = self.first.isend(self.row[:self.rowbytes], dest, self.tag)
+        try:
+            waitall(self.first, [rq], timeout)
+        except InvalidArgument:
+            self.refuse_size(source)
+        self.check(got, source)
+        waitall(self.first, [sq], timeout)
+
     def refuse_size(self, source: int):
         """The left neighbour's first-round message has another size: its call differs."""
         d = self.describe or (lambda _name, v: v)
@@ -222,65 +241,6 @@ class RingHead:
         raise NeighbourRefusal(f"the calls differ: rank {source}'s first message does not fit rank "
                                f"{self.first.rank}'s call ({mine}): its count, dtype, quantize or "
                                "algorithm differs", rank=self.first.rank, op=self.op) from None
-
-
-def post_neighbour_check(first, values: Sequence[int], *, op: str, capacity: int, sendbuf: np.ndarray,
-                         recvbuf: np.ndarray, timeout: float | None = None, names: Sequence[str] = _hdr.FIELDS,
-                         describe: Callable[[str, int], object] | None = None, source: int | None = None,
-                         dest: int | None = None) -> Callable[[], None]:
-    """The first step of :func:`agree`'s all-gather alone: post this rank's row to
-    rank ``dest`` (default ``r - 1``) and the receive of rank ``source``'s (default
-    ``r + 1``); the returned callable waits for both and compares the headers.
-
-    Around the ring of ranks, every rank finding its right neighbour's header
-    equal to its own means every header is equal: one message per rank, posted
-    ahead of the collective's own first message and checked while that is in
-    flight, instead of :func:`agree`'s ``ceil(log2 n)`` steps before it.  The row
-    has :func:`agree`'s size and the message its first step's tag (the first of
-    ``first``'s allocator), so a rank whose call differs and chose to run
-    :func:`agree` exchanges this very message; its later steps wait until the
-    refusal reaches it.
-
-    Args:
-        first: the group's transport as the first round uses it (``tags``: the
-            first-round allocator), ``n >= 2`` ranks.
-        values: this rank's header ints (no error flag: a rank with invalid
-            arguments raises before it calls this).
-        op: operation name for errors.
-        capacity: payload bytes of :func:`agree`'s row (zeros here).
-        sendbuf, recvbuf: uint8 scratch of at least ``8 * (1 + len(values)) +
-            capacity`` bytes each.
-        timeout: seconds the wait may take.
-        names, describe: as :func:`agree`.
-
-    Returns:
-        callable: ``finish()``, which raises :class:`NeighbourRefusal` (naming
-        the fields that differ with both ranks' values, as a message every rank
-        can raise) when the headers differ, or ProcessFailed / CommTimeout from the transport.
-    """
-    n, r = first.size, first.rank
-    head = 8 * (1 + len(values))
-    row, theirs = sendbuf[:head + capacity], recvbuf[:head + capacity]
-    row[:head] = encode_row(values)
-    row[head:] = 0
-    source = (r + 1) % n if source is None else source
-    tag = next_tag(first)
-    rq = first.irecv(theirs, source, tag)
-    sq = first.isend(row, (r - 1) % n if dest is None else dest, tag)
-
-    def finish() -> None:
-        try:
-            waitall(first, [rq], timeout)
-        except InvalidArgument:
-            raise NeighbourRefusal(f"the calls differ: rank {source}'s first message is not a header row of "
-                                   f"this call's size (its count, dtype, quantize or algorithm differs)",
-                                   rank=r, op=op) from None
-        waitall(first, [sq], timeout)
-        if theirs[:head].tobytes() != row[:head].tobytes():
-            raise NeighbourRefusal(_difference(names, describe, values, theirs[:head].view(np.int64), r, source),
-                                   rank=r, op=op)
-
-    return finish
 
 
 def check_all(transport, problem: str | None, op: str, exc_type=InvalidArgument, timeout: float | None = None) -> None:

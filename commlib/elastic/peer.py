@@ -14,7 +14,7 @@ import numpy as np
 from commlib.collectives.allreduce_recursive_doubling import allreduce_recursive_doubling, combine_pair
 from commlib.collectives.allreduce_ring import allreduce_ring, ring_scratch
 from commlib.collectives.snapshot import LazySnapshot
-from commlib.collectives.agreement import NeighbourRefusal, RingHead, agree, post_neighbour_check
+from commlib.collectives.agreement import NeighbourRefusal, RingHead, agree
 from commlib.collectives.one_round import reduce_rows, small_capacity
 from commlib.collectives.pair_round import message_bytes, pair_first_round
 from commlib.collectives.specs import choose_tcp_allreduce
@@ -777,22 +777,22 @@ class Peer(StateSync):
                     # chunk, compared before anything is combined or written into buf; or
                     # (overlap_first_round False; a quantized ring writes a chunk's
                     # dequantized value into buf as it sends it) that row alone first
-                    head = self._ring_head(tr, values, flat, left, quantize is not None)
-                    if isinstance(head, RingHead):
+                    alone = quantize is not None or not self.overlap_first_round
+                    head = self._ring_head(tr, values, flat, alone)
+                    if not alone:
                         return self._allreduce_data(tr, flat, opx, quantize, left, algo, None, keep, head=head)
-                    head()
+                    head.check_alone((tr.rank - 1) % tr.size, (tr.rank + 1) % tr.size, left)
                     return self._allreduce_data(tr, flat, opx, quantize, left, algo, None, keep)
                 rows = self._first_round(tr, values, algo, flat, left)
                 return self._allreduce_data(tr, flat, opx, quantize, left, algo, rows, keep)
             except InvalidArgument:
                 # the calls differ: a member that chose the ring has sent its first chunk
                 # (and posted its receive) under this call's tags, another may wait in
-                # the first round for a message that will not come; drop them all here,
-                # and the kept scratch a frame being read as its tag is aborted may
-                # still land in
+                # the first round for a message that will not come; drop them all here
+                # (abort_tags returns once no frame of theirs is still landing in a
+                # kept scratch, so the scratch is reused as is)
                 data, first = tr.operation_tags(policy.tag[1])
                 tr.abort_tags((*data, *first))
-                self._ring_keep = None
                 raise
 
         result = run(policy, attempt, lambda: keep["snap"].restore() if keep.get("snap") is not None else None)
@@ -804,13 +804,12 @@ class Peer(StateSync):
         """The error of an operation a member refused (:data:`.protocol.REFUSE`)."""
         return InvalidArgument(why, rank=self.rank, op="allreduce")
 
-    def _ring_head(self, tr, values, flat, timeout, quantized: bool):
-        """The first round of a ring-sized all-reduce on ``tr`` (3 or more members:
-        ``tr``'s ranks as the ring sees them, 2: the pair): a
+    def _ring_head(self, tr, values, flat, alone: bool) -> RingHead:
+        """The first round of a ring-sized all-reduce on ``tr``: a
         :class:`~commlib.collectives.agreement.RingHead`, the header row in front of
-        the ring's first chunk, one message per member; or, with
-        :attr:`overlap_first_round` False or a quantized call, a callable that checks
-        the row, posted now as a message of its own (the same tag and direction).
+        the ring's first chunk, one message per member; ``alone`` (with
+        :attr:`overlap_first_round` False, or a quantized call): the bare row on
+        every link, checked before the ring starts (``RingHead.check_alone``).
 
         A link carries row and chunk joined when both its ends are on loopback
         addresses (both ends see that alike; elsewhere the chunk keeps the ring's
@@ -818,27 +817,20 @@ class Peer(StateSync):
         n, r = tr.size, tr.rank
         header = values[:5]
         cap = small_capacity(n)
-        left, right = (r - 1) % n, (r + 1) % n
-        first = _FirstRound(tr)
         chunk = -(-flat.size // n) * flat.itemsize
         need = RingHead.need(len(header), cap, chunk)
         self._round_keep = grown(self._round_keep, need)
-        if self.overlap_first_round and not quantized:
-            topo = self._topo
-            fits = need <= tcp.FRAME_MAX
+        topo = self._topo
+        fits = need <= tcp.FRAME_MAX and not alone
 
-            def joined(a, b):
-                if self.first_round_in_chunk is not None:
-                    return fits and self.first_round_in_chunk
-                return fits and _loopback(topo.addrs[topo.ids[a]]) and _loopback(topo.addrs[topo.ids[b]])
+        def joined(a, b):
+            if self.first_round_in_chunk is not None:
+                return fits and self.first_round_in_chunk
+            return fits and _loopback(topo.addrs[topo.ids[a]]) and _loopback(topo.addrs[topo.ids[b]])
 
-            return RingHead(first, header, op="allreduce", capacity=cap, keep=self._round_keep,
-                            send_joined=joined(r, right), recv_joined=joined(left, r), names=_FIELDS,
-                            describe=_describe)
-        rb = 8 * (1 + len(header)) + cap
-        return post_neighbour_check(first, header, op="allreduce", capacity=cap, sendbuf=self._round_keep[:rb],
-                                    recvbuf=self._round_keep[rb:2 * rb], timeout=timeout, names=_FIELDS,
-                                    describe=_describe, source=left, dest=right)
+        return RingHead(_FirstRound(tr), header, op="allreduce", capacity=cap, keep=self._round_keep,
+                        send_joined=joined(r, (r + 1) % n), recv_joined=joined((r - 1) % n, r), names=_FIELDS,
+                        describe=_describe)
 
     def _first_round(self, tr, values, algo, flat, timeout):
         """The all-reduce's first round on ``tr``: the argument agreement, carrying a

@@ -290,8 +290,7 @@ class TCPTransport(Transport):
         self._aborted: dict[int, Callable | None] = {}  # aborted tag -> its receives' error (abort_tags)
         self._dead = False
         self._stopping = False        # revoked: no frame is placed into a posted buffer any more
-        self._inflight = 0            # frames being read straight into posted buffers now
-        self._inflight_tags: dict[int, int] = {}  # the same, per tag (abort_tags waits for its tags')
+        self._inflight: dict[int, int] = {}  # tag -> frames being read straight into posted buffers now
         self.bytes_sent = 0           # payload bytes of the messages posted with isend
         self.bytes_received = 0       # payload bytes of DATA frames placed or buffered
         self.wire_bytes_sent = 0      # DATA frames written: header + payload (+ AES-GCM tag)
@@ -691,8 +690,8 @@ class TCPTransport(Transport):
                                 drop = True
                             else:
                                 target = slot.view[slot.bounds[chunk]:slot.bounds[chunk + 1]]
-                                self._inflight += 1  # revoke() waits for it: the caller may restore the buffer
-                                self._inflight_tags[tag] = self._inflight_tags.get(tag, 0) + 1
+                                # revoke() and abort_tags() wait for it: the caller may restore the buffer
+                                self._inflight[tag] = self._inflight.get(tag, 0) + 1
                         else:
                             self._charge_locked(src, plain)
                             if tag < FIRST_ROUND_TAG:
@@ -707,10 +706,9 @@ class TCPTransport(Transport):
                         conn.read_payload(length, into=target)
                     finally:
                         with self._lock:
-                            self._inflight -= 1
-                            still = self._inflight_tags.pop(tag) - 1
+                            still = self._inflight.pop(tag) - 1
                             if still:
-                                self._inflight_tags[tag] = still
+                                self._inflight[tag] = still
                             elif tag in self._aborted or not self._inflight:
                                 self._posted.notify_all()
                     with self._lock:
@@ -814,12 +812,12 @@ class TCPTransport(Transport):
             first-round ones, what :meth:`abort_tags` drops when the operation is
             abandoned).
         """
-        base = seq * OPERATION_TAGS
-        if base + OPERATION_TAGS > FIRST_ROUND_TAG:
+        data, first = self.operation_tags(seq)
+        if data.stop > FIRST_ROUND_TAG:
             raise InvalidArgument(f"operation {seq} is past the tag space", rank=self._rank, op="begin_operation")
-        self.tags = TagAllocator(base, base + OPERATION_TAGS - 1)
-        self.first_round_tags = TagAllocator(FIRST_ROUND_TAG + base, FIRST_ROUND_TAG + base + OPERATION_TAGS - 1)
-        return range(base, base + OPERATION_TAGS)
+        self.tags = TagAllocator(data.start, data.stop - 1)
+        self.first_round_tags = TagAllocator(first.start, first.stop - 1)
+        return data
 
     def operation_tags(self, seq: int) -> tuple[range, range]:
         """Operation ``seq``'s tags (:meth:`begin_operation`): its data tags and its
@@ -863,7 +861,7 @@ class TCPTransport(Transport):
                         slot.req._fail(self._abort_error(key[1]))
             self._posted.notify_all()
             deadline = time.monotonic() + wait
-            while any(t in tags for t in self._inflight_tags):
+            while any(t in tags for t in self._inflight):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break

@@ -10,7 +10,8 @@ VENV=${MPICH_VENV:-.venv-mpich}
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV" || exit 1
   # the files this leg runs need no torch and no apps: "test-mpi", not "test"
-  "$VENV/bin/pip" install -q ".[mpich,test-mpi]" || exit 1
+  # --no-compile: bytecode is written on first import instead (tests/run.sh says why)
+  "$VENV/bin/pip" install -q --no-compile ".[mpich,test-mpi]" || exit 1
 else  # an existing venv gets this checkout, not the copy it was made with
   "$VENV/bin/pip" install -q --no-deps --force-reinstall . || exit 1
 fi
@@ -18,7 +19,7 @@ PY="$VENV/bin/python"
 lib=$("$PY" -c "from mpi4py import MPI; print(MPI.Get_library_version().split()[0])")
 [ "$lib" = MPICH ] || { echo "mpi4py in $VENV is not linked to MPICH ($lib)" >&2; exit 1; }
 command -v nvidia-smi >/dev/null 2>&1 || export NUMBA_ENABLE_CUDASIM=${NUMBA_ENABLE_CUDASIM:-1}
-export PYTHONDONTWRITEBYTECODE=1
+export PYTHONDONTWRITEBYTECODE=  # bytecode written on first import, as in tests/run.sh
 status=0
 # shellcheck source=tests/stage.sh
 . tests/stage.sh

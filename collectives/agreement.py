@@ -27,7 +27,8 @@ from commlib.core.errors import CommError, InvalidArgument
 from ._common import next_tag, waitall
 from .allgather_bruck import allgather_bruck
 
-__all__ = ["agree", "agree_header", "check_all", "judge", "encode_row", "NeighbourRefusal", "RingHead"]
+__all__ = ["agree", "agree_header", "check_all", "judge", "encode_row", "NeighbourRefusal", "RingHead", "difference",
+           "size_refusal"]
 
 
 def encode_row(values: Sequence[int], *, local_error: CommError | None = None, payload: np.ndarray | None = None,
@@ -132,16 +133,27 @@ class NeighbourRefusal(InvalidArgument):
     :meth:`commlib.elastic.Peer.allreduce`)."""
 
 
-def _difference(names, describe, values, other, r: int, source: int) -> str:
-    """The message of a neighbour check that found ``other`` (int64 ``[err, header...]``
-    of rank ``source``) different from this rank's ``values``: the same text on
-    every rank that raises it."""
+def difference(names, describe, values, other, r: int, source: int, op: str) -> NeighbourRefusal:
+    """The refusal of a rank ``r`` that found ``other`` (int64 ``[err, header...]``
+    of rank ``source``) different from its ``values``: the same text on every rank
+    that raises it."""
     if other[0]:
-        return f"rank {source} passed invalid arguments and rejected the call (see its error)"
+        why = f"rank {source} passed invalid arguments and rejected the call (see its error)"
+    else:
+        d = describe or (lambda _name, v: v)
+        why = "the calls differ: " + "; ".join(
+            f"{name} {d(name, mine)} on rank {r}, {d(name, int(theirs))} on rank {source}"
+            for name, mine, theirs in zip(names, values, other[1:]) if mine != theirs)
+    return NeighbourRefusal(why, rank=r, op=op)
+
+
+def size_refusal(names, describe, values, r: int, source: int, op: str) -> NeighbourRefusal:
+    """The refusal of a rank ``r`` whose first-round message from ``source`` had
+    another size than its own call's: the sender's call differs."""
     d = describe or (lambda _name, v: v)
-    return "the calls differ: " + "; ".join(
-        f"{name} {d(name, mine)} on rank {r}, {d(name, int(theirs))} on rank {source}"
-        for name, mine, theirs in zip(names, values, other[1:]) if mine != theirs)
+    mine = ", ".join(f"{name} {d(name, v)}" for name, v in zip(names, values))
+    return NeighbourRefusal(f"the calls differ: rank {source}'s first message does not fit rank {r}'s call "
+                            f"({mine}): its count, dtype, quantize or algorithm differs", rank=r, op=op)
 
 
 class RingHead:
@@ -211,9 +223,8 @@ class RingHead:
             NeighbourRefusal: the headers differ.
         """
         if got[:self.head].tobytes() != self.row[:self.head].tobytes():
-            raise NeighbourRefusal(_difference(self.names, self.describe, self.values,
-                                               got[:self.head].view(np.int64), self.first.rank, source),
-                                   rank=self.first.rank, op=self.op)
+            raise difference(self.names, self.describe, self.values, got[:self.head].view(np.int64),
+                             self.first.rank, source, self.op)
 
     def check_alone(self, source: int, dest: int, timeout: float | None) -> None:
         """The bare row alone, before the ring's first chunk moves: sent to ``dest``,
@@ -236,11 +247,7 @@ class RingHead:
 
     def refuse_size(self, source: int):
         """The left neighbour's first-round message has another size: its call differs."""
-        d = self.describe or (lambda _name, v: v)
-        mine = ", ".join(f"{name} {d(name, v)}" for name, v in zip(self.names, self.values))
-        raise NeighbourRefusal(f"the calls differ: rank {source}'s first message does not fit rank "
-                               f"{self.first.rank}'s call ({mine}): its count, dtype, quantize or "
-                               "algorithm differs", rank=self.first.rank, op=self.op) from None
+        raise size_refusal(self.names, self.describe, self.values, self.first.rank, source, self.op) from None
 
 
 def check_all(transport, problem: str | None, op: str, exc_type=InvalidArgument, timeout: float | None = None) -> None:

@@ -587,17 +587,28 @@ PAIR_EXCHANGE_MAX = 1 << 20
 #: when ``n`` is not a power of two) instead of the ring's ``2 (n - 1)`` steps of
 #: ``1/n`` of it: below this the steps' latency, not the bytes, is the cost
 RECURSIVE_DOUBLING_TCP_MAX = 256 << 10
+#: bytes up to which an unquantized elastic all-reduce on 3 members is one-shot
+#: (:mod:`.one_shot`): the first round's Bruck all-gather carries every member's
+#: whole vector behind its header (2 messages a member, one vector each) and each
+#: member reduces the three; recursive doubling there is 3 exchanges after a
+#: 2-step argument agreement, its busiest member moving as many vectors.  Measured
+#: (benchmarks/ab_elastic.py, 3 peers on loopback, 2 cores, against recursive
+#: doubling and the ring in the same run): 4-256 KiB 1.08-1.97x wall, 1.42-1.62x
+#: CPU; 512 KiB 1.15-1.41x wall against the ring; 1 MiB 0.72x (the ring moves
+#: ``2 (n - 1) / n`` of the vector a member, one-shot two vectors)
+ONE_SHOT_TCP_MAX = 512 << 10
 #: the elastic all-reduce's choice over the TCP transport, as ``(max_bytes,
 #: algorithm, min_ranks, max_ranks)``: the first entry that fits wins, else the
 #: ring (a quantized call always takes the ring; a call of at most
 #: :func:`~.one_round.small_capacity` bytes travels inside the first round)
 TCP_ALLREDUCE_THRESHOLDS = ((PAIR_EXCHANGE_MAX, "pair_exchange", 2, 2),
+                            (ONE_SHOT_TCP_MAX, "one_shot", 3, 3),
                             (RECURSIVE_DOUBLING_TCP_MAX, "recursive_doubling", 3, 1 << 30))
 
 
 def choose_tcp_allreduce(nbytes: int, nranks: int, quantized: bool) -> str:
     """The elastic all-reduce's algorithm: ``"small"`` (inside the first round),
-    ``"pair_exchange"``, ``"recursive_doubling"`` or ``"ring"``, by
+    ``"pair_exchange"``, ``"one_shot"``, ``"recursive_doubling"`` or ``"ring"``, by
     :data:`TCP_ALLREDUCE_THRESHOLDS`."""
     if quantized:
         return "ring"

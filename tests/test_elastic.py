@@ -15,6 +15,7 @@ import commlib
 import commlib.elastic as el
 from commlib.collectives.one_round import small_capacity
 from commlib.collectives.specs import choose_tcp_allreduce
+from oracles import ring_oracle  # tests/ is on the path (rootdir conftest)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -200,11 +201,12 @@ def test_stats_count_the_ring_traffic(group, count, dtype):
     """Peer.stats against the algorithm's known traffic, plus 28 bytes of header per
     frame on the wire.  The ring (300_001 float64 on 3-4 peers): 2 (n-1)/n x the
     buffer per peer (exactly the chunk sizes), 2 (n-1) x the buffer over all peers.
-    Recursive doubling (1000 float32 on 3-4 peers, up to RECURSIVE_DOUBLING_TCP_MAX):
-    whole-vector messages, log2(n) per peer at 4, and at 3 one fold-in and one
-    fold-out besides (each peer receives as many as it sends).  At 2 peers up to 1 MiB the whole buffer travels in the first
-    round instead, one message each way (48 header bytes and the vector, one
-    frame), and the data plane carries nothing."""
+    Recursive doubling (1000 float32 on 4 peers, up to RECURSIVE_DOUBLING_TCP_MAX):
+    whole-vector messages, log2(n) per peer.  At 2 peers up to 1 MiB the whole
+    buffer travels in the first round instead, one message each way (48 header
+    bytes and the vector, one frame), and the data plane carries nothing; at 3
+    peers up to ONE_SHOT_TCP_MAX likewise, two such messages each way (Bruck's
+    all-gather of the header rows and vectors)."""
     _, peers = group
     n = len(peers)
     streams = peers[0].streams
@@ -238,10 +240,18 @@ def test_stats_count_the_ring_traffic(group, count, dtype):
             assert d["first_round_bytes_sent"] == d["first_round_bytes_received"] == m
             assert d["first_round_wire_bytes_sent"] == d["first_round_wire_bytes_received"] == m + 28
             total += m - 48
+        one_shot = choose_tcp_allreduce(nbytes, n, False) == "one_shot"
+        if one_shot:  # n - 1 messages each way, one frame each: 48 header bytes and a vector
+            m = 48 + nbytes
+            assert d["first_round_bytes_sent"] == d["first_round_bytes_received"] == (n - 1) * m
+            assert d["first_round_wire_bytes_sent"] == d["first_round_wire_bytes_received"] == (n - 1) * (m + 28)
+            total += (n - 1) * nbytes
     if ring or n == 2:
         assert total == 2 * (n - 1) * nbytes
-    else:  # recursive doubling: n log2(n) vectors at 4 peers; at 3, 1 + 2 + 1
-        assert total == {3: 4, 4: 8}[n] * nbytes
+    elif one_shot:  # every peer's vector to every other peer
+        assert total == n * (n - 1) * nbytes
+    else:  # recursive doubling: n log2(n) vectors at 4 peers
+        assert total == {4: 8}[n] * nbytes
 
 
 def test_stats_encrypted_and_auto_streams():
@@ -282,7 +292,9 @@ def test_stats_survive_epochs():
         form([a, b, c], 3)
         run_peers([a, b, c], lambda i, p: p.allreduce(np.ones(999, np.float32)))
         assert a.stats["bytes_sent"] == sum(_data_messages(999, 4, 3, a.rank))
-        assert a.stats["first_round_bytes_sent"] == first + 2 * (48 + small_capacity(3))  # 2 rows (Bruck: 2 steps)
+        # one-shot at 3 peers: Bruck's 2 steps, each the header row and the vector
+        assert choose_tcp_allreduce(999 * 4, 3, False) == "one_shot"
+        assert a.stats["first_round_bytes_sent"] == first + 2 * (48 + 999 * 4)
     finally:
         for p in (a, b, c):
             if p is not None:
@@ -568,6 +580,34 @@ def test_pair_allreduce_one_operand_order_on_both_peers(group, op):
     if op == "avg":
         ref = ref / np.float32(2)
     assert _h(out[0][1]) == _h(ref)
+
+
+@pytest.mark.parametrize("group", [(3, 2)], indirect=True)
+@pytest.mark.parametrize("op", ["sum", "min", "max", "prod", "avg"])
+@pytest.mark.parametrize("count", [300, 10_001, 65_536])
+def test_one_shot_allreduce_holds_the_ring_order_on_every_peer(group, op, count):
+    """At 3 peers up to ONE_SHOT_TCP_MAX bytes the all-reduce is one-shot: the first
+    round all-gathers every peer's header row and whole vector, and each peer
+    reduces the three itself.  Each must compute the ring's reduction order, so the
+    peers hold the same bits, NaNs with different payloads and signed zeros
+    included, and a one-shot call gives what a ring call of the same data would.
+    Oracle: tests/oracles.py's ring_oracle on the inputs in rank order.  Nothing
+    moves on the data plane."""
+    _, peers = group
+    assert choose_tcp_allreduce(count * 4, 3, False) == "one_shot"
+    nan_a = np.frombuffer(np.uint32(0x7FC00001).tobytes(), np.float32)[0]
+    nan_b = np.frombuffer(np.uint32(0xFFC12345).tobytes(), np.float32)[0]
+    data = {}
+    for p in peers:
+        x = np.random.default_rng(p.rank).standard_normal(count).astype(np.float32)
+        x[:4] = ([nan_a, 0.0, -0.0, 1.0], [nan_b, -0.0, 0.0, nan_a], [1.0, -0.0, -0.0, nan_b])[p.rank]
+        x[-3:] = (0.0, -0.0, 3.0) if p.rank else (-0.0, 0.0, nan_b)  # the last chunk too
+        data[p.rank] = x
+    before = [p.stats for p in peers]
+    out = run_peers(peers, lambda i, p: (p.rank, p.allreduce(data[p.rank].copy(), op)))
+    assert len({_h(o) for _, o in out}) == 1, "the peers hold different bits"
+    assert _h(out[0][1]) == _h(ring_oracle([data[r] for r in range(3)], op))
+    assert all(p.stats["bytes_sent"] == b["bytes_sent"] for p, b in zip(peers, before))
 
 
 def test_pair_abort_after_the_exchange_leaves_buf_untouched():

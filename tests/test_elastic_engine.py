@@ -58,8 +58,8 @@ def test_mismatched_calls_refused_on_every_peer(n, case):
     """float32[1000] on one peer and int32[1000] on the others (the same bytes) and
     the other mismatches: InvalidArgument on every peer within 1 s, naming the
     field; the buffers untouched; no data-plane byte sent, and nothing in the first
-    round beyond each peer's own first-round message (header and small payload, or
-    at 2 peers header and vector) and, when the messages' sizes differ, a bare
+    round beyond each peer's own first-round messages (header and small payload, or
+    at 2 peers, and at 3 one-shot, header and vector) and, when the messages' sizes differ, a bare
     48-byte header row; the next call works."""
     master, peers = _group(n)
     try:
@@ -93,13 +93,17 @@ def test_mismatched_calls_refused_on_every_peer(n, case):
             buf, _, q = bufs[i]
             nb = buf.nbytes
             cap = small_capacity(n)
-            own = 48 + (max(cap, nb) if n == 2 and q is None and nb <= el.PAIR_EXCHANGE_MAX else cap)
+            algo = choose_tcp_allreduce(nb, n, q is not None)
+            # the header row and the small-call area, or the whole vector behind the row
+            own = 48 + (max(cap, nb) if algo in ("small", "pair_exchange", "one_shot") else cap)
             sent = p.stats["first_round_bytes_sent"] - b["first_round_bytes_sent"]
-            if n > 2 and choose_tcp_allreduce(nb, n, q is not None) == "ring":
+            if n > 2 and algo == "ring":
                 assert sent == own, (sent, own)  # one row, to the left neighbour
-            elif n > 2 and any(choose_tcp_allreduce(b[0].nbytes, n, b[2] is not None) == "ring" for b in bufs):
+            elif n > 2 and any(choose_tcp_allreduce(b[0].nbytes, n, b[2] is not None) in ("ring", "one_shot")
+                               for b in bufs):
                 # the all-gather's first step at least (a ring member does only that one);
-                # later steps unless the refusal came first
+                # later steps unless the refusal came first (a ring or one-shot member
+                # that sees a difference refuses at once, through the master)
                 assert sent in range(own, (n - 1) * own + 1, own), (sent, own)
             else:
                 assert sent in ((n - 1) * own, (n - 1) * own + 48), (sent, own)

@@ -16,6 +16,7 @@ from commlib.collectives.allreduce_ring import allreduce_ring, ring_scratch
 from commlib.collectives.snapshot import LazySnapshot
 from commlib.collectives.agreement import NeighbourRefusal, RingHead, agree
 from commlib.collectives.one_round import reduce_rows, small_capacity
+from commlib.collectives.one_shot import one_shot_bytes, one_shot_first_round
 from commlib.collectives.pair_round import message_bytes, pair_first_round
 from commlib.collectives.specs import choose_tcp_allreduce
 from commlib.collectives.ops import OPS, dtype_code, dtype_name, get_op, is_floating
@@ -708,7 +709,13 @@ class Peer(StateSync):
         member with that member's message (other members may by then have run a
         few ring steps, undone from the snapshot; their chunks are dropped
         unused); with :attr:`overlap_first_round` False, or quantized, the row
-        alone is checked before the ring starts; on 3 or more members, unquantized, up to
+        alone is checked before the ring starts; on 3 members, unquantized, up to
+        :data:`~commlib.collectives.specs.ONE_SHOT_TCP_MAX` (512 KiB) one-shot
+        (:mod:`commlib.collectives.one_shot`: the first round's all-gather carries
+        every member's header row and whole vector, 2 messages a member, each
+        reducing the three in the ring's order; a member that finds a header or
+        size different reports it to the master, as the ring's); on 4 or more,
+        unquantized, up to
         :data:`~commlib.collectives.specs.RECURSIVE_DOUBLING_TCP_MAX` (256 KiB)
         :func:`~commlib.collectives.allreduce_recursive_doubling.allreduce_recursive_doubling`
         out of place (``ceil(log2 n)`` steps instead of ``2 (n - 1)``; ``buf`` only
@@ -834,15 +841,22 @@ class Peer(StateSync):
 
     def _first_round(self, tr, values, algo, flat, timeout):
         """The all-reduce's first round on ``tr``: the argument agreement, carrying a
-        small call's vector (``algo == "small"``) and, at 2 members, a pair exchange's
-        (:mod:`commlib.collectives.pair_round`); returns every member's payload in
+        small call's vector (``algo == "small"``), at 2 members a pair exchange's
+        (:mod:`commlib.collectives.pair_round`) and a one-shot call's
+        (:mod:`commlib.collectives.one_shot`); returns every member's payload in
         rank order, or None on 1 member.
 
         Raises:
-            InvalidArgument: the members' calls differ (on every member alike).
+            InvalidArgument: the members' calls differ (on every member alike; a
+                :class:`~commlib.collectives.agreement.NeighbourRefusal` on the
+                members that saw it, made everyone's by the master).
         """
         n = tr.size
         header = values[:4] + [_SMALL if algo == "small" else values[4]]
+        if algo == "one_shot":  # every member's header and whole vector to every member
+            self._round_keep = grown(self._round_keep, one_shot_bytes(len(header), n, flat.nbytes))
+            return one_shot_first_round(_FirstRound(tr), header, op="allreduce", vector=flat, keep=self._round_keep,
+                                        timeout=timeout, names=_FIELDS, describe=_describe)
         payload = flat.view(np.uint8) if algo == "small" else None
         if n == 2:  # one message each way: the header row with the payload or the whole vector
             vector = flat if algo == "pair_exchange" else None
@@ -874,15 +888,17 @@ class Peer(StateSync):
         if tr.size == 1:
             opx.finalize(flat, 1)  # the identity for every op: nothing to save
             return None
-        if algo in ("small", "pair_exchange"):
+        if algo in ("small", "pair_exchange", "one_shot"):
             # every member's vector came in the first round (at 2 members up to
-            # PAIR_EXCHANGE_MAX bytes: collectives/pair_round.py), reduced out of place,
-            # so ``buf`` is untouched until the commit and an abort has nothing to
-            # restore; bit-identical on every member: a small call in the ring's order,
-            # the pair exchange as recursive doubling's, rank 0's vector on the left
+            # PAIR_EXCHANGE_MAX bytes: collectives/pair_round.py; at 3 up to
+            # ONE_SHOT_TCP_MAX: collectives/one_shot.py), reduced out of place, so
+            # ``buf`` is untouched until the commit and an abort has nothing to
+            # restore; bit-identical on every member: a small or one-shot call in the
+            # ring's order, the pair exchange as recursive doubling's, rank 0's vector
+            # on the left
             self._pair_keep = grown(self._pair_keep, nb)
             result = self._pair_keep[:nb].view(flat.dtype)
-            if algo == "small":
+            if algo != "pair_exchange":
                 reduce_rows(rows, flat.dtype, flat.size, opx, result)
             else:
                 combine_pair(opx, result, rows[tr.rank][:nb].view(flat.dtype), rows[1 - tr.rank][:nb].view(flat.dtype),

@@ -69,7 +69,7 @@ def _cuda_extra():
 
 
 # the test runner and its plugins (the "test" extra adds what the whole suite needs)
-TEST_MPI = ["pytest>=7", "pytest-mpi>=0.6", "pytest-timeout>=2.1", "pytest-xdist>=3", "hypothesis>=6"]
+TEST_MPI = ["pytest>=7", "pytest-mpi>=0.6", "pytest-timeout>=2.1", "pytest-xdist>=3.2", "hypothesis>=6"]
 
 
 def _packages():

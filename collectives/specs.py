@@ -582,7 +582,7 @@ def _nothing(c: Call, result) -> None:
 #: two steps after the first round (measured on loopback, 2 cores: 4-256 KiB
 #: 1.3-1.8x faster, 1 MiB even, 8 MiB slower)
 PAIR_EXCHANGE_MAX = 1 << 20
-#: bytes up to which an unquantized elastic all-reduce on 3 or more members runs
+#: bytes up to which an unquantized elastic all-reduce on 4 or more members runs
 #: recursive doubling (``ceil(log2 n)`` exchanges of the whole vector, plus two
 #: when ``n`` is not a power of two) instead of the ring's ``2 (n - 1)`` steps of
 #: ``1/n`` of it: below this the steps' latency, not the bytes, is the cost
@@ -603,7 +603,7 @@ ONE_SHOT_TCP_MAX = 512 << 10
 #: :func:`~.one_round.small_capacity` bytes travels inside the first round)
 TCP_ALLREDUCE_THRESHOLDS = ((PAIR_EXCHANGE_MAX, "pair_exchange", 2, 2),
                             (ONE_SHOT_TCP_MAX, "one_shot", 3, 3),
-                            (RECURSIVE_DOUBLING_TCP_MAX, "recursive_doubling", 3, 1 << 30))
+                            (RECURSIVE_DOUBLING_TCP_MAX, "recursive_doubling", 4, 1 << 30))
 
 
 def choose_tcp_allreduce(nbytes: int, nranks: int, quantized: bool) -> str:

@@ -263,6 +263,44 @@ def test_call_after_a_caught_peer_failure_completes(how):
         _close(master, peers)
 
 
+def test_one_shot_survives_a_peer_closed_mid_call():
+    """15 randomized trials: 3 peers run a one-shot all-reduce (float32, 16-128 Ki
+    elements: the first round carries every vector) and one of them, drawn at
+    random, closes 0-15 ms into the call (its sockets shut, as a death does).  Each
+    survivor's call returns, and holds bit for bit the ring order's reduction
+    (tests/oracles.py) over the members of the epoch it completed in: all three
+    inputs when the close came after the commit, else the two survivors' (the
+    retry over the next epoch, ranks as that epoch numbers them); both survivors
+    hold the same bits."""
+    from oracles import ring_oracle  # noqa: PLC0415 - tests/ is on the path
+
+    rng = random.Random(2026)
+    retried = 0
+    for trial in range(15):
+        master, peers = _group(3)
+        try:
+            count = rng.randrange(16 << 10, 128 << 10)
+            assert choose_tcp_allreduce(count * 4, 3, False) == "one_shot"
+            data = [np.random.default_rng([trial, i]).standard_normal(count).astype(np.float32) for i in range(3)]
+            bufs = [d.copy() for d in data]
+            victim = rng.randrange(3)
+            ranks = [p.rank for p in peers]
+            threading.Timer(rng.uniform(0, 0.015), peers[victim].close).start()
+            out = _outcomes(peers, lambda i, p: p.allreduce(bufs[i], "sum", timeout=15))
+            alive = [i for i in range(3) if i != victim]
+            for i in alive:
+                assert out[i][1] is None, (trial, i, repr(out[i][1]))
+            assert _h(bufs[alive[0]]) == _h(bufs[alive[1]]), f"trial {trial}: the survivors differ"
+            members = [i for i in range(3) if peers[alive[0]].size == 3 or i != victim]  # committed before the close?
+            retried += len(members) == 2
+            want = ring_oracle([data[i] for i in sorted(members, key=lambda i: (peers[i].rank, ranks[i]))], "sum")
+            assert _h(bufs[alive[0]]) == _h(want), f"trial {trial}: not the reduction over the epoch's members"
+        finally:
+            _close(master, peers)
+    print(f"one-shot, a peer closed mid-call: {retried} of 15 calls retried over the survivors")
+    assert retried >= 3, "the closes came too late to land inside the calls"
+
+
 @pytest.mark.parametrize("nbytes", [64, 1 << 20])
 def test_skipped_collective_fails_within_timeout(nbytes):
     """Two of three members call allreduce(timeout=2), the third skips it: both raise

@@ -255,8 +255,10 @@ def test_stats_count_the_ring_traffic(group, count, dtype):
 
 
 def test_stats_encrypted_and_auto_streams():
-    """With encrypt=True each frame adds a 16-byte AES-GCM tag on the wire; with the
-    default streams=None, peers on loopback use one connection per pair."""
+    """With encrypt=True each frame adds a 16-byte AES-GCM tag on the wire (a ring
+    call's frames and a one-shot call's gather-sent ones, whose result must still be
+    the ring order's); with the default streams=None, peers on loopback use one
+    connection per pair."""
     master = el.Master(secret=SECRET, encrypt=True).start()
     peers = [el.connect(master.address, secret=SECRET, timeout=20, encrypt=True) for _ in range(3)]
     try:
@@ -272,6 +274,16 @@ def test_stats_encrypted_and_auto_streams():
             assert d["wire_bytes_sent"] == sum(msgs) + (28 + 16) * sum(_frames(m, 1) for m in msgs)
             links = p._tr._links
             assert links and all(len(link.conns) == 1 for link in links.values())
+        # a one-shot call, sealed: two gather-sent frames of header row and vector each way
+        count = 25_000
+        data = [np.random.default_rng(r).standard_normal(count).astype(np.float32) for r in range(3)]
+        before = {p.id: p.stats for p in peers}
+        out = run_peers(peers, lambda i, p: p.allreduce(data[p.rank].copy(), "sum"))
+        assert all(_h(o) == _h(ring_oracle(data, "sum")) for o in out)
+        for p in peers:
+            d = {k: p.stats[k] - before[p.id][k] for k in before[p.id]}
+            assert d["bytes_sent"] == 0 and d["first_round_bytes_sent"] == 2 * (48 + 4 * count)
+            assert d["first_round_wire_bytes_sent"] == 2 * (48 + 4 * count + 28 + 16)
     finally:
         for p in peers:
             p.close()

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from commlib.core import agreement as _hdr
-from commlib.core.errors import CommError, InvalidArgument
+from commlib.core.errors import CommError, InvalidArgument, MessageSizeMismatch
 
 from ._common import next_tag, waitall
 from .allgather_bruck import allgather_bruck
@@ -240,7 +240,7 @@ class RingHead:
         sq = self.first.isend(self.row[:self.rowbytes], dest, self.tag)
         try:
             waitall(self.first, [rq], timeout)
-        except InvalidArgument:
+        except MessageSizeMismatch:
             self.refuse_size(source)
         self.check(got, source)
         waitall(self.first, [sq], timeout)

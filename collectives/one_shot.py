@@ -29,7 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
-from commlib.core.errors import InvalidArgument
+from commlib.core.errors import MessageSizeMismatch
 
 from ._common import next_tag, waitall
 from .agreement import encode_row, difference, size_refusal
@@ -86,7 +86,7 @@ def one_shot_first_round(first, values: Sequence[int], *, op: str, vector: np.nd
         sq = first.isend((row, mine, got[:(m - 1) * msg]) if m > 1 else (row, mine), (r + k) % n, tag)
         try:
             waitall(first, [rq], timeout)
-        except InvalidArgument:
+        except MessageSizeMismatch:
             raise size_refusal(names, describe, values, r, source, op) from None
         for j in range(m):
             theirs = into[j * msg:j * msg + head]

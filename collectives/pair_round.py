@@ -26,7 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
-from commlib.core.errors import InvalidArgument
+from commlib.core.errors import InvalidArgument, MessageSizeMismatch
 
 from ._common import next_tag, waitall
 from .agreement import encode_row, judge
@@ -92,7 +92,7 @@ def pair_first_round(first, values: Sequence[int], *, op: str, capacity: int, se
     sreq = first.isend((msg[:head], mine) if gather else msg, peer, tag)
     try:
         waitall(first, [rreq], timeout)
-    except InvalidArgument:
+    except MessageSizeMismatch:
         # the peer's message has another size, so its call differs: bare rows name how
         waitall(first, [sreq], timeout)
         row = msg[:head].copy()

@@ -19,7 +19,7 @@ import functools
 
 import numpy as np
 
-from commlib.core.errors import InvalidArgument
+from commlib.core.errors import MessageSizeMismatch
 
 from ._common import exchange, next_tag, waitall
 from .ops import get_op
@@ -139,7 +139,7 @@ def _headed_step(transport, head, chunk, right: int, rbuf, left: int, tag: int, 
         overlap()
     try:
         waitall(first, [rq], timeout)
-    except InvalidArgument:
+    except MessageSizeMismatch:
         head.refuse_size(left)
     head.check(got, left)
     waitall(transport, data + sends, timeout)

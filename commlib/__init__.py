@@ -39,6 +39,7 @@ from .core.errors import (
     CommTimeout,
     DatatypeError,
     InvalidArgument,
+    MessageSizeMismatch,
     ProcessFailed,
 )
 
@@ -75,6 +76,6 @@ __all__ = [
     "init", "compute_dims", "Communicator", "CartCommunicator", "PROC_NULL", "ANY_SOURCE", "ANY_TAG",
     "Buffer", "as_buffer",
     "CommError", "InvalidArgument", "ProcessFailed", "CommTimeout", "DatatypeError", "BufferError",
-    "AuthenticationError",
+    "AuthenticationError", "MessageSizeMismatch",
     *_ATTENTION,
 ]

@@ -510,7 +510,7 @@ def test_connection_reader_survives_a_writer_with_timeouts():
 def test_first_round_message_of_another_size_fails_its_receive_only(posted_first, sent, posted):
     """A first-round message (one frame, never striped, even with 4 streams) whose
     size differs from the receive posted for it fails that receive with
-    InvalidArgument, whether it came before or after the post (buffered, held, or
+    MessageSizeMismatch (an InvalidArgument), whether it came before or after the post (buffered, held, or
     read straight in); the link stays up: the next messages, both ways, arrive
     intact."""
     with tcp_group(2, 4) as ts:
@@ -525,7 +525,7 @@ def test_first_round_message_of_another_size_fails_its_receive_only(posted_first
             sq = ts[0].isend(src, 1, tag=tag)
             time.sleep(0.1)  # the frame arrives before the post
             rq = ts[1].irecv(dst, 0, tag=tag)
-        with pytest.raises(commlib.InvalidArgument, match="does not match the posted receive"):
+        with pytest.raises(commlib.MessageSizeMismatch, match="does not match the posted receive"):
             rq.wait(10)
         sq.wait(10)
         assert not ts[0].failed_ranks() and not ts[1].failed_ranks()
@@ -698,3 +698,80 @@ def test_receive_posted_for_another_size_while_its_frame_is_read():
         ts[1].abort_tag(5)
         with pytest.raises(commlib.CommError):
             pending.wait(1)
+
+
+class _First:
+    """A TCP transport as a collective's first round uses it (its first-round tags)."""
+
+    def __init__(self, tr):
+        self._tr, self.tags = tr, tr.first_round_tags
+
+    def __getattr__(self, name):
+        return getattr(self._tr, name)
+
+
+def _first_round(kind, tr, values, nbytes, timeout=10):
+    from commlib.collectives.agreement import RingHead
+    from commlib.collectives.one_shot import one_shot_bytes, one_shot_first_round
+    from commlib.collectives.pair_round import message_bytes, pair_first_round
+    first = _First(tr)
+    vec = np.arange(nbytes, dtype=np.uint8)
+    names = [f"f{i}" for i in range(len(values))]
+    if kind == "one_shot":
+        keep = np.zeros(one_shot_bytes(len(values), tr.size, nbytes), np.uint8)
+        return one_shot_first_round(first, values, op="t", vector=vec, keep=keep, timeout=timeout, names=names)
+    if kind == "ring_head":
+        keep = np.zeros(RingHead.need(len(values), 64, 0), np.uint8)
+        head = RingHead(first, values, op="t", capacity=64, keep=keep, send_joined=False, recv_joined=False,
+                        names=names)
+        return head.check_alone((tr.rank - 1) % tr.size, (tr.rank + 1) % tr.size, timeout)
+    buf = [np.zeros(message_bytes(len(values), 64, nbytes), np.uint8) for _ in range(2)]
+    return pair_first_round(first, values, op="t", capacity=64, sendbuf=buf[0], recvbuf=buf[1], vector=vec,
+                            timeout=timeout, names=names)
+
+
+@pytest.mark.parametrize("kind,n", [("one_shot", 3), ("ring_head", 2), ("ring_head", 3), ("pair", 2)])
+def test_first_round_aborted_by_a_refusal_is_not_a_size_mismatch(kind, n):
+    """A first round's receive failed by a relayed refusal (``abort_tags`` with the
+    master's reason) raises that refusal, not a size refusal of this rank's own
+    (which the elastic peer would report as a second ``refuse``); a message of
+    another size still raises the size refusal (NeighbourRefusal), on the ranks
+    that received it."""
+    from commlib.collectives.agreement import NeighbourRefusal
+    with tcp_group(n, 1) as ts:
+        _warm(ts)
+        for t in ts:
+            t.begin_operation(5)
+        out = {}
+        th = threading.Thread(target=lambda: out.setdefault("e", _catch(lambda: _first_round(kind, ts[1], [1, 2, 3],
+                                                                                             4096))))
+        th.start()
+        time.sleep(0.2)  # rank 1 waits on its first receive; nobody else calls
+        data, first = ts[1].operation_tags(5)
+        ts[1].abort_tags((*data, *first), lambda t: commlib.InvalidArgument("refused by the master", rank=1, op="t"))
+        th.join(20)
+        exc = out["e"]
+        assert isinstance(exc, commlib.InvalidArgument) and not isinstance(exc, NeighbourRefusal), repr(exc)
+        assert "refused by the master" in str(exc)
+    with tcp_group(n, 1) as ts:
+        _warm(ts)
+        for t in ts:
+            t.begin_operation(5)
+        # rank 0's message is longer: a longer vector (one-shot, pair), a longer row (ring head)
+        values = [[1, 2, 3, 4] if r == 0 and kind == "ring_head" else [1, 2, 3] for r in range(n)]
+        got = run_all(list(range(n)), lambda r: _catch(lambda: _first_round(kind, ts[r], values[r],
+                                                                            4096 + 8 * (r == 0), timeout=3)))
+        if kind == "pair":  # both ranks judge the bare rows: the same refusal on both
+            assert all(isinstance(e, commlib.InvalidArgument) and "differ" in str(e) for e in got), got
+        else:  # rank 0's right neighbour receives its message, rank 0 rank n - 1's (rank 2 of a
+            # one-shot may wait for rank 0's second step, which never comes: a timeout)
+            for r in (0, 1):
+                assert isinstance(got[r], NeighbourRefusal) and "does not fit" in str(got[r]), (r, got[r])
+
+
+def _catch(fn):
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001
+        return exc
+    return None

@@ -55,7 +55,7 @@ from typing import Callable
 
 import numpy as np
 
-from commlib.core.errors import CommError, CommTimeout, InvalidArgument, ProcessFailed
+from commlib.core.errors import CommError, CommTimeout, InvalidArgument, MessageSizeMismatch, ProcessFailed
 
 from commlib.core.tags import TagAllocator
 
@@ -86,7 +86,7 @@ INLINE_MAX = 16 << 10         #: messages of at most this many bytes are written
 #: tags from here up carry a collective's first round (argument agreement, small
 #: payloads: :attr:`TCPTransport.first_round_tags`), counted apart from the data
 #: plane and sent as one frame each (never striped): a receive posted for another
-#: size fails at once with :class:`InvalidArgument`, the link staying up
+#: size fails at once with :class:`MessageSizeMismatch`, the link staying up
 FIRST_ROUND_TAG = 1 << 61
 #: seconds a revoke waits for frames being read into posted buffers before it cuts their links
 QUIESCE = 1.0
@@ -594,10 +594,10 @@ class TCPTransport(Transport):
 
     def _mismatch_locked(self, slot: _Slot, key) -> None:
         """A message from ``key[0]`` does not fit the receive posted for it (its size
-        differs): fail that receive with :class:`InvalidArgument` and drop the rest of
+        differs): fail that receive with :class:`MessageSizeMismatch` and drop the rest of
         the message (its tag ``key[1]`` is aborted); the link stays up."""
-        slot.req._fail(InvalidArgument(f"a message from rank {key[0]} does not match the posted receive "
-                                       f"({len(slot.view)} bytes)", rank=self._rank, op="irecv"))
+        slot.req._fail(MessageSizeMismatch(f"a message from rank {key[0]} does not match the posted receive "
+                                           f"({len(slot.view)} bytes)", rank=self._rank, op="irecv"))
         self._aborted.setdefault(key[1], None)
         dq = self._slots.get(key)
         if dq is not None and slot in dq:

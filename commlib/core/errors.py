@@ -14,6 +14,7 @@ __all__ = [
     "BufferError",
     "AuthenticationError",
     "InvalidArgument",
+    "MessageSizeMismatch",
     "PeerFailure",
     "AuthError",
     "SecretError",
@@ -47,6 +48,19 @@ class CommError(RuntimeError):
 
 class InvalidArgument(CommError, ValueError):
     """A call's arguments are wrong (shape, dtype, size, option). Raised before any byte moves."""
+
+
+class MessageSizeMismatch(InvalidArgument):
+    """A message's size (bytes) differs from the receive posted for it.
+
+    Raised by the TCP transport's receive (:class:`~commlib.transports.tcp.TCPTransport`)
+    when the sender's message is larger or smaller than the posted buffer: nothing
+    past the buffer is written, the rest of the message is dropped and the link stays
+    up.  Collectives that post their first round's receive at the size their own call
+    implies take it to mean the sender's call differs (and refuse the call), which
+    they must not infer from any other :class:`InvalidArgument` (a receive aborted by
+    a relayed refusal, say).
+    """
 
 
 class ProcessFailed(CommError):

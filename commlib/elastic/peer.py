@@ -775,37 +775,41 @@ class Peer(StateSync):
         flat = buf.reshape(-1)
         policy = _MasterPolicy(self, "allreduce", deadline, timeout, retry, max_retries)
         keep = {}
-
-        def attempt(tr, left, survivors):
-            algo = choose_tcp_allreduce(flat.nbytes, tr.size, quantize is not None)
-            try:
-                if algo == "ring" and tr.size > 1:
-                    # the ring's first round: the header row in front of the ring's first
-                    # chunk, compared before anything is combined or written into buf; or
-                    # (overlap_first_round False; a quantized ring writes a chunk's
-                    # dequantized value into buf as it sends it) that row alone first
-                    alone = quantize is not None or not self.overlap_first_round
-                    head = self._ring_head(tr, values, flat, alone)
-                    if not alone:
-                        return self._allreduce_data(tr, flat, opx, quantize, left, algo, None, keep, head=head)
-                    head.check_alone((tr.rank - 1) % tr.size, (tr.rank + 1) % tr.size, left)
-                    return self._allreduce_data(tr, flat, opx, quantize, left, algo, None, keep)
-                rows = self._first_round(tr, values, algo, flat, left)
-                return self._allreduce_data(tr, flat, opx, quantize, left, algo, rows, keep)
-            except InvalidArgument:
-                # the calls differ: a member that chose the ring has sent its first chunk
-                # (and posted its receive) under this call's tags, another may wait in
-                # the first round for a message that will not come; drop them all here
-                # (abort_tags returns once no frame of theirs is still landing in a
-                # kept scratch, so the scratch is reused as is)
-                data, first = tr.operation_tags(policy.tag[1])
-                tr.abort_tags((*data, *first))
-                raise
-
-        result = run(policy, attempt, lambda: keep["snap"].restore() if keep.get("snap") is not None else None)
+        result = run(policy, functools.partial(self._allreduce_attempt, flat, values, opx, quantize, policy, keep),
+                     lambda: keep["snap"].restore() if keep.get("snap") is not None else None)
         if result is not None:
             flat[...] = result
         return buf
+
+    def _allreduce_attempt(self, flat, values, opx, quantize, policy, keep, tr, left, survivors):
+        """One attempt of :meth:`allreduce` on the epoch's transport ``tr``, ``left``
+        seconds left: the first round, then the data part (:meth:`_allreduce_data`);
+        returns what that returns.  ``keep["snap"]``: the ring's snapshot, for the
+        runner's restore."""
+        algo = choose_tcp_allreduce(flat.nbytes, tr.size, quantize is not None)
+        try:
+            if algo == "ring" and tr.size > 1:
+                # the ring's first round: the header row in front of the ring's first
+                # chunk, compared before anything is combined or written into buf; or
+                # (overlap_first_round False; a quantized ring writes a chunk's
+                # dequantized value into buf as it sends it) that row alone first
+                alone = quantize is not None or not self.overlap_first_round
+                head = self._ring_head(tr, values, flat, alone)
+                if not alone:
+                    return self._allreduce_data(tr, flat, opx, quantize, left, algo, None, keep, head=head)
+                head.check_alone((tr.rank - 1) % tr.size, (tr.rank + 1) % tr.size, left)
+                return self._allreduce_data(tr, flat, opx, quantize, left, algo, None, keep)
+            rows = self._first_round(tr, values, algo, flat, left)
+            return self._allreduce_data(tr, flat, opx, quantize, left, algo, rows, keep)
+        except InvalidArgument:
+            # the calls differ: a member that chose the ring has sent its first chunk
+            # (and posted its receive) under this call's tags, another may wait in
+            # the first round for a message that will not come; drop them all here
+            # (abort_tags returns once no frame of theirs is still landing in a
+            # kept scratch, so the scratch is reused as is)
+            data, first = tr.operation_tags(policy.tag[1])
+            tr.abort_tags((*data, *first))
+            raise
 
     def _refusal(self, why: str, tag) -> InvalidArgument:
         """The error of an operation a member refused (:data:`.protocol.REFUSE`)."""

@@ -21,7 +21,23 @@ import numpy as np
 
 from ._common import exchange, next_tag
 
-__all__ = ["allgather_bruck"]
+__all__ = ["allgather_bruck", "bruck_steps"]
+
+
+def bruck_steps(n: int):
+    """The schedule of Bruck's all-gather on ``n`` ranks.
+
+    Yields:
+        ``(k, m, have)`` per step (``ceil(log2 n)`` of them): the distance ``k``
+        (1, 2, 4, ...) to the step's partners, the ``m = min(k, n - have)``
+        blocks that move each way, and the ``have`` blocks a rank held before it.
+    """
+    have, k = 1, 1
+    while have < n:
+        m = min(k, n - have)
+        yield k, m, have
+        have += m
+        k *= 2
 
 
 def allgather_bruck(transport, sendbuf: np.ndarray, recvbuf: np.ndarray, *, timeout: float | None = None) -> None:
@@ -41,14 +57,10 @@ def allgather_bruck(transport, sendbuf: np.ndarray, recvbuf: np.ndarray, *, time
     count = sendbuf.size
     work = np.empty(n * count, sendbuf.dtype)  # block i: rank (r + i) % n's
     work[:count] = sendbuf
-    have, k = 1, 1
     tag = next_tag(transport)
-    while have < n:
-        m = min(k, n - have)
+    for k, m, have in bruck_steps(n):
         exchange(transport, work[:m * count], (r - k) % n, work[have * count:(have + m) * count], (r + k) % n, tag,
                  timeout)
-        have += m
-        k *= 2
     # work block i holds rank (r + i) % n's: rotate into rank order
     head = (n - r) * count
     recvbuf[r * count:] = work[:head]

@@ -33,6 +33,7 @@ from commlib.core.errors import MessageSizeMismatch
 
 from ._common import next_tag, waitall
 from .agreement import encode_row, difference, size_refusal
+from .allgather_bruck import bruck_steps
 
 __all__ = ["one_shot_first_round", "one_shot_bytes"]
 
@@ -76,9 +77,7 @@ def one_shot_first_round(first, values: Sequence[int], *, op: str, vector: np.nd
     own = row.tobytes()
     got = keep[:(n - 1) * msg]  # block i: rank (r - 1 - i) % n's message
     tag = next_tag(first)
-    have, k = 1, 1
-    while have < n:
-        m = min(k, n - have)
+    for k, m, have in bruck_steps(n):  # Bruck's schedule, mirrored: to r + k, from r - k
         source = (r - k) % n
         into = got[(have - 1) * msg:(have - 1 + m) * msg]
         rq = first.irecv(into, source, tag)
@@ -93,8 +92,6 @@ def one_shot_first_round(first, values: Sequence[int], *, op: str, vector: np.nd
             if theirs.tobytes() != own:
                 raise difference(names, describe, values, theirs.view(np.int64), r, (source - j) % n, op)
         waitall(first, [sq], timeout)
-        have += m
-        k *= 2
     out = [mine] * n
     for i in range(n - 1):
         out[(r - 1 - i) % n] = got[i * msg + head:(i + 1) * msg]

@@ -14,7 +14,11 @@ slowest peer's), steadier than the wall time where the peers outnumber the
 cores (4 peers on 2 cores: wall medians of one build ranged 4.7-10 ms a
 call at 3 peers, 1 MiB, run to run).  The bench_elastic busbw
 figures come from best-of-trials of ~0.2 s each; on a shared 2-core machine
-their run-to-run spread is ±30%, which this harness's medians narrow.
+their run-to-run spread is ±30%, which this harness's medians narrow.  Each
+line ends with the repetitions' paired ratios (the two runs of a repetition
+run back to back, in alternating order): their median, their quartile range
+and a verdict ("faster", "slower", or "within the spread" when the range holds
+1), so a ratio of 0.94x is read against the machine's own spread.
 
 Run::
 
@@ -116,7 +120,10 @@ def main(argv=None) -> int:
     res = {s: {"before": [], "after": []} for s in a.sizes}
     for rep in range(a.reps):
         for s in a.sizes:
-            for side, site in (("before", a.before), ("after", None)):
+            # the two runs of a repetition back to back, their order alternating, so a
+            # drift of the machine's load favours neither side
+            sides = (("before", a.before), ("after", None))
+            for side, site in (sides if rep % 2 == 0 else sides[::-1]):
                 res[s][side].append(_one(site, a.peers, s, a.iters))
         print(f"repetition {rep + 1}/{a.reps} done", file=sys.stderr, flush=True)
     for k, what in ((0, "us per call (slowest peer's mean)"), (1, "CPU us per call and peer process (the slowest)")):
@@ -125,8 +132,23 @@ def main(argv=None) -> int:
             b, f = [x[k] for x in res[s]["before"]], [x[k] for x in res[s]["after"]]
             print(f"{s:>10} B  before median {statistics.median(b):8.0f} min {min(b):8.0f}   "
                   f"after median {statistics.median(f):8.0f} min {min(f):8.0f}   "
-                  f"after/before {statistics.median(b) / statistics.median(f):.2f}x (speed, medians)")
+                  f"after/before {statistics.median(b) / statistics.median(f):.2f}x (speed, medians)   "
+                  f"{paired_summary(b, f)}")
     return 0
+
+
+def paired_summary(before: list[float], after: list[float]) -> str:
+    """The repetitions' paired speed ratios (``before[i] / after[i]``, the two runs of
+    repetition ``i`` back to back): their median and quartiles, and a verdict that
+    calls a difference only when the quartile range excludes 1 (fewer than 4
+    repetitions: no verdict)."""
+    ratios = sorted(x / y for x, y in zip(before, after))
+    med = statistics.median(ratios)
+    if len(ratios) < 4:
+        return f"paired {med:.2f}x"
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    verdict = "faster" if q1 > 1 else "slower" if q3 < 1 else "within the spread"
+    return f"paired {med:.2f}x [{q1:.2f}, {q3:.2f}] {verdict}"
 
 
 if __name__ == "__main__":

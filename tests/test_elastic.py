@@ -570,6 +570,29 @@ def test_bench_socket_floor_ring_is_a_correct_allreduce(tmp_path, n):
     assert all(row["time_s"] > 0 for row in res["rows"])
 
 
+def test_ab_harness_paired_verdict():
+    """benchmarks/ab_elastic.py's paired summary: after = before * c in every
+    repetition gives a median paired speed of exactly 1/c and the verdict of its
+    side of 1; repetitions that straddle 1 are "within the spread"; under 4
+    repetitions no verdict is given."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    try:
+        import ab_elastic as ab
+    finally:
+        sys.path.pop(0)
+    rng = np.random.default_rng(7)
+    before = list(rng.uniform(500, 5000, 9))
+    for c, verdict in ((0.8, "faster"), (1.25, "slower")):
+        out = ab.paired_summary(before, [b * c for b in before])
+        assert out == f"paired {1 / c:.2f}x [{1 / c:.2f}, {1 / c:.2f}] {verdict}", out
+    mixed = [b * f for b, f in zip(before, (0.9, 1.1, 0.95, 1.05, 1.0, 0.97, 1.03, 0.92, 1.08))]
+    assert ab.paired_summary(before, mixed).endswith("within the spread")
+    assert ab.paired_summary(before[:3], before[:3]) == "paired 1.00x"
+
+
 @pytest.mark.parametrize("group", [(2, 2)], indirect=True)
 @pytest.mark.parametrize("op", ["sum", "min", "max", "prod", "avg"])
 def test_pair_allreduce_one_operand_order_on_both_peers(group, op):

@@ -200,6 +200,14 @@ class RingHead:
         self.row[self.head:] = 0
         self.tag = next_tag(first)
 
+    def renew(self) -> "RingHead":
+        """This head for the group's next operation with the same header and sizes:
+        the next tag of ``first``'s first-round allocator (``first.tags`` is read
+        anew: the caller's wrapper must return the current operation's); the row
+        stays encoded in ``keep``, which the caller must not have written since."""
+        self.tag = next_tag(self.first)
+        return self
+
     @staticmethod
     def need(nfields: int, capacity: int, chunk_nbytes: int) -> int:
         """Scratch bytes for a chunk of at most ``chunk_nbytes``: this rank's row and

@@ -70,6 +70,10 @@ def _describe(name: str, value: int):
 def _allreduce_header(buf, op, quantize, rank):
     """Validate one peer's all-reduce arguments, before anything moves.
 
+    The buffer's kind, layout and writability are checked on every call; what
+    follows from its dtype, size, ``op`` and ``quantize`` alone is validated once
+    per combination and kept (:func:`_header_of`).
+
     Returns:
         ``(values, local_error, op)``: the header ints (:data:`_FIELDS`), this
         peer's :class:`InvalidArgument` or None, and the :class:`~commlib.collectives.ops.Op`.
@@ -80,22 +84,37 @@ def _allreduce_header(buf, op, quantize, rank):
         if not buf.flags.writeable:
             raise InvalidArgument("buf is read-only: the all-reduce writes its result into it", rank=rank,
                                   op="allreduce")
-        check_plain_dtype(buf.dtype, rank, "allreduce", "buf")
-        if buf.dtype.kind not in "biufc":
-            raise InvalidArgument(f"buf must have a numeric dtype, got {buf.dtype}", rank=rank, op="allreduce")
-        if not isinstance(op, str) or op not in OPS:
-            raise InvalidArgument(f"op must be one of {', '.join(OPS)}, got {op!r}", rank=rank, op="allreduce")
-        opx = get_op(op, rank=rank, opname="allreduce")
-        opx.check(buf.dtype, rank=rank, op="allreduce")
-        if quantize not in _QUANTIZE:
-            raise InvalidArgument(f"quantize must be None, 'fp16' or 'int8', got {quantize!r}", rank=rank,
-                                  op="allreduce")
-        if quantize is not None and not is_floating(buf.dtype):
-            raise InvalidArgument("quantize needs a floating dtype", rank=rank, op="allreduce")
+        if type(op) is str and (quantize is None or type(quantize) is str):
+            values, opx = _header_of(buf.dtype, buf.size, op, quantize, rank)
+            return list(values), None, opx
+        values, opx = _header_of.__wrapped__(buf.dtype, buf.size, op, quantize, rank)
     except InvalidArgument as exc:
         return [0] * len(_FIELDS), exc, None
-    values = [_OPERATION, buf.size, dtype_code(buf.dtype), opx.code, _QUANTIZE.index(quantize) + 1]
-    return values, None, opx
+    return list(values), None, opx
+
+
+@functools.lru_cache(maxsize=256)
+def _header_of(dtype, size: int, op, quantize, rank) -> tuple:
+    """The header ints and the Op of a valid call on a buffer of ``dtype`` and
+    ``size`` elements (kept per combination: asked on every all-reduce).
+
+    Raises:
+        InvalidArgument: a dtype, ``op`` or ``quantize`` the all-reduce refuses
+            (never kept: raised anew on each call).
+    """
+    check_plain_dtype(dtype, rank, "allreduce", "buf")
+    if dtype.kind not in "biufc":
+        raise InvalidArgument(f"buf must have a numeric dtype, got {dtype}", rank=rank, op="allreduce")
+    if not isinstance(op, str) or op not in OPS:
+        raise InvalidArgument(f"op must be one of {', '.join(OPS)}, got {op!r}", rank=rank, op="allreduce")
+    opx = get_op(op, rank=rank, opname="allreduce")
+    opx.check(dtype, rank=rank, op="allreduce")
+    if quantize not in _QUANTIZE:
+        raise InvalidArgument(f"quantize must be None, 'fp16' or 'int8', got {quantize!r}", rank=rank,
+                              op="allreduce")
+    if quantize is not None and not is_floating(dtype):
+        raise InvalidArgument("quantize needs a floating dtype", rank=rank, op="allreduce")
+    return (_OPERATION, size, dtype_code(dtype), opx.code, _QUANTIZE.index(quantize) + 1), opx
 
 
 class _FirstRound:
@@ -108,7 +127,6 @@ class _FirstRound:
 
     def __init__(self, tr, mirror: bool = False):
         self._tr = tr
-        self.tags = tr.first_round_tags
         if mirror:
             n = tr.size
             self.rank = (n - tr.rank) % n
@@ -116,6 +134,12 @@ class _FirstRound:
             self.irecv = lambda buf, source, tag=0: tr.irecv(buf, (n - source) % n, tag)
             self.sendrecv = lambda sb, dest, rb, source, stag=0, rtag=0: tr.sendrecv(sb, (n - dest) % n, rb,
                                                                                     (n - source) % n, stag, rtag)
+
+    @property
+    def tags(self):
+        """The transport's first-round allocator of the current operation (renewed by
+        its ``begin_operation``), read at each use: a kept wrapper never goes stale."""
+        return self._tr.first_round_tags
 
     def __getattr__(self, name):
         return getattr(self._tr, name)
@@ -347,6 +371,8 @@ class Peer(StateSync):
         self._ring_keep: np.ndarray | None = None  # the in-place ring's receive scratch (ring_scratch)
         self._pair_keep: np.ndarray | None = None  # the one-round, pair-exchange and recursive-doubling result
         self._round_keep: np.ndarray | None = None  # 2 peers: the first round's two messages
+        self._head_keep: np.ndarray | None = None  # the ring head's row and the left neighbour's message
+        self._head_plan = None  # (transport, key, RingHead) of the last ring-sized call (_ring_head)
         threading.Thread(target=self._reader, daemon=True, name="commlib-peer-rx").start()
         threading.Thread(target=self._heartbeat, daemon=True, name="commlib-peer-hb").start()
 
@@ -824,13 +850,23 @@ class Peer(StateSync):
 
         A link carries row and chunk joined when both its ends are on loopback
         addresses (both ends see that alike; elsewhere the chunk keeps the ring's
-        striping over the link's connections) and they fit one frame."""
+        striping over the link's connections) and they fit one frame.
+
+        The head is kept for the next call (a cached plan, as NCCL keeps one per
+        communicator): a call on the same transport (epoch) with the same header,
+        chunk size and settings reuses it, its row already encoded in a scratch of
+        its own (:attr:`_head_keep`, which no other path writes), with the next
+        first-round tag of that call's operation."""
         n, r = tr.size, tr.rank
         header = values[:5]
-        cap = small_capacity(n)
         chunk = -(-flat.size // n) * flat.itemsize
+        key = (tuple(header), chunk, alone, self.first_round_in_chunk)
+        plan = self._head_plan
+        if plan is not None and plan[0] is tr and plan[1] == key:
+            return plan[2].renew()
+        cap = small_capacity(n)
         need = RingHead.need(len(header), cap, chunk)
-        self._round_keep = grown(self._round_keep, need)
+        self._head_keep = grown(self._head_keep, need)
         topo = self._topo
         fits = need <= tcp.FRAME_MAX and not alone
 
@@ -839,9 +875,11 @@ class Peer(StateSync):
                 return fits and self.first_round_in_chunk
             return fits and _loopback(topo.addrs[topo.ids[a]]) and _loopback(topo.addrs[topo.ids[b]])
 
-        return RingHead(_FirstRound(tr), header, op="allreduce", capacity=cap, keep=self._round_keep,
+        head = RingHead(_FirstRound(tr), header, op="allreduce", capacity=cap, keep=self._head_keep,
                         send_joined=joined(r, (r + 1) % n), recv_joined=joined((r - 1) % n, r), names=_FIELDS,
                         describe=_describe)
+        self._head_plan = (tr, key, head)
+        return head
 
     def _first_round(self, tr, values, algo, flat, timeout):
         """The all-reduce's first round on ``tr``: the argument agreement, carrying a

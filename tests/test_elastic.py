@@ -645,6 +645,54 @@ def test_one_shot_allreduce_holds_the_ring_order_on_every_peer(group, op, count)
     assert all(p.stats["bytes_sent"] == b["bytes_sent"] for p, b in zip(peers, before))
 
 
+@pytest.mark.parametrize("group", [(3, 2)], indirect=True)
+def test_ring_head_plan_reused_only_for_the_same_call(group):
+    """The ring's first round is a cached plan (Peer._ring_head): a ring-sized call
+    with the same header on the same epoch reuses it, with a fresh tag; any other
+    header builds a new one.  A sequence that interleaves the same ring call with a
+    one-shot call and a refused one (whose first rounds write another scratch: each
+    peer holds a different header there after the refusal), other dtypes, ops and
+    counts of the same bytes, and a refused ring call gives the ring_oracle bits on
+    every peer each time; the refused calls leave every buffer as they were."""
+    _, peers = group
+    count = 300_000  # 1.2 MB of float32: the ring at 3 peers
+    assert choose_tcp_allreduce(count * 4, 3, False) == "ring"
+    rng = np.random.default_rng(11)
+    calls = [(np.float32, count, "sum"), (np.float32, 10_000, "sum"), "refused one-shot", (np.float32, count, "sum"),
+             (np.float64, count // 2, "sum"), (np.float32, count, "max"), (np.int32, count, "sum"),
+             "refused", (np.float32, count, "sum"), (np.float32, count, "sum")]
+    heads = []
+    for call in calls:
+        if call.__class__ is str:
+            # refused: rank 0's count (ring: its head row) or op (one-shot: every peer then
+            # holds another peer's header in its first-round scratch) differs
+            n = count if call == "refused" else 10_000
+            data = {r: rng.standard_normal(n + (r == 0 and call == "refused")).astype(np.float32) for r in range(3)}
+            bufs = {r: data[r].copy() for r in range(3)}
+            ops = {r: "max" if r == 0 and call != "refused" else "sum" for r in range(3)}
+            out = run_outcomes(peers, lambda i, p: p.allreduce(bufs[p.rank], ops[p.rank]))
+            assert all(isinstance(e, commlib.InvalidArgument) for _, e, _ in out), out
+            assert all(_h(bufs[r]) == _h(data[r]) for r in range(3)), "a refused call changed a buffer"
+            continue
+        dtype, n, op = call
+        data = {r: (rng.standard_normal(n) * 100).astype(dtype) for r in range(3)}
+        out = run_peers(peers, lambda i, p: (p.rank, p.allreduce(data[p.rank].copy(), op)))
+        want = _h(ring_oracle([data[r] for r in range(3)], op))
+        assert all(_h(o) == want for _, o in out), f"call {call}: not the ring order's bits"
+        heads.append({p.rank: p._head_plan[2] if p._head_plan else None for p in peers})
+        if choose_tcp_allreduce(n * np.dtype(dtype).itemsize, 3, False) == "ring":
+            # the head spoke under this call's own first-round tags (what a refusal aborts)
+            for p in peers:
+                assert p._head_plan[2].tag in p._tr.operation_tags(p._seq - 1)[1], (call, p.rank)
+    # one plan is kept: the one-shot call leaves it and the repeated ring call reuses it;
+    # each new header (dtype, op, count) makes a new one (peers 1 and 2 made the plan of
+    # the calls after the refusal in the refused call, peer 0 in the first of them)
+    for r in range(3):
+        assert heads[0][r] is heads[1][r] is heads[2][r]
+        assert len({id(heads[i][r]) for i in (0, 3, 4, 5, 6)}) == 5
+        assert heads[6][r] is heads[7][r]
+
+
 def test_pair_abort_after_the_exchange_leaves_buf_untouched():
     """A 2-peer all-reduce builds its result out of place: when the other peer has
     sent its vector but leaves before the master commits (its "done" never reaches

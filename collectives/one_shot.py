@@ -96,4 +96,3 @@ def one_shot_first_round(first, values: Sequence[int], *, op: str, vector: np.nd
     for i in range(n - 1):
         out[(r - 1 - i) % n] = got[i * msg + head:(i + 1) * msg]
     return out
-

@@ -84,7 +84,7 @@ def _allreduce_header(buf, op, quantize, rank):
         if not buf.flags.writeable:
             raise InvalidArgument("buf is read-only: the all-reduce writes its result into it", rank=rank,
                                   op="allreduce")
-        if type(op) is str and (quantize is None or type(quantize) is str):
+        if type(op) is str and (quantize is None or type(quantize) is str):  # hashable: the kept answer
             values, opx = _header_of(buf.dtype, buf.size, op, quantize, rank)
             return list(values), None, opx
         values, opx = _header_of.__wrapped__(buf.dtype, buf.size, op, quantize, rank)
@@ -370,7 +370,7 @@ class Peer(StateSync):
         self._scratch: np.ndarray | None = None  # the ring's snapshot; recursive doubling's receives
         self._ring_keep: np.ndarray | None = None  # the in-place ring's receive scratch (ring_scratch)
         self._pair_keep: np.ndarray | None = None  # the one-round, pair-exchange and recursive-doubling result
-        self._round_keep: np.ndarray | None = None  # 2 peers: the first round's two messages
+        self._round_keep: np.ndarray | None = None  # the first round's messages (pair exchange, one-shot)
         self._head_keep: np.ndarray | None = None  # the ring head's row and the left neighbour's message
         self._head_plan = None  # (transport, key, RingHead) of the last ring-sized call (_ring_head)
         threading.Thread(target=self._reader, daemon=True, name="commlib-peer-rx").start()

@@ -200,17 +200,18 @@ class _Link:
                         n = -idx
                     else:
                         n = conn.send_frame(K_DATA, mv, epoch=t.epoch, tag=tag, chunk=idx, stream=stream)
+                    # one acquisition per frame: each one the caller's thread finds taken costs it a wake-up
                     with t._lock:
+                        self.pending[stream] -= 1
                         t._count_tx(tag, n)
                         req._frame_done()
-                else:
-                    req._fail(self.failed or t._failure or ProcessFailed("transport closed", failed=[self.rank]))
+                    continue
+                req._fail(self.failed or t._failure or ProcessFailed("transport closed", failed=[self.rank]))
             except Exception as exc:  # noqa: BLE001
                 t._link_failed(self, exc)
                 req._fail(t._peer_error(self.rank, "isend"))
-            finally:
-                with t._lock:
-                    self.pending[stream] -= 1
+            with t._lock:
+                self.pending[stream] -= 1
 
     def close(self) -> None:
         for q in self.queues:
@@ -312,6 +313,9 @@ class TCPTransport(Transport):
     def _link(self, peer: int) -> _Link:
         if not 0 <= peer < self._size or peer == self._rank:
             raise InvalidArgument(f"no peer {peer} in a group of {self._size}", rank=self._rank, op="tcp")
+        link = self._links.get(peer)  # links are never removed: no lock once made
+        if link is not None:
+            return link
         with self._lock:
             link = self._links.get(peer)
             if link is not None:
@@ -454,14 +458,11 @@ class TCPTransport(Transport):
                 return self._isend_gather(parts, total, dest, tag)
         mv = self._bytes_view(buf, "isend", self._rank)
         link = self._link(dest)
-        with self._lock:
+        req = TCPRequest(self, dest, 1, "isend")  # its frame count is set where it is cut (_enqueue)
+        req._tag = tag
+        with self._lock:  # one acquisition: each costs the caller a wake-up when a worker thread holds it
             if self._failure is not None:
                 raise self._failure
-            streams = link.streams
-        bounds = frame_bounds(len(mv), streams or 1)  # provisional: recut when an inbound link attaches
-        req = TCPRequest(self, dest, len(bounds) - 1, "isend")
-        req._tag = tag
-        with self._lock:
             if tag < FIRST_ROUND_TAG:
                 self.bytes_sent += len(mv)
             else:
@@ -469,7 +470,7 @@ class TCPTransport(Transport):
             if link.streams is None:  # inbound link not yet attached: striped when it is
                 link.early.append((req, mv))
                 return req
-            if not self._try_inline_locked(link, req, mv):
+            if len(mv) > INLINE_MAX or not self._try_inline_locked(link, req, mv):
                 self._enqueue(link, req, mv)
         return req
 
@@ -578,7 +579,8 @@ class TCPTransport(Transport):
         n = len(slot.bounds) - 1
         slot.req.left = n
         slot.req.event.clear() if n else slot.req.event.set()
-        if any(idx >= n or len(data) != slot.bounds[idx + 1] - slot.bounds[idx] for idx, data in slot.frames.items()):
+        if slot.frames and any(idx >= n or len(data) != slot.bounds[idx + 1] - slot.bounds[idx]
+                               for idx, data in slot.frames.items()):
             for d in slot.frames.values():
                 self._release_locked(key[0], len(d))
             slot.frames.clear()
@@ -704,14 +706,12 @@ class TCPTransport(Transport):
                 if target is not None:
                     try:
                         conn.read_payload(length, into=target)
-                    finally:
+                    except BaseException:
                         with self._lock:
-                            still = self._inflight.pop(tag) - 1
-                            if still:
-                                self._inflight[tag] = still
-                            elif tag in self._aborted or not self._inflight:
-                                self._posted.notify_all()
-                    with self._lock:
+                            self._landed_locked(tag)
+                        raise
+                    with self._lock:  # one acquisition per frame (see _sender)
+                        self._landed_locked(tag)
                         self._count_rx(tag, plain, HEADER.size + length)
                         slot.req._frame_done()
                         self._retire_locked((src, tag))
@@ -744,6 +744,15 @@ class TCPTransport(Transport):
                     except Exception:  # noqa: BLE001 - the report is best effort; the link fails anyway
                         pass
                 self._link_failed(link, exc)
+
+    def _landed_locked(self, tag: int) -> None:
+        """A frame read straight into a posted buffer of ``tag`` is no longer in
+        flight: wake ``revoke``/``abort_tags`` when they wait for it."""
+        still = self._inflight.pop(tag) - 1
+        if still:
+            self._inflight[tag] = still
+        elif tag in self._aborted or not self._inflight:
+            self._posted.notify_all()
 
     def _charge_locked(self, src: int, plain: int) -> None:
         """Count a frame buffered for a receive not posted yet against the caps."""

@@ -32,10 +32,10 @@ KERNEL_CHECK_TIMEOUT = 120.0
 # child of an MPI process must not initialize MPI with its parent's environment).
 # The last line printed is "ok <GPU name>", "simulator" or "fail <reason>".
 _KERNEL_CHECK = r"""
-import os, sys
+import sys
 try:
     import numpy as np
-    from numba import cuda
+    from numba import config, cuda
 
     @cuda.jit
     def _odd(x):
@@ -53,7 +53,7 @@ try:
         bad = int(np.flatnonzero(got != want)[0])
         print(f"fail kernel ran but wrote {got[bad]} at index {bad}, expected {want[bad]}")
         sys.exit(1)
-    if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"):
+    if config.ENABLE_CUDASIM:  # numba's own reading of NUMBA_ENABLE_CUDASIM
         print("simulator")
     else:
         name = cuda.get_current_device().name

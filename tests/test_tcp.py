@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import socket
+import sys
 import threading
 import time
 import tracemalloc
@@ -164,6 +165,60 @@ def test_bruck_allgather_over_tcp(n):
             for t, before in zip(ts, sent):
                 assert sends[t.rank] == (n - 1).bit_length()  # ceil(log2 n) steps
                 assert t.bytes_sent - before == (n - 1) * count * 8
+
+
+def test_request_completion_wakes_every_waiter_once_set():
+    """A request's completion flag (``tcp._Completion``, threading.Event's
+    set/is_set/wait over one lock): unset, a bounded wait returns False after
+    its timeout; once set, every waiter, blocked or later, returns True; set()
+    calls racing each other (a frame done and a sender's failure) never raise."""
+    c = tcp._Completion()
+    t0 = time.monotonic()
+    assert not c.wait(0.05) and not c.is_set()
+    assert time.monotonic() - t0 >= 0.04
+    # two set() calls that both read the flag unset before either writes it (a frame
+    # done under the transport's lock, a sender's failure outside it): the second
+    # release finds the lock open and must not raise
+    c = tcp._Completion()
+    c.set()
+    c._flag = False  # the second caller's stale read of the flag
+    c.set()
+    assert c.is_set() and c.wait(0)
+    rng = np.random.default_rng(5)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # thread switches between any two bytecodes: the races happen
+    try:
+        _completion_races(rng)
+    finally:
+        sys.setswitchinterval(switch)
+
+
+def _completion_races(rng):
+    for _trial in range(200):
+        c = tcp._Completion()
+        got, errors = [], []
+        go = threading.Barrier(7)
+
+        def waiter():
+            go.wait()
+            got.append(c.wait(2.0))
+
+        def setter(delay):
+            go.wait()
+            time.sleep(float(delay))
+            try:
+                c.set()
+            except BaseException as exc:  # noqa: BLE001 - a racing set must not raise
+                errors.append(exc)
+
+        th = [threading.Thread(target=waiter) for _ in range(4)]
+        th += [threading.Thread(target=setter, args=(d,)) for d in rng.random(3) * 1e-4]
+        for t in th:
+            t.start()
+        for t in th:
+            t.join(10)
+        assert errors == [] and got == [True] * 4 and c.is_set()
+        assert c.wait(0) and c.wait(None)  # stays set for later waiters
 
 
 def test_frame_bounds_and_striping():

@@ -107,25 +107,15 @@ def main(argv=None) -> int:
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog="Exit status 2 for bad values (argparse's one-line error).")
-    ap.add_argument("--before", required=True, help="folder of the older build (pip install --target), "
-                    "put first on PYTHONPATH for the 'before' runs")
+    add_before(ap)
     ap.add_argument("--peers", type=int_in(2, 64, "peers"), default=2, help="peer processes per run (default: 2)")
     ap.add_argument("--sizes", type=_sizes, default=_sizes("4096,65536,1048576"),
                     help="comma-separated all-reduce sizes, bytes (default: 4096,65536,1048576)")
     ap.add_argument("--reps", type=int_in(1, 1000, "repetitions"), default=4, help="repetitions of every (size, side) run (default: 4)")
     ap.add_argument("--iters", type=int_in(1, 10**6, "calls"), default=300, help="timed calls per run (default: 300)")
     a = ap.parse_args(argv)
-    if not os.path.isdir(os.path.join(a.before, "commlib")):
-        ap.error(f"--before {a.before!r} holds no commlib package (make it with pip install --target)")
-    res = {s: {"before": [], "after": []} for s in a.sizes}
-    for rep in range(a.reps):
-        for s in a.sizes:
-            # the two runs of a repetition back to back, their order alternating, so a
-            # drift of the machine's load favours neither side
-            sides = (("before", a.before), ("after", None))
-            for side, site in (sides if rep % 2 == 0 else sides[::-1]):
-                res[s][side].append(_one(site, a.peers, s, a.iters))
-        print(f"repetition {rep + 1}/{a.reps} done", file=sys.stderr, flush=True)
+    check_before(ap, a.before)
+    res = interleave(a.before, a.sizes, a.reps, lambda site, s: _one(site, a.peers, s, a.iters))
     for k, what in ((0, "us per call (slowest peer's mean)"), (1, "CPU us per call and peer process (the slowest)")):
         print(f"{a.peers} peers, {a.reps} repetitions of {a.iters} calls; {what}")
         for s in a.sizes:
@@ -135,6 +125,37 @@ def main(argv=None) -> int:
                   f"after/before {statistics.median(b) / statistics.median(f):.2f}x (speed, medians)   "
                   f"{paired_summary(b, f)}")
     return 0
+
+
+def add_before(ap: argparse.ArgumentParser) -> None:
+    """The ``--before`` option of an A/B harness."""
+    ap.add_argument("--before", required=True, help="folder of the older build (pip install --target), "
+                    "put first on PYTHONPATH for the 'before' runs")
+
+
+def check_before(ap: argparse.ArgumentParser, before: str) -> None:
+    """Refuse (exit status 2) a ``--before`` folder without a commlib package."""
+    if not os.path.isdir(os.path.join(before, "commlib")):
+        ap.error(f"--before {before!r} holds no commlib package (make it with pip install --target)")
+
+
+def interleave(before: str, sizes: list[int], reps: int, one) -> dict:
+    """Run ``one(site, size)`` for both sides, ``reps`` times per size: ``site`` is
+    ``before`` for the older build, None for this checkout.  The two runs of a
+    repetition go back to back, their order alternating, so a drift of the
+    machine's load favours neither side.
+
+    Returns:
+        ``{size: {"before": [result, ...], "after": [...]}}`` in repetition order.
+    """
+    res = {s: {"before": [], "after": []} for s in sizes}
+    for rep in range(reps):
+        for s in sizes:
+            sides = (("before", before), ("after", None))
+            for side, site in (sides if rep % 2 == 0 else sides[::-1]):
+                res[s][side].append(one(site, s))
+        print(f"repetition {rep + 1}/{reps} done", file=sys.stderr, flush=True)
+    return res
 
 
 def paired_summary(before: list[float], after: list[float]) -> str:

@@ -31,7 +31,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _util import int_in  # noqa: E402
-from ab_elastic import _sizes, paired_summary  # noqa: E402
+from ab_elastic import _sizes, add_before, check_before, interleave, paired_summary  # noqa: E402
 
 SECRET = b"ab-tcp-step-benchmark-secret-012"
 WARMUP = 200
@@ -118,8 +118,7 @@ def main(argv=None) -> int:
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog="Exit status 2 for bad values (argparse's one-line error).")
-    ap.add_argument("--before", required=True, help="folder of the older build (pip install --target), "
-                    "put first on PYTHONPATH for the 'before' runs")
+    add_before(ap)
     ap.add_argument("--sizes", type=_sizes, default=_sizes("4096,262144"),
                     help="comma-separated message sizes, bytes (default: 4096,262144)")
     ap.add_argument("--steps", type=int_in(1, 10**6, "steps"), default=2000, help="timed steps per run (default: 2000)")
@@ -128,15 +127,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int_in(1, 1000, "repetitions"), default=10,
                     help="repetitions of every (size, side) run (default: 10)")
     a = ap.parse_args(argv)
-    if not os.path.isdir(os.path.join(a.before, "commlib")):
-        ap.error(f"--before {a.before!r} holds no commlib package (make it with pip install --target)")
-    res = {s: {"before": [], "after": []} for s in a.sizes}
-    for rep in range(a.reps):
-        for s in a.sizes:
-            sides = (("before", a.before), ("after", None))
-            for side, site in (sides if rep % 2 == 0 else sides[::-1]):
-                res[s][side].append(_one(site, s, a.steps, a.streams))
-        print(f"repetition {rep + 1}/{a.reps} done", file=sys.stderr, flush=True)
+    check_before(ap, a.before)
+    res = interleave(a.before, a.sizes, a.reps, lambda site, s: _one(site, s, a.steps, a.streams))
     for k, what in ((0, "main-thread CPU us a step (mean of the 2 sides)"), (1, "wall us a step (the slower side)")):
         print(f"{a.streams} stream(s), {a.reps} repetitions of {a.steps} steps; {what}")
         for s in a.sizes:

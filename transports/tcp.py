@@ -30,7 +30,11 @@ Threads, not selectors: each connection has a receiver thread that reads frames
 straight into the posted receive buffer (``recv_into``, no copy) and a sender
 thread fed by a queue that writes header and payload with one ``sendmsg``;
 socket calls release the GIL, so the ``S`` streams of a pair move in parallel
-(how a :class:`~.tcp_frames.Connection` blocks: see :mod:`.tcp_frames`).
+(how a :class:`~.tcp_frames.Connection` blocks: see :mod:`.tcp_frames`).  The
+caller's thread pays for every acquisition of the transport's lock that it finds
+taken by one of these threads (a sleep and a wake-up), so ``isend``, ``irecv``
+and each frame's completion in a worker thread take it once, and a request
+completes through one lock (:class:`_Completion`), not a ``threading.Event``.
 
 Early frames: a frame of at least :data:`POST_WAIT_MIN` bytes whose receive is
 not posted yet (a ring neighbour one step ahead) is left in the kernel's socket

@@ -117,6 +117,14 @@ def _header_of(dtype, size: int, op, quantize, rank) -> tuple:
     return (_OPERATION, size, dtype_code(dtype), opx.code, _QUANTIZE.index(quantize) + 1), opx
 
 
+def _combine_pair_into(opx, flat, theirs, theirs_is_lower: bool) -> None:
+    """The committed pair exchange's result into ``flat`` in place: ``flat (op)
+    theirs`` with the lower rank's vector on the left (recursive doubling's
+    order, so both members compute the same bits), then the op's finalize."""
+    combine_pair(opx, flat, flat, theirs, theirs_is_lower)
+    opx.finalize(flat, 2)
+
+
 class _FirstRound:
     """The epoch's transport as the first round uses it: its tags from the
     transport's ``first_round_tags``, so the round's bytes are counted apart from
@@ -369,7 +377,7 @@ class Peer(StateSync):
         self._traffic = dict.fromkeys(TRAFFIC, 0)  # of the ring transports of past epochs
         self._scratch: np.ndarray | None = None  # the ring's snapshot; recursive doubling's receives
         self._ring_keep: np.ndarray | None = None  # the in-place ring's receive scratch (ring_scratch)
-        self._pair_keep: np.ndarray | None = None  # the one-round, pair-exchange and recursive-doubling result
+        self._pair_keep: np.ndarray | None = None  # the one-round, one-shot and recursive-doubling result
         self._round_keep: np.ndarray | None = None  # the first round's messages (pair exchange, one-shot)
         self._head_keep: np.ndarray | None = None  # the ring head's row and the left neighbour's message
         self._head_plan = None  # (transport, key, RingHead) of the last ring-sized call (_ring_head)
@@ -801,10 +809,10 @@ class Peer(StateSync):
         flat = buf.reshape(-1)
         policy = _MasterPolicy(self, "allreduce", deadline, timeout, retry, max_retries)
         keep = {}
-        result = run(policy, functools.partial(self._allreduce_attempt, flat, values, opx, quantize, policy, keep),
+        finish = run(policy, functools.partial(self._allreduce_attempt, flat, values, opx, quantize, policy, keep),
                      lambda: keep["snap"].restore() if keep.get("snap") is not None else None)
-        if result is not None:
-            flat[...] = result
+        if finish is not None:  # committed: an out-of-place result goes into buf now
+            finish()
         return buf
 
     def _allreduce_attempt(self, flat, values, opx, quantize, policy, keep, tr, left, survivors):
@@ -921,10 +929,11 @@ class Peer(StateSync):
 
     def _allreduce_data(self, tr, flat, opx, quantize, timeout, algo, rows, keep, head=None):
         """The data part of one all-reduce attempt on ``tr`` (``algo`` from
-        :func:`~commlib.collectives.specs.choose_tcp_allreduce`); returns an
-        out-of-place result to copy into ``flat`` after the commit, or None when
-        ``flat`` holds it.  ``head``: the ring's first step carrying the first
-        round (:class:`~commlib.collectives.agreement.RingHead`)."""
+        :func:`~commlib.collectives.specs.choose_tcp_allreduce`); returns None
+        when ``flat`` holds the result, else a callable that writes it into
+        ``flat``, run after the commit (until then ``flat`` holds the input, so an
+        abort has nothing to restore).  ``head``: the ring's first step carrying
+        the first round (:class:`~commlib.collectives.agreement.RingHead`)."""
         keep["snap"] = None
         nb = flat.nbytes
         if tr.size == 1:
@@ -937,16 +946,17 @@ class Peer(StateSync):
             # ``buf`` is untouched until the commit and an abort has nothing to
             # restore; bit-identical on every member: a small or one-shot call in the
             # ring's order, the pair exchange as recursive doubling's, rank 0's vector
-            # on the left
+            # on the left.  The pair exchange combines straight into ``buf`` after the
+            # commit (an element-wise op of ``buf`` and the received vector: no
+            # scratch, no copy); a small or one-shot call's rows may include ``buf``
+            # itself (a gather send), so those reduce into a scratch and copy
+            if algo == "pair_exchange":
+                return functools.partial(_combine_pair_into, opx, flat, rows[1 - tr.rank][:nb].view(flat.dtype),
+                                         tr.rank == 1)
             self._pair_keep = grown(self._pair_keep, nb)
             result = self._pair_keep[:nb].view(flat.dtype)
-            if algo != "pair_exchange":
-                reduce_rows(rows, flat.dtype, flat.size, opx, result)
-            else:
-                combine_pair(opx, result, rows[tr.rank][:nb].view(flat.dtype), rows[1 - tr.rank][:nb].view(flat.dtype),
-                             tr.rank == 1)
-                opx.finalize(result, 2)
-            return result
+            reduce_rows(rows, flat.dtype, flat.size, opx, result)
+            return functools.partial(np.copyto, flat, result)
         if algo == "recursive_doubling":
             # out of place, from ``flat`` (read, never written) into a kept scratch:
             # as the pair exchange, nothing to restore on an abort
@@ -955,7 +965,7 @@ class Peer(StateSync):
             result = self._pair_keep[:nb].view(flat.dtype)
             allreduce_recursive_doubling(tr, result, opx, sendbuf=flat, timeout=timeout,
                                          tmp=self._scratch[:nb].view(flat.dtype))
-            return result
+            return functools.partial(np.copyto, flat, result)
         # copy-before-write snapshot into a reused scratch (no page faults, the
         # copies overlap the ring's transfers); restored only on an error
         self._scratch = grown(self._scratch, nb)  # the largest all-reduce so far

@@ -694,9 +694,9 @@ def test_ring_head_plan_reused_only_for_the_same_call(group):
 
 
 def test_pair_abort_after_the_exchange_leaves_buf_untouched():
-    """A 2-peer all-reduce builds its result out of place: when the other peer has
-    sent its vector but leaves before the master commits (its "done" never reaches
-    the master), the operation is aborted after the survivor combined, and the
+    """A 2-peer all-reduce writes ``buf`` only after the master commits: when the
+    other peer has sent its vector but leaves before the commit (its "done" never
+    reaches the master), the operation is aborted after the exchange, and the
     survivor's ``buf`` must still hold its input, bit for bit; the retry over the
     survivor alone then returns exactly that input."""
     import time

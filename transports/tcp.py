@@ -512,7 +512,7 @@ class TCPTransport(Transport):
             if link.streams is None:  # inbound link not yet attached: striped when it is
                 link.early.append((req, mv))
                 return req
-            if len(mv) > INLINE_MAX or not self._try_inline_locked(link, req, mv):
+            if not self._try_inline_locked(link, req, mv):
                 self._enqueue(link, req, mv)
         return req
 

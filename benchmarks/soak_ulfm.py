@@ -11,11 +11,13 @@ included).  Per run it counts
   its call ended lives on, and is checked like any survivor);
 - **extra**: ranks that died but were not victims: a watchdog fail-stop
   (exit 70 after Open MPI wedged the rank: docs/FAULTS.md) or any other death;
+  **mpi_crashes** counts the processes Open MPI crashed while recovery built a
+  communicator (``test_ft_kill.mpi_crash_pids``);
 - **hang**: ``mpiexec`` did not return within its limit (``STARTUP_S + T + 5``);
 - **wrong**: survivors' results differ (SHA-256) or differ from the ring oracle
   over the inputs of the ranks each call ended with (computed here, after the
   job); "raised" (every survivor raised ``ProcessFailed``/``CommTimeout``) and
-  "bad" (anything else) are counted apart;
+  "bad" (anything else, a job left without survivors included) are counted apart;
 - **recovery**: per call with a kill, the slowest survivor's call time less
   the first kill's delay in that call (about kill to recovered result; the
   ranks enter a call within a few ms of each other), the run's worst.
@@ -88,8 +90,9 @@ def table(outcomes, arms):
             "runs_with_extra_death": sum(bool(o["extra_ranks"]) for o in os_),
             "extra_deaths": sum(len(o["extra_ranks"]) for o in os_),
             "extra_failstops": sum(len(o["extra_failstop_ranks"]) for o in os_),
+            "mpi_crashes": sum(o["mpi_crashes"] for o in os_),
             "hangs": cnt("hang"), "wrong": cnt("wrong"), "raised": cnt("raised"),
-            "bad": cnt("bad") + cnt("failstopped"), "recovered": cnt("recovered"),
+            "bad": cnt("bad") + cnt("failstopped") + cnt("mpi_crashed"), "recovered": cnt("recovered"),
             "recovery_median_s": q(0.5), "recovery_p90_s": q(0.9), "recovery_max_s": q(1.0),
             "wall_median_s": round(statistics.median(o["wall"] for o in os_), 1) if os_ else None,
         })
@@ -98,7 +101,7 @@ def table(outcomes, arms):
 
 def print_table(rows):
     cols = ["arm", "runs", "two_victims", "kill_in_first_call", "victims_died", "runs_with_extra_death",
-            "extra_failstops", "hangs", "wrong", "raised", "bad", "recovery_median_s", "recovery_p90_s",
+            "extra_failstops", "mpi_crashes", "hangs", "wrong", "raised", "bad", "recovery_median_s", "recovery_p90_s",
             "recovery_max_s", "wall_median_s"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))

@@ -20,7 +20,8 @@ Timed mode (tests/test_ft_kill.py): SPEC = {"timed": {"n": elements, "calls": k}
 ``k`` successive float32 allreduces of ``n`` elements (``algorithm="auto"``: the
 ring at these sizes); a victim's timer thread acts ``delay_ms`` after it
 entered call ``call``: "exit" (``os._exit``), "kill" (SIGKILL), "wedge_shrink"
-(its next shrink blocks forever, using no CPU), or "wedge" (the
+(its next shrink blocks forever, using no CPU), "exit_in_dup" (it dies 30 ms
+into its next ``dup``), or "wedge" (the
 shape of Open MPI's TCP deadlock: from then on every completion wait and every
 revoke of the victim blocks forever, inside a call that released the GIL; the
 watchdog must fail the rank itself).  Each survivor records the SHA-256 of each
@@ -263,6 +264,21 @@ def _wedge_shrink():
     MPITransport.shrink = forever
 
 
+def _exit_in_dup():
+    """From now on this rank dies (``os._exit``) ``FT_DUP_EXIT_S`` seconds
+    (default 0.03) into its next ``dup`` (recovery's, after the shrink), while
+    the others build the new communicator with it: the window of Open MPI's
+    crash in docs/FAULTS.md."""
+    import threading
+
+    orig = MPITransport.dup
+
+    def dup(self):
+        threading.Timer(float(os.environ.get("FT_DUP_EXIT_S", "0.03")), lambda: os._exit(17)).start()
+        return orig(self)
+    MPITransport.dup = dup
+
+
 def timed_main():
     import hashlib as _h
     import threading
@@ -285,7 +301,7 @@ def timed_main():
                 if v[1] == i:
                     how = v[3]
                     fn = {"exit": lambda: os._exit(17), "kill": lambda: os.kill(os.getpid(), signal.SIGKILL),
-                          "wedge": _wedge, "wedge_shrink": _wedge_shrink}[how]
+                          "wedge": _wedge, "wedge_shrink": _wedge_shrink, "exit_in_dup": _exit_in_dup}[how]
                     t = threading.Timer(v[2] / 1000.0, fn)
                     t.daemon = True
                     timers.append(t)

@@ -22,10 +22,13 @@ kill lands mid-transfer.  Every run must end with
   runs with a call over the issue's target, ``T + 5`` s, which the soak asserts
   (Open MPI's own hangs of a survivor, each turned into a fail-stop, can
   cascade past it: docs/FAULTS.md);
-- at most one run in ten (``failstopped``) may end with every survivor failed
-  by its own watchdog: Open MPI hung inside a recovery step on all of them
-  (seen once in 20 runs in CI: both survivors spinning in
-  ``MPIX_Comm_shrink`` for ``T + 4G``); the job still ends in bounded time;
+- at most one run in ten may end with no survivor, every one failed by its
+  own watchdog (``failstopped``: Open MPI hung inside a recovery step on all
+  of them; seen once in 20 runs in CI: both survivors spinning in
+  ``MPIX_Comm_shrink`` for ``T + 4G``) or crashed by Open MPI while recovery
+  built a communicator (``mpi_crashed``: a second victim died in that window;
+  seen twice in CI, a SIGSEGV in ``ompi_comm_revoke_local``, docs/FAULTS.md);
+  the job still ends in bounded time;
 - ``mpiexec`` returning, within the per-run limit (a subprocess timeout,
   then SIGKILL to the whole process group: a hang fails the test and never
   hangs the suite).
@@ -57,6 +60,7 @@ target, by hand (about 40 s per run there; ``REPORT.partial`` grows as it goes):
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import statistics
@@ -99,6 +103,26 @@ CALL_BOUND = float(os.environ.get("COMMLIB_KILL_CALL_BOUND", "0")) or 2 * TIMEOU
 CALLS = 3
 STARTUP_S = 60  # launch, imports, and the three calls themselves under a loaded 2-core CI box
 FAILSTOP = 70   # commlib.collectives.watchdog.FAILSTOP_EXIT_STATUS
+
+
+# Open MPI 5.0's crash when a death is noticed while a communicator is being built
+# (docs/FAULTS.md, "A survivor's crash while recovery builds a communicator"): its
+# failure handler revokes every communicator that holds the dead rank, the one still
+# in ``ompi_comm_activate`` included, whose collectives are not selected yet.  A
+# process's backtrace is that crash when it holds all three frames.
+MPI_CRASH_FRAMES = ("ompi_comm_revoke_local", "ompi_comm_set_rank_failed", "ompi_comm_activate")
+_BACKTRACE_LINE = re.compile(r"^\[([^\]\s]+:\d+)\] \[ ?\d+\] (.*)$", re.M)
+
+
+def mpi_crash_pids(text: str):
+    """``host:pid`` of each process whose backtrace in a job's output ``text``
+    (Open MPI's signal handler: ``[host:pid] [ n] lib(function+offset)``) is
+    that crash, sorted."""
+    frames = {}
+    for m in _BACKTRACE_LINE.finditer(text):
+        frames.setdefault(m.group(1), []).append(m.group(2))
+    return sorted(p for p, fs in frames.items()
+                  if all(any(f"({name}+" in f for f in fs) for name in MPI_CRASH_FRAMES))
 
 
 def _ulfm():
@@ -239,14 +263,19 @@ def oracle_hashes(groups, seed, n):
 
 def classify(spec, nprocs, results, text, wall, hung, timeout, seed=0, n=0, bound=None):
     """``outcome``: "recovered", "raised" (all survivors raised a documented
-    error), "hang", "wrong" (a wrong or differing result), "bad" (anything
-    else, e.g. no survivor or inconsistent failed sets)."""
+    error), "hang", "wrong" (a wrong or differing result), "failstopped" (no
+    survivor: each was failed by its own watchdog), "mpi_crashed" (no survivor:
+    each one not failed by its watchdog died of Open MPI's crash while building
+    a communicator, ``mpi_crash_pids``), "bad" (anything else, e.g. no survivor
+    or inconsistent failed sets).  ``mpi_crashes`` counts the processes that
+    died of that crash, whatever the outcome."""
     bound = CALL_BOUND if bound is None else bound
     failstops = [ln for ln in text.splitlines() if "fail-stop" in ln and "commlib: rank" in ln]
     survivors = sorted(results)
     o = {"spec": spec, "wall": round(wall, 2), "failstops": len(failstops), "failstop_lines": failstops,
-         "survivors": survivors,
-         "call_times": {r: results[r]["t"] for r in survivors}, "problems": []}
+         "mpi_crashes": len(mpi_crash_pids(text)), "survivors": survivors,
+         "call_times": {r: results[r]["t"] for r in survivors},
+         "groups": results[survivors[0]].get("groups") if survivors else None, "problems": []}
     o["over_target"] = any(max(results[r]["t"], default=0) > timeout + 5 for r in survivors)
     kill_call = min(v[1] for v in spec)
     o["kill_call_time"] = max((results[r]["t"][kill_call] for r in survivors
@@ -259,9 +288,17 @@ def classify(spec, nprocs, results, text, wall, hung, timeout, seed=0, n=0, boun
     if not survivors:
         victims = {v[0] for v in spec}
         failed_self = {r for r in range(nprocs) if any(f"COMM_WORLD rank {r}," in ln for ln in failstops)}
+        rest = set(range(nprocs)) - victims - failed_self
         # Open MPI hung inside a recovery step (seen: MPIX_Comm_shrink) on every
         # survivor and each one's watchdog failed it: bounded, documented, but no result
-        o["outcome"] = "failstopped" if set(range(nprocs)) - victims <= failed_self else "bad"
+        if not rest:
+            o["outcome"] = "failstopped"
+        # or Open MPI crashed the others while recovery built a communicator (a second
+        # victim died then): no commlib code runs in that window
+        elif o["mpi_crashes"] >= len(rest):
+            o["outcome"] = "mpi_crashed"
+        else:
+            o["outcome"] = "bad"
         o["problems"].append("no survivor reported")
         o["tail"] = text[-3000:]
         return o
@@ -323,6 +360,7 @@ def summarize(outcomes):
             "failstops_unplanned": sum(len(unplanned(o)) for o in outcomes),
             "runs_with_unplanned_failstop": sum(1 for o in outcomes if unplanned(o)),
             "runs_with_a_call_over_T_plus_5": sum(1 for o in outcomes if o.get("over_target")),
+            "mpi_crashes": sum(o.get("mpi_crashes", 0) for o in outcomes),
             "wall_s": {"min": q(walls, 0), "median": q(walls, 0.5), "p90": q(walls, 0.9), "max": q(walls, 1)},
             "kill_call_s": {"min": q(kt, 0), "median": q(kt, 0.5), "p90": q(kt, 0.9), "max": q(kt, 1),
                             "mean": round(statistics.mean(kt), 2) if kt else None}}
@@ -353,6 +391,41 @@ def test_plan_covers_the_corners():
     assert max(v[2] for s in p for v in s) - min(v[2] for s in p for v in s) >= 200
 
 
+def _backtrace(pid, frames):
+    """Open MPI's signal-handler output for one process (as CI printed it)."""
+    head = [f"[vm:{pid}] *** Process received signal ***", f"[vm:{pid}] Signal: Segmentation fault (11)",
+            f"[vm:{pid}] [ 0] /lib/x86_64-linux-gnu/libc.so.6(+0x3c050)[0x7fc37c85a050]"]
+    body = [f"[vm:{pid}] [{i + 1:2d}] /venv/lib/libmpi.so.40({f}+0x3f)[0x7fc373e745df]" for i, f in enumerate(frames)]
+    return "\n".join(head + body + [f"[vm:{pid}] *** End of error message ***"])
+
+
+# the crash CI saw (under PMPI_Comm_dup), and one elsewhere in Open MPI
+_REVOKE_CRASH = ["ompi_comm_revoke_local", "ompi_comm_set_rank_failed", "ompi_errhandler_proc_failed_internal",
+                 "opal_progress", "ompi_comm_activate", "ompi_comm_dup_with_info", "PMPI_Comm_dup"]
+_OTHER_CRASH = ["mca_coll_ftagree_era_intra", "PMPIX_Comm_agree"]
+
+
+def test_mpi_crash_is_told_from_other_deaths():
+    """``classify`` calls a job left without survivors "mpi_crashed" only when
+    every rank that was no victim died of Open MPI's crash while a communicator
+    was being built (all three frames of ``MPI_CRASH_FRAMES`` in its own
+    backtrace); any other death, or one such crash too few, is "bad"."""
+    spec = [[1, 1, 187, "exit"], [2, 1, 262, "exit"]]
+    both = _backtrace(6172, _REVOKE_CRASH) + "\n" + _backtrace(6175, _REVOKE_CRASH)
+    assert mpi_crash_pids(both) == ["vm:6172", "vm:6175"]
+    o = classify(spec, 4, {}, "prterun noticed ...\n" + both, 5.6, False, 8.0)
+    assert (o["outcome"], o["mpi_crashes"]) == ("mpi_crashed", 2)
+    # one survivor crashed elsewhere: not the known crash
+    other = _backtrace(6172, _REVOKE_CRASH) + "\n" + _backtrace(6175, _OTHER_CRASH)
+    assert mpi_crash_pids(other) == ["vm:6172"]
+    assert classify(spec, 4, {}, other, 5.6, False, 8.0)["outcome"] == "bad"
+    # the revoke frames without a communicator being built (no ompi_comm_activate)
+    idle = _backtrace(6172, _REVOKE_CRASH[:4]) + "\n" + _backtrace(6175, _REVOKE_CRASH)
+    assert classify(spec, 4, {}, idle, 5.6, False, 8.0)["outcome"] == "bad"
+    # one victim only: two survivors, one crash line set
+    assert classify(spec[:1], 4, {}, both, 5.6, False, 8.0)["outcome"] == "bad"
+
+
 @pytest.mark.skipif(not _ulfm(), reason="needs Open MPI with ULFM")
 @pytest.mark.timeout(STARTUP_S + 30 + 5 + 60)
 def test_a_rank_wedged_in_the_shrink_is_failed_within_graces_not_timeouts():
@@ -373,6 +446,30 @@ def test_a_rank_wedged_in_the_shrink_is_failed_within_graces_not_timeouts():
     slowest = max(max(t) for t in o["call_times"].values())
     print("wedged-in-shrink run:", o["call_times"], o["failstop_lines"])
     assert slowest <= 15.0, o["call_times"]
+
+
+@pytest.mark.skipif(not _ulfm(), reason="needs Open MPI with ULFM")
+@pytest.mark.timeout(2 * (STARTUP_S + 8 + 5) + 60)
+@pytest.mark.parametrize("delay_s", [0.0, 0.01])
+def test_a_second_death_inside_recovery_dup(delay_s, monkeypatch):
+    """Rank 1 dies 3 ms into the second call; rank 2 dies ``delay_s`` into
+    the ``Dup`` that recovery makes after the shrink, while ranks 0 and 3
+    build that communicator with it.  Recovery must notice the second death
+    (in the ``Dup``, or the barrier after it) and shrink again within the same
+    call: that call ends over ranks 0 and 3, and they hold the ring oracle
+    over themselves for it and the next.  Open MPI's crash in that window
+    ("mpi_crashed", docs/FAULTS.md) was not seen in 17 such runs here (rank 2
+    dying 0-30 ms into the Dup); it is
+    told apart, not hidden."""
+    monkeypatch.setenv("FT_DUP_EXIT_S", str(delay_s))
+    o = run_one([[1, 1, 3, "exit"], [2, 1, 0, "exit_in_dup"]], SEED, nprocs=4, mib=16, timeout=8.0)
+    print("death in recovery's dup:", o["outcome"], o["survivors"], o["call_times"], o["mpi_crashes"])
+    if o["outcome"] == "mpi_crashed":
+        pytest.xfail("Open MPI crashed the survivors while recovery built a communicator (docs/FAULTS.md)")
+    assert o["outcome"] == "recovered", (o["outcome"], o["problems"], o.get("tail", ""))
+    assert o["survivors"] == [0, 3], o
+    assert o["groups"] == [[0, 1, 2, 3], [0, 3], [0, 3]], o["groups"]
+    assert all(t[1] <= 8.0 for t in o["call_times"].values()), o["call_times"]
 
 
 @pytest.mark.skipif(not _ulfm(), reason="needs Open MPI with ULFM")
@@ -398,10 +495,11 @@ def test_random_kill_times():
     if REPORT:
         Path(REPORT).write_text(json.dumps({"summary": summary, "runs": outcomes}, indent=1))
     # every survivor failed by its watchdog (MPI hung in a recovery step on all
-    # of them): the job still ended in bounded time; tolerated in at most one run in ten
+    # of them), or crashed by Open MPI while recovery built a communicator: the
+    # job still ended in bounded time; tolerated, together, in at most one run in ten
     allowed = {"recovered", "raised"}
-    if sum(o["outcome"] == "failstopped" for o in outcomes) <= RUNS // 10:
-        allowed.add("failstopped")
+    if sum(o["outcome"] in ("failstopped", "mpi_crashed") for o in outcomes) <= RUNS // 10:
+        allowed |= {"failstopped", "mpi_crashed"}
     bad = [(i, o) for i, o in enumerate(outcomes) if o["outcome"] not in allowed]
     assert not bad, "\n\n".join(
         f"run {i} (seed {SEED}, spec {o['spec']}): {o['outcome']}: {o['problems']}\n{o.get('tail', '')}"
@@ -446,9 +544,19 @@ def test_a_death_costs_only_the_victim(nprocs, mib):
         list(ex.map(one, range(len(kills))))
     print(f"\nsoak {nprocs} ranks x {mib:g} MiB, seed {seed}, {time.monotonic() - t0:.1f} s:",
           [(o["outcome"], o["extra_ranks"], o["recovery_s"], o["wall"]) for o in outcomes])
+    # Open MPI's crash while recovery builds a communicator (a second victim died
+    # then, run 1's shape): every extra death that crash, no fail-stop; tolerated in
+    # one run of a case (docs/FAULTS.md)
+    crashed = [i for i, o in enumerate(outcomes)
+               if o["outcome"] in ("recovered", "mpi_crashed") and o["extra_ranks"]
+               and not o["extra_failstop_ranks"] and len(o["extra_ranks"]) <= o["mpi_crashes"]]
+    if crashed:
+        print(f"runs {crashed}: Open MPI crashed {[outcomes[i]['extra_ranks'] for i in crashed]} "
+              f"while recovery built a communicator")
+    tolerated = set(crashed) if len(crashed) <= 1 else set()
     # no stall either: a survivor Open MPI wedged but the revoke at T freed made a call of about T
-    bad = [(i, o) for i, o in enumerate(outcomes)
-           if o["outcome"] != "recovered" or o["extra_ranks"] or (o["recovery_s"] or 0) >= 8.0]
+    bad = [(i, o) for i, o in enumerate(outcomes) if i not in tolerated and (
+           o["outcome"] != "recovered" or o["extra_ranks"] or (o["recovery_s"] or 0) >= 8.0)]
     assert not bad, "\n\n".join(
         f"run {i} (seed {seed}, spec {o['spec']}): {o['outcome']}, extra deaths {o['extra_ranks']} "
         f"(fail-stops {o['extra_failstop_ranks']}), recovery {o['recovery_s']} s: {o['problems']}\n{o.get('tail', '')}"

@@ -61,6 +61,10 @@ class Master:
         self.members: list[int] = []         # ring order of the current epoch
         self._epoch_members: dict[int, list[int]] = {}
         self._ops: dict[tuple, dict] = {}     # (epoch, seq) -> {"done": set, "term": None|bool, "sent": set}
+        # per epoch, the operations forgotten once every live member had its terminal
+        # message: (floor, seqs) = every seq below floor, and those in seqs (the few
+        # forgotten out of order); a late report for one of them is answered already
+        self._forgotten: dict[int, tuple[int, set]] = {}
         self._voters: set[int] = set()
         self._sync: dict[int, dict] = {}      # id -> submission of the open round
         self._sync_round = 0
@@ -294,15 +298,36 @@ class Master:
                 self._peers[pid].send(self._term_msg(tag, op))
 
     def _prune(self) -> None:
-        """Forget operations every live member has its terminal message for, and empty old epochs."""
+        """Forget operations every live member has its terminal message for, and empty old epochs.
+
+        Each is remembered as forgotten (:meth:`_was_forgotten`) while its
+        epoch is kept, so that a late report for one (it crossed its ``term``)
+        is ignored, not taken for a new operation; what is kept per epoch stays
+        a few entries however many operations it runs (an epoch's operations
+        used to stay until the next epoch, and this loop ran over all of them
+        at every operation: a call's cost grew with the calls before it)."""
         for tag, op in list(self._ops.items()):
             if op["term"] is not None and set(self._live(self._epoch_members.get(tag[0], []))) <= op["sent"]:
-                if tag[0] < self.epoch:
-                    del self._ops[tag]
+                del self._ops[tag]
+                e, s = tag
+                floor, seqs = self._forgotten.get(e, (0, set()))
+                seqs.add(s)
+                while floor in seqs:
+                    seqs.discard(floor)
+                    floor += 1
+                self._forgotten[e] = (floor, seqs)
         live_epochs = {t[0] for t in self._ops} | {self.epoch}
         for e in list(self._epoch_members):
             if e not in live_epochs:
                 del self._epoch_members[e]
+        for e in list(self._forgotten):
+            if e not in self._epoch_members:
+                del self._forgotten[e]
+
+    def _was_forgotten(self, tag) -> bool:
+        """Whether operation ``tag`` of a kept epoch ended and was forgotten by :meth:`_prune`."""
+        floor, seqs = self._forgotten.get(tag[0], (0, ()))
+        return tag[1] < floor or tag[1] in seqs
 
     def _handle(self, p: _MPeer, msg: dict) -> None:
         t = msg.get("t")
@@ -326,6 +351,8 @@ class Master:
                     p.send({"t": TERM, "e": e, "s": s, "ok": False})
                     return
                 tag = (e, s)
+                if self._was_forgotten(tag):
+                    return  # ended, and this member was sent its term (it crossed this report)
                 op = self._ops.get(tag)
                 if op is not None and op["term"] is not None:
                     if p.id not in op["sent"]:

@@ -32,7 +32,10 @@ the members' calls differ), with no new epoch: every member's ``term`` carries
 the reporter's ``why``, and each raises it as :class:`~commlib.InvalidArgument`
 over the same connections.  The terminal state is
 decided once and each live member of the epoch receives exactly one terminal
-message (``term``) for the tag.
+message (``term``) for the tag.  Once every live member has it, the master
+forgets the operation (per epoch it keeps the ``seq`` below which every
+operation ended, and those that ended out of order): a report for it that
+arrives later (it crossed the ``term``) is ignored.
 
 Votes (``update_topology``): members and pending peers send ``vote``; when every
 live member of the current epoch has voted, pending voters are admitted (a new

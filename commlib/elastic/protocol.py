@@ -23,8 +23,11 @@ Each new epoch is pushed to its members (``topo``: members in ring order with
 their data addresses, the tickets this member needs); every operation of an
 older epoch that has no terminal state is aborted.
 
-Operations (all-reduce): tag ``(epoch, seq)``, ``seq`` counting the epoch's
-operations.  ``open`` → ``complete`` when every member of the epoch reported
+Operations (all-reduce): tag ``(epoch, seq)``, ``seq`` the call's number: each
+member counts its calls from the number the master gave it when it was admitted
+(``topo``'s ``seq``: the group's next call); a call keeps its number through its
+retries (each in a newer epoch), so the members' numbering of their calls, not
+the epoch, pairs a call with the other members' calls.  ``open`` → ``complete`` when every member of the epoch reported
 ``done``; ``open`` → ``abort`` on a member's death, a member's ``fail`` report,
 or any report for an epoch older than the current one; ``open`` → ``refused``
 on a member's ``refuse`` report (its call differs from its ring neighbour's:
@@ -36,6 +39,15 @@ message (``term``) for the tag.  Once every live member has it, the master
 forgets the operation (per epoch it keeps the ``seq`` below which every
 operation ended, and those that ended out of order): a report for it that
 arrives later (it crossed the ``term``) is ignored.
+
+Given-up calls: a member that leaves a call with an error the group did not
+decide (its own timeout, ``retry=False`` after an abort, an argument of its own
+that it found bad before anything moved) reports ``give_up`` for the call's
+``seq``; the master passes it on to every other live member (``gave_up``) and
+refuses the call if it is open in the current epoch.  Each member then fails
+that call too, whether it is in it, retrying it, or yet to make it (a member
+that was late for it), so no member's later call is paired with another
+member's earlier one.
 
 Votes (``update_topology``): members and pending peers send ``vote``; when every
 live member of the current epoch has voted, pending voters are admitted (a new
@@ -87,18 +99,21 @@ from commlib.collectives.specs import PAIR_EXCHANGE_MAX as _PAIR_EXCHANGE_MAX
 from commlib.core.config import config
 
 __all__ = ["WELCOME", "TOPO", "TERM", "VOTED", "PLAN", "SYNC_END", "VOTE", "DONE", "FAIL", "REFUSE", "SYNC", "SYNCED",
-           "BYE", "DROP", "RING", "FETCH", "HEARTBEAT_INTERVAL", "AUTO_STREAMS", "PAIR_EXCHANGE_MAX", "TICKET_TTL",
+           "BYE", "DROP", "GIVE_UP", "GAVE_UP", "RING", "FETCH", "HEARTBEAT_INTERVAL", "AUTO_STREAMS", "PAIR_EXCHANGE_MAX", "TICKET_TTL",
            "MAX_PEERS", "FETCH_MAX", "FETCH_PARK", "FETCH_PARK_S", "TRAFFIC", "WHY_MAX", "is_int", "is_bytes", "dbg"]
 
 # --- master -> peer
 WELCOME = "welcome"    #: after authentication: ``id``, the peer's ticket ``key``, ``hb`` (heartbeat seconds)
 TOPO = "topo"          #: a new epoch: ``e``, ``members`` ``[[id, data address]...]`` in ring order, ``tickets``, ``exp``
+#:                        and ``seq``, the group's next call number (a new member numbers its calls from it)
 TERM = "term"          #: an operation's terminal state: ``e``, ``s``, ``ok`` (committed or aborted); ``why``
 #:                        when a member refused it (``refuse``): the members' calls differ
 VOTED = "voted"        #: a vote completed: ``e`` (the epoch after it), ``v`` (the job's step count)
 PLAN = "plan"          #: a shared-state round's plan: ``round``, ``rev``, ``hashes``, ``donors``, ``fetchers``...
 #:                        (a fetcher's plan also carries its ``tickets`` to each donor, purpose FETCH, bound to the round)
 SYNC_END = "sync_end"  #: every fetcher of ``round`` is done
+GAVE_UP = "gave_up"    #: a member gave up call ``s`` (``kind``: ``"arg"`` its argument was bad, ``"fail"``
+#:                        a failure; ``why``): fail that call here too
 # --- peer -> master
 VOTE = "vote"          #: at a step boundary (:meth:`Peer.update_topology`)
 DONE = "done"          #: operation ``(e, s)`` finished on this peer
@@ -108,6 +123,7 @@ SYNC = "sync"          #: a shared-state submission: ``rev``, per-tensor ``hashe
 SYNCED = "synced"      #: this fetcher finished its transfers
 BYE = "bye"            #: leaving
 DROP = "drop"          #: member ``id`` of epoch ``e`` overran this peer's receive caps (``why``): drop it
+GIVE_UP = "give_up"    #: this member left call ``s`` with an error the group did not decide (``kind``, ``why``)
 # --- the purpose of a peer-to-peer connection (in its authenticated hello)
 RING = "ring"          #: a collective's data connection of one epoch
 FETCH = "fetch"        #: a shared-state fetch from a donor

@@ -68,11 +68,17 @@ def dtype_code(dtype) -> int:
 
 
 def dtype_name(code: int):
-    """The name of the dtype whose :func:`dtype_code` is ``code`` (the code itself when unknown)."""
+    """The name of the dtype whose :func:`dtype_code` is ``code`` (a byte order
+    other than this machine's named too: ``"float32 (big-endian)"``; the code itself
+    when unknown)."""
     for d in [*np.sctypeDict.values(), *([_BFLOAT16] if _BFLOAT16 is not None else [])]:
         try:
-            if dtype_code(d) == code:
-                return np.dtype(d).name
+            native = np.dtype(d)
+            for dt in (native, native.newbyteorder()):
+                if dtype_code(dt) == code:
+                    if dt.isnative or dt.byteorder == "|":
+                        return dt.name
+                    return f"{dt.name} ({'big' if dt.byteorder == '>' else 'little'}-endian)"
         except TypeError:
             continue
     return code

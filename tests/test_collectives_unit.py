@@ -78,6 +78,17 @@ def test_dtype_code_stable_and_distinct():
     assert ops.dtype_code(BF16) == ops.dtype_code(np.dtype(ml_dtypes.bfloat16))
 
 
+def test_dtype_name_names_each_code_byte_order_included():
+    """Mismatch messages name dtypes as written: a byte order other than this
+    machine's is named too (a big-endian float32 used to show as a raw code)."""
+    swapped = np.dtype(np.float32).newbyteorder()
+    order = "big" if swapped.byteorder == ">" else "little"
+    assert ops.dtype_name(ops.dtype_code(swapped)) == f"float32 ({order}-endian)"
+    for d in (np.float32, np.int64, np.uint8, np.bool_, BF16):
+        assert ops.dtype_name(ops.dtype_code(d)) == np.dtype(d).name
+    assert ops.dtype_name(12345) == 12345
+
+
 def test_mpi_datatypes():
     from mpi4py import MPI
 

@@ -818,3 +818,43 @@ def test_master_answers_each_report_once_after_forgetting():
     assert a.terms()[-1] == b.terms()[-1] == (3, False) and len(b.terms()) == 4
     m._new_epoch([1, 2], "test")
     assert m._ops == {} and e not in m._forgotten and e not in m._epoch_members
+
+
+def test_master_passes_a_given_up_call_on_to_every_other_member():
+    """Driven report by report: a member's ``give_up`` reaches every other live
+    member (``gave_up``, with the giver's id and cause), refuses the call where it
+    is open in the current epoch (the members that reported it get one ``term``),
+    sets a new member's first call number past it (``topo``'s ``seq``), and is
+    ignored for a call already committed; a malformed one closes the giver."""
+    from commlib.elastic.protocol import DONE, GIVE_UP
+    from commlib.transports.tcp import FrameError
+
+    m = el.Master(secret=SECRET)
+    a, b, c = _Rec(1), _Rec(2), _Rec(3)
+    m._peers = {1: a.p, 2: b.p, 3: c.p}
+    m._new_epoch([1, 2, 3], "test")
+    e = m.epoch
+    m._handle(b.p, {"t": DONE, "e": e, "s": 0})           # b is in call 0; c is late
+    m._handle(a.p, {"t": GIVE_UP, "s": 0, "kind": "fail", "why": "CommTimeout: 1 s"})
+    for rec in (b, c):
+        notes = [x for x in rec.sent if x["t"] == "gave_up"]
+        assert notes == [{"t": "gave_up", "s": 0, "kind": "fail", "why": "CommTimeout: 1 s", "id": 1}]
+    assert not [x for x in a.sent if x["t"] == "gave_up"]
+    assert b.terms() == c.terms() == [(0, False)] and a.terms() == []
+    assert m._ops == {} and m.stats["given_up"] == 1
+    # a call committed while still held (a member's verdict not yet sent) stays committed
+    m._handle(a.p, {"t": DONE, "e": e, "s": 1})
+    m._handle(b.p, {"t": DONE, "e": e, "s": 1})
+    m._live = lambda ids: [i for i in ids if i != 3]      # c as good as gone: 1 commits on a, b
+    m._handle(a.p, {"t": DONE, "e": e, "s": 1})
+    assert a.terms()[-1] == b.terms()[-1] == (1, True)
+    m._ops[(e, 1)] = {"done": {1, 2}, "term": True, "sent": {1, 2}}
+    m._handle(b.p, {"t": GIVE_UP, "s": 1, "kind": "fail", "why": "late"})
+    assert [x["s"] for x in a.sent if x["t"] == "gave_up"] == [] and m.stats["given_up"] == 1
+    del m._live
+    d = _Rec(4)
+    m._peers[4] = d.p
+    m._new_epoch([1, 2, 3, 4], "test")
+    assert [x["seq"] for x in d.sent if x["t"] == "topo"] == [2]
+    with pytest.raises(FrameError):
+        m._handle(a.p, {"t": GIVE_UP, "s": 2, "kind": "oops", "why": "x"})

@@ -461,3 +461,44 @@ def test_a_call_given_up_after_a_death_fails_on_a_member_that_was_not_in_it():
             assert res["A", 1] == res["B", 1] == 202.0, (trial, res)
         finally:
             _close(master, peers)
+
+
+def test_timeouts_that_are_not_finite_numbers_are_refused():
+    """A NaN or infinite ``timeout`` would let a call wait forever: refused at once
+    (all-reduce, vote, state sync); the all-reduce's on every member, naming it."""
+    master, peers = _group(2)
+    try:
+        for bad in (float("nan"), float("inf"), "soon"):
+            for call in (lambda p: p.update_topology(timeout=bad),
+                         lambda p: p.sync_shared_state({"w": np.zeros(4)}, 0, timeout=bad)):
+                t0 = time.monotonic()
+                with pytest.raises(commlib.InvalidArgument, match="timeout must be a finite number"):
+                    call(peers[0])
+                assert time.monotonic() - t0 < 0.5
+            bufs = [np.full(8, 1.0), np.full(8, 2.0)]
+            out = _outcomes(peers, lambda i, p: p.allreduce(bufs[i], timeout=bad if i == 0 else 20))
+            for i, (r, exc, dt) in enumerate(out):
+                assert isinstance(exc, commlib.InvalidArgument) and "timeout" in str(exc) and dt < 1.0, (i, exc, dt)
+                assert np.all(bufs[i] == i + 1.0)
+        with pytest.raises(commlib.InvalidArgument, match="timeout"):
+            el.connect(master.address, secret=SECRET, timeout=float("nan"))
+        res = run_peers(peers, lambda i, p: p.allreduce(np.full(4, 1.0)))
+        assert all(np.all(r == 2.0) for r in res)
+    finally:
+        _close(master, peers)
+
+
+def test_close_from_another_thread_ends_the_call_with_peer_closed():
+    """close() while the peer waits in an all-reduce (the other member never calls):
+    the call ends promptly with PeerClosed, its input intact."""
+    master, peers = _group(2)
+    try:
+        data = np.arange(1 << 16, dtype=np.float64)
+        buf = data.copy()
+        threading.Timer(0.3, peers[0].close).start()
+        t0 = time.monotonic()
+        with pytest.raises(el.PeerClosed):
+            peers[0].allreduce(buf, timeout=10)
+        assert time.monotonic() - t0 < 3.0 and _h(buf) == _h(data)
+    finally:
+        _close(master, peers)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import math
 import socket
 import threading
 import time
@@ -332,6 +333,9 @@ class Peer(StateSync):
         # loopback address (striping there only adds threads that compete for the same CPUs)
         self._auto_streams = streams is None
         self.streams = AUTO_STREAMS if streams is None else int(streams)
+        if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and math.isfinite(timeout)
+                and timeout > 0):
+            raise InvalidArgument(f"timeout must be a finite number of seconds > 0, got {timeout!r}", op="connect")
         self.secret, self.timeout, self.encrypt = secret, float(timeout), encrypt
         self.master_address = address
         deadline = time.monotonic() + timeout
@@ -568,6 +572,8 @@ class Peer(StateSync):
         try:
             self._conn.send_ctrl(msg, timeout=self.timeout)
         except Exception as exc:  # noqa: BLE001
+            if self._closed:
+                raise PeerClosed("this peer was closed (close() was called)", rank=self.rank, op="elastic") from None
             raise CommError(f"lost the master ({type(exc).__name__})", rank=self.rank, op="elastic") from None
 
     def _call_given_up(self, s: int, kind: str, why: str, pid: int) -> None:
@@ -775,7 +781,7 @@ class Peer(StateSync):
             CommTimeout: no decision within ``timeout`` (default: the peer's timeout).
             CommError: the master is gone.
         """
-        timeout = self.timeout if timeout is None else timeout
+        timeout = self._call_timeout(timeout, "update_topology")
         self._check_open("update_topology")
         self._adopt()
         with self._cv:
@@ -840,10 +846,17 @@ class Peer(StateSync):
         in a scratch buffer the peer reuses between calls.
 
         This peer's invalid arguments (a read-only, non-contiguous or non-numeric
-        ``buf``, an unknown ``op`` or ``quantize``) raise at once, before anything
-        is sent.  On every error ``buf`` holds its input again, bit for bit, before the
-        error leaves the call (the master lost included), and the peer is ready
-        for the next call.
+        ``buf``, an unknown ``op`` or ``quantize``, a ``timeout`` that is not a
+        finite number) raise at once, before anything is sent, and the call is
+        given up on every member: each raises InvalidArgument naming this peer's
+        rank and cause, instead of waiting for its timeout.  Calls are paired by
+        their number (each member counts its calls; a retry keeps its number): a
+        call that one member leaves with an error the group did not decide (its
+        timeout, ``retry=False`` after an abort) is given up too, and fails on every
+        member, a member late for it included (PeerFailure, at once), so a late
+        call is never combined with another member's next one.  On every error
+        ``buf`` holds its input again, bit for bit, before the error leaves the call
+        (the master lost included), and the peer is ready for the next call.
 
         Args:
             buf: writable C-contiguous numpy array (any shape) of a numeric dtype;
@@ -861,18 +874,23 @@ class Peer(StateSync):
             ``buf``.
 
         Raises:
-            InvalidArgument: bad buffer, op or quantize on any peer, or calls that
-                differ between peers (on every peer alike); not a member.
-            PeerFailure: aborted and ``retry=False`` (or more than ``max_retries`` aborts).
+            InvalidArgument: bad buffer, op, quantize or timeout on any peer, or
+                calls that differ between peers (on every peer alike); not a member.
+            PeerFailure: aborted and ``retry=False`` (or more than ``max_retries``
+                aborts); or another member gave this call up.
             CommTimeout: no committed result within ``timeout`` seconds (e.g. a
                 member did not call the all-reduce).
             PeerClosed: this peer was closed.
             CommError: the master is lost.
         """
-        timeout = self.timeout if timeout is None else float(timeout)
-        deadline = time.monotonic() + timeout
         rank = self.rank
         values, local_error, opx = _allreduce_header(buf, op, quantize, rank)
+        try:
+            timeout = self._call_timeout(timeout, "allreduce")
+        except InvalidArgument as exc:
+            local_error = local_error or exc
+            timeout = 0.0
+        deadline = time.monotonic() + timeout
         if local_error is not None:
             # this peer's own bad argument: raised here, before any byte moves, and the
             # call given up on every member (each raises InvalidArgument naming it)
@@ -1070,6 +1088,23 @@ class Peer(StateSync):
             snap.save_all()
             allreduce_ring(QuantizingTransport(tr, quantize), flat, opx, timeout=timeout, tmp=tmp)
         return None
+
+    def _call_timeout(self, timeout, op: str) -> float:
+        """A call's ``timeout`` argument in seconds (None: the peer's).
+
+        Raises:
+            InvalidArgument: not a finite number (a NaN or infinite bound would let
+                the call wait forever)."""
+        if timeout is None:
+            return self.timeout
+        try:
+            seconds = float(timeout)
+        except (TypeError, ValueError):
+            seconds = math.nan
+        if isinstance(timeout, bool) or not math.isfinite(seconds):
+            raise InvalidArgument(f"timeout must be a finite number of seconds, got {timeout!r}", rank=self.rank,
+                                  op=op)
+        return seconds
 
     def _check_open(self, op: str) -> None:
         if self._closed:

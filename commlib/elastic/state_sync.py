@@ -56,7 +56,7 @@ class StateSync:
         Raises:
             CommError: every donor failed or the received bytes did not verify.
         """
-        timeout = self.timeout if timeout is None else timeout
+        timeout = self._call_timeout(timeout, "sync_shared_state")
         t0 = time.monotonic()
         self._check_open("sync_shared_state")
         topo = self._adopt()

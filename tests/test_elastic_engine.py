@@ -502,3 +502,27 @@ def test_close_from_another_thread_ends_the_call_with_peer_closed():
         assert time.monotonic() - t0 < 3.0 and _h(buf) == _h(data)
     finally:
         _close(master, peers)
+
+
+def test_a_second_thread_s_call_is_refused_while_one_runs():
+    """Calls pair by their order on each member, which two threads of one peer would
+    not keep: a second thread's call while one runs raises InvalidArgument at once,
+    sending nothing; the running call completes with the group."""
+    master, peers = _group(2)
+    try:
+        bufs = [np.full(1000, 1.0), np.full(1000, 2.0)]
+        first = threading.Thread(target=peers[0].allreduce, args=(bufs[0],), kwargs={"timeout": 10})
+        first.start()
+        time.sleep(0.3)
+        other = np.full(1000, 5.0)
+        for call in (lambda: peers[0].allreduce(other), lambda: peers[0].update_topology(),
+                     lambda: peers[0].sync_shared_state({"w": other}, 0)):
+            t0 = time.monotonic()
+            with pytest.raises(commlib.InvalidArgument, match="already in a call .allreduce. from another thread"):
+                call()
+            assert time.monotonic() - t0 < 0.5 and np.all(other == 5.0)
+        peers[1].allreduce(bufs[1], timeout=10)
+        first.join(10)
+        assert np.all(bufs[0] == 3.0) and np.all(bufs[1] == 3.0)
+    finally:
+        _close(master, peers)

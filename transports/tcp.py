@@ -893,7 +893,8 @@ class TCPTransport(Transport):
 
         Each posted receive of those tags fails (if not complete) with
         ``error(tag)`` (default: :class:`CommError` "operation tag aborted"), frames
-        buffered for them are freed, no frame of theirs is placed in a buffer any
+        buffered for them are freed, their sends still held for a link not yet
+        attached fail likewise, no frame of theirs is placed in a buffer any
         more, and, before this returns, no receiver thread is still reading one into
         a posted buffer (it waits at most ``wait`` seconds for reads in flight, then
         revokes the transport, which cuts those links): a caller may restore
@@ -911,6 +912,16 @@ class TCPTransport(Transport):
                     slot.frames.clear()
                     if slot.req is not None:
                         slot.req._fail(self._abort_error(key[1]))
+            for link in self._links.values():
+                # sends held for an inbound link that is not attached yet (the lower
+                # rank dials; it may never, e.g. a member that gave the call up)
+                if link.early:
+                    held, link.early = link.early, []
+                    for item in held:
+                        if item[0]._tag in tags:
+                            item[0]._fail(self._abort_error(item[0]._tag))
+                        else:
+                            link.early.append(item)
             self._posted.notify_all()
             deadline = time.monotonic() + wait
             while any(t in tags for t in self._inflight):

@@ -29,7 +29,7 @@ from commlib.transports import tcp
 from commlib.transports.base import check_plain_dtype
 from commlib.transports.quantize import QuantizingTransport
 
-from .state_sync import StateSync
+from .state_sync import StateSync, one_thread
 from .protocol import (BYE, DONE, DROP, FAIL, FETCH, GAVE_UP, GIVE_UP, PLAN, REFUSE, RING, SYNC_END, TERM, TOPO,
                        VOTE, VOTED, WELCOME, AUTO_STREAMS, HEARTBEAT_INTERVAL,
                        TRAFFIC, WHY_MAX, is_int)
@@ -195,12 +195,15 @@ class _MasterPolicy(RecoveryPolicy):
         if peer._lost is not None:
             raise CommError(peer._lost, rank=topo.rank, op=self.opname)
         self.tag = (topo.epoch, peer._seq)
+        tr = peer._transport(topo)
         if peer._seq in peer._dead_calls:
             # another member gave this call up (e.g. it timed out while this peer was
-            # late for it): it fails here too, before anything is sent
+            # late for it): it fails here too, before anything is sent; the epoch's
+            # transport exists, so what the others sent for it is taken and dropped
             self.decided = True
+            data, first = tr.operation_tags(peer._seq)
+            tr.abort_tags((*data, *first))
             raise peer._dead_error(peer._seq, self.opname)
-        tr = peer._transport(topo)
         tr.begin_operation(peer._seq)  # the call's tags follow from (epoch, seq) alone
         return tr, max(self._left(), 0.0), range(tr.size)
 
@@ -386,6 +389,8 @@ class Peer(StateSync):
             raise
         self.id, self._key = int(msg["id"]), bytes(msg["key"])
         self._cv = threading.Condition()
+        self._call_lock = threading.Lock()   # one collective call at a time (one_thread)
+        self._call_name = None
         self._topo: _Topo | None = None      # adopted
         self._latest: _Topo | None = None    # newest pushed
         self._terms: dict = {}
@@ -770,6 +775,7 @@ class Peer(StateSync):
         return tr
 
     # public API --------------------------------------------------------------
+    @one_thread("update_topology")
     def update_topology(self, timeout: float | None = None) -> bool:
         """Step boundary: vote with the live peers; pending peers are admitted.
 
@@ -796,6 +802,7 @@ class Peer(StateSync):
         self._last_members = members
         return changed
 
+    @one_thread("allreduce")
     def allreduce(self, buf: np.ndarray, op: str = "sum", quantize: str | None = None, retry: bool = True,
                   timeout: float | None = None, max_retries: int = 16) -> np.ndarray:
         """All-reduce ``buf`` in place over the current members; bit-identical on all.
@@ -922,6 +929,9 @@ class Peer(StateSync):
             return
         s = self._seq
         self._seq = s + 1
+        # the epoch's transport, so the members' sends of this call (dialled to this
+        # peer) are taken and dropped, not left waiting for a connection it never serves
+        self._transport(topo)
         self._give_up(s, "arg", error.detail)
 
     def _allreduce_attempt(self, flat, values, opx, quantize, policy, keep, tr, left, survivors):

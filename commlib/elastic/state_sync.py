@@ -20,6 +20,7 @@ peer's control connection, topology and dialling.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import queue
 import threading
@@ -37,9 +38,30 @@ from .protocol import FETCH, FETCH_MAX, FETCH_PARK, FETCH_PARK_S, SYNC, SYNCED, 
 __all__ = ["StateSync"]
 
 
+def one_thread(opname: str):
+    """Decorate a peer's collective method: one such call at a time per peer.  A
+    second thread's call while one runs raises InvalidArgument at once (the group
+    pairs each member's calls by their order, which two threads would not keep);
+    nothing is sent for it and the running call goes on."""
+    def wrap(method):
+        @functools.wraps(method)
+        def call(self, *args, **kwargs):
+            if not self._call_lock.acquire(blocking=False):
+                raise InvalidArgument(f"this peer is already in a call ({self._call_name}) from another thread: "
+                                      "a Peer makes one call at a time", rank=self.rank, op=opname)
+            try:
+                self._call_name = opname
+                return method(self, *args, **kwargs)
+            finally:
+                self._call_lock.release()
+        return call
+    return wrap
+
+
 class StateSync:
     """Shared-state sync for :class:`~commlib.elastic.peer.Peer` (see the module docstring)."""
 
+    @one_thread("sync_shared_state")
     def sync_shared_state(self, state: dict, revision: int, timeout: float | None = None) -> dict:
         """Make ``state`` identical on every member (see :mod:`commlib.elastic.state_sync`).
 

@@ -12,8 +12,8 @@ from commlib.core.errors import CommError
 from commlib.transports import tcp
 
 from .protocol import (BYE, DONE, DROP, FAIL, FETCH, GAVE_UP, GIVE_UP, PLAN, REFUSE, RING, SYNC, SYNCED, SYNC_END,
-                       TERM, TOPO, VOTE, VOTED, WELCOME, HEARTBEAT_INTERVAL, MAX_PEERS, TICKET_TTL, WHY_MAX, dbg, is_bytes,
-                       is_int)
+                       TERM, TOPO, VOTE, VOTED, WELCOME, HEARTBEAT_INTERVAL, MAX_PEERS, TICKET_TTL, WHY_MAX, dbg,
+                       is_bytes, is_int)
 
 __all__ = ["Master"]
 

@@ -27,7 +27,8 @@ Operations (all-reduce): tag ``(epoch, seq)``, ``seq`` the call's number: each
 member counts its calls from the number the master gave it when it was admitted
 (``topo``'s ``seq``: the group's next call); a call keeps its number through its
 retries (each in a newer epoch), so the members' numbering of their calls, not
-the epoch, pairs a call with the other members' calls.  ``open`` → ``complete`` when every member of the epoch reported
+the epoch, pairs a call with the other members' calls.
+``open`` → ``complete`` when every member of the epoch reported
 ``done``; ``open`` → ``abort`` on a member's death, a member's ``fail`` report,
 or any report for an epoch older than the current one; ``open`` → ``refused``
 on a member's ``refuse`` report (its call differs from its ring neighbour's:
@@ -36,7 +37,7 @@ the reporter's ``why``, and each raises it as :class:`~commlib.InvalidArgument`
 over the same connections.  The terminal state is
 decided once and each live member of the epoch receives exactly one terminal
 message (``term``) for the tag.  Once every live member has it, the master
-forgets the operation (per epoch it keeps the ``seq`` below which every
+forgets the operation (per epoch it keeps the range of ``seq`` over which every
 operation ended, and those that ended out of order): a report for it that
 arrives later (it crossed the ``term``) is ignored.
 
@@ -99,7 +100,8 @@ from commlib.collectives.specs import PAIR_EXCHANGE_MAX as _PAIR_EXCHANGE_MAX
 from commlib.core.config import config
 
 __all__ = ["WELCOME", "TOPO", "TERM", "VOTED", "PLAN", "SYNC_END", "VOTE", "DONE", "FAIL", "REFUSE", "SYNC", "SYNCED",
-           "BYE", "DROP", "GIVE_UP", "GAVE_UP", "RING", "FETCH", "HEARTBEAT_INTERVAL", "AUTO_STREAMS", "PAIR_EXCHANGE_MAX", "TICKET_TTL",
+           "BYE", "DROP", "GIVE_UP", "GAVE_UP", "RING", "FETCH", "HEARTBEAT_INTERVAL", "AUTO_STREAMS",
+           "PAIR_EXCHANGE_MAX", "TICKET_TTL",
            "MAX_PEERS", "FETCH_MAX", "FETCH_PARK", "FETCH_PARK_S", "TRAFFIC", "WHY_MAX", "is_int", "is_bytes", "dbg"]
 
 # --- master -> peer

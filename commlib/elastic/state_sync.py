@@ -66,8 +66,10 @@ class StateSync:
         """Make ``state`` identical on every member (see :mod:`commlib.elastic.state_sync`).
 
         Args:
-            state: name → numpy array (C-contiguous); updated in place (a missing
-                name, or one of another dtype/shape, gets a new array).
+            state: name → numpy array (C-contiguous); updated in place: a missing
+                name, one of another dtype/shape, or a read-only array whose bytes
+                differ gets a new array (the old one is left as it was), and on a
+                member that fetches, a name the job's state lacks is removed.
             revision: this peer's revision of ``state``.
             timeout: seconds to wait for the plan and for the transfers.
 
@@ -255,7 +257,9 @@ class StateSync:
                 raise CommError("a donor's state holds object dtype", op="sync_shared_state")
             shape = tuple(int(x) for x in shape)
             arr = state.get(name)
-            if not isinstance(arr, np.ndarray) or arr.dtype != dt or arr.shape != shape or not arr.flags.c_contiguous:
+            if (not isinstance(arr, np.ndarray) or arr.dtype != dt or arr.shape != shape or not arr.flags.c_contiguous
+                    or (not arr.flags.writeable and own.get(name) != h)):
+                # (a read-only array that differs cannot take the bytes: replaced, left as it was)
                 arr = np.empty(shape, dt)
                 state[name] = arr
                 own.pop(name, None)
@@ -283,6 +287,8 @@ class StateSync:
             if hashlib.sha256(views[k]).digest() != want[k]:
                 raise CommError(f"state tensor {k!r} did not verify (every donor failed or lied)",
                                 rank=topo.rank, op="sync_shared_state")
+        for k in [k for k in state if k not in want]:
+            del state[k]  # a name the job's state lacks: every member ends with the same names
         return got, used
 
     def _fetch_from(self, donor: int, topo, views, todo, timeout, plan: dict):

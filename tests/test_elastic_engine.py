@@ -526,3 +526,19 @@ def test_a_second_thread_s_call_is_refused_while_one_runs():
         assert np.all(bufs[0] == 3.0) and np.all(bufs[1] == 3.0)
     finally:
         _close(master, peers)
+
+
+def test_an_advertised_address_that_cannot_be_dialled_is_refused_at_connect():
+    """``advertise`` names the address the other members dial: one that does not
+    resolve (or port 0) is refused at connect, naming it, instead of being admitted
+    and failing every call of the group, epoch after epoch."""
+    master = el.Master(secret=SECRET).start()
+    try:
+        for bad in ("nosuchhost.invalid:5000", "127.0.0.1:0", "no-port"):
+            t0 = time.monotonic()
+            with pytest.raises(commlib.InvalidArgument, match="advertise|address"):
+                el.connect(master.address, secret=SECRET, timeout=5, advertise=bad)
+            assert time.monotonic() - t0 < 3.0
+        assert master.stats["deaths"] == 0 and not master.members
+    finally:
+        master.stop()

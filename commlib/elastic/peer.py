@@ -339,6 +339,18 @@ class Peer(StateSync):
         if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and math.isfinite(timeout)
                 and timeout > 0):
             raise InvalidArgument(f"timeout must be a finite number of seconds > 0, got {timeout!r}", op="connect")
+        if advertise is not None:
+            host, port = tcp.parse_address(advertise)
+            try:
+                socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            except OSError as exc:
+                # the other members would dial it and fail, every epoch, for as long as
+                # this peer stays: refused here instead
+                raise InvalidArgument(f"advertise={advertise!r} does not resolve ({exc}): the other peers could "
+                                      "not dial it", op="connect") from None
+            if port == 0:
+                raise InvalidArgument(f"advertise={advertise!r} has port 0: name the port other peers dial",
+                                      op="connect")
         self.secret, self.timeout, self.encrypt = secret, float(timeout), encrypt
         self.master_address = address
         deadline = time.monotonic() + timeout
@@ -1184,6 +1196,8 @@ def connect(address: str, secret: bytes | str | None = None, secret_file: str | 
         SilentPort: (a :class:`CommTimeout`) the address accepts connections but sends
             no challenge: not a commlib master.
         EncryptionMismatch: the master and this peer disagree on ``encrypt``.
+        InvalidArgument: ``streams`` or ``timeout`` out of range, or an ``advertise``
+            address that does not resolve or names port 0.
         CommError: the master cannot be reached.
     """
     try:

@@ -324,7 +324,7 @@ def test_skipped_collective_fails_within_timeout(nbytes):
             assert _h(bufs[i]) == _h(data[i])
         late = np.full(10, 7.0)
         t0 = time.monotonic()
-        with pytest.raises(el.PeerFailure, match="call 0 given up by rank [01]"):
+        with pytest.raises(commlib.CommTimeout, match="call 0 given up by rank [01]"):
             peers[2].allreduce(late, "sum", timeout=10)
         assert time.monotonic() - t0 < 0.5 and np.all(late == 7.0)
         res = run_peers(peers, lambda i, p: p.allreduce(np.full(10, i + 1.0), "sum", timeout=10))
@@ -368,10 +368,10 @@ def test_bad_buffers_refused_before_anything_is_sent(n):
 
 @pytest.mark.parametrize("n,nbytes", [(2, 4096), (3, 1 << 20)])
 def test_a_late_member_never_pairs_with_the_next_call(n, nbytes):
-    """The last member is late for step 0 (by 1.2-1.8 s, drawn) while the others
-    call with ``timeout=1``: they raise CommTimeout (or PeerFailure: another's
-    give-up came first), input intact.  The late member's
-    step 0 is the call they gave up: it fails at once (PeerFailure), sending
+    """The last member is late for step 0 (by 1.5-2 s, drawn) while the others
+    call with ``timeout=1``: they raise CommTimeout (theirs, or another's give-up
+    that came first), input intact.  The late member's
+    step 0 is the call they gave up: it fails at once (CommTimeout, < 1 s), sending
     nothing, instead of being combined with their step 1 (which it was, silently,
     when calls were paired by their place in the epoch).  Every call that
     completes holds its own step's sum; steps 1 and 2 complete everywhere."""
@@ -379,7 +379,7 @@ def test_a_late_member_never_pairs_with_the_next_call(n, nbytes):
     count = nbytes // 8
     for trial in range(5):
         master, peers = _group(n)
-        late = rng.uniform(1.2, 1.8)
+        late = rng.uniform(1.5, 2.0)
         try:
             def steps(i, p):
                 if i == n - 1:
@@ -406,10 +406,10 @@ def test_a_late_member_never_pairs_with_the_next_call(n, nbytes):
                     else:
                         assert k == 0, (trial, i, k, what)
                         # an on-time member times out, or learns first that another did
-                        kind = el.PeerFailure if i == n - 1 else (commlib.CommTimeout, el.PeerFailure)
+                        kind = commlib.CommTimeout
                         assert isinstance(what, kind), (trial, i, repr(what))
                         if i == n - 1:
-                            assert dt < 0.5 and "call 0 given up" in str(what), (trial, dt, str(what))
+                            assert dt < 1.0 and "call 0 given up" in str(what), (trial, dt, str(what))
                 assert log[1][0] == log[2][0] == "ok", (trial, i)
         finally:
             _close(master, peers)
@@ -419,8 +419,9 @@ def test_a_call_given_up_after_a_death_fails_on_a_member_that_was_not_in_it():
     """``retry=False``, 3 members: C closes while A is inside step 0 and B has not
     entered it.  A raises PeerFailure; B's step 0, made after the new epoch began,
     is the call A gave up: it raises PeerFailure at once, input intact (it used to
-    be combined with A's step 1: 201 where step 0's sum is 101).  Step 1 then
-    completes on A and B with its own sum.  5 trials, C's close drawn 0.2-0.5 s in."""
+    be combined with A's step 1: 201 where step 0's sum is 101).  Step 1 (with
+    retries: A may start it before the new epoch reaches it) then completes on A and
+    B with its own sum.  5 trials, C's close drawn 0.2-0.5 s in."""
     rng = random.Random(7)
     for trial in range(5):
         master, peers = _group(3, timeout=10.0)
@@ -432,7 +433,7 @@ def test_a_call_given_up_after_a_death_fails_on_a_member_that_was_not_in_it():
                 for k in range(2):
                     buf = np.full(4, 100.0 * (k + 1))
                     try:
-                        a.allreduce(buf, "sum", retry=False, timeout=8)
+                        a.allreduce(buf, "sum", retry=k > 0, timeout=8)
                         res["A", k] = buf[0]
                     except commlib.CommError as exc:
                         res["A", k] = exc
@@ -449,7 +450,7 @@ def test_a_call_given_up_after_a_death_fails_on_a_member_that_was_not_in_it():
                 buf = np.full(4, 1.0 + k)
                 t0 = time.monotonic()
                 try:
-                    b.allreduce(buf, "sum", retry=False, timeout=8)
+                    b.allreduce(buf, "sum", retry=k > 0, timeout=8)
                     res["B", k] = buf[0]
                 except commlib.CommError as exc:
                     assert np.all(buf == 1.0 + k)

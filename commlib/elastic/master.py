@@ -409,7 +409,7 @@ class Master:
                     self._died(accused)
             elif t == GIVE_UP:
                 s, kind, why = msg.get("s"), msg.get("kind"), msg.get("why")
-                if not (is_int(s) and kind in ("arg", "fail") and isinstance(why, str) and 0 < len(why) <= WHY_MAX):
+                if not (is_int(s) and kind in ("arg", "fail", "timeout") and isinstance(why, str) and 0 < len(why) <= WHY_MAX):
                     raise tcp.FrameError("bad give-up report")
                 if p.state != "member":
                     return

@@ -280,8 +280,9 @@ class _MasterPolicy(RecoveryPolicy):
             return
         peer, s = self.peer, self.tag[1]
         peer._seq = max(peer._seq, s + 1)
-        if exc is not None and not self.decided and s not in peer._dead_calls:
-            peer._give_up(s, "fail", f"{type(exc).__name__}: {exc}")
+        if exc is not None and not self.decided and s not in peer._dead_calls and not peer._closed:
+            # (a peer that left gives nothing up: the others retry without it, as after a death)
+            peer._give_up(s, "timeout" if isinstance(exc, CommTimeout) else "fail", f"{type(exc).__name__}: {exc}")
 
 
 @functools.lru_cache(maxsize=1024)
@@ -613,6 +614,9 @@ class Peer(StateSync):
                if topo is not None and pid in topo.ids else f"peer {pid}")
         if kind == "arg":
             return InvalidArgument(f"call {s} refused: {who}'s arguments are invalid ({why})", rank=self.rank, op=op)
+        if kind == "timeout":  # the call ran out of time there: the same error here
+            return CommTimeout(f"call {s} given up by {who} ({why}); it fails on every member", rank=self.rank,
+                               op=op)
         return PeerFailure(f"call {s} given up by {who} ({why}); it fails on every member", rank=self.rank, op=op)
 
     def _give_up(self, s: int, kind: str, why: str) -> None:
@@ -896,9 +900,10 @@ class Peer(StateSync):
             InvalidArgument: bad buffer, op, quantize or timeout on any peer, or
                 calls that differ between peers (on every peer alike); not a member.
             PeerFailure: aborted and ``retry=False`` (or more than ``max_retries``
-                aborts); or another member gave this call up.
+                aborts); or another member gave this call up after one.
             CommTimeout: no committed result within ``timeout`` seconds (e.g. a
-                member did not call the all-reduce).
+                member did not call the all-reduce), here or on a member that gave
+                this call up for it (a member late for the call raises it at once).
             PeerClosed: this peer was closed.
             CommError: the master is lost.
         """

@@ -114,8 +114,8 @@ VOTED = "voted"        #: a vote completed: ``e`` (the epoch after it), ``v`` (t
 PLAN = "plan"          #: a shared-state round's plan: ``round``, ``rev``, ``hashes``, ``donors``, ``fetchers``...
 #:                        (a fetcher's plan also carries its ``tickets`` to each donor, purpose FETCH, bound to the round)
 SYNC_END = "sync_end"  #: every fetcher of ``round`` is done
-GAVE_UP = "gave_up"    #: a member gave up call ``s`` (``kind``: ``"arg"`` its argument was bad, ``"fail"``
-#:                        a failure; ``why``): fail that call here too
+GAVE_UP = "gave_up"    #: a member gave up call ``s`` (``kind``: ``"arg"`` its argument was bad, ``"timeout"``
+#:                        its time ran out, ``"fail"`` a failure; ``why``): fail that call here too
 # --- peer -> master
 VOTE = "vote"          #: at a step boundary (:meth:`Peer.update_topology`)
 DONE = "done"          #: operation ``(e, s)`` finished on this peer

@@ -846,6 +846,12 @@ class TCPTransport(Transport):
             r.test()
 
     # group ----------------------------------------------------------------
+    @property
+    def revoked(self) -> bool:
+        """True once :meth:`revoke` or :meth:`close` ended this transport: every
+        request fails from then on."""
+        return self._failure is not None
+
     def failed_ranks(self) -> tuple[int, ...]:
         return tuple(sorted(self._failed))
 

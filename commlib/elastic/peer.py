@@ -57,7 +57,7 @@ _OPERATION = 1
 #: report it sent (the master answers the last report within milliseconds)
 _VERDICT_GRACE = 2.0
 #: given-up call numbers a peer keeps (:meth:`Peer._call_given_up`)
-_DEAD_CALLS_KEPT = 16
+_DEAD_CALLS_KEPT = 64
 
 
 def _describe(name: str, value: int):
@@ -196,6 +196,17 @@ class _MasterPolicy(RecoveryPolicy):
             raise CommError(peer._lost, rank=topo.rank, op=self.opname)
         self.tag = (topo.epoch, peer._seq)
         tr = peer._transport(topo)
+        if tr.revoked and peer._aborted_epoch == topo.epoch and peer._seq not in peer._dead_calls:
+            # the master aborted an operation of this epoch (a member's failure, no death
+            # known yet): its next epoch is on the way (after its abort_grace); this call
+            # runs there instead of failing at once on the aborted one
+            e = topo.epoch
+            peer._wait(lambda: True if ((peer._latest is not None and peer._latest.epoch > e)
+                                        or peer._seq in peer._dead_calls) else None,
+                       max(self._left(), 0.0), self.opname)
+            topo = peer._adopt()
+            tr = peer._transport(topo)
+        self.tag = (topo.epoch, peer._seq)
         if peer._seq in peer._dead_calls:
             # another member gave this call up (e.g. it timed out while this peer was
             # late for it): it fails here too, before anything is sent; the epoch's
@@ -403,6 +414,7 @@ class Peer(StateSync):
         self.id, self._key = int(msg["id"]), bytes(msg["key"])
         self._cv = threading.Condition()
         self._call_lock = threading.Lock()   # one collective call at a time (one_thread)
+        self._aborted_epoch = 0              # the newest epoch the master aborted an operation of
         self._call_name = None
         self._topo: _Topo | None = None      # adopted
         self._latest: _Topo | None = None    # newest pushed
@@ -540,6 +552,7 @@ class Peer(StateSync):
                                 data, first = tr.operation_tags(s)
                                 tr.abort_tags((*data, *first), functools.partial(self._refusal, why))
                         elif not msg["ok"] and tr is not None and tr.epoch == e:
+                            self._aborted_epoch = max(self._aborted_epoch, e)  # a next epoch follows
                             tr.revoke("operation aborted by the master")
                     elif t == GAVE_UP:
                         self._call_given_up(int(msg["s"]), str(msg["kind"]), str(msg["why"])[:WHY_MAX],

@@ -17,6 +17,10 @@ from .protocol import (BYE, DONE, DROP, FAIL, FETCH, GAVE_UP, GIVE_UP, PLAN, REF
 
 __all__ = ["Master"]
 
+#: the highest call number a member's tags can hold (``tcp.OPERATION_TAGS`` tags a call
+#: below ``tcp.FIRST_ROUND_TAG``)
+_SEQ_MAX = tcp.FIRST_ROUND_TAG // tcp.OPERATION_TAGS - 1
+
 
 class _MPeer:
     """The master's record of one peer."""
@@ -83,8 +87,7 @@ class Master:
         self._listener = None
         self._stopped = threading.Event()
         self.stats = {"epochs": 0, "aborts": 0, "completes": 0, "deaths": 0, "refused": 0, "stalls": 0,
-                      "lost_syncs": 0, "dropped": 0,
-                      "given_up": 0}
+                      "lost_syncs": 0, "dropped": 0, "given_up": 0}
 
     # lifecycle ---------------------------------------------------------------
     def start(self) -> "Master":
@@ -356,7 +359,8 @@ class Master:
                     p.send({"t": TERM, "e": e, "s": s, "ok": False})
                     return
                 tag = (e, s)
-                self._calls = max(self._calls, s + 1)
+                if s <= _SEQ_MAX:  # (a call number past the tag space cannot be a joiner's first)
+                    self._calls = max(self._calls, s + 1)
                 if self._was_forgotten(tag):
                     return  # ended, and this member was sent its term (it crossed this report)
                 op = self._ops.get(tag)
@@ -409,7 +413,8 @@ class Master:
                     self._died(accused)
             elif t == GIVE_UP:
                 s, kind, why = msg.get("s"), msg.get("kind"), msg.get("why")
-                if not (is_int(s) and kind in ("arg", "fail", "timeout") and isinstance(why, str) and 0 < len(why) <= WHY_MAX):
+                if not (is_int(s, 0, _SEQ_MAX) and kind in ("arg", "fail", "timeout") and isinstance(why, str)
+                        and 0 < len(why) <= WHY_MAX):
                     raise tcp.FrameError("bad give-up report")
                 if p.state != "member":
                     return

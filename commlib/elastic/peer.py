@@ -60,6 +60,21 @@ _VERDICT_GRACE = 2.0
 _DEAD_CALLS_KEPT = 64
 
 
+def _finite_seconds(value, op: str, rank=None) -> float:
+    """``value`` as seconds.
+
+    Raises:
+        InvalidArgument: not a finite number (a NaN or infinite bound would let a
+            call wait forever), naming ``op`` and ``rank``."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if isinstance(value, bool) or not math.isfinite(seconds):
+        raise InvalidArgument(f"timeout must be a finite number of seconds, got {value!r}", rank=rank, op=op)
+    return seconds
+
+
 def _describe(name: str, value: int):
     """Header codes as the user wrote them, for mismatch messages."""
     if name == "quantize":
@@ -194,7 +209,7 @@ class _MasterPolicy(RecoveryPolicy):
                                   rank=None, op=self.opname)
         if peer._lost is not None:
             raise CommError(peer._lost, rank=topo.rank, op=self.opname)
-        self.tag = (topo.epoch, peer._seq)
+        self.tag = (topo.epoch, peer._seq)  # (the call's number is spent even if the wait below raises)
         tr = peer._transport(topo)
         if tr.revoked and peer._aborted_epoch == topo.epoch and peer._seq not in peer._dead_calls:
             # the master aborted an operation of this epoch (a member's failure, no death
@@ -348,11 +363,14 @@ class Peer(StateSync):
         # loopback address (striping there only adds threads that compete for the same CPUs)
         self._auto_streams = streams is None
         self.streams = AUTO_STREAMS if streams is None else int(streams)
-        if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and math.isfinite(timeout)
-                and timeout > 0):
-            raise InvalidArgument(f"timeout must be a finite number of seconds > 0, got {timeout!r}", op="connect")
+        timeout = _finite_seconds(timeout, "connect")
+        if timeout <= 0:
+            raise InvalidArgument(f"timeout must be > 0 seconds, got {timeout!r}", op="connect")
         if advertise is not None:
             host, port = tcp.parse_address(advertise)
+            if port == 0:
+                raise InvalidArgument(f"advertise={advertise!r} has port 0: name the port other peers dial",
+                                      op="connect")
             try:
                 socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
             except OSError as exc:
@@ -360,10 +378,7 @@ class Peer(StateSync):
                 # this peer stays: refused here instead
                 raise InvalidArgument(f"advertise={advertise!r} does not resolve ({exc}): the other peers could "
                                       "not dial it", op="connect") from None
-            if port == 0:
-                raise InvalidArgument(f"advertise={advertise!r} has port 0: name the port other peers dial",
-                                      op="connect")
-        self.secret, self.timeout, self.encrypt = secret, float(timeout), encrypt
+        self.secret, self.timeout, self.encrypt = secret, timeout, encrypt
         self.master_address = address
         deadline = time.monotonic() + timeout
         sock = self._reach_master(address, timeout)
@@ -814,6 +829,8 @@ class Peer(StateSync):
 
         Raises:
             CommTimeout: no decision within ``timeout`` (default: the peer's timeout).
+            InvalidArgument: ``timeout`` is not a finite number; another thread of this
+                peer is in a call.
             CommError: the master is gone.
         """
         timeout = self._call_timeout(timeout, "update_topology")
@@ -889,8 +906,8 @@ class Peer(StateSync):
         their number (each member counts its calls; a retry keeps its number): a
         call that one member leaves with an error the group did not decide (its
         timeout, ``retry=False`` after an abort) is given up too, and fails on every
-        member, a member late for it included (PeerFailure, at once), so a late
-        call is never combined with another member's next one.  On every error
+        member, a member late for it included (at once, with the giver's error
+        class), so a late call is never combined with another member's next one.  On every error
         ``buf`` holds its input again, bit for bit, before the error leaves the call
         (the master lost included), and the peer is ready for the next call.
 
@@ -911,7 +928,8 @@ class Peer(StateSync):
 
         Raises:
             InvalidArgument: bad buffer, op, quantize or timeout on any peer, or
-                calls that differ between peers (on every peer alike); not a member.
+                calls that differ between peers (on every peer alike); not a member;
+                another thread of this peer is in a call (this peer alone).
             PeerFailure: aborted and ``retry=False`` (or more than ``max_retries``
                 aborts); or another member gave this call up after one.
             CommTimeout: no committed result within ``timeout`` seconds (e.g. a
@@ -1135,16 +1153,7 @@ class Peer(StateSync):
         Raises:
             InvalidArgument: not a finite number (a NaN or infinite bound would let
                 the call wait forever)."""
-        if timeout is None:
-            return self.timeout
-        try:
-            seconds = float(timeout)
-        except (TypeError, ValueError):
-            seconds = math.nan
-        if isinstance(timeout, bool) or not math.isfinite(seconds):
-            raise InvalidArgument(f"timeout must be a finite number of seconds, got {timeout!r}", rank=self.rank,
-                                  op=op)
-        return seconds
+        return self.timeout if timeout is None else _finite_seconds(timeout, op, self.rank)
 
     def _check_open(self, op: str) -> None:
         if self._closed:

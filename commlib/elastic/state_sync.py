@@ -78,6 +78,8 @@ class StateSync:
             id bytes came from, None when in sync).
 
         Raises:
+            InvalidArgument: a bad state entry or revision, a ``timeout`` that is not a
+                finite number, another thread of this peer in a call, not a member.
             CommError: every donor failed or the received bytes did not verify.
         """
         timeout = self._call_timeout(timeout, "sync_shared_state")

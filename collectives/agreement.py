@@ -147,9 +147,24 @@ def difference(names, describe, values, other, r: int, source: int, op: str) -> 
     return NeighbourRefusal(why, rank=r, op=op)
 
 
-def size_refusal(names, describe, values, r: int, source: int, op: str) -> NeighbourRefusal:
+def size_refusal(names, describe, values, r: int, source: int, op: str,
+                 head: bytes | None = None) -> NeighbourRefusal:
     """The refusal of a rank ``r`` whose first-round message from ``source`` had
-    another size than its own call's: the sender's call differs."""
+    another size than its own call's: the sender's call differs.
+
+    ``head`` (the first bytes of that message, :attr:`MessageSizeMismatch.head`)
+    starts with the sender's row ``[err, header...]``: the refusal then names the
+    fields that differ, as :func:`difference` does, or, when the headers agree,
+    says that the message's form differs (a per-member setting of how the first
+    round travels, which every member must share)."""
+    hd = 8 * (1 + len(values))
+    if head is not None and len(head) >= hd:
+        other = np.frombuffer(head[:hd], np.int64)
+        if other[0] or any(int(a) != int(b) for a, b in zip(values, other[1:])):
+            return difference(names, describe, values, other, r, source, op)
+        return NeighbourRefusal(f"the calls differ: rank {source}'s first message does not fit rank {r}'s call "
+                                f"though their headers agree: the two ranks send the first round in different "
+                                f"forms (a per-member setting, or a commlib version, that every member must share)", rank=r, op=op)
     d = describe or (lambda _name, v: v)
     mine = ", ".join(f"{name} {d(name, v)}" for name, v in zip(names, values))
     return NeighbourRefusal(f"the calls differ: rank {source}'s first message does not fit rank {r}'s call "
@@ -248,14 +263,19 @@ class RingHead:
         sq = self.first.isend(self.row[:self.rowbytes], dest, self.tag)
         try:
             waitall(self.first, [rq], timeout)
-        except MessageSizeMismatch:
-            self.refuse_size(source)
+        except MessageSizeMismatch as exc:
+            self.refuse_size(source, exc)
         self.check(got, source)
         waitall(self.first, [sq], timeout)
 
-    def refuse_size(self, source: int):
-        """The left neighbour's first-round message has another size: its call differs."""
-        raise size_refusal(self.names, self.describe, self.values, self.first.rank, source, self.op) from None
+    def refuse_size(self, source: int, exc: MessageSizeMismatch):
+        """The left neighbour's first-round message has another size (``exc``): its call differs.
+
+        Raises:
+            NeighbourRefusal: always, naming the fields that differ where ``exc.head`` shows them.
+        """
+        raise size_refusal(self.names, self.describe, self.values, self.first.rank, source, self.op,
+                           exc.head) from None
 
 
 def check_all(transport, problem: str | None, op: str, exc_type=InvalidArgument, timeout: float | None = None) -> None:

@@ -85,8 +85,8 @@ def one_shot_first_round(first, values: Sequence[int], *, op: str, vector: np.nd
         sq = first.isend((row, mine, got[:(m - 1) * msg]) if m > 1 else (row, mine), (r + k) % n, tag)
         try:
             waitall(first, [rq], timeout)
-        except MessageSizeMismatch:
-            raise size_refusal(names, describe, values, r, source, op) from None
+        except MessageSizeMismatch as exc:
+            raise size_refusal(names, describe, values, r, source, op, exc.head) from None
         for j in range(m):
             theirs = into[j * msg:j * msg + head]
             if theirs.tobytes() != own:

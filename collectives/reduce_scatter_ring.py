@@ -139,8 +139,8 @@ def _headed_step(transport, head, chunk, right: int, rbuf, left: int, tag: int, 
         overlap()
     try:
         waitall(first, [rq], timeout)
-    except MessageSizeMismatch:
-        head.refuse_size(left)
+    except MessageSizeMismatch as exc:
+        head.refuse_size(left, exc)
     head.check(got, left)
     waitall(transport, data + sends, timeout)
     if head.recv_joined:

@@ -24,6 +24,7 @@ Oracles: the input's bytes (SHA-256) and the sum recomputed from the inputs.
 """
 import hashlib
 import random
+import re
 import threading
 import time
 
@@ -127,11 +128,12 @@ def test_ring_sized_mismatch_refused_before_anything_is_combined(n, overlap, joi
     message of its own beside it (``Peer.first_round_in_chunk`` False), or checked
     before the ring starts (``overlap_first_round`` False); a member whose left
     neighbour's header differs reports it and the master's verdict refuses the call
-    on every member.  15 randomized trials of calls that differ (dtype: float32 vs
+    on every member.  16 randomized trials of calls that differ (dtype: float32 vs
     int32 of the same bytes; op: sum vs max; count: a ring-sized call against one
-    taken by recursive doubling, the pair exchange or inside the first round), the
-    odd peer drawn at random: InvalidArgument on every peer within 1 s naming the
-    field, the same message everywhere (the refusing member's); every buffer holds
+    taken by recursive doubling, the pair exchange or inside the first round;
+    width: float32 vs float64 of the same count, whose first messages differ in
+    size), the odd peer drawn at random: InvalidArgument on every peer within 1 s
+    naming the field and both its values, the same message everywhere (the refusing member's); every buffer holds
     its input bit for bit; on the data plane, at 2 peers nothing (beside the row:
     exactly a ring member's first chunk); at 3 or more,
     nothing from a peer that did not choose the ring and at most ``n`` chunks from
@@ -147,18 +149,24 @@ def test_ring_sized_mismatch_refused_before_anything_is_combined(n, overlap, joi
     try:
         big = (1 << 18) + rng.randrange(1, 1000)  # float32: about 1 MiB, the ring
         run_peers(peers, lambda i, p: p.allreduce(np.ones(10)))  # the epoch's connections
-        for trial in range(15):
-            case = ("dtype", "op", "count")[trial % 3]
+        for trial in range(16):
+            case = ("dtype", "op", "count", "width")[trial % 4]
             odd = rng.randrange(n)
 
             def args(i):
                 if case == "dtype":
                     return np.arange(big, dtype=np.int32 if i == odd else np.float32), "sum"
+                if case == "width":
+                    return np.arange(big, dtype=np.float64 if i == odd else np.float32), "sum"
                 if case == "op":
                     return np.ones(big, np.float32), "max" if i == odd else "sum"
                 return np.ones(rng.choice([64, 1 << 14]) if i == odd else big, np.float32), "sum"
 
             bufs = [args(i) for i in range(n)]
+            b0, b1 = bufs[odd], bufs[(odd + 1) % n]
+            named = {"dtype": ("dtype", b0[0].dtype.name, b1[0].dtype.name),
+                     "width": ("dtype", b0[0].dtype.name, b1[0].dtype.name),
+                     "op": ("op", b0[1], b1[1]), "count": ("count", str(b0[0].size), str(b1[0].size))}[case]
             inputs = [_h(b[0]) for b in bufs]
             before = [p.stats for p in peers]
             links = [(p.epoch, p._tr) for p in peers]
@@ -171,7 +179,8 @@ def test_ring_sized_mismatch_refused_before_anything_is_combined(n, overlap, joi
             assert len({getattr(exc, "detail", None) for _, exc, _ in out}) == 1, [e for _, e, _ in out]
             for i, (r, exc, dt) in enumerate(out):
                 assert isinstance(exc, commlib.InvalidArgument), (trial, case, i, r, exc)
-                assert case in str(exc), str(exc)
+                field, a, b = named
+                assert all(re.search(rf"\b{w}\b", str(exc)) for w in named), (named, str(exc))
                 assert dt < 1.0, f"trial {trial} ({case}): peer {i} took {dt:.2f} s to refuse"
                 assert _h(bufs[i][0]) == inputs[i], f"trial {trial} ({case}): peer {i}'s buffer changed"
             for i, (p, b) in enumerate(zip(peers, before)):
@@ -195,6 +204,38 @@ def test_ring_sized_mismatch_refused_before_anything_is_combined(n, overlap, joi
             res = run_peers(peers, lambda i, p: p.allreduce(data[i].copy(), "sum"))
             assert len({_h(r) for r in res}) == 1
             np.testing.assert_allclose(res[0], np.sum(data, axis=0, dtype=np.float64), rtol=1e-5, atol=1e-5)
+    finally:
+        _close(master, peers)
+
+
+@pytest.mark.parametrize("attr,odd_value", [("overlap_first_round", False), ("first_round_in_chunk", False)])
+def test_members_whose_first_round_forms_differ_are_told_so(attr, odd_value):
+    """A member whose per-member first-round setting differs from the others'
+    sends a first message of another form with the same header: every member's
+    ring-sized call is refused (InvalidArgument within 1 s, buffers intact) with a
+    message that says the headers agree and the forms differ, not that a count or
+    dtype differs; once the setting is shared again the next call completes with
+    the sum.  5 trials, 3 peers, the odd member drawn at random."""
+    rng = random.Random(77)
+    n = 3
+    master, peers = _group(n)
+    try:
+        run_peers(peers, lambda i, p: p.allreduce(np.ones(10)))
+        big = (1 << 18) + 5
+        for trial in range(5):
+            odd = rng.randrange(n)
+            setattr(peers[odd], attr, odd_value)
+            bufs = [np.arange(big, dtype=np.float32) + i for i in range(n)]
+            inputs = [_h(b) for b in bufs]
+            out = _outcomes(peers, lambda i, p: p.allreduce(bufs[i], "sum"))
+            for i, (r, exc, dt) in enumerate(out):
+                assert isinstance(exc, commlib.InvalidArgument), (trial, i, r, exc)
+                assert "headers agree" in str(exc) and "forms" in str(exc), str(exc)
+                assert dt < 1.0 and _h(bufs[i]) == inputs[i], (trial, i, dt)
+            setattr(peers[odd], attr, getattr(el.Peer, attr))
+            res = run_peers(peers, lambda i, p: p.allreduce(np.arange(big, dtype=np.float32) + i, "sum"))
+            want = sum(np.arange(big, dtype=np.float32) + i for i in range(n))
+            assert all(np.array_equal(r, want) for r in res), trial
     finally:
         _close(master, peers)
 

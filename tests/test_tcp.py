@@ -566,8 +566,9 @@ def test_first_round_message_of_another_size_fails_its_receive_only(posted_first
     """A first-round message (one frame, never striped, even with 4 streams) whose
     size differs from the receive posted for it fails that receive with
     MessageSizeMismatch (an InvalidArgument), whether it came before or after the post (buffered, held, or
-    read straight in); the link stays up: the next messages, both ways, arrive
-    intact."""
+    read straight in), carrying the message's first 256 bytes (``head``: a first
+    round's message starts with its sender's header row); the link stays up: the
+    next messages, both ways, arrive intact."""
     with tcp_group(2, 4) as ts:
         _warm(ts)
         tag = tcp.FIRST_ROUND_TAG + 7
@@ -580,8 +581,10 @@ def test_first_round_message_of_another_size_fails_its_receive_only(posted_first
             sq = ts[0].isend(src, 1, tag=tag)
             time.sleep(0.1)  # the frame arrives before the post
             rq = ts[1].irecv(dst, 0, tag=tag)
-        with pytest.raises(commlib.MessageSizeMismatch, match="does not match the posted receive"):
+        with pytest.raises(commlib.MessageSizeMismatch, match="does not match the posted receive") as info:
             rq.wait(10)
+        assert info.value.head == src[:tcp.MISMATCH_HEAD].tobytes()
+        assert not dst.any()
         sq.wait(10)
         assert not ts[0].failed_ranks() and not ts[1].failed_ranks()
         for a, b in ((0, 1), (1, 0)):
@@ -821,7 +824,9 @@ def test_first_round_aborted_by_a_refusal_is_not_a_size_mismatch(kind, n):
         else:  # rank 0's right neighbour receives its message, rank 0 rank n - 1's (rank 2 of a
             # one-shot may wait for rank 0's second step, which never comes: a timeout)
             for r in (0, 1):
-                assert isinstance(got[r], NeighbourRefusal) and "does not fit" in str(got[r]), (r, got[r])
+                # (its head shows the sender's row: the fields that differ, or that the
+                # message's form differs where the rows agree)
+                assert isinstance(got[r], NeighbourRefusal) and "the calls differ" in str(got[r]), (r, got[r])
 
 
 def _catch(fn):

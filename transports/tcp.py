@@ -92,6 +92,10 @@ INLINE_MAX = 16 << 10         #: messages of at most this many bytes are written
 #: plane and sent as one frame each (never striped): a receive posted for another
 #: size fails at once with :class:`MessageSizeMismatch`, the link staying up
 FIRST_ROUND_TAG = 1 << 61
+#: bytes of a mismatched message's first frame kept on its :class:`MessageSizeMismatch`
+#: (``head``): a first round's message starts with its sender's header row, so the
+#: receiver can name the field that differs
+MISMATCH_HEAD = 256
 #: seconds a revoke waits for frames being read into posted buffers before it cuts their links
 QUIESCE = 1.0
 #: tags one operation numbered by :meth:`TCPTransport.begin_operation` owns (an
@@ -624,10 +628,11 @@ class TCPTransport(Transport):
             slot.req.event.set()
         if slot.frames and any(idx >= n or len(data) != slot.bounds[idx + 1] - slot.bounds[idx]
                                for idx, data in slot.frames.items()):
+            first = slot.frames.get(0)
             for d in slot.frames.values():
                 self._release_locked(key[0], len(d))
             slot.frames.clear()
-            self._mismatch_locked(slot, key)
+            self._mismatch_locked(slot, key, None if first is None else first[:MISMATCH_HEAD].tobytes())
             return
         for idx, data in list(slot.frames.items()):
             slot.view[slot.bounds[idx]:slot.bounds[idx + 1]] = data
@@ -637,12 +642,15 @@ class TCPTransport(Transport):
         self._retire_locked(key)
         self._posted.notify_all()
 
-    def _mismatch_locked(self, slot: _Slot, key) -> None:
+    def _mismatch_locked(self, slot: _Slot, key, head: bytes | None = None) -> None:
         """A message from ``key[0]`` does not fit the receive posted for it (its size
-        differs): fail that receive with :class:`MessageSizeMismatch` and drop the rest of
+        differs): fail that receive with :class:`MessageSizeMismatch` (``head``: the
+        first bytes of the message's first frame, when read) and drop the rest of
         the message (its tag ``key[1]`` is aborted); the link stays up."""
-        slot.req._fail(MessageSizeMismatch(f"a message from rank {key[0]} does not match the posted receive "
-                                           f"({len(slot.view)} bytes)", rank=self._rank, op="irecv"))
+        exc = MessageSizeMismatch(f"a message from rank {key[0]} does not match the posted receive "
+                                  f"({len(slot.view)} bytes)", rank=self._rank, op="irecv")
+        exc.head = head
+        slot.req._fail(exc)
         self._aborted.setdefault(key[1], None)
         dq = self._slots.get(key)
         if dq is not None and slot in dq:
@@ -709,6 +717,7 @@ class TCPTransport(Transport):
                 with self._lock:
                     drop = epoch != self.epoch or tag in self._aborted or self._dead or self._stopping
                     target = None
+                    capture = False
                     slot = None
                     if not drop:
                         key = (src, tag)
@@ -731,7 +740,11 @@ class TCPTransport(Transport):
                         if slot.bounds is not None:
                             n = len(slot.bounds) - 1
                             if chunk >= n or slot.bounds[chunk + 1] - slot.bounds[chunk] != plain:
-                                self._mismatch_locked(slot, key)  # the receive fails; the link stays up
+                                # the receive fails, the link stays up; a first round's message
+                                # (one frame) is read first, for its head (MessageSizeMismatch.head)
+                                capture = chunk == 0 and tag >= FIRST_ROUND_TAG
+                                if not capture:
+                                    self._mismatch_locked(slot, key)
                                 drop = True
                             else:
                                 target = slot.view[slot.bounds[chunk]:slot.bounds[chunk + 1]]
@@ -742,9 +755,15 @@ class TCPTransport(Transport):
                             if tag < FIRST_ROUND_TAG:
                                 self.bytes_buffered += plain
                 if drop:
-                    conn.discard(length)
+                    if capture:
+                        data = np.empty(plain, np.uint8)
+                        conn.read_payload(length, into=memoryview(data))
+                    else:
+                        conn.discard(length)
                     with self._lock:
                         self._count_rx(tag, 0, HEADER.size + length)
+                        if capture:
+                            self._mismatch_locked(slot, key, data[:MISMATCH_HEAD].tobytes())
                     continue
                 if target is not None:
                     try:
@@ -772,7 +791,8 @@ class TCPTransport(Transport):
                             if chunk >= len(slot.bounds) - 1 or slot.bounds[chunk + 1] - slot.bounds[chunk] != plain:
                                 # posted for another size (calls that differ): the receive fails,
                                 # the link stays up, as for a frame that finds its receive posted
-                                self._mismatch_locked(slot, (src, tag))
+                                self._mismatch_locked(slot, (src, tag),
+                                                      data[:MISMATCH_HEAD].tobytes() if chunk == 0 else None)
                             else:
                                 slot.view[slot.bounds[chunk]:slot.bounds[chunk + 1]] = data
                                 slot.req._frame_done()

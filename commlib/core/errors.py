@@ -60,7 +60,15 @@ class MessageSizeMismatch(InvalidArgument):
     implies take it to mean the sender's call differs (and refuse the call), which
     they must not infer from any other :class:`InvalidArgument` (a receive aborted by
     a relayed refusal, say).
+
+    Attributes:
+        head: the first bytes (at most 256) of the message's first frame, when the
+            transport read that frame (a first round's one-frame message always);
+            else None.  A first round's message starts with its sender's header
+            row, so the receiver can name the field that differs.
     """
+
+    head: bytes | None = None
 
 
 class ProcessFailed(CommError):

@@ -251,13 +251,21 @@ def main(argv=None) -> int:
                           help="silence after which a peer is declared dead (default 2)")
     p_master.add_argument("--encrypt", action="store_true",
                           help="seal every frame with AES-GCM (peers must pass encrypt=True)")
+    p_master.add_argument("--probe-timeout", type=_seconds, default=5.0, metavar="SECONDS",
+                          help="before admitting a joiner, dial its data address and require its own listener "
+                               "to answer within this bound; a joiner nobody could dial is refused at connect "
+                               "(default 5)")
+    p_master.add_argument("--no-probe", action="store_true",
+                          help="admit joiners without dialling their data address (for a master that cannot "
+                               "reach the peers' network although the peers reach each other)")
     args = parser.parse_args(argv)
     if args.cmd == "master":
         from commlib import elastic
 
         try:
             master = elastic.Master(bind=args.bind, secret_file=args.secret_file,
-                                    heartbeat_timeout=args.heartbeat_timeout, encrypt=args.encrypt).start()
+                                    heartbeat_timeout=args.heartbeat_timeout, encrypt=args.encrypt,
+                                    probe_timeout=None if args.no_probe else args.probe_timeout).start()
         except (commlib.CommError, OSError) as exc:
             print(f"commlib master: {exc}", file=sys.stderr)
             return 1

@@ -356,12 +356,22 @@ def test_join_at_step_boundary_and_sync():
         master.stop()
 
 
-def test_cli_master_help():
+def test_cli_master_help(capsys):
+    """``commlib master --help`` explains the probe options; a bad
+    ``--probe-timeout`` is one line on stderr and exit status 2."""
     from commlib.cli import main
 
     with pytest.raises(SystemExit) as exc:
         main(["master", "--help"])
     assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "--probe-timeout" in out and "--no-probe" in out
+    for bad in ("-1", "nan", "inf", "soon"):
+        with pytest.raises(SystemExit) as exc:
+            main(["master", "--probe-timeout", bad])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert "--probe-timeout" in err[-1], err
 
 
 # ---------------------------------------------------------------- one group per master
@@ -882,3 +892,195 @@ def test_sync_leaves_every_member_with_the_same_names_and_bytes(group):
         assert all(st[k].dtype == job[k].dtype and np.array_equal(st[k], job[k]) for k in job)
     assert states[1]["w"] is not frozen and not frozen.any()
     assert states[1]["b"] is same
+
+
+# ---------------------------------------------------------------- admission: the master probes the data address
+def _refusing_address():
+    """``(socket, "127.0.0.1:port")``: a port bound and never listened on, so every
+    connect to it is refused while the socket is held (no other process can take it)."""
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    return s, f"127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.mark.timeout(120)
+def test_unreachable_advertise_is_refused_at_connect_and_costs_the_members_nothing():
+    """A joiner whose ``advertise`` resolves but answers nothing (a port nothing
+    listens on) used to be admitted; every member's dial to it then failed, and the
+    group re-formed epoch after epoch until it left.  The master probes the address
+    at admission: the joiner is refused at connect, naming the address and why,
+    while two members run steps (vote + all-reduce) that all complete with the right
+    sums, in the epoch they started in.  Randomized trials: the join races votes
+    and calls at different points."""
+    import random
+    import time
+
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    master = el.Master(secret=SECRET).start()
+    dead, bad = _refusing_address()
+    try:
+        a, b = (el.connect(master.address, secret=SECRET, streams=1, timeout=20) for _ in range(2))
+        form([a, b], 2)
+        epoch, epochs = master.epoch, master.stats["epochs"]
+        steps = 8
+        for trial in range(6):
+            delay = rng.uniform(0.0, 0.15)
+            scale = rng.choice([1, 1000, 70_000])  # small (one round), pair exchange, ring-sized
+
+            def joiner():
+                time.sleep(delay)
+                try:
+                    j = el.connect(master.address, secret=SECRET, streams=1, timeout=20, advertise=bad)
+                except commlib.InvalidArgument as exc:
+                    return exc
+                try:  # admitted (the defect): it joins the members' steps, as a training loop would
+                    for _ in range(steps):
+                        j.update_topology(timeout=10)
+                        j.allreduce(np.zeros(scale), timeout=10)
+                except commlib.CommError:
+                    pass
+                finally:
+                    j.close()
+                return None
+
+            joined = _in_thread(joiner)
+
+            def member(i, p):
+                sums = []
+                for k in range(steps):
+                    p.update_topology(timeout=20)
+                    buf = np.full(scale, float(p.id * (k + 1)))
+                    p.allreduce(buf, "sum", timeout=20)
+                    sums.append(buf)
+                return sums
+
+            out = run_peers([a, b], member)
+            err = joined(30)
+            where = f"seed {seed}, trial {trial} (join after {delay:.3f} s, {scale} elements)"
+            assert isinstance(err, commlib.InvalidArgument), f"{where}: the joiner was admitted"
+            assert f"could not dial advertise={bad!r}" in str(err) and "refused" in str(err), str(err)
+            for sums in out:
+                for k, buf in enumerate(sums):
+                    assert np.all(buf == float((a.id + b.id) * (k + 1))), f"{where}: step {k} has a wrong sum"
+            assert a.epoch == b.epoch == master.epoch == epoch, f"{where}: the epoch changed"
+            assert master.stats["epochs"] == epochs and master.stats["aborts"] == 0, where
+            assert a.stats["retries"] == b.stats["retries"] == 0, where
+            assert master.groups() == [sorted([a.id, b.id])], where
+        assert master.stats["deaths"] == 0 and master.stats["probe_refusals"] == 6
+        for p in (a, b):
+            p.close()
+    finally:
+        dead.close()
+        master.stop()
+
+
+@pytest.mark.timeout(60)
+def test_advertise_of_the_peers_own_listener_is_admitted():
+    """``advertise`` naming the peer's own listener (its ``bind`` address, given
+    explicitly) passes the probe: the peer is admitted and works."""
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    master = el.Master(secret=SECRET).start()
+    try:
+        a, b = (el.connect(master.address, secret=SECRET, streams=1, timeout=20) for _ in range(2))
+        j = el.connect(master.address, secret=SECRET, streams=1, timeout=20, bind=f"127.0.0.1:{port}",
+                       advertise=f"127.0.0.1:{port}")
+        assert j._listener.address == f"127.0.0.1:{port}"
+        form([a, b, j], 3)
+        out = run_peers([a, b, j], lambda i, p: p.allreduce(np.full(5000, float(p.id)), "sum"))
+        assert all(np.all(o == float(a.id + b.id + j.id)) for o in out)
+        assert master.stats["probes"] == 3 and master.stats["probe_refusals"] == 0
+        for p in (a, b, j):
+            p.close()
+    finally:
+        master.stop()
+
+
+@pytest.mark.timeout(60)
+def test_advertise_of_another_peers_listener_is_refused():
+    """An address that answers with the secret but is another peer's listener (a
+    typo'd port on a host running several peers) is refused too: the probe carries
+    the joiner's own token, which only its listener answers.  A holder of the secret
+    probing a listener with another token gets nothing but the handshake."""
+    import os
+
+    from commlib.transports import tcp
+
+    master = el.Master(secret=SECRET).start()
+    try:
+        a, b = (el.connect(master.address, secret=SECRET, streams=1, timeout=20) for _ in range(2))
+        form([a, b], 2)
+        epoch = master.epoch
+        with pytest.raises(commlib.InvalidArgument, match="not this peer's") as info:
+            el.connect(master.address, secret=SECRET, streams=1, timeout=20, advertise=a._listener.address)
+        assert f"advertise={a._listener.address!r}" in str(info.value)
+        conn = tcp.client_handshake(tcp.open_socket(a._listener.address, 5), SECRET,
+                                    {"purpose": "probe", "tok": os.urandom(16)})
+        conn.sock.settimeout(5)
+        assert conn.sock.recv(1 << 16) == b"", "a listener answered a probe that was not its own"
+        conn.close()
+        out = run_peers([a, b], lambda i, p: p.allreduce(np.full(10, float(p.id)), "sum"))
+        assert all(np.all(o == float(a.id + b.id)) for o in out)
+        assert a.epoch == b.epoch == master.epoch == epoch
+        for p in (a, b):
+            p.close()
+    finally:
+        master.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_pending_probe_delays_no_other_join():
+    """A joiner whose advertised address accepts connections and says nothing (the
+    probe waits for its challenge) holds up no one: another peer joins, is admitted
+    and runs an all-reduce with the members while that probe is still pending; when
+    the silent address goes away the slow joiner is refused."""
+    import socket
+
+    master = el.Master(secret=SECRET, probe_timeout=30.0).start()
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # the kernel completes connections; nobody accepts or speaks
+    addr = f"127.0.0.1:{silent.getsockname()[1]}"
+    try:
+        a, b = (el.connect(master.address, secret=SECRET, streams=1, timeout=20) for _ in range(2))
+        form([a, b], 2)
+        slow = _in_thread(lambda: el.connect(master.address, secret=SECRET, streams=1, timeout=40, advertise=addr))
+        _wait_for(lambda: master._probing == 1, what="the slow joiner's probe")
+        j = el.connect(master.address, secret=SECRET, streams=1, timeout=20)
+        form([a, b, j], 3)
+        out = run_peers([a, b, j], lambda i, p: p.allreduce(np.full(100, float(p.id)), "sum"))
+        assert all(np.all(o == float(a.id + b.id + j.id)) for o in out)
+        assert master._probing == 1, "the slow probe ended before the other join completed"
+        silent.close()  # its queued connections are reset: the probe fails at once
+        with pytest.raises(commlib.InvalidArgument, match=f"could not dial advertise={addr!r}"):
+            slow(30)
+        assert master.groups() == [sorted([a.id, b.id, j.id])]
+        for p in (a, b, j):
+            p.close()
+    finally:
+        silent.close()
+        master.stop()
+
+
+def test_master_probe_timeout_argument():
+    """``probe_timeout``: a finite number of seconds > 0, or None (no probe: a joiner
+    is admitted whatever its address, as before)."""
+    for bad in (0, -1.0, float("nan"), float("inf"), True, "3"):
+        with pytest.raises(commlib.InvalidArgument, match="probe_timeout"):
+            el.Master(secret=SECRET, probe_timeout=bad)
+    master = el.Master(secret=SECRET, probe_timeout=None).start()
+    dead, bad = _refusing_address()
+    try:
+        p = el.connect(master.address, secret=SECRET, streams=1, timeout=20, advertise=bad)
+        assert p.id in master._peers and master.stats["probes"] == 0
+        p.close()
+    finally:
+        dead.close()
+        master.stop()

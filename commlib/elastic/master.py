@@ -2,18 +2,21 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import queue
 import select
+import socket
 import threading
 import time
 
-from commlib.core.errors import CommError
+from commlib.core.errors import (AuthenticationError, CommError, CommTimeout, EncryptionMismatch, InvalidArgument,
+                                 NoHandshakeSlot, SilentPort)
 from commlib.transports import tcp
 
-from .protocol import (BYE, DONE, DROP, FAIL, FETCH, GAVE_UP, GIVE_UP, PLAN, REFUSE, RING, SYNC, SYNCED, SYNC_END,
-                       TERM, TOPO, VOTE, VOTED, WELCOME, HEARTBEAT_INTERVAL, MAX_PEERS, TICKET_TTL, WHY_MAX, dbg,
-                       is_bytes, is_int)
+from .protocol import (BYE, DONE, DROP, FAIL, FETCH, GAVE_UP, GIVE_UP, PLAN, PROBE, REFUSE, REFUSED, RING, SYNC,
+                       SYNCED, SYNC_END, TERM, TOPO, VOTE, VOTED, WELCOME, HEARTBEAT_INTERVAL, MAX_PEERS,
+                       PROBE_TIMEOUT, PROBE_TOKEN, TICKET_TTL, WHY_MAX, dbg, is_bytes, is_int)
 
 __all__ = ["Master"]
 
@@ -47,11 +50,37 @@ class Master:
         form_wait: with no live members, seconds the first pending voter waits
             for others starting at the same time (they form the first epoch together).
         encrypt: seal frames with AES-GCM (peers must agree).
+        probe_timeout: seconds the master gives its probe of a joiner's data
+            address (connect, handshake, answer; :data:`~commlib.elastic.protocol.PROBE_TIMEOUT`
+            by default): a joiner whose address does not answer with its own
+            listener within it is refused (its ``connect`` raises, naming the
+            address and why) and never becomes a member.  None: no probe (for a
+            master that cannot reach the peers' network although the peers reach
+            each other; a peer whose address the others cannot dial then fails
+            the group's calls until it leaves).
+
+    Raises:
+        InvalidArgument: ``probe_timeout`` is not None nor a finite number of seconds > 0.
+        SecretError: the secret is missing or too short.
+
+    Attributes:
+        stats: counters; ``probes`` (joiners' data addresses probed) and
+            ``probe_refusals`` (joiners refused because the probe failed) among them.
     """
 
     def __init__(self, bind: str = "127.0.0.1:0", secret: bytes | str | None = None, secret_file: str | None = None,
                  *, heartbeat_timeout: float = 2.0, abort_grace: float = 0.3, form_wait: float = 0.25,
-                 encrypt: bool = False):
+                 encrypt: bool = False, probe_timeout: float | None = PROBE_TIMEOUT):
+        if probe_timeout is not None:
+            try:
+                ok = not isinstance(probe_timeout, bool) and math.isfinite(float(probe_timeout)) and probe_timeout > 0
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise InvalidArgument(f"probe_timeout must be None or a finite number of seconds > 0, got "
+                                      f"{probe_timeout!r}", op="Master")
+            probe_timeout = float(probe_timeout)
+        self.probe_timeout = probe_timeout
         self.bind = bind
         self.secret = tcp.read_secret(secret, secret_file)
         self.heartbeat_timeout, self.abort_grace, self.encrypt = heartbeat_timeout, abort_grace, encrypt
@@ -59,6 +88,7 @@ class Master:
         self._key = os.urandom(32)            # master-only: derives each peer's ticket key
         self._lock = threading.RLock()
         self._peers: dict[int, _MPeer] = {}
+        self._probing = 0                     # joiners whose data address is being probed (not yet peers)
         self._next_id = 1
         self.epoch = 0
         self.step = 0                         # completed votes (the job's step counter)
@@ -87,7 +117,7 @@ class Master:
         self._listener = None
         self._stopped = threading.Event()
         self.stats = {"epochs": 0, "aborts": 0, "completes": 0, "deaths": 0, "refused": 0, "stalls": 0,
-                      "lost_syncs": 0, "dropped": 0, "given_up": 0}
+                      "lost_syncs": 0, "dropped": 0, "given_up": 0, "probes": 0, "probe_refusals": 0}
 
     # lifecycle ---------------------------------------------------------------
     def start(self) -> "Master":
@@ -122,9 +152,13 @@ class Master:
 
     # connections -------------------------------------------------------------
     def _on_conn(self, conn: tcp.Connection) -> None:
+        """An authenticated connection (on a thread of its own, from the listener):
+        probe the joiner's data address (:meth:`_probe`), then admit it as a
+        pending peer (``welcome``) or refuse it (``refused``, then close)."""
         h = conn.hello
-        data, streams = h.get("data"), h.get("streams")
-        if h.get("role") != "peer" or not isinstance(data, str) or len(data) > 300 or not is_int(streams, 1, 64):
+        data, streams, tok = h.get("data"), h.get("streams"), h.get("probe")
+        if (h.get("role") != "peer" or not isinstance(data, str) or len(data) > 300 or not is_int(streams, 1, 64)
+                or not (tok is None or is_bytes(tok, PROBE_TOKEN))):
             conn.close()
             return
         try:
@@ -132,6 +166,30 @@ class Master:
         except CommError:
             conn.close()
             return
+        if self.probe_timeout is not None:
+            with self._lock:
+                # a probe holds a thread and a dial for up to probe_timeout: counted as a peer
+                if self._stopped.is_set() or len(self._peers) + self._probing >= MAX_PEERS:
+                    conn.close()
+                    return
+                self._probing += 1
+                self.stats["probes"] += 1
+            try:
+                why = ("its hello carries no probe token (a peer of an older commlib?)" if tok is None
+                       else self._probe(data, tok))
+            finally:
+                with self._lock:
+                    self._probing -= 1
+            if why is not None:
+                with self._lock:
+                    self.stats["probe_refusals"] += 1
+                dbg(f"master: joiner refused: its data address {data} failed the probe ({why})")
+                try:
+                    conn.send_ctrl({"t": REFUSED, "why": why[:WHY_MAX]}, timeout=2.0)
+                except Exception:  # noqa: BLE001 - it learns nothing more, and is gone anyway
+                    pass
+                conn.close()
+                return
         with self._lock:
             if self._stopped.is_set() or len(self._peers) >= MAX_PEERS:
                 conn.close()
@@ -145,6 +203,71 @@ class Master:
         threading.Thread(target=self._writer, args=(p,), daemon=True, name="commlib-master-tx").start()
         p.send({"t": WELCOME, "id": pid, "key": key, "hb": HEARTBEAT_INTERVAL})
         threading.Thread(target=self._reader, args=(p,), daemon=True, name="commlib-master-rx").start()
+
+    def _probe(self, data: str, tok: bytes) -> str | None:
+        """Dial a joiner's data address ``data`` as its ring neighbours will, within
+        :attr:`probe_timeout` seconds in all: connect, authenticate (the listener
+        must prove the secret), send the probe hello (``purpose`` PROBE, ``tok``: the
+        joiner's token) and wait for its listener's answer (``{"t": PROBE}``, sent
+        only to its own token).  A busy listener (BUSY) is retried with backoff
+        within the bound; anything else ends the probe.  Runs on the joiner's
+        connection thread, holding no lock: other peers' joins and messages go on.
+
+        Returns:
+            None when the joiner's own listener answered; else why not (for the
+            joiner's error message).  Raises nothing."""
+        limit = self.probe_timeout
+        deadline = time.monotonic() + limit
+        hello = {"purpose": PROBE, "tok": tok}
+        tries = 0
+        while True:
+            tries += 1
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return f"no answer within the master's probe_timeout of {limit:g} s"
+            try:
+                sock = tcp.open_socket(data, left)
+            except ConnectionRefusedError:
+                return "connection refused: nothing listens there"
+            except (socket.timeout, TimeoutError):
+                return (f"no answer to a TCP connect within {limit:g} s: a firewall dropping the packets, or no "
+                        "such host on the master's network")
+            except OSError as exc:
+                return f"{type(exc).__name__}: {exc.strerror or exc}"
+            try:
+                conn = tcp.client_handshake(sock, self.secret, hello, timeout=max(0.05, deadline - time.monotonic()),
+                                            encrypt=self.encrypt, name=data)
+            except NoHandshakeSlot:
+                delay = tcp.retry_delay(tries)
+                if time.monotonic() + delay >= deadline:
+                    return f"its listener had no handshake slot free within {limit:g} s (busy)"
+                time.sleep(delay)
+                continue
+            except SilentPort:
+                return (f"it accepted the connection but sent no commlib challenge within {limit:g} s: not a "
+                        "commlib listener, or a stalled one")
+            except EncryptionMismatch as exc:
+                return exc.detail
+            except AuthenticationError:
+                return ("it did not complete the handshake with the shared secret: not a commlib listener of this "
+                        "job")
+            except CommTimeout:
+                return f"the handshake was not complete within the master's probe_timeout of {limit:g} s"
+            except Exception as exc:  # noqa: BLE001 - whatever else: refused, with the reason
+                return f"{type(exc).__name__}: {exc}"
+            try:
+                kind, _, msg = conn.read_ctrl(deadline=deadline, limit=256)
+                if kind == tcp.K_CTRL and isinstance(msg, dict) and msg.get("t") == PROBE:
+                    return None
+                return "a listener answered the probe with something else: not this peer's"
+            except (socket.timeout, TimeoutError):
+                return (f"a listener holding the secret answered but did not confirm within {limit:g} s that it "
+                        "is this peer's")
+            except Exception:  # noqa: BLE001 - closed without an answer
+                return ("a listener holding the secret answered, but it is not this peer's (another peer's data "
+                        "address?)")
+            finally:
+                conn.close()
 
     def _writer(self, p: _MPeer) -> None:
         while True:

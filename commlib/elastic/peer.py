@@ -4,8 +4,10 @@ and the shared-state sync (its methods in :mod:`.state_sync`)."""
 from __future__ import annotations
 
 import functools
+import hmac
 import ipaddress
 import math
+import os
 import socket
 import threading
 import time
@@ -30,9 +32,9 @@ from commlib.transports.base import check_plain_dtype
 from commlib.transports.quantize import QuantizingTransport
 
 from .state_sync import StateSync, one_thread
-from .protocol import (BYE, DONE, DROP, FAIL, FETCH, GAVE_UP, GIVE_UP, PLAN, REFUSE, RING, SYNC_END, TERM, TOPO,
-                       VOTE, VOTED, WELCOME, AUTO_STREAMS, HEARTBEAT_INTERVAL,
-                       TRAFFIC, WHY_MAX, is_int)
+from .protocol import (BYE, DONE, DROP, FAIL, FETCH, GAVE_UP, GIVE_UP, PLAN, PROBE, REFUSE, REFUSED, RING,
+                       SYNC_END, TERM, TOPO, VOTE, VOTED, WELCOME, AUTO_STREAMS, HEARTBEAT_INTERVAL, PROBE_TOKEN,
+                       TRAFFIC, WHY_MAX, is_bytes, is_int)
 
 __all__ = ["Peer", "connect"]
 
@@ -380,13 +382,16 @@ class Peer(StateSync):
                                       "not dial it", op="connect") from None
         self.secret, self.timeout, self.encrypt = secret, timeout, encrypt
         self.master_address = address
+        # the master's probe of this peer's data address carries this token; the listener
+        # answers it (and nothing else) until the master's welcome (_on_data_conn)
+        self._probe_token: bytes | None = os.urandom(PROBE_TOKEN)
         deadline = time.monotonic() + timeout
         sock = self._reach_master(address, timeout)
         local = sock.getsockname()[0]
         self._listener = tcp.Listener(bind or f"{local}:0", secret, self._on_data_conn, encrypt=encrypt)
         data = advertise or (self._listener.address if bind is None or not bind.startswith("0.0.0.0")
                              else f"{local}:{self._listener.address.rsplit(':', 1)[1]}")
-        hello = {"role": "peer", "data": data, "streams": self.streams}
+        hello = {"role": "peer", "data": data, "streams": self.streams, "probe": self._probe_token}
         who = f"the master at {address}"
         tries = 0
         try:
@@ -406,12 +411,16 @@ class Peer(StateSync):
                     sock = self._reach_master(address, max(0.05, deadline - time.monotonic()))
             try:
                 kind, _, msg = self._conn.read_ctrl(deadline=max(deadline, time.monotonic() + 1.0), limit=1 << 16)
+                if kind == tcp.K_CTRL and isinstance(msg, dict) and msg.get("t") == REFUSED:
+                    self._conn.close()
+                    raise self._refused(msg.get("why"), data, advertise, bind)
                 if kind != tcp.K_CTRL or not isinstance(msg, dict) or msg.get("t") != WELCOME:
                     raise tcp.FrameError("expected welcome")
             except socket.timeout:
                 self._conn.close()
-                raise CommTimeout(f"{who} authenticated this peer but sent no welcome within {timeout:g} s",
-                                  op="connect") from None
+                raise CommTimeout(f"{who} authenticated this peer but sent no welcome within {timeout:g} s (it "
+                                  f"first dials this peer's data address {data}, for up to its probe_timeout: "
+                                  "can the master reach it?)", op="connect") from None
             except (tcp.FrameError, OSError) as exc:
                 self._conn.close()
                 raise AuthError(f"{who} closed the connection after authenticating this peer "
@@ -427,6 +436,7 @@ class Peer(StateSync):
             self._listener.close()
             raise
         self.id, self._key = int(msg["id"]), bytes(msg["key"])
+        self._probe_token = None  # admitted: no probe is answered from here on
         self._cv = threading.Condition()
         self._call_lock = threading.Lock()   # one collective call at a time (one_thread)
         self._aborted_epoch = 0              # the newest epoch the master aborted an operation of
@@ -466,6 +476,24 @@ class Peer(StateSync):
         self._head_plan = None  # (transport, key, RingHead) of the last ring-sized call (_ring_head)
         threading.Thread(target=self._reader, daemon=True, name="commlib-peer-rx").start()
         threading.Thread(target=self._heartbeat, daemon=True, name="commlib-peer-hb").start()
+
+    def _refused(self, why, data: str, advertise: str | None, bind: str | None) -> CommError:
+        """The error of a join the master refused (``refused``: its probe of this
+        peer's data address ``data`` failed, ``why``): :class:`InvalidArgument` when
+        the address came from ``advertise`` or ``bind``, else :class:`CommError`."""
+        why = why[:WHY_MAX] if isinstance(why, str) and why else "no reason given"
+        listener = self._listener.address
+        if advertise is not None:
+            return InvalidArgument(
+                f"the master could not dial advertise={advertise!r} ({why}); the other peers would fail to dial it "
+                f"too, so this peer was not admitted: advertise an address that reaches this peer's data listener "
+                f"({listener}), or start the master with probe_timeout=None if only the master cannot reach it",
+                op="connect")
+        what = f"bind={bind!r}" if bind is not None else "this peer's data address"
+        text = (f"the master could not dial {what} ({data}: {why}); the other peers would fail to dial it too, so "
+                "this peer was not admitted: pass bind= an interface the others reach, or advertise= the address "
+                "they dial (NAT, port forwarding)")
+        return InvalidArgument(text, op="connect") if bind is not None else CommError(text, op="connect")
 
     @staticmethod
     def _reach_master(address: str, timeout: float) -> socket.socket:
@@ -688,6 +716,18 @@ class Peer(StateSync):
     # data plane -------------------------------------------------------------
     def _on_data_conn(self, conn: tcp.Connection) -> None:
         h = conn.hello
+        if h.get("purpose") == PROBE:
+            # the master's probe of this peer's data address, while it admits this peer:
+            # answered only to this peer's own token and only before the welcome; the
+            # prober learns that this listener is the joiner's, and nothing else
+            tok, mine = h.get("tok"), self._probe_token
+            if mine is not None and is_bytes(tok, PROBE_TOKEN) and hmac.compare_digest(tok, mine):
+                try:
+                    conn.send_ctrl({"t": PROBE}, timeout=2.0)
+                except Exception:  # noqa: BLE001 - the master's probe fails on its own
+                    pass
+            conn.close()
+            return
         src, dst, e, st, ns, exp, tkt = (h.get(k) for k in ("src", "dst", "e", "stream", "streams", "exp", "tkt"))
         purpose, rnd = h.get("purpose", RING), h.get("r", 0)
         if not (is_int(src) and dst == self.id and is_int(e) and is_int(st, 0, 63) and is_int(ns, 1, 64)
@@ -1213,6 +1253,10 @@ def connect(address: str, secret: bytes | str | None = None, secret_file: str | 
         bind: ``host:port`` for this peer's data listener (default: the interface
             that reaches the master, any port).
         advertise: the ``host:port`` other peers should dial (behind NAT / port forwarding).
+            Before admitting this peer, the master dials its data address (this,
+            else the listener's) and must reach this peer's own listener within
+            its ``probe_timeout`` (5 s by default): an address nobody could dial
+            is refused here instead of failing the group's calls once admitted.
 
     Raises:
         SecretError: (an :class:`AuthError`) the secret is missing, its file missing or
@@ -1224,8 +1268,15 @@ def connect(address: str, secret: bytes | str | None = None, secret_file: str | 
             no challenge: not a commlib master.
         EncryptionMismatch: the master and this peer disagree on ``encrypt``.
         InvalidArgument: ``streams`` or ``timeout`` out of range, or an ``advertise``
-            address that does not resolve or names port 0.
-        CommError: the master cannot be reached.
+            address that does not resolve or names port 0; or the master could not
+            dial this peer's ``advertise`` (or ``bind``) address: the message names
+            it and why ("the master could not dial advertise='h:p' (connection
+            refused: ...)").
+        CommError: the master cannot be reached; or (neither ``advertise`` nor
+            ``bind`` given) the master could not dial this peer's data address.
+        CommTimeout: the master authenticated this peer but sent no answer
+            within ``timeout`` (its probe of the data address may take up to
+            its ``probe_timeout``).
     """
     try:
         key = tcp.read_secret(secret, secret_file)

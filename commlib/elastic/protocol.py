@@ -6,7 +6,23 @@ never pickle) whose ``"t"`` names its kind, one of the constants below.
 The master's state machine
 --------------------------
 
-Peer states: ``pending`` (authenticated, not yet admitted) → ``member`` (in the
+Admission: a peer's control connection authenticates (the handshake's HMACs
+cover its hello: ``role``, ``data``, its data address, ``streams`` and ``probe``,
+16 random bytes); only then does the master *probe* the data address, off its
+state machine (on that connection's own thread, holding no lock), within
+``probe_timeout`` seconds: it dials it, completes the handshake as a client (the
+listener must prove the secret) with the hello ``{purpose: PROBE, tok: probe}``,
+and waits for the answer ``{t: PROBE}``, which the joiner's listener sends only
+to its own token (and only until its ``welcome``; it attaches nothing and closes).
+Then ``welcome``, or, when the address did not answer so, ``refused`` with the
+reason and the connection closed: the joiner never becomes a peer of the master,
+so the members see nothing of it (no epoch, no failed call).  A joiner whose
+probe is pending delays no other peer's join (each probe has its own thread).
+The probe proves what the master can reach; members on another network than
+the master may still fail to dial an address that passed (docs/ELASTIC.md,
+*Admission*).
+
+Peer states: ``pending`` (authenticated and probed, not yet admitted) → ``member`` (in the
 current epoch) → ``dead`` (connection closed, a malformed frame, or silent for
 ``heartbeat_timeout`` seconds; never comes back: a restarted process joins as
 a new peer).
@@ -84,7 +100,8 @@ that member (``drop``) and declared dead, as if its connection had closed.
 Threat model (see docs/ELASTIC.md): anyone may reach the ports; only holders
 of the shared secret can authenticate (HMAC-SHA256 challenge-response both
 ways, nothing but a random challenge is sent before, and a BUSY frame to a
-connection the listener evicts); only members of an epoch hold tickets to open
+connection the listener evicts); the master dials a peer's data address only after
+that peer authenticated (the probe); only members of an epoch hold tickets to open
 peer-to-peer connections, each bound to (epoch or sync round, source,
 destination, stream, purpose).  Members are trusted not to lie about their
 inputs; frames can be sealed with AES-GCM under keys from an ephemeral X25519
@@ -99,13 +116,15 @@ import time
 from commlib.collectives.specs import PAIR_EXCHANGE_MAX as _PAIR_EXCHANGE_MAX
 from commlib.core.config import config
 
-__all__ = ["WELCOME", "TOPO", "TERM", "VOTED", "PLAN", "SYNC_END", "VOTE", "DONE", "FAIL", "REFUSE", "SYNC", "SYNCED",
-           "BYE", "DROP", "GIVE_UP", "GAVE_UP", "RING", "FETCH", "HEARTBEAT_INTERVAL", "AUTO_STREAMS",
-           "PAIR_EXCHANGE_MAX", "TICKET_TTL",
+__all__ = ["WELCOME", "REFUSED", "TOPO", "TERM", "VOTED", "PLAN", "SYNC_END", "VOTE", "DONE", "FAIL", "REFUSE",
+           "SYNC", "SYNCED", "BYE", "DROP", "GIVE_UP", "GAVE_UP", "RING", "FETCH", "PROBE", "HEARTBEAT_INTERVAL",
+           "AUTO_STREAMS", "PAIR_EXCHANGE_MAX", "TICKET_TTL", "PROBE_TIMEOUT", "PROBE_TOKEN",
            "MAX_PEERS", "FETCH_MAX", "FETCH_PARK", "FETCH_PARK_S", "TRAFFIC", "WHY_MAX", "is_int", "is_bytes", "dbg"]
 
 # --- master -> peer
 WELCOME = "welcome"    #: after authentication: ``id``, the peer's ticket ``key``, ``hb`` (heartbeat seconds)
+REFUSED = "refused"    #: instead of ``welcome`` (then the connection closes): ``why``, the reason the master
+#:                        could not reach the peer's data address (its probe failed)
 TOPO = "topo"          #: a new epoch: ``e``, ``members`` ``[[id, data address]...]`` in ring order, ``tickets``, ``exp``
 #:                        and ``seq``, the group's next call number (a new member numbers its calls from it)
 TERM = "term"          #: an operation's terminal state: ``e``, ``s``, ``ok`` (committed or aborted); ``why``
@@ -129,6 +148,8 @@ GIVE_UP = "give_up"    #: this member left call ``s`` with an error the group di
 # --- the purpose of a peer-to-peer connection (in its authenticated hello)
 RING = "ring"          #: a collective's data connection of one epoch
 FETCH = "fetch"        #: a shared-state fetch from a donor
+PROBE = "probe"        #: the master's probe of a joiner's data address (hello ``purpose``, with ``tok``: the
+#:                        joiner's ``probe`` bytes); the joiner's listener answers ``{"t": PROBE}`` and closes
 
 #: seconds between a peer's heartbeats
 HEARTBEAT_INTERVAL = 0.25
@@ -139,6 +160,11 @@ AUTO_STREAMS = 4
 #: vector: the collective specification table's threshold
 #: (:data:`commlib.collectives.specs.PAIR_EXCHANGE_MAX`), named here for users
 PAIR_EXCHANGE_MAX = _PAIR_EXCHANGE_MAX
+#: seconds the master gives its probe of a joiner's data address (connect, handshake,
+#: answer) by default (:class:`~commlib.elastic.Master`'s ``probe_timeout``)
+PROBE_TIMEOUT = 5.0
+#: bytes of a joiner's probe token (its hello's ``probe``)
+PROBE_TOKEN = 16
 #: seconds a ticket stays valid
 TICKET_TTL = 6 * 3600.0
 #: peers one master serves at most

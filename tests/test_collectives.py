@@ -190,6 +190,29 @@ def test_allreduce_mpi_op_objects(comm):
     assert (x == comm.size * (comm.size + 1) // 2).all()
 
 
+@pytest.mark.parametrize("dtype", [np.dtype(t) for t in (np.int8, np.uint8, np.int16, np.uint16, np.int32)])
+@pytest.mark.parametrize("count", [7, 64, 1000, 5003])
+def test_integer_sums_that_overflow_wrap_in_every_algorithm(comm, dtype, count):
+    """An integer sum that overflows wraps (numpy's, and C's unsigned, arithmetic)
+    in every algorithm, the native one included: Open MPI's AVX ``MPI_SUM``
+    saturates 8- and 16-bit integers from 64 elements on (open-mpi/ompi#8045), so
+    the native path reduces those with a user-defined op.  All-reduce and
+    reduce-scatter, values drawn across the whole range of the type."""
+    info = np.iinfo(dtype)
+    inputs = [np.random.default_rng(4242 + r).integers(info.min, info.max, count, dtype=dtype, endpoint=True)
+              for r in range(comm.size)]
+    want = np.zeros(count, dtype)
+    for x in inputs:
+        np.add(want, x, out=want)  # wraps
+    for algorithm in ("ring", "recursive_doubling", "mpi", "auto"):
+        out = comm.allreduce(inputs[comm.rank].copy(), op="sum", algorithm=algorithm)
+        np.testing.assert_array_equal(out, want, err_msg=algorithm)
+    per = count // comm.size
+    for algorithm in ("ring", "mpi"):
+        out = comm.reduce_scatter(inputs[comm.rank][:per * comm.size].copy(), op="sum", algorithm=algorithm)
+        np.testing.assert_array_equal(out, want[comm.rank * per:(comm.rank + 1) * per], err_msg=algorithm)
+
+
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16, np.dtype(np.int32)])
 @pytest.mark.parametrize("count_per", [0, 1, 5, 333])
 @pytest.mark.parametrize("algorithm", ["ring", "mpi"])

@@ -526,15 +526,16 @@ class MPITransport(Transport):
     def native_allreduce(self, sendbuf, recvbuf, op: str) -> None:
         """``MPI_Allreduce`` of host arrays; ``sendbuf=None`` reduces ``recvbuf``
         in place.  ``op``: ``"sum"``, ``"prod"``, ``"min"``, ``"max"``,
-        ``"band"``, ``"bor"``, ``"bxor"``."""
+        ``"band"``, ``"bor"``, ``"bxor"`` (the ``MPI.Op`` of :func:`native_op`)."""
         dt = self.native_dtype(recvbuf.dtype)
         s = MPI.IN_PLACE if sendbuf is None else [sendbuf, dt]
-        self._native("allreduce", self.comm.Allreduce, s, [recvbuf, dt], _OPS[op])
+        self._native("allreduce", self.comm.Allreduce, s, [recvbuf, dt], native_op(op, recvbuf.dtype))
 
     def native_reduce_scatter_block(self, sendbuf, recvbuf, op: str) -> None:
         """``MPI_Reduce_scatter_block`` of host arrays (``recvbuf.size`` per rank)."""
         dt = self.native_dtype(recvbuf.dtype)
-        self._native("reduce_scatter", self.comm.Reduce_scatter_block, [sendbuf, dt], [recvbuf, dt], _OPS[op])
+        self._native("reduce_scatter", self.comm.Reduce_scatter_block, [sendbuf, dt], [recvbuf, dt],
+                     native_op(op, recvbuf.dtype))
 
     def native_allgather(self, sendbuf, recvbuf) -> None:
         """``MPI_Allgather`` of the bytes of host arrays."""
@@ -698,6 +699,41 @@ _OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max":
 
 def mpi_op(name: str) -> MPI.Op:
     """The ``MPI.Op`` of a reduction named ``name`` (``"avg"``: ``MPI_SUM``; divide afterwards)."""
+    return _OPS[name]
+
+
+#: integer dtypes whose ``MPI_SUM`` Open MPI's ``op/avx`` component computes with
+#: saturating vector adds (``vpaddsb``/``vpaddsw``), so a sum that overflows clamps
+#: at the type's bound instead of wrapping as numpy, and every commlib algorithm,
+#: does (200 + 200 as uint8: 255, not 144; from 64 elements on; open-mpi/ompi#8045,
+#: closed "wontfix").
+_SATURATING = frozenset(np.dtype(t) for t in (np.int8, np.uint8, np.int16, np.uint16))
+_wrapping_sum_op: MPI.Op | None = None
+
+
+def _wrapping_sum(inbuf, inoutbuf, datatype) -> None:
+    """A user-defined ``MPI_SUM`` for :data:`_SATURATING` dtypes: numpy's wrapping add."""
+    from mpi4py.util.dtlib import to_numpy_dtype
+
+    dtype = to_numpy_dtype(datatype)
+    a = np.frombuffer(inbuf, dtype)
+    b = np.frombuffer(inoutbuf, dtype)
+    np.add(a, b, out=b)
+
+
+def native_op(name: str, dtype) -> MPI.Op:
+    """The ``MPI.Op`` the native collectives reduce ``dtype`` with for ``name``:
+    :func:`mpi_op`'s, except a sum (``"sum"``, ``"avg"``) of 8- and 16-bit
+    integers, which goes through a user-defined commutative op (numpy's add,
+    created once, on every rank alike whatever its CPU) because Open MPI's AVX
+    reduction saturates those (:data:`_SATURATING`).  That op runs in Python:
+    slower than the library's, but the same bits as the ring and recursive
+    doubling."""
+    global _wrapping_sum_op
+    if name in ("sum", "avg") and np.dtype(dtype) in _SATURATING:
+        if _wrapping_sum_op is None:
+            _wrapping_sum_op = MPI.Op.Create(_wrapping_sum, commute=True)
+        return _wrapping_sum_op
     return _OPS[name]
 
 

@@ -83,6 +83,13 @@ def test_world_size_and_rank_come_from_the_launchers_environment(tmp_path):
         assert got == {"rc": 2, "heavy": []} and err.count("\n") == lines, (got, err)
         if lines:
             assert "fewer points than the job has ranks (4)" in err, err
+        # every rank of the 4 killed: none would finish; a step past the run's last one
+        for argv, why in ((["--kill", "0:1", "--kill", "1:1", "--kill", "2:5", "--kill", "3:1"], "every rank"),
+                          (["--steps", "20", "--kill", "1:20"], "past the run's last step (19)")):
+            got, err = _refuse("heat", ["--fault-tolerant"] + argv, tmp_path, env)
+            assert got == {"rc": 2, "heavy": []} and err.count("\n") == lines, (got, err)
+            if lines:
+                assert why in err, err
 
 
 @pytest.mark.timeout(150)

@@ -99,6 +99,8 @@ BAD_CLI = [
     ["--grid", "100000000"], ["--dims", "4"], ["--kill", "0:2"], ["--fault-tolerant", "--kill", "abc"],
     ["--fault-tolerant", "--kill", "0:"], ["--fault-tolerant", "--kill", "9:1"],
     ["--fault-tolerant", "--kill", "0:-1"], ["--fault-tolerant", "--checkpoint-every", "0"],
+    ["--fault-tolerant", "--steps", "10", "--kill", "0:10"], ["--fault-tolerant", "--kill", "0:1", "--kill", "0:2"],
+    ["--fault-tolerant", "--kill", "0:3"], ["--dims", "3", "--grid", "4000"],
     ["--json", "/nonexistent/x.json"], ["--plot", "/nonexistent/x.png"], ["--json", "/"],
     ["--backend", "fortran"], ["--no-such-option"],
 ]

@@ -13,13 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from dataclasses import asdict
 
 import commlib  # light: commlib's names load on first use
 
 from .._cli import OneLineParser, unwritable, world_size
-from .model import BACKENDS
+from .model import BACKENDS, time_step
 from .solver import _load_solver, gather_field, matches_one_rank
 
 #: limits of the command line (a grid side, all grid points, steps)
@@ -43,12 +44,15 @@ def check_args(parser: argparse.ArgumentParser, args, size: int | None = None) -
 
     Checks: ``--grid`` sizes (1 or ``--dims`` of them, each in
     ``[1, MAX_SIDE]``, at most ``MAX_POINTS`` points, at least one point per
-    rank), ``--steps`` in ``[1, MAX_STEPS]``, ``--t-final``, ``--alpha`` finite
+    rank, and a rank's share of it, at 8 bytes a point times 2 (4 with
+    ``--fault-tolerant``: the checkpoints), within this machine's physical
+    memory), ``--steps`` in ``[1, MAX_STEPS]``, ``--t-final``, ``--alpha`` finite
     and > 0, ``--cfl`` finite in (0, 1], ``--checkpoint-every`` >= 1, ``--kill``
-    only with ``--fault-tolerant`` and as ``RANK:STEP`` (a rank of the job, a
-    step >= 0; parsed into ``args.kill_list``, a list of ``(rank, step)``
-    int pairs), ``--json``/``--plot`` writable (and matplotlib present for
-    ``--plot``).
+    only with ``--fault-tolerant`` and as ``RANK:STEP`` (a rank of the job, each
+    rank at most once, not every rank, a step of the run: ``0 <= STEP < steps``,
+    the steps ``--t-final`` implies where given; parsed into ``args.kill_list``,
+    a list of ``(rank, step)`` int pairs), ``--json``/``--plot`` writable (and
+    matplotlib present for ``--plot``).
 
     Raises:
         SystemExit: 2, through ``parser.error``, at the first refused value.
@@ -76,9 +80,15 @@ def check_args(parser: argparse.ArgumentParser, args, size: int | None = None) -
         err(f"--cfl must be in (0, 1] (a fraction of the FTCS stability limit), got {args.cfl}")
     if args.checkpoint_every < 1:
         err(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
+    need = _bytes_per_rank(grid, size, args.fault_tolerant)
+    have = _physical_memory()
+    if have and need > have:
+        err(f"--grid {'x'.join(map(str, grid))} needs about {need / 2 ** 30:.1f} GiB per rank over {size} "
+            f"rank(s), more than this machine's {have / 2 ** 30:.1f} GiB: use a smaller grid or more ranks")
     kill = []
     if args.kill and not args.fault_tolerant:
         err("--kill needs --fault-tolerant")
+    steps = time_step(grid, args.alpha, args.cfl, args.steps, args.t_final)[2]
     for k in args.kill:
         parts = k.split(":")
         try:
@@ -91,7 +101,13 @@ def check_args(parser: argparse.ArgumentParser, args, size: int | None = None) -
             err(f"--kill {k}: rank {rank} is not a rank of this job [0, {size})")
         if step < 0:
             err(f"--kill {k}: step {step} is negative")
+        if step >= steps:
+            err(f"--kill {k}: step {step} is past the run's last step ({steps - 1}): the kill would never happen")
+        if any(r == rank for r, _ in kill):
+            err(f"--kill {k}: rank {rank} is already killed by an earlier --kill")
         kill.append((rank, step))
+    if kill and len(kill) >= size:
+        err(f"--kill kills every rank of the job ({size}): none would be left to finish the run")
     args.kill_list = kill
     for opt, path in (("--json", args.json), ("--plot", args.plot)):
         if path is not None:
@@ -104,6 +120,21 @@ def check_args(parser: argparse.ArgumentParser, args, size: int | None = None) -
         if importlib.util.find_spec("matplotlib") is None:
             err("--plot needs matplotlib (pip install matplotlib)")
     return grid
+
+
+def _bytes_per_rank(grid, size: int, fault_tolerant: bool) -> float:
+    """Bytes of host memory a rank's share of ``grid`` takes at least: the field
+    and its next step (float64), and in ``--fault-tolerant`` mode its own and its
+    buddy's checkpoint."""
+    return math.prod(grid) / size * 8 * (4 if fault_tolerant else 2)
+
+
+def _physical_memory() -> int | None:
+    """This machine's physical memory in bytes, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def build_parser() -> argparse.ArgumentParser:

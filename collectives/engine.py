@@ -37,7 +37,9 @@ mode, runs from a plan the engine caches per (dtype, count, op, algorithm)
 :func:`first_round` sends for the same call (both encode it with
 :func:`~.agreement.encode_row`, the plan once, from the row's own ``prepare``), so the call costs one native
 all-gather (plus the algorithm for a large call) and a few microseconds of
-Python, with no per-call staging objects.
+Python, with no per-call staging objects.  A barrier outside fault-tolerant
+mode runs from a plan kept there too (:meth:`HostAllreduce.barrier`): its
+first round (the argument agreement, itself a barrier) in the same kept rows.
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ from commlib.core.errors import BufferError, CommError, InvalidArgument, Process
 from . import ops
 from .agreement import agree, check_all, encode_row, judge
 from .allreduce_ring import allreduce_ring, ring_scratch
+from .barrier import barrier_dissemination
 from .ft import run_collective
 from .one_round import SMALL, apply_steps, reduce_rows, ring_order_steps, small_capacity
 from .snapshot import LazySnapshot
@@ -71,6 +74,8 @@ def describe_field(opname: str):
         if name == "operation":
             return next((k for k, v in SPECS.items() if v.code == value), value)
         if name == "algorithm":
+            if value == SMALL and spec.small:
+                return "auto (one round)"
             return spec.algorithms[value - 1] if 0 < value <= len(spec.algorithms) else value
         if name == "op":
             return next((o.name for o in ops.OPS.values() if o.code == value), value)
@@ -189,7 +194,7 @@ class Engine:
         """
         comm, spec = self.comm, SPECS[opname]
         c = Call(spec, self, sendbuf, recvbuf, op, algorithm, root)
-        if not spec.agree:  # nothing to agree on (barrier): a bad argument is refused here
+        if not spec.agree:  # a row without a first round (none now): a bad argument is refused here
             spec.prepare(c)
             return spec.deliver(c, run_collective(comm, opname, c.run, c.restore, on_failure))
         values, local_error = validate(c)
@@ -206,6 +211,7 @@ class Engine:
             rows = None
             if tp.size > 1 and check:
                 rows = first_round(tp, opname, v, local_error, payload, timeout)
+                c.agreed = True  # every rank entered the call (a barrier's first round is its barrier)
             elif local_error is not None:
                 raise local_error
             elif payload is not None:  # one rank: its own payload is the result
@@ -244,7 +250,7 @@ class Engine:
         problem = src = dst = None
         try:
             sb = wrap(sendbuf, opname, "sendbuf", rank)
-            rb = wrap(recvbuf, opname, "recvbuf", rank)
+            rb = wrap(recvbuf, opname, "recvbuf", rank, written="what it receives")
             for peer, what in ((dest, "dest"), (source, "source")):
                 if isinstance(peer, bool) or not valid_root(peer, size):
                     raise InvalidArgument(f"{what} {peer!r} out of range [0, {size})", rank=rank, op=opname)
@@ -277,13 +283,25 @@ class Engine:
                 return done
         return self.execute("allreduce", sendbuf, recvbuf, op, algorithm)
 
+    def barrier(self, algorithm: str = "auto") -> None:
+        """:meth:`execute` of a barrier; outside fault-tolerant mode from a plan
+        kept per algorithm (:meth:`HostAllreduce.barrier`), with the same messages."""
+        if self.comm.ft is None:
+            host = self._host
+            if host is None:
+                host = self._host = HostAllreduce(self.comm.collective_transport(), engine=self)
+            if host.barrier(algorithm):
+                return
+        self.execute("barrier", algorithm=algorithm)
+
 
 class _RootLost(CommError):
     """The root of a rooted collective is among the failed ranks (internal)."""
 
 
 class HostAllreduce:
-    """The engine's cached plans for allreduce of host numpy arrays on one transport.
+    """The engine's cached plans for allreduce of host numpy arrays (and for
+    the barrier, :meth:`barrier`) on one transport.
 
     A plan is made once per (dtype, count, op) for a one-round small call, or
     (dtype, count, op, algorithm) for a large call that resolves to the ring
@@ -328,10 +346,13 @@ class HostAllreduce:
         large = sendbuf.nbytes > self.cap or algorithm != "auto"
         if large and algorithm not in ("auto", "ring", "recursive_doubling"):
             return None
-        if not sendbuf.flags.c_contiguous or (
-                recvbuf is not None and recvbuf is not sendbuf and not (
-                    recvbuf.flags.c_contiguous and recvbuf.flags.writeable and recvbuf.dtype == sendbuf.dtype
-                    and recvbuf.size == sendbuf.size)):
+        out = sendbuf if recvbuf is None else recvbuf
+        # the result goes into out (in place: sendbuf).  A read-only out is checked
+        # here on every call, not by the plan (kept per dtype, count, op, not per
+        # buffer): the general path refuses it, on every rank, before any byte moves
+        if not (sendbuf.flags.c_contiguous and out.flags.writeable) or (
+                out is not sendbuf and not (
+                    out.flags.c_contiguous and out.dtype == sendbuf.dtype and out.size == sendbuf.size)):
             return None
         if type(op) is not str:  # an MPI.Op (unhashable) or an Op: key by name
             try:
@@ -339,32 +360,33 @@ class HostAllreduce:
             except InvalidArgument:
                 return None
         if large:
-            if recvbuf is None or recvbuf is sendbuf:
-                if not sendbuf.flags.writeable:
-                    return None
-                recvbuf = sendbuf
             plan = self.large_plans.get((sendbuf.dtype, sendbuf.size, op, algorithm))
             if plan is None:
-                plan = self.large_plan(sendbuf, op, algorithm)
+                plan = self.large_plan(sendbuf, op, algorithm, out)
             if not plan:
                 return None
-            self.run_large(plan, sendbuf, recvbuf)
-            return recvbuf
+            self.run_large(plan, sendbuf, out)
+            return out
         plan = self.plans.get((sendbuf.dtype, sendbuf.size, op))
         if plan is None:
-            plan = self.plan(sendbuf, op)
+            plan = self.plan(sendbuf, op, out)
             if plan is None:
                 return None
-        out = sendbuf if recvbuf is None else recvbuf
         self.run(plan, sendbuf, out)
         return out
 
     # ------------------------------------------------------------------ plans
-    def _header(self, sendbuf: np.ndarray, op, algorithm: str):
+    def _header(self, sendbuf: np.ndarray, op, algorithm: str, out: np.ndarray | None = None):
         """``(header bytes, Call)`` of this call as the general path encodes
-        it (the row's ``prepare`` and one-round test, then :func:`first_round`);
-        None when an argument is bad."""
-        c = Call(SPECS["allreduce"], self.engine, sendbuf, None, op, algorithm)
+        it (the row's ``prepare`` and one-round test, then :func:`first_round`),
+        into ``out`` (None or ``sendbuf``: in place; the header is the same
+        either way); None when an argument is bad."""
+        return self._encode(Call(SPECS["allreduce"], self.engine, sendbuf, None if out is sendbuf else out, op,
+                                 algorithm))
+
+    def _encode(self, c: Call):
+        """``(header bytes, c)`` of call ``c`` as :func:`first_round` encodes it
+        (after :func:`validate`); None when an argument is bad."""
         values, err = validate(c)
         if err is not None:
             return None
@@ -386,12 +408,13 @@ class HostAllreduce:
             cache.pop(next(iter(cache)))
         cache[key] = plan
 
-    def plan(self, sendbuf: np.ndarray, op):
+    def plan(self, sendbuf: np.ndarray, op, out: np.ndarray | None = None):
         """The one-round plan of ``sendbuf``'s (dtype, count) and ``op`` (a
         name): ``(header bytes, Op, payload view of the kept row, ring-order
         steps over views of the kept rows, payload bytes)``; None when the
-        call is not a one-round call or an argument is bad."""
-        made = self._header(sendbuf, op, "auto")
+        call (result into ``out``, None: in place) is not a one-round call or
+        an argument is bad."""
+        made = self._header(sendbuf, op, "auto", out)
         if made is None or made[1].payload is None:
             return None
         hbytes, c = made
@@ -406,13 +429,14 @@ class HostAllreduce:
         self._keep(self.plans, (dtype, count, op), plan)
         return plan
 
-    def large_plan(self, sendbuf: np.ndarray, op, algorithm: str):
-        """``(header bytes, Op, algorithm function)`` for a call that
-        ``algorithm`` resolves to an algorithm with a host function (the ring,
-        recursive doubling) above the one-round capacity; False otherwise, or
-        when an argument is bad (the general path raises it, on every rank).
-        Cached in :attr:`large_plans` under ``(dtype, count, op, algorithm)``."""
-        made = self._header(sendbuf, op, algorithm)
+    def large_plan(self, sendbuf: np.ndarray, op, algorithm: str, out: np.ndarray | None = None):
+        """``(header bytes, Op, algorithm function)`` for a call (result into
+        ``out``, None: in place) that ``algorithm`` resolves to an algorithm
+        with a host function (the ring, recursive doubling) above the one-round
+        capacity; False otherwise, or when an argument is bad (the general path
+        raises it, on every rank).  Cached in :attr:`large_plans` under
+        ``(dtype, count, op, algorithm)``."""
+        made = self._header(sendbuf, op, algorithm, out)
         plan = False
         if made is not None and made[1].payload is None:
             hbytes, c = made
@@ -463,10 +487,44 @@ class HostAllreduce:
             if h.tobytes() != hbytes:  # tobytes: faster than comparing views
                 self._judge(tp, hbytes)
 
-    def _judge(self, tp, hbytes: bytes) -> None:
+    def _judge(self, tp, hbytes: bytes, opname: str = "allreduce") -> None:
         """A header differs from this rank's: :func:`judge` raises, on every rank alike."""
-        judge(tp, self.rows[:, :self.head], np.frombuffer(hbytes, np.int64)[1:].tolist(), op="allreduce",
-              describe=describe_field("allreduce"))
+        judge(tp, self.rows[:, :self.head], np.frombuffer(hbytes, np.int64)[1:].tolist(), op=opname,
+              describe=describe_field(opname))
+
+    def barrier(self, algorithm) -> bool:
+        """A barrier from a plan kept per ``algorithm``: the first round (the
+        barrier's own row, in the kept row and rows; it is itself a barrier),
+        then ``MPI_Barrier`` for ``"mpi"``; without the first round
+        (``COMMLIB_CHECK_ARGS=0``) the dissemination barrier.  False when
+        ``algorithm`` is bad (not a string, or not a barrier's): the general
+        path refuses it, on every rank."""
+        if type(algorithm) is not str:
+            return False
+        key = ("barrier", algorithm)
+        plan = self.plans.get(key)
+        if plan is None:
+            made = self._encode(Call(SPECS["barrier"], self.engine, algorithm=algorithm))
+            if made is None:
+                return False
+            plan = (made[0], made[1].algo)
+            self._keep(self.plans, key, plan)
+        hbytes, algo = plan
+        tp = self.tp
+        if tp.size > 1:
+            if config.check_args:
+                if self.current is not plan:
+                    self.row[:self.head] = np.frombuffer(hbytes, np.uint8)
+                    self.current = plan
+                tp.native_allgather(self.row, self.rows)
+                for h in self.heads:
+                    if h.tobytes() != hbytes:
+                        self._judge(tp, hbytes, "barrier")
+            elif algo == "dissemination":
+                barrier_dissemination(tp)
+        if algo == "mpi":
+            tp.native_barrier()
+        return True
 
     def run_large(self, plan, sendbuf: np.ndarray, out: np.ndarray) -> None:
         """The first round (when ``COMMLIB_CHECK_ARGS``), then the plan's

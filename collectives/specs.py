@@ -27,7 +27,8 @@ snapshot   ``snapshot(call) -> restorer | None`` in fault-tolerant mode, for
            None when the input is only read
 deliver    ``deliver(call, result)``: what the call returns (a staged result
            copied back, a ``recvbuf`` filled)
-agree      False: no first round (barrier: no arguments to agree on)
+agree      False: no first round (no row has that now: even the barrier
+           agrees on its algorithm, and its first round is its barrier)
 rooted     the header's ``root`` is renumbered in the shrunk group, and a lost
            root ends the call
 ========== ===================================================================
@@ -173,7 +174,8 @@ class Call:
     start of the call), ``ft`` (fault tolerant), the arguments ``sendbuf``
     (bcast: ``buf``), ``recvbuf``, ``op``, ``algorithm``, ``root`` (and
     ``root_rank``: it as an int when it is a rank of the group, else None),
-    and ``payload`` (the one-round bytes, or None).  Set by the row's functions:
+    ``payload`` (the one-round bytes, or None) and ``agreed`` (the first round
+    ran in this attempt: every rank has entered the call).  Set by the row's functions:
     the checked buffers ``sb``/``rb``, ``o`` (the :class:`~.ops.Op`),
     ``algo`` (the algorithm chosen), the host views ``src``/``dst``
     (:class:`~.staging.Staged`), ``dev`` (device views, when the device
@@ -183,7 +185,7 @@ class Call:
 
     # defaults at class level: a call sets only what its collective uses
     payload = sb = rb = o = algo = src = dst = dev = snapshot = shape = blk = None
-    inplace = staged = False
+    inplace = staged = agreed = False
 
     def __init__(self, spec: CollectiveSpec, ctx, sendbuf=None, recvbuf=None, op="sum", algorithm: str = "auto",
                  root=None):
@@ -219,17 +221,19 @@ class Call:
 
 
 def valid_root(root, size: int) -> bool:
-    """``root`` is a rank of a group of ``size``."""
-    return isinstance(root, (int, np.integer)) and 0 <= int(root) < size
+    """``root`` is a rank of a group of ``size`` (an int, not a bool: ``True``
+    is no rank, though Python counts it as 1)."""
+    return isinstance(root, (int, np.integer)) and not isinstance(root, bool) and 0 <= int(root) < size
 
 
 class _FullCopy:
-    """A full copy of a host buffer, put back on every :meth:`restore` (bcast's input)."""
+    """A full copy of a host buffer, put back on every :meth:`restore` (bcast's
+    input; a small in-place allreduce's, whose one-round payload is that copy)."""
 
     __slots__ = ("buf", "copy")
 
-    def __init__(self, buf: np.ndarray):
-        self.buf, self.copy = buf, np.array(buf, copy=True)
+    def __init__(self, buf: np.ndarray, copy: np.ndarray | None = None):
+        self.buf, self.copy = buf, (np.array(buf, copy=True) if copy is None else copy)
 
     def restore(self) -> None:
         self.buf[...] = self.copy
@@ -256,11 +260,12 @@ class _DeviceCopy:
 # --------------------------------------------------------------------- allreduce
 def _allreduce_prepare(c: Call) -> dict:
     name, rank = c.spec.name, c.rank
-    sb = wrap(c.sendbuf, name, "sendbuf", rank)
+    c.inplace = c.recvbuf is None or c.recvbuf is c.sendbuf
+    # in place (no recvbuf) the result goes into sendbuf: it must be writable
+    sb = wrap(c.sendbuf, name, "sendbuf", rank, written="its result (in place: recvbuf is None)" if c.inplace else None)
     o = ops.get_op(c.op, rank=rank, opname=name)
     o.check(sb.dtype, rank=rank, op=name)
-    c.inplace = c.recvbuf is None or c.recvbuf is c.sendbuf
-    rb = sb if c.inplace else wrap(c.recvbuf, name, "recvbuf", rank)
+    rb = sb if c.inplace else wrap(c.recvbuf, name, "recvbuf", rank, written="its result")
     if not c.inplace and (rb.size != sb.size or rb.dtype != sb.dtype):
         raise InvalidArgument(f"recvbuf ({rb.size} x {rb.dtype}) does not match sendbuf "
                               f"({sb.size} x {sb.dtype})", rank=rank, op=name)
@@ -316,6 +321,8 @@ def _allreduce_snapshot(c: Call):
     if c.dev is not None:
         kind, dev, _, stream = c.dev
         return _DeviceCopy(kind, dev, stream)
+    if c.payload is not None:  # one round: the payload is already a copy of the input (_allreduce_payload)
+        return _FullCopy(c.dst.host, c.payload)
     return c.ctx.lazy_snapshot(c.dst.host)
 
 
@@ -367,7 +374,7 @@ def _reduce_scatter_prepare(c: Call) -> dict:
     b = chunk_bounds(sb.size, c.size)
     mylen = int(b[rank + 1] - b[rank])
     if c.recvbuf is not None:
-        rb = wrap(c.recvbuf, name, "recvbuf", rank)
+        rb = wrap(c.recvbuf, name, "recvbuf", rank, written="its block of the result")
         if rb.size != mylen or rb.dtype != sb.dtype:
             raise InvalidArgument(f"recvbuf must hold {mylen} x {sb.dtype.name}, has {rb.size} x {rb.dtype}",
                                   rank=rank, op=name)
@@ -444,7 +451,7 @@ def _allgather_prepare(c: Call) -> dict:
     sb = wrap(c.sendbuf, name, "sendbuf", rank)
     algo = c.spec.choose(c.algorithm, rank=rank)
     if c.recvbuf is not None:
-        rb = wrap(c.recvbuf, name, "recvbuf", rank)
+        rb = wrap(c.recvbuf, name, "recvbuf", rank, written="every rank's block")
         if rb.size != sb.size * c.size or rb.dtype != sb.dtype:
             raise InvalidArgument(f"recvbuf must hold {c.size} x {sb.size} x {sb.dtype.name}, "
                                   f"has {rb.size} x {rb.dtype}", rank=rank, op=name)
@@ -481,7 +488,10 @@ def _bcast_prepare(c: Call) -> dict:
     b = wrap(c.sendbuf, name, "buf", rank)
     algo = c.spec.choose(c.algorithm, rank=rank)
     if c.root_rank is None:
-        raise InvalidArgument(f"root {c.root} out of range [0, {c.size})", rank=rank, op=name)
+        what = "not a rank (a bool)" if isinstance(c.root, (bool, np.bool_)) else f"out of range [0, {c.size})"
+        raise InvalidArgument(f"root {c.root!r} {what}", rank=rank, op=name)
+    if rank != c.root_rank:  # the root's buf is only read: read-only is fine there
+        wrap(b, name, "buf", rank, written=f"root {c.root_rank}'s data")
     c.src, c.algo = c.staged_host(b, "buf"), algo  # before the first round: a small call carries it
     return {"count": b.size, "dtype": ops.dtype_code(b.dtype), "root": c.root_rank,
             "algorithm": c.spec.algorithm_code(algo)}
@@ -493,11 +503,13 @@ def _bcast_payload(c: Call):
 
 
 def _bcast_finish(c: Call, tp, rows, survivors) -> None:
-    root_payload(rows, survivors.index(c.root_rank), c.src.host)
+    if c.rank != c.root_rank:  # the root holds its data already (and its buf may be read-only)
+        root_payload(rows, survivors.index(c.root_rank), c.src.host)
 
 
 def _bcast_snapshot(c: Call):
-    return _FullCopy(c.src.host)
+    # the root's buf is only read (it may be read-only): nothing to put back there
+    return _FullCopy(c.src.host) if c.rank != c.root_rank else None
 
 
 def _bcast_binomial(c: Call, tp, timeout, survivors) -> None:
@@ -521,7 +533,7 @@ def _alltoall_prepare(c: Call) -> dict:
     if sb.size % nblk:
         raise InvalidArgument(f"sendbuf has {sb.size} elements, not a multiple of size {nblk}", rank=rank, op=name)
     if c.recvbuf is not None:
-        rb = wrap(c.recvbuf, name, "recvbuf", rank)
+        rb = wrap(c.recvbuf, name, "recvbuf", rank, written="the blocks it receives")
         if rb.size != sb.size or rb.dtype != sb.dtype:
             raise InvalidArgument("recvbuf must match sendbuf in count and dtype", rank=rank, op=name)
         if rb.obj is sb.obj:
@@ -555,16 +567,25 @@ def _alltoall_deliver(c: Call, out):
 
 
 # ----------------------------------------------------------------------- barrier
+# The first round of a barrier agrees on its algorithm (a bad or different one on
+# any rank is refused on every rank) and is itself a barrier: no rank leaves its
+# all-gather before it heard, transitively, from every rank.  So "auto" and
+# "dissemination" are that round alone (Bruck's all-gather, the dissemination
+# pattern with a row per message, under bounded waits; the native all-gather
+# when waits need no bound): one round, as the unchecked barrier was.  "mpi" runs
+# MPI_Barrier after it, as asked.  Without the first round (COMMLIB_CHECK_ARGS=0)
+# "dissemination" runs Hensgen, Finkel & Manber's barrier itself.
 def _barrier_prepare(c: Call) -> dict:
     algorithm = c.algorithm
-    if algorithm == "auto":  # MPI's own when waits need no bound, else bounded waits
-        algorithm = "mpi" if not c.ft else "dissemination"
+    if algorithm == "auto":  # the first round alone (above)
+        algorithm = "dissemination"
     c.algo = c.spec.choose(algorithm, rank=c.rank)
-    return {}
+    return {"algorithm": c.spec.algorithm_code(c.algo)}
 
 
 def _barrier_dissemination(c: Call, tp, timeout, survivors) -> None:
-    barrier_dissemination(tp, timeout=timeout)
+    if not c.agreed:  # the first round did not run: it is no barrier here
+        barrier_dissemination(tp, timeout=timeout)
 
 
 def _barrier_native(c: Call, tp, timeout, survivors) -> None:
@@ -654,7 +675,7 @@ SPECS: dict[str, CollectiveSpec] = {s.name: s for s in (
         (Algorithm("pairwise", _alltoall_pairwise), Algorithm("mpi", _alltoall_native)),
         _alltoall_deliver, stage=_stage_src),
     CollectiveSpec(
-        "barrier", 6, (), _barrier_prepare,
+        "barrier", 6, ("algorithm",), _barrier_prepare,
         (Algorithm("dissemination", _barrier_dissemination), Algorithm("mpi", _barrier_native)),
-        _nothing, agree=False),
+        _nothing),
 )}

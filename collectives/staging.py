@@ -7,7 +7,7 @@ buffer into one:
 
 - :func:`wrap`: any array (numpy, CuPy, numba device, DLPack) as a
   :class:`~commlib.core.buffer.Buffer`, refused unless its elements are plain
-  bytes and it is contiguous;
+  bytes and it is contiguous (and writable, where the collective writes it);
 - :class:`Staged`: a 1-D host view, host buffers viewed, C-contiguous device
   buffers copied through pinned memory that the communicator keeps per
   (role, count, dtype), asynchronously on the caller's stream;
@@ -25,22 +25,35 @@ from typing import Callable
 import numpy as np
 
 from commlib.core.buffer import Buffer, as_buffer
-from commlib.core.errors import BufferError
+from commlib.core.errors import BufferError, InvalidArgument
 from commlib.transports.base import check_plain_dtype
 
 __all__ = ["wrap", "Staged", "device_view", "device_kind", "to_host", "deliver"]
 
 
-def wrap(obj, opname: str, what: str = "buffer", rank=None) -> Buffer:
+def wrap(obj, opname: str, what: str = "buffer", rank=None, *, written: str | None = None) -> Buffer:
     """``obj`` as a :class:`~commlib.core.buffer.Buffer` a collective can use.
+
+    Args:
+        obj: the user's array.
+        opname, what, rank: for errors (``what``: the argument's name).
+        written: None when the collective only reads ``obj``; else what it
+            writes there (``"its result"``...): the buffer must then be
+            writable (:attr:`~commlib.core.buffer.Buffer.readonly` clear), a
+            check made with the others, before the argument agreement, so a
+            read-only buffer is refused on every rank before any byte moves.
 
     Raises:
         BufferError: not an array, elements holding references, or not contiguous.
+        InvalidArgument: ``written`` and ``obj`` is read-only.
     """
     b = as_buffer(obj, op=opname, rank=rank)
     check_plain_dtype(b.dtype, rank, opname, what)
     if not b.dense:
         raise BufferError(f"{what} is not contiguous", rank=rank, op=opname)
+    if written is not None and b.readonly:
+        raise InvalidArgument(f"{what} is read-only, but {opname} writes {written} into it; "
+                              f"pass a writable array", rank=rank, op=opname)
     return b
 
 

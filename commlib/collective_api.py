@@ -183,7 +183,8 @@ class CollectiveMixin:
 
         Raises:
             InvalidArgument: an op unfit for the dtype, mismatched count/dtype/op
-                across ranks (on every rank), an unknown algorithm.
+                across ranks, an unknown algorithm, a read-only ``recvbuf`` (or
+                ``sendbuf`` in place) on any rank (on every rank, before any byte moves).
             BufferError: unsupported or non-contiguous buffers.
             ProcessFailed / CommTimeout: fault-tolerant mode, see ``commlib.init``.
         """
@@ -247,7 +248,8 @@ class CollectiveMixin:
             buf, holding the root's data.
 
         Raises:
-            InvalidArgument: root out of range or different across ranks (every rank).
+            InvalidArgument: root out of range (or a bool) or different across
+                ranks, a read-only ``buf`` on a rank other than the root (every rank).
             ProcessFailed: fault-tolerant mode and the root failed (every survivor).
         """
         return self._engine().execute("bcast", buf, algorithm=algorithm, root=root)
@@ -276,12 +278,25 @@ class CollectiveMixin:
     def barrier(self, algorithm: str = "auto") -> None:
         """Block until every rank has entered the barrier.
 
+        Like every collective, the barrier starts with the argument agreement,
+        whose all-gather is itself a barrier (no rank leaves it before hearing,
+        transitively, from every rank): an algorithm that is unknown on one
+        rank, or differs across ranks, raises :class:`InvalidArgument` on every
+        rank instead of leaving the others waiting.
+
         Args:
-            algorithm: ``"dissemination"`` (Hensgen, Finkel & Manber 1988),
-                ``"mpi"`` (``MPI_Barrier``) or ``"auto"`` (``"mpi"`` when not
-                fault tolerant, else dissemination with bounded waits).
+            algorithm: ``"dissemination"`` or ``"auto"`` (that round alone: Bruck's
+                all-gather, the dissemination pattern of Hensgen, Finkel & Manber
+                1988, with bounded waits in fault-tolerant mode, else the native
+                all-gather; without the round, ``COMMLIB_CHECK_ARGS=0``, the
+                dissemination barrier itself), or ``"mpi"`` (``MPI_Barrier``
+                after the round).  The same on every rank.
+
+        Raises:
+            InvalidArgument: an unknown algorithm, or different ones across ranks (every rank).
+            ProcessFailed / CommTimeout: fault-tolerant mode, see ``commlib.init``.
         """
-        self._engine().execute("barrier", algorithm=algorithm)
+        self._engine().barrier(algorithm)
 
     # ---------------------------------------------------------- non-blocking
     def iallreduce(self, sendbuf, recvbuf=None, op="sum", algorithm: str = "auto"):

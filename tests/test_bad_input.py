@@ -146,11 +146,14 @@ def test_fault_tolerant_collective_refuses_references(ftcomm, name):
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("c", ["plain", "ft"])
-def test_sendrecv_resilient_refuses_on_every_rank(comm, ftcomm, c):
+@pytest.mark.parametrize("bad", ["objects", "readonly-recvbuf"])
+def test_sendrecv_resilient_refuses_on_every_rank(comm, ftcomm, c, bad):
     cm = comm if c == "plain" else ftcomm
     n, r = cm.size, cm.rank
-    send = _objects(4) if r == 0 else np.ones(4)
+    send = _objects(4) if r == 0 and bad == "objects" else np.ones(4)
     recv = np.zeros(4)
+    if r == 0 and bad == "readonly-recvbuf":
+        recv.flags.writeable = False
     _refused(cm, lambda: cm.sendrecv_resilient(send, (r + 1) % n, recv, (r - 1) % n), cls=InvalidArgument)
     assert not recv.any()
     got = np.zeros(4)
@@ -458,3 +461,176 @@ def test_halo_field_count_mismatch_names_the_rank():
     finally:
         halo.free()
         cart.free()
+
+
+# --------------------------------------- read-only buffers a collective would write
+def _readonly_case(name, c, per, bad):
+    """``(call, arrays)``: collective ``name`` on communicator ``c`` with ``per``
+    elements per block, its written buffer read-only when ``bad``; ``arrays``:
+    every buffer the call gets, to check afterwards that none changed."""
+    n, r = c.size, c.rank
+    x = np.arange(per * n, dtype=np.float64) + r
+    if name == "allreduce-inplace":
+        y, call = x, lambda: c.allreduce(x)
+    elif name == "allreduce-recvbuf-is-sendbuf":
+        y, call = x, lambda: c.allreduce(x, x)
+    elif name == "allreduce-inplace-ring":
+        y, call = x, lambda: c.allreduce(x, algorithm="ring")
+    elif name == "allreduce-recvbuf":
+        y = np.full(per * n, -1.0)
+        call = lambda: c.allreduce(x, y)  # noqa: E731
+    elif name == "reduce_scatter":
+        y = np.full(per, -1.0)
+        call = lambda: c.reduce_scatter(x, y)  # noqa: E731
+    elif name == "allgather":
+        x = x[:per].copy()
+        y = np.full((n, per), -1.0)
+        call = lambda: c.allgather(x, y)  # noqa: E731
+    elif name == "alltoall":
+        y = np.full(per * n, -1.0)
+        call = lambda: c.alltoall(x, y)  # noqa: E731
+    elif name in ("bcast", "bcast-mpi"):  # root 0: a non-root's buf is written
+        y = x
+        call = lambda: c.bcast(x, root=0, algorithm="mpi" if name == "bcast-mpi" else "auto")  # noqa: E731
+    else:
+        raise AssertionError(name)
+    if bad:
+        y.flags.writeable = False
+    return call, [x] if y is x else [x, y]
+
+
+READONLY = ["allreduce-inplace", "allreduce-recvbuf-is-sendbuf", "allreduce-inplace-ring", "allreduce-recvbuf",
+            "reduce_scatter", "allgather", "alltoall", "bcast", "bcast-mpi"]
+# elements per block: inside the first round's payload (the one-round path), and far above it
+PER = {"small": 4, "large": 4096}
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["plain", "ft"])
+@pytest.mark.parametrize("size", list(PER))
+@pytest.mark.parametrize("name", READONLY)
+def test_readonly_written_buffer_refused_everywhere(comm, ftcomm, mode, size, name):
+    """The last rank's buffer that the call writes (recvbuf; sendbuf in place;
+    a non-root's bcast buf) is read-only: every rank raises InvalidArgument
+    before any byte moves (the same call with writable buffers ran just before,
+    so a kept plan cannot skip the check), no rank's buffers changed, and the
+    communicator still works."""
+    c = comm if mode == "plain" else ftcomm
+    n, r = c.size, c.rank
+    bad = n - 1
+    if name.startswith("bcast") and bad == 0:
+        pytest.skip("one rank: it is the root, whose buf is only read")
+    call, _ = _readonly_case(name, c, PER[size], False)
+    call()  # the same call, good everywhere: the engine keeps its plan
+    call, arrays = _readonly_case(name, c, PER[size], r == bad)
+    before = [a.tobytes() for a in arrays]
+    err = _refused(c, call, cls=InvalidArgument)
+
+    def check():
+        msg = str(err)
+        if r == bad:
+            assert "read-only" in msg, msg
+        else:
+            assert f"rank(s) [{bad}]" in msg, msg
+        assert [a.tobytes() for a in arrays] == before, "a buffer changed"
+
+    _agreed(c, check)
+    if mode == "plain":
+        _still_usable(c)
+    else:
+        assert np.array_equal(c.allreduce(np.ones(2)), np.full(2, float(n)))
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["plain", "ft"])
+@pytest.mark.parametrize("size", list(PER))
+@pytest.mark.parametrize("algorithm", ["auto", "binomial", "mpi"])
+def test_bcast_from_a_readonly_root(comm, ftcomm, mode, size, algorithm):
+    """The root's buf is only read: read-only there is fine (every rank gets its data)."""
+    c = comm if mode == "plain" else ftcomm
+    buf = np.arange(PER[size], dtype=np.float64) + c.rank
+    if c.rank == 0:
+        buf.flags.writeable = False
+    out = c.bcast(buf, root=0, algorithm=algorithm)
+    assert out is buf and np.array_equal(buf, np.arange(PER[size], dtype=np.float64))
+
+
+# --------------------------------------------------- barrier, roots, messages
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["plain", "ft"])
+@pytest.mark.parametrize("bad_algorithm", ["bogus", 3, None])
+@pytest.mark.parametrize("good", ["auto", "mpi", "dissemination"])
+def test_barrier_bad_algorithm_on_one_rank(comm, ftcomm, mode, bad_algorithm, good):
+    c = comm if mode == "plain" else ftcomm
+    bad = c.size - 1
+    err = _refused(c, lambda: c.barrier(algorithm=bad_algorithm if c.rank == bad else good), cls=InvalidArgument)
+
+    def check():
+        assert c.rank == bad or f"rank(s) [{bad}]" in str(err), str(err)
+
+    _agreed(c, check)
+    c.barrier(algorithm=good)  # still usable
+    if mode == "plain":
+        _still_usable(c)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["plain", "ft"])
+@pytest.mark.parametrize("mine,theirs", [("dissemination", "mpi"), ("mpi", "auto"), ("auto", "mpi")])
+def test_barrier_mismatched_algorithms(comm, ftcomm, mode, mine, theirs):
+    """Rank 0 asks another barrier algorithm than the others: nobody waits, every rank refuses."""
+    c = comm if mode == "plain" else ftcomm
+    err = _refused(c, lambda: c.barrier(algorithm=mine if c.rank == 0 else theirs), cls=InvalidArgument,
+                   match="algorithm differs")
+
+    def check():
+        assert "mpi" in str(err) and "dissemination" in str(err), str(err)  # the algorithms as named
+
+    _agreed(c, check)
+    c.barrier()
+    if mode == "plain":
+        _still_usable(c)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["plain", "ft"])
+@pytest.mark.parametrize("root", [True, np.bool_(True), False])
+def test_bcast_bool_root_refused(comm, ftcomm, mode, root):
+    """A bool is no rank (Python counts True as 1): refused on every rank,
+    though the other ranks pass the rank it would stand for."""
+    c = comm if mode == "plain" else ftcomm
+    bad = c.size - 1
+    buf = np.arange(4.0) + c.rank
+    keep = buf.copy()
+    as_int = int(bool(root)) % c.size
+    err = _refused(c, lambda: c.bcast(buf, root=root if c.rank == bad else as_int), cls=InvalidArgument)
+
+    def check():
+        assert np.array_equal(buf, keep), "buf changed"
+        assert c.rank != bad or "bool" in str(err), str(err)
+
+    _agreed(c, check)
+    if mode == "plain":
+        _still_usable(c)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_mismatch_message_names_the_one_round_algorithm(comm):
+    """A small "auto" allreduce (the one-round path) on rank 0 against "ring"
+    elsewhere: the message names both algorithms, not a header code."""
+    x = np.ones(4)
+    err = _refused(comm, lambda: comm.allreduce(x, algorithm="auto" if comm.rank == 0 else "ring"),
+                   cls=InvalidArgument, match="algorithm differs")
+
+    def check():
+        msg = str(err)
+        assert "auto (one round)" in msg and "ring" in msg and " 0 and" not in msg, msg
+
+    _agreed(comm, check)
+    _still_usable(comm)

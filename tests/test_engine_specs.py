@@ -40,7 +40,9 @@ def test_rows_carry_their_algorithms():
         assert all(callable(spec.impl[name].run) for name in spec.algorithms[1:])
         assert callable(spec.prepare) and callable(spec.deliver)
     assert SPECS["allreduce"].small and SPECS["reduce_scatter"].small and SPECS["bcast"].small
-    assert not SPECS["allgather"].small and not SPECS["barrier"].agree
+    assert not SPECS["allgather"].small
+    # the barrier agrees too (its algorithm), so a bad or mismatched one fails on every rank
+    assert SPECS["barrier"].agree and SPECS["barrier"].header == ("algorithm",)
     assert SPECS["allreduce"].impl["ring"].device is not None and SPECS["reduce_scatter"].impl["ring"].device
     assert SPECS["allreduce"].values({"count": 5, "dtype": 3, "op": 1, "algorithm": 2, "root": 9}) == [1, 5, 3, 1, 0, 2]
 

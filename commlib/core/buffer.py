@@ -71,7 +71,11 @@ class Buffer:
             0 for host buffers and the simulator's arrays, which have none).
         stream: the producer's CUDA stream handle from the interface (None when
             the producer gave none: then work is ordered on the default stream).
-        readonly: the interface's read-only flag.
+        readonly: True when the memory must not be written: a host array's
+            ``writeable`` flag cleared (numpy, a read-only buffer-protocol
+            object such as ``bytes``, a read-only DLPack export), or the CUDA
+            Array Interface's read-only flag.  Device arrays without such a
+            flag (CuPy, numba, the simulator's) are writable.
     """
 
     obj: Any
@@ -381,7 +385,7 @@ def _from_cai(obj, cai, op, rank) -> Buffer:
 def _from_numpy(arr: np.ndarray, kind: str) -> Buffer:
     return Buffer(
         arr, kind, False, arr.dtype, arr.shape, arr.strides, arr.nbytes,
-        arr.flags.c_contiguous, arr.flags.f_contiguous,
+        arr.flags.c_contiguous, arr.flags.f_contiguous, readonly=not arr.flags.writeable,
     )
 
 

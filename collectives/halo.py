@@ -30,7 +30,8 @@ Validation that cannot split.  Every message starts with a fixed
 count, dtype code, payload bytes, reason, origin rank), written once when the
 message buffers are built, so a good exchange pays nothing for it; a receiver
 reads the headers of its messages before unpacking.  A rank whose own fields do
-not match the plan (shape, dtype, order, mixed devices) does not pack: it
+not match the plan (shape, dtype, order, a read-only field, mixed devices),
+or whose ``timeout`` is not a valid number of seconds, does not pack: it
 sends each neighbour an *abort* header in place of its data, receives (and
 drops) the neighbours' messages so none of their sends is left pending, and
 raises :class:`~commlib.InvalidArgument`.  A neighbour that receives an abort
@@ -64,6 +65,7 @@ from commlib.core import devmem
 from commlib.core.buffer import as_buffer
 from commlib.core.config import config
 from commlib.core.errors import CommError, CommTimeout, InvalidArgument, ProcessFailed
+from commlib.core.seconds import check_timeout, timeout_problem
 from commlib.datatypes import Subarray
 from commlib.datatypes.batch import BatchPack
 from commlib.transports.base import Request
@@ -86,6 +88,7 @@ _REASONS = {1: "a field's shape differs from the plan's", 2: "a field's dtype di
             3: "a field is not C-contiguous", 4: "its fields are invalid (see its error)",
             5: "its fields and a neighbour's differ in number, dtype or size",
             6: "a neighbour's message was larger than its plan's (another number of fields?)",
+            7: "a field is read-only", 8: "its timeout is invalid",
 }
 _MISMATCH, _TOO_BIG = 5, 6  # notices from a rank that found its neighbours' fields inconsistent
 
@@ -101,6 +104,10 @@ def _reason_of(detail: str) -> int:
         return 2
     if "C-contiguous" in detail:
         return 3
+    if "read-only" in detail:
+        return 7
+    if detail.startswith("timeout"):
+        return 8
     return 4
 
 
@@ -260,6 +267,9 @@ class HaloExchange:
             if not b.contiguous:
                 raise InvalidArgument(f"{what} is not C-contiguous; pass numpy.ascontiguousarray(field)",
                                       rank=self.rank, op=op)
+            if b.readonly:  # its ghost cells would be written into memory the caller marked read-only
+                raise InvalidArgument(f"{what} is read-only (its ghost cells cannot be written); pass a "
+                                      "writable array, e.g. numpy.array(field)", rank=self.rank, op=op)
             if device is None:
                 device = b.is_device
             elif device != b.is_device:
@@ -369,10 +379,13 @@ class HaloExchange:
 
             timeout: seconds the abort path may wait (sending abort headers
                 and draining the neighbours' messages) when this rank's fields
-                are wrong (None: ``COMMLIB_TIMEOUT``).
+                are wrong (None: ``COMMLIB_TIMEOUT``); a finite number > 0.
 
         Raises:
-            InvalidArgument: wrong shape, dtype, contiguity, or mixed devices.
+            InvalidArgument: wrong shape, dtype, contiguity, a read-only field,
+                mixed devices, or a ``timeout`` that is not None or a finite
+                number of seconds > 0 (NaN, infinity, 0, negatives and bools
+                are refused).
                 The check is local; a rank that fails it sends its neighbours
                 an abort header in place of its data (they raise in ``wait``,
                 naming it) and a notice to every other rank (they raise when
@@ -388,6 +401,10 @@ class HaloExchange:
         step = self._calls
         self._calls += 1
         try:
+            bad_timeout = timeout_problem(timeout)
+            if bad_timeout is not None:
+                timeout = None  # the abort path below waits COMMLIB_TIMEOUT instead
+                raise InvalidArgument(bad_timeout, rank=self.rank, op=op)
             device = self._fast_check(fields, op)
         except InvalidArgument as exc:
             self._abort(nfields, _reason_of(exc.detail), self.rank, step, timeout)
@@ -436,7 +453,8 @@ class HaloExchange:
         """Local per-call check (cheap for numpy); returns True for device fields."""
         if fields and all(type(f) is np.ndarray for f in fields):
             for i, f in enumerate(fields):
-                if f.shape != self.shape or f.dtype != self.dtype or not f.flags.c_contiguous:
+                if (f.shape != self.shape or f.dtype != self.dtype or not f.flags.c_contiguous
+                        or not f.flags.writeable):
                     self._check_fields(fields, op)  # raises with the precise message
             return False
         return self._check_fields(fields, op)[1]
@@ -527,7 +545,11 @@ class HaloExchange:
             pass
 
     def exchange(self, *fields, timeout: float | None = None) -> None:
-        """Fill the ghost cells of ``fields`` (``start(*fields).wait(timeout)``)."""
+        """Fill the ghost cells of ``fields`` (``start(*fields).wait(timeout)``).
+
+        ``timeout`` is None (no limit) or a finite number of seconds > 0; any
+        other value is refused by :meth:`start` as an invalid argument, on
+        every rank (the abort path), with no ghost cell written."""
         self.start(*fields, timeout=timeout).wait(timeout)
 
     @property
@@ -648,9 +670,13 @@ class HaloRequest(Request):
         return True
 
     def wait(self, timeout: float | None = None) -> None:
-        """Complete the exchange; ``timeout`` in seconds (None: no limit).
+        """Complete the exchange; ``timeout`` in seconds (None: no limit; 0:
+        poll once, as :meth:`Request.wait`).
 
         Raises:
+            InvalidArgument: ``timeout`` is NaN, infinite, negative, a bool or
+                not a number (nothing is waited for; the exchange stays in
+                flight and a later ``wait`` completes it).
             CommTimeout: when the neighbours' messages do not arrive in time.
             ProcessFailed: a neighbour failed (or the plan was revoked).
             CommError: any other failure of the transport.
@@ -658,6 +684,7 @@ class HaloRequest(Request):
         if self._done:
             return
         plan = self._plan
+        timeout = check_timeout(timeout, op=_EXCHANGE, rank=plan.halo.rank, zero=True)
         try:
             if plan.halo._far:
                 self._wait_watching(timeout)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from commlib.core.errors import CommError, CommTimeout, InvalidArgument, ProcessFailed
+from commlib.core.seconds import timeout_problem
 
 __all__ = ["ON_FAILURE", "FaultTolerance", "Outcome", "RecoveryPolicy", "TimeoutPolicy", "run"]
 
@@ -77,8 +78,10 @@ class FaultTolerance:
     def __post_init__(self):
         if self.on_failure not in ON_FAILURE:
             raise InvalidArgument(f"on_failure must be one of {ON_FAILURE}, got {self.on_failure!r}", op="init")
-        if not self.timeout or self.timeout <= 0:
-            raise InvalidArgument(f"timeout must be > 0 seconds, got {self.timeout!r}", op="init")
+        problem = timeout_problem(self.timeout) if self.timeout is not None else "timeout must be given"
+        if problem is not None:  # NaN or inf would make every bounded wait unbounded; 0 fails every wait
+            raise InvalidArgument(problem, op="init")
+        self.timeout = float(self.timeout)
         if self.mode not in ("ulfm", "timeout"):
             raise InvalidArgument(f"unknown fault-tolerance mode {self.mode!r}", op="init")
 

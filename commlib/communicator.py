@@ -9,16 +9,19 @@ otherwise.  :meth:`Communicator.cart_create` builds a Cartesian communicator
 """
 from __future__ import annotations
 
+import zlib
 from typing import Sequence
 
 import numpy as np
 from mpi4py import MPI
 
 from commlib.collective_api import CollectiveMixin
-from commlib.collectives.ft import FaultTolerance
+from commlib.collectives.agreement import agree_header, check_all
+from commlib.collectives.ft import ON_FAILURE, FaultTolerance
 from commlib.transports.mpi_process import PROCESS, ft_mode
 from commlib.core.config import config
 from commlib.core.errors import InvalidArgument
+from commlib.core.seconds import check_timeout, timeout_problem
 from commlib.core.tags import check_user_tag
 from commlib.transports.base import Request, wait_all
 from commlib.transports.mpi import MPIRequest, MPITransport
@@ -158,10 +161,16 @@ class Communicator(CollectiveMixin):
     def waitall(self, requests: Sequence[Request], timeout: float | None = None) -> None:
         """Wait for every request; ``timeout`` in seconds for all of them together.
 
+        ``timeout`` is None (no bound) or a finite number of seconds >= 0 (0
+        tests once: a poll).
+
         Raises:
+            InvalidArgument: ``timeout`` is NaN, infinite, negative, a bool or
+                not a number (nothing is waited for; the requests stay valid).
             CommTimeout: ``timeout`` passed first.
             ProcessFailed / CommError: a request failed (classified, naming the rank).
         """
+        timeout = check_timeout(timeout, op="waitall", rank=self.rank, zero=True)
         if all(isinstance(r, MPIRequest) for r in requests):
             self.transport.waitall(requests, timeout)
         else:
@@ -187,50 +196,103 @@ class Communicator(CollectiveMixin):
 
     def cart_create(self, dims: Sequence[int] | int | None = None, periods: Sequence[bool] | bool = False,
                     reorder: bool = False, ndims: int | None = None) -> "CartCommunicator":
-        """Create a Cartesian communicator (MPI-4.0 §8.5.1).
+        """Create a Cartesian communicator (MPI-4.0 §8.5.1); collective.
 
         Args:
-            dims: ranks per dimension; entries of 0 (or ``dims=None`` with
-                ``ndims``) are filled by ``MPI.Compute_dims``. The product must
+            dims: ranks per dimension (ints >= 0); entries of 0 (or ``dims=None``
+                with ``ndims``) are filled by ``MPI.Compute_dims``. The product must
                 equal ``size``. An int means that many dimensions, all free.
             periods: per-dimension periodicity (one bool applies to every dimension).
             reorder: let MPI renumber ranks.
             ndims: number of dimensions when ``dims`` is None (default: the
                 length of ``periods`` if it is a sequence, else 1).
 
+        Every rank must describe the same grid: after each rank's arguments are
+        checked, the ranks compare the completed dims, the periods and
+        ``reorder`` (one all-gather of a fixed-size header) before
+        ``MPI_Cart_create`` is called.
+
         Returns:
             CartCommunicator
 
         Raises:
-            InvalidArgument: dims whose product is not ``size``, or mismatched lengths.
+            InvalidArgument: on every rank alike, naming the offending rank or
+                the differing fields, before ``MPI_Cart_create`` runs: dims that
+                are not ints >= 0, whose product is not ``size``, mismatched
+                lengths, periods or reorder that are not bools, or arguments
+                that differ between ranks.
         """
         op = "cart_create"
-        if isinstance(dims, int):
-            ndims, dims = dims, None
+        problem, grid = None, None
+        try:
+            grid = self._cart_args(dims, periods, reorder, ndims)
+        except InvalidArgument as exc:
+            problem = exc
+        values = _cart_header(*grid) if grid is not None else [0] * len(_CART_FIELDS)
+        n = len(grid[0]) if grid is not None else 0
+        agree_header(self.transport, values, op=op, local_error=problem, names=_CART_FIELDS,
+                     describe=lambda name, v: _cart_describe(name, v, n))
+        dims, periods, reorder = grid
+        return CartCommunicator(transport=self.transport.create_cart(dims, periods, reorder))
+
+    def _cart_args(self, dims, periods, reorder, ndims) -> tuple[list, list, bool]:
+        """This rank's :meth:`cart_create` arguments as ``(dims, periods, reorder)``,
+        dims completed; raises :class:`InvalidArgument` (this rank's alone)."""
+        op, rank = "cart_create", self.rank
+
+        def bad(msg):
+            return InvalidArgument(msg, rank=rank, op=op)
+
+        if _is_int(dims):
+            ndims, dims = int(dims), None
         if dims is None:
             if ndims is None:
                 ndims = len(periods) if isinstance(periods, (list, tuple)) else 1
-            dims = [0] * ndims
+            if not _is_int(ndims) or ndims < 0:
+                raise bad(f"ndims {ndims!r} must be an int >= 0")
+            dims = [0] * int(ndims)
+        if isinstance(dims, (str, bytes)):
+            raise bad(f"dims {dims!r} must be a sequence of ints")
+        try:
+            dims = list(dims)
+        except TypeError:
+            raise bad(f"dims {dims!r} must be a sequence of ints, or an int") from None
+        if not all(_is_int(d) for d in dims):
+            raise bad(f"dims {dims!r} must hold ints (>= 0; 0: free)")
         dims = [int(d) for d in dims]
         if any(d < 0 for d in dims):
-            raise InvalidArgument(f"dims {dims} has a negative entry", rank=self.rank, op=op)
+            raise bad(f"dims {dims} has a negative entry")
         fixed = 1
         for d in dims:
             fixed *= d if d else 1
         if self.size % fixed:
-            raise InvalidArgument(f"dims {dims} cannot be completed for {self.size} ranks", rank=self.rank, op=op)
-        dims = list(compute_dims(self.size, dims))
+            raise bad(f"dims {dims} cannot be completed for {self.size} ranks")
+        try:
+            dims = list(compute_dims(self.size, dims))
+        except InvalidArgument as exc:
+            raise bad(exc.detail) from None
         prod = 1
         for d in dims:
             prod *= d
         if prod != self.size:
-            raise InvalidArgument(f"dims {dims} multiply to {prod}, not comm size {self.size}", rank=self.rank, op=op)
-        if isinstance(periods, (bool, int)):
+            raise bad(f"dims {dims} multiply to {prod}, not comm size {self.size}")
+        if _is_flag(periods):
             periods = [bool(periods)] * len(dims)
-        periods = [bool(p) for p in periods]
+        elif isinstance(periods, (str, bytes)):
+            raise bad(f"periods {periods!r} must be a bool or a sequence of bools")
+        else:
+            try:
+                periods = list(periods)
+            except TypeError:
+                raise bad(f"periods {periods!r} must be a bool or a sequence of bools") from None
+            if not all(_is_flag(p) for p in periods):
+                raise bad(f"periods {periods!r} must hold bools")
+            periods = [bool(p) for p in periods]
         if len(periods) != len(dims):
-            raise InvalidArgument(f"periods has {len(periods)} entries, dims {len(dims)}", rank=self.rank, op=op)
-        return CartCommunicator(transport=self.transport.create_cart(dims, periods, reorder))
+            raise bad(f"periods has {len(periods)} entries, dims {len(dims)}")
+        if not _is_flag(reorder):
+            raise bad(f"reorder {reorder!r} must be a bool")
+        return dims, periods, bool(reorder)
 
     # ------------------------------------------------------ group facts
     @property
@@ -329,6 +391,44 @@ class CartCommunicator(Communicator):
         return self.mpi_comm.Shift(int(direction), int(disp))
 
 
+#: dims shown entry by entry in cart_create's argument agreement (a digest covers the rest)
+_CART_SHOWN = 8
+#: cart_create's agreement header: the same length on every rank, whatever its arguments
+_CART_FIELDS = ("ndims",) + tuple(f"dims[{i}]" for i in range(_CART_SHOWN)) + (
+    "periods", "reorder", f"dims and periods past the first {_CART_SHOWN} (CRC-32)")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_flag(x) -> bool:
+    """A bool (or the ints 0 and 1, as MPI's C interface takes them)."""
+    return isinstance(x, (bool, np.bool_)) or (_is_int(x) and int(x) in (0, 1))
+
+
+def _cart_header(dims, periods, reorder) -> list:
+    """``cart_create``'s agreement header (see :data:`_CART_FIELDS`): the number of
+    dimensions, the first :data:`_CART_SHOWN` dims (-1 past the last), the first
+    periods as a bit mask, reorder, and a CRC-32 of the dims and periods past the
+    first :data:`_CART_SHOWN` (0 when there are none)."""
+    shown = list(dims[:_CART_SHOWN]) + [-1] * (_CART_SHOWN - min(len(dims), _CART_SHOWN))
+    mask = sum(1 << i for i, p in enumerate(periods[:_CART_SHOWN]) if p)
+    rest = (tuple(dims[_CART_SHOWN:]), tuple(periods[_CART_SHOWN:]))
+    digest = zlib.crc32(repr(rest).encode()) if rest[0] else 0
+    return [len(dims)] + shown + [mask, int(reorder), digest]
+
+
+def _cart_describe(name: str, value: int, ndims: int):
+    if name == "periods":
+        return tuple(bool(value >> i & 1) for i in range(max(1, min(ndims, _CART_SHOWN))))
+    if name == "reorder":
+        return bool(value)
+    if name.startswith("dims[") and value == -1:
+        return "(none)"
+    return value
+
+
 def compute_dims(nnodes: int, dims: Sequence[int] | int) -> tuple[int, ...]:
     """A balanced Cartesian grid of ``nnodes`` ranks (``MPI_Dims_create``, MPI-4.0 §8.5.2).
 
@@ -371,7 +471,9 @@ def init(comm: MPI.Comm | None = None, *, cuda_aware: bool | None = None, fault_
         on_failure: ``"shrink"`` (default: recover and return) or ``"raise"``
             (recover the communicator, then raise ``ProcessFailed`` listing the
             failed ranks on every survivor).
-        timeout: seconds, fault-tolerant mode (default ``COMMLIB_TIMEOUT``, 60).
+        timeout: seconds, fault-tolerant mode (default, None: ``COMMLIB_TIMEOUT``,
+            60); a finite number > 0 (0, NaN, infinity, negatives and bools are
+            refused: a bound that never passes, or passes at once, is no bound).
             Under ULFM: the most one attempt of a collective may take; past it
             a watchdog thread revokes the communicator and every survivor
             raises ``CommTimeout`` (dead peers are reported by ULFM itself,
@@ -379,18 +481,42 @@ def init(comm: MPI.Comm | None = None, *, cuda_aware: bool | None = None, fault_
             the most any wait may take before it counts as a failure.
         **options: an unknown option raises.
 
+    ``init`` is collective over ``comm``: each rank checks its arguments and
+    the ranks agree on the outcome (one all-gather of a flag), so a bad
+    argument on one rank raises on every rank.
+
     Raises:
-        InvalidArgument: an unknown option.
+        InvalidArgument: on every rank alike, naming the rank: an unknown
+            option, an invalid ``on_failure`` or ``timeout``.
     """
-    if options:
-        raise InvalidArgument(f"unknown option(s) {sorted(options)}", op="init")
     if not MPI.Is_initialized():  # mpi4py.rc.initialize = False, and nobody has yet
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
-    if not fault_tolerant:
-        return Communicator(comm, cuda_aware=cuda_aware)
-    ft = FaultTolerance(ft_mode(), on_failure=on_failure, timeout=float(timeout or config.timeout), process=PROCESS)
-    PROCESS.warn_tcp_rdma()  # once, under ULFM with the TCP BTL's RDMA put on (docs/FAULTS.md)
+    # Every rank checks its own arguments, then the ranks agree (one all-gather of
+    # an error flag) so that a bad argument on one rank raises on every rank
+    # before any communicator is duplicated: no rank is left waiting in a dup.
+    problem = None
+    if options:
+        problem = f"unknown option(s) {sorted(options)}"
+    elif fault_tolerant:
+        if on_failure not in ON_FAILURE:
+            problem = f"on_failure must be one of {ON_FAILURE}, got {on_failure!r}"
+        else:
+            problem = timeout_problem(timeout)
+    elif timeout is not None:  # unused without fault tolerance, but still a number of seconds
+        problem = timeout_problem(timeout)
     base = MPITransport(MPI.COMM_WORLD if comm is None else comm, cuda_aware=cuda_aware)
+    local = InvalidArgument(problem, rank=base.rank, op="init") if problem else None
+    ft = None
+    if local is None and fault_tolerant:
+        try:
+            ft = FaultTolerance(ft_mode(), on_failure=on_failure,
+                                timeout=config.timeout if timeout is None else float(timeout), process=PROCESS)
+        except InvalidArgument as exc:  # e.g. COMMLIB_TIMEOUT is not a valid number of seconds
+            local = InvalidArgument(exc.detail, rank=base.rank, op="init")
+    check_all(base, local.detail if local else None, "init")
+    if not fault_tolerant:
+        return Communicator(transport=base)
+    PROCESS.warn_tcp_rdma()  # once, under ULFM with the TCP BTL's RDMA put on (docs/FAULTS.md)
     tp = base.dup()
     tp.set_errors_return()
     c = Communicator(transport=tp)

@@ -209,3 +209,82 @@ def test_shrink_builds_no_communicator_to_learn_node_peers():
     finally:
         new.comm._comm.Free()
         base.Free()
+
+
+# ------------------------------------- cart_create: the ranks agree first (D3)
+def _outcome(fn):
+    """``("ok", result)`` or ``(error class name, message)`` of ``fn()``."""
+    try:
+        return ("ok", fn())
+    except Exception as exc:  # noqa: BLE001 - the test looks at what every rank got
+        return (type(exc).__name__, str(exc))
+
+
+def _cart_refused_everywhere(comm, mine, match_offender=None, match_others=None):
+    """Every rank calls ``comm.cart_create(**mine)``: each must raise
+    InvalidArgument (none may return, hang or raise another class), within a few
+    seconds, and the communicator must work afterwards."""
+    import time  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    got = _outcome(lambda: comm.cart_create(**mine))
+    took = time.perf_counter() - t0
+    everyone = comm.mpi_comm.allgather((got[0], got[1] if got[0] != "ok" else repr(got[1])))
+    assert [g[0] for g in everyone] == ["InvalidArgument"] * comm.size, everyone
+    msg = got[1]
+    assert msg.startswith(f"rank {comm.rank}: cart_create"), msg
+    if match_offender is not None and comm.rank == comm.size - 1:
+        assert match_offender in msg, msg
+    if match_others is not None and comm.rank != comm.size - 1:
+        assert match_others in msg, msg
+    assert took < 20, took
+    # still usable: a point-to-point ring and a good Cartesian communicator
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    h = np.empty(1)
+    comm.sendrecv(np.array([float(comm.rank)]), right, h, left)
+    assert h[0] == left
+    cart = comm.cart_create(dims=[comm.size], periods=True)
+    assert cart.dims == (comm.size,) and cart.periods == (True,)
+    cart.free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_cart_create_mismatched_dims_on_one_rank_fails_everywhere():
+    """The last rank asks for a (size, 1) grid, the others for (size,): every rank
+    raises InvalidArgument naming what differs, before MPI_Cart_create (the old
+    code returned grids of different shapes, silently)."""
+    comm = commlib.init()
+    n, last = comm.size, comm.rank == comm.size - 1
+    _cart_refused_everywhere(comm, dict(dims=[n, 1] if last else [n], periods=False), "ndims differs",
+                             "ndims differs")
+    _cart_refused_everywhere(comm, dict(dims=[n], periods=[last]), "periods differs", "periods differs")
+    _cart_refused_everywhere(comm, dict(dims=[n], reorder=last), "reorder differs", "reorder differs")
+    if n > 1:  # the same product, another split
+        a = dict(dims=[1, n]) if last else dict(dims=[n, 1])
+        _cart_refused_everywhere(comm, a, "dims[0] differs", "dims[0] differs")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bad", ["too_many", "nan", "float", "negative", "bool", "periods_len", "periods_str",
+                                 "reorder"])
+def test_cart_create_bad_argument_on_one_rank_fails_everywhere(bad):
+    """One rank (the last) passes an invalid argument: it raises its own
+    InvalidArgument, every other rank one naming it, and nobody waits in
+    MPI_Cart_create (the old code left them there forever, or raised a raw
+    ValueError for a NaN)."""
+    comm = commlib.init()
+    n = comm.size
+    args = {
+        "too_many": dict(dims=[n + 1]),
+        "nan": dict(dims=[float("nan")]),
+        "float": dict(dims=[float(n)]),
+        "negative": dict(dims=[-n]),
+        "bool": dict(dims=[True, n]),
+        "periods_len": dict(dims=[n], periods=[True, False]),
+        "periods_str": dict(dims=[n], periods="yes"),
+        "reorder": dict(dims=[n], reorder="no"),
+    }[bad]
+    mine = args if comm.rank == n - 1 else dict(dims=[n])
+    _cart_refused_everywhere(comm, mine, f"rank {n - 1}: cart_create", f"rank(s) [{n - 1}] passed invalid")

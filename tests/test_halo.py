@@ -176,3 +176,55 @@ def test_halo_needs_cartesian():
     comm = commlib.init(__import__("mpi4py").MPI.COMM_SELF)
     with pytest.raises(InvalidArgument, match="Cartesian"):
         HaloExchange(comm, (4,), width=1)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["flag", "frombuffer"])
+def test_halo_read_only_field_on_one_rank_fails_everywhere(how):
+    """The last rank passes a read-only field (its writeable flag cleared, or a
+    view of an immutable ``bytes``): every rank raises InvalidArgument in that
+    same exchange (all ranks neighbour each other on this grid), no ghost cell
+    is written anywhere, the read-only memory is untouched, and the plan works
+    afterwards.  The old code wrote the ghost cells into the read-only array."""
+    from mpi4py import MPI  # noqa: PLC0415
+
+    comm = commlib.init()
+    cart = comm.cart_create(dims=[0, 0], periods=[True, True])
+    halo = HaloExchange(cart, (4, 4), width=1)
+    if comm.size > 4:
+        pytest.skip("every rank neighbours the offender only up to 4 ranks (2x2)")
+    try:
+        f = halo.allocate(fill=SENTINEL)
+        f[halo.interior] = cart.rank
+        before = f.copy()
+        last = comm.rank == comm.size - 1
+        arg, blob = f, None
+        if last:
+            if how == "flag":
+                arg = f.copy()
+                arg.flags.writeable = False
+            else:
+                blob = f.tobytes()
+                arg = np.frombuffer(blob, dtype=f.dtype).reshape(f.shape)
+        try:
+            halo.exchange(arg, timeout=30)
+            got = ("ok", "")
+        except Exception as exc:  # noqa: BLE001
+            got = (type(exc).__name__, str(exc))
+        everyone = MPI.COMM_WORLD.allgather(got)
+        assert [g[0] for g in everyone] == ["InvalidArgument"] * comm.size, everyone
+        msg = got[1]
+        if last:
+            assert "read-only" in msg and msg.startswith(f"rank {cart.rank}: HaloExchange.exchange"), msg
+            assert np.array_equal(arg, before)  # nothing written into the read-only memory
+            if blob is not None:
+                assert blob == before.tobytes()
+        else:
+            assert f"rank {comm.size - 1}" in msg and "read-only" in msg, msg
+            assert np.array_equal(f, before), "a ghost cell was written by the refused exchange"
+        halo.exchange(f, timeout=30)  # the plan still works
+        assert not np.array_equal(f, before)  # ghost cells filled
+    finally:
+        halo.free()
+        cart.free()

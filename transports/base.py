@@ -41,6 +41,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, NamedTuple, Sequence
 
 from commlib.core.errors import CommTimeout, InvalidArgument, ProcessFailed
+from commlib.core.seconds import check_timeout
 from commlib.core.tags import USER_TAG_MAX, TagAllocator
 
 __all__ = ["Request", "CompletedRequest", "FutureRequest", "Transport", "Wire", "wait_all", "check_plain_dtype",
@@ -142,17 +143,24 @@ class Request(ABC):
         """Block until the operation completes; returns its result (None for point to point).
 
         Args:
-            timeout: seconds; None waits as long as it takes.
+            timeout: seconds (a finite number >= 0; 0 tests once: a poll);
+                None waits as long as it takes.
 
         Raises:
+            InvalidArgument: ``timeout`` is NaN, infinite, negative, a bool or
+                not a number (nothing is waited for; the request stays valid).
             CommTimeout: when ``timeout`` passes first.
             CommError: the operation failed.
         """
+        op = type(self).__name__ + ".wait"
+        rank = getattr(self, "rank", None)
+        timeout = check_timeout(timeout, op=op, rank=rank if isinstance(rank, int) else None, zero=True)
         deadline = float("inf") if timeout is None else time.monotonic() + timeout
         pause = 1e-6
         while not self.test():
             if time.monotonic() > deadline:
-                raise CommTimeout(f"request not complete after {timeout:.3g} s", op=type(self).__name__ + ".wait")
+                raise CommTimeout(f"request not complete after {timeout:.3g} s", rank=rank if isinstance(rank, int)
+                                  else None, op=op)
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
         if self._callbacks:
@@ -244,6 +252,7 @@ class FutureRequest(Request):
         return True
 
     def wait(self, timeout: float | None = None):
+        timeout = check_timeout(timeout, op="wait", zero=True)
         try:
             return self.future.result(timeout)
         except FutureTimeout:
@@ -253,8 +262,16 @@ class FutureRequest(Request):
         self.future.add_done_callback(lambda _f: fn(self))
 
 
-def wait_all(requests: Sequence[Request], timeout: float | None = None) -> None:
-    """Wait for every request (see :meth:`Request.wait`); ``timeout`` in seconds for all."""
+def wait_all(requests: Sequence[Request], timeout: float | None = None, *, op: str = "waitall",
+             rank: int | None = None) -> None:
+    """Wait for every request (see :meth:`Request.wait`); ``timeout`` in seconds for all
+    (0: poll once).
+
+    Raises:
+        InvalidArgument: ``timeout`` is NaN, infinite, negative, a bool or not
+            a number, naming ``op`` and ``rank`` (nothing is waited for).
+    """
+    timeout = check_timeout(timeout, op=op, rank=rank, zero=True)
     if timeout is None:
         for r in requests:
             r.wait()
@@ -324,15 +341,18 @@ class Transport(ABC):
 
         Args:
             requests: requests returned by this transport.
-            timeout: seconds for all of them together; None waits as long as it takes.
+            timeout: seconds for all of them together (a finite number >= 0; 0
+                tests once); None waits as long as it takes.
             op: operation name for errors.
 
         Raises:
+            InvalidArgument: ``timeout`` is NaN, infinite, negative, a bool or
+                not a number (see :func:`commlib.core.seconds.check_timeout`).
             CommTimeout: when ``timeout`` passes first.
             ProcessFailed: a peer failed (or the group was revoked).
             CommError: any other failure.
         """
-        wait_all(requests, timeout)
+        wait_all(requests, timeout, op=op, rank=self.rank)
 
     # --------------------------------------------------- persistent requests
     def send_init(self, buf, dest: int, tag: int = 0) -> Request:

@@ -16,7 +16,7 @@ refused.  Zero depends on the call (``zero``):
 
 :func:`check_timeout` is used by the communicator (``init``, ``waitall``), the
 requests of :mod:`commlib.transports.base`, the fault-tolerance settings and the
-halo exchange; the elastic peer's ``_finite_seconds`` predates it.
+halo exchange, and the elastic peer (every call's and ``connect``'s timeout: 0 refused).
 """
 from __future__ import annotations
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import hmac
 import ipaddress
-import math
 import os
 import socket
 import threading
@@ -27,6 +26,7 @@ from commlib.collectives.recovery import RecoveryPolicy, run
 from commlib.core.buffer import grown
 from commlib.core.errors import (AuthError, AuthenticationError, CommError, CommTimeout, EncryptionMismatch,
                                  InvalidArgument, NoHandshakeSlot, PeerClosed, PeerFailure, ProcessFailed)
+from commlib.core.seconds import check_timeout
 from commlib.transports import tcp
 from commlib.transports.base import check_plain_dtype
 from commlib.transports.quantize import QuantizingTransport
@@ -63,18 +63,15 @@ _DEAD_CALLS_KEPT = 64
 
 
 def _finite_seconds(value, op: str, rank=None) -> float:
-    """``value`` as seconds.
+    """``value`` as seconds (:func:`commlib.core.seconds.check_timeout`, 0 refused).
 
     Raises:
-        InvalidArgument: not a finite number (a NaN or infinite bound would let a
-            call wait forever), naming ``op`` and ``rank``."""
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        seconds = math.nan
-    if isinstance(value, bool) or not math.isfinite(seconds):
-        raise InvalidArgument(f"timeout must be a finite number of seconds, got {value!r}", rank=rank, op=op)
-    return seconds
+        InvalidArgument: None, not a number, a bool, NaN, infinite (a NaN or
+            infinite bound would let a call wait forever), negative or 0, naming
+            ``op`` and ``rank``."""
+    if value is None:
+        raise InvalidArgument("timeout must be a finite number of seconds > 0, got None", rank=rank, op=op)
+    return check_timeout(value, op=op, rank=rank)
 
 
 def _describe(name: str, value: int):
@@ -366,8 +363,6 @@ class Peer(StateSync):
         self._auto_streams = streams is None
         self.streams = AUTO_STREAMS if streams is None else int(streams)
         timeout = _finite_seconds(timeout, "connect")
-        if timeout <= 0:
-            raise InvalidArgument(f"timeout must be > 0 seconds, got {timeout!r}", op="connect")
         if advertise is not None:
             host, port = tcp.parse_address(advertise)
             if port == 0:

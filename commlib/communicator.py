@@ -243,6 +243,14 @@ class Communicator(CollectiveMixin):
         def bad(msg):
             return InvalidArgument(msg, rank=rank, op=op)
 
+        def listed(value, what: str, form: str) -> list:
+            if not isinstance(value, (str, bytes)):
+                try:
+                    return list(value)
+                except TypeError:
+                    pass
+            raise bad(f"{what} {value!r} must be {form}")
+
         if _is_int(dims):
             ndims, dims = int(dims), None
         if dims is None:
@@ -251,12 +259,7 @@ class Communicator(CollectiveMixin):
             if not _is_int(ndims) or ndims < 0:
                 raise bad(f"ndims {ndims!r} must be an int >= 0")
             dims = [0] * int(ndims)
-        if isinstance(dims, (str, bytes)):
-            raise bad(f"dims {dims!r} must be a sequence of ints")
-        try:
-            dims = list(dims)
-        except TypeError:
-            raise bad(f"dims {dims!r} must be a sequence of ints, or an int") from None
+        dims = listed(dims, "dims", "a sequence of ints, or an int")
         if not all(_is_int(d) for d in dims):
             raise bad(f"dims {dims!r} must hold ints (>= 0; 0: free)")
         dims = [int(d) for d in dims]
@@ -278,13 +281,8 @@ class Communicator(CollectiveMixin):
             raise bad(f"dims {dims} multiply to {prod}, not comm size {self.size}")
         if _is_flag(periods):
             periods = [bool(periods)] * len(dims)
-        elif isinstance(periods, (str, bytes)):
-            raise bad(f"periods {periods!r} must be a bool or a sequence of bools")
         else:
-            try:
-                periods = list(periods)
-            except TypeError:
-                raise bad(f"periods {periods!r} must be a bool or a sequence of bools") from None
+            periods = listed(periods, "periods", "a bool or a sequence of bools")
             if not all(_is_flag(p) for p in periods):
                 raise bad(f"periods {periods!r} must hold bools")
             periods = [bool(p) for p in periods]

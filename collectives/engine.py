@@ -194,9 +194,6 @@ class Engine:
         """
         comm, spec = self.comm, SPECS[opname]
         c = Call(spec, self, sendbuf, recvbuf, op, algorithm, root)
-        if not spec.agree:  # a row without a first round (none now): a bad argument is refused here
-            spec.prepare(c)
-            return spec.deliver(c, run_collective(comm, opname, c.run, c.restore, on_failure))
         values, local_error = validate(c)
         payload = c.payload
         check = payload is not None or local_error is not None or config.check_args
@@ -478,14 +475,14 @@ class HostAllreduce:
         if o.mean:
             o.finalize(flat, n)
 
-    def _gather_rows(self, tp, hbytes: bytes) -> None:
+    def _gather_rows(self, tp, hbytes: bytes, opname: str = "allreduce") -> None:
         """The first round: all-gather every rank's row (header ``hbytes``, then
         the payload); a header that differs from this rank's (another call, or a
         rank that erred) makes :func:`judge` raise, on every rank alike."""
         tp.native_allgather(self.row, self.rows)
         for h in self.heads:
             if h.tobytes() != hbytes:  # tobytes: faster than comparing views
-                self._judge(tp, hbytes)
+                self._judge(tp, hbytes, opname)
 
     def _judge(self, tp, hbytes: bytes, opname: str = "allreduce") -> None:
         """A header differs from this rank's: :func:`judge` raises, on every rank alike."""
@@ -516,10 +513,7 @@ class HostAllreduce:
                 if self.current is not plan:
                     self.row[:self.head] = np.frombuffer(hbytes, np.uint8)
                     self.current = plan
-                tp.native_allgather(self.row, self.rows)
-                for h in self.heads:
-                    if h.tobytes() != hbytes:
-                        self._judge(tp, hbytes, "barrier")
+                self._gather_rows(tp, hbytes, "barrier")
             elif algo == "dissemination":
                 barrier_dissemination(tp)
         if algo == "mpi":

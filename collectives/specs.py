@@ -27,8 +27,6 @@ snapshot   ``snapshot(call) -> restorer | None`` in fault-tolerant mode, for
            None when the input is only read
 deliver    ``deliver(call, result)``: what the call returns (a staged result
            copied back, a ``recvbuf`` filled)
-agree      False: no first round (no row has that now: even the barrier
-           agrees on its algorithm, and its first round is its barrier)
 rooted     the header's ``root`` is renumbered in the shrunk group, and a lost
            root ends the call
 ========== ===================================================================
@@ -120,7 +118,6 @@ class CollectiveSpec:
     one_round: OneRound | None = None
     stage: Callable | None = None
     snapshot: Callable | None = None
-    agree: bool = True
     rooted: bool = False
     algorithms: tuple = field(init=False)
     impl: Mapping[str, Algorithm] = field(init=False, repr=False)

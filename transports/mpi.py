@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 from mpi4py import MPI
+from mpi4py.util.dtlib import to_numpy_dtype
 
 from commlib.core.buffer import Buffer, as_buffer
 from commlib.core.device import cuda_aware
@@ -719,8 +720,6 @@ _wrapping_sum_op: MPI.Op | None = None
 
 def _wrapping_sum(inbuf, inoutbuf, datatype) -> None:
     """A user-defined ``MPI_SUM`` for :data:`_SATURATING` dtypes: numpy's wrapping add."""
-    from mpi4py.util.dtlib import to_numpy_dtype
-
     dtype = to_numpy_dtype(datatype)
     a = np.frombuffer(inbuf, dtype)
     b = np.frombuffer(inoutbuf, dtype)

@@ -91,6 +91,35 @@ def test_bad_input():
     assert heat.main(["--backend", "fortran"]) == 2
 
 
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(steps=-1), "steps must be a positive integer, got -1"),
+    (dict(steps=0), "steps must be a positive integer, got 0"),
+    (dict(steps=2.5), "steps must be a positive integer, got 2.5"),
+    (dict(steps=True), "steps must be a positive integer, got True"),
+    (dict(t_final=-1.0), "t_final must be a positive, finite model time, got -1.0"),
+    (dict(t_final=float("nan")), "t_final must be a positive, finite model time, got nan"),
+    (dict(t_final=0.0), "t_final must be a positive, finite model time, got 0.0"),
+    (dict(alpha=float("nan")), "alpha=nan"),
+    (dict(alpha=float("inf")), "alpha=inf"),
+    (dict(cfl=True), "cfl=True"),
+    (dict(grid=(8.7, 8)), r"grid \[8.7, 8\] must have 1 to 3 positive integer sizes"),
+    (dict(grid=(True, 8)), r"grid \[True, 8\] must have 1 to 3 positive integer sizes"),
+])
+def test_solve_refuses_values_it_would_truncate_or_run_into_nan(kwargs, words):
+    """A step count or grid size that is not an integer is refused, never truncated
+    (2.5 steps used to run 2); a negative step count or model time, or a NaN or
+    infinite diffusivity, used to run and return negative MLUPS or NaN fields."""
+    comm = commlib.init(MPI.COMM_SELF)
+    kwargs = dict(kwargs)
+    grid = kwargs.pop("grid", (8, 8))
+    with pytest.raises(InvalidArgument, match=rf"rank 0: heat.solve: .*{words}"):
+        heat.solve(comm, grid, backend="numpy", **kwargs)
+    # numpy integers are integers: accepted, and the run is the same as with ints
+    a, fa = heat.solve(comm, np.array([8, 8]), steps=np.int64(3), backend="numpy")
+    b, fb = heat.solve(comm, [8, 8], steps=3, backend="numpy")
+    assert a.steps == b.steps == 3 and np.array_equal(fa, fb)
+
+
 # ------------------------------------------------- the command line refuses
 BAD_CLI = [
     ["--steps", "-5"], ["--steps", "0"], ["--steps", "abc"], ["--t-final", "-1"], ["--t-final", "nan"],

@@ -22,6 +22,7 @@ MLUPS, communication share, compile time; one :class:`HeatResult`).
 from __future__ import annotations
 
 import math
+import numbers
 import sys
 import time
 from dataclasses import dataclass, field
@@ -108,17 +109,35 @@ class HeatResult:
 
 
 # ------------------------------------------------------------------- setup
-def _check_args(comm, grid, backend, cfl, alpha, progress, op):
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_)) and math.isfinite(v)
+
+
+def _check_args(comm, grid, backend, cfl, alpha, progress, op, steps, t_final) -> list:
     """Raise InvalidArgument (on every rank alike: the values are global)
-    before any message moves."""
+    before any message moves; return ``grid`` as a list of ints.  A grid size
+    or step count that is not an integer is refused, never truncated; NaN,
+    infinite and bool values are refused."""
     if backend not in BACKENDS:
         raise InvalidArgument(f"unknown backend {backend!r}; choose one of {BACKENDS}", rank=comm.rank, op=op)
-    if not 1 <= len(grid) <= 3 or min(grid) < 1:
-        raise InvalidArgument(f"grid {grid} must have 1 to 3 positive sizes", rank=comm.rank, op=op)
+    grid = list(grid)
+    if not 1 <= len(grid) <= 3 or not all(_is_int(n) and n >= 1 for n in grid):
+        raise InvalidArgument(f"grid {grid} must have 1 to 3 positive integer sizes", rank=comm.rank, op=op)
+    grid = [int(n) for n in grid]
+    if t_final is None:
+        if not _is_int(steps) or steps < 1:
+            raise InvalidArgument(f"steps must be a positive integer, got {steps!r}", rank=comm.rank, op=op)
+    elif not _is_real(t_final) or t_final <= 0:
+        raise InvalidArgument(f"t_final must be a positive, finite model time, got {t_final!r}",
+                              rank=comm.rank, op=op)
     if backend in DEVICE_BACKENDS and len(grid) == 1:
         raise InvalidArgument(f"the {backend} backend needs a 2-D or 3-D grid", rank=comm.rank, op=op)
-    if not 0 < cfl <= 1 or alpha <= 0:
-        raise InvalidArgument(f"need 0 < cfl <= 1 and alpha > 0 (got cfl={cfl}, alpha={alpha})",
+    if not (_is_real(cfl) and _is_real(alpha) and 0 < cfl <= 1 and alpha > 0):
+        raise InvalidArgument(f"need 0 < cfl <= 1 and a finite alpha > 0 (got cfl={cfl!r}, alpha={alpha!r})",
                               rank=comm.rank, op=op)
     if progress is not None and progress is not False and not callable(progress):
         raise InvalidArgument(f"progress must be None or a callable progress(total, initial) returning a bar "
@@ -127,6 +146,7 @@ def _check_args(comm, grid, backend, cfl, alpha, progress, op):
         from .. import _heat_cupy  # noqa: PLC0415 - CuPy only when asked for
 
         _heat_cupy.require_cupy(rank=comm.rank, op=op)
+    return grid
 
 
 def _setup(comm, grid, op):
@@ -297,8 +317,8 @@ def solve(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final=No
     Args:
         comm: a commlib Communicator (any size).
         grid: global interior points per dimension (2 or 3 ints; 1 for tests).
-        steps: time steps (ignored when ``t_final`` is given).
-        alpha: diffusivity (unit domain, so any positive float).
+        steps: time steps, a positive integer (ignored when ``t_final`` is given).
+        alpha: diffusivity (unit domain, so any positive, finite float).
         backend: ``"numpy"``, ``"numba"`` (host kernels), ``"cuda"``
             (numba.cuda kernels on numba device arrays; the CUDA simulator
             without a GPU) or ``"cupy"`` (a CUDA C ``cupy.RawKernel`` on CuPy
@@ -306,7 +326,7 @@ def solve(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final=No
             device backends update a region in one launch: thread blocks on
             the last two axes, each thread marching along the first.
         cfl: fraction of the FTCS stability limit used for ``dt`` (0 < cfl <= 1).
-        t_final: model time to reach; ``steps = ceil(t_final/dt_max)``.
+        t_final: model time to reach (positive, finite); ``steps = ceil(t_final/dt_max)``.
         progress: None, or ``progress(total, initial)`` returning a bar with
             ``update(n)`` and ``close()``, called on the ranks that pass it
             (the command line passes :func:`commlib.apps.heat.cli.progress_bar`'s
@@ -322,15 +342,16 @@ def solve(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final=No
         rank's owned block as a float64 numpy array of its local shape.
 
     Raises:
-        InvalidArgument: unknown backend, bad grid, cfl or alpha, a
+        InvalidArgument: unknown backend; a grid size that is not a positive
+            integer; ``steps`` not a positive integer (without ``t_final``);
+            ``t_final``, ``cfl`` or ``alpha`` not finite and in range; a
             ``progress`` that is not callable, or more ranks along a
             dimension than points; raised on every rank before any halo
             message moves.  Also (on each rank that lacks it) the cupy
             backend without CuPy or without a GPU.
     """
     op = "heat.solve"
-    grid = [int(n) for n in grid]
-    _check_args(comm, grid, backend, cfl, alpha, progress, op)
+    grid = _check_args(comm, grid, backend, cfl, alpha, progress, op, steps, t_final)
     dx, dt, steps, c = time_step(grid, alpha, cfl, steps, t_final)
     cart, shape, offset = _setup(comm, grid, op)
     halo = _halo_exchange()(cart, shape, width=1, corners=False, dtype=np.float64)
@@ -472,16 +493,16 @@ def solve_ft(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final
         ProcessFailed: a block and its buddy copy were both lost.
     """
     op = "heat.solve_ft"
-    grid = [int(n) for n in grid]
     if comm.fault_tolerant != "ulfm":
         raise InvalidArgument("--fault-tolerant needs ULFM: mpiexec --with-ft ulfm --mca btl tcp,self "
                               "--mca btl_tcp_flags send,inplace,need-ack,need-csum",
                               rank=comm.rank, op=op)
     if backend not in ("numpy", "numba"):
         raise InvalidArgument("fault-tolerant mode runs the numpy and numba backends", rank=comm.rank, op=op)
-    if checkpoint_every < 1:
-        raise InvalidArgument("checkpoint_every must be >= 1", rank=comm.rank, op=op)
-    _check_args(comm, grid, backend, cfl, alpha, progress, op)
+    if not _is_int(checkpoint_every) or checkpoint_every < 1:
+        raise InvalidArgument(f"checkpoint_every must be an integer >= 1, got {checkpoint_every!r}",
+                              rank=comm.rank, op=op)
+    grid = _check_args(comm, grid, backend, cfl, alpha, progress, op, steps, t_final)
     dx, dt, steps, c = time_step(grid, alpha, cfl, steps, t_final)
     world = comm.world_ranks[comm.rank]
     kills = {int(s) for r, s in kill if int(r) == world}

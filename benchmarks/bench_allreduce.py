@@ -30,23 +30,33 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _util import write_json  # noqa: E402
+from _util import OneLineParser, int_in, subset_of, writable_file, write_json  # noqa: E402
+
+VARIANTS = ("ring", "recursive_doubling", "auto", "mpi")
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--min-bytes", type=int, default=4, help="smallest message, bytes (sizes go x4 below 1 MiB, x2 above, up to --max-bytes)")
-    ap.add_argument("--max-bytes", type=int, default=64 << 20, help="largest message, bytes")
-    ap.add_argument("--trials", type=int, default=5, help="timed trials per size and variant (the best is kept)")
-    ap.add_argument("--variants", default="ring,recursive_doubling,auto",
+    ap = OneLineParser(description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--min-bytes", type=int_in(4, 1 << 32, "bytes"), default=4,
+                    help="smallest message, bytes (sizes go x4 below 1 MiB, x2 above, up to --max-bytes)")
+    ap.add_argument("--max-bytes", type=int_in(4, 1 << 32, "bytes"), default=64 << 20,
+                    help="largest message, bytes (>= --min-bytes)")
+    ap.add_argument("--trials", type=int_in(1, 10000, "trials"), default=5,
+                    help="timed trials per size and variant (the best is kept)")
+    ap.add_argument("--variants", type=subset_of(VARIANTS), default="ring,recursive_doubling,auto",
                     help="comma-separated commlib algorithms to time beside MPI.Comm.Allreduce: "
-                         "ring, recursive_doubling, auto, mpi")
+                         + ", ".join(VARIANTS))
     ap.add_argument("--no-check-args", action="store_true",
                     help="skip commlib's argument-agreement first round of large calls (COMMLIB_CHECK_ARGS=0)")
     ap.add_argument("--fault-tolerant", action="store_true", help="run commlib variants in FT mode")
-    ap.add_argument("--json", default=None, help="write every row (time, algbw, busbw, ratio) to this JSON file")
-    ap.add_argument("--plot", default=None, help="PNG: busbw and ratio to MPI against message size")
+    ap.add_argument("--json", type=writable_file, default=None,
+                    help="write every row (time, algbw, busbw, ratio) to this JSON file")
+    ap.add_argument("--plot", type=writable_file, default=None,
+                    help="PNG: busbw and ratio to MPI against message size")
     args = ap.parse_args(argv)
+    if args.min_bytes > args.max_bytes:
+        ap.error(f"--min-bytes {args.min_bytes} is above --max-bytes {args.max_bytes}")
     if args.no_check_args:
         os.environ["COMMLIB_CHECK_ARGS"] = "0"
 
@@ -56,7 +66,7 @@ def main(argv=None):
     comm = commlib.init(fault_tolerant=args.fault_tolerant)
     mpi = comm.mpi_comm.Dup()
     n, rank = comm.size, comm.rank
-    variants = [v for v in args.variants.split(",") if v]
+    variants = args.variants
     factor = 2 * (n - 1) / n if n > 1 else 1.0
     load_start = os.getloadavg()
     if rank == 0:  # shared machines: the ratio means little when other jobs hold the cores

@@ -68,7 +68,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _util import find_mpiexec, int_in as _int_in, write_json  # noqa: E402
+from _util import OneLineParser, find_mpiexec, float_in as _float_in, int_in as _int_in  # noqa: E402
+from _util import writable_file as _writable_file, write_json  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -1108,19 +1109,6 @@ def _streams_arg(text):
     return v
 
 
-def _float_in(lo, hi, what, lo_ok=False):
-    """A float in (lo, hi] (``lo_ok``: [lo, hi]); NaN and inf are refused."""
-    def parse(text):
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number of {what}, got {text!r}") from None
-        if not ((lo <= v) if lo_ok else (lo < v)) or not v <= hi:  # NaN fails both
-            raise argparse.ArgumentTypeError(f"must be {'>=' if lo_ok else '>'} {lo:g} and <= {hi:g} {what}, got {text}")
-        return v
-    return parse
-
-
 def _sections_arg(text):
     secs = [s for s in text.split(",") if s]
     bad = [s for s in secs if s not in SECTIONS]
@@ -1139,22 +1127,8 @@ def _peers_arg(text):
     return peers
 
 
-def _writable_file(text):
-    d = os.path.dirname(os.path.abspath(text)) or "."
-    if os.path.isdir(text) or not os.path.isdir(d) or not os.access(d, os.W_OK):
-        raise argparse.ArgumentTypeError(f"cannot write a file at {text!r}")
-    return text
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """Bad values: one line on stderr (``bench_elastic.py: error: ...``), exit status 2."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def main(argv=None):
-    ap = _OneLineParser(description=__doc__.split("\n\n")[0],
+    ap = OneLineParser(description=__doc__.split("\n\n")[0],
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--sections", type=_sections_arg, default=",".join(SECTIONS),
                     help=f"comma-separated sections to run, a subset of {','.join(SECTIONS)}")

@@ -19,7 +19,7 @@ import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _util import best_of, geomean, write_json  # noqa: E402
+from _util import OneLineParser, best_of, geomean, int_in, shape_arg, writable_file, write_json  # noqa: E402
 
 import commlib  # noqa: E402
 from commlib.collectives import HaloExchange  # noqa: E402
@@ -48,18 +48,26 @@ def plain_exchange(cart_mpi, f, w):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", nargs="+", default=["256x256", "1024x1024", "32x32x32", "96x96x96"],
-                   help="local block shapes (default: 2-D and 3-D, small and large)")
-    p.add_argument("--width", type=int, default=1)
-    p.add_argument("--fields", type=int, default=1)
-    p.add_argument("--repeat", type=int, default=20)
-    p.add_argument("--json", metavar="PATH")
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", nargs="+", type=shape_arg(3), default=["256x256", "1024x1024", "32x32x32", "96x96x96"],
+                   help="local block shapes, NxM or NxMxK points per rank "
+                        "(default: 256x256 1024x1024 32x32x32 96x96x96)")
+    p.add_argument("--width", type=int_in(1, 64, "ghost cells"), default=1,
+                   help="ghost cells per side (the halo width; at most the smallest block size; default 1)")
+    p.add_argument("--fields", type=int_in(1, 64, "fields"), default=1,
+                   help="fields exchanged together per call (default 1)")
+    p.add_argument("--repeat", type=int_in(1, 100000, "trials"), default=20,
+                   help="timed trials of 5 exchanges each, the best kept (default 20)")
+    p.add_argument("--json", metavar="PATH", type=writable_file, help="write the rows to this JSON file")
     args = p.parse_args(argv)
+    args.sizes = [shape_arg(3)(s) if isinstance(s, str) else s for s in args.sizes]
+    small = [s for s in args.sizes if min(s) < args.width]
+    if small:
+        p.error(f"--width {args.width} is wider than the block {'x'.join(map(str, small[0]))}")
     comm = commlib.init()
     rows = []
     for spec in args.sizes:
-        local = tuple(int(x) for x in spec.split("x"))
+        local = spec
         d = len(local)
         cart = comm.cart_create(dims=[0] * d, periods=[True] * d)
         halo = HaloExchange(cart, local, width=args.width, corners=False)

@@ -19,7 +19,7 @@ import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _util import best_of, geomean, write_json  # noqa: E402
+from _util import OneLineParser, best_of, geomean, int_in, writable_file, write_json  # noqa: E402
 
 import commlib  # noqa: E402
 from commlib.collectives import HaloExchange  # noqa: E402
@@ -69,14 +69,20 @@ class MPIHalo:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", type=int, nargs="+", default=[16, 32, 64], help="local cube edge (cells)")
-    p.add_argument("--radius", type=int, default=3)
-    p.add_argument("--fields", type=int, default=4)
-    p.add_argument("--repeat", type=int, default=10)
-    p.add_argument("--json", metavar="PATH")
-    p.add_argument("--plot", metavar="PATH")
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", type=int_in(1, 4096, "cells"), nargs="+", default=[16, 32, 64],
+                   help="local cube edges, cells per rank and dimension (default: 16 32 64)")
+    p.add_argument("--radius", type=int_in(1, 64, "ghost cells"), default=3,
+                   help="halo width, ghost cells per side (at most the smallest edge; default 3)")
+    p.add_argument("--fields", type=int_in(1, 16, "fields"), default=4,
+                   help="fields exchanged together per call (default 4)")
+    p.add_argument("--repeat", type=int_in(1, 100000, "trials"), default=10,
+                   help="timed trials, the best kept (default 10)")
+    p.add_argument("--json", metavar="PATH", type=writable_file, help="write the rows to this JSON file")
+    p.add_argument("--plot", metavar="PATH", type=writable_file, help="PNG: time and speedup against the cube edge")
     args = p.parse_args(argv)
+    if min(args.sizes) < args.radius:
+        p.error(f"--radius {args.radius} is wider than the cube edge {min(args.sizes)}")
     comm = commlib.init()
     cart = comm.cart_create(dims=[0, 0, 0], periods=[True, True, True])
     rows = []

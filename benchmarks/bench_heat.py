@@ -29,7 +29,7 @@ import zlib
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _util import best_of, write_json  # noqa: E402
+from _util import OneLineParser, best_of, int_in, writable_file, write_json  # noqa: E402
 
 import commlib  # noqa: E402
 from commlib.apps import heat  # noqa: E402
@@ -77,12 +77,14 @@ def last_level_cache_bytes():
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dims", type=int, default=3, choices=(2, 3))
-    p.add_argument("--grid", type=int, default=96, help="interior points per dimension (default 96)")
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--backends", nargs="+", default=["numpy", "numba"], choices=heat.BACKENDS)
-    p.add_argument("--json", metavar="PATH")
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dims", type=int, default=3, choices=(2, 3), help="2-D or 3-D grid (default 3)")
+    p.add_argument("--grid", type=int_in(1, 1 << 16, "points"), default=96,
+                   help="interior points per dimension (default 96)")
+    p.add_argument("--steps", type=int_in(1, 10 ** 7, "steps"), default=100, help="time steps timed (default 100)")
+    p.add_argument("--backends", nargs="+", default=["numpy", "numba"], choices=heat.BACKENDS,
+                   help="backends timed, each after a 2-step warm-up (default: numpy numba)")
+    p.add_argument("--json", metavar="PATH", type=writable_file, help="write the rows to this JSON file")
     args = p.parse_args(argv)
     comm = commlib.init()
     grid = [args.grid] * args.dims

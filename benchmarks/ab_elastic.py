@@ -37,7 +37,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _util import int_in  # noqa: E402
+from _util import OneLineParser, int_in  # noqa: E402
 
 SECRET = b"ab-elastic-benchmark-secret-0123"
 
@@ -105,8 +105,8 @@ def main(argv=None) -> int:
     if argv and argv[0] == "--_master":
         _master(int(argv[1]), int(argv[2]), int(argv[3]))
         return 0
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 epilog="Exit status 2 for bad values (argparse's one-line error).")
+    ap = OneLineParser(description=__doc__.split("\n\n")[0],
+                       epilog="Exit status 2 for bad values (argparse's one-line error).")
     add_before(ap)
     ap.add_argument("--peers", type=int_in(2, 64, "peers"), default=2, help="peer processes per run (default: 2)")
     ap.add_argument("--sizes", type=_sizes, default=_sizes("4096,65536,1048576"),

@@ -30,7 +30,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _util import int_in  # noqa: E402
+from _util import OneLineParser, int_in  # noqa: E402
 from ab_elastic import _sizes, add_before, check_before, interleave, paired_summary  # noqa: E402
 
 SECRET = b"ab-tcp-step-benchmark-secret-012"
@@ -116,8 +116,8 @@ def main(argv=None) -> int:
     if argv and argv[0] == "--_rank":
         _rank(*(int(x) for x in argv[1:5]))
         return 0
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 epilog="Exit status 2 for bad values (argparse's one-line error).")
+    ap = OneLineParser(description=__doc__.split("\n\n")[0],
+                       epilog="Exit status 2 for bad values (argparse's one-line error).")
     add_before(ap)
     ap.add_argument("--sizes", type=_sizes, default=_sizes("4096,262144"),
                     help="comma-separated message sizes, bytes (default: 4096,262144)")

@@ -43,6 +43,9 @@ import tracemalloc  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _util import OneLineParser, int_in, writable_file  # noqa: E402
+
 import commlib  # noqa: E402
 from commlib.collectives.attention import (  # noqa: E402
     LAYOUTS,
@@ -95,28 +98,30 @@ def main(argv=None):
     pre.add_argument("--backend", choices=("numpy", "torch"), default="numpy")
     known, _ = pre.parse_known_args(argv)
     if known.backend == "torch":  # commlib.nn against torch SDPA: its own module and options
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import bench_attention_torch  # noqa: PLC0415
 
         return bench_attention_torch.main(argv)
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = OneLineParser(description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--backend", choices=("numpy", "torch"), default="numpy",
                     help="numpy: this benchmark; torch: commlib.nn vs torch SDPA (bench_attention_torch.py, "
                          "its own options: --backend torch --help)")
-    ap.add_argument("--seq", type=int, default=8192, help="global sequence length")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--seq", type=int_in(1, 1 << 24, "tokens"), default=8192, help="global sequence length")
+    ap.add_argument("--batch", type=int_in(1, 4096, "sequences"), default=1, help="batch size")
+    ap.add_argument("--heads", type=int_in(1, 1024, "heads"), default=8, help="query heads")
+    ap.add_argument("--kv-heads", type=int_in(1, 1024, "heads"), default=8,
+                    help="key/value heads (grouped-query attention when fewer; must divide --heads)")
+    ap.add_argument("--head-dim", type=int_in(1, 4096, "features"), default=64, help="features per head")
     ap.add_argument("--dtype", default="float32", choices=("float32", "float64"))
-    ap.add_argument("--tile", type=int, default=128, help="query rows per tile")
-    ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--tile", type=int_in(1, 1 << 20, "rows"), default=128, help="query rows per tile")
+    ap.add_argument("--iters", type=int_in(1, 100000, "iterations"), default=3, help="timed iterations (median kept)")
+    ap.add_argument("--warmup", type=int_in(0, 100000, "iterations"), default=1, help="untimed iterations first")
     ap.add_argument("--backward", action="store_true", help="time forward + backward (default: forward)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", metavar="PATH", help="write the results (rank 0)")
+    ap.add_argument("--json", metavar="PATH", type=writable_file, help="write the results (rank 0)")
     args = ap.parse_args(argv)
+    if args.heads % args.kv_heads:
+        ap.error(f"--kv-heads {args.kv_heads} does not divide --heads {args.heads}")
     comm = commlib.init()
     rank, P = comm.rank, comm.size
     dtype = np.dtype(args.dtype)

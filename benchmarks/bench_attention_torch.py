@@ -97,7 +97,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _util import find_mpiexec  # noqa: E402
+from _util import OneLineParser, find_mpiexec, float_in, int_in, ints_in, subset_of, writable_file  # noqa: E402
 
 SECTIONS = ("single", "ranks2", "bidir", "error")
 #: what runs without --sections
@@ -749,70 +749,62 @@ def _child(cmd, args):
         raise RuntimeError(f"child failed ({res.returncode}): {' '.join(cmd)}")
 
 
-def _ints(text):
-    return [int(x) for x in text.split(",") if x]
-
-
-def _names(choices):
-    def parse(text):
-        names = [x for x in text.split(",") if x]
-        bad = [x for x in names if x not in choices]
-        if bad or not names:
-            raise argparse.ArgumentTypeError(f"choose from {','.join(choices)}, got {text!r}")
-        return names
-    return parse
-
-
 def _bools(text):
-    return {"both": [False, True], "true": [True], "false": [False]}[text]
+    try:
+        return {"both": [False, True], "true": [True], "false": [False]}[text]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"choose from both,true,false, got {text!r}") from None
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="bench_attention.py --backend torch", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = OneLineParser(prog="bench_attention.py --backend torch", description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    tokens = ints_in(1, 1 << 24, "tokens")
     ap.add_argument("--backend", choices=("torch",), default="torch", help=argparse.SUPPRESS)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: sections single, bidir and error "
                     "on GPUs (one per local rank)")
-    ap.add_argument("--sections", type=_names(SECTIONS), default=",".join(DEFAULT_SECTIONS),
+    ap.add_argument("--sections", type=subset_of(SECTIONS), default=",".join(DEFAULT_SECTIONS),
                     help="comma-separated, of: " + ", ".join(SECTIONS))
-    ap.add_argument("--seq-lens", type=_ints, default="4096,8192", help="section single: tokens (4k-16k)")
-    ap.add_argument("--seq-lens-2", type=_ints, default="8192,16384", help="section ranks2: global tokens")
-    ap.add_argument("--bidir-seq-lens", type=_ints, default="512,2048", help="section bidir: global tokens "
+    ap.add_argument("--seq-lens", type=tokens, default="4096,8192", help="section single: tokens (4k-16k)")
+    ap.add_argument("--seq-lens-2", type=tokens, default="8192,16384", help="section ranks2: global tokens")
+    ap.add_argument("--bidir-seq-lens", type=tokens, default="512,2048", help="section bidir: global tokens "
                     "(512: 128 per rank, communication-bound on the emulated link; 2048: compute weighs more)")
-    ap.add_argument("--bidir-ranks", type=int, default=4)
-    ap.add_argument("--error-ranks", type=_ints, default="1,2,4", help="section error: rank counts, one job each")
-    ap.add_argument("--error-seq", type=int, default=2048, help="section error: global tokens (divisible by "
+    ap.add_argument("--bidir-ranks", type=int_in(2, 64, "ranks"), default=4)
+    ap.add_argument("--error-ranks", type=ints_in(1, 64, "ranks"), default="1,2,4", help="section error: rank counts, one job each")
+    ap.add_argument("--error-seq", type=int_in(1, 1 << 24, "tokens"), default=2048, help="section error: global tokens (divisible by "
                     "2 x each rank count)")
-    ap.add_argument("--bidir-heads", type=int, default=8, help="section bidir: heads = kv heads")
-    ap.add_argument("--bidir-head-dim", type=int, default=64)
-    ap.add_argument("--link-gbps", type=float, default=0.03, help="section bidir: emulated link bandwidth per "
+    ap.add_argument("--bidir-heads", type=int_in(1, 1024, "heads"), default=8, help="section bidir: heads = kv heads")
+    ap.add_argument("--bidir-head-dim", type=int_in(1, 4096, "features"), default=64)
+    ap.add_argument("--link-gbps", type=float_in(0, 1e4, "GB/s", lo_ok=True), default=0.03, help="section bidir: emulated link bandwidth per "
                     "direction in GB/s (the module's docstring explains the choice); 0: loopback only")
     ap.add_argument("--spin", action="store_true", help="section bidir: wait with the transport's own waitall "
                     "(spins, yielding) instead of test-and-sleep polling")
-    ap.add_argument("--dtypes", type=_names(("float32", "bfloat16", "float16", "float64")),
+    ap.add_argument("--dtypes", type=subset_of(("float32", "bfloat16", "float16", "float64")),
                     default="float32,bfloat16")
     ap.add_argument("--causal", type=_bools, default="both", metavar="{both,true,false}",
                     help="section single")
-    ap.add_argument("--modes", type=_names(MODES), default=",".join(MODES), help="fwd, fwdbwd (forward + backward)")
-    ap.add_argument("--half-bwd-max-seq", type=int, default=4096, help="sections single and ranks2 on CPU: skip "
+    ap.add_argument("--modes", type=subset_of(MODES), default=",".join(MODES), help="fwd, fwdbwd (forward + backward)")
+    ap.add_argument("--half-bwd-max-seq", type=int_in(0, 1 << 24, "tokens"), default=4096, help="sections single and ranks2 on CPU: skip "
                     "bfloat16/float16 fwdbwd above this many tokens (torch's CPU attention backward runs its "
                     "GEMMs in the half type: about 80x slower than float32 without AVX-512 BF16/AMX)")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=1, help="section single: torch threads for both")
-    ap.add_argument("--trials", type=int, default=3, help="timed calls per implementation (best kept)")
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=2, help="section ranks2: alternations of the two jobs")
+    ap.add_argument("--batch", type=int_in(1, 4096, "sequences"), default=1)
+    ap.add_argument("--heads", type=int_in(1, 1024, "heads"), default=8)
+    ap.add_argument("--kv-heads", type=int_in(1, 1024, "heads"), default=8)
+    ap.add_argument("--head-dim", type=int_in(1, 4096, "features"), default=64)
+    ap.add_argument("--threads", type=int_in(1, 1024, "threads"), default=1, help="section single: torch threads for both")
+    ap.add_argument("--trials", type=int_in(1, 100000, "trials"), default=3, help="timed calls per implementation (best kept)")
+    ap.add_argument("--warmup", type=int_in(0, 100000, "calls"), default=1)
+    ap.add_argument("--rounds", type=int_in(1, 1000, "rounds"), default=2, help="section ranks2: alternations of the two jobs")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per ring wait")
-    ap.add_argument("--child-timeout", type=float, default=3600.0, help="seconds per child job")
-    ap.add_argument("--json", metavar="PATH", help="write the results")
-    ap.add_argument("--plot", metavar="PATH", help="PNG: the ratios against their targets")
+    ap.add_argument("--timeout", type=float_in(0, 86400, "seconds"), default=600.0, help="seconds per ring wait")
+    ap.add_argument("--child-timeout", type=float_in(0, 86400 * 7, "seconds"), default=3600.0, help="seconds per child job")
+    ap.add_argument("--json", metavar="PATH", type=writable_file, help="write the results")
+    ap.add_argument("--plot", metavar="PATH", type=writable_file, help="PNG: the ratios against their targets")
     ap.add_argument("--role", choices=("ring2", "sdpa2", "bidir", "error"), help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.heads % a.kv_heads:
+        ap.error(f"--kv-heads {a.kv_heads} does not divide --heads {a.heads}")
     if a.device == "cuda" and "ranks2" in a.sections and not a.role:
         ap.error("section ranks2 compares CPU threads with CPU ranks: leave it out with --device cuda "
                  "(--sections single,bidir)")

@@ -39,7 +39,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _util import find_mpiexec, write_json  # noqa: E402
+from _util import OneLineParser, find_mpiexec, int_in, subset_of, writable_file, write_json  # noqa: E402
 
 
 def overhead(args):
@@ -59,7 +59,7 @@ def overhead(args):
         plain.mpi_comm.Allreduce(x, ref, MPI.SUM)
         iters = max(5, min(200, int(2e7 // nbytes)))  # ~20 ms a trial
         fns = {}
-        for algo in args.algorithms.split(","):
+        for algo in args.algorithms:
             fns[f"plain-{algo}"] = (lambda a=algo: plain.allreduce(x, out, algorithm=a))
             fns[f"ft-{algo}"] = (lambda a=algo: ft.allreduce(x, out, algorithm=a))
             fns[f"plain-{algo}-inplace"] = (lambda a=algo: plain.allreduce(out, algorithm=a))
@@ -212,20 +212,30 @@ def recovery(args):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("part", choices=["overhead", "recovery", "recovery-worker"])
-    ap.add_argument("--min-bytes", type=int, default=1024)
-    ap.add_argument("--max-bytes", type=int, default=64 << 20)
-    ap.add_argument("--trials", type=int, default=15)
-    ap.add_argument("--algorithms", default="ring,auto")
-    ap.add_argument("--runs", type=int, default=30)
-    ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--kill-at", type=int, default=0)
-    ap.add_argument("--victim", type=int, default=2)
+    ap = OneLineParser(description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("part", choices=["overhead", "recovery", "recovery-worker"],
+                    help="overhead: FT against plain allreduce, under mpiexec --with-ft ulfm; "
+                         "recovery: a driver (no mpiexec) that launches --runs jobs and kills rank 2 in each")
+    ap.add_argument("--min-bytes", type=int_in(4, 1 << 32, "bytes"), default=1024,
+                    help="overhead: smallest message, bytes (sizes double up to --max-bytes)")
+    ap.add_argument("--max-bytes", type=int_in(4, 1 << 32, "bytes"), default=64 << 20,
+                    help="overhead: largest message, bytes")
+    ap.add_argument("--trials", type=int_in(1, 10000, "trials"), default=15,
+                    help="overhead: interleaved trials per size (each ~20 ms of calls)")
+    ap.add_argument("--algorithms", type=subset_of(("ring", "recursive_doubling", "auto", "mpi")), default="ring,auto",
+                    help="overhead: comma-separated commlib algorithms timed plain and fault-tolerant")
+    ap.add_argument("--runs", type=int_in(1, 100000, "jobs"), default=30, help="recovery: jobs launched")
+    ap.add_argument("--ranks", type=int_in(3, 64, "ranks"), default=4,
+                    help="recovery: ranks per job (rank 2 is the victim)")
+    ap.add_argument("--seed", type=int, default=0, help="recovery: seed of the kill points")
+    ap.add_argument("--json", type=writable_file, default=None, help="write the figures to this JSON file")
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--kill-at", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--victim", type=int, default=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.min_bytes > args.max_bytes:
+        ap.error(f"--min-bytes {args.min_bytes} is above --max-bytes {args.max_bytes}")
     {"overhead": overhead, "recovery": recovery, "recovery-worker": recovery_worker}[args.part](args)
 
 

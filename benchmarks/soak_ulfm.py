@@ -61,6 +61,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE))
+
+from _util import OneLineParser, float_in, int_in, ints_in, subset_of, writable_file  # noqa: E402
 
 import test_ft_kill as K  # noqa: E402 - tests/test_ft_kill.py: run_one, classify
 from launch import FT_PUT_ARGS, LAUNCH_ATTEMPTS, TCP_FLAGS_WITHOUT_PUT, ft_args, launcher_failed  # noqa: E402
@@ -116,8 +119,7 @@ def cost(args):
     variants = ("MPI.Allreduce", "ring")
     res = {}  # (np, arm) -> [rows of one job]
     t0 = time.monotonic()
-    ranks = [int(x) for x in args.ranks.split(",")]
-    reps = [int(x) for x in str(args.reps).split(",")]
+    ranks, reps = args.ranks, args.reps
     reps = dict(zip(ranks, reps * len(ranks) if len(reps) == 1 else reps))
     for np_ in ranks:
         for rep in range(reps[np_]):
@@ -168,23 +170,29 @@ def cost(args):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--runs", type=int, default=20, help="kill plans (each run once per arm)")
-    ap.add_argument("--seed", type=int, default=2222)
-    ap.add_argument("--np", type=int, default=5)
-    ap.add_argument("--mib", type=float, default=64)
-    ap.add_argument("--timeout", type=float, default=10, help="COMMLIB_TIMEOUT of the jobs (s)")
-    ap.add_argument("--arms", default="put,noput")
-    ap.add_argument("--budget-s", type=float, default=0, help="start no new plan after this many seconds")
-    ap.add_argument("--json", default=None)
+    ap = OneLineParser(description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--runs", type=int_in(1, 100000, "plans"), default=20, help="kill plans (each run once per arm)")
+    ap.add_argument("--seed", type=int, default=2222, help="seed of the kill plans")
+    ap.add_argument("--np", type=int_in(3, 64, "ranks"), default=5, help="ranks per job (up to two die)")
+    ap.add_argument("--mib", type=float_in(0, 4096, "MiB"), default=64, help="allreduce size per call, MiB")
+    ap.add_argument("--timeout", type=float_in(0, 3600, "seconds"), default=10, help="COMMLIB_TIMEOUT of the jobs (s)")
+    ap.add_argument("--arms", type=subset_of(tuple(ARMS)), default="put,noput",
+                    help="comma-separated arms, of: " + ", ".join(ARMS))
+    ap.add_argument("--budget-s", type=float_in(0, 10 ** 7, "seconds", lo_ok=True), default=0,
+                    help="start no new plan after this many seconds (0: no budget)")
+    ap.add_argument("--json", type=writable_file, default=None, help="write the table's rows to this JSON file")
     ap.add_argument("--cost", action="store_true", help="measure the setting's cost instead (no kills)")
-    ap.add_argument("--ranks", default="2,4", help="--cost: rank counts")
-    ap.add_argument("--reps", default="3", help="--cost: jobs per setting and rank count (one, or one per rank count)")
-    ap.add_argument("--trials", type=int, default=3, help="--cost: bench_allreduce.py --trials")
+    ap.add_argument("--ranks", type=ints_in(2, 64, "ranks"), default="2,4", help="--cost: rank counts")
+    ap.add_argument("--reps", type=ints_in(1, 1000, "jobs"), default="3",
+                    help="--cost: jobs per setting and rank count (one, or one per rank count)")
+    ap.add_argument("--trials", type=int_in(1, 10000, "trials"), default=3, help="--cost: bench_allreduce.py --trials")
     args = ap.parse_args(argv)
+    if len(args.reps) not in (1, len(args.ranks)):
+        ap.error(f"--reps gives {len(args.reps)} counts for {len(args.ranks)} rank counts: give one, or one each")
     if args.cost:
         return cost(args)
-    arms = args.arms.split(",")
+    arms = args.arms
     plans = plan(args.seed, args.runs, args.np)
     t0 = time.monotonic()
     outcomes = []

@@ -536,6 +536,55 @@ def test_timeouts_that_are_not_finite_numbers_are_refused():
         _close(master, peers)
 
 
+def test_a_members_bad_sync_argument_is_refused_on_every_member():
+    """One member's bad ``sync_shared_state`` argument (a non-contiguous or object
+    array, a key that is not a str, a float revision, a bad timeout) used to raise
+    on that member alone while the others waited for their timeout and then raised
+    a misleading "no answer from the master".  Now every member raises
+    InvalidArgument naming the member and the cause within a second, every state is
+    untouched, and the next round syncs every member (the refused one included)."""
+    rng = random.Random(2611)
+    master, peers = _group(3)
+    try:
+        bads = [
+            ("w", lambda: np.zeros(16)[::2], "C-contiguous"),
+            (3, lambda: np.ones(2), "state[3] must be"),
+            ("o", lambda: np.array([1, "a"], dtype=object), "dtype"),
+            ("w", lambda: [1.0, 2.0], "C-contiguous"),
+            ("rev", None, "revision must be an int, got 5.0"),
+            ("timeout", None, "timeout must be"),
+        ]
+        for trial in range(2 * len(bads)):
+            key, make, words = bads[trial % len(bads)]
+            culprit = rng.randrange(3)
+            states = [{"w": np.full(8, float(trial)), "b": np.arange(3.0) + i} for i in range(3)]
+            before = [{k: _h(v) for k, v in st.items()} for st in states]
+            call = [dict(revision=5, timeout=20) for _ in range(3)]
+            bad_state = dict(states[culprit])
+            if key == "rev":
+                call[culprit]["revision"] = 5.0
+            elif key == "timeout":
+                call[culprit]["timeout"] = float("nan")
+            else:
+                bad_state[key] = make()
+            args = [bad_state if i == culprit else states[i] for i in range(3)]
+            out = _outcomes(peers, lambda i, p: p.sync_shared_state(args[i], **call[i]))
+            for i, (r, exc, dt) in enumerate(out):
+                assert isinstance(exc, commlib.InvalidArgument), (trial, i, r, exc)
+                assert words in str(exc) and f"rank {peers[culprit].rank}: sync_shared_state" in str(exc), (trial, i, exc)
+                assert dt < 1.0, (trial, i, dt)
+                assert {k: _h(v) for k, v in states[i].items()} == before[i], (trial, i)
+            # the next round works for every member: the lowest revision fetches
+            revs = [7, 7, 6]
+            res = run_peers(peers, lambda i, p: p.sync_shared_state(states[i], revs[i], timeout=20))
+            assert {r["revision"] for r in res} == {7}, (trial, res)
+            # peers 0 and 1 tie at revision 7 with different "b": the lowest rank's wins
+            win = min((0, 1), key=lambda i: peers[i].rank)
+            assert [{k: _h(v) for k, v in st.items()} for st in states] == [before[win]] * 3, trial
+    finally:
+        _close(master, peers)
+
+
 def test_close_from_another_thread_ends_the_call_with_peer_closed():
     """close() while the peer waits in an all-reduce (the other member never calls):
     the call ends promptly with PeerClosed, its input intact."""

@@ -515,7 +515,10 @@ class Master:
                         and all(isinstance(k, str) and is_bytes(v, 32) for k, v in hashes.items())
                         and set(meta) == set(hashes)):
                     raise tcp.FrameError("bad sync message")
-                self._sync[p.id] = {"rev": rev, "hashes": hashes, "meta": meta}
+                bad = msg.get("bad")
+                if bad is not None and not isinstance(bad, str):
+                    raise tcp.FrameError("bad sync message")
+                self._sync[p.id] = {"rev": rev, "hashes": hashes, "meta": meta, "bad": bad}
                 self._check_sync()
             elif t == SYNCED:
                 if self._fetchers is not None:
@@ -593,6 +596,16 @@ class Master:
         if self._fetchers is not None or not live or not set(live) <= set(self._sync):
             return
         subs = {pid: self._sync[pid] for pid in live}
+        bad = [s["bad"][:WHY_MAX] for s in subs.values() if s.get("bad") is not None]
+        if bad:
+            # a member's own argument was bad (it raised at once): the round is refused
+            # on every member, naming it, and nothing moves
+            self._sync_round += 1
+            self._sync = {pid: s for pid, s in self._sync.items() if pid not in subs}
+            why = "; ".join(sorted(bad))[:WHY_MAX]
+            for pid in live:
+                self._peers[pid].send({"t": PLAN, "round": self._sync_round, "e": self.epoch, "refused": why})
+            return
         top = max(s["rev"] for s in subs.values())
         groups: dict = {}
         for pid in live:  # ring order: ties go to the group holding the lowest rank

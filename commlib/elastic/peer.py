@@ -602,7 +602,7 @@ class Peer(StateSync):
                         rnd = int(msg["round"])
                         self._plans[rnd] = msg
                         self._round_seen = max(self._round_seen, rnd)
-                        if msg.get("lost") is None:
+                        if msg.get("lost") is None and msg.get("refused") is None:
                             self._plan_pairs[rnd] = ({int(d) for d in msg["donors"]},
                                                      {int(f) for f in msg["fetchers"]})
                             for old in [r for r in self._plan_pairs if r < rnd - 8]:

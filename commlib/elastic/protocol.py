@@ -77,7 +77,10 @@ the highest revision, and among the peers there the largest group with equal
 hashes (ties: the group with the lowest ring rank); that group are the donors,
 the others fetch from them.  Every member gets ``plan``; when every live
 fetcher has reported ``synced`` (or died) every member gets ``sync_end``.  The
-master keeps the winning revision and hashes.
+master keeps the winning revision and hashes.  A member whose own arguments are
+bad raises at once and sends ``sync`` with ``bad`` (its error): when every live
+member has sent ``sync``, that round's ``plan`` carries ``refused`` (the errors)
+instead, every other member raises it, and nothing moves.
 
 Orphaned state: a live peer is always a member of the current epoch or pending
 (:meth:`Master.groups` checks it), so there is one group at a time.  When an
@@ -131,6 +134,7 @@ TERM = "term"          #: an operation's terminal state: ``e``, ``s``, ``ok`` (c
 #:                        when a member refused it (``refuse``): the members' calls differ
 VOTED = "voted"        #: a vote completed: ``e`` (the epoch after it), ``v`` (the job's step count)
 PLAN = "plan"          #: a shared-state round's plan: ``round``, ``rev``, ``hashes``, ``donors``, ``fetchers``...
+#:                        (or ``lost``: the job's state is held by no live peer; or ``refused``: a member's errors)
 #:                        (a fetcher's plan also carries its ``tickets`` to each donor, purpose FETCH, bound to the round)
 SYNC_END = "sync_end"  #: every fetcher of ``round`` is done
 GAVE_UP = "gave_up"    #: a member gave up call ``s`` (``kind``: ``"arg"`` its argument was bad, ``"timeout"``
@@ -140,7 +144,8 @@ VOTE = "vote"          #: at a step boundary (:meth:`Peer.update_topology`)
 DONE = "done"          #: operation ``(e, s)`` finished on this peer
 FAIL = "fail"          #: operation ``(e, s)`` failed on this peer (a peer died, a bounded wait ran out)
 REFUSE = "refuse"      #: operation ``(e, s)``: this peer's call differs from its ring neighbour's (``why``)
-SYNC = "sync"          #: a shared-state submission: ``rev``, per-tensor ``hashes`` and ``meta``
+SYNC = "sync"          #: a shared-state submission: ``rev``, per-tensor ``hashes`` and ``meta``; ``bad``: this
+#:                        member's own argument error (it raised): the round is refused on every member
 SYNCED = "synced"      #: this fetcher finished its transfers
 BYE = "bye"            #: leaving
 DROP = "drop"          #: member ``id`` of epoch ``e`` overran this peer's receive caps (``why``): drop it

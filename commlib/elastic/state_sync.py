@@ -33,7 +33,7 @@ from commlib.core.errors import CommError, InvalidArgument
 from commlib.transports import tcp
 from commlib.transports.base import check_plain_dtype
 
-from .protocol import FETCH, FETCH_MAX, FETCH_PARK, FETCH_PARK_S, SYNC, SYNCED, is_int
+from .protocol import FETCH, FETCH_MAX, FETCH_PARK, FETCH_PARK_S, SYNC, SYNCED, WHY_MAX, is_int
 
 __all__ = ["StateSync"]
 
@@ -79,28 +79,32 @@ class StateSync:
 
         Raises:
             InvalidArgument: a bad state entry or revision, a ``timeout`` that is not a
-                finite number, another thread of this peer in a call, not a member.
+                finite number (on this member at once, and the round refused on every
+                member: each raises, naming it, once all have called, with ``state``
+                untouched), another thread of this peer in a call, not a member.
             CommError: every donor failed or the received bytes did not verify.
         """
-        timeout = self._call_timeout(timeout, "sync_shared_state")
         t0 = time.monotonic()
         self._check_open("sync_shared_state")
         topo = self._adopt()
         if topo is None or topo.rank is None:
             raise InvalidArgument("not a member: call update_topology() first", op="sync_shared_state")
-        if not is_int(revision, -(1 << 62)):
-            raise InvalidArgument("revision must be an int", rank=topo.rank, op="sync_shared_state")
-        hashes, meta, views = {}, {}, {}
-        for name, arr in state.items():
-            if not isinstance(name, str) or not isinstance(arr, np.ndarray) or not arr.flags.c_contiguous:
-                raise InvalidArgument(f"state[{name!r}] must be a C-contiguous numpy array keyed by str",
-                                      rank=topo.rank, op="sync_shared_state")
-            check_plain_dtype(arr.dtype, topo.rank, "sync_shared_state", name)
-            mv = memoryview(arr.reshape(-1).view(np.uint8))
-            hashes[name] = hashlib.sha256(mv).digest()
-            meta[name] = [arr.dtype.str, list(arr.shape)]
-            views[name] = mv
+        try:
+            timeout = self._call_timeout(timeout, "sync_shared_state")
+            hashes, meta, views = self._sync_submission(state, revision, topo.rank)
+        except InvalidArgument as exc:
+            # this member's own bad argument: raised here at once, and the round
+            # refused on every member (each raises naming it), not left to time out
+            with self._cv:
+                self._plans = {r: p for r, p in self._plans.items() if p.get("refused") is None}
+            try:
+                self._send({"t": SYNC, "rev": 0, "hashes": {}, "meta": {}, "bad": str(exc)[:WHY_MAX]})
+            except CommError:
+                pass  # a lost master ends every member's round anyway; the cause is this error
+            raise
         with self._cv:
+            # a refusal of a round this peer left at once (its own bad argument) is stale
+            self._plans = {r: p for r, p in self._plans.items() if p.get("refused") is None}
             rounds_before = set(self._plans)
         self._send({"t": SYNC, "rev": int(revision), "hashes": hashes, "meta": meta})
         plan = self._wait(lambda: next((p for r, p in sorted(self._plans.items()) if r not in rounds_before), None),
@@ -108,6 +112,10 @@ class StateSync:
         rnd = int(plan["round"])
         with self._cv:
             self._plans.pop(rnd, None)
+        if plan.get("refused") is not None:
+            raise InvalidArgument(f"a member passed invalid arguments ({str(plan['refused'])[:WHY_MAX]}); the round "
+                                  "was refused on every member, nothing was sent",
+                                  rank=topo.rank, op="sync_shared_state")
         if plan.get("lost") is not None:
             raise CommError(f"the job's shared state (revision {plan['lost']}) is held by no live peer: every peer "
                             "that had it left or died before this group formed; start a new master for a new job",
@@ -132,6 +140,27 @@ class StateSync:
         self._wait(lambda: True if rnd in self._sync_ends else None, timeout, "sync_shared_state")
         result.update(bytes_received=got, donor=donor, seconds=time.monotonic() - t0)
         return result
+
+    @staticmethod
+    def _sync_submission(state, revision, rank) -> tuple[dict, dict, dict]:
+        """``(hashes, meta, views)`` of ``state`` for a ``sync`` message, or
+        InvalidArgument naming this ``rank`` and the bad entry or revision."""
+        if not is_int(revision, -(1 << 62)):
+            raise InvalidArgument(f"revision must be an int, got {revision!r}", rank=rank, op="sync_shared_state")
+        if not isinstance(state, dict):
+            raise InvalidArgument(f"state must be a dict of name -> numpy array, got {type(state).__name__}",
+                                  rank=rank, op="sync_shared_state")
+        hashes, meta, views = {}, {}, {}
+        for name, arr in state.items():
+            if not isinstance(name, str) or not isinstance(arr, np.ndarray) or not arr.flags.c_contiguous:
+                raise InvalidArgument(f"state[{name!r}] must be a C-contiguous numpy array keyed by str",
+                                      rank=rank, op="sync_shared_state")
+            check_plain_dtype(arr.dtype, rank, "sync_shared_state", name)
+            mv = memoryview(arr.reshape(-1).view(np.uint8))
+            hashes[name] = hashlib.sha256(mv).digest()
+            meta[name] = [arr.dtype.str, list(arr.shape)]
+            views[name] = mv
+        return hashes, meta, views
 
     # state transfer ---------------------------------------------------------
     _RANGE = 4 << 20

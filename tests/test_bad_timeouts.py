@@ -48,6 +48,25 @@ def test_fault_tolerance_settings_refuse_bad_timeout(value):
         FaultTolerance("timeout", timeout=value)
 
 
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("value", BAD, ids=BAD_IDS)
+def test_mpi_transport_waitall_refuses_bad_timeout(value):
+    """The MPI transport's own ``waitall`` (below ``Communicator.waitall``): a bool
+    used to pass as 1 or 0 seconds and a str raised TypeError."""
+    comm = commlib.init().dup()
+    try:
+        buf = np.zeros(4)
+        q = comm.transport.irecv(buf, comm.rank, 7)
+        with pytest.raises(InvalidArgument, match=rf"rank {comm.rank}: waitall: timeout must be"):
+            comm.transport.waitall([q], timeout=value)
+        comm.transport.send(np.arange(4.0), comm.rank, 7)
+        comm.transport.waitall([q], timeout=30)
+        assert buf.tolist() == [0.0, 1.0, 2.0, 3.0]
+    finally:
+        comm.free()
+
+
 # ------------------------------------------------------------ point to point
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.timeout(60)

@@ -302,6 +302,22 @@ def test_early_frame_never_posted_is_buffered_after_post_wait():
         assert ts[1].bytes_buffered == x.nbytes
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0, True, False, "5"],
+                         ids=["nan", "inf", "-1", "True", "False", "str"])
+def test_waitall_refuses_a_bad_timeout_and_the_request_stays_valid(value):
+    """The transport's own ``waitall``: a bool used to pass as 1 or 0 seconds and a
+    str raised TypeError; every bad value now raises InvalidArgument at once, and
+    the receive still completes once its message comes."""
+    with tcp_group(2, 1) as ts:
+        got = np.zeros(4)
+        r = ts[1].irecv(got, 0, 5)
+        with pytest.raises(commlib.InvalidArgument, match="timeout must be"):
+            ts[1].waitall([r], timeout=value)
+        ts[0].send(np.arange(4.0), 1, 5)
+        ts[1].waitall([r], timeout=5)
+        assert got.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
 def test_peer_death_is_process_failed():
     with tcp_group(2, 2) as ts:
         b = np.zeros(1 << 16)

@@ -27,7 +27,7 @@ from mpi4py.util.dtlib import to_numpy_dtype
 from commlib.core.buffer import Buffer, as_buffer
 from commlib.core.device import cuda_aware
 from commlib.core.errors import BufferError, CommError, CommTimeout, InvalidArgument
-from commlib.core.seconds import timeout_problem
+from commlib.core.seconds import timeout_problem, wait_bound_ok
 
 from .base import CompletedRequest, Request, Transport, Wire, check_plain_dtype, register_op_names
 from .failures import is_process_failure, mpi_failed_ranks, raise_classified, to_comm_error
@@ -435,9 +435,10 @@ class MPITransport(Transport):
             CommTimeout: when ``timeout`` passes first.
             ProcessFailed: a peer failed or the communicator was revoked.
             CommError: any other MPI error.
-            InvalidArgument: ``timeout`` is NaN, infinite or negative (0: poll once).
+            InvalidArgument: ``timeout`` is NaN, infinite, negative, a bool or not a
+                number (0: poll once).
         """
-        if timeout is not None and not 0 <= timeout < _INF:  # NaN too (now + nan never passes)
+        if timeout is not None and not wait_bound_ok(timeout):
             raise InvalidArgument(timeout_problem(timeout, zero=True) or f"timeout {timeout!r} out of range",
                                   rank=self._rank, op=op)
         got = self._raw_lists.get(id(requests))
@@ -699,7 +700,6 @@ def shrunk_node_peers(node_peers, kept) -> frozenset:
     return frozenset(i for i, old in enumerate(kept) if old in node_peers)
 
 
-_INF = float("inf")
 _OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX,
         "band": MPI.BAND, "bor": MPI.BOR, "bxor": MPI.BXOR}
 

@@ -60,7 +60,7 @@ from typing import Callable
 import numpy as np
 
 from commlib.core.errors import CommError, CommTimeout, InvalidArgument, MessageSizeMismatch, ProcessFailed
-from commlib.core.seconds import timeout_problem
+from commlib.core.seconds import timeout_problem, wait_bound_ok
 
 from commlib.core.tags import TagAllocator
 
@@ -93,7 +93,6 @@ INLINE_MAX = 16 << 10         #: messages of at most this many bytes are written
 #: plane and sent as one frame each (never striped): a receive posted for another
 #: size fails at once with :class:`MessageSizeMismatch`, the link staying up
 FIRST_ROUND_TAG = 1 << 61
-_INF = float("inf")
 #: bytes of a mismatched message's first frame kept on its :class:`MessageSizeMismatch`
 #: (``head``): a first round's message starts with its sender's header row, so the
 #: receiver can name the field that differs
@@ -849,11 +848,12 @@ class TCPTransport(Transport):
         Raises:
             ProcessFailed: a peer's connection failed, or the transport was revoked.
             CommTimeout: the deadline passed.
-            InvalidArgument: ``timeout`` is NaN, infinite or negative (0: poll once).
+            InvalidArgument: ``timeout`` is NaN, infinite, negative, a bool or not a
+                number (0: poll once).
         """
         if timeout is None:
             timeout = self.timeout
-        elif not 0 <= timeout < _INF:  # NaN too (a deadline now + nan never passes)
+        elif not wait_bound_ok(timeout):
             raise InvalidArgument(timeout_problem(timeout, zero=True) or f"timeout {timeout!r} out of range",
                                   rank=self._rank, op=op)
         deadline = None if timeout is None else time.monotonic() + timeout

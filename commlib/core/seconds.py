@@ -25,7 +25,23 @@ import numbers
 
 from .errors import InvalidArgument
 
-__all__ = ["check_timeout", "timeout_problem"]
+__all__ = ["check_timeout", "timeout_problem", "wait_bound_ok"]
+
+
+_INF = float("inf")
+
+
+def wait_bound_ok(value) -> bool:
+    """The transports' hot-path check of a wait's ``timeout`` (not None): True when
+    ``0 <= value < inf``; False for NaN, infinity, a negative number, a bool or a
+    value that does not compare with numbers (then :func:`timeout_problem` says
+    why)."""
+    if value is True or value is False:
+        return False
+    try:
+        return 0 <= value < _INF
+    except TypeError:
+        return False
 
 
 def timeout_problem(value, *, zero: bool = False) -> str | None:

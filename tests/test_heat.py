@@ -120,6 +120,48 @@ def test_solve_refuses_values_it_would_truncate_or_run_into_nan(kwargs, words):
     assert a.steps == b.steps == 3 and np.array_equal(fa, fb)
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("field,mine,words", [
+    ("steps", 20, "steps differs across ranks (at least 10 and 20"),
+    ("alpha", 2.0, "alpha differs across ranks (at least 1.0 and 2.0"),
+    ("cfl", 0.25, "cfl differs across ranks (at least 0.25 and 0.5"),
+    ("t_final", 0.01, "t_final differs across ranks"),
+    ("grid", (16, 32), "grid[1] differs across ranks (at least 16 and 32"),
+    ("bad_steps", -1, None),
+])
+def test_runs_that_differ_across_ranks_fail_on_every_rank(field, mine, words):
+    """The last rank passes another value: every rank raises InvalidArgument
+    before any halo message, naming the field and both values.  A rank with
+    more steps than the others used to wait forever for their halo messages,
+    and another alpha gave a silently inconsistent field; a bad value on one
+    rank is that rank's own error and "passed invalid arguments" elsewhere."""
+    comm = commlib.init()
+    last = comm.rank == comm.size - 1
+    kw = dict(steps=10, backend="numpy", alpha=1.0, cfl=0.5)
+    grid = (16, 16)
+    if field == "t_final":
+        kw["t_final"] = 0.01 if last else 0.02
+    elif field == "grid":
+        grid = mine if last else grid
+    elif field == "bad_steps":
+        kw["steps"] = mine if last else 10
+    elif last:
+        kw[field] = mine
+    with pytest.raises(InvalidArgument) as info:
+        heat.solve(comm, grid, **kw)
+    msg = str(info.value)
+    assert msg.startswith(f"rank {comm.rank}: heat.solve: "), msg
+    if field == "bad_steps":
+        want = "steps must be a positive integer, got -1" if last else f"rank(s) [{comm.size - 1}] passed invalid"
+        assert want in msg, msg
+    else:
+        assert words in msg, msg
+    # the communicator is fine afterwards: the same run everywhere completes
+    res, _ = heat.solve(comm, (16, 16), steps=10, backend="numpy")
+    assert res.steps == 10
+
+
 # ------------------------------------------------- the command line refuses
 BAD_CLI = [
     ["--steps", "-5"], ["--steps", "0"], ["--steps", "abc"], ["--t-final", "-1"], ["--t-final", "nan"],

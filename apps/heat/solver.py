@@ -31,6 +31,7 @@ import numpy as np
 
 import commlib  # light: commlib's names load on first use
 from commlib import CommTimeout, InvalidArgument, ProcessFailed
+from commlib.collectives.agreement import agree_header
 
 from .model import (BACKENDS, DEVICE_BACKENDS, _region_updates, _synchronizer, _to_backend, _to_host, block_of,
                     exact_solution, neighbour_sides, time_step)
@@ -117,11 +118,21 @@ def _is_real(v) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_)) and math.isfinite(v)
 
 
-def _check_args(comm, grid, backend, cfl, alpha, progress, op, steps, t_final) -> list:
-    """Raise InvalidArgument (on every rank alike: the values are global)
-    before any message moves; return ``grid`` as a list of ints.  A grid size
-    or step count that is not an integer is refused, never truncated; NaN,
-    infinite and bool values are refused."""
+#: the values every rank of a run must pass alike, agreed before any halo message
+_AGREED = ("ndims", "grid[0]", "grid[1]", "grid[2]", "steps", "t_final", "alpha", "cfl")
+_FLOATS = frozenset(("t_final", "alpha", "cfl"))
+
+
+def _bits(x: float) -> int:
+    return int(np.float64(x).view(np.int64))
+
+
+def _describe(name: str, v: int):
+    return float(np.int64(v).view(np.float64)) if name in _FLOATS else v
+
+
+def _check_local(comm, grid, backend, cfl, alpha, progress, op, steps, t_final) -> list:
+    """This rank's checks of :func:`_check_args`; ``grid`` as a list of ints."""
     if backend not in BACKENDS:
         raise InvalidArgument(f"unknown backend {backend!r}; choose one of {BACKENDS}", rank=comm.rank, op=op)
     grid = list(grid)
@@ -146,6 +157,35 @@ def _check_args(comm, grid, backend, cfl, alpha, progress, op, steps, t_final) -
         from .. import _heat_cupy  # noqa: PLC0415 - CuPy only when asked for
 
         _heat_cupy.require_cupy(rank=comm.rank, op=op)
+    return grid
+
+
+def _check_args(comm, grid, backend, cfl, alpha, progress, op, steps, t_final, local_error=None) -> list:
+    """Check a run's arguments and agree on them across ``comm`` (one all-gather
+    of a small header: the grid, ``steps`` or ``t_final``, ``alpha`` and ``cfl``)
+    before any halo message moves; return ``grid`` as a list of ints.
+
+    A grid size or step count that is not an integer is refused, never
+    truncated; NaN, infinite and bool values are refused.  ``local_error``: a
+    problem the caller found already (raised here, through the agreement).
+
+    Raises:
+        InvalidArgument: on every rank alike: this rank's own error as is, and
+            elsewhere one naming the rank(s) whose arguments were bad, or each
+            value that differs across ranks (a rank with more steps than the
+            others used to wait forever for their halo messages; a different
+            alpha gave a silently inconsistent field).
+    """
+    values = [0] * len(_AGREED)
+    if local_error is None:
+        try:
+            grid = _check_local(comm, grid, backend, cfl, alpha, progress, op, steps, t_final)
+        except InvalidArgument as exc:
+            local_error = exc
+        else:
+            values = [len(grid), *(grid + [0, 0])[:3], int(steps) if t_final is None else 0,
+                      _bits(t_final) if t_final is not None else 0, _bits(alpha), _bits(cfl)]
+    agree_header(comm.transport, values, op=op, local_error=local_error, names=_AGREED, describe=_describe)
     return grid
 
 
@@ -497,12 +537,13 @@ def solve_ft(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final
         raise InvalidArgument("--fault-tolerant needs ULFM: mpiexec --with-ft ulfm --mca btl tcp,self "
                               "--mca btl_tcp_flags send,inplace,need-ack,need-csum",
                               rank=comm.rank, op=op)
+    problem = None
     if backend not in ("numpy", "numba"):
-        raise InvalidArgument("fault-tolerant mode runs the numpy and numba backends", rank=comm.rank, op=op)
-    if not _is_int(checkpoint_every) or checkpoint_every < 1:
-        raise InvalidArgument(f"checkpoint_every must be an integer >= 1, got {checkpoint_every!r}",
-                              rank=comm.rank, op=op)
-    grid = _check_args(comm, grid, backend, cfl, alpha, progress, op, steps, t_final)
+        problem = InvalidArgument("fault-tolerant mode runs the numpy and numba backends", rank=comm.rank, op=op)
+    elif not _is_int(checkpoint_every) or checkpoint_every < 1:
+        problem = InvalidArgument(f"checkpoint_every must be an integer >= 1, got {checkpoint_every!r}",
+                                  rank=comm.rank, op=op)
+    grid = _check_args(comm, grid, backend, cfl, alpha, progress, op, steps, t_final, local_error=problem)
     dx, dt, steps, c = time_step(grid, alpha, cfl, steps, t_final)
     world = comm.world_ranks[comm.rank]
     kills = {int(s) for r, s in kill if int(r) == world}

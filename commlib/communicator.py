@@ -106,7 +106,7 @@ class Communicator(CollectiveMixin):
             DatatypeError: ``count`` elements of ``datatype`` do not fit ``buf``,
                 or the datatype is unusable; nothing is sent.
         """
-        self._check_tag(tag, "send")
+        self._check_tag(tag, "send", peer=dest)
         if datatype is not None:
             typed_send(self, buf, dest, datatype, count, tag)
             return
@@ -119,7 +119,7 @@ class Communicator(CollectiveMixin):
         Returns:
             MPI.Status (without ``datatype``): source, tag and byte count.
         """
-        self._check_tag(tag, "recv", anywild=True)
+        self._check_tag(tag, "recv", anywild=True, peer=source)
         if datatype is not None:
             typed_recv(self, buf, source, datatype, count, tag)
             return None
@@ -132,7 +132,7 @@ class Communicator(CollectiveMixin):
         Returns:
             Request: ``wait(timeout=None)`` / ``test()``.
         """
-        self._check_tag(tag, "isend")
+        self._check_tag(tag, "isend", peer=dest)
         if datatype is not None:
             return typed_isend(self, buf, dest, datatype, count, tag)
         return self.transport.isend(buf, dest, tag)
@@ -140,7 +140,7 @@ class Communicator(CollectiveMixin):
     def irecv(self, buf, source: int = ANY_SOURCE, tag: int = ANY_TAG, *, datatype=None, count: int = 1) -> Request:
         """Non-blocking receive (arguments as :meth:`recv`); ``buf`` holds the data
         after the request completes."""
-        self._check_tag(tag, "irecv", anywild=True)
+        self._check_tag(tag, "irecv", anywild=True, peer=source)
         if datatype is not None:
             return typed_irecv(self, buf, source, datatype, count, tag)
         return self.transport.irecv(buf, source, tag)
@@ -150,8 +150,8 @@ class Communicator(CollectiveMixin):
                  recvcount: int = 1) -> None:
         """Send ``sendbuf`` to ``dest`` while receiving ``recvbuf`` from ``source`` (no deadlock).
         ``sendtype``/``recvtype`` with their counts describe non-contiguous data as in :meth:`send`."""
-        self._check_tag(sendtag, "sendrecv")
-        self._check_tag(recvtag, "sendrecv", anywild=True)
+        self._check_tag(sendtag, "sendrecv", peer=dest)
+        self._check_tag(recvtag, "sendrecv", anywild=True, peer=source)
         if sendtype is None and recvtype is None:
             self.transport.sendrecv(sendbuf, dest, recvbuf, source, sendtag, recvtag)
             return
@@ -309,10 +309,15 @@ class Communicator(CollectiveMixin):
         """End every process of the job (``MPI_Abort``) with ``errorcode``."""
         self.transport.abort(errorcode)
 
-    def _check_tag(self, tag: int, op: str, anywild: bool = False) -> None:
+    def _check_tag(self, tag: int, op: str, anywild: bool = False, peer=None) -> None:
+        """A point-to-point call's ``tag`` (and that ``peer`` is not a bool: True
+        would pass as rank 1); the peer's range is the transport's check."""
         problem = check_user_tag(tag, anywild=anywild, ub=self.transport.tag_ub)
         if problem:
             raise InvalidArgument(problem, rank=self.rank, op=op)
+        if peer is True or peer is False:
+            raise InvalidArgument(f"{'source' if anywild else 'dest'} {peer!r} is a bool, not a rank",
+                                  rank=self.rank, op=op)
 
 
 class CartCommunicator(Communicator):

@@ -16,6 +16,7 @@ from mpi4py import MPI
 
 import commlib
 from commlib import datatypes as dt
+from commlib.core import errors
 from commlib.core.errors import CommError, DatatypeError, InvalidArgument
 
 # seconds within which every refusal must come.  The issue's target is 1 s, checked on a
@@ -208,6 +209,43 @@ def test_bad_tags_name_the_rank(comm, call, tag):
           "sendrecv": lambda: comm.sendrecv(a, (r + 1) % n, a.copy(), (r - 1) % n, recvtag=tag)}[call]
     e = _refused(comm, fn, cls=InvalidArgument)
     assert e.op == call
+    _still_usable(comm)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("call", ["recv", "irecv", "send", "isend", "sendrecv"])
+@pytest.mark.parametrize("what", ["peer", "tag"])
+@pytest.mark.parametrize("value", [True, False])
+def test_bool_peer_or_tag_is_refused(comm, call, what, value):
+    """``dest=True`` used to send to rank 1 (and ``tag=True`` to use tag 1): a bool
+    is not a rank or a tag."""
+    n, r = comm.size, comm.rank
+    a = np.zeros(4)
+    nxt, prv, tag = (value, value, 0) if what == "peer" else ((r + 1) % n, (r - 1) % n, value)
+    fn = {"recv": lambda: comm.recv(a, prv, tag=tag),
+          "irecv": lambda: comm.irecv(a, prv, tag=tag),
+          "send": lambda: comm.send(a, nxt, tag=tag),
+          "isend": lambda: comm.isend(a, nxt, tag=tag),
+          "sendrecv": lambda: comm.sendrecv(a, nxt, a.copy(), prv, sendtag=tag, recvtag=tag)}[call]
+    e = _refused(comm, fn, cls=InvalidArgument, match="bool" if what == "peer" else "is not an int")
+    assert e.op == call
+    _still_usable(comm)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("call", ["recv", "irecv", "sendrecv"])
+def test_read_only_receive_buffer_names_the_rank(comm, call):
+    """A read-only receive buffer (``np.frombuffer(bytes)``) raised mpi4py's
+    "dlpack: buffer is not writable", naming neither the rank nor the call."""
+    n, r = comm.size, comm.rank
+    ro = np.frombuffer(bytes(32))
+    fn = {"recv": lambda: comm.recv(ro, (r - 1) % n),
+          "irecv": lambda: comm.irecv(ro, (r - 1) % n),
+          "sendrecv": lambda: comm.sendrecv(np.zeros(4), (r + 1) % n, ro, (r - 1) % n)}[call]
+    e = _refused(comm, fn, cls=errors.BufferError, match="read-only")
+    assert e.op == call and bytes(ro) == bytes(32)
     _still_usable(comm)
 
 

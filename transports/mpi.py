@@ -191,7 +191,7 @@ class MPITransport(Transport):
     def _check_peer(self, peer: int, what: str, op: str) -> None:
         if peer == MPI.PROC_NULL or (what == "source" and peer == MPI.ANY_SOURCE):
             return
-        if not isinstance(peer, (int, np.integer)) or not 0 <= peer < self._size:
+        if not isinstance(peer, (int, np.integer)) or isinstance(peer, bool) or not 0 <= peer < self._size:
             raise InvalidArgument(f"{what} {peer!r} out of range [0, {self._size})", rank=self._rank, op=op)
 
     def _wrap(self, buf, op: str) -> Buffer:
@@ -209,13 +209,17 @@ class MPITransport(Transport):
 
         Raises:
             InvalidArgument: ``peer`` out of range, or a dtype with references.
-            BufferError: ``buf`` is not a usable contiguous buffer.
+            BufferError: ``buf`` is not a usable contiguous buffer, or a read-only
+                one to receive into.
         """
         self._check_peer(peer, "source" if receive else "dest", op)
         if isinstance(buf, Wire):
-            check_plain_dtype(as_buffer(buf.obj, op=op, rank=self._rank).dtype, self._rank, op)
+            b = as_buffer(buf.obj, op=op, rank=self._rank)
+            check_plain_dtype(b.dtype, self._rank, op)
         else:
-            self._wrap(buf, op)
+            b = self._wrap(buf, op)
+        if receive and b.readonly:
+            raise BufferError("the receive buffer is read-only; pass a writable array", rank=self._rank, op=op)
 
     def _spec(self, buf, op: str, receive: bool):
         """``(MPI buffer spec, keep-alive, on_complete)`` for ``buf`` (array or
@@ -226,6 +230,8 @@ class MPITransport(Transport):
             mdt = _BYTE if dt == "byte" else MPI.PACKED if dt == "packed" else dt
             b = as_buffer(obj, op=op, rank=self._rank)
             check_plain_dtype(b.dtype, self._rank, op)
+            if receive and b.readonly:
+                raise BufferError("the receive buffer is read-only; pass a writable array", rank=self._rank, op=op)
             if b.is_device and not self.cuda_aware:
                 if not isinstance(dt, str):
                     raise BufferError("an MPI datatype over device memory needs CUDA-aware MPI",
@@ -241,6 +247,8 @@ class MPITransport(Transport):
             mem = b.byte_view() if b.nbytes else np.empty(0, np.uint8)
             return [mem, count, mdt], b, None
         b = self._wrap(buf, op)
+        if receive and b.readonly:
+            raise BufferError("the receive buffer is read-only; pass a writable array", rank=self._rank, op=op)
         if b.is_device and not self.cuda_aware:
             if receive:
                 host = np.empty(b.shape, dtype=b.dtype)

@@ -62,7 +62,9 @@ def check_user_tag(tag, *, anywild: bool = False, ub: int = USER_TAG_MAX) -> str
         anywild: allow ``ANY_TAG`` (-1, receives only).
         ub: the largest tag of the communicator (``MPI_TAG_UB``).
     """
-    if not isinstance(tag, int) or isinstance(tag, bool):
+    if isinstance(tag, bool):
+        return f"tag {tag!r} is not an int"
+    if not isinstance(tag, int):
         try:
             tag = operator.index(tag)
         except TypeError:

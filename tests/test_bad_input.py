@@ -235,6 +235,21 @@ def test_bool_peer_or_tag_is_refused(comm, call, what, value):
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("call", ["recv", "irecv"])
+def test_message_larger_than_the_receive_buffer_says_so(comm, call):
+    """The blocking receive raised MPI's bare "MPI_ERR_TRUNCATE: message
+    truncated"; both receives now say what happened, naming the rank."""
+    n, r = comm.size, comm.rank
+    comm.isend(np.arange(8.0), (r + 1) % n, tag=21)
+    small = np.zeros(4)
+    fn = {"recv": lambda: comm.recv(small, (r - 1) % n, tag=21),
+          "irecv": lambda: comm.irecv(small, (r - 1) % n, tag=21).wait(30)}[call]
+    _refused(comm, fn, cls=CommError, match="a message was larger than its receive buffer")
+    _still_usable(comm)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("call", ["recv", "irecv", "sendrecv"])
 def test_read_only_receive_buffer_names_the_rank(comm, call):
     """A read-only receive buffer (``np.frombuffer(bytes)``) raised mpi4py's

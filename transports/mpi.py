@@ -85,7 +85,7 @@ class MPIRequest(Request):
         try:
             flag = self.req.Test()
         except MPI.Exception as exc:
-            raise_classified(exc, (), self.rank, "test")
+            _raise_completion_error(exc, (), self.rank, "test")
         if flag:
             self._finish()
             return True
@@ -97,7 +97,7 @@ class MPIRequest(Request):
                 self.req.Wait()
             except MPI.Exception as exc:
                 _ABANDONED.append(self.req)
-                raise_classified(exc, (), self.rank, "wait")
+                _raise_completion_error(exc, (), self.rank, "wait")
             self._finish()
             return None
         return Request.wait(self, timeout)
@@ -327,7 +327,7 @@ class MPITransport(Transport):
         try:
             self.comm.Recv(spec, source, tag, status)
         except MPI.Exception as exc:
-            raise_classified(exc, (status,), self._rank, op)
+            _raise_completion_error(exc, (status,), self._rank, op)
         if done is not None:
             done()
         return status
@@ -345,7 +345,7 @@ class MPITransport(Transport):
                     self._complete([self.comm.Irecv([recvbuf, _BYTE], source, recvtag),
                                     self.comm.Isend([sendbuf, _BYTE], dest, sendtag)], "sendrecv")
             except MPI.Exception as exc:
-                raise_classified(exc, (), self._rank, "sendrecv")
+                _raise_completion_error(exc, (), self._rank, "sendrecv")
             return
         op = "sendrecv"
         self.check(recvbuf, source, op, receive=True)  # both sides before either is posted

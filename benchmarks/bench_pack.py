@@ -30,13 +30,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 
 import numpy as np
-from mpi4py import MPI
 
-from commlib import datatypes as dts
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _util import OneLineParser, float_in, int_in, writable_file  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+from commlib import datatypes as dts  # noqa: E402
 
 BLOCKS = [2**k for k in range(17)]  # 1 B .. 64 KiB
 DIMS = [1, 2, 3, 4]
@@ -180,24 +184,37 @@ def plot(rows, path):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(
+    ap = OneLineParser(
         description=__doc__.split("\n\n")[0],
         epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--total", type=int, default=1 << 20, help="packed bytes per shape (default 1 MiB)")
-    ap.add_argument("--blocks", type=int, nargs="+", default=BLOCKS, help="block lengths in bytes")
-    ap.add_argument("--dims", type=int, nargs="+", default=DIMS, help="numbers of strided dimensions")
-    ap.add_argument("--repeat", type=int, default=15, help="interleaved trials per shape; best is kept")
-    ap.add_argument("--min-time", type=float, default=2e-3, help="seconds per timed trial (sets the loop count)")
-    ap.add_argument("--quick", action="store_true", help="fewer shapes and trials (smoke run)")
-    ap.add_argument("--json", metavar="PATH", help="write every measurement and the summary as JSON")
-    ap.add_argument("--plot", metavar="PATH", help="write a PNG of bandwidth and ratios (matplotlib)")
+    ap.add_argument("--total", type=int_in(1, 1 << 30, "bytes"), default=1 << 20,
+                    help="packed bytes per shape, 1..2^30 (default 1 MiB)")
+    ap.add_argument("--blocks", type=int_in(1, 1 << 24, "bytes"), nargs="+", default=BLOCKS,
+                    help="contiguous block lengths in bytes, each 1..2^24 (default 1, 2, 4, ..., 65536)")
+    ap.add_argument("--dims", type=int_in(1, 6, "dimensions"), nargs="+", default=DIMS,
+                    help="numbers of strided dimensions, each 1..6 (default 1 2 3 4)")
+    ap.add_argument("--repeat", type=int_in(1, 10000, "trials"), default=15,
+                    help="interleaved trials per shape, best kept (default 15)")
+    ap.add_argument("--min-time", type=float_in(0, 60, "seconds"), default=2e-3,
+                    help="seconds per timed trial, sets the loop count, > 0 and <= 60 (default 0.002)")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: blocks 1 8 64 256 4096 65536, 3 trials, 1 ms (overrides those options)")
+    ap.add_argument("--json", metavar="PATH", type=writable_file,
+                    help="write every measurement and the summary as JSON")
+    ap.add_argument("--plot", metavar="PATH", type=writable_file,
+                    help="write a PNG of bandwidth and ratios (matplotlib)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = ap.parse_args(argv)
     if args.quick:
         args.blocks = [1, 8, 64, 256, 4096, 65536]
         args.repeat = 3
         args.min_time = 1e-3
+    from tqdm import tqdm  # noqa: PLC0415
+
+    bar = tqdm(total=len(args.dims) * len(args.blocks), desc="shapes", unit="shape", file=sys.stderr,
+               disable=True if args.no_progress else None, leave=False)
 
     rows = []
     print(f"{'block':>6} {'dims':>4} {'bytes':>8} | {'commlib':>8} {'mpi':>8} {'memcpy':>8} GB/s pack | "
@@ -205,11 +222,13 @@ def main(argv=None):
     for d in args.dims:
         for b in args.blocks:
             r = measure(b, d, args.total, args.repeat, args.min_time)
+            bar.update()
             rows.append(r)
             g = r["gbps"]
             print(f"{b:>6} {d:>4} {r['bytes']:>8} | {g['pack_commlib']:8.2f} {g['pack_mpi']:8.2f} "
                   f"{g['memcpy']:8.2f}           | {r['pack_vs_mpi']:6.2f} {r['pack_vs_memcpy']:8.2f} | "
                   f"{r['unpack_vs_mpi']:12.2f} {r['unpack_vs_memcpy']:8.2f}", flush=True)
+    bar.close()
     s = summarize(rows)
     print()
     for k, v in s.items():

@@ -21,7 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _util import geomean, write_json  # noqa: E402
+from _util import OneLineParser, geomean, int_in, writable_file, write_json  # noqa: E402
 
 import commlib  # noqa: E402
 from commlib import datatypes as dts  # noqa: E402
@@ -44,48 +44,70 @@ def pingpong(comm, fn_send, fn_recv, repeat):
     return comm.mpi_comm.bcast(best, root=0)
 
 
+def _block(text):
+    """argparse type: a block length in bytes, a multiple of 8 (whole float64s)."""
+    v = int_in(8, 1 << 26, "bytes")(text)
+    if v % 8:
+        raise argparse.ArgumentTypeError(f"must be a multiple of 8 bytes (whole float64 elements), got {v}")
+    return v
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", type=int, nargs="+", default=[256, 4096, 65536, 1 << 20, 4 << 20])
-    p.add_argument("--blocks", type=int, nargs="+", default=[8, 64, 512, 4096])
-    p.add_argument("--repeat", type=int, default=30)
-    p.add_argument("--json", metavar="PATH")
-    p.add_argument("--plot", metavar="PATH", help="PNG: latency vs size per block length")
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", type=int_in(8, 1 << 28, "bytes"), nargs="+",
+                   default=[256, 4096, 65536, 1 << 20, 4 << 20],
+                   help="message sizes in bytes (packed data per message), each 8..2^28 "
+                        "(default 256 4096 65536 1048576 4194304)")
+    p.add_argument("--blocks", type=_block, nargs="+", default=[8, 64, 512, 4096],
+                   help="contiguous block lengths in bytes, multiples of 8; pairs with a block larger than the "
+                        "size are skipped (default 8 64 512 4096)")
+    p.add_argument("--repeat", type=int_in(1, 100000, "round trips"), default=30,
+                   help="round trips per measurement, best kept (default 30)")
+    p.add_argument("--json", metavar="PATH", type=writable_file, help="write every measurement as JSON (rank 0)")
+    p.add_argument("--plot", metavar="PATH", type=writable_file, help="PNG: latency vs size per block length")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr (rank 0)")
     args = p.parse_args(argv)
+    pairs = [(nb, bl) for nb in args.sizes for bl in args.blocks if bl <= nb]
+    if not pairs:
+        p.error(f"every block ({min(args.blocks)} B or more) is larger than every size "
+                f"({max(args.sizes)} B or less): nothing to measure")
     comm = commlib.init()
     if comm.size < 2:
-        p.error("run with mpiexec -n 2")
+        p.error("needs 2 ranks: run with mpiexec -n 2")
+    from tqdm import tqdm  # noqa: PLC0415
+
+    bar = tqdm(total=len(pairs), desc="ping-pong", unit="shape", file=sys.stderr, leave=False,
+               disable=True if (args.no_progress or comm.rank != 0) else None)
     model = default_model()
     rows = []
-    for nb in args.sizes:
-        for bl in args.blocks:
-            if bl > nb:
-                continue
-            t = dts.Vector(nb // bl, bl // 8, 2 * bl // 8, np.float64)
-            buf = np.zeros(t.extent // 8 + 1)
-            mt = t.to_mpi()
+    for nb, bl in pairs:
+        t = dts.Vector(nb // bl, bl // 8, 2 * bl // 8, np.float64)
+        buf = np.zeros(t.extent // 8 + 1)
+        mt = t.to_mpi()
 
-            def m_send(peer):
-                comm.mpi_comm.Send([buf, 1, mt], peer, 0)
+        def m_send(peer):
+            comm.mpi_comm.Send([buf, 1, mt], peer, 0)
 
-            def m_recv(peer):
-                comm.mpi_comm.Recv([buf, 1, mt], peer, 0)
+        def m_recv(peer):
+            comm.mpi_comm.Recv([buf, 1, mt], peer, 0)
 
-            times = {"mpi4py": pingpong(comm, m_send, m_recv, args.repeat)}
-            for strat in ("mpi", "pack", None):
-                def c_send(peer, s=strat):
-                    typed_send(comm, buf, peer, t, 1, 0, strategy=s)
+        times = {"mpi4py": pingpong(comm, m_send, m_recv, args.repeat)}
+        for strat in ("mpi", "pack", None):
+            def c_send(peer, s=strat):
+                typed_send(comm, buf, peer, t, 1, 0, strategy=s)
 
-                def c_recv(peer, s=strat):
-                    typed_recv(comm, buf, peer, t, 1, 0, strategy=s)
+            def c_recv(peer, s=strat):
+                typed_recv(comm, buf, peer, t, 1, 0, strategy=s)
 
-                times[strat or "auto"] = pingpong(comm, c_send, c_recv, args.repeat)
-            mt.Free()
-            pick = model.choose(t, 1, device=False)
-            fastest = min(("mpi", "pack"), key=lambda s: times[s])
-            rows.append({"bytes": nb, "block": bl, "seconds": times, "model_pick": pick, "fastest": fastest,
-                         "pick_ok": times[pick] <= 1.05 * times[fastest],
-                         "speedup_vs_mpi4py": times["mpi4py"] / times["auto"]})
+            times[strat or "auto"] = pingpong(comm, c_send, c_recv, args.repeat)
+        mt.Free()
+        pick = model.choose(t, 1, device=False)
+        fastest = min(("mpi", "pack"), key=lambda s: times[s])
+        rows.append({"bytes": nb, "block": bl, "seconds": times, "model_pick": pick, "fastest": fastest,
+                     "pick_ok": times[pick] <= 1.05 * times[fastest],
+                     "speedup_vs_mpi4py": times["mpi4py"] / times["auto"]})
+        bar.update()
+    bar.close()
     if comm.rank == 0:
         print(f"# non-contiguous ping-pong, one-way us; model: {model.source}")
         print(f"{'bytes':>9} {'block':>6} {'mpi4py':>9} {'c:mpi':>9} {'c:pack':>9} {'c:auto':>9} {'speedup':>8} pick ok")

@@ -9,15 +9,21 @@ datatype handed to MPI, or commlib's pack kernels (on the device for device
 buffers) with the packed bytes sent as ``MPI_PACKED``.  Sender and receiver
 choose independently; MPI-4.0 §5.2 pairs ``MPI_PACKED`` with any type
 signature, so any pair of strategies interoperates.
+
+A receive may get a shorter message than ``count`` elements (MPI-4.0 §3.2.4):
+whatever the strategy, only the bytes that arrived are written, as MPI's own
+receive with the datatype does; a longer message is MPI's truncation error.  A
+read-only receive buffer is refused before anything is posted.
 """
 from __future__ import annotations
 
 import numpy as np
+from mpi4py import MPI
 
 from commlib.core import devmem
 from commlib.core.buffer import as_buffer
 from commlib.core.config import config
-from commlib.core.errors import CommError, DatatypeError
+from commlib.core.errors import BufferError, CommError, DatatypeError
 from commlib.datatypes import as_datatype, pack, plan_for, unpack
 from commlib.datatypes import strategy as _strategy
 from commlib.datatypes.strategy import default_model
@@ -38,7 +44,7 @@ def resolve(comm, buf, datatype, count, op, receive: bool = False):
             any error MPI reports reading it) or ``count`` elements do not fit
             ``buf`` (bytes touched outside it); raised before any byte moves.
         InvalidArgument: ``buf``'s dtype holds references (``dtype=object``).
-        BufferError: ``buf`` is not contiguous in memory.
+        BufferError: ``buf`` is read-only (a receive).
     """
     nothing = "no receive was posted" if receive else "nothing was sent"
     try:
@@ -52,6 +58,9 @@ def resolve(comm, buf, datatype, count, op, receive: bool = False):
         raise DatatypeError(f"count must be a non-negative int, got {count!r}; {nothing}", rank=comm.rank, op=op)
     b = as_buffer(buf, op=op, rank=comm.rank)
     check_plain_dtype(b.dtype, comm.rank, op)
+    if receive and b.readonly:
+        raise BufferError(f"the receive buffer is read-only (writeable flag cleared, or an immutable object); "
+                          f"{nothing}", rank=comm.rank, op=op)
     if not b.dense:
         raise DatatypeError(f"buffer must be contiguous in memory; the datatype describes the layout; {nothing}",
                             rank=comm.rank, op=op)
@@ -153,30 +162,81 @@ def _send_wire(comm, buf, dest, datatype, count, strategy, op) -> Wire | None:
     return Wire(packed, p.nbytes, "packed")  # the transport synchronizes device memory before sending
 
 
-def _recv_wire(comm, buf, source, datatype, count, strategy, op):
-    """Validate; ``(Wire to receive into, unpack-on-completion or None)``; None for ``PROC_NULL``."""
+def _recv_wire(comm, buf, source, datatype, count, strategy, op, prefill):
+    """Validate; ``(Wire to receive into, unpack(nbytes=None) to run on completion, or
+    None)``; None for ``PROC_NULL``.
+
+    A message may be shorter than ``count`` elements (MPI-4.0 §3.2.4: only the
+    elements received are written).  ``unpack(nbytes)`` unpacks the ``nbytes``
+    bytes received and leaves the rest of ``buf`` as it was.  Where the
+    received size will not be known (a non-blocking receive), ``prefill`` packs
+    ``buf``'s current contents into the wire first, so the bytes a short message
+    does not overwrite unpack back unchanged (MPI forbids touching a receive
+    buffer while the receive is pending).
+    """
     got = _prepare(comm, buf, source, datatype, count, strategy, op, True)
     if got is None:
         return None
     b, t, p, s = got
     if s == "mpi":
         return _mpi_wire(comm, b, t, count, op), None
+    n = p.nbytes
     if b.is_device and s == "device":
-        wire = devmem.device_empty(p.nbytes, like=b.obj)
-        return Wire(wire, p.nbytes, "packed"), lambda: unpack(wire, t, b.obj, count)
-    if b.is_device and s == "mapped":  # MPI writes host memory the unpack kernel reads in place
-        mapped = devmem.mapped_empty(p.nbytes)
-        return Wire(np.asarray(mapped), p.nbytes, "packed"), lambda: unpack(mapped, t, b.obj, count)
-    wire = np.empty(p.nbytes, np.uint8)
-    if b.is_device:
-        return Wire(wire, p.nbytes, "packed"), lambda: _unpack_staged(wire, t, b.obj, count)
-    return Wire(wire, p.nbytes, "packed"), lambda: unpack(wire, t, b.obj, count)
+        wire = pack(b.obj, t, count) if prefill and n else devmem.device_empty(n, like=b.obj)
+    elif b.is_device and s == "mapped":  # MPI writes host memory the unpack kernel reads in place
+        wire = devmem.mapped_empty(n)
+        if prefill and n:
+            pack(b.obj, t, count, out=wire)
+            devmem.stream_synchronize()  # the kernel's writes land before MPI's
+    elif b.is_device:  # staged: received on the host, copied to the device, unpacked there
+        wire = np.empty(n, np.uint8)
+        if prefill and n:
+            devmem.to_host_async(pack(b.obj, t, count), wire, 0, n)
+            devmem.stream_synchronize()
+    else:
+        wire = pack(b.obj, t, count) if prefill else np.empty(n, np.uint8)
+    mem = np.asarray(wire) if b.is_device and s == "mapped" else wire
+    return Wire(mem, n, "packed"), lambda nbytes=None: _unpack_received(wire, t, b, count, nbytes, s)
 
 
-def _unpack_staged(host, t, buf, count):
-    dev = devmem.device_empty(host.shape[0], like=buf)
+def _to_device(host, like):
+    dev = devmem.device_empty(host.shape[0], like=like)
     devmem.to_device_async(host, dev, 0, host.shape[0])
-    unpack(dev, t, buf, count)
+    return dev
+
+
+def _unpack_received(wire, t, b, count, nbytes, s):
+    """Unpack the first ``nbytes`` bytes of ``wire`` (all of it when None) as
+    elements of ``t`` into ``b``: whole elements, then the leading bytes of a
+    partial one (merged into that element's current bytes); nothing else of
+    ``b`` is written."""
+    staged = b.is_device and s not in ("device", "mapped")
+    full = count * t.size
+    if nbytes is None or nbytes >= full:
+        unpack(_to_device(wire, b.obj) if staged else wire, t, b.obj, count)
+        return
+    k, rem = divmod(nbytes, t.size)
+    if k:
+        whole = wire[:k * t.size]
+        unpack(_to_device(whole, b.obj) if staged else whole, t, b.obj, k)
+    if rem:  # a partial element (the sender's type signature differs)
+        origin = k * t.extent
+        cur = pack(b.obj, t, 1, origin=origin)
+        if b.is_device:
+            host = np.empty(t.size, np.uint8)
+            devmem.to_host_async(cur, host, 0, t.size)
+            tail = wire[k * t.size:nbytes]
+            if not isinstance(tail, np.ndarray):
+                tail_h = np.empty(nbytes, np.uint8)
+                devmem.to_host_async(wire, tail_h, k * t.size, nbytes)
+                devmem.stream_synchronize()
+                tail = tail_h[k * t.size:nbytes]
+            devmem.stream_synchronize()
+            host[:rem] = tail
+            unpack(_to_device(host, b.obj), t, b.obj, 1, origin=origin)
+        else:
+            cur[:rem] = wire[k * t.size:nbytes]
+            unpack(cur, t, b.obj, 1, origin=origin)
 
 
 def typed_isend(comm, buf, dest, datatype, count=1, tag=0, strategy=None) -> Request:
@@ -187,7 +247,7 @@ def typed_isend(comm, buf, dest, datatype, count=1, tag=0, strategy=None) -> Req
 
 def typed_irecv(comm, buf, source, datatype, count=1, tag=ANY_TAG, strategy=None) -> Request:
     """Non-blocking receive of ``count`` elements of ``datatype`` into ``buf``."""
-    got = _recv_wire(comm, buf, source, datatype, count, strategy, "irecv")
+    got = _recv_wire(comm, buf, source, datatype, count, strategy, "irecv", True)
     if got is None:
         return CompletedRequest()
     w, done = got
@@ -204,11 +264,12 @@ def typed_send(comm, buf, dest, datatype, count=1, tag=0, strategy=None) -> None
 
 def typed_recv(comm, buf, source, datatype, count=1, tag=ANY_TAG, strategy=None) -> None:
     """Blocking receive of ``count`` elements of ``datatype`` into ``buf``."""
-    got = _recv_wire(comm, buf, source, datatype, count, strategy, "recv")
+    got = _recv_wire(comm, buf, source, datatype, count, strategy, "recv", False)
     if got is not None:
-        comm.transport.recv(got[0], source, tag)
+        status = comm.transport.recv(got[0], source, tag)
         if got[1] is not None:
-            got[1]()
+            # the bytes that arrived (a message may be shorter than count elements)
+            got[1](status.Get_count(MPI.BYTE) if isinstance(status, MPI.Status) else None)
 
 
 def typed_sendrecv(comm, sendbuf, dest, recvbuf, source, sendtag, recvtag, sendtype=None, sendcount=1,
@@ -220,7 +281,7 @@ def typed_sendrecv(comm, sendbuf, dest, recvbuf, source, sendtag, recvtag, sendt
     op = "sendrecv"
     tp = comm.transport
     if recvtype is not None:
-        got = _recv_wire(comm, recvbuf, source, recvtype, recvcount, strategy, op)
+        got = _recv_wire(comm, recvbuf, source, recvtype, recvcount, strategy, op, True)
         rwire, done = got if got is not None else (None, None)
     else:
         tp.check(recvbuf, source, op, receive=True)

@@ -15,10 +15,12 @@ before a byte moves.
 """
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 from commlib.core.buffer import as_buffer
-from commlib.core.errors import BufferError, DatatypeError
+from commlib.core.errors import BufferError, DatatypeError, InvalidArgument
 
 from . import canonical as _c
 from .types import Datatype, as_datatype
@@ -196,9 +198,12 @@ def _resolve(datatype, count, op):
         except DatatypeError as exc:
             raise DatatypeError(exc.detail, op=op) from None
     if type(count) is not int:
+        # ints and numpy integers only: 2.5 or True is refused, not truncated
         try:
-            count = int(count)
-        except (TypeError, ValueError):
+            if isinstance(count, (bool, np.bool_)):
+                raise TypeError
+            count = operator.index(count)
+        except TypeError:
             raise DatatypeError(f"count must be an int, got {count!r}", op=op) from None
     if count < 0:
         raise DatatypeError(f"count must be >= 0, got {count}", op=op)
@@ -223,6 +228,21 @@ def _numba_ok(dt) -> bool:
 _KERNEL_DTYPES = frozenset(np.dtype(c) for c in "?bBhHiIlLqQfdFD")
 
 
+def _origin(origin, op):
+    """``origin`` as an int (ints and numpy integers; a float is refused, not truncated)."""
+    if isinstance(origin, (bool, np.bool_)):
+        raise DatatypeError(f"origin must be an int (bytes), got {origin!r}", op=op)
+    try:
+        return operator.index(origin)
+    except TypeError:
+        raise DatatypeError(f"origin must be an int (bytes), got {origin!r}", op=op) from None
+
+
+def _read_only(what, op):
+    return BufferError(f"{what} is read-only (its writeable flag is cleared, or it is an immutable object "
+                       "such as bytes); nothing was written", op=op)
+
+
 def _not_contiguous(buf, op):
     return BufferError(
         f"buffer of shape {buf.shape} and strides {buf.strides} is not contiguous in memory; "
@@ -239,6 +259,9 @@ def _host_array(buf, op):
         raise _not_contiguous(buf, op)
     if _numba_ok(buf.dtype):
         return buf
+    if buf.dtype.hasobject:
+        raise InvalidArgument(f"buffer has dtype {buf.dtype}, which holds Python object pointers (references), "
+                              "not data bytes; use a numeric dtype", op=op)
     return buf.reshape(-1, order="C" if fl.c_contiguous else "F").view(np.uint8)
 
 
@@ -274,7 +297,8 @@ def pack(buf, datatype, count=1, out=None, *, origin=0, stream=None):
             map's origin (plus ``origin``).
         datatype: a commlib :class:`Datatype`, a committed ``MPI.Datatype``, or a
             numpy dtype.
-        count: number of elements, each ``datatype.extent`` bytes after the last.
+        count: number of elements (an int or numpy integer; a float is refused),
+            each ``datatype.extent`` bytes after the last.
         out: optional preallocated 1-D uint8 array of at least ``count *
             datatype.size`` bytes on the same side (host/device) as ``buf``, to
             avoid an allocation per call.
@@ -294,13 +318,19 @@ def pack(buf, datatype, count=1, out=None, *, origin=0, stream=None):
     Raises:
         DatatypeError: the type is unusable (uncommitted/freed MPI type,
             unsupported combiner) or does not fit ``buf``/``out``; nothing is written.
-        BufferError: ``buf`` or ``out`` is not a usable array.
+        BufferError: ``buf`` or ``out`` is not a usable array, or ``out`` is read-only.
+        InvalidArgument: ``buf`` holds Python objects (``dtype=object``).
     """
-    try:
-        p = datatype._plans[count]
-        t = datatype
-    except (AttributeError, KeyError, TypeError):
+    if count.__class__ is int:
+        try:
+            p = datatype._plans[count]
+            t = datatype
+        except (AttributeError, KeyError):
+            t, p = _resolve(datatype, count, "pack")
+    else:
         t, p = _resolve(datatype, count, "pack")
+    if origin.__class__ is not int:
+        origin = _origin(origin, "pack")
     if buf.__class__ is not np.ndarray:
         if stream is not None:
             from ._device import on_stream  # noqa: PLC0415
@@ -318,7 +348,8 @@ def pack(buf, datatype, count=1, out=None, *, origin=0, stream=None):
             raise _fit_error(t, p, count, buf.nbytes, origin, "pack")
     if out is None:
         out = np.empty(nb, _U8)
-    elif out.__class__ is not np.ndarray or out.dtype is not _U8 or out.shape != (nb,) or out.strides != (1,):
+    elif (out.__class__ is not np.ndarray or out.dtype is not _U8 or out.shape != (nb,) or out.strides != (1,)
+          or not out.flags.writeable):
         out = _check_out(out, nb, "pack")[:nb]
     if nb:
         if origin:
@@ -335,6 +366,8 @@ def _check_out(out, nb, op):
         raise BufferError("out must be a contiguous 1-D numpy uint8 array for a host buffer", op=op)
     if out.shape[0] < nb:
         raise DatatypeError(f"out holds {out.shape[0]} bytes, the packed data needs {nb}", op=op)
+    if not out.flags.writeable:
+        raise _read_only("out", op)
     return out
 
 
@@ -360,13 +393,20 @@ def unpack(packed, datatype, buf, count=1, *, origin=0, stream=None):
         DatatypeError: the type is unusable, does not fit ``buf``, ``packed`` is
             too short, or the type map writes some byte twice (overlapping
             targets); nothing is written.
-        BufferError: ``buf`` or ``packed`` is not a usable array.
+        BufferError: ``buf`` or ``packed`` is not a usable array, or ``buf`` is
+            read-only (``writeable`` cleared, ``bytes``, a read-only device array).
+        InvalidArgument: ``buf`` holds Python objects (``dtype=object``).
     """
-    try:
-        p = datatype._plans[count]
-        t = datatype
-    except (AttributeError, KeyError, TypeError):
+    if count.__class__ is int:
+        try:
+            p = datatype._plans[count]
+            t = datatype
+        except (AttributeError, KeyError):
+            t, p = _resolve(datatype, count, "unpack")
+    else:
         t, p = _resolve(datatype, count, "unpack")
+    if origin.__class__ is not int:
+        origin = _origin(origin, "unpack")
     if buf.__class__ is not np.ndarray:
         if stream is not None:
             from ._device import on_stream  # noqa: PLC0415
@@ -377,6 +417,8 @@ def unpack(packed, datatype, buf, count=1, *, origin=0, stream=None):
     fl = buf.flags
     if not (fl.c_contiguous or fl.f_contiguous):
         raise _not_contiguous(buf, "unpack")
+    if not fl.writeable:
+        raise _read_only("buf", "unpack")
     arr = buf if buf.dtype in _KERNEL_DTYPES else _host_array(buf, "unpack")
     nb = p.nbytes
     if packed.__class__ is not np.ndarray:
@@ -436,6 +478,8 @@ def _pack_device(buf, t, p, count, out, origin):
 
 def _unpack_device(packed, t, p, buf, count, origin):
     b, host = _device_buffer(buf, "unpack")
+    if b is not None and b.readonly:
+        raise _read_only("buf", "unpack")
     if b is None:
         unpack(packed if isinstance(packed, np.ndarray) else np.asarray(packed), t, host, count, origin=origin)
         return buf
@@ -508,7 +552,7 @@ class Packer:
     def __init__(self, datatype, buf, count=1, out=None, *, origin=0, stream=None):
         self.out = pack(buf, datatype, count, out, origin=origin, stream=stream)  # validates everything once
         t, p = _resolve(datatype, count, "Packer")
-        self.datatype, self.buf, self.count, self.origin = t, buf, count, int(origin)
+        self.datatype, self.buf, self.count, self.origin = t, buf, count, _origin(origin, "Packer")
         self.nbytes = p.nbytes
         self._plan = p
         self._host = self._dpack = self._dunpack = None
@@ -522,7 +566,7 @@ class Packer:
                 ob = _packed_device(self.out)
                 self._stream = None if stream is None else _device.on_stream(stream)
                 self._dpack = _device.prepare(p, b, ob, self.origin, True)
-                if not p.overlaps():
+                if not p.overlaps() and not b.readonly:
                     self._dunpack = _device.prepare(p, b, ob, self.origin, False)
                     self._dother = {id(self.out): (self._dunpack, self.out)}
         if buf.__class__ is np.ndarray and p.nbytes:
@@ -565,6 +609,8 @@ class Packer:
         """Unpack ``packed`` (default :attr:`out`) into ``buf`` and return ``buf``."""
         h = self._host
         if h is not None and (packed is None or packed is self.out):
+            if not self.buf.flags.writeable:
+                raise _read_only("buf", "Packer.unpack")
             p = self._plan
             if p._overlap is None and p.overlaps() or p._overlap:
                 raise DatatypeError(f"{self.count} element(s) of {_short(self.datatype)} write some bytes "

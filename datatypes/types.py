@@ -15,6 +15,7 @@ pack plans, so building it once and packing it every step is cheap.
 from __future__ import annotations
 
 import math
+import operator
 
 import numpy as np
 from mpi4py import MPI
@@ -76,19 +77,32 @@ def as_datatype(obj, op: str = "datatype") -> "Datatype":
 _NAMED: dict = {}
 
 
-def _ints(seq, what: str, op: str) -> tuple:
+def _int(x, what: str, op: str) -> int:
+    """``x`` as a Python int: ints and numpy integers only.  A float (2.5 or
+    2.0), a bool or a string is refused rather than truncated."""
+    if isinstance(x, (bool, np.bool_)):
+        raise _err(f"{what} must be an int, got the bool {x!r}", op)
     try:
-        out = tuple(int(x) for x in seq)
-    except (TypeError, ValueError):
+        return operator.index(x)
+    except TypeError:
+        raise _err(f"{what} must be an int, got {x!r}", op) from None
+
+
+def _ints(seq, what: str, op: str) -> tuple:
+    if isinstance(seq, (str, bytes)):
+        raise _err(f"{what} must be a sequence of ints, got {seq!r}", op)
+    try:
+        items = list(seq)
+    except TypeError:
         raise _err(f"{what} must be a sequence of ints, got {seq!r}", op) from None
-    return out
+    try:
+        return tuple(_int(x, what, op) for x in items)
+    except DatatypeError:
+        raise _err(f"{what} must be a sequence of ints, got {seq!r}", op) from None
 
 
 def _nonneg(x, what: str, op: str) -> int:
-    try:
-        x = int(x)
-    except (TypeError, ValueError):
-        raise _err(f"{what} must be an int, got {x!r}", op) from None
+    x = _int(x, what, op)
     if x < 0:
         raise _err(f"{what} must be >= 0, got {x}", op)
     return x
@@ -368,8 +382,8 @@ class Hvector(Datatype):
         self.count = self._nb = _nonneg(count, "count", op)
         self.blocklength = self._bl = _nonneg(blocklength, "blocklength", op)
         self.base = as_datatype(base, op)
-        self.stride_bytes = int(stride) * self._stride_unit()
-        self.stride = int(stride)
+        self.stride = _int(stride, "stride", op)
+        self.stride_bytes = self.stride * self._stride_unit()
         ext = self.base.extent
         c, b, s = self.count, self.blocklength, self.stride_bytes
         span_lo = min(0, (c - 1) * s) + min(0, (b - 1) * ext) if c and b else 0
@@ -421,7 +435,7 @@ class Contiguous(Hvector):
 
     def __init__(self, count, base):
         b = as_datatype(base, "Contiguous")
-        super().__init__(1, count, b.extent, b)
+        super().__init__(1, _nonneg(count, "count", "Contiguous"), b.extent, b)
         self.count = self.blocklength
 
     def _create_mpi(self, inner):
@@ -611,8 +625,8 @@ class Resized(Datatype):
     def __init__(self, base, lb, extent):
         super().__init__()
         self.base = as_datatype(base, "Resized")
-        self.new_lb = int(lb)
-        self.new_extent = int(extent)
+        self.new_lb = _int(lb, "lb", "Resized")
+        self.new_extent = _int(extent, "extent", "Resized")
         b = self.base
         self._set_bounds(b.size, self.new_lb, self.new_lb + self.new_extent, b.true_lb, b.true_ub, b.alignment, True)
 
@@ -776,8 +790,8 @@ class Darray(Datatype):
         super().__init__()
         op = "Darray"
         self.base = as_datatype(base, op)
-        self.nprocs = int(size)
-        self.rank = int(rank)
+        self.nprocs = _int(size, "size", op)
+        self.rank = _int(rank, "rank", op)
         self.gsizes = _ints(gsizes, "gsizes", op)
         self.distribs = tuple(_distrib(x, op) for x in distribs)
         self.dargs = _ints(dargs, "dargs", op)
@@ -865,9 +879,13 @@ def from_mpi(dt, *, check: bool = True) -> Datatype:
     if isinstance(dt, Datatype):
         return dt
     _mpi.check_handle(dt)
-    t = _mpi.cached(dt)
-    if t is None:
-        t = _mpi.cache(dt, _from_decoded(_mpi.decode(dt, check=check)))
+    try:
+        t = _mpi.cached(dt)
+        if t is None:
+            t = _mpi.cache(dt, _from_decoded(_mpi.decode(dt, check=check)))
+    except MPI.Exception as exc:  # a stale handle (a copy of a freed one) reads as MPI_ERR_INTERN...
+        raise DatatypeError(f"the MPI datatype cannot be read ({exc}): a freed handle, or a copy of one?",
+                            op="from_mpi") from None
     return t
 
 

@@ -162,3 +162,66 @@ def test_typed_buffer_too_small_raises_before_sending():
     with pytest.raises(DatatypeError, match="irecv"):
         comm.irecv(np.zeros(10), 0, datatype=t, count=2)
     comm.barrier()  # every rank got here: nothing was left in flight
+
+
+# ------------------------------------------------------------ misuse
+def _pairs(comm):
+    return (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("recv_s", ["pack", "mpi"])
+@pytest.mark.parametrize("mode", ["recv", "irecv", "sendrecv"])
+def test_typed_short_message_writes_only_what_arrived(mode, recv_s):
+    """A message shorter than the receive (fewer elements, or a partial one from
+    a different type signature) writes only its bytes, as MPI's own receive with
+    the same datatype does (oracle: mpi4py's Recv); the packed strategy used to
+    unpack the uninitialized rest of its wire buffer over the user's data."""
+    from commlib.typed_p2p import typed_irecv, typed_recv, typed_send, typed_sendrecv
+
+    comm = commlib.init()
+    right, left = _pairs(comm)
+    t = dts.Vector(3, 1, 2, np.float64)  # elements 0, 2, 4 of 6 doubles; 12 doubles hold 2
+    mt = t.to_mpi()
+    src = np.arange(12.0) + 1 + 100 * comm.rank
+    # (send type, send count): one whole element, then 2 doubles = 2/3 of one
+    for k, (st, sc) in enumerate([(t, 1), (dts.Named(np.float64), 2)]):
+        for trial in range(3):  # fresh wire buffers each time: garbage would show
+            dst = np.full(12, -7.0)
+            if mode == "sendrecv":
+                typed_sendrecv(comm, src, right, dst, left, 9, 9, sendtype=st, sendcount=sc, recvtype=t,
+                               recvcount=2, strategy=recv_s)
+            else:
+                r = typed_irecv(comm, dst, left, t, 2, 9, strategy=recv_s) if mode == "irecv" else None
+                if mode == "recv":
+                    req = comm.transport.isend(dts.pack(src, st, sc), right, 9)
+                    typed_recv(comm, dst, left, t, 2, 9, strategy=recv_s)
+                    req.wait(60)
+                else:
+                    typed_send(comm, src, right, st, sc, 9)
+                    r.wait(60)
+            ref = np.full(12, -7.0)
+            smt = mt if st is t else MPI.DOUBLE
+            comm.mpi_comm.Sendrecv([src, sc, smt], right, 10, [ref, 2, mt], left, 10)
+            assert np.array_equal(dst, ref), (k, trial, dst, ref)
+    mt.Free()
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("recv_s", ["pack", "mpi"])
+def test_typed_recv_into_read_only_buffer_is_refused_before_posting(recv_s):
+    from commlib.core.errors import BufferError
+    from commlib.typed_p2p import typed_irecv
+
+    comm = commlib.init()
+    ro = np.zeros(12)
+    ro.flags.writeable = False
+    t = dts.Vector(3, 1, 2, np.float64)
+    with pytest.raises(BufferError, match=rf"rank {comm.rank}: irecv: .*read-only.*no receive was posted"):
+        typed_irecv(comm, ro, 0, t, 1, 11, strategy=recv_s)
+    with pytest.raises(BufferError, match="read-only"):
+        comm.recv(bytes(96), 0, 11, datatype=t)
+    assert not ro.any()
+    comm.barrier()  # nothing was posted: no rank waits on a message

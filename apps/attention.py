@@ -731,7 +731,8 @@ def print_report(rep):
 
 
 def main(argv=None) -> int:
-    """The command line; returns the exit status (2: a refused value, one line on stderr from rank 0)."""
+    """The command line; returns the exit status (2: a refused value, one line on stderr from rank 0; 1: --check
+    failed; 130: interrupted by Ctrl-C, one line on stderr)."""
     try:
         args = parse_args(argv)
     except SystemExit as exc:  # --help (0) or a refusal (2)
@@ -743,6 +744,11 @@ def main(argv=None) -> int:
         if comm.rank == 0:
             print(f"attention: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, no traceback; 130 as a shell reports SIGINT
+        print(f"attention: interrupted (rank {comm.rank})", file=sys.stderr, flush=True)
+        if comm.size > 1:  # the other ranks may be waiting on this one
+            comm.abort(130)
+        return 130
     except BaseException as exc:  # one rank failing alone must not leave the others hanging
         import traceback  # noqa: PLC0415
 

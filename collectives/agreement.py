@@ -55,7 +55,7 @@ def encode_row(values: Sequence[int], *, local_error: CommError | None = None, p
 def agree(transport, values: Sequence[int], *, op: str, local_error: CommError | None = None,
           payload: np.ndarray | None = None, capacity: int = 0, timeout: float | None = None,
           names: Sequence[str] = _hdr.FIELDS, describe: Callable[[str, int], object] | None = None,
-          exc_type=InvalidArgument) -> np.ndarray:
+          exc_type=InvalidArgument, native: bool = True) -> np.ndarray:
     """Check that every rank passed the same header and none erred; carry a small payload.
 
     Args:
@@ -66,6 +66,11 @@ def agree(transport, values: Sequence[int], *, op: str, local_error: CommError |
         payload: 1-D host array of at most ``capacity`` bytes carried in the row, or None.
         capacity: payload bytes per row (the same on every rank).
         timeout: seconds each wait may take (None: native all-gather when available).
+        native: False: always the point-to-point all-gather, whatever ``timeout``.
+            For callers whose ranks may pass different timeouts (a per-call
+            argument, None on one rank and a number on another): the native and
+            the point-to-point all-gathers do not meet, so the protocol must not
+            depend on the timeout.
         names, describe: field names and a value formatter for the message.
         exc_type: the error class raised on the other ranks.
 
@@ -84,7 +89,7 @@ def agree(transport, values: Sequence[int], *, op: str, local_error: CommError |
         rows = row
     else:
         rows = np.empty(n * rb, np.uint8)
-        if timeout is None and transport.has_native("allgather"):
+        if timeout is None and native and transport.has_native("allgather"):
             transport.native_allgather(row, rows)
         else:
             allgather_bruck(transport, row, rows, timeout=timeout)
@@ -120,10 +125,11 @@ def judge(transport, headers: np.ndarray, values: Sequence[int], *, op: str, loc
 
 def agree_header(transport, values: Sequence[int], *, op: str, local_error: CommError | None = None,
                  timeout: float | None = None, names: Sequence[str] = _hdr.FIELDS,
-                 describe: Callable[[str, int], object] | None = None, exc_type=InvalidArgument) -> None:
+                 describe: Callable[[str, int], object] | None = None, exc_type=InvalidArgument,
+                 native: bool = True) -> None:
     """:func:`agree` without a payload (argument agreement only)."""
     agree(transport, values, op=op, local_error=local_error, timeout=timeout, names=names, describe=describe,
-          exc_type=exc_type)
+          exc_type=exc_type, native=native)
 
 
 class NeighbourRefusal(InvalidArgument):

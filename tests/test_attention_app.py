@@ -201,3 +201,21 @@ def test_torch_backend_main_serial_subsampled_check(tmp_path):
     assert rep["backend"] == "torch" and rep["check"]["passed"] and rep["check"]["mode"] == "5 rows per rank"
     assert set(rep["check"]["max_rel_err"]) == {"out", "dq"}
     assert "tokens/s" in rc.stdout and "torch SDPA float64" in rc.stdout
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_is_one_line_and_exit_130(capsys, monkeypatch):
+    """Ctrl-C during the run (one rank): exit status 130 and one line on stderr,
+    no traceback and no MPI abort."""
+    comm = commlib.init()
+    if comm.size != 1:
+        pytest.skip("serial test")
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(app, "run", interrupted)
+    monkeypatch.setattr(type(comm), "abort", lambda self, code=1: pytest.fail(f"abort({code}) on one rank"))
+    assert app.main(["--seq", "64", "--quiet"]) == 130
+    err = capsys.readouterr().err
+    assert err == "attention: interrupted (rank 0)\n", err

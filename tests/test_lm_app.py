@@ -230,3 +230,21 @@ def test_ranks_train_like_one_rank(one_rank_losses, kind, layout, sizes):
     print(f"{kind}/{layout} P={P}: max rel loss diff vs 1 rank: train {diff:.2e}, val {diff_val:.2e}; "
           f"final train {train[-1]:.5f}")
     assert len(train) == 20 and diff <= 1e-5 and diff_val <= 1e-5
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_is_one_line_and_exit_130(capsys, monkeypatch):
+    """Ctrl-C during training (one rank): exit status 130 and one line on stderr,
+    no traceback and no MPI abort."""
+    comm = commlib.init()
+    if comm.size != 1:
+        pytest.skip("serial test")
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(app, "run", interrupted)
+    monkeypatch.setattr(type(comm), "abort", lambda self, code=1: pytest.fail(f"abort({code}) on one rank"))
+    assert app.main(TINY) == 130
+    err = capsys.readouterr().err
+    assert err == "lm: interrupted (rank 0)\n", err

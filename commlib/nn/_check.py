@@ -12,7 +12,10 @@ import math
 import numpy as np
 import torch
 
-__all__ = ["DTYPES", "DTYPE_NAMES", "DEVICES", "check_qkv", "softmax_scale_of", "cu_seqlens_of"]
+from commlib.core.seconds import timeout_problem
+
+__all__ = ["DTYPES", "DTYPE_NAMES", "DEVICES", "check_qkv", "softmax_scale_of", "cu_seqlens_of", "timeout_of",
+           "agreement_timeout", "grad_flags", "describe_grad", "no_double_backward"]
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
@@ -98,3 +101,46 @@ def cu_seqlens_of(cu, total: int, bad):
     if np.any(np.diff(arr) < 0):
         raise bad("cu_seqlens must be non-decreasing")
     return arr
+
+
+def timeout_of(timeout, bad) -> float | None:
+    """``timeout`` as seconds: None (no bound) or a finite number > 0 (not a
+    bool); anything else raises ``bad(message)`` (:mod:`commlib.core.seconds`)."""
+    problem = timeout_problem(timeout, zero=False)
+    if problem is not None:
+        raise bad(problem)
+    return None if timeout is None else float(timeout)
+
+
+def agreement_timeout(timeout) -> float | None:
+    """The bound of the argument agreement's waits: ``timeout`` when it is
+    valid, else None (a rank that refuses its own timeout still takes part in
+    the agreement the way the others do when they passed the same value)."""
+    if timeout is None or timeout_problem(timeout, zero=False) is not None:
+        return None
+    return float(timeout)
+
+
+def grad_flags(*tensors) -> int:
+    """Bit ``i`` set when ``tensors[i]`` will receive a gradient from this call
+    (grad mode on and ``requires_grad``): the ranks must agree on it, since the
+    backward communicates and a rank without one would leave the others waiting."""
+    if not torch.is_grad_enabled():
+        return 0
+    return sum(1 << i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.requires_grad)
+
+
+def describe_grad(value: int, names=("q", "k", "v")) -> str:
+    """A :func:`grad_flags` value in words, for the disagreement message."""
+    need = [n for i, n in enumerate(names) if value >> i & 1]
+    return "requires_grad on " + ", ".join(need) if need else "no gradient (torch.no_grad or requires_grad=False)"
+
+
+def no_double_backward(bad) -> None:
+    """Refuse a backward run with ``create_graph=True`` (grad mode on inside
+    the backward): the function's backward is not itself differentiable, and
+    without this refusal the second-order terms would be silently dropped."""
+    if torch.is_grad_enabled():
+        raise bad("the backward is not differentiable (create_graph=True / double backward, e.g. a gradient "
+                  "penalty): use ulysses_attention or hybrid_attention with ulysses_degree == size under "
+                  "torch.nn.attention.sdpa_kernel(SDPBackend.MATH), or plain torch attention")

@@ -144,7 +144,8 @@ def hybrid_attention(q, k, v, comm, ulysses_degree: int, causal: bool = False, l
         cu_seqlens: optional global document boundaries ``[0, ..., seq_len]``
             (same on every rank), passed to the ring (or masked locally when
             ``U = comm.size``).
-        timeout: seconds for each exchange and agreement wait.
+        timeout: seconds for each exchange and agreement wait: None (no limit) or a finite
+            number > 0.
 
     Returns:
         torch.Tensor: ``out`` like ``q``, differentiable with respect to ``q``, ``k``, ``v``.
@@ -153,8 +154,11 @@ def hybrid_attention(q, k, v, comm, ulysses_degree: int, causal: bool = False, l
         InvalidArgument: on every rank alike, before any data moves: bad
             tensors, dtypes, devices, layout or scale; ``ulysses_degree`` not
             a positive divisor of ``comm.size`` or of the head counts; an odd
-            ``seq_local`` with zigzag; or ranks that differ in shapes, dtypes
-            or options.
+            ``seq_local`` with zigzag; a ``timeout`` that is not None or a
+            finite number > 0; or ranks that differ in shapes, dtypes,
+            options or which of q, k, v get a gradient.  From the backward
+            with ``create_graph=True`` when a ring runs (``ulysses_degree <
+            comm.size``): the ring's backward is not differentiable.
         CommTimeout: an exchange did not complete in ``timeout``.
         ProcessFailed: a peer failed (other transport failures: :class:`~commlib.CommError`).
     """

@@ -28,6 +28,8 @@ import torch
 from commlib.collectives.attention.layout import LAYOUTS
 from commlib.core.errors import InvalidArgument
 
+from ._check import timeout_of
+
 from .hybrid import hybrid_attention
 from .ring import ring_attention
 from .ulysses import ulysses_attention
@@ -51,11 +53,12 @@ class SequenceParallelAttention(torch.nn.Module):
             divisor of ``comm.size``); ``ulysses``: None or ``comm.size``;
             other kinds: None or 1.
         softmax_scale: score scale (default ``head_dim ** -0.5``).
-        timeout: seconds for each exchange (None: no limit).
+        timeout: seconds for each exchange and agreement wait (None: no limit).
 
     Raises:
         InvalidArgument: at construction, for an unknown kind or layout, a
-            non-bool ``causal``, or a ``ulysses_degree`` the kind cannot use.
+            non-bool ``causal``, a ``ulysses_degree`` the kind cannot use, or
+            a ``timeout`` that is not None or a finite number > 0.
     """
 
     def __init__(self, comm, kind: str = "ring", layout: str = "zigzag", causal: bool = True,
@@ -87,6 +90,7 @@ class SequenceParallelAttention(torch.nn.Module):
             ulysses_degree = size
         elif ulysses_degree not in (None, 1):
             raise bad(f"kind {kind!r} takes no ulysses_degree (got {ulysses_degree}); use kind='hybrid'")
+        timeout = timeout_of(timeout, bad)
         self.comm = comm
         self.kind = kind
         self.layout = layout

@@ -43,7 +43,8 @@ from commlib.collectives.attention.schedule import RingSchedule, piece_positions
 from commlib.collectives.attention.transport import transport_of
 from commlib.core.errors import InvalidArgument
 
-from ._check import DEVICES, DTYPE_NAMES, DTYPES, check_qkv, cu_seqlens_of, softmax_scale_of
+from ._check import (DEVICES, DTYPE_NAMES, DTYPES, agreement_timeout, check_qkv, cu_seqlens_of, grad_flags,
+                     no_double_backward, softmax_scale_of, timeout_of)
 from ._blocks import acc_dtype, block_backward, block_forward, merge, plan_block
 from ._wire import irecv_tensor, isend_tensor
 
@@ -77,11 +78,12 @@ class _Spec:
     bidirectional: bool
     cu_seqlens: np.ndarray | None
     timeout: float | None
+    grad: bool = False            # a gradient flows back (the backward communicates on every rank)
 
 
 # ------------------------------------------------------------------ validation
 _SIG_FIELDS = ("batch", "seq_local", "heads", "kv_heads", "head_dim", "dtype", "device", "causal", "layout",
-               "bidirectional", "softmax_scale", "cu_seqlens length", "cu_seqlens")
+               "bidirectional", "softmax_scale", "cu_seqlens length", "cu_seqlens", "requires_grad")
 
 
 def _describe(name, value):
@@ -99,6 +101,8 @@ def _describe(name, value):
         return "none" if value < 0 else f"{value} entries"
     if name == "cu_seqlens":
         return "none" if value == 0 else f"digest {value & 0xFFFFFFFF:08x}"
+    if name == "requires_grad":
+        return "a gradient of q, k or v" if value else "no gradient (torch.no_grad or requires_grad=False)"
     return value
 
 
@@ -122,12 +126,10 @@ def _validate_local(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidi
         if not isinstance(flag, (bool, np.bool_)):
             raise bad(f"{name} must be a bool, got {flag!r}")
     scale = softmax_scale_of(softmax_scale, d, bad)
-    if timeout is not None:
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise bad(f"timeout must be None or a positive number of seconds, got {timeout!r}")
+    timeout = timeout_of(timeout, bad)
     cu = cu_seqlens_of(cu_seqlens, size * L, bad)
     return _Spec(op, rank, size, bsz, L, h, hk, d, q.dtype, scale, bool(causal), layout, bool(bidirectional),
-                 cu, None if timeout is None else float(timeout))
+                 cu, timeout, grad_flags(q, k, v) != 0)
 
 
 def _header(spec: _Spec, device_type: str) -> tuple:
@@ -138,7 +140,7 @@ def _header(spec: _Spec, device_type: str) -> tuple:
         digest = int.from_bytes(hashlib.sha256(spec.cu_seqlens.tobytes()).digest()[:8], "little", signed=True)
     return (spec.batch, spec.seq_local, spec.heads, spec.kv_heads, spec.head_dim, DTYPES.index(spec.dtype),
             _DEVICES.index(device_type), int(spec.causal), LAYOUTS.index(spec.layout), int(spec.bidirectional),
-            int(np.float64(spec.scale).view(np.int64)), n_cu, digest)
+            int(np.float64(spec.scale).view(np.int64)), n_cu, digest, int(spec.grad))
 
 
 def _validate(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op) -> _Spec:
@@ -152,9 +154,12 @@ def _validate(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectio
         problem = exc
     # Two rounds of one small all-gather each (the same protocol on every rank,
     # whatever its arguments): did any rank refuse, and do the headers agree.
-    agree_header(tp, (), op=op, local_error=problem)
+    # Both bounded by the call's timeout: a rank that never makes the call
+    # must not leave the others waiting forever.
+    wait = agreement_timeout(timeout)
+    agree_header(tp, (), op=op, local_error=problem, timeout=wait, native=False)
     agree_header(tp, _header(spec, q.device.type), op=op, names=_SIG_FIELDS, describe=_describe,
-                 exc_type=_disagreement)
+                 exc_type=_disagreement, timeout=wait, native=False)
     return spec
 
 
@@ -366,11 +371,16 @@ class _RingAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
+        spec = ctx.spec
+        # create_graph=True runs the backward in grad mode: refuse it (on every
+        # rank alike, before any byte moves) rather than drop the second-order
+        # terms silently, as once_differentiable would when dout needs no grad
+        no_double_backward(lambda msg: InvalidArgument(msg, rank=spec.rank, op=spec.op + " (backward)"))
         q, k, v, out, lse = ctx.saved_tensors
-        dout = dout.to(q.dtype).contiguous()
-        dq, dk, dv = _backward(ctx.tp, ctx.spec, ctx.plan, q, k, v, out, lse, dout)
+        with torch.no_grad():
+            dout = dout.to(q.dtype).contiguous()
+            dq, dk, dv = _backward(ctx.tp, spec, ctx.plan, q, k, v, out, lse, dout)
         return dq, dk, dv, None, None, None
 
 
@@ -416,7 +426,8 @@ def ring_attention(q, k, v, comm, causal=False, layout="contiguous", softmax_sca
             every layout.
         bidirectional: split every K/V shard in two halves that travel round
             the ring in opposite directions (:func:`ring_attention_bidirectional`).
-        timeout: seconds any one ring step's messages may take (None: no limit).
+        timeout: seconds any one ring step's messages (and each argument
+            agreement wait) may take: None (no limit) or a finite number > 0.
 
     Returns:
         torch.Tensor: ``(batch, seq_local, heads, head_dim)`` in the input
@@ -430,8 +441,13 @@ def ring_attention(q, k, v, comm, causal=False, layout="contiguous", softmax_sca
             devices, unsupported dtype, ``heads % kv_heads != 0``, unknown
             layout, odd ``seq_local`` with zigzag, bad scale or timeout,
             ``cu_seqlens`` not running from 0 to ``size * seq_local``) or when
-            the ranks' shapes, dtype, device, options or ``cu_seqlens`` differ.
-        CommTimeout: a step's messages did not complete within ``timeout``.
+            the ranks' shapes, dtype, device, options, ``cu_seqlens`` or
+            whether a gradient flows back (grad mode and ``requires_grad``: the
+            backward communicates) differ.  Also from the backward, on every
+            rank alike, when it runs with ``create_graph=True`` (the backward
+            is not differentiable: no double backward).
+        CommTimeout: the argument agreement or a step's messages did not
+            complete within ``timeout``.
         CommError: a peer failed (``ProcessFailed``) or another transport error.
     """
     return _ring(q, k, v, comm, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout,

@@ -43,6 +43,7 @@ from commlib.collectives.attention.layout import LAYOUTS, local_seq_len, sequenc
 from commlib.collectives.attention.transport import transport_of
 from commlib.core.errors import InvalidArgument
 
+from ._check import agreement_timeout, describe_grad, grad_flags, timeout_of
 from ._wire import all_to_all_tensors, irecv_tensor, isend_tensor
 
 __all__ = ["shard_sequence", "unshard_sequence", "gather_order"]
@@ -186,7 +187,7 @@ class _Unshard(torch.autograd.Function):
 
 
 _UNSHARD_FIELDS = ("ndim", "dim") + tuple(f"shape[{i}]" for i in range(_MAX_NDIM)) + (
-    "dtype", "device", "layout", "seq_len", "sum_grad")
+    "dtype", "device", "layout", "seq_len", "sum_grad", "requires_grad")
 
 
 def _describe_unshard(name, value):
@@ -198,6 +199,8 @@ def _describe_unshard(name, value):
         return ("cpu", "cuda", "other")[value] if 0 <= value < 3 else value
     if name == "sum_grad":
         return bool(value)
+    if name == "requires_grad":
+        return describe_grad(value, ("x_local",))
     return value
 
 
@@ -226,15 +229,17 @@ def unshard_sequence(x_local: torch.Tensor, comm, layout: str = "contiguous", di
         sum_grad: backward sums every rank's gradient slice for this rank
             (an all-to-all; for per-rank losses) instead of taking this rank's
             own slice (for a loss replicated on every rank).
-        timeout: seconds for each exchange (None: no limit).
+        timeout: seconds for each exchange and agreement wait (None: no limit).
 
     Returns:
         torch.Tensor: ``seq_len`` tokens on ``dim``, dtype and device of ``x_local``.
 
     Raises:
         InvalidArgument: on every rank alike, before any data moves, when a
-            rank passed a bad tensor, dim, layout or ``seq_len``, or the ranks'
-            shapes, dtypes or options differ.
+            rank passed a bad tensor, dim, layout, ``seq_len`` or ``timeout``
+            (None or a finite number > 0), or the ranks' shapes, dtypes or
+            options differ (with ``sum_grad``: whether ``x_local`` gets a
+            gradient, since that backward communicates).
         CommTimeout: ``timeout`` passed.
         CommError: a peer failed (``ProcessFailed``) or another transport error.
     """
@@ -264,12 +269,16 @@ def unshard_sequence(x_local: torch.Tensor, comm, layout: str = "contiguous", di
                                   f"{layout!r} (expected {local_seq_len(n, size, layout)})", rank=rank, op=op)
         if not isinstance(sum_grad, (bool, np.bool_)):
             raise InvalidArgument(f"sum_grad must be a bool, got {sum_grad!r}", rank=rank, op=op)
+        timeout_of(timeout, lambda msg: InvalidArgument(msg, rank=rank, op=op))
         shape = list(x_local.shape) + [-1] * (_MAX_NDIM - x_local.dim())
+        # with sum_grad the backward is an all-to-all: every rank must have one
+        grad = grad_flags(x_local) if sum_grad else 0
         header = (x_local.dim(), d, *shape, _DTYPES.index(x_local.dtype), _device_code(x_local.device),
-                  LAYOUTS.index(layout), n, int(bool(sum_grad)))
+                  LAYOUTS.index(layout), n, int(bool(sum_grad)), grad)
     except InvalidArgument as exc:
         problem = exc
-    agree_header(tp, (), op=op, local_error=problem, timeout=timeout)
-    agree_header(tp, header, op=op, names=_UNSHARD_FIELDS, describe=_describe_unshard, timeout=timeout)
+    wait = agreement_timeout(timeout)
+    agree_header(tp, (), op=op, local_error=problem, timeout=wait, native=False)
+    agree_header(tp, header, op=op, names=_UNSHARD_FIELDS, describe=_describe_unshard, timeout=wait, native=False)
     tag0 = tp.tags.slot(2)
     return _Unshard.apply(x_local, tp, layout, d, n, bool(sum_grad), (tag0, tag0 + 1), timeout, op)

@@ -19,7 +19,9 @@ every receive and send of one exchange is posted at once, then one wait
 bounded by ``timeout``.  Each all-to-all takes its tags from the transport's
 allocator as it runs in the forward, reserving its backward's with them, so
 every rank must make the same calls in the same order, forward and backward
-(as every rank running the same model does).
+(as every rank running the same model does).  The backward of an all-to-all
+is itself a differentiable all-to-all, so ``create_graph=True`` (double
+backward) works where the local attention kernel supports it.
 
 Grouped-query attention: ``kv_heads`` must divide by ``P``; when it does not
 but ``P`` divides by ``kv_heads`` (say 2 kv heads on 8 ranks), each kv head
@@ -41,7 +43,8 @@ from commlib.collectives.attention.layout import LAYOUTS
 from commlib.collectives.attention.transport import transport_of
 from commlib.core.errors import InvalidArgument
 
-from ._check import DTYPES, check_qkv, cu_seqlens_of, softmax_scale_of
+from ._check import (DTYPES, agreement_timeout, check_qkv, cu_seqlens_of, describe_grad, grad_flags,
+                     softmax_scale_of, timeout_of)
 from ._wire import all_to_all_tensors
 
 __all__ = ["ulysses_attention"]
@@ -59,17 +62,26 @@ def _all_to_all(x, tp, scatter_dim, gather_dim, tag, timeout, op):
 
 
 class _AllToAll(torch.autograd.Function):
-    """All-to-all that moves the sharded dimension; backward is the inverse all-to-all."""
+    """All-to-all that moves the sharded dimension; backward is the inverse all-to-all.
+
+    ``tags``: ``(forward tag, backward tag)``; a ``None`` forward tag is taken
+    from the transport's allocator when the call runs.  The backward is itself
+    an ``_AllToAll``, so ``create_graph=True`` (double backward, e.g. a
+    gradient penalty) differentiates through the exchange; its own backward
+    takes its tag from the allocator when it runs (every rank runs the same
+    backward graph in the same order)."""
 
     @staticmethod
     def forward(ctx, x, tp, scatter_dim, gather_dim, tags, timeout, op):
+        tag = tp.tags.slot(1) if tags[0] is None else tags[0]
         ctx.meta = (tp, scatter_dim, gather_dim, tags[1], timeout, op)
-        return _all_to_all(x, tp, scatter_dim, gather_dim, tags[0], timeout, op)
+        return _all_to_all(x, tp, scatter_dim, gather_dim, tag, timeout, op)
 
     @staticmethod
     def backward(ctx, grad):
         tp, scatter_dim, gather_dim, tag, timeout, op = ctx.meta
-        return (_all_to_all(grad, tp, gather_dim, scatter_dim, tag, timeout, op + " (backward)"),) + (None,) * 6
+        bop = op if op.endswith(" (backward)") else op + " (backward)"
+        return (_AllToAll.apply(grad, tp, gather_dim, scatter_dim, (tag, None), timeout, bop),) + (None,) * 6
 
 
 def seq_to_heads(x, tp, timeout, op):
@@ -141,7 +153,7 @@ class Spec:
 
 
 _FIELDS = ("batch", "seq_local", "heads", "kv_heads", "head_dim", "dtype", "device", "causal", "softmax_scale",
-           "cu_seqlens")
+           "cu_seqlens", "requires_grad")
 
 
 def _device_code(device: torch.device) -> int:
@@ -161,6 +173,8 @@ def _describe(name, value):
         return "none" if value == -1 else f"crc32 {value:#010x}"
     if name == "layout":
         return repr(LAYOUTS[value]) if 0 <= value < len(LAYOUTS) else value
+    if name == "requires_grad":
+        return describe_grad(value)
     return value
 
 
@@ -189,7 +203,8 @@ def validate(tp, q, k, v, *, causal, softmax_scale, op, cu_seqlens=None, degree=
             spread by :func:`spread_kv_heads`); None skips that check.
         checks: ``checks(spec)``, more local checks raising InvalidArgument.
         extra: ``((name, int), ...)`` more header fields (the same names on every rank).
-        timeout: seconds each agreement wait may take.
+        timeout: seconds each agreement wait (and each exchange of the call)
+            may take: None or a finite number > 0, checked here.
 
     Raises:
         InvalidArgument: on every rank alike.
@@ -199,22 +214,24 @@ def validate(tp, q, k, v, *, causal, softmax_scale, op, cu_seqlens=None, degree=
     header = None
     try:
         spec = _validate_local(q, k, v, causal=causal, softmax_scale=softmax_scale, rank=rank, op=op,
-                               cu_seqlens=cu_seqlens, size=tp.size, degree=degree)
+                               cu_seqlens=cu_seqlens, size=tp.size, degree=degree, timeout=timeout)
         if checks is not None:
             checks(spec)
         cu = -1 if spec.cu_seqlens is None else zlib.crc32(np.asarray(spec.cu_seqlens, np.int64).tobytes())
+        # which of q, k, v get a gradient: each has its own all-to-all in the backward
         header = (spec.batch, spec.seq_local, spec.heads, spec.kv_heads, spec.head_dim, DTYPES.index(q.dtype),
-                  _device_code(q.device), int(bool(causal)), int(np.float64(spec.scale).view(np.int64)), cu) + \
-            tuple(int(val) for _, val in extra)
+                  _device_code(q.device), int(bool(causal)), int(np.float64(spec.scale).view(np.int64)), cu,
+                  grad_flags(q, k, v)) + tuple(int(val) for _, val in extra)
     except InvalidArgument as exc:
         problem = exc
-    agree_header(tp, (), op=op, local_error=problem, timeout=timeout)
+    wait = agreement_timeout(timeout)
+    agree_header(tp, (), op=op, local_error=problem, timeout=wait, native=False)
     agree_header(tp, header, op=op, names=_FIELDS + tuple(name for name, _ in extra), describe=_describe,
-                 exc_type=_disagreement, timeout=timeout)
+                 exc_type=_disagreement, timeout=wait, native=False)
     return spec
 
 
-def _validate_local(q, k, v, *, causal, softmax_scale, rank, op, cu_seqlens, size, degree) -> Spec:
+def _validate_local(q, k, v, *, causal, softmax_scale, rank, op, cu_seqlens, size, degree, timeout=None) -> Spec:
     def bad(msg):
         return InvalidArgument(msg, rank=rank, op=op)
 
@@ -228,6 +245,7 @@ def _validate_local(q, k, v, *, causal, softmax_scale, rank, op, cu_seqlens, siz
     scale = softmax_scale_of(softmax_scale, d, bad)
     if not isinstance(causal, (bool, np.bool_)):
         raise bad(f"causal must be a bool, got {causal!r}")
+    timeout_of(timeout, bad)
     cu = check_cu_seqlens(cu_seqlens, size * L, rank, op)
     return Spec(bsz, L, h, hk, d, scale, cu)
 
@@ -255,20 +273,25 @@ def ulysses_attention(q, k, v, comm, causal: bool = False, softmax_scale=None, *
             the same on every rank): tokens attend only within their document
             (a dense boolean mask of ``seq_len**2`` is built for the local
             attention).
-        timeout: seconds for each all-to-all (and each agreement wait).
+        timeout: seconds for each all-to-all (and each agreement wait):
+            None (no limit) or a finite number > 0.
 
     Returns:
         torch.Tensor: ``out`` shaped and typed like ``q`` (this rank's
-        tokens), differentiable with respect to ``q``, ``k``, ``v``.
+        tokens), differentiable with respect to ``q``, ``k``, ``v``; twice
+        too (``create_graph=True``) wherever torch's local attention kernel
+        is (``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)`` on the CPU).
 
     Raises:
         InvalidArgument: on every rank alike, before any data moves: non-4-d
             or non-tensor inputs, mixed dtypes or devices, unsupported dtype,
             ``heads`` not divisible by ``comm.size``, ``kv_heads`` neither
             divisible by nor dividing ``comm.size``, bad ``softmax_scale`` or
-            ``cu_seqlens``, or shapes, dtypes or options that differ between
-            ranks.
-        CommTimeout: an all-to-all did not complete in ``timeout``.
+            ``cu_seqlens``, a ``timeout`` that is not None or a finite number
+            > 0, or shapes, dtypes, options or which of q, k, v get a gradient
+            (grad mode and ``requires_grad``: each one's backward is an
+            all-to-all) that differ between ranks.
+        CommTimeout: the agreement or an all-to-all did not complete in ``timeout``.
         ProcessFailed: a peer failed (other transport failures: :class:`~commlib.CommError`).
     """
     op = "ulysses_attention"

@@ -103,6 +103,8 @@ class Communicator(CollectiveMixin):
         Raises:
             InvalidArgument: ``dest`` out of range or negative tag.
             BufferError: unsupported or non-contiguous buffer.
+            CommTimeout: a fault-tolerant communicator's :attr:`p2p_timeout`
+                passed (the send stays posted: keep ``buf`` unchanged).
             DatatypeError: ``count`` elements of ``datatype`` do not fit ``buf``,
                 or the datatype is unusable; nothing is sent.
         """
@@ -110,7 +112,7 @@ class Communicator(CollectiveMixin):
         if datatype is not None:
             typed_send(self, buf, dest, datatype, count, tag)
             return
-        self.transport.send(buf, dest, tag)
+        self.transport.send(buf, dest, tag, timeout=self.p2p_timeout)
 
     def recv(self, buf, source: int = ANY_SOURCE, tag: int = ANY_TAG, *, datatype=None, count: int = 1):
         """Blocking receive into ``buf`` (all its bytes, or ``count`` elements of
@@ -123,7 +125,7 @@ class Communicator(CollectiveMixin):
         if datatype is not None:
             typed_recv(self, buf, source, datatype, count, tag)
             return None
-        return self.transport.recv(buf, source, tag)
+        return self.transport.recv(buf, source, tag, timeout=self.p2p_timeout)
 
     def isend(self, buf, dest: int, tag: int = 0, *, datatype=None, count: int = 1) -> Request:
         """Non-blocking send (arguments as :meth:`send`); do not modify ``buf``
@@ -134,16 +136,20 @@ class Communicator(CollectiveMixin):
         """
         self._check_tag(tag, "isend", peer=dest)
         if datatype is not None:
-            return typed_isend(self, buf, dest, datatype, count, tag)
-        return self.transport.isend(buf, dest, tag)
+            req = typed_isend(self, buf, dest, datatype, count, tag)
+        else:
+            req = self.transport.isend(buf, dest, tag)
+        return req if self._ft is None else self._bound(req)
 
     def irecv(self, buf, source: int = ANY_SOURCE, tag: int = ANY_TAG, *, datatype=None, count: int = 1) -> Request:
         """Non-blocking receive (arguments as :meth:`recv`); ``buf`` holds the data
         after the request completes."""
         self._check_tag(tag, "irecv", anywild=True, peer=source)
         if datatype is not None:
-            return typed_irecv(self, buf, source, datatype, count, tag)
-        return self.transport.irecv(buf, source, tag)
+            req = typed_irecv(self, buf, source, datatype, count, tag)
+        else:
+            req = self.transport.irecv(buf, source, tag)
+        return req if self._ft is None else self._bound(req)
 
     def sendrecv(self, sendbuf, dest: int, recvbuf, source: int = ANY_SOURCE, sendtag: int = 0,
                  recvtag: int = ANY_TAG, *, sendtype=None, sendcount: int = 1, recvtype=None,
@@ -153,7 +159,7 @@ class Communicator(CollectiveMixin):
         self._check_tag(sendtag, "sendrecv", peer=dest)
         self._check_tag(recvtag, "sendrecv", anywild=True, peer=source)
         if sendtype is None and recvtype is None:
-            self.transport.sendrecv(sendbuf, dest, recvbuf, source, sendtag, recvtag)
+            self.transport.sendrecv(sendbuf, dest, recvbuf, source, sendtag, recvtag, timeout=self.p2p_timeout)
             return
         typed_sendrecv(self, sendbuf, dest, recvbuf, source, sendtag, recvtag, sendtype, sendcount, recvtype,
                        recvcount)
@@ -171,6 +177,8 @@ class Communicator(CollectiveMixin):
             ProcessFailed / CommError: a request failed (classified, naming the rank).
         """
         timeout = check_timeout(timeout, op="waitall", rank=self.rank, zero=True)
+        if timeout is None:
+            timeout = self.p2p_timeout
         if all(isinstance(r, MPIRequest) for r in requests):
             self.transport.waitall(requests, timeout)
         else:
@@ -308,6 +316,24 @@ class Communicator(CollectiveMixin):
     def abort(self, errorcode: int = 1) -> None:
         """End every process of the job (``MPI_Abort``) with ``errorcode``."""
         self.transport.abort(errorcode)
+
+    @property
+    def p2p_timeout(self) -> float | None:
+        """Seconds a point-to-point wait of this communicator may take when the
+        call gives none: a fault-tolerant communicator's ``timeout`` (no blocking
+        call of one waits forever: ``send``, ``recv``, ``sendrecv``, ``waitall``
+        and a request's ``wait()`` raise :class:`~commlib.CommTimeout` then, a
+        receive withdrawn, a send left posted), None otherwise (MPI's
+        semantics: wait as long as it takes)."""
+        ft = self._ft
+        return None if ft is None else ft.timeout
+
+    def _bound(self, req: Request) -> Request:
+        """``req`` with this communicator's :attr:`p2p_timeout` as its ``wait()`` bound."""
+        t = self.p2p_timeout
+        if t is not None and isinstance(req, MPIRequest):
+            req.bound = t
+        return req
 
     def _check_tag(self, tag: int, op: str, anywild: bool = False, peer=None) -> None:
         """A point-to-point call's ``tag`` (and that ``peer`` is not a bool: True
@@ -481,7 +507,11 @@ def init(comm: MPI.Comm | None = None, *, cuda_aware: bool | None = None, fault_
             a watchdog thread revokes the communicator and every survivor
             raises ``CommTimeout`` (dead peers are reported by ULFM itself,
             long before).  Without ULFM, or without ``MPI_THREAD_MULTIPLE``:
-            the most any wait may take before it counts as a failure.
+            the most any wait may take before it counts as a failure.  Either
+            way, the most a point-to-point wait given no timeout may take
+            (:attr:`Communicator.p2p_timeout`): ``send``, ``recv``,
+            ``sendrecv``, ``waitall`` and a request's ``wait()`` raise
+            ``CommTimeout`` then.
         **options: an unknown option raises.
 
     ``init`` is collective over ``comm``: each rank checks its arguments and

@@ -259,14 +259,14 @@ def typed_send(comm, buf, dest, datatype, count=1, tag=0, strategy=None) -> None
     """Blocking send of ``count`` elements of ``datatype`` from ``buf``."""
     w = _send_wire(comm, buf, dest, datatype, count, strategy, "send")
     if w is not None:
-        comm.transport.send(w, dest, tag)
+        comm.transport.send(w, dest, tag, timeout=getattr(comm, "p2p_timeout", None))
 
 
 def typed_recv(comm, buf, source, datatype, count=1, tag=ANY_TAG, strategy=None) -> None:
     """Blocking receive of ``count`` elements of ``datatype`` into ``buf``."""
     got = _recv_wire(comm, buf, source, datatype, count, strategy, "recv", False)
     if got is not None:
-        status = comm.transport.recv(got[0], source, tag)
+        status = comm.transport.recv(got[0], source, tag, timeout=getattr(comm, "p2p_timeout", None))
         if got[1] is not None:
             # the bytes that arrived (a message may be shorter than count elements)
             got[1](status.Get_count(MPI.BYTE) if isinstance(status, MPI.Status) else None)
@@ -297,4 +297,4 @@ def typed_sendrecv(comm, sendbuf, dest, recvbuf, source, sendtag, recvtag, sendt
         reqs.append(r if done is None else r.then(done))
     if swire is not None and dest != PROC_NULL:
         reqs.append(tp.isend(swire, dest, sendtag))
-    tp.waitall(reqs, op=op)
+    tp.waitall(reqs, getattr(comm, "p2p_timeout", None), op=op)

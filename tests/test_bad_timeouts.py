@@ -10,6 +10,7 @@ documented poll), and in a halo exchange (on every rank, through its abort
 path, no ghost cell written).
 """
 import math
+import time
 
 import numpy as np
 import pytest
@@ -172,3 +173,56 @@ def test_halo_bad_timeout_on_one_rank_fails_everywhere(value):
     finally:
         halo.free()
         cart.free()
+
+
+# ------------------------------------------- a fault-tolerant communicator's p2p
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("call", ["recv", "irecv-wait", "irecv-waitall", "sendrecv", "send"])
+def test_fault_tolerant_point_to_point_waits_are_bounded(call):
+    """A fault-tolerant communicator's blocking point-to-point calls against a
+    live peer that never answers used to wait forever (under ULFM and in
+    timeout mode alike).  Each now raises CommTimeout after the communicator's
+    timeout, naming the rank.  A blocking receive that timed out is withdrawn
+    (the message sent afterwards reaches the next receive, and the first buffer
+    stays untouched); a request stays valid, as after ``wait(timeout=...)``, and
+    completes when waited on again; a timed-out send stays posted and is taken
+    by the receive posted later."""
+    T = 0.5
+    comm = commlib.init(fault_tolerant=True, timeout=T)
+    assert comm.p2p_timeout == T
+    r, n = comm.rank, comm.size
+    try:
+        if r == 0:
+            buf = np.full(4, -1.0)
+            big = np.arange(1 << 18, dtype=np.float64)  # 2 MiB: past any eager limit
+            req = comm.irecv(buf, 1, tag=5) if call.startswith("irecv") else None
+            fn = {"recv": lambda: comm.recv(buf, 1, tag=5),
+                  "irecv-wait": lambda: req.wait(),
+                  "irecv-waitall": lambda: comm.waitall([req]),
+                  "sendrecv": lambda: comm.sendrecv(np.zeros(4), 1, buf, 1, 7, 5),
+                  "send": lambda: comm.send(big, 1, tag=6)}[call]
+            t0 = time.monotonic()
+            with pytest.raises(CommTimeout, match="rank 0: "):
+                fn()
+            assert time.monotonic() - t0 < T + 5
+        MPI.COMM_WORLD.Barrier()  # not comm's: its barrier is bounded by T as well
+        if r == 1:
+            if call == "send":
+                got = np.empty(1 << 18)
+                comm.recv(got, 0, tag=6)
+                assert np.array_equal(got, np.arange(1 << 18, dtype=np.float64))
+            else:
+                comm.send(np.arange(4.0), 0, tag=5)
+            if call == "sendrecv":
+                comm.recv(np.zeros(4), 0, tag=7)  # the timed-out exchange's send, still posted
+        if r == 0 and call.startswith("irecv"):
+            req.wait(timeout=30)  # still valid: it takes the message
+            assert buf.tolist() == [0.0, 1.0, 2.0, 3.0]
+        elif r == 0 and call != "send":
+            fresh = np.zeros(4)
+            comm.recv(fresh, 1, tag=5)  # the withdrawn receive did not take it
+            assert fresh.tolist() == [0.0, 1.0, 2.0, 3.0] and buf.tolist() == [-1.0] * 4
+        MPI.COMM_WORLD.Barrier()  # not comm's: its barrier is bounded by T as well
+    finally:
+        comm.free()

@@ -327,14 +327,20 @@ class Transport(ABC):
     def irecv(self, buf, source: int, tag: int = 0) -> Request:
         """Start receiving into ``buf`` (array or :class:`Wire`) from ``source``."""
 
-    def send(self, buf, dest: int, tag: int = 0) -> None:
-        self.waitall([self.isend(buf, dest, tag)])
+    def send(self, buf, dest: int, tag: int = 0, *, timeout: float | None = None) -> None:
+        """Blocking send; ``timeout``: seconds the wait may take (None: the
+        transport's default bound), else :class:`~commlib.CommTimeout`."""
+        self.waitall([self.isend(buf, dest, tag)], timeout, op="send")
 
-    def recv(self, buf, source: int, tag: int = 0):
-        self.waitall([self.irecv(buf, source, tag)])
+    def recv(self, buf, source: int, tag: int = 0, *, timeout: float | None = None):
+        """Blocking receive; ``timeout`` as :meth:`send`."""
+        self.waitall([self.irecv(buf, source, tag)], timeout, op="recv")
 
-    def sendrecv(self, sendbuf, dest: int, recvbuf, source: int, sendtag: int = 0, recvtag: int = 0) -> None:
-        self.waitall([self.irecv(recvbuf, source, recvtag), self.isend(sendbuf, dest, sendtag)])
+    def sendrecv(self, sendbuf, dest: int, recvbuf, source: int, sendtag: int = 0, recvtag: int = 0, *,
+                 timeout: float | None = None) -> None:
+        """Send and receive at once (no deadlock); ``timeout`` as :meth:`send`."""
+        self.waitall([self.irecv(recvbuf, source, recvtag), self.isend(sendbuf, dest, sendtag)], timeout,
+                     op="sendrecv")
 
     def waitall(self, requests: Sequence[Request], timeout: float | None = None, op: str = "waitall") -> None:
         """Wait for every request of one step.

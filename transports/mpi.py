@@ -45,7 +45,7 @@ class MPIRequest(Request):
     """Wraps an ``MPI.Request``; ``on_complete`` runs once when it finishes
     (host→device copy of a staged receive)."""
 
-    __slots__ = ("req", "_on_complete", "_done", "_keep", "persistent", "rank")
+    __slots__ = ("req", "_on_complete", "_done", "_keep", "persistent", "rank", "bound")
 
     def __init__(self, req: MPI.Request, on_complete: Callable[[], None] | None = None, keep=None,
                  persistent: bool = False, rank: int | None = None):
@@ -55,6 +55,9 @@ class MPIRequest(Request):
         self._keep = keep  # staging buffers must outlive the MPI request
         self.persistent = persistent
         self.rank = rank
+        #: seconds ``wait()`` without a timeout may take (a fault-tolerant
+        #: communicator's user requests), None: no bound
+        self.bound = None
 
     def _finish(self) -> None:
         """The one completion point: ``on_complete`` (staging copy, unpack), then
@@ -92,6 +95,8 @@ class MPIRequest(Request):
         return False
 
     def wait(self, timeout: float | None = None):
+        if timeout is None:
+            timeout = self.bound
         if timeout is None and not self._done:
             try:
                 self.req.Wait()
@@ -306,10 +311,18 @@ class MPITransport(Transport):
         except MPI.Exception as exc:
             raise_classified(exc, (), self._rank, op)
 
-    def send(self, buf, dest: int, tag: int = 0) -> None:
+    def send(self, buf, dest: int, tag: int = 0, *, timeout: float | None = None) -> None:
+        """Blocking send; ``timeout``: seconds it may wait (None: no bound), then
+        :class:`CommTimeout` (the send stays posted: MPI cannot withdraw it, so
+        ``buf`` must stay unchanged until a receiver takes it)."""
         op = "send"
         self._check_peer(dest, "dest", op)
-        spec, _, _ = self._spec(buf, op, False)
+        spec, keep, _ = self._spec(buf, op, False)
+        if timeout is not None:
+            if dest != MPI.PROC_NULL:
+                self._bounded(self._post(lambda: self.comm.Isend(spec, dest, tag), op), keep, timeout, op,
+                              False)
+            return
         try:
             if self.fault_tolerant:
                 self._complete([self.comm.Isend(spec, dest, tag)], op)
@@ -318,12 +331,23 @@ class MPITransport(Transport):
         except MPI.Exception as exc:
             raise_classified(exc, (), self._rank, op)
 
-    def recv(self, buf, source: int, tag: int = 0) -> MPI.Status:
-        """Blocking receive; returns the ``MPI.Status`` (source, tag, byte count)."""
+    def recv(self, buf, source: int, tag: int = 0, *, timeout: float | None = None) -> MPI.Status:
+        """Blocking receive; returns the ``MPI.Status`` (source, tag, byte count).
+        ``timeout``: seconds it may wait (None: no bound), then
+        :class:`CommTimeout` with the receive cancelled (nothing is written into
+        ``buf`` afterwards)."""
         op = "recv"
         self._check_peer(source, "source", op)
-        spec, _, done = self._spec(buf, op, True)
+        spec, keep, done = self._spec(buf, op, True)
         status = MPI.Status()
+        if timeout is not None:
+            if source != MPI.PROC_NULL:
+                st = self._bounded(self._post(lambda: self.comm.Irecv(spec, source, tag), op), keep, timeout, op,
+                                   True)
+                status = MPI.Status(st)
+                if done is not None:
+                    done()
+            return status
         try:
             self.comm.Recv(spec, source, tag, status)
         except MPI.Exception as exc:
@@ -332,7 +356,20 @@ class MPITransport(Transport):
             done()
         return status
 
-    def sendrecv(self, sendbuf, dest: int, recvbuf, source: int, sendtag: int = 0, recvtag: int = 0) -> None:
+    def sendrecv(self, sendbuf, dest: int, recvbuf, source: int, sendtag: int = 0, recvtag: int = 0, *,
+                 timeout: float | None = None) -> None:
+        if timeout is not None:  # the user's bounded exchange (a fault-tolerant communicator)
+            op = "sendrecv"
+            self.check(recvbuf, source, op, receive=True)  # both sides before either is posted
+            self.check(sendbuf, dest, op)
+            reqs = [self.irecv(recvbuf, source, recvtag), self.isend(sendbuf, dest, sendtag)]
+            try:
+                self.waitall(reqs, timeout, op=op)
+            except CommTimeout:
+                if not _cancel_receive(reqs[0]):
+                    _KEPT.append(recvbuf)  # MPI may still write it
+                raise
+            return
         if (type(sendbuf) is np.ndarray and type(recvbuf) is np.ndarray and sendbuf.flags.c_contiguous
                 and recvbuf.flags.c_contiguous and recvbuf.flags.writeable
                 and 0 <= dest < self._size and 0 <= source < self._size
@@ -351,6 +388,28 @@ class MPITransport(Transport):
         self.check(recvbuf, source, op, receive=True)  # both sides before either is posted
         self.check(sendbuf, dest, op)
         self.waitall([self.irecv(recvbuf, source, recvtag), self.isend(sendbuf, dest, sendtag)], op=op)
+
+    def _post(self, start, op: str) -> MPI.Request:
+        try:
+            return start()
+        except MPI.Exception as exc:
+            raise_classified(exc, (), self._rank, op)
+
+    def _bounded(self, req: MPI.Request, keep, timeout: float, op: str, receive: bool) -> MPI.Status:
+        """Complete one posted request within ``timeout`` seconds; its status.
+        On :class:`CommTimeout` a receive is cancelled (so nothing lands in the
+        user's buffer afterwards) and a send is kept alive, never freed."""
+        try:
+            self._poll([req], timeout, op)
+        except CommTimeout:
+            if receive:
+                if not _cancel_receive(req):
+                    _KEPT.append(keep)  # MPI may still write it
+            else:
+                _ABANDONED.append(req)
+                _KEPT.append(keep)
+            raise
+        return self._statuses[0]
 
     def poll(self, tag: int, nbytes: int):
         """A message with ``tag`` from any rank if one has arrived
@@ -766,6 +825,26 @@ def op_name(op) -> str | None:
 
 
 _TRUNCATE = int(MPI.ERR_TRUNCATE)
+_KEPT: list = []  # buffers of sends a bounded wait gave up on (MPI may still read them)
+
+
+def _cancel_receive(r) -> bool:
+    """Withdraw a receive (an ``MPI.Request`` or :class:`MPIRequest`) a bounded
+    wait gave up on (``MPI_Cancel``), so no late message is written into the
+    user's buffer; a receive that matched meanwhile completes instead.  Best
+    effort: an error leaves the request kept alive, never freed (False)."""
+    if isinstance(r, MPIRequest):
+        if r._done:
+            return True
+        r._done = True  # no staging copy or callback runs for a withdrawn receive
+        r = r.req
+    try:
+        r.Cancel()
+        r.Wait()
+        return True
+    except MPI.Exception:
+        _ABANDONED.append(r)
+        return False
 
 
 def _raise_completion_error(exc, statuses, rank, op):

@@ -7,17 +7,20 @@ launcher's environment until MPI is up.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
+
+from commlib.cli import RANK_VARS, SIZE_VARS, env_int  # the launchers' variables (light: no MPI)
+from commlib.cli import OneLineParser as _BaseParser
 
 __all__ = ["OneLineParser", "world_rank", "world_size", "unwritable"]
 
 
-class OneLineParser(argparse.ArgumentParser):
+class OneLineParser(_BaseParser):
     """argparse, but a refusal is one line on stderr (``NAME: error: ...``),
-    printed by rank 0 only, then ``SystemExit(2)``; every rank parses the same
-    command line, so every rank exits alike, before MPI communicates.
+    printed by rank 0 only (MPI's rank once MPI is up, else the launcher's),
+    then ``SystemExit(2)``; every rank parses the same command line, so every
+    rank exits alike, before MPI communicates.
 
     Args:
         name: the short name in the error line (``heat``, ``attention``).
@@ -25,22 +28,10 @@ class OneLineParser(argparse.ArgumentParser):
     """
 
     def __init__(self, name: str, **kwargs):
-        super().__init__(**kwargs)
-        self.short_name = name
+        super().__init__(name, **kwargs)
 
-    def error(self, message):  # noqa: D401 - argparse's hook
-        if world_rank() == 0:
-            sys.stderr.write(f"{self.short_name}: error: {message}\n")
-            sys.stderr.flush()
-        raise SystemExit(2)
-
-
-#: environment variables with this process's rank and the job's size, set by
-#: the launchers (Open MPI's mpiexec/prterun, MPICH's and Intel MPI's hydra,
-#: MVAPICH), in the order they are read; PMIx direct launch (srun --mpi=pmix)
-#: names the rank only
-RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
-SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+    def rank(self) -> int:
+        return world_rank()
 
 
 def _mpi_world():
@@ -55,22 +46,13 @@ def _mpi_world():
     return None
 
 
-def _env_int(names) -> int | None:
-    for name in names:
-        try:
-            return int(os.environ[name])
-        except (KeyError, ValueError):
-            continue
-    return None
-
-
 def world_rank() -> int:
     """This process's rank in MPI's world: from MPI when it is initialized, else
     from the launcher's environment (0 without a launcher)."""
     world = _mpi_world()
     if world is not None:
         return world.Get_rank()
-    rank = _env_int(RANK_VARS)
+    rank = env_int(RANK_VARS)
     return 0 if rank is None else rank
 
 
@@ -82,7 +64,7 @@ def world_size() -> int | None:
     world = _mpi_world()
     if world is not None:
         return world.Get_size()
-    return _env_int(SIZE_VARS)
+    return env_int(SIZE_VARS)
 
 
 def unwritable(path: str) -> str | None:

@@ -31,10 +31,15 @@ vector of the MLP's weights and biases). An outer step ``t``:
    so ``theta`` stays bit-identical everywhere without another exchange.
 4. Held-out accuracy of ``theta`` on a fixed stratified 25 % test split.
 
-The shared state is ``{"theta", "momentum", "step", "acc", "peers", "epoch"}``
-(the last three: per outer step, so any surviving peer can report and plot
-the whole run); its revision is the outer step count. Every peer of one job
-must run with the same flags (model shape, seed, step counts).
+The shared state is ``{"theta", "momentum", "step", "acc", "peers", "epoch",
+"config"}`` (``acc``, ``peers``, ``epoch``: per outer step, so any surviving
+peer can report and plot the whole run; ``config``: the job's flags as JSON
+bytes); its revision is the outer step count. Every peer of one job must run
+with the same job flags (--outer-steps, --inner-steps, --batch, --hidden,
+--inner-lr, --outer-lr, --outer-momentum, --quantize, --seed): a peer whose
+flags differ from the state it receives is refused before its first outer
+step, by name (``diloco: error: ... --hidden [32] here, [64] in the job``,
+exit status 2); the job goes on without it.
 
 Peers end when the shared step count reaches ``--outer-steps`` (all at the
 same boundary), or leave gracefully (``peer.close()`` at a step boundary)
@@ -66,9 +71,14 @@ import numpy as np
 from commlib.core.config import config  # light (the standard library only), unlike commlib.elastic
 
 QUANTIZE = ("none", "fp16", "int8")
+MAX_STREAMS = 64  # commlib.elastic.connect's limit on TCP connections per peer pair
 NUM_CLASSES = 10
 TEST_FRACTION = 0.25
 SPLIT_SEED = 0  # the held-out split is fixed, whatever --seed is
+#: the keyword arguments of :func:`run` that define a job (shared by every peer), with their flags
+JOB_FLAGS = {"outer_steps": "--outer-steps", "inner_steps": "--inner-steps", "batch": "--batch",
+             "hidden": "--hidden", "inner_lr": "--inner-lr", "outer_lr": "--outer-lr",
+             "momentum": "--outer-momentum", "quantize": "--quantize", "seed": "--seed"}
 
 
 # ----------------------------------------------------------------- the math
@@ -177,9 +187,52 @@ def accuracy(model, X, y) -> float:
 
 
 # ----------------------------------------------------------------- the run
-def new_state(shapes, seed: int, outer_steps: int) -> dict[str, np.ndarray]:
+def job_config(*, outer_steps: int, inner_steps: int, batch: int, hidden, inner_lr: float, outer_lr: float,
+               momentum: float, quantize: str | None, seed: int) -> np.ndarray:
+    """The job's flags (:data:`JOB_FLAGS`) as canonical JSON bytes in a uint8 array: the shared
+    state's ``config`` entry, equal on every peer of one job, byte for byte."""
+    cfg = {"outer_steps": int(outer_steps), "inner_steps": int(inner_steps), "batch": int(batch),
+           "hidden": [int(h) for h in hidden], "inner_lr": float(inner_lr), "outer_lr": float(outer_lr),
+           "momentum": float(momentum), "quantize": quantize if quantize not in (None, "none") else "none",
+           "seed": int(seed)}
+    return np.frombuffer(json.dumps(cfg, sort_keys=True, separators=(",", ":")).encode(), np.uint8).copy()
+
+
+def check_config(state: dict, own: np.ndarray, rank=None) -> None:
+    """Refuse a peer whose job flags differ from those of the state it holds after a sync.
+
+    Args:
+        state: the shared state after ``sync_shared_state`` (its ``config``: the job's).
+        own: this peer's :func:`job_config`.
+        rank: this peer's rank, for the message.
+
+    Raises:
+        commlib.InvalidArgument: the job's ``config`` differs from ``own`` (or is missing);
+            the message names every differing flag with both values.
+    """
+    job = state.get("config")
+    if isinstance(job, np.ndarray) and job.dtype == np.uint8 and job.tobytes() == own.tobytes():
+        return
+    from commlib import InvalidArgument  # noqa: PLC0415
+
+    mine = json.loads(own.tobytes())
+    try:  # bytes from a peer: JSON (never pickle), and nothing trusted beyond the comparison
+        theirs = json.loads(job.tobytes()) if isinstance(job, np.ndarray) else None
+    except (ValueError, UnicodeDecodeError):
+        theirs = None
+    if not isinstance(theirs, dict):
+        diffs = "the job's state carries no readable flags (a peer of another version?)"
+    else:
+        diffs = ", ".join(f"{flag} {mine.get(k)!r} here, {theirs.get(k)!r} in the job"
+                          for k, flag in JOB_FLAGS.items() if mine.get(k) != theirs.get(k))
+    raise InvalidArgument(f"this peer's flags differ from the job's: {diffs}; every peer of one job must run "
+                          "with the same job flags", rank=rank, op="diloco")
+
+
+def new_state(shapes, seed: int, outer_steps: int, config: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """A fresh shared state at revision 0 (``config``: :func:`job_config`, added when given)."""
     theta = init_params(shapes, seed)
-    return {
+    state = {
         "theta": theta,
         "momentum": np.zeros_like(theta),
         "step": np.zeros(1, np.int64),
@@ -187,6 +240,9 @@ def new_state(shapes, seed: int, outer_steps: int) -> dict[str, np.ndarray]:
         "peers": np.zeros(outer_steps, np.int32),
         "epoch": np.zeros(outer_steps, np.int64),
     }
+    if config is not None:
+        state["config"] = config.copy()
+    return state
 
 
 def prepare(hidden=(64,), batch: int = 32, inner_lr: float = 3e-3, seed: int = 0):
@@ -238,8 +294,12 @@ def _run(peer, *, outer_steps: int = 30, inner_steps: int = 20, batch: int = 32,
         seed: int = 0, min_peers: int = 1, wait_s: float = 60.0, leave_after: int | None = None,
         should_leave=None, progress: bool = False, log=None, prepared=None, state=None) -> dict:
     X_train, X_test, y_train, y_test, model, shapes = prepared or prepare(hidden, batch, inner_lr, seed)
+    own_config = job_config(outer_steps=outer_steps, inner_steps=inner_steps, batch=batch, hidden=hidden,
+                            inner_lr=inner_lr, outer_lr=outer_lr, momentum=momentum, quantize=quantize, seed=seed)
     if state is None:  # a peer that rejoins passes the state it had (its revision decides the sync)
         state = new_state(shapes, seed, outer_steps)
+    if "config" not in state:
+        state["config"] = own_config.copy()
 
     t0 = time.perf_counter()
     deadline = time.monotonic() + wait_s
@@ -260,6 +320,7 @@ def _run(peer, *, outer_steps: int = 30, inner_steps: int = 20, batch: int = 32,
         # on every peer even when a death races with the vote.
         before = int(state["step"][0])
         info = peer.sync_shared_state(state, before)
+        check_config(state, own_config, peer.rank)  # before any array of the state is used
         got = int(info.get("bytes_received", 0) or 0)
         if changed or got or peer.epoch != last_epoch:
             events.append({"at_step": int(state["step"][0]), "step_before_sync": before, "epoch": int(peer.epoch),
@@ -376,19 +437,22 @@ def plot(report: dict, path: str) -> None:
 
 
 # ----------------------------------------------------------------- CLI
-class _Parser(argparse.ArgumentParser):
-    """Bad values: one line on stderr, exit status 2."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
     doc = __doc__.split("\n\n")
-    p = _Parser(prog="python -m commlib.apps.diloco",
+    from commlib.apps._cli import OneLineParser  # noqa: PLC0415 (the standard library only)
+
+    p = OneLineParser("diloco", prog="python -m commlib.apps.diloco",
                 description="\n\n".join(doc[1:7]),
                 formatter_class=argparse.RawDescriptionHelpFormatter,
                 epilog="The shared secret: --secret-file, else the environment variable COMMLIB_ELASTIC_SECRET.\n"
+                       "Progress: a bar on stderr (outer steps, accuracy, peers); --no-progress: one log line per\n"
+                       "step. At the end one line on stdout: job outer steps done (this peer's own), final held-out\n"
+                       "accuracy, estimated bytes this peer sent per outer step, wall seconds, and the first 16 hex\n"
+                       "digits of SHA-256 of theta (the same on every peer that finished).\n"
+                       "Exit status: 0 finished or left as asked (--leave-after, SIGTERM, a first Ctrl-C);\n"
+                       "1 the job failed (master unreachable, wrong secret, --min-peers not reached, dropped more\n"
+                       "than --rejoin times); 2 a bad value (flags, the secret, job flags unlike the job's);\n"
+                       "130 a second Ctrl-C.\n"
                        "Local job with churn: python jobs/elastic/launch_local.py --help")
     p.add_argument("--master", metavar="HOST:PORT", required=True, help="address of the master (commlib master)")
     p.add_argument("--secret-file", metavar="PATH", help="file holding the job's shared secret "
@@ -408,10 +472,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the initial parameters and the shards (default 0)")
     p.add_argument("--min-peers", type=int, default=1,
                    help="wait (calling update_topology) until this many peers are in before step 1 (default 1)")
-    p.add_argument("--wait", type=float, default=60.0, help="seconds --min-peers may wait (default 60)")
+    p.add_argument("--wait", type=float, default=60.0, metavar="SECONDS",
+                   help="seconds --min-peers may wait before step 1; then this peer exits with status 1 (default 60)")
     p.add_argument("--leave-after", type=int, default=None, metavar="K",
                    help="leave gracefully after K outer steps of this peer (churn)")
-    p.add_argument("--timeout", type=float, default=30.0,
+    p.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
                    help="seconds any single wait on the master or a peer may take (default 30)")
     p.add_argument("--rejoin", type=int, default=3, metavar="N",
                    help="when the master drops this peer (or a wait times out), reconnect with the state it "
@@ -424,17 +489,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _finite_positive(v) -> bool:
+    return math.isfinite(v) and v > 0
+
+
 def parse_args(argv=None):
+    """Parse and check the command line; a bad value exits with status 2 after one line on stderr
+    (``diloco: error: ...``)."""
+    from commlib.apps._cli import unwritable  # noqa: PLC0415 (the standard library only)
+
     p = build_parser()
     a = p.parse_args(argv)
     for name in ("outer_steps", "inner_steps", "batch", "streams", "min_peers"):
         if getattr(a, name) is not None and getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if a.streams is not None and a.streams > MAX_STREAMS:
+        p.error(f"--streams must be 1..{MAX_STREAMS}, got {a.streams}")
+    if not 0 <= a.seed < 1 << 32:  # numpy's and scikit-learn's seeds
+        p.error(f"--seed must be in 0..{(1 << 32) - 1}, got {a.seed}")
     if any(h < 1 for h in a.hidden):
         p.error(f"--hidden widths must be >= 1, got {a.hidden}")
     for name in ("inner_lr", "outer_lr"):
         v = getattr(a, name)
-        if not (math.isfinite(v) and v > 0):
+        if not _finite_positive(v):
             p.error(f"--{name.replace('_', '-')} must be a positive number, got {v}")
     if not (0.0 <= a.outer_momentum < 1.0):
         p.error(f"--outer-momentum must be in [0, 1), got {a.outer_momentum}")
@@ -442,43 +519,83 @@ def parse_args(argv=None):
         p.error(f"--rejoin must be >= 0, got {a.rejoin}")
     if a.leave_after is not None and a.leave_after < 0:
         p.error(f"--leave-after must be >= 0, got {a.leave_after}")
-    if not (a.wait > 0 and a.timeout > 0):
-        p.error("--wait and --timeout must be positive")
-    if ":" not in a.master or not a.master.rsplit(":", 1)[1].isdigit():
-        p.error(f"--master must be HOST:PORT, got {a.master!r}")
+    for name in ("wait", "timeout"):
+        if not _finite_positive(getattr(a, name)):
+            p.error(f"--{name} must be a positive, finite number of seconds, got {getattr(a, name)}")
+    host, _, port = a.master.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        p.error(f"--master must be HOST:PORT with a port in 1..65535, got {a.master!r}")
     if a.secret_file is None and config.elastic_secret is None:
         p.error("no secret: pass --secret-file or set COMMLIB_ELASTIC_SECRET")
-    if a.secret_file is not None and not os.path.isfile(a.secret_file):
+    if a.secret_file is not None and not (os.path.isfile(a.secret_file) and os.access(a.secret_file, os.R_OK)):
         p.error(f"--secret-file {a.secret_file!r} is not a readable file")
     for name in ("json", "plot"):
         path = getattr(a, name)
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            p.error(f"--{name}: folder of {path!r} does not exist")
+        why = unwritable(path) if path is not None else None
+        if why:
+            p.error(f"--{name} {path!r}: {why}")
+    if a.plot and importlib.util.find_spec("matplotlib") is None:
+        p.error("--plot needs matplotlib (pip install matplotlib)")
     return a
 
 
 def main(argv=None) -> int:
+    """The command line (see ``--help``). Exit status: 0 done (finished, or left as asked: --leave-after,
+    SIGTERM, a first Ctrl-C), 1 the job failed (master unreachable, wrong secret, dropped more than
+    --rejoin times), 2 a bad value (a command-line value, the secret, flags that differ from the
+    job's), 128 + the signal's number when SIGTERM or Ctrl-C came before the peer joined, 130 a
+    second Ctrl-C."""
     leave = []
-    signal.signal(signal.SIGTERM, lambda *_: leave.append(True))  # leave gracefully at the next boundary
+
+    def log(msg):
+        print(f"[diloco pid {os.getpid()}] {msg}", file=sys.stderr, flush=True)
+
+    def on_signal(signum, _frame):
+        if signum == signal.SIGINT and leave:  # a second Ctrl-C: stop at once
+            raise KeyboardInterrupt
+        leave.append(signum)
+        if signum == signal.SIGINT:
+            log("Ctrl-C: leaving at the next step boundary (Ctrl-C again to stop at once)")
+
     args = parse_args(argv)
     if importlib.util.find_spec("sklearn") is None:
         print("diloco: error: needs scikit-learn (pip install 'commlib[apps]')", file=sys.stderr)
         return 2
+    # leave gracefully at the next boundary on SIGTERM (a scheduler, launch_local.py's leave) or Ctrl-C
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    signal.signal(signal.SIGTERM, on_signal)
+    if saved[signal.SIGINT] is signal.default_int_handler:  # not where SIGINT is ignored (nohup, &)
+        signal.signal(signal.SIGINT, on_signal)
+    try:
+        return _main(args, leave, log)
+    except KeyboardInterrupt:
+        print("diloco: interrupted", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def _main(args, leave, log) -> int:
     import commlib  # noqa: PLC0415
     import commlib.elastic as el  # noqa: PLC0415
-
-    def log(msg):
-        print(f"[diloco pid {os.getpid()}] {msg}", file=sys.stderr, flush=True)
 
     prepared = prepare(tuple(args.hidden), args.batch, args.inner_lr, args.seed)  # before joining: slow imports
     state = new_state(prepared[5], args.seed, args.outer_steps)
     kw = {"secret_file": args.secret_file} if args.secret_file else {}
     report = None
     for attempt in range(args.rejoin + 1):
+        if leave:  # SIGTERM or Ctrl-C before (re)joining: nothing to leave gracefully
+            print(f"diloco: stopped by {signal.Signals(leave[0]).name} before joining", file=sys.stderr, flush=True)
+            return 128 + leave[0]
         try:
             peer = el.connect(args.master, streams=args.streams, timeout=args.timeout, encrypt=args.encrypt, **kw)
+        except el.SecretError as exc:
+            print(f"diloco: error: {exc.detail}", file=sys.stderr)
+            return 2
         except el.AuthError:
-            print("diloco: error: the master refused this peer (authentication)", file=sys.stderr)
+            print("diloco: error: the master refused this peer (authentication: is the secret the master's?)",
+                  file=sys.stderr)
             return 1
         except (commlib.CommError, OSError, TimeoutError) as exc:
             print(f"diloco: error: cannot reach the master at {args.master}: {exc}", file=sys.stderr)
@@ -492,7 +609,11 @@ def main(argv=None) -> int:
                          should_leave=lambda: bool(leave), prepared=prepared, state=state,
                          progress=not args.no_progress, log=log)
             break
-        except (commlib.CommError, TimeoutError) as exc:
+        except commlib.InvalidArgument as exc:
+            # this peer's call differs from the others' (its flags): rejoining would not change that
+            print(f"diloco: error: {exc}", file=sys.stderr)
+            return 2
+        except commlib.CommError as exc:  # CommTimeout included
             # The master dropped this peer (declared dead: e.g. starved of CPU past the heartbeat
             # timeout) or gave up on it. Its state is intact at the revision it last completed
             # (an aborted all-reduce restores its input): rejoin as a new peer, and the sync at
@@ -501,6 +622,9 @@ def main(argv=None) -> int:
                 print(f"diloco: error: {exc}", file=sys.stderr)
                 return 1
             log(f"{type(exc).__name__}: {exc}; rejoining ({attempt + 1}/{args.rejoin}) at step {int(state['step'][0])}")
+        except TimeoutError as exc:  # --min-peers never came: not a reason to train with fewer
+            print(f"diloco: error: {exc}", file=sys.stderr)
+            return 1
         finally:
             peer.close()
         time.sleep(0.5)

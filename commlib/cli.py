@@ -23,7 +23,65 @@ import sys
 import commlib
 from commlib.core import device
 
-__all__ = ["device_kernel_check", "info", "main"]
+__all__ = ["OneLineParser", "device_kernel_check", "info", "launcher_rank", "main"]
+
+#: environment variables with this process's rank and the job's size, set by
+#: the launchers (Open MPI's mpiexec/prterun, MPICH's and Intel MPI's hydra,
+#: MVAPICH), in the order they are read; PMIx direct launch (srun --mpi=pmix)
+#: names the rank only
+RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
+SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def env_int(names) -> int | None:
+    """The first of the environment variables ``names`` that holds an integer (None if none does)."""
+    for name in names:
+        try:
+            return int(os.environ[name])
+        except (KeyError, ValueError):
+            continue
+    return None
+
+
+def launcher_rank() -> int:
+    """This process's rank as the launcher's environment tells it (0 without a launcher);
+    reads no MPI."""
+    rank = env_int(RANK_VARS)
+    return 0 if rank is None else rank
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a refusal is one line on stderr (``PROG: error: ...``), printed by
+    rank 0 of a launcher's job only (every rank parses the same command line and exits
+    alike), then ``SystemExit(2)``: no usage block, no traceback.
+
+    Args:
+        name: the short name in the error line (default: ``prog``; a subcommand's
+            parser, made by ``add_subparsers``, gets ``commlib SUBCOMMAND``).
+        **kwargs: as for :class:`argparse.ArgumentParser`.
+    """
+
+    def __init__(self, name: str | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.short_name = name or self.prog
+
+    def rank(self) -> int:
+        """The rank whose refusal is printed when it is 0 (a hook: apps read MPI's world too)."""
+        return launcher_rank()
+
+    #: seconds a rank other than 0 waits before it exits: mpiexec ends the whole job when
+    #: the first rank exits non-zero, which could drop rank 0's line before it is written
+    OTHER_RANKS_DELAY = 0.5
+
+    def error(self, message):  # noqa: D401 - argparse's hook
+        if self.rank() == 0:
+            sys.stderr.write(f"{self.short_name}: error: {message}\n")
+            sys.stderr.flush()
+        else:
+            import time  # noqa: PLC0415
+
+            time.sleep(self.OTHER_RANKS_DELAY)
+        raise SystemExit(2)
 
 #: Seconds the device-kernel check may take (import, compile, launch) by default.
 KERNEL_CHECK_TIMEOUT = 120.0
@@ -200,8 +258,87 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _address(text: str) -> str:
+    """argparse type: ``HOST:PORT`` with a non-empty host and a port in 0..65535 (0: any free port)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port in 0..65535, got {text!r}")
+    return text
+
+
+def _positive_ints(limit: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if not 1 <= value <= limit:
+            raise argparse.ArgumentTypeError(f"must be in 1..{limit}, got {value}")
+        return value
+    return parse
+
+
+def _writable_file(text: str) -> str:
+    """argparse type: a path a file can be written at (checked before a long measurement)."""
+    parent = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory")
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(text) and not os.access(text, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not writable")
+    return text
+
+
+def _serve(args) -> int:
+    """``commlib master``: 0 after Ctrl-C or SIGTERM; 2 when the address or the secret is unusable."""
+    import signal  # noqa: PLC0415
+
+    from commlib import elastic  # noqa: PLC0415
+    from commlib.core.config import config  # noqa: PLC0415
+
+    if args.secret_file is None and config.elastic_secret is None:
+        print("commlib master: error: no shared secret: pass --secret-file F or set COMMLIB_ELASTIC_SECRET",
+              file=sys.stderr)
+        return 2
+    try:
+        master = elastic.Master(bind=args.bind, secret_file=args.secret_file,
+                                heartbeat_timeout=args.heartbeat_timeout, encrypt=args.encrypt,
+                                probe_timeout=None if args.no_probe else args.probe_timeout).start()
+    except (elastic.SecretError, commlib.InvalidArgument) as exc:  # the secret, the address: the user's values
+        print(f"commlib master: error: {exc.detail}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # binding the listener: a port in use, an address not of this host, a privileged port
+        print(f"commlib master: error: cannot listen on {args.bind}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except commlib.CommError as exc:
+        print(f"commlib master: error: {exc}", file=sys.stderr)
+        return 1
+
+    def on_term(*_):
+        raise KeyboardInterrupt  # stops the master as Ctrl-C does
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        print(f"commlib master listening on {master.address}", flush=True)
+        master.serve_forever()  # returns on Ctrl-C inside its wait
+    except KeyboardInterrupt:  # one that came before or after that wait
+        pass
+    finally:
+        for sig in saved:  # stopping: a second signal changes nothing
+            signal.signal(sig, signal.SIG_IGN)
+        master.stop()
+    print("commlib master stopped", flush=True)
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+    return 0
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="commlib", description="commlib command line")
+    parser = OneLineParser(prog="commlib", description="commlib command line: provenance (info), the datatype "
+                           "model's tables (calibrate), an elastic job's master (master). A bad value exits with "
+                           "status 2 after one line on stderr.")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_info = sub.add_parser(
         "info",
@@ -225,12 +362,14 @@ def main(argv=None) -> int:
                     "contiguous block lengths; writes the tables the strategy model interpolates. "
                     "Point commlib at the file with COMMLIB_MODEL=PATH.",
     )
-    p_cal.add_argument("--out", default="commlib-model.json", help="output JSON (default commlib-model.json)")
-    p_cal.add_argument("--sizes", type=int, nargs="+", default=[64, 1024, 16384, 262144, 4 << 20],
-                       help="message sizes in bytes")
-    p_cal.add_argument("--blocks", type=int, nargs="+", default=[1, 8, 64, 512, 4096],
-                       help="contiguous block lengths in bytes")
-    p_cal.add_argument("--repeat", type=int, default=20, help="round trips per point (best is kept)")
+    p_cal.add_argument("--out", type=_writable_file, default="commlib-model.json", metavar="PATH",
+                       help="output JSON, written by rank 0 (default commlib-model.json)")
+    p_cal.add_argument("--sizes", type=_positive_ints(1 << 30), nargs="+", default=[64, 1024, 16384, 262144, 4 << 20],
+                       metavar="BYTES", help="message sizes in bytes, 1..2^30 (default 64 1024 16384 262144 4194304)")
+    p_cal.add_argument("--blocks", type=_positive_ints(1 << 30), nargs="+", default=[1, 8, 64, 512, 4096],
+                       metavar="BYTES", help="contiguous block lengths in bytes (default 1 8 64 512 4096)")
+    p_cal.add_argument("--repeat", type=_positive_ints(1 << 20), default=20, metavar="N",
+                       help="round trips per point; the best is kept (default 20)")
     p_cal.add_argument("--device", action="store_true", help="also measure device strategies (needs a GPU)")
     p_master = sub.add_parser(
         "master",
@@ -242,8 +381,9 @@ def main(argv=None) -> int:
                     "over the shared secret before anything else; a wrong secret gets a closed connection. "
                     "Blocks until Ctrl-C.",
     )
-    p_master.add_argument("--bind", default="127.0.0.1:29500", metavar="HOST:PORT",
-                          help="address to listen on (default 127.0.0.1:29500; 0.0.0.0:PORT for every interface)")
+    p_master.add_argument("--bind", type=_address, default="127.0.0.1:29500", metavar="HOST:PORT",
+                          help="address to listen on (default 127.0.0.1:29500; 0.0.0.0:PORT for every interface; "
+                               "port 0: a free port, printed at start)")
     p_master.add_argument("--secret-file", metavar="F",
                           help="file holding the shared secret (at least 16 bytes; default: the "
                                "COMMLIB_ELASTIC_SECRET environment variable)")
@@ -260,22 +400,16 @@ def main(argv=None) -> int:
                                "reach the peers' network although the peers reach each other)")
     args = parser.parse_args(argv)
     if args.cmd == "master":
-        from commlib import elastic
-
-        try:
-            master = elastic.Master(bind=args.bind, secret_file=args.secret_file,
-                                    heartbeat_timeout=args.heartbeat_timeout, encrypt=args.encrypt,
-                                    probe_timeout=None if args.no_probe else args.probe_timeout).start()
-        except (commlib.CommError, OSError) as exc:
-            print(f"commlib master: {exc}", file=sys.stderr)
-            return 1
-        print(f"commlib master listening on {master.address}", flush=True)
-        master.serve_forever()
-        return 0
+        return _serve(args)
     if args.cmd == "calibrate":
         from commlib.calibrate import calibrate  # noqa: PLC0415 - loads mpi4py.MPI (see info)
 
         comm = commlib.init()
+        if comm.size < 2:
+            if comm.rank == 0:
+                print("commlib calibrate: error: needs at least 2 ranks (mpiexec -n 2 commlib calibrate)",
+                      file=sys.stderr)
+            return 2
         rec = calibrate(comm, args.sizes, args.blocks, repeat=args.repeat, device=args.device,
                         progress=comm.rank == 0 and sys.stderr.isatty())
         if comm.rank == 0:

@@ -115,3 +115,78 @@ print("ok")
 """ % (HEAVY,)
     p = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120, env=_env())
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr
+
+
+# ------------------------------------------------------------------ the commlib command line
+def _commlib_main(argv, capsys):
+    """commlib.cli.main in this process: (exit status, stderr)."""
+    from commlib.cli import main  # noqa: PLC0415
+
+    try:
+        rc = main(argv)
+    except SystemExit as exc:
+        rc = exc.code
+    return rc, capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)  # a master that wrongly started would serve until stopped
+@pytest.mark.parametrize("argv", [
+    ["bogus"], [],
+    ["master", "--bind", "127.0.0.1:99999"], ["master", "--bind", "nohostport"], ["master", "--bind", ":29500"],
+    ["master", "--heartbeat-timeout", "nan"], ["master", "--probe-timeout", "0"],
+    ["master", "--secret-file", "{tmp}/missing"], ["master", "--secret-file", "{tmp}/short"],
+    ["master", "--secret-file", "{tmp}"],
+    ["calibrate", "--repeat", "0"], ["calibrate", "--sizes", "-5"], ["calibrate", "--blocks", "0"],
+    ["calibrate", "--out", "{tmp}/short/x.json"], ["calibrate", "--out", "{tmp}"],
+    ["info", "--kernel-timeout", "-1"],
+], ids=lambda a: " ".join(a) or "(none)")
+def test_commlib_cli_refuses_bad_values_in_one_line(argv, tmp_path, capsys, monkeypatch):
+    """Every bad value of `commlib ...`: exit status 2 and one line `commlib[ SUB]: error: ...` (no
+    usage block, no traceback), before anything is measured or any socket listens."""
+    monkeypatch.delenv("COMMLIB_ELASTIC_SECRET", raising=False)
+    (tmp_path / "short").write_bytes(b"x" * 4)
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    if argv[:1] == ["master"] and "--secret-file" not in argv:
+        good = tmp_path / "good"
+        good.write_bytes(os.urandom(32))
+        argv += ["--secret-file", str(good)]
+    rc, err = _commlib_main(argv, capsys)
+    assert rc == 2, (rc, err)
+    assert err.count("\n") == 1 and err.startswith("commlib") and ": error: " in err, err
+
+
+@pytest.mark.timeout(60)
+def test_commlib_master_on_a_port_in_use_exits_2_in_one_line(tmp_path, capsys):
+    import socket  # noqa: PLC0415
+
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(32))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        rc, err = _commlib_main(["master", "--bind", f"127.0.0.1:{port}", "--secret-file", str(secret)], capsys)
+    assert rc == 2 and err.count("\n") == 1, (rc, err)
+    assert err.startswith(f"commlib master: error: cannot listen on 127.0.0.1:{port}: "), err
+
+
+@pytest.mark.timeout(60)
+def test_commlib_master_stops_cleanly_on_sigterm(tmp_path):
+    """SIGTERM (a scheduler, a launcher) stops the master as Ctrl-C does: status 0, a last line."""
+    import signal  # noqa: PLC0415
+
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(32))
+    p = subprocess.Popen([sys.executable, "-P", "-m", "commlib.cli", "master", "--bind", "127.0.0.1:0",
+                          "--secret-file", str(secret)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=_env(), cwd=str(tmp_path))
+    try:
+        first = p.stdout.readline()
+        assert first.startswith("commlib master listening on 127.0.0.1:"), first
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 0 and out.strip() == "commlib master stopped" and err == "", (p.returncode, out, err)

@@ -180,8 +180,14 @@ class FakePeer:
 
         g._last_finish = finish
         new, info = g._round(self, "sync", (revision, {k: v.copy() for k, v in state.items()}), finish)
-        for k in state:
-            state[k][...] = new[k]
+        for k in list(state):  # as commlib.elastic does: a name the job's state lacks is removed
+            if k not in new:
+                del state[k]
+        for k, v in new.items():  # ... and one of another shape or dtype gets a new array
+            if k in state and state[k].shape == v.shape and state[k].dtype == v.dtype:
+                state[k][...] = v
+            else:
+                state[k] = v
         return info
 
     def close(self):
@@ -299,6 +305,63 @@ def test_run_on_fake_peers_with_a_join_and_a_leave(trial):
     assert a["final_accuracy"] >= 0.9
 
 
+@pytest.mark.parametrize("odd,flag", [({"seed": 3}, "--seed"), ({"outer_lr": 0.5}, "--outer-lr"),
+                                      ({"quantize": "int8"}, "--quantize"), ({"hidden": (32,)}, "--hidden"),
+                                      ({"outer_steps": 12}, "--outer-steps")])
+def test_a_joiner_with_other_job_flags_is_refused_by_name(odd, flag):
+    """A joiner whose job flags differ from the job's raises InvalidArgument naming the flag (both
+    values) at its first sync, before any outer step, instead of training with other settings
+    (its updates were silently overwritten by the next sync) or crashing on a shape; the job goes
+    on without it and its founders end bit-identical."""
+    from commlib import InvalidArgument  # noqa: PLC0415
+
+    join_at, steps = 3, 8
+    g = FakeGroup(join_at=join_at)
+    reports, errors = {}, {}
+    base = {"outer_steps": steps, "inner_steps": 5, "seed": 1, "hidden": (16,)}
+
+    def peer_main(name, start_at=None, **kw):
+        p = None
+        try:
+            if start_at is not None:
+                g.wait_for_outer_step(start_at)
+            p = g.connect()
+            reports[name] = diloco.run(p, **{**base, **kw})
+        except Exception as exc:  # noqa: BLE001
+            errors[name] = exc
+        finally:
+            if p is not None:
+                p.close()
+
+    ths = [threading.Thread(target=peer_main, args=(n,), kwargs={"min_peers": 2}) for n in ("a", "b")]
+    ths.append(threading.Thread(target=peer_main, args=("odd",), kwargs={"start_at": join_at, **odd}))
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join(120)
+    assert set(errors) == {"odd"}, errors
+    err = errors["odd"]
+    assert isinstance(err, InvalidArgument) and flag in str(err) and "in the job" in str(err), repr(err)
+    assert "diloco" in str(err) and "rank" in str(err)
+    assert reports["a"]["finished"] and reports["a"]["theta_sha256"] == reports["b"]["theta_sha256"]
+    assert [h["step"] for h in reports["a"]["history"]] == list(range(1, steps + 1))
+
+
+def test_check_config_names_every_differing_flag_and_survives_garbage():
+    from commlib import InvalidArgument  # noqa: PLC0415
+
+    kw = {"outer_steps": 5, "inner_steps": 2, "batch": 8, "hidden": (4,), "inner_lr": 1e-3, "outer_lr": 0.7,
+          "momentum": 0.9, "quantize": None, "seed": 0}
+    own = diloco.job_config(**kw)
+    diloco.check_config({"config": own.copy()}, own, 0)  # equal: no error
+    other = diloco.job_config(**{**kw, "batch": 16, "seed": 2})
+    with pytest.raises(InvalidArgument, match=r"--batch 8 here, 16 in the job, --seed 0 here, 2 in the job"):
+        diloco.check_config({"config": other}, own, 1)
+    for bad in ({}, {"config": np.frombuffer(b"\x80not json", np.uint8)}, {"config": np.zeros(3, np.float32)}):
+        with pytest.raises(InvalidArgument, match="no readable flags"):
+            diloco.check_config(bad, own, 1)
+
+
 # ------------------------------------------------------------------ CLI
 def _diloco_cli(*args, env=None, timeout=60):
     return subprocess.run([sys.executable, "-P", "-m", "commlib.apps.diloco", *args], capture_output=True,
@@ -306,15 +369,30 @@ def _diloco_cli(*args, env=None, timeout=60):
 
 
 @pytest.mark.parametrize("bad", [["--outer-steps", "0"], ["--master", "nohostport"], ["--outer-momentum", "1.5"],
-                                 ["--quantize", "int4"], ["--inner-lr", "nan"], ["--hidden", "0"]])
+                                 ["--quantize", "int4"], ["--inner-lr", "nan"], ["--hidden", "0"],
+                                 ["--seed", "-1"], ["--seed", str(1 << 32)], ["--timeout", "inf"], ["--wait", "inf"],
+                                 ["--wait", "nan"], ["--streams", "65"], ["--master", ":29500"],
+                                 ["--master", "127.0.0.1:99999"], ["--json", "{tmp}"], ["--plot", "{tmp}"],
+                                 ["--json", "{tmp}/s/x.json"]],
+                         ids=" ".join)
 def test_cli_refuses_bad_values_in_one_line(bad, tmp_path, capsys):
     sec = tmp_path / "s"
     sec.write_bytes(b"x" * 32)
+    bad = [a.format(tmp=tmp_path) for a in bad]  # {tmp}: a folder; {tmp}/s/...: under a regular file
     with pytest.raises(SystemExit) as ei:
         diloco.parse_args(["--master", "127.0.0.1:1", "--secret-file", str(sec), *bad])
     assert ei.value.code == 2
     err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and "error" in err, err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("diloco: error: "), err
+    assert bad[0] in err, err  # the line names the flag
+
+
+def test_cli_refuses_a_short_secret_with_status_2(tmp_path, capsys):
+    sec = tmp_path / "s"
+    sec.write_bytes(b"x" * 4)
+    assert diloco.main(["--master", "127.0.0.1:1", "--secret-file", str(sec), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "at least 16 bytes" in err and str(sec) in err, err
 
 
 def test_cli_help_and_a_refusal_as_a_process(tmp_path):
@@ -392,3 +470,87 @@ def test_real_run_on_loopback(tmp_path):
     assert len({r["theta_sha256"] for r in reps}) == 1
     assert reps[2]["own_outer_steps"] < 30 and any(e["bytes_received"] > 0 for e in reps[2]["membership_events"])
     assert reps[0]["final_accuracy"] >= 0.9
+
+
+@pytest.mark.timeout(120)
+def test_real_joiner_with_another_model_is_refused_by_name(tmp_path):
+    """Real master and peers on loopback: a joiner with --hidden 32 (another parameter count, so the
+    sync hands it arrays of another shape) is refused with InvalidArgument naming --hidden, before
+    any outer step, instead of a numpy broadcast error; the running peer keeps going."""
+    try:
+        import commlib.elastic as el  # noqa: PLC0415
+    except ImportError as exc:
+        pytest.skip(f"commlib.elastic is not importable ({exc}): no real elastic run")
+    from commlib import InvalidArgument  # noqa: PLC0415
+
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(32))
+    master = el.Master(bind="127.0.0.1:0", secret_file=str(secret)).start()
+    kw = {"outer_steps": 400, "inner_steps": 2, "hidden": (16,)}
+    odd_done, results, lines = threading.Event(), {}, []
+
+    def founder():
+        peer = el.connect(master.address, secret_file=str(secret), timeout=30)
+        try:
+            results["founder"] = diloco.run(peer, **kw, should_leave=odd_done.is_set, log=lines.append,
+                                            prepared=diloco.prepare((16,)))
+        except Exception as exc:  # noqa: BLE001
+            results["founder"] = exc
+        finally:
+            peer.close()
+
+    th = threading.Thread(target=founder)
+    prepared_odd = diloco.prepare((32,))
+    try:
+        th.start()
+        deadline = time.monotonic() + 60
+        while sum(x.startswith("step ") for x in lines) < 2 and time.monotonic() < deadline:  # under way
+            time.sleep(0.02)
+        odd = el.connect(master.address, secret_file=str(secret), timeout=30)
+        try:
+            with pytest.raises(InvalidArgument, match=r"--hidden \[32\] here, \[16\] in the job"):
+                diloco.run(odd, **{**kw, "hidden": (32,)}, prepared=prepared_odd)
+        finally:
+            odd.close()
+            odd_done.set()
+        th.join(60)
+    finally:
+        odd_done.set()
+        master.stop()
+    rep = results["founder"]
+    assert isinstance(rep, dict), rep
+    assert rep["outer_steps_done"] >= 2 and rep["history"][-1]["step"] == rep["outer_steps_done"]
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_leaves_at_a_step_boundary_and_writes_the_report(tmp_path):
+    """Ctrl-C (SIGINT) on a running peer: one log line, a graceful leave at the next step boundary,
+    exit status 0 and the --json report of the steps done; no traceback."""
+    try:
+        import commlib.elastic as el  # noqa: PLC0415
+    except ImportError as exc:
+        pytest.skip(f"commlib.elastic is not importable ({exc}): no real elastic run")
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(32))
+    master = el.Master(bind="127.0.0.1:0", secret_file=str(secret)).start()
+    log = tmp_path / "p.log"
+    try:
+        with open(log, "wb") as fh:
+            p = subprocess.Popen([sys.executable, "-P", "-m", "commlib.apps.diloco", "--master", master.address,
+                                  "--secret-file", str(secret), "--outer-steps", "5000", "--inner-steps", "2",
+                                  "--hidden", "8", "--no-progress", "--json", str(tmp_path / "p.json")],
+                                 cwd=REPO, stdout=fh, stderr=subprocess.STDOUT)
+        try:
+            assert _wait_for_text(log, "step 3/", 60), log.read_text(errors="replace")[-3000:]
+            p.send_signal(signal.SIGINT)
+            assert p.wait(timeout=60) == 0, log.read_text(errors="replace")[-3000:]
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    finally:
+        master.stop()
+    text = log.read_text(errors="replace")
+    assert "Traceback" not in text and "Ctrl-C: leaving at the next step boundary" in text, text[-3000:]
+    rep = json.loads((tmp_path / "p.json").read_text())
+    assert not rep["finished"] and 3 <= rep["own_outer_steps"] < 5000

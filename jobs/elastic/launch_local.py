@@ -27,22 +27,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse_churn(text: str):
@@ -54,6 +48,8 @@ def parse_churn(text: str):
             t = float(parts[0])
         except ValueError:
             raise ValueError(f"bad churn event {item!r}: time must be a number of seconds") from None
+        if not math.isfinite(t):
+            raise ValueError(f"bad churn event {item!r}: time must be a finite number of seconds")
         if t < 0 or len(parts) < 2 or parts[1] not in ("kill", "leave", "join"):
             raise ValueError(f"bad churn event {item!r}: expected T:kill[:I], T:leave:I or T:join")
         what = parts[1]
@@ -68,15 +64,26 @@ def parse_churn(text: str):
     return sorted(events, key=lambda e: e[0])
 
 
-def wait_port(host: str, port: int, timeout: float) -> bool:
+LISTENING = "commlib master listening on "
+
+
+def wait_listening(log_path: str, proc, timeout: float) -> str | None:
+    """The address the master printed (``commlib master listening on HOST:PORT``) once it listens;
+    None when ``proc`` exits first or ``timeout`` seconds pass. Reading the master's own line, not
+    dialling the port, so another program listening there is never taken for the master."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            with socket.create_connection((host, port), timeout=0.5):
-                return True
+            with open(log_path, encoding="utf-8", errors="replace") as fh:
+                for line in fh:
+                    if line.startswith(LISTENING):
+                        return line[len(LISTENING):].strip()
         except OSError:
-            time.sleep(0.1)
-    return False
+            pass
+        if proc.poll() is not None:
+            return None
+        time.sleep(0.05)
+    return None
 
 
 class Job:
@@ -90,8 +97,7 @@ class Job:
             fd = os.open(self.secret, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "wb") as fh:
                 fh.write(secrets.token_bytes(32))
-        self.port = args.port or free_port()
-        self.address = f"127.0.0.1:{self.port}"
+        self.address = f"127.0.0.1:{args.port}"  # port 0: the master picks a free one and prints it
         self.master = None
         self.peers: list[dict] = []
         self.t0 = time.monotonic()
@@ -106,8 +112,19 @@ class Job:
         cmd = [sys.executable, "-P", "-m", "commlib.cli", "master", "--bind", self.address,
                "--secret-file", self.secret, *self.args.master_arg]
         self.master = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, env=self.env)
-        if not wait_port("127.0.0.1", self.port, 60):
-            raise SystemExit(f"launch: the master did not listen on {self.address} (see {fh.name})")
+        address = wait_listening(fh.name, self.master, 60)
+        if address is None:
+            rc = self.master.poll()
+            if rc is None:
+                self.master.kill()
+                self.master.wait()
+            fh.close()
+            with open(fh.name, encoding="utf-8", errors="replace") as log:
+                last = (log.read().strip().splitlines() or ["(no output)"])[-1]
+            print(f"launch_local.py: error: the master did not listen on {self.address}"
+                  + (f" (exit status {rc})" if rc is not None else " within 60 s") + f": {last}", file=sys.stderr)
+            raise SystemExit(2 if rc == 2 else 1)
+        self.address = address
         self.log(f"master at {self.address} (pid {self.master.pid})")
 
     def start_peer(self, initial: bool):
@@ -173,10 +190,15 @@ class Job:
         pending = list(churn)
         while time.monotonic() < deadline:
             now = time.monotonic() - t_start
-            while pending and pending[0][0] <= now:
+            while pending and pending[0][0] <= now and self.live():
                 _, what, idx = pending.pop(0)
                 self.apply(what, idx)
-            if not self.live() and not pending:
+            if not self.live():
+                # the job is over (finished, left or died): a joiner now would find no peer
+                # holding the state, so what is left of the schedule is skipped
+                if pending:
+                    self.log(f"no live peer: skipped {len(pending)} churn event(s) from "
+                             f"{pending[0][0]:g} s on (the job ended first; lengthen it, e.g. --outer-steps)")
                 break
             time.sleep(0.05)
         else:
@@ -236,29 +258,47 @@ def main(argv=None) -> int:
     if "--" in argv:
         i = argv.index("--")
         argv, peer_args = argv[:i], argv[i + 1:]
-    p = argparse.ArgumentParser(prog="launch_local.py", description=__doc__.split("\n\n")[0],
-                                epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from commlib.cli import OneLineParser  # noqa: PLC0415 - a bad value: one line, exit status 2
+
+    p = OneLineParser(prog="launch_local.py", description=__doc__.split("\n\n")[0],
+                      epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--peers", type=int, default=3, help="peers started at once (default 3)")
     p.add_argument("--churn", default="", help="churn schedule, e.g. '6:kill:1,9:join' (see above)")
-    p.add_argument("--logdir", default="elastic_logs", help="folder for logs, reports and the secret")
-    p.add_argument("--secret-file", default=None, help="use this secret instead of a fresh one")
-    p.add_argument("--port", type=int, default=0, help="master port (default: a free one)")
-    p.add_argument("--module", default="commlib.apps.diloco", help="peer program (python -m MODULE)")
-    p.add_argument("--master-arg", action="append", default=[], help="extra argument for commlib master")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds before everything left is killed")
-    p.add_argument("--seed", type=int, default=0, help="seed of random kill targets")
+    p.add_argument("--logdir", default="elastic_logs", help="folder for logs, reports and the secret "
+                   "(default elastic_logs, made if missing)")
+    p.add_argument("--secret-file", default=None, help="use this secret (at least 16 bytes) instead of a fresh one")
+    p.add_argument("--port", type=int, default=0, help="master port on 127.0.0.1 (default 0: a free one)")
+    p.add_argument("--module", default="commlib.apps.diloco", help="peer program (python -m MODULE; "
+                   "default commlib.apps.diloco)")
+    p.add_argument("--master-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for commlib master, repeatable; one that starts with - is given as "
+                        "--master-arg=--heartbeat-timeout=5")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before everything left is killed "
+                   "(default 600)")
+    p.add_argument("--seed", type=int, default=0, help="seed of random kill targets (default 0)")
     p.add_argument("--ready-pattern", default=None, help="churn times count from the moment a peer's log shows "
                    "this text (default for the DiLoCo app: 'step 1/', its first completed outer step)")
     args = p.parse_args(argv)
     if args.peers < 1:
-        p.error("--peers must be >= 1")
-    if args.timeout <= 0:
-        p.error("--timeout must be positive")
+        p.error(f"--peers must be >= 1, got {args.peers}")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        p.error(f"--timeout must be a positive, finite number of seconds, got {args.timeout}")
+    if not 0 <= args.port <= 65535:
+        p.error(f"--port must be in 0..65535, got {args.port}")
+    if args.secret_file is not None and not (os.path.isfile(args.secret_file)
+                                             and os.access(args.secret_file, os.R_OK)):
+        p.error(f"--secret-file {args.secret_file!r} is not a readable file")
     try:
         churn = parse_churn(args.churn)
     except ValueError as exc:
-        p.error(str(exc))
+        p.error(f"--churn: {exc}")
+    try:
+        os.makedirs(args.logdir, exist_ok=True)
+    except OSError as exc:
+        p.error(f"--logdir {args.logdir!r}: {exc.strerror or exc}")
+    if not os.access(args.logdir, os.W_OK | os.X_OK):
+        p.error(f"--logdir {args.logdir!r} is not writable")
     job = Job(args, peer_args)
     try:
         return 0 if job.run(churn) else 1

@@ -60,8 +60,7 @@ class CollectiveMixin:
     def collective_transport(self):
         """The transport commlib's own traffic (collectives, attention) runs on:
         a duplicate of this communicator, so it never meets the user's messages
-        (``init`` and ``dup`` make it at once, collectively; a communicator made
-        otherwise makes it on first use, collectively over the group)."""
+        (created on first use; collective over the group)."""
         tp = self._coll_tp
         if tp is None:
             tp = self._coll_tp = self.transport.dup()

@@ -187,9 +187,7 @@ class Communicator(CollectiveMixin):
     # ----------------------------------------------------------- management
     def dup(self) -> "Communicator":
         """A new communicator over the same group with its own tag space (collective)."""
-        c = Communicator(transport=self.transport.dup())
-        c.collective_transport()  # collectively, now (see init)
-        return c
+        return Communicator(transport=self.transport.dup())
 
     def split(self, color: int, key: int = 0) -> "Communicator":
         """Split into sub-communicators by ``color`` (``MPI_Comm_split``, collective)."""
@@ -550,13 +548,7 @@ def init(comm: MPI.Comm | None = None, *, cuda_aware: bool | None = None, fault_
             local = InvalidArgument(exc.detail, rank=base.rank, op="init")
     check_all(base, local.detail if local else None, "init")
     if not fault_tolerant:
-        c = Communicator(transport=base)
-        # the collectives' own transport (a dup) now, while every rank is in this
-        # collective call: made on first use instead, a first collective (or
-        # attention) call made on one rank alone would wait in MPI_Comm_dup
-        # whatever its timeout
-        c.collective_transport()
-        return c
+        return Communicator(transport=base)
     PROCESS.warn_tcp_rdma()  # once, under ULFM with the TCP BTL's RDMA put on (docs/FAULTS.md)
     tp = base.dup()
     tp.set_errors_return()

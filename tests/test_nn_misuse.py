@@ -129,10 +129,9 @@ def test_gradient_on_some_ranks_only_is_refused_everywhere(world):
 def test_ring_agreement_is_bounded_by_timeout(world):
     """Rank 0 calls ring_attention(timeout=1) and the others never do: rank 0 gets
     CommTimeout from the argument agreement instead of waiting for ever (on a
-    communicator of its own, so the unmatched messages stay there).  The call
-    is rank 0's first on that communicator: ``init`` made the collectives'
-    transport already (made on first use, it waited in MPI_Comm_dup)."""
+    communicator of its own, so the unmatched messages stay there)."""
     comm = commlib.init(MPI.COMM_WORLD.Dup())
+    comm.collective_transport()  # made collectively, before the ranks part ways
     _, (q, k, v, _), _ = _inputs(comm)
     if comm.rank == 0:
         with pytest.raises(CommTimeout):

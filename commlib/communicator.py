@@ -177,11 +177,13 @@ class Communicator(CollectiveMixin):
             ProcessFailed / CommError: a request failed (classified, naming the rank).
         """
         timeout = check_timeout(timeout, op="waitall", rank=self.rank, zero=True)
-        if timeout is None:
-            timeout = self.p2p_timeout
         if all(isinstance(r, MPIRequest) for r in requests):
-            self.transport.waitall(requests, timeout)
+            # point to point: a fault-tolerant communicator's bound when none is given
+            self.transport.waitall(requests, self.p2p_timeout if timeout is None else timeout)
         else:
+            # collectives' requests among them: each request's own wait (a fault-tolerant
+            # collective may take longer than the timeout when it recovers and retries;
+            # this communicator's point-to-point requests carry their bound themselves)
             wait_all(requests, timeout)
 
     # ----------------------------------------------------------- management

@@ -35,6 +35,14 @@ CASES = [
     ("bench_attention.py", ["--backend", "torch", "--causal", "maybe"], "--causal: choose from both,true,false"),
     ("bench_elastic.py", ["--wan-rate-mbps", "nan"], "--wan-rate-mbps: must be > 0"),
     ("soak_ulfm.py", ["--np", "2"], "--np: must be 3..64 ranks, got 2"),
+    ("bench_pack.py", ["--blocks", "0"], "--blocks: must be 1.."),
+    ("bench_pack.py", ["--dims", "0"], "--dims: must be 1..6"),
+    ("bench_pack.py", ["--total", "-5"], "--total: must be 1.."),
+    ("bench_pack.py", ["--min-time", "nan"], "--min-time: must be > 0"),
+    ("bench_pack.py", ["--repeat", "0"], "--repeat: must be 1.."),
+    ("bench_typed_pingpong.py", ["--blocks", "12"], "--blocks: must be a multiple of 8"),
+    ("bench_typed_pingpong.py", ["--sizes", "8", "--blocks", "16"], "nothing to measure"),
+    ("bench_typed_pingpong.py", ["--json", "/nonexistent/x.json"], "--json: cannot write a file at"),
 ]
 
 
@@ -49,3 +57,18 @@ def test_bad_value_is_one_line_and_exit_2(script, argv, words):
     assert len(lines) == 1 and ": error: " in lines[0], res.stderr
     assert words in lines[0], lines[0]
     assert res.stdout == "", res.stdout[-2000:]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("script,options", [
+    ("bench_pack.py", ["--total", "--blocks", "--dims", "--repeat", "--min-time"]),
+    ("bench_typed_pingpong.py", ["--sizes", "--blocks", "--repeat"]),
+])
+def test_bench_help_gives_units_and_defaults(script, options):
+    res = subprocess.run([sys.executable, "-P", str(BENCH / script), "--help"], capture_output=True, text=True,
+                         timeout=100)
+    assert res.returncode == 0 and res.stderr == ""
+    text = " ".join(res.stdout.split())
+    for o in options:  # each option's own help: "--opt METAVAR ... (default ...)" before the next option
+        own = text.split(f" {o} ", 1)[1].split(" --", 1)[0]
+        assert "default" in own, (o, own)

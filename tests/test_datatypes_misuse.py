@@ -5,17 +5,11 @@ flag was cleared and even into a ``bytes`` object (immutable, maybe shared by
 the interpreter); ``pack`` wrote into a read-only ``out``; a float count,
 origin, stride, displacement, lower bound or array size was truncated (``Vector(2.5,
 ...)`` built ``Vector(2, ...)``, ``pack(..., count=2.5)`` packed 2 elements);
-``pack`` of an object array ended in numpy's ``TypeError``; and the benchmarks'
-bad values ended in tracebacks (``--blocks 0``: ZeroDivisionError) or ran with
-nonsense (``--total -5``, ``--min-time -1``).  Oracles: the buffers' own bytes
-before the call, and ``MPI.Datatype.Pack`` for the packed bytes.
+and ``pack`` of an object array ended in numpy's ``TypeError`` (the pack
+benchmarks' command lines: tests/test_bench_cli.py).  Oracles: the buffers' own
+bytes before the call, and ``MPI.Datatype.Pack`` for the packed bytes.
 """
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -124,44 +118,3 @@ def test_pack_of_an_object_array_is_an_invalid_argument():
         dts.pack(np.array([1.0] * 6, dtype=object), T)
     with pytest.raises(InvalidArgument, match="object"):
         dts.unpack(PACKED, T, np.array([1.0] * 6, dtype=object))
-
-
-# ------------------------------------------------------------ benchmark CLIs
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-CLI_CASES = [
-    ("bench_pack.py", ["--blocks", "0"], "--blocks: must be 1.."),
-    ("bench_pack.py", ["--dims", "0"], "--dims: must be 1..6"),
-    ("bench_pack.py", ["--total", "-5"], "--total: must be 1.."),
-    ("bench_pack.py", ["--min-time", "nan"], "--min-time: must be > 0"),
-    ("bench_pack.py", ["--repeat", "0"], "--repeat: must be 1.."),
-    ("bench_typed_pingpong.py", ["--blocks", "12"], "--blocks: must be a multiple of 8"),
-    ("bench_typed_pingpong.py", ["--sizes", "8", "--blocks", "16"], "nothing to measure"),
-    ("bench_typed_pingpong.py", ["--json", "/nonexistent/x.json"], "--json: cannot write a file at"),
-]
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("script,argv,words", CLI_CASES, ids=[f"{c[0]}:{' '.join(c[1])}" for c in CLI_CASES])
-def test_bench_bad_value_is_one_line_and_exit_2(script, argv, words):
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    res = subprocess.run([sys.executable, "-P", str(BENCH / script), *argv], capture_output=True, text=True,
-                         timeout=100, env=env)
-    lines = res.stderr.strip().splitlines()
-    assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
-    assert len(lines) == 1 and ": error: " in lines[0] and words in lines[0], res.stderr
-    assert res.stdout == ""
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("script,options", [
-    ("bench_pack.py", ["--total", "--blocks", "--dims", "--repeat", "--min-time"]),
-    ("bench_typed_pingpong.py", ["--sizes", "--blocks", "--repeat"]),
-])
-def test_bench_help_gives_units_and_defaults(script, options):
-    res = subprocess.run([sys.executable, "-P", str(BENCH / script), "--help"], capture_output=True, text=True,
-                         timeout=100)
-    assert res.returncode == 0 and res.stderr == ""
-    text = " ".join(res.stdout.split())
-    for o in options:  # each option's own help: "--opt METAVAR ... (default ...)" before the next option
-        own = text.split(f" {o} ", 1)[1].split(" --", 1)[0]
-        assert "default" in own, (o, own)

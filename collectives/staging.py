@@ -87,7 +87,9 @@ class Staged:
             return
         dv = device_view(b)
         if dv is None or staging is None:
-            self.host = b.to_host().reshape(-1)
+            # memory order, as host buffers (ravel(order="K")): an F-ordered
+            # device buffer is flattened column-major
+            self.host = b.to_host().reshape(-1, order=_order(b))
             return
         from commlib.collectives import _device_reduce as dr  # noqa: PLC0415
 
@@ -104,7 +106,12 @@ class Staged:
 
             dr.stage_up(self.kind, self.entry, self.dev, self.stream)
         else:
-            self.buf.from_host(self.host.reshape(self.shape))
+            self.buf.from_host(self.host.reshape(self.shape, order=_order(self.buf)))
+
+
+def _order(b: Buffer) -> str:
+    """The memory order of a dense buffer: ``"F"`` only when it is F- and not C-contiguous."""
+    return "F" if b.f_contiguous and not b.contiguous else "C"
 
 
 def device_kind(arr) -> str:

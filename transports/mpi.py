@@ -362,7 +362,7 @@ class MPITransport(Transport):
             op = "sendrecv"
             self.check(recvbuf, source, op, receive=True)  # both sides before either is posted
             self.check(sendbuf, dest, op)
-            reqs = [self.irecv(recvbuf, source, recvtag), self.isend(sendbuf, dest, sendtag)]
+            reqs = self._post_pair(sendbuf, dest, recvbuf, source, sendtag, recvtag)
             try:
                 self.waitall(reqs, timeout, op=op)
             except CommTimeout:
@@ -387,7 +387,18 @@ class MPITransport(Transport):
         op = "sendrecv"
         self.check(recvbuf, source, op, receive=True)  # both sides before either is posted
         self.check(sendbuf, dest, op)
-        self.waitall([self.irecv(recvbuf, source, recvtag), self.isend(sendbuf, dest, sendtag)], op=op)
+        self.waitall(self._post_pair(sendbuf, dest, recvbuf, source, sendtag, recvtag), op=op)
+
+    def _post_pair(self, sendbuf, dest, recvbuf, source, sendtag, recvtag) -> list:
+        """Post a sendrecv's receive, then its send; a send that fails to post
+        withdraws the receive first (left posted, it would take a later message)."""
+        rreq = self.irecv(recvbuf, source, recvtag)
+        try:
+            return [rreq, self.isend(sendbuf, dest, sendtag)]
+        except BaseException:
+            if not _cancel_receive(rreq):
+                _KEPT.append(recvbuf)
+            raise
 
     def _post(self, start, op: str) -> MPI.Request:
         try:

@@ -200,14 +200,14 @@ class Buffer:
             import cupy  # noqa: PLC0415
 
             return cupy.asnumpy(self.obj, out=out)
-        if self.kind in ("numba", "numba-sim"):
-            if out is not None:
-                self.obj.copy_to_host(out)
-                return out
-            return self.obj.copy_to_host()
-        from numba import cuda  # noqa: PLC0415  # pragma: no cover - needs a GPU
-
-        return cuda.as_cuda_array(self.obj).copy_to_host(out)  # pragma: no cover
+        # numba arrays as they are; any other CUDA Array Interface exporter through
+        # the zero-copy numba view of :meth:`as_numba` (numba.cuda has no
+        # ``as_cuda_array`` under the simulator)
+        arr = self.obj if self.kind in ("numba", "numba-sim") else self.as_numba()
+        if out is not None:
+            arr.copy_to_host(out)
+            return out
+        return arr.copy_to_host()
 
     def from_host(self, host: np.ndarray) -> None:
         """Copy a numpy array of the same shape and dtype into this buffer."""
@@ -217,12 +217,8 @@ class Buffer:
         if self.kind == "cupy":
             self.obj.set(host)
             return
-        if self.kind in ("numba", "numba-sim"):
-            self.obj.copy_to_device(host)
-            return
-        from numba import cuda  # noqa: PLC0415  # pragma: no cover - needs a GPU
-
-        cuda.as_cuda_array(self.obj).copy_to_device(host)  # pragma: no cover
+        arr = self.obj if self.kind in ("numba", "numba-sim") else self.as_numba()
+        arr.copy_to_device(host)
 
 
 def _simulator() -> bool:
@@ -357,7 +353,12 @@ def as_buffer(obj, *, op: str = "as_buffer", rank: int | None = None) -> Buffer:
 
 def _from_cai(obj, cai, op, rank) -> Buffer:
     """A device Buffer from a CUDA Array Interface dict (version 0-3): typestr,
-    shape, strides (None = C order), data = (address, read-only), stream."""
+    shape, strides (None = C order), data = (address, read-only), stream.
+
+    Raises:
+        BufferError: a malformed interface: a missing or unknown entry, a
+            negative extent, strides of another length than the shape, a null
+            address for a non-empty array, or a ``mask`` (not supported)."""
     try:
         descr = cai.get("descr")
         dtype = np.dtype(cai["typestr"]) if not descr or len(descr) == 1 else np.dtype(descr)
@@ -374,6 +375,18 @@ def _from_cai(obj, cai, op, rank) -> Buffer:
             acc *= n
         strides = tuple(reversed(rev))
     strides = tuple(int(x) for x in strides)
+    problem = None
+    if any(n < 0 for n in shape):
+        problem = f"negative extent in shape {shape}"
+    elif len(strides) != len(shape):
+        problem = f"strides {strides} do not match shape {shape}"
+    elif cai.get("mask") is not None:
+        problem = "masked arrays (a 'mask' entry) are not supported; pass the unmasked data"
+    elif not ptr and math.prod(shape):
+        problem = "a null data pointer for a non-empty array"
+    if problem is not None:
+        raise BufferError(f"malformed __cuda_array_interface__ on {type(obj).__name__}: {problem}",
+                          rank=rank, op=op)
     mod = type(obj).__module__.split(".")[0]
     kind = "cupy" if mod == "cupy" else ("numba" if mod in ("numba", "numba_cuda") else "cai")
     c, f = _contiguity(shape, strides, dtype.itemsize)

@@ -78,10 +78,16 @@ def compute_dtype(dtype) -> np.dtype:
 
 def to_heads_major(x, kv_heads: int, dtype, xp=np):
     """``(batch, seq, heads, head_dim)`` -> contiguous
-    ``(batch, kv_heads, heads // kv_heads, seq, head_dim)`` in ``dtype``."""
+    ``(batch, kv_heads, heads // kv_heads, seq, head_dim)`` in ``dtype``.
+
+    Always a new array (one copy), never a view of ``x``, even where the
+    transpose is a no-op (one head, or ``seq == 1``): the kernels scale and
+    accumulate into it in place, and the caller's input must stay untouched."""
     b, s, h, d = x.shape
     y = x.reshape(b, s, kv_heads, h // kv_heads, d).transpose(0, 2, 3, 1, 4)
-    return xp.ascontiguousarray(y.astype(dtype, copy=False))
+    out = xp.empty(y.shape, dtype=dtype)
+    out[...] = y
+    return out
 
 
 def from_heads_major(x, dtype, xp=np):

@@ -18,10 +18,11 @@ import numpy as np
 from commlib.core.buffer import as_buffer, cupy_usable
 
 from commlib.core.errors import CommError, InvalidArgument
+from commlib.core.seconds import check_timeout
 
 from ..agreement import agree_header
 from .blocks import SUPPORTED_DTYPES, compute_dtype, get_array_module
-from .layout import LAYOUTS, check_layout, local_seq_len
+from .layout import LAYOUTS, agreement_bound, check_layout, local_seq_len
 
 __all__ = ["AttnSpec", "validate"]
 
@@ -102,11 +103,16 @@ def as_array_api(*arrays):
     return tuple(out)
 
 
-def validate(transport, q, k, v, *, causal, layout, softmax_scale, seq_len, tile, op, extra=None) -> AttnSpec:
+def validate(transport, q, k, v, *, causal, layout, softmax_scale, seq_len, tile, op, extra=None,
+             timeout=None) -> AttnSpec:
     """Check an attention call on every rank together and return its :class:`AttnSpec`.
 
     Args:
         transport: the call's transport (:func:`.transport.transport_of`).
+        timeout: the call's ``timeout``: None or a finite number of seconds
+            > 0 (0, a poll, would strand the other ranks mid-ring).  Checked
+            here so that a bad value on one rank is refused on every rank
+            before any message is posted; valid values may differ by rank.
 
     Raises:
         InvalidArgument: on every rank alike when any rank's arguments are bad
@@ -117,14 +123,19 @@ def validate(transport, q, k, v, *, causal, layout, softmax_scale, seq_len, tile
     try:
         spec = _validate_local(transport, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
                                seq_len=seq_len, tile=tile, op=op, extra=extra)
+        check_timeout(timeout, op=op, rank=transport.rank)
     except InvalidArgument as exc:
         problem = exc
     # Two rounds of one small all-gather each: did any rank refuse (its header
     # would mean nothing then), and do the headers agree, in attention's words.
-    agree_header(transport, (), op=op, local_error=problem)
+    # Both bounded by the call's timeout (a rank that never makes the call must
+    # not strand the others), on the same all-gather whatever each rank's timeout.
+    wait = agreement_bound(timeout)
+    agree_header(transport, (), op=op, local_error=problem, timeout=wait, native=False)
     agree_header(transport, _header(spec, causal, layout, tile), op=op, names=_SIG_FIELDS, describe=_describe,
-                 exc_type=_disagreement)
+                 exc_type=_disagreement, timeout=wait, native=False)
     return spec
+
 
 
 def _validate_local(transport, q, k, v, *, causal, layout, softmax_scale, seq_len, tile, op, extra=None) -> AttnSpec:

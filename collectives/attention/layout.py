@@ -23,6 +23,9 @@ from __future__ import annotations
 import numpy as np
 
 from commlib.core.errors import InvalidArgument
+from commlib.core.seconds import check_timeout, timeout_problem
+
+from ..agreement import agree_header
 
 from .blocks import get_array_module
 from .transport import transport_of
@@ -48,6 +51,15 @@ def check_layout(layout, *, rank=None, op="attention") -> str:
     if layout not in LAYOUTS:
         raise InvalidArgument(f"layout {layout!r} is not one of {LAYOUTS}", rank=rank, op=op)
     return layout
+
+
+def agreement_bound(timeout) -> float | None:
+    """The bound of an argument agreement's waits: the call's ``timeout`` when it
+    is valid, else None (the rank that refused its own timeout still takes part,
+    on the same point-to-point all-gather as the others)."""
+    if timeout is None or timeout_problem(timeout) is not None:
+        return None
+    return float(timeout)
 
 
 def local_seq_len(seq_len: int, size: int, layout: str = "contiguous") -> int:
@@ -145,14 +157,17 @@ def unshard_sequence(x_local, comm, layout: str = "contiguous", seq_len: int | N
         layout: the layout the shards are in.
         seq_len: true global length (default ``P * seq_local``, no padding).
         axis: the sequence axis.
-        timeout: seconds for the whole exchange (None: no limit).
+        timeout: seconds (finite, > 0) for the whole exchange (None: no limit).
 
     Returns:
         array: ``seq_len`` tokens on ``axis``, same module and dtype as ``x_local``.
 
     Raises:
-        InvalidArgument: unknown layout, bad axis, or ``seq_local`` inconsistent
-            with ``seq_len``.
+        InvalidArgument: unknown layout, bad axis, ``seq_len`` or ``timeout``,
+            ``seq_local`` inconsistent with ``seq_len``, or shards whose shape,
+            dtype, axis, layout or ``seq_len`` differ between ranks: on every
+            rank alike, before any shard is sent (the argument agreement of
+            :mod:`commlib.collectives.agreement`).
         CommTimeout: ``timeout`` passed.
         CommError: a peer failed (``ProcessFailed``) or another transport error.
     """
@@ -160,17 +175,16 @@ def unshard_sequence(x_local, comm, layout: str = "contiguous", seq_len: int | N
     tp = transport_of(comm)
     tag = tp.tags.slot(1)
     rank, size = tp.rank, tp.size
-    check_layout(layout, rank=rank, op=op)
-    if not -x_local.ndim <= axis < x_local.ndim:
-        raise InvalidArgument(f"axis {axis} out of range for a {x_local.ndim}-d array", rank=rank, op=op)
-    xp = get_array_module(x_local)
-    axis %= x_local.ndim
-    L = x_local.shape[axis]
-    n = size * L if seq_len is None else int(seq_len)
-    if local_seq_len(n, size, layout) != L:
-        raise InvalidArgument(
-            f"seq_local {L} does not match seq_len {n} on {size} ranks with layout {layout!r} "
-            f"(expected {local_seq_len(n, size, layout)})", rank=rank, op=op)
+    problem, header = None, ()
+    try:
+        xp, axis, L, n = _unshard_local(x_local, rank, size, layout, seq_len, axis, timeout, op)
+        header = _unshard_header(x_local, axis, layout, n)
+    except InvalidArgument as exc:
+        problem = exc
+    # as the attention calls: did any rank refuse, then do the calls agree
+    wait = agreement_bound(timeout)
+    agree_header(tp, (), op=op, local_error=problem, timeout=wait, native=False)
+    agree_header(tp, header, op=op, names=_UNSHARD_FIELDS, describe=_describe_unshard, timeout=wait, native=False)
     mine = xp.ascontiguousarray(x_local)
     parts = [None] * size
     parts[rank] = mine
@@ -192,3 +206,49 @@ def unshard_sequence(x_local, comm, layout: str = "contiguous", seq_len: int | N
     idx = [slice(None)] * mine.ndim
     idx[axis] = slice(0, n)
     return full[tuple(idx)]
+
+
+#: the header fields of an :func:`unshard_sequence` call (dims past the 8th fold into ``dim7``)
+_UNSHARD_FIELDS = ("ndim", "axis", "layout", "seq_len", "dtype") + tuple(f"dim{i}" for i in range(8))
+
+
+def _unshard_local(x_local, rank, size, layout, seq_len, axis, timeout, op):
+    """This rank's checks of an :func:`unshard_sequence` call: ``(xp, axis, seq_local, seq_len)``.
+
+    Raises:
+        InvalidArgument: naming ``rank`` and ``op``.
+    """
+    check_layout(layout, rank=rank, op=op)
+    check_timeout(timeout, op=op, rank=rank)
+    if not hasattr(x_local, "shape") or not hasattr(x_local, "dtype"):
+        raise InvalidArgument(f"x_local must be a numpy or CuPy array, got {type(x_local).__name__}", rank=rank, op=op)
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -x_local.ndim <= axis < x_local.ndim:
+        raise InvalidArgument(f"axis {axis!r} out of range for a {x_local.ndim}-d array", rank=rank, op=op)
+    xp = get_array_module(x_local)
+    axis = int(axis) % x_local.ndim
+    L = int(x_local.shape[axis])
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer))
+                                or seq_len < 0):
+        raise InvalidArgument(f"seq_len must be a non-negative int, got {seq_len!r}", rank=rank, op=op)
+    n = size * L if seq_len is None else int(seq_len)
+    if local_seq_len(n, size, layout) != L:
+        raise InvalidArgument(
+            f"seq_local {L} does not match seq_len {n} on {size} ranks with layout {layout!r} "
+            f"(expected {local_seq_len(n, size, layout)})", rank=rank, op=op)
+    return xp, axis, L, n
+
+
+def _unshard_header(x, axis, layout, n) -> tuple:
+    """The call as the ints of :data:`_UNSHARD_FIELDS` (the dtype name's first 8 bytes)."""
+    dims = [int(d) for d in x.shape[:7]] + [int(np.prod(x.shape[7:], dtype=np.int64))] if x.ndim > 7 else \
+        [int(d) for d in x.shape] + [-1] * (8 - x.ndim)
+    name = np.dtype(x.dtype).name.encode()[:8].ljust(8, b"\0")
+    return (x.ndim, axis, LAYOUTS.index(layout), n, int(np.frombuffer(name, np.int64)[0]), *dims)
+
+
+def _describe_unshard(name: str, value: int):
+    if name == "dtype":
+        return np.int64(value).tobytes().rstrip(b"\0").decode(errors="replace")
+    if name == "layout":
+        return repr(LAYOUTS[value])
+    return value

@@ -100,7 +100,8 @@ def ring_attention(comm, q, k, v, causal: bool = False, layout: str = "contiguou
             :func:`shard_sequence` (default ``size * seq_local``).  Padded keys
             are masked and padded query rows give 0.
         tile: query rows per tile; fully masked tiles are skipped.
-        timeout: seconds to wait for any one ring step's messages (None: forever).
+        timeout: seconds (finite, > 0) to wait for any one ring step's
+            messages (None: forever).
         stats: optional dict, filled with per-step ``source``, ``work``
             (score entries computed), ``visible`` (unmasked pairs),
             ``compute_s`` and ``wait_s``, and ``total_s``.
@@ -111,8 +112,9 @@ def ring_attention(comm, q, k, v, causal: bool = False, layout: str = "contiguou
         float32.  Rows that see no key (padding) give out 0 and lse ``-inf``.
 
     Raises:
-        InvalidArgument: bad shapes, dtypes, layout, ``seq_len``, scale or tile
-            (raised on every rank before any communication).
+        InvalidArgument: bad shapes, dtypes, layout, ``seq_len``, scale, tile
+            or ``timeout`` (not None nor a finite number > 0), on any rank
+            (raised on every rank before any K/V message is posted).
         CommTimeout: a step's messages did not complete in ``timeout``.
         ProcessFailed: a peer failed (any other transport failure: :class:`~commlib.CommError`).
     """
@@ -121,7 +123,7 @@ def ring_attention(comm, q, k, v, causal: bool = False, layout: str = "contiguou
     tag_kv = tp.tags.slot(_TAG_WIDTH) + _TAG_KV
     q, k, v = as_array_api(q, k, v)
     spec = validate(tp, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
-                    seq_len=seq_len, tile=tile, op=op)
+                    seq_len=seq_len, tile=tile, op=op, timeout=timeout)
     xp, P, r = spec.xp, tp.size, tp.rank
     st = _new_stats(stats, "forward")
     t_start = time.perf_counter()
@@ -198,7 +200,7 @@ def ring_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = False,
         extra = {"out": (out, qshape, qd), "dout": (dout, qshape, qd),
                  "lse": (lse, (qshape[0], qshape[2], qshape[1]), None)}
     spec = validate(tp, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
-                    seq_len=seq_len, tile=tile, op=op, extra=extra)
+                    seq_len=seq_len, tile=tile, op=op, extra=extra, timeout=timeout)
     xp, P, r = spec.xp, tp.size, tp.rank
     st = _new_stats(stats, "backward")
     t_start = time.perf_counter()

@@ -125,7 +125,7 @@ def ulysses_attention(comm, q, k, v, causal: bool = False, layout: str = "contig
         k, v: ``(batch, seq_local, kv_heads, head_dim)``; ``heads % kv_heads == 0``.
         causal, layout, softmax_scale, seq_len, tile: as in
             :func:`commlib.collectives.attention.ring_attention`.
-        timeout: seconds for each all-to-all.
+        timeout: seconds (finite, > 0) for each all-to-all (None: forever).
         stats: optional dict, filled with ``work`` (score entries computed),
             ``compute_s``, ``comm_s`` and ``total_s``.
 
@@ -143,7 +143,7 @@ def ulysses_attention(comm, q, k, v, causal: bool = False, layout: str = "contig
     tp = transport_of(comm)
     q, k, v = as_array_api(q, k, v)
     spec = validate(tp, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
-                    seq_len=seq_len, tile=tile, op=op)
+                    seq_len=seq_len, tile=tile, op=op, timeout=timeout)
     _check_heads(tp, spec, op)
     xp, P, L = spec.xp, tp.size, spec.seq_local
     t0 = time.perf_counter()
@@ -194,7 +194,7 @@ def ulysses_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = Fal
         extra = {"out": (out, qshape, qd), "dout": (dout, qshape, qd),
                  "lse": (lse, (qshape[0], qshape[2], qshape[1]), None)}
     spec = validate(tp, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
-                    seq_len=seq_len, tile=tile, op=op, extra=extra)
+                    seq_len=seq_len, tile=tile, op=op, extra=extra, timeout=timeout)
     _check_heads(tp, spec, op)
     xp, P, L = spec.xp, tp.size, spec.seq_local
     t0 = time.perf_counter()

@@ -20,7 +20,6 @@ Run::
 """
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import statistics

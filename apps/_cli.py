@@ -7,10 +7,9 @@ launcher's environment until MPI is up.
 """
 from __future__ import annotations
 
-import os
 import sys
 
-from commlib.cli import RANK_VARS, SIZE_VARS, env_int  # the launchers' variables (light: no MPI)
+from commlib.cli import RANK_VARS, SIZE_VARS, env_int, unwritable  # noqa: F401 (light: no MPI)
 from commlib.cli import OneLineParser as _BaseParser
 
 __all__ = ["OneLineParser", "world_rank", "world_size", "unwritable"]
@@ -65,18 +64,3 @@ def world_size() -> int | None:
     if world is not None:
         return world.Get_size()
     return env_int(SIZE_VARS)
-
-
-def unwritable(path: str) -> str | None:
-    """Why ``path`` cannot be written (None when it can), without creating it;
-    for checking ``--json``/``--plot`` paths before a run."""
-    if not path:
-        return "empty path"
-    if os.path.isdir(path):
-        return "is a directory"
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        return f"directory {parent} does not exist"
-    if os.path.exists(path):
-        return None if os.access(path, os.W_OK) else "not writable"
-    return None if os.access(parent, os.W_OK | os.X_OK) else f"directory {parent} is not writable"

@@ -23,7 +23,7 @@ import sys
 import commlib
 from commlib.core import device
 
-__all__ = ["OneLineParser", "device_kernel_check", "info", "launcher_rank", "main"]
+__all__ = ["OneLineParser", "device_kernel_check", "info", "launcher_rank", "main", "unwritable"]
 
 #: environment variables with this process's rank and the job's size, set by
 #: the launchers (Open MPI's mpiexec/prterun, MPICH's and Intel MPI's hydra,
@@ -278,15 +278,26 @@ def _positive_ints(limit: int):
     return parse
 
 
+def unwritable(path: str) -> str | None:
+    """Why ``path`` cannot be written (None when it can), without creating it;
+    for checking ``--json``/``--plot`` paths before a run."""
+    if not path:
+        return "empty path"
+    if os.path.isdir(path):
+        return "is a directory"
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"directory {parent} does not exist"
+    if os.path.exists(path):
+        return None if os.access(path, os.W_OK) else "not writable"
+    return None if os.access(parent, os.W_OK | os.X_OK) else f"directory {parent} is not writable"
+
+
 def _writable_file(text: str) -> str:
     """argparse type: a path a file can be written at (checked before a long measurement)."""
-    parent = os.path.dirname(os.path.abspath(text))
-    if os.path.isdir(text):
-        raise argparse.ArgumentTypeError(f"{text!r} is a directory")
-    if not os.path.isdir(parent):
-        raise argparse.ArgumentTypeError(f"directory {parent} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(text) and not os.access(text, os.W_OK)):
-        raise argparse.ArgumentTypeError(f"{text!r} is not writable")
+    why = unwritable(text)
+    if why:
+        raise argparse.ArgumentTypeError(f"{text!r}: {why}")
     return text
 
 

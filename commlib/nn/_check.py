@@ -12,6 +12,7 @@ import math
 import numpy as np
 import torch
 
+from commlib.collectives.attention.layout import agreement_bound as agreement_timeout  # noqa: F401
 from commlib.core.seconds import timeout_problem
 
 __all__ = ["DTYPES", "DTYPE_NAMES", "DEVICES", "check_qkv", "softmax_scale_of", "cu_seqlens_of", "timeout_of",
@@ -110,15 +111,6 @@ def timeout_of(timeout, bad) -> float | None:
     if problem is not None:
         raise bad(problem)
     return None if timeout is None else float(timeout)
-
-
-def agreement_timeout(timeout) -> float | None:
-    """The bound of the argument agreement's waits: ``timeout`` when it is
-    valid, else None (a rank that refuses its own timeout still takes part in
-    the agreement the way the others do when they passed the same value)."""
-    if timeout is None or timeout_problem(timeout, zero=False) is not None:
-        return None
-    return float(timeout)
 
 
 def grad_flags(*tensors) -> int:

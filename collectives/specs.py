@@ -295,7 +295,9 @@ def _allreduce_finish(c: Call, tp, rows, survivors) -> None:
 
 
 def _allreduce_stage(c: Call, small: bool) -> None:
-    if not small and c.algo == "ring":
+    # 0 elements take the host path: nothing to reduce, and numba-cuda on a GPU
+    # raises on any slice of an empty device array (a NULL allocation)
+    if not small and c.algo == "ring" and c.sb.size:
         dsrc = device_view(c.sb)
         ddst = dsrc if c.inplace else device_view(c.rb)
         if dsrc is not None and ddst is not None and dsrc[0] == ddst[0]:
@@ -389,7 +391,7 @@ def _reduce_scatter_finish(c: Call, tp, rows, survivors):
 
 
 def _reduce_scatter_stage(c: Call, small: bool) -> None:
-    if not small and c.algo == "ring" and c.src is None:
+    if not small and c.algo == "ring" and c.src is None and c.sb.size:  # 0 elements: as allreduce's
         dv = device_view(c.sb)
         if dv is not None:
             c.dev = dv

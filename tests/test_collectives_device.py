@@ -52,6 +52,27 @@ def segment(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture
+def gpu_empty_slices(monkeypatch):
+    """In the CUDA simulator, slicing a zero-element numba device array raises as
+    numba-cuda does on a real GPU ("non-empty slice into empty slice": an empty
+    allocation has a NULL pointer, and the slice's extent is one element), so a
+    code path that slices an empty device vector fails here too, not only on a
+    GPU (an H100 found ``allreduce(avg)`` of 0 elements doing that)."""
+    if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") in ("", "0"):
+        return  # a real GPU raises by itself
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+    real = FakeCUDAArray.__getitem__
+
+    def getitem(self, item):
+        if self.size == 0:
+            raise RuntimeError("non-empty slice into empty slice")
+        return real(self, item)
+
+    monkeypatch.setattr(FakeCUDAArray, "__getitem__", getitem)
+
+
 def _data(dtype, count, rank, seed):
     rng = np.random.default_rng(seed * 100 + rank)
     if np.dtype(dtype).kind in "iu":
@@ -203,3 +224,30 @@ def test_cupy_allreduce(comm):
             rs = comm.reduce_scatter(cupy.asarray(x[: count - count % comm.size]), op=op, algorithm="ring")
             hrs = comm.reduce_scatter(x[: count - count % comm.size], op=op, algorithm="ring")
             assert np.asarray(rs).tobytes() == hrs.tobytes()
+
+
+@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+def test_zero_element_device_calls(comm, op, segment, gpu_empty_slices):
+    """0 elements on every rank: each device collective returns the empty result (in
+    and out of place, staged ring and one-round paths), never slicing the empty
+    device vector (which raises on a GPU)."""
+    n = comm.size
+    for algorithm in ("ring", "auto", "recursive_doubling"):
+        d = cuda.device_array(0, np.float64)
+        assert comm.allreduce(d, op=op, algorithm=algorithm) is d
+        out = cuda.device_array(0, np.float64)
+        assert comm.allreduce(cuda.device_array(0, np.float64), out, op=op, algorithm=algorithm) is out
+        assert out.copy_to_host().size == 0
+    got = comm.reduce_scatter(cuda.device_array(0, np.float64), op=op, algorithm="ring")
+    assert np.asarray(got.copy_to_host() if hasattr(got, "copy_to_host") else got).size == 0
+    out = cuda.device_array(0, np.float64)
+    comm.allgather(cuda.device_array(0, np.float64), out, algorithm="ring")
+    d = cuda.device_array(0, np.float64)
+    comm.bcast(d, root=n - 1)
+    # the group is still in step: a real call after the empty ones gives the host result
+    x = _data(np.float64, 5, comm.rank, 4)
+    d = cuda.to_device(x)
+    comm.allreduce(d, op=op, algorithm="ring")
+    host = x.copy()
+    comm.allreduce(host, op=op, algorithm="ring")
+    assert d.copy_to_host().tobytes() == host.tobytes()

@@ -52,27 +52,6 @@ def segment(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture
-def gpu_empty_slices(monkeypatch):
-    """In the CUDA simulator, slicing a zero-element numba device array raises as
-    numba-cuda does on a real GPU ("non-empty slice into empty slice": an empty
-    allocation has a NULL pointer, and the slice's extent is one element), so a
-    code path that slices an empty device vector fails here too, not only on a
-    GPU (an H100 found ``allreduce(avg)`` of 0 elements doing that)."""
-    if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") in ("", "0"):
-        return  # a real GPU raises by itself
-    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-
-    real = FakeCUDAArray.__getitem__
-
-    def getitem(self, item):
-        if self.size == 0:
-            raise RuntimeError("non-empty slice into empty slice")
-        return real(self, item)
-
-    monkeypatch.setattr(FakeCUDAArray, "__getitem__", getitem)
-
-
 def _data(dtype, count, rank, seed):
     rng = np.random.default_rng(seed * 100 + rank)
     if np.dtype(dtype).kind in "iu":

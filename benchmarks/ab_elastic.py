@@ -2,7 +2,7 @@
 
 Loopback A/B for changes to :mod:`commlib.elastic` and its TCP transport: for
 each repetition and size, a fresh master and ``--peers`` peer processes run
-``--iters`` all-reduces of a float32 vector after 20 warm-up calls, once with
+``--iters`` all-reduces of a float32 vector after ``--warmup`` calls, once with
 the installed commlib (``after``) and once with the build in ``--before`` (a
 folder made by ``pip install --no-deps --target DIR .`` in a worktree of the
 older commit), one after the other, so both sides see the same machine
@@ -42,7 +42,7 @@ from _util import OneLineParser, int_in  # noqa: E402
 SECRET = b"ab-elastic-benchmark-secret-0123"
 
 
-def _peer(addr: str, n: int, nbytes: int, iters: int) -> None:
+def _peer(addr: str, n: int, nbytes: int, iters: int, warmup: int) -> None:
     import numpy as np
 
     import commlib.elastic as el
@@ -52,7 +52,7 @@ def _peer(addr: str, n: int, nbytes: int, iters: int) -> None:
         p.update_topology()
         time.sleep(0.05)
     x = np.zeros(max(1, nbytes // 4), np.float32)
-    for _ in range(20):
+    for _ in range(warmup):
         p.allreduce(x)
     t, c = time.perf_counter(), time.process_time()
     for _ in range(iters):
@@ -62,11 +62,12 @@ def _peer(addr: str, n: int, nbytes: int, iters: int) -> None:
     p.close()
 
 
-def _master(n: int, nbytes: int, iters: int) -> None:
+def _master(n: int, nbytes: int, iters: int, warmup: int) -> None:
     import commlib.elastic as el
 
     m = el.Master(bind="127.0.0.1:0", secret=SECRET).start()
-    procs = [subprocess.Popen([sys.executable, "-P", __file__, "--_peer", m.address, str(n), str(nbytes), str(iters)],
+    procs = [subprocess.Popen([sys.executable, "-P", __file__, "--_peer", m.address, str(n), str(nbytes), str(iters),
+                              str(warmup)],
                               stdout=subprocess.PIPE, text=True) for _ in range(n)]
     outs = [p.communicate(timeout=600)[0] for p in procs]
     m.stop()
@@ -76,11 +77,12 @@ def _master(n: int, nbytes: int, iters: int) -> None:
     print(f"us/call {max(w for w, _ in times):.1f} cpu {max(c for _, c in times):.1f}", flush=True)
 
 
-def _one(site: str | None, n: int, nbytes: int, iters: int) -> tuple[float, float]:
+def _one(site: str | None, n: int, nbytes: int, iters: int, warmup: int) -> tuple[float, float]:
     env = dict(os.environ)
     if site:
         env["PYTHONPATH"] = site + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    out = subprocess.run([sys.executable, "-P", __file__, "--_master", str(n), str(nbytes), str(iters)], env=env,
+    out = subprocess.run([sys.executable, "-P", __file__, "--_master", str(n), str(nbytes), str(iters), str(warmup)],
+                         env=env,
                          capture_output=True, text=True, timeout=900)
     m = re.findall(r"us/call ([0-9.]+) cpu ([0-9.]+)", out.stdout)
     if out.returncode or not m:
@@ -100,10 +102,10 @@ def _sizes(text: str) -> list[int]:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--_peer":
-        _peer(argv[1], int(argv[2]), int(argv[3]), int(argv[4]))
+        _peer(argv[1], int(argv[2]), int(argv[3]), int(argv[4]), int(argv[5]))
         return 0
     if argv and argv[0] == "--_master":
-        _master(int(argv[1]), int(argv[2]), int(argv[3]))
+        _master(int(argv[1]), int(argv[2]), int(argv[3]), int(argv[4]))
         return 0
     ap = OneLineParser(description=__doc__.split("\n\n")[0],
                        epilog="Exit status 2 for bad values (argparse's one-line error).")
@@ -112,10 +114,14 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", type=_sizes, default=_sizes("4096,65536,1048576"),
                     help="comma-separated all-reduce sizes, bytes (default: 4096,65536,1048576)")
     ap.add_argument("--reps", type=int_in(1, 1000, "repetitions"), default=4, help="repetitions of every (size, side) run (default: 4)")
-    ap.add_argument("--iters", type=int_in(1, 10**6, "calls"), default=300, help="timed calls per run (default: 300)")
+    ap.add_argument("--iters", type=int_in(1, 10**6, "calls"), default=300,
+                    help="timed calls per run (default: 300); keep a run above ~0.3 s: on an idle 16-core "
+                    "machine runs of 100 calls (~50 ms) gave paired verdicts that longer runs reversed")
+    ap.add_argument("--warmup", type=int_in(0, 10**5, "calls"), default=30,
+                    help="untimed calls per run before the timed ones (default: 30)")
     a = ap.parse_args(argv)
     check_before(ap, a.before)
-    res = interleave(a.before, a.sizes, a.reps, lambda site, s: _one(site, a.peers, s, a.iters))
+    res = interleave(a.before, a.sizes, a.reps, lambda site, s: _one(site, a.peers, s, a.iters, a.warmup))
     for k, what in ((0, "us per call (slowest peer's mean)"), (1, "CPU us per call and peer process (the slowest)")):
         print(f"{a.peers} peers, {a.reps} repetitions of {a.iters} calls; {what}")
         for s in a.sizes:

@@ -14,7 +14,9 @@
 #
 # The run: installs the wheels and this checkout under /tmp, then each benchmark with both
 # builds in turn; the logs and JSON go to $OUT (default /tmp/device_ab). Settings: REPS
-# (ab_*.py repetitions, default 6), PYTHON (default python3), WHEELS (the wheel folder,
+# (ab_*.py repetitions, default 4; each run ~0.3 s or more of calls: on the 16-core machine
+# runs of 100 calls at 2 peers, ~50 ms, gave paired "slower" verdicts that runs of 800 calls
+# reversed), PYTHON (default python3), WHEELS (the wheel folder,
 # default .whl; empty: use what is installed, e.g. to try this script here with REPS=1).
 set -u
 cd "$(dirname "$0")/.."
@@ -43,7 +45,7 @@ fi
 OUT=${OUT:-/tmp/device_ab}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-REPS=${REPS:-6}
+REPS=${REPS:-4}
 WHEELS=${WHEELS-.whl}
 export PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 [ -d .ab/commlib ] || { echo "no .ab/commlib: run 'bash benchmarks/device_ab.sh prepare' first" >&2; exit 2; }
@@ -74,10 +76,10 @@ step() { echo "== $* ($(date +%T))"; }
 # ab_elastic.py and ab_tcp_step.py put --before first on PYTHONPATH for the before runs
 step "ab_elastic 4 peers"
 "$PY" -P benchmarks/ab_elastic.py --before "$BEFORE" --peers 4 --sizes 1048576,4194304,8388608 --reps "$REPS" \
-  --iters 40 2>&1 | tee "$OUT/ab_elastic_4.txt" | tail -n 8
+  --iters 100 2>&1 | tee "$OUT/ab_elastic_4.txt" | tail -n 8
 step "ab_elastic 2 peers"
 "$PY" -P benchmarks/ab_elastic.py --before "$BEFORE" --peers 2 --sizes 4096,262144,4194304 --reps "$REPS" \
-  --iters 100 2>&1 | tee "$OUT/ab_elastic_2.txt" | tail -n 8
+  --iters 600 2>&1 | tee "$OUT/ab_elastic_2.txt" | tail -n 8
 step "ab_tcp_step"
 "$PY" -P benchmarks/ab_tcp_step.py --before "$BEFORE" --sizes 65536,1048576 --reps "$REPS" 2>&1 \
   | tee "$OUT/ab_tcp_step.txt" | tail -n 6

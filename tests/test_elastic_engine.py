@@ -585,6 +585,57 @@ def test_a_members_bad_sync_argument_is_refused_on_every_member():
         _close(master, peers)
 
 
+def test_a_refused_members_next_sync_is_not_answered_by_the_late_refusal():
+    """The member whose bad argument refused a round raises at once, before the
+    master answers that round; when that answer (the refusal) reaches it only after
+    its next, good call has begun, the call must wait for its own round, not take
+    the late refusal as its answer (a race a run of the elastic tests here hit once,
+    in the twelve trials of the test above, under load).  The refusal is held back 1 s in the member's receive path to
+    make that order certain."""
+    master, peers = _group(3)
+    try:
+        states = [{"w": np.full(8, float(i)), "b": np.arange(3.0) + i} for i in range(3)]
+        before = [{k: _h(v) for k, v in st.items()} for st in states]
+        culprit = peers[0]
+        with pytest.raises(commlib.InvalidArgument, match="C-contiguous"):
+            culprit.sync_shared_state({"w": np.zeros(16)[::2]}, 5, timeout=20)
+        held = threading.Event()
+
+        class LatePlans(dict):
+            def __setitem__(self, rnd, msg):
+                if msg.get("refused") is None or held.is_set():
+                    return dict.__setitem__(self, rnd, msg)
+                held.set()
+
+                def late():
+                    with culprit._cv:
+                        culprit._plans[rnd] = msg
+                        culprit._cv.notify_all()
+                threading.Timer(1.0, late).start()
+
+        with culprit._cv:
+            culprit._plans = LatePlans(culprit._plans)
+        # the others end the refused round, then (1.5 s later, after the refusal
+        # reached the culprit) call the next one with it
+        out = _outcomes(peers[1:], lambda i, p: p.sync_shared_state(states[i + 1], 5, timeout=20))
+        assert all(isinstance(exc, commlib.InvalidArgument) and "refused on every member" in str(exc)
+                   for _, exc, _ in out), out
+        revs = [7, 6, 6]
+
+        def call(i, p):
+            if i > 0:
+                time.sleep(1.5)
+            return p.sync_shared_state(states[i], revs[i], timeout=20)
+
+        out = _outcomes(peers, call)
+        assert held.is_set()
+        assert all(exc is None for _, exc, _ in out), out
+        assert {r["revision"] for r, _, _ in out} == {7}, out
+        assert [{k: _h(v) for k, v in st.items()} for st in states] == [before[0]] * 3
+    finally:
+        _close(master, peers)
+
+
 def test_close_from_another_thread_ends_the_call_with_peer_closed():
     """close() while the peer waits in an all-reduce (the other member never calls):
     the call ends promptly with PeerClosed, its input intact."""

@@ -89,57 +89,89 @@ class StateSync:
         topo = self._adopt()
         if topo is None or topo.rank is None:
             raise InvalidArgument("not a member: call update_topology() first", op="sync_shared_state")
+        timeout, hashes, meta, views = self._sync_arguments(state, revision, timeout, topo.rank)
+        plan = self._sync_round(revision, hashes, meta, timeout, topo.rank)
+        rnd = int(plan["round"])
+        result = {"revision": int(plan["rev"]), "bytes_received": 0, "donor": None}
+        if plan["fetchers"] and self.id in [int(d) for d in plan["donors"]]:
+            self._serve_round(rnd, views, timeout)
+        elif plan["fetchers"]:
+            try:
+                got, donor = self._fetch(plan, state, topo, timeout, own=hashes)
+            finally:
+                self._send({"t": SYNCED})
+            self._wait(lambda: True if rnd in self._sync_ends else None, timeout, "sync_shared_state")
+            result.update(bytes_received=got, donor=donor)
+        result["seconds"] = time.monotonic() - t0
+        return result
+
+    def _sync_arguments(self, state, revision, timeout, rank) -> tuple:
+        """``(timeout, hashes, meta, views)`` of a sync call; this member's own bad
+        argument raises InvalidArgument here at once, and the round is refused on
+        every member (each raises naming it), not left to time out."""
         try:
             timeout = self._call_timeout(timeout, "sync_shared_state")
-            hashes, meta, views = self._sync_submission(state, revision, topo.rank)
+            return (timeout, *self._sync_submission(state, revision, rank))
         except InvalidArgument as exc:
-            # this member's own bad argument: raised here at once, and the round
-            # refused on every member (each raises naming it), not left to time out
-            with self._cv:
-                self._plans = {r: p for r, p in self._plans.items() if p.get("refused") is None}
             try:
                 self._send({"t": SYNC, "rev": 0, "hashes": {}, "meta": {}, "bad": str(exc)[:WHY_MAX]})
+                with self._cv:
+                    self._refusals_owed += 1
             except CommError:
                 pass  # a lost master ends every member's round anyway; the cause is this error
             raise
+
+    #: refused plans still to come for rounds this member left at once (its own bad
+    #: argument: it raised without waiting for the master's answer)
+    _refusals_owed = 0
+
+    def _drop_owed_refusals_locked(self) -> None:
+        """Drop the refused plans owed for rounds this member left at once, however
+        late they come (the master answers rounds in order)."""
+        for r in sorted(self._plans):
+            if self._refusals_owed and self._plans[r].get("refused") is not None:
+                del self._plans[r]
+                self._refusals_owed -= 1
+
+    def _next_plan_locked(self, rounds_before: set):
+        """The master's plan for this member's round (one not in ``rounds_before``), or None yet."""
+        self._drop_owed_refusals_locked()
+        for r, p in sorted(self._plans.items()):
+            if r not in rounds_before:
+                self._refusals_owed = 0  # answered after every round owed: nothing owed can still come
+                return p
+        return None
+
+    def _sync_round(self, revision, hashes, meta, timeout, rank) -> dict:
+        """Submit this member's state digest; returns the master's plan for the round.
+
+        Raises:
+            InvalidArgument: the round was refused (a member's bad argument).
+            CommError: no live peer holds the job's state.
+        """
         with self._cv:
-            # a refusal of a round this peer left at once (its own bad argument) is stale
-            self._plans = {r: p for r, p in self._plans.items() if p.get("refused") is None}
+            self._drop_owed_refusals_locked()
             rounds_before = set(self._plans)
         self._send({"t": SYNC, "rev": int(revision), "hashes": hashes, "meta": meta})
-        plan = self._wait(lambda: next((p for r, p in sorted(self._plans.items()) if r not in rounds_before), None),
-                          timeout, "sync_shared_state")
-        rnd = int(plan["round"])
+        plan = self._wait(lambda: self._next_plan_locked(rounds_before), timeout, "sync_shared_state")
         with self._cv:
-            self._plans.pop(rnd, None)
+            self._plans.pop(int(plan["round"]), None)
         if plan.get("refused") is not None:
             raise InvalidArgument(f"a member passed invalid arguments ({str(plan['refused'])[:WHY_MAX]}); the round "
-                                  "was refused on every member, nothing was sent",
-                                  rank=topo.rank, op="sync_shared_state")
+                                  "was refused on every member, nothing was sent", rank=rank, op="sync_shared_state")
         if plan.get("lost") is not None:
             raise CommError(f"the job's shared state (revision {plan['lost']}) is held by no live peer: every peer "
                             "that had it left or died before this group formed; start a new master for a new job",
-                            rank=topo.rank, op="sync_shared_state")
-        donors = [int(d) for d in plan["donors"]]
-        result = {"revision": int(plan["rev"]), "bytes_received": 0, "donor": None}
-        if not plan["fetchers"]:
-            result["seconds"] = time.monotonic() - t0
-            return result
-        if self.id in donors:
-            self._start_serving(rnd, views)
-            try:
-                self._wait(lambda: True if rnd in self._sync_ends else None, timeout, "sync_shared_state")
-            finally:
-                self._stop_serving(rnd)
-            result["seconds"] = time.monotonic() - t0
-            return result
+                            rank=rank, op="sync_shared_state")
+        return plan
+
+    def _serve_round(self, rnd: int, views: dict, timeout: float) -> None:
+        """Serve this donor's state to the round's fetchers until the master ends the round."""
+        self._start_serving(rnd, views)
         try:
-            got, donor = self._fetch(plan, state, topo, timeout, own=hashes)
+            self._wait(lambda: True if rnd in self._sync_ends else None, timeout, "sync_shared_state")
         finally:
-            self._send({"t": SYNCED})
-        self._wait(lambda: True if rnd in self._sync_ends else None, timeout, "sync_shared_state")
-        result.update(bytes_received=got, donor=donor, seconds=time.monotonic() - t0)
-        return result
+            self._stop_serving(rnd)
 
     @staticmethod
     def _sync_submission(state, revision, rank) -> tuple[dict, dict, dict]:

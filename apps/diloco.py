@@ -37,9 +37,12 @@ peer can report and plot the whole run; ``config``: the job's flags as JSON
 bytes); its revision is the outer step count. Every peer of one job must run
 with the same job flags (--outer-steps, --inner-steps, --batch, --hidden,
 --inner-lr, --outer-lr, --outer-momentum, --quantize, --seed): a peer whose
-flags differ from the state it receives is refused before its first outer
-step, by name (``diloco: error: ... --hidden [32] here, [64] in the job``,
-exit status 2); the job goes on without it.
+flags differ from the job's is refused by the master before admission (the
+flags travel as ``connect(job=...)``; the job's peers see nothing of it), by
+name (``diloco: error: this peer's flags differ from the job's: --hidden 32
+here, 64 in the job ...``, exit status 2); the job goes on without it.  (A peer
+connected with no job, through the library, is refused the same way at its
+first sync, before its first outer step.)
 
 Peers end when the shared step count reaches ``--outer-steps`` (all at the
 same boundary), or leave gracefully (``peer.close()`` at a step boundary)
@@ -198,8 +201,38 @@ def job_config(*, outer_steps: int, inner_steps: int, batch: int, hidden, inner_
     return np.frombuffer(json.dumps(cfg, sort_keys=True, separators=(",", ":")).encode(), np.uint8).copy()
 
 
+def _spelled(value) -> str:
+    """A job flag's value as the command line spells it (``--hidden 32 16``, ``--quantize int8``)."""
+    return " ".join(str(v) for v in value) if isinstance(value, list) else str(value)
+
+
+def config_mismatch(own: bytes, job) -> str:
+    """The message that refuses a peer whose job flags ``own`` (:func:`job_config`'s bytes)
+    differ from the job's ``job`` (bytes from the master or a peer: JSON, never pickle;
+    nothing trusted beyond the comparison; anything unreadable is said so):
+    ``"this peer's flags differ from the job's: --hidden 32 here, 16 in the job; ..."``."""
+    mine = json.loads(own)
+    try:
+        theirs = json.loads(job) if isinstance(job, (bytes, bytearray)) else None
+    except (ValueError, UnicodeDecodeError):
+        theirs = None
+    if not isinstance(theirs, dict):
+        diffs = "the job carries no readable DiLoCo flags (another app's job, or a peer of another version?)"
+    else:
+        diffs = "; ".join(f"{flag} {_spelled(mine.get(k))} here, {_spelled(theirs.get(k))} in the job"
+                          for k, flag in JOB_FLAGS.items() if mine.get(k) != theirs.get(k))
+        diffs = diffs or "the job's flags are written differently (a peer of another version?)"
+    return f"this peer's flags differ from the job's: {diffs} (every peer of one job must run with the same job flags)"
+
+
 def check_config(state: dict, own: np.ndarray, rank=None) -> None:
     """Refuse a peer whose job flags differ from those of the state it holds after a sync.
+
+    The second line of defence: a peer that joins with ``connect(job=job_config(...).tobytes())``
+    (as the command line does) is refused by the master before admission when its flags
+    differ (:class:`commlib.core.errors.JobMismatch`); this check covers peers connected
+    with no job (``job=None``, e.g. :func:`run` on a peer made by the library) and a master
+    that admitted only such peers.
 
     Args:
         state: the shared state after ``sync_shared_state`` (its ``config``: the job's).
@@ -208,25 +241,15 @@ def check_config(state: dict, own: np.ndarray, rank=None) -> None:
 
     Raises:
         commlib.InvalidArgument: the job's ``config`` differs from ``own`` (or is missing);
-            the message names every differing flag with both values.
+            the message names every differing flag with both values (:func:`config_mismatch`).
     """
     job = state.get("config")
     if isinstance(job, np.ndarray) and job.dtype == np.uint8 and job.tobytes() == own.tobytes():
         return
     from commlib import InvalidArgument  # noqa: PLC0415
 
-    mine = json.loads(own.tobytes())
-    try:  # bytes from a peer: JSON (never pickle), and nothing trusted beyond the comparison
-        theirs = json.loads(job.tobytes()) if isinstance(job, np.ndarray) else None
-    except (ValueError, UnicodeDecodeError):
-        theirs = None
-    if not isinstance(theirs, dict):
-        diffs = "the job's state carries no readable flags (a peer of another version?)"
-    else:
-        diffs = ", ".join(f"{flag} {mine.get(k)!r} here, {theirs.get(k)!r} in the job"
-                          for k, flag in JOB_FLAGS.items() if mine.get(k) != theirs.get(k))
-    raise InvalidArgument(f"this peer's flags differ from the job's: {diffs}; every peer of one job must run "
-                          "with the same job flags", rank=rank, op="diloco")
+    job = job.tobytes() if isinstance(job, np.ndarray) and job.dtype == np.uint8 else None
+    raise InvalidArgument(config_mismatch(own.tobytes(), job), rank=rank, op="diloco")
 
 
 def new_state(shapes, seed: int, outer_steps: int, config: np.ndarray | None = None) -> dict[str, np.ndarray]:
@@ -579,8 +602,13 @@ def main(argv=None) -> int:
 def _main(args, leave, log) -> int:
     import commlib  # noqa: PLC0415
     import commlib.elastic as el  # noqa: PLC0415
+    from commlib.core.errors import JobMismatch  # noqa: PLC0415
 
     prepared = prepare(tuple(args.hidden), args.batch, args.inner_lr, args.seed)  # before joining: slow imports
+    # the job's flags go with the join: a master serving a job with other flags refuses this peer at the door
+    job = job_config(outer_steps=args.outer_steps, inner_steps=args.inner_steps, batch=args.batch,
+                     hidden=tuple(args.hidden), inner_lr=args.inner_lr, outer_lr=args.outer_lr,
+                     momentum=args.outer_momentum, quantize=args.quantize, seed=args.seed).tobytes()
     state = new_state(prepared[5], args.seed, args.outer_steps)
     kw = {"secret_file": args.secret_file} if args.secret_file else {}
     report = None
@@ -589,7 +617,11 @@ def _main(args, leave, log) -> int:
             print(f"diloco: stopped by {signal.Signals(leave[0]).name} before joining", file=sys.stderr, flush=True)
             return 128 + leave[0]
         try:
-            peer = el.connect(args.master, streams=args.streams, timeout=args.timeout, encrypt=args.encrypt, **kw)
+            peer = el.connect(args.master, streams=args.streams, timeout=args.timeout, encrypt=args.encrypt,
+                              job=job, **kw)
+        except JobMismatch as exc:  # refused before admission: rejoining would not change that
+            print(f"diloco: error: {config_mismatch(job, exc.job)}", file=sys.stderr)
+            return 2
         except el.SecretError as exc:
             print(f"diloco: error: {exc.detail}", file=sys.stderr)
             return 2

@@ -312,10 +312,22 @@ def _serve(args) -> int:
         print("commlib master: error: no shared secret: pass --secret-file F or set COMMLIB_ELASTIC_SECRET",
               file=sys.stderr)
         return 2
+    job = None
+    if args.job_file is not None:
+        try:
+            with open(args.job_file, "rb") as fh:
+                job = fh.read(elastic.protocol.JOB_MAX + 1)
+        except OSError as exc:
+            print(f"commlib master: error: --job-file {args.job_file!r}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+        if not 1 <= len(job) <= elastic.protocol.JOB_MAX:
+            print(f"commlib master: error: --job-file {args.job_file!r} must hold 1..{elastic.protocol.JOB_MAX} "
+                  f"bytes, it holds {'none' if not job else 'more'}", file=sys.stderr)
+            return 2
     try:
         master = elastic.Master(bind=args.bind, secret_file=args.secret_file,
                                 heartbeat_timeout=args.heartbeat_timeout, encrypt=args.encrypt,
-                                probe_timeout=None if args.no_probe else args.probe_timeout).start()
+                                probe_timeout=None if args.no_probe else args.probe_timeout, job=job).start()
     except (elastic.SecretError, commlib.InvalidArgument) as exc:  # the secret, the address: the user's values
         print(f"commlib master: error: {exc.detail}", file=sys.stderr)
         return 2
@@ -409,6 +421,11 @@ def main(argv=None) -> int:
     p_master.add_argument("--no-probe", action="store_true",
                           help="admit joiners without dialling their data address (for a master that cannot "
                                "reach the peers' network although the peers reach each other)")
+    p_master.add_argument("--job-file", metavar="PATH",
+                          help="file whose bytes describe the job (at most 16384; compared byte for byte with "
+                               "each joiner's connect(job=...)): a joiner of another job is refused before "
+                               "admission. Default: the first peer admitted with a job fixes it; peers with no "
+                               "job are admitted either way")
     args = parser.parse_args(argv)
     if args.cmd == "master":
         return _serve(args)

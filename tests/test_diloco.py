@@ -355,10 +355,10 @@ def test_check_config_names_every_differing_flag_and_survives_garbage():
     own = diloco.job_config(**kw)
     diloco.check_config({"config": own.copy()}, own, 0)  # equal: no error
     other = diloco.job_config(**{**kw, "batch": 16, "seed": 2})
-    with pytest.raises(InvalidArgument, match=r"--batch 8 here, 16 in the job, --seed 0 here, 2 in the job"):
+    with pytest.raises(InvalidArgument, match=r"--batch 8 here, 16 in the job; --seed 0 here, 2 in the job"):
         diloco.check_config({"config": other}, own, 1)
     for bad in ({}, {"config": np.frombuffer(b"\x80not json", np.uint8)}, {"config": np.zeros(3, np.float32)}):
-        with pytest.raises(InvalidArgument, match="no readable flags"):
+        with pytest.raises(InvalidArgument, match="no readable DiLoCo flags"):
             diloco.check_config(bad, own, 1)
 
 
@@ -473,10 +473,14 @@ def test_real_run_on_loopback(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_real_joiner_with_another_model_is_refused_by_name(tmp_path):
-    """Real master and peers on loopback: a joiner with --hidden 32 (another parameter count, so the
-    sync hands it arrays of another shape) is refused with InvalidArgument naming --hidden, before
-    any outer step, instead of a numpy broadcast error; the running peer keeps going."""
+def test_real_joiner_with_another_model_is_refused_by_name(tmp_path, capsys):
+    """Real master and peers on loopback, the founder joined with its job flags (``job=``, as
+    the command line does).  A peer started from the command line with --hidden 32 is refused
+    by the master before admission: exit status 2, one line naming --hidden with both values,
+    and the running peer sees nothing of it (same epoch, no abort, no new epoch).  Then a peer
+    joined through the library with no job (admitted) is refused by the second line of defence,
+    the check after its first sync, with InvalidArgument naming --hidden, before any outer step,
+    instead of a numpy broadcast error; the founder keeps going throughout."""
     try:
         import commlib.elastic as el  # noqa: PLC0415
     except ImportError as exc:
@@ -487,10 +491,12 @@ def test_real_joiner_with_another_model_is_refused_by_name(tmp_path):
     secret.write_bytes(os.urandom(32))
     master = el.Master(bind="127.0.0.1:0", secret_file=str(secret)).start()
     kw = {"outer_steps": 400, "inner_steps": 2, "hidden": (16,)}
+    job = diloco.job_config(batch=32, inner_lr=3e-3, outer_lr=0.7, momentum=0.9, quantize=None, seed=0,
+                            **kw).tobytes()  # the command line's defaults
     odd_done, results, lines = threading.Event(), {}, []
 
     def founder():
-        peer = el.connect(master.address, secret_file=str(secret), timeout=30)
+        peer = el.connect(master.address, secret_file=str(secret), timeout=30, job=job)
         try:
             results["founder"] = diloco.run(peer, **kw, should_leave=odd_done.is_set, log=lines.append,
                                             prepared=diloco.prepare((16,)))
@@ -499,16 +505,37 @@ def test_real_joiner_with_another_model_is_refused_by_name(tmp_path):
         finally:
             peer.close()
 
+    def steps():
+        return sum(x.startswith("step ") for x in lines)
+
     th = threading.Thread(target=founder)
     prepared_odd = diloco.prepare((32,))
     try:
         th.start()
         deadline = time.monotonic() + 60
-        while sum(x.startswith("step ") for x in lines) < 2 and time.monotonic() < deadline:  # under way
+        while steps() < 2 and time.monotonic() < deadline:  # under way
             time.sleep(0.02)
-        odd = el.connect(master.address, secret_file=str(secret), timeout=30)
+        assert master.job == job and master.members, "the founder is not in"
+        epoch, epochs, members = master.epoch, master.stats["epochs"], list(master.members)
+        capsys.readouterr()
+        rc = diloco.main(["--master", master.address, "--secret-file", str(secret), "--outer-steps", "400",
+                          "--inner-steps", "2", "--hidden", "32", "--no-progress", "--timeout", "10"])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and len(err.splitlines()) == 1, (rc, err)
+        assert err.startswith("diloco: error: this peer's flags differ from the job's: --hidden 32 here, 16 in "
+                              "the job"), err
+        assert master.stats["job_refusals"] == 1
+        assert (master.epoch, master.stats["epochs"], master.members) == (epoch, epochs, members), \
+            "the refused peer changed the members' topology"
+        assert master.stats["aborts"] == 0 and master.groups() == [members]
+        before = steps()
+        deadline = time.monotonic() + 60
+        while steps() < before + 2 and time.monotonic() < deadline:  # the founder trains on, undisturbed
+            time.sleep(0.02)
+        assert steps() >= before + 2
+        odd = el.connect(master.address, secret_file=str(secret), timeout=30)  # no job: admitted
         try:
-            with pytest.raises(InvalidArgument, match=r"--hidden \[32\] here, \[16\] in the job"):
+            with pytest.raises(InvalidArgument, match=r"--hidden 32 here, 16 in the job"):
                 diloco.run(odd, **{**kw, "hidden": (32,)}, prepared=prepared_odd)
         finally:
             odd.close()
@@ -519,7 +546,7 @@ def test_real_joiner_with_another_model_is_refused_by_name(tmp_path):
         master.stop()
     rep = results["founder"]
     assert isinstance(rep, dict), rep
-    assert rep["outer_steps_done"] >= 2 and rep["history"][-1]["step"] == rep["outer_steps_done"]
+    assert rep["outer_steps_done"] >= 4 and rep["history"][-1]["step"] == rep["outer_steps_done"]
 
 
 @pytest.mark.timeout(120)

@@ -22,6 +22,7 @@ __all__ = [
     "NoHandshakeSlot",
     "SilentPort",
     "PeerClosed",
+    "JobMismatch",
 ]
 
 
@@ -135,3 +136,19 @@ class SilentPort(CommTimeout):
 
 class PeerClosed(CommError):
     """The elastic peer was used after :meth:`~commlib.elastic.Peer.close`."""
+
+
+class JobMismatch(InvalidArgument):
+    """An elastic joiner's job description (``connect(job=...)``) differs from the
+    job its master serves (``Master(job=...)``, else the first peer it admitted with
+    a job); the joiner was refused before admission, so the members saw nothing of it.
+
+    Attributes:
+        job: the job's description (bytes) as the master sent it, so the caller can
+            name what differs (only a peer that proved the shared secret receives it).
+        mine: this joiner's description (bytes).
+    """
+
+    def __init__(self, message: str, *, job: bytes = b"", mine: bytes = b"", rank=None, op=None):
+        self.job, self.mine = job, mine
+        super().__init__(message, rank=rank, op=op)

@@ -25,16 +25,16 @@ master's state machine and the threat model), :mod:`~commlib.elastic.master`
 :func:`connect`), :mod:`~commlib.elastic.state_sync` (the peer's shared-state sync).  The quantized wire format is
 :class:`commlib.transports.quantize.QuantizingTransport`; the errors
 (:class:`PeerFailure`, :class:`AuthError`, :class:`SecretError`, :class:`EncryptionMismatch`,
-:class:`NoHandshakeSlot`, :class:`SilentPort`, :class:`PeerClosed`) are in :mod:`commlib.core.errors`.
+:class:`NoHandshakeSlot`, :class:`SilentPort`, :class:`PeerClosed`, :class:`JobMismatch`) are in :mod:`commlib.core.errors`.
 """
 from __future__ import annotations
 
-from commlib.core.errors import (AuthError, EncryptionMismatch, NoHandshakeSlot, PeerClosed, PeerFailure, SecretError,
-                                 SilentPort)
+from commlib.core.errors import (AuthError, EncryptionMismatch, JobMismatch, NoHandshakeSlot, PeerClosed, PeerFailure,
+                                 SecretError, SilentPort)
 
 from .master import Master
 from .peer import Peer, connect
 from .protocol import AUTO_STREAMS, HEARTBEAT_INTERVAL, PAIR_EXCHANGE_MAX
 
-__all__ = ["Master", "Peer", "connect", "PeerFailure", "AuthError", "SecretError", "EncryptionMismatch",
+__all__ = ["Master", "Peer", "connect", "PeerFailure", "JobMismatch", "AuthError", "SecretError", "EncryptionMismatch",
            "NoHandshakeSlot", "SilentPort", "PeerClosed", "AUTO_STREAMS", "HEARTBEAT_INTERVAL", "PAIR_EXCHANGE_MAX"]

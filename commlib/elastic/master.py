@@ -14,9 +14,10 @@ from commlib.core.errors import (AuthenticationError, CommError, CommTimeout, En
                                  NoHandshakeSlot, SilentPort)
 from commlib.transports import tcp
 
-from .protocol import (BYE, DONE, DROP, FAIL, FETCH, GAVE_UP, GIVE_UP, PLAN, PROBE, REFUSE, REFUSED, RING, SYNC,
-                       SYNCED, SYNC_END, TERM, TOPO, VOTE, VOTED, WELCOME, HEARTBEAT_INTERVAL, MAX_PEERS,
-                       PROBE_TIMEOUT, PROBE_TOKEN, TICKET_TTL, WHY_MAX, dbg, is_bytes, is_int)
+from .protocol import (BYE, DONE, DROP, FAIL, FETCH, GAVE_UP, GIVE_UP, JOB, PLAN, PROBE, REFUSE, REFUSED, RING,
+                       SYNC, SYNCED, SYNC_END, TERM, TOPO, VOTE, VOTED, WELCOME, HEARTBEAT_INTERVAL, JOB_MAX,
+                       JOB_WAIT, MAX_PEERS, PROBE_TIMEOUT, PROBE_TOKEN, TICKET_TTL, WHY_MAX, check_job, dbg, is_bytes,
+                       is_int)
 
 __all__ = ["Master"]
 
@@ -58,19 +59,30 @@ class Master:
             master that cannot reach the peers' network although the peers reach
             each other; a peer whose address the others cannot dial then fails
             the group's calls until it leaves).
+        job: the job's description (bytes, 1..:data:`~commlib.elastic.protocol.JOB_MAX`;
+            opaque, compared byte for byte): a joiner whose ``connect(job=...)``
+            differs is refused before admission (its ``connect`` raises
+            :class:`~commlib.core.errors.JobMismatch` carrying these bytes); the
+            members see nothing of it.  None (default): the first peer admitted
+            with a job fixes it.  Peers with ``job=None`` are admitted either way.
+            Kept for the master's lifetime, also when every member has left.
 
     Raises:
-        InvalidArgument: ``probe_timeout`` is not None nor a finite number of seconds > 0.
+        InvalidArgument: ``probe_timeout`` is not None nor a finite number of seconds > 0;
+            ``job`` is not None nor 1..JOB_MAX bytes.
         SecretError: the secret is missing or too short.
 
     Attributes:
-        stats: counters; ``probes`` (joiners' data addresses probed) and
-            ``probe_refusals`` (joiners refused because the probe failed) among them.
+        stats: counters; ``probes`` (joiners' data addresses probed),
+            ``probe_refusals`` (joiners refused because the probe failed) and
+            ``job_refusals`` (joiners refused because their job differs) among them.
+        job: the job's description (bytes), or None while no peer with a job was admitted.
     """
 
     def __init__(self, bind: str = "127.0.0.1:0", secret: bytes | str | None = None, secret_file: str | None = None,
                  *, heartbeat_timeout: float = 2.0, abort_grace: float = 0.3, form_wait: float = 0.25,
-                 encrypt: bool = False, probe_timeout: float | None = PROBE_TIMEOUT):
+                 encrypt: bool = False, probe_timeout: float | None = PROBE_TIMEOUT, job: bytes | None = None):
+        self.job = check_job(job, "Master")
         if probe_timeout is not None:
             try:
                 ok = not isinstance(probe_timeout, bool) and math.isfinite(float(probe_timeout)) and probe_timeout > 0
@@ -117,7 +129,8 @@ class Master:
         self._listener = None
         self._stopped = threading.Event()
         self.stats = {"epochs": 0, "aborts": 0, "completes": 0, "deaths": 0, "refused": 0, "stalls": 0,
-                      "lost_syncs": 0, "dropped": 0, "given_up": 0, "probes": 0, "probe_refusals": 0}
+                      "lost_syncs": 0, "dropped": 0, "given_up": 0, "probes": 0, "probe_refusals": 0,
+                      "job_refusals": 0}
 
     # lifecycle ---------------------------------------------------------------
     def start(self) -> "Master":
@@ -153,12 +166,14 @@ class Master:
     # connections -------------------------------------------------------------
     def _on_conn(self, conn: tcp.Connection) -> None:
         """An authenticated connection (on a thread of its own, from the listener):
-        probe the joiner's data address (:meth:`_probe`), then admit it as a
-        pending peer (``welcome``) or refuse it (``refused``, then close)."""
+        read the joiner's job (when its hello says it sends one) and refuse it when
+        it differs from the job's, probe the joiner's data address (:meth:`_probe`),
+        then admit it as a pending peer (``welcome``) or refuse it (``refused``,
+        then close)."""
         h = conn.hello
         data, streams, tok = h.get("data"), h.get("streams"), h.get("probe")
         if (h.get("role") != "peer" or not isinstance(data, str) or len(data) > 300 or not is_int(streams, 1, 64)
-                or not (tok is None or is_bytes(tok, PROBE_TOKEN))):
+                or not (tok is None or is_bytes(tok, PROBE_TOKEN)) or h.get("job") not in (None, True)):
             conn.close()
             return
         try:
@@ -166,6 +181,19 @@ class Master:
         except CommError:
             conn.close()
             return
+        job = None
+        if h.get("job") is True:
+            # the joiner sends its job right after the handshake (after the master proved the secret)
+            try:
+                kind, _, msg = conn.read_ctrl(deadline=time.monotonic() + JOB_WAIT, limit=JOB_MAX + 64)
+                job = msg.get("job") if kind == tcp.K_CTRL and isinstance(msg, dict) and msg.get("t") == JOB else None
+            except Exception:  # noqa: BLE001 - silent, closed or malformed: not a joiner
+                job = None
+            if not (isinstance(job, bytes) and 1 <= len(job) <= JOB_MAX):
+                conn.close()
+                return
+            if self._refuse_job(conn, job):
+                return  # before the probe: a joiner of another job is not dialled
         if self.probe_timeout is not None:
             with self._lock:
                 # a probe holds a thread and a dial for up to probe_timeout: counted as a peer
@@ -194,15 +222,45 @@ class Master:
             if self._stopped.is_set() or len(self._peers) >= MAX_PEERS:
                 conn.close()
                 return
-            pid = self._next_id
-            self._next_id += 1
-            key = hashlib.sha256(self._key + pid.to_bytes(8, "big")).digest()
-            p = _MPeer(pid, conn, data, streams, key)
-            self._peers[pid] = p
+            # checked again: another joiner of another job, probed at the same time, may
+            # have been admitted first (the first admitted fixes the job's)
+            other = job is not None and self.job is not None and job != self.job
+            if not other:
+                if job is not None and self.job is None:
+                    self.job = job
+                    dbg(f"master: the job's description fixed by this joiner ({len(job)} bytes)")
+                pid = self._next_id
+                self._next_id += 1
+                key = hashlib.sha256(self._key + pid.to_bytes(8, "big")).digest()
+                p = _MPeer(pid, conn, data, streams, key)
+                self._peers[pid] = p
+        if other:
+            self._refuse_job(conn, job)
+            return
         dbg(f"master: peer {pid} connected (data {data})")
         threading.Thread(target=self._writer, args=(p,), daemon=True, name="commlib-master-tx").start()
         p.send({"t": WELCOME, "id": pid, "key": key, "hb": HEARTBEAT_INTERVAL})
         threading.Thread(target=self._reader, args=(p,), daemon=True, name="commlib-master-rx").start()
+
+    def _refuse_job(self, conn: tcp.Connection, job: bytes) -> bool:
+        """Refuse the joiner on ``conn`` when the job's description is known and
+        ``job`` differs: ``refused`` with ``why`` and ``job`` (the job's bytes: the
+        joiner proved the secret), then close.  Nothing changes for any peer.
+        Returns whether it refused."""
+        with self._lock:
+            mine = self.job
+            if mine is None or job == mine:
+                return False
+            self.stats["job_refusals"] += 1
+        dbg(f"master: joiner refused: its job ({len(job)} bytes) differs from the job's ({len(mine)} bytes)")
+        try:
+            conn.send_ctrl({"t": REFUSED, "job": mine,
+                            "why": f"its job ({len(job)} bytes) differs from this master's job ({len(mine)} bytes)"},
+                           timeout=2.0)
+        except Exception:  # noqa: BLE001 - it learns nothing more, and is gone anyway
+            pass
+        conn.close()
+        return True
 
     def _probe(self, data: str, tok: bytes) -> str | None:
         """Dial a joiner's data address ``data`` as its ring neighbours will, within

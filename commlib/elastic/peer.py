@@ -25,16 +25,17 @@ from commlib.collectives.ops import OPS, dtype_code, dtype_name, get_op, is_floa
 from commlib.collectives.recovery import RecoveryPolicy, run
 from commlib.core.buffer import grown
 from commlib.core.errors import (AuthError, AuthenticationError, CommError, CommTimeout, EncryptionMismatch,
-                                 InvalidArgument, NoHandshakeSlot, PeerClosed, PeerFailure, ProcessFailed)
+                                 InvalidArgument, JobMismatch, NoHandshakeSlot, PeerClosed, PeerFailure,
+                                 ProcessFailed)
 from commlib.core.seconds import check_timeout
 from commlib.transports import tcp
 from commlib.transports.base import check_plain_dtype
 from commlib.transports.quantize import QuantizingTransport
 
 from .state_sync import StateSync, one_thread
-from .protocol import (BYE, DONE, DROP, FAIL, FETCH, GAVE_UP, GIVE_UP, PLAN, PROBE, REFUSE, REFUSED, RING,
-                       SYNC_END, TERM, TOPO, VOTE, VOTED, WELCOME, AUTO_STREAMS, HEARTBEAT_INTERVAL, PROBE_TOKEN,
-                       TRAFFIC, WHY_MAX, is_bytes, is_int)
+from .protocol import (BYE, DONE, DROP, FAIL, FETCH, GAVE_UP, GIVE_UP, JOB, PLAN, PROBE, REFUSE, REFUSED, RING,
+                       SYNC_END, TERM, TOPO, VOTE, VOTED, WELCOME, AUTO_STREAMS, HEARTBEAT_INTERVAL, JOB_MAX,
+                       PROBE_TOKEN, TRAFFIC, WHY_MAX, check_job, is_bytes, is_int)
 
 __all__ = ["Peer", "connect"]
 
@@ -348,13 +349,16 @@ class Peer(StateSync):
             chunk, which keeps the ring's striping over the link's connections);
             True / False: on every link / on none.  Every member must use the same
             setting (a member refuses a first message of the other form).
+        job: the job description this peer was admitted with (``connect(job=...)``), or None.
     """
 
     overlap_first_round: bool = True
     first_round_in_chunk: bool | None = None
 
     def __init__(self, address: str, secret: bytes, *, streams: int | None = None, timeout: float = 30.0,
-                 encrypt: bool = False, bind: str | None = None, advertise: str | None = None):
+                 encrypt: bool = False, bind: str | None = None, advertise: str | None = None,
+                 job: bytes | None = None):
+        self.job = job = check_job(job, "connect")
         if streams is not None and (isinstance(streams, bool) or not isinstance(streams, int)
                                     or not 1 <= streams <= 64):
             raise InvalidArgument(f"streams must be None or 1..64, got {streams!r}", op="connect")
@@ -387,6 +391,8 @@ class Peer(StateSync):
         data = advertise or (self._listener.address if bind is None or not bind.startswith("0.0.0.0")
                              else f"{local}:{self._listener.address.rsplit(':', 1)[1]}")
         hello = {"role": "peer", "data": data, "streams": self.streams, "probe": self._probe_token}
+        if job is not None:
+            hello["job"] = True  # the job itself follows the handshake: only a master that proved the secret reads it
         who = f"the master at {address}"
         tries = 0
         try:
@@ -405,9 +411,14 @@ class Peer(StateSync):
                     time.sleep(delay)
                     sock = self._reach_master(address, max(0.05, deadline - time.monotonic()))
             try:
+                if job is not None:
+                    self._conn.send_ctrl({"t": JOB, "job": job}, timeout=max(0.05, deadline - time.monotonic()))
                 kind, _, msg = self._conn.read_ctrl(deadline=max(deadline, time.monotonic() + 1.0), limit=1 << 16)
                 if kind == tcp.K_CTRL and isinstance(msg, dict) and msg.get("t") == REFUSED:
                     self._conn.close()
+                    theirs = msg.get("job")
+                    if job is not None and isinstance(theirs, bytes) and 1 <= len(theirs) <= JOB_MAX:
+                        raise self._job_refused(job, theirs)
                     raise self._refused(msg.get("why"), data, advertise, bind)
                 if kind != tcp.K_CTRL or not isinstance(msg, dict) or msg.get("t") != WELCOME:
                     raise tcp.FrameError("expected welcome")
@@ -471,6 +482,17 @@ class Peer(StateSync):
         self._head_plan = None  # (transport, key, RingHead) of the last ring-sized call (_ring_head)
         threading.Thread(target=self._reader, daemon=True, name="commlib-peer-rx").start()
         threading.Thread(target=self._heartbeat, daemon=True, name="commlib-peer-hb").start()
+
+    @staticmethod
+    def _job_refused(mine: bytes, theirs: bytes) -> JobMismatch:
+        """The error of a join the master refused because this peer's job ``mine``
+        differs from the job's ``theirs`` (both bytes; the first differing byte named)."""
+        at = next((i for i, (x, y) in enumerate(zip(mine, theirs)) if x != y), min(len(mine), len(theirs)))
+        return JobMismatch(
+            f"this peer's job= ({len(mine)} bytes) differs from the job the master serves ({len(theirs)} bytes; "
+            f"first difference at byte {at}), so it was not admitted and the job's peers saw nothing of it: "
+            "start it with the job's settings (the job's bytes are this error's .job)",
+            job=theirs, mine=mine, op="connect")
 
     def _refused(self, why, data: str, advertise: str | None, bind: str | None) -> CommError:
         """The error of a join the master refused (``refused``: its probe of this
@@ -1229,7 +1251,7 @@ class Peer(StateSync):
 def connect(address: str, secret: bytes | str | None = None, secret_file: str | None = None, *,
             streams: int | None = None,
             timeout: float = 30.0, encrypt: bool = False, bind: str | None = None,
-            advertise: str | None = None) -> Peer:
+            advertise: str | None = None, job: bytes | None = None) -> Peer:
     """Join the elastic job whose master listens at ``address`` (``"host:port"``).
 
     The peer starts ``pending``; it becomes a member at its first
@@ -1252,6 +1274,14 @@ def connect(address: str, secret: bytes | str | None = None, secret_file: str | 
             else the listener's) and must reach this peer's own listener within
             its ``probe_timeout`` (5 s by default): an address nobody could dial
             is refused here instead of failing the group's calls once admitted.
+        job: an opaque description of the job this peer is started for (bytes,
+            1..:data:`~commlib.elastic.protocol.JOB_MAX` = 16384; e.g. an app's job
+            flags as canonical JSON; compared byte for byte, never decoded or
+            pickled).  Sent after the handshake (only to a master that proved the
+            secret; sealed with ``encrypt=True``).  When the master's job differs
+            (its ``Master(job=...)``, else the job of the first peer it admitted
+            with one) this peer is refused before admission: the members see
+            nothing of it.  None (default): no claim, admitted whatever the job.
 
     Raises:
         SecretError: (an :class:`AuthError`) the secret is missing, its file missing or
@@ -1262,7 +1292,9 @@ def connect(address: str, secret: bytes | str | None = None, secret_file: str | 
         SilentPort: (a :class:`CommTimeout`) the address accepts connections but sends
             no challenge: not a commlib master.
         EncryptionMismatch: the master and this peer disagree on ``encrypt``.
-        InvalidArgument: ``streams`` or ``timeout`` out of range, or an ``advertise``
+        JobMismatch: (an :class:`InvalidArgument`) ``job`` differs from the master's;
+            its ``job`` attribute holds the job's bytes, ``mine`` this peer's.
+        InvalidArgument: ``job`` not None nor 1..JOB_MAX bytes; ``streams`` or ``timeout`` out of range, or an ``advertise``
             address that does not resolve or names port 0; or the master could not
             dial this peer's ``advertise`` (or ``bind``) address: the message names
             it and why ("the master could not dial advertise='h:p' (connection
@@ -1277,4 +1309,5 @@ def connect(address: str, secret: bytes | str | None = None, secret_file: str | 
         key = tcp.read_secret(secret, secret_file)
     except AuthenticationError as exc:  # SecretError (an AuthError), named for connect
         raise (type(exc) if isinstance(exc, AuthError) else AuthError)(exc.detail, op="connect") from None
-    return Peer(address, key, streams=streams, timeout=timeout, encrypt=encrypt, bind=bind, advertise=advertise)
+    return Peer(address, key, streams=streams, timeout=timeout, encrypt=encrypt, bind=bind, advertise=advertise,
+                job=job)

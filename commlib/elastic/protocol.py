@@ -22,6 +22,26 @@ The probe proves what the master can reach; members on another network than
 the master may still fail to dial an address that passed (docs/ELASTIC.md,
 *Admission*).
 
+The job's description (``connect(job=...)``, ``Master(job=...)``): opaque bytes (at
+most :data:`JOB_MAX`; compared byte for byte, never decoded, never pickled) that
+say which job a peer was started for (an app's job flags, say).  A joiner with a
+job says so in its hello (``job: True``) and, once the handshake has completed
+both ways (the master proved the secret too; sealed with ``encrypt=True``), sends
+it as its first message ``{t: JOB, job}``: a party without the secret never sees
+it, and the job is not bound by the pre-authentication frame cap.  The master
+reads it within :data:`JOB_WAIT` seconds (else it closes the connection) and,
+before its probe, compares it with *the job's*: the bytes given up front
+(``Master(job=...)``, ``commlib master --job-file``), else those of the first
+peer it admitted with a job.  A joiner whose bytes differ is sent ``refused``
+with ``job`` (the job's bytes, so the joiner can name what differs) and closed:
+it never becomes a peer, the members see nothing of it.  A joiner with no job
+(``job=None``, older peers) is admitted as before and neither checked nor fixes
+the job: it makes no claim, so a group formed by peers with no job is joined by
+the first peer with a job, whose bytes become the job's.  The job is checked
+again when the joiner is admitted (two joiners with different jobs probed at
+once: the first admitted wins) and is kept for the master's lifetime, also when
+every member has left: a master serves one job.
+
 Peer states: ``pending`` (authenticated and probed, not yet admitted) → ``member`` (in the
 current epoch) → ``dead`` (connection closed, a malformed frame, or silent for
 ``heartbeat_timeout`` seconds; never comes back: a restarted process joins as
@@ -118,16 +138,19 @@ import time
 
 from commlib.collectives.specs import PAIR_EXCHANGE_MAX as _PAIR_EXCHANGE_MAX
 from commlib.core.config import config
+from commlib.core.errors import InvalidArgument
 
 __all__ = ["WELCOME", "REFUSED", "TOPO", "TERM", "VOTED", "PLAN", "SYNC_END", "VOTE", "DONE", "FAIL", "REFUSE",
            "SYNC", "SYNCED", "BYE", "DROP", "GIVE_UP", "GAVE_UP", "RING", "FETCH", "PROBE", "HEARTBEAT_INTERVAL",
-           "AUTO_STREAMS", "PAIR_EXCHANGE_MAX", "TICKET_TTL", "PROBE_TIMEOUT", "PROBE_TOKEN",
-           "MAX_PEERS", "FETCH_MAX", "FETCH_PARK", "FETCH_PARK_S", "TRAFFIC", "WHY_MAX", "is_int", "is_bytes", "dbg"]
+           "JOB", "AUTO_STREAMS", "PAIR_EXCHANGE_MAX", "TICKET_TTL", "PROBE_TIMEOUT", "PROBE_TOKEN",
+           "MAX_PEERS", "FETCH_MAX", "FETCH_PARK", "FETCH_PARK_S", "TRAFFIC", "WHY_MAX", "JOB_MAX", "JOB_WAIT", "is_int", "is_bytes", "dbg",
+           "check_job"]
 
 # --- master -> peer
 WELCOME = "welcome"    #: after authentication: ``id``, the peer's ticket ``key``, ``hb`` (heartbeat seconds)
 REFUSED = "refused"    #: instead of ``welcome`` (then the connection closes): ``why``, the reason the master
-#:                        could not reach the peer's data address (its probe failed)
+#:                        could not reach the peer's data address (its probe failed); or, with ``job`` (the
+#:                        job's bytes), the joiner's ``JOB`` differs from the job's
 TOPO = "topo"          #: a new epoch: ``e``, ``members`` ``[[id, data address]...]`` in ring order, ``tickets``, ``exp``
 #:                        and ``seq``, the group's next call number (a new member numbers its calls from it)
 TERM = "term"          #: an operation's terminal state: ``e``, ``s``, ``ok`` (committed or aborted); ``why``
@@ -140,6 +163,8 @@ SYNC_END = "sync_end"  #: every fetcher of ``round`` is done
 GAVE_UP = "gave_up"    #: a member gave up call ``s`` (``kind``: ``"arg"`` its argument was bad, ``"timeout"``
 #:                        its time ran out, ``"fail"`` a failure; ``why``): fail that call here too
 # --- peer -> master
+JOB = "job"            #: a joiner's first message after the handshake when its hello carries ``job: True``:
+#:                        ``job``, the job's description (bytes, 1..JOB_MAX; compared, never decoded)
 VOTE = "vote"          #: at a step boundary (:meth:`Peer.update_topology`)
 DONE = "done"          #: operation ``(e, s)`` finished on this peer
 FAIL = "fail"          #: operation ``(e, s)`` failed on this peer (a peer died, a bounded wait ran out)
@@ -180,6 +205,10 @@ FETCH_MAX = 64
 #: on its way to it (the fetcher read the same plan first), and for how many seconds
 FETCH_PARK = 64
 FETCH_PARK_S = 5.0
+#: bytes of a job's description at most (``connect(job=...)``, ``Master(job=...)``)
+JOB_MAX = 16384
+#: seconds the master waits for a joiner's ``JOB`` message after the handshake
+JOB_WAIT = 5.0
 #: characters of a refusal's reason (``refuse``, ``term``) the master relays
 WHY_MAX = 2000
 #: the data plane's traffic counters (:attr:`Peer.stats`)
@@ -192,6 +221,29 @@ def dbg(msg: str) -> None:
     """One trace line on stderr with ``COMMLIB_ELASTIC_DEBUG`` set."""
     if config.elastic_debug:
         print(f"[elastic {time.monotonic():.3f} pid {os.getpid()}] {msg}", file=sys.stderr, flush=True)
+
+
+def check_job(job, op: str) -> bytes | None:
+    """A job's description as bytes (None stays None).
+
+    Args:
+        job: None, or a bytes-like object (bytes, bytearray, memoryview) of
+            1..:data:`JOB_MAX` bytes; copied, never decoded.
+        op: the operation, for the error message.
+
+    Raises:
+        InvalidArgument: ``job`` is of another type (a str: encode it first), empty,
+            or longer than :data:`JOB_MAX` bytes.
+    """
+    if job is None:
+        return None
+    if not isinstance(job, (bytes, bytearray, memoryview)):
+        raise InvalidArgument(f"job must be None or bytes (an opaque description of the job, compared byte for "
+                              f"byte), got {type(job).__name__}", op=op)
+    job = bytes(job)  # a copy: a memoryview's bytes in C order, whatever its format
+    if not 1 <= len(job) <= JOB_MAX:
+        raise InvalidArgument(f"job must hold 1..{JOB_MAX} bytes, got {len(job)}", op=op)
+    return job
 
 
 def is_bytes(x, n=None) -> bool:

@@ -603,8 +603,9 @@ def test_transport_counts_frames_against_the_cap():
 
 
 # ---------------------------------------------------------------- 5. forward secrecy
-class _Recorder:
-    """A TCP proxy to ``target`` that records both directions of its one connection."""
+class RecordingProxy:
+    """A TCP proxy to ``target`` that records both directions of its one connection;
+    ``done`` is set once the server's side has ended (its last byte recorded)."""
 
     def __init__(self, target: str):
         self.target = tcp.parse_address(target)
@@ -613,9 +614,10 @@ class _Recorder:
         self.srv.listen(1)
         self.address = "127.0.0.1:%d" % self.srv.getsockname()[1]
         self.c2s, self.s2c = bytearray(), bytearray()
+        self.done = threading.Event()
         threading.Thread(target=self._run, daemon=True).start()
 
-    def _pump(self, a, b, rec):
+    def _pump(self, a, b, rec, last):
         try:
             while True:
                 d = a.recv(65536)
@@ -630,12 +632,14 @@ class _Recorder:
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+        if last:
+            self.done.set()
 
     def _run(self):
         c, _ = self.srv.accept()
         s = socket.create_connection(self.target)
-        threading.Thread(target=self._pump, args=(c, s, self.c2s), daemon=True).start()
-        threading.Thread(target=self._pump, args=(s, c, self.s2c), daemon=True).start()
+        threading.Thread(target=self._pump, args=(c, s, self.c2s, False), daemon=True).start()
+        self._pump(s, c, self.s2c, True)
 
 
 def _frames(data: bytes):
@@ -660,7 +664,7 @@ def test_recorded_encrypted_session_cannot_be_decrypted_with_the_secret(monkeypa
     real = tcp_auth._derive_keys
     monkeypatch.setattr(tcp_auth, "_derive_keys", lambda *a: keys.append(real(*a)) or keys[-1])
     master = el.Master(secret=SECRET, encrypt=True).start()
-    proxy = _Recorder(master.address)
+    proxy = RecordingProxy(master.address)
     peer = el.connect(proxy.address, secret=SECRET, encrypt=True, timeout=10)
     try:
         time.sleep(0.3)

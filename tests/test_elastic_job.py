@@ -9,7 +9,6 @@ the wire (recorded by a TCP proxy) for what a party without the secret receives.
 """
 import os
 import time
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,8 @@ import commlib.elastic as el
 from commlib.core.errors import JobMismatch
 from commlib.elastic.protocol import JOB_MAX
 from commlib.transports import tcp
+from test_elastic import run_peers
+from test_elastic_adversary import RecordingProxy
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -30,25 +31,9 @@ JOB = b'{"hidden":[16],"job":"alpha-7f3c9e"}'
 OTHER = b'{"hidden":[32],"job":"omega-2b81d4"}'
 
 
-def _each(peers, fn, timeout=30):
+def _each(peers, fn):
     """Run ``fn(peer)`` on every peer at once; returns the results (raises the first error)."""
-    res, errs = [None] * len(peers), []
-
-    def go(i):
-        try:
-            res[i] = fn(peers[i])
-        except BaseException as exc:  # noqa: BLE001
-            errs.append(exc)
-
-    ths = [threading.Thread(target=go, args=(i,), daemon=True) for i in range(len(peers))]
-    for t in ths:
-        t.start()
-    for t in ths:
-        t.join(timeout)
-    assert not any(t.is_alive() for t in ths), "a peer hung"
-    if errs:
-        raise errs[0]
-    return res
+    return run_peers(peers, lambda i, p: fn(p), timeout=30)
 
 
 def _form(peers):
@@ -186,44 +171,6 @@ def test_job_given_up_front_and_two_joiners_of_different_jobs_at_once():
             _close(master, [r for r in out.values() if isinstance(r, el.Peer)])
 
 
-class _Recorder:
-    """A TCP proxy to ``target`` that records both directions of its one connection."""
-
-    def __init__(self, target: str):
-        self.target = tcp.parse_address(target)
-        self.srv = socket.socket()
-        self.srv.bind(("127.0.0.1", 0))
-        self.srv.listen(1)
-        self.address = "127.0.0.1:%d" % self.srv.getsockname()[1]
-        self.c2s, self.s2c = bytearray(), bytearray()
-        self.done = threading.Event()
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _pump(self, a, b, rec, last):
-        try:
-            while True:
-                d = a.recv(65536)
-                if not d:
-                    break
-                rec += d
-                b.sendall(d)
-        except OSError:
-            pass
-        for s in (a, b):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        if last:
-            self.done.set()
-
-    def _run(self):
-        c, _ = self.srv.accept()
-        s = socket.create_connection(self.target)
-        threading.Thread(target=self._pump, args=(c, s, self.c2s, False), daemon=True).start()
-        self._pump(s, c, self.s2c, True)
-
-
 @pytest.mark.parametrize("encrypt", [False, True])
 def test_the_job_never_reaches_a_party_without_the_secret(encrypt):
     """A joiner with the wrong secret and a job gets nothing back but the challenge (no job
@@ -232,7 +179,7 @@ def test_the_job_never_reaches_a_party_without_the_secret(encrypt):
     bytes cross the wire sealed: neither appears in the recording."""
     master = el.Master(secret=SECRET, job=JOB, encrypt=encrypt).start()
     try:
-        proxy = _Recorder(master.address)
+        proxy = RecordingProxy(master.address)
         with pytest.raises(el.AuthError) as info:
             el.connect(proxy.address, secret=b"another-secret-0123456789", timeout=5, job=OTHER, encrypt=encrypt)
         assert not isinstance(info.value, JobMismatch) and not hasattr(info.value, "job")
@@ -241,7 +188,7 @@ def test_the_job_never_reaches_a_party_without_the_secret(encrypt):
         assert tcp.HEADER.unpack(bytes(proxy.s2c[:tcp.HEADER.size]))[2] == tcp.K_CHALLENGE
         assert len(proxy.s2c) == tcp.HEADER.size + 32, "the master sent more than its challenge"
         if encrypt:
-            proxy = _Recorder(master.address)
+            proxy = RecordingProxy(master.address)
             with pytest.raises(JobMismatch) as info:
                 el.connect(proxy.address, secret=SECRET, timeout=5, job=OTHER, encrypt=True)
             assert info.value.job == JOB and proxy.done.wait(5)

@@ -146,6 +146,8 @@ def _send_wire(comm, buf, dest, datatype, count, strategy, op) -> Wire | None:
     b, t, p, s = got
     if s == "mpi":
         return _mpi_wire(comm, b, t, count, op)
+    if not p.nbytes:  # nothing to pack: no 0-byte mapped, pinned or device allocation (a GPU may refuse one)
+        return Wire(np.empty(0, np.uint8), 0, "packed")
     if s == "mapped" and b.is_device:
         # mapped pinned host memory the device kernel writes through its device
         # address; the stream is synchronized before MPI reads the host side
@@ -162,17 +164,16 @@ def _send_wire(comm, buf, dest, datatype, count, strategy, op) -> Wire | None:
     return Wire(packed, p.nbytes, "packed")  # the transport synchronizes device memory before sending
 
 
-def _recv_wire(comm, buf, source, datatype, count, strategy, op, prefill):
-    """Validate; ``(Wire to receive into, unpack(nbytes=None) to run on completion, or
+def _recv_wire(comm, buf, source, datatype, count, strategy, op):
+    """Validate; ``(Wire to receive into, unpack(nbytes) to run on completion, or
     None)``; None for ``PROC_NULL``.
 
     A message may be shorter than ``count`` elements (MPI-4.0 §3.2.4: only the
     elements received are written).  ``unpack(nbytes)`` unpacks the ``nbytes``
-    bytes received and leaves the rest of ``buf`` as it was.  Where the
-    received size will not be known (a non-blocking receive), ``prefill`` packs
-    ``buf``'s current contents into the wire first, so the bytes a short message
-    does not overwrite unpack back unchanged (MPI forbids touching a receive
-    buffer while the receive is pending).
+    bytes received (every completion path knows them: the blocking receive's
+    status, and the transport passes a request's byte count to its
+    ``then`` callbacks) and leaves the rest of ``buf`` as it was, so the wire
+    buffer starts uninitialized: nothing is packed into it before the receive.
     """
     got = _prepare(comm, buf, source, datatype, count, strategy, op, True)
     if got is None:
@@ -181,20 +182,14 @@ def _recv_wire(comm, buf, source, datatype, count, strategy, op, prefill):
     if s == "mpi":
         return _mpi_wire(comm, b, t, count, op), None
     n = p.nbytes
+    if not n:  # nothing arrives or is unpacked (a longer message is still MPI's truncation error)
+        return Wire(np.empty(0, np.uint8), 0, "packed"), None
     if b.is_device and s == "device":
-        wire = pack(b.obj, t, count) if prefill and n else devmem.device_empty(n, like=b.obj)
+        wire = devmem.device_empty(n, like=b.obj)
     elif b.is_device and s == "mapped":  # MPI writes host memory the unpack kernel reads in place
         wire = devmem.mapped_empty(n)
-        if prefill and n:
-            pack(b.obj, t, count, out=wire)
-            devmem.stream_synchronize()  # the kernel's writes land before MPI's
-    elif b.is_device:  # staged: received on the host, copied to the device, unpacked there
+    else:  # host, or staged: received on the host, copied to the device, unpacked there
         wire = np.empty(n, np.uint8)
-        if prefill and n:
-            devmem.to_host_async(pack(b.obj, t, count), wire, 0, n)
-            devmem.stream_synchronize()
-    else:
-        wire = pack(b.obj, t, count) if prefill else np.empty(n, np.uint8)
     mem = np.asarray(wire) if b.is_device and s == "mapped" else wire
     return Wire(mem, n, "packed"), lambda nbytes=None: _unpack_received(wire, t, b, count, nbytes, s)
 
@@ -206,7 +201,8 @@ def _to_device(host, like):
 
 
 def _unpack_received(wire, t, b, count, nbytes, s):
-    """Unpack the first ``nbytes`` bytes of ``wire`` (all of it when None) as
+    """Unpack the first ``nbytes`` bytes of ``wire`` (all of it when None: a
+    caller that knows no count, which no receive path of this module is) as
     elements of ``t`` into ``b``: whole elements, then the leading bytes of a
     partial one (merged into that element's current bytes); nothing else of
     ``b`` is written."""
@@ -247,12 +243,12 @@ def typed_isend(comm, buf, dest, datatype, count=1, tag=0, strategy=None) -> Req
 
 def typed_irecv(comm, buf, source, datatype, count=1, tag=ANY_TAG, strategy=None) -> Request:
     """Non-blocking receive of ``count`` elements of ``datatype`` into ``buf``."""
-    got = _recv_wire(comm, buf, source, datatype, count, strategy, "irecv", True)
+    got = _recv_wire(comm, buf, source, datatype, count, strategy, "irecv")
     if got is None:
         return CompletedRequest()
     w, done = got
     req = comm.transport.irecv(w, source, tag)
-    return req if done is None else req.then(done)  # unpack on success only
+    return req if done is None else req.then(done)  # unpack what arrived, on success only
 
 
 def typed_send(comm, buf, dest, datatype, count=1, tag=0, strategy=None) -> None:
@@ -264,7 +260,7 @@ def typed_send(comm, buf, dest, datatype, count=1, tag=0, strategy=None) -> None
 
 def typed_recv(comm, buf, source, datatype, count=1, tag=ANY_TAG, strategy=None) -> None:
     """Blocking receive of ``count`` elements of ``datatype`` into ``buf``."""
-    got = _recv_wire(comm, buf, source, datatype, count, strategy, "recv", False)
+    got = _recv_wire(comm, buf, source, datatype, count, strategy, "recv")
     if got is not None:
         status = comm.transport.recv(got[0], source, tag, timeout=getattr(comm, "p2p_timeout", None))
         if got[1] is not None:
@@ -281,7 +277,7 @@ def typed_sendrecv(comm, sendbuf, dest, recvbuf, source, sendtag, recvtag, sendt
     op = "sendrecv"
     tp = comm.transport
     if recvtype is not None:
-        got = _recv_wire(comm, recvbuf, source, recvtype, recvcount, strategy, op, True)
+        got = _recv_wire(comm, recvbuf, source, recvtype, recvcount, strategy, op)
         rwire, done = got if got is not None else (None, None)
     else:
         tp.check(recvbuf, source, op, receive=True)

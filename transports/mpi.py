@@ -3,9 +3,12 @@
 Host buffers go to MPI as they are.  Device buffers go to MPI directly when the
 library is CUDA-aware (:func:`commlib.core.device.cuda_aware`); otherwise they are
 staged through host memory: a send copies device→host before ``Isend``, a
-receive ``Irecv``s into host memory and copies host→device when the request
-completes.  The producing stream is synchronized before MPI reads a device
-buffer.
+receive ``Irecv``s into host memory and, when the request completes, copies up
+exactly the bytes that arrived (the status's count) into the same bytes of the
+device buffer, in memory order.  A message shorter than the buffer thus leaves
+the rest of it as it was, as MPI's own receive into host memory does (MPI-4.0
+§3.2.4), without a device→host copy of the buffer before the receive.  The
+producing stream is synchronized before MPI reads a device buffer.
 
 This module (with :mod:`commlib.transports.failures`) is the only place in
 commlib that calls MPI to communicate: point to point, persistent requests,
@@ -24,6 +27,7 @@ import numpy as np
 from mpi4py import MPI
 from mpi4py.util.dtlib import to_numpy_dtype
 
+from commlib.core import devmem
 from commlib.core.buffer import Buffer, as_buffer
 from commlib.core.device import cuda_aware
 from commlib.core.errors import BufferError, CommError, CommTimeout, InvalidArgument
@@ -42,8 +46,10 @@ __all__ = ["MPITransport", "MPIRequest", "PROC_NULL", "ANY_SOURCE", "ANY_TAG", "
 
 
 class MPIRequest(Request):
-    """Wraps an ``MPI.Request``; ``on_complete`` runs once when it finishes
-    (host→device copy of a staged receive)."""
+    """Wraps an ``MPI.Request``; ``on_complete(nbytes)`` runs once when it
+    finishes (host→device copy of a staged receive), given the number of bytes
+    that arrived (the ``MPI.Status`` count; every completion path reads it:
+    ``test``, ``wait``, the transport's ``waitall``)."""
 
     __slots__ = ("req", "_on_complete", "_done", "_keep", "persistent", "rank", "bound")
 
@@ -59,8 +65,9 @@ class MPIRequest(Request):
         #: communicator's user requests), None: no bound
         self.bound = None
 
-    def _finish(self) -> None:
-        """The one completion point: ``on_complete`` (staging copy, unpack), then
+    def _finish(self, nbytes: int | None = None) -> None:
+        """The one completion point: ``on_complete(nbytes)`` (staging copy,
+        unpack; ``nbytes``: the bytes received, from the request's status), then
         the ``add_done_callback`` callbacks."""
         self._done = True
         if self._on_complete is not None:
@@ -68,29 +75,33 @@ class MPIRequest(Request):
             if not self.persistent:
                 self._on_complete = None
                 self._keep = None
-            cb()
+            cb(nbytes)
         elif not self.persistent:
             self._keep = None
         if self._callbacks:
             self._fire()
 
-    def then(self, fn: Callable[[], None]) -> "MPIRequest":
-        """Run ``fn()`` when the operation completes successfully, after any
-        staging copy and before ``wait``/``test``/``waitall`` report it done
-        (e.g. unpacking a typed receive); not run if it fails."""
+    def then(self, fn: Callable[[int | None], None]) -> "MPIRequest":
+        """Run ``fn(nbytes)`` when the operation completes successfully, after
+        any staging copy and before ``wait``/``test``/``waitall`` report it done
+        (e.g. unpacking a typed receive); not run if it fails.  ``nbytes``: the
+        bytes a receive got (``MPI_Get_count`` with ``MPI_BYTE``; a message
+        may be shorter than the buffer)."""
         first = self._on_complete
-        self._on_complete = fn if first is None else (lambda: (first(), fn()))
+        self._on_complete = fn if first is None else (lambda n: (first(n), fn(n)))
         return self
 
     def test(self) -> bool:
         if self._done:
             return True
+        # a status only where a callback needs the count (host requests: none)
+        st = None if self._on_complete is None else MPI.Status()
         try:
-            flag = self.req.Test()
+            flag = self.req.Test(st)
         except MPI.Exception as exc:
-            _raise_completion_error(exc, (), self.rank, "test")
+            _raise_completion_error(exc, () if st is None else (st,), self.rank, "test")
         if flag:
-            self._finish()
+            self._finish(None if st is None else st.Get_count(_BYTE))
             return True
         return False
 
@@ -98,12 +109,13 @@ class MPIRequest(Request):
         if timeout is None:
             timeout = self.bound
         if timeout is None and not self._done:
+            st = None if self._on_complete is None else MPI.Status()
             try:
-                self.req.Wait()
+                self.req.Wait(st)
             except MPI.Exception as exc:
                 _ABANDONED.append(self.req)
-                _raise_completion_error(exc, (), self.rank, "wait")
-            self._finish()
+                _raise_completion_error(exc, () if st is None else (st,), self.rank, "wait")
+            self._finish(None if st is None else st.Get_count(_BYTE))
             return None
         return Request.wait(self, timeout)
 
@@ -243,7 +255,7 @@ class MPITransport(Transport):
                                       rank=self._rank, op=op)
                 if receive:
                     host = np.empty(b.nbytes, np.uint8)
-                    return [host, count, mdt], host, lambda: b.from_host(host.view(b.dtype).reshape(b.shape))
+                    return [host, count, mdt], host, _copy_up(b, host)
                 host = b.to_host()
                 return [host, count, mdt], host, None
             if b.is_device:
@@ -256,8 +268,8 @@ class MPITransport(Transport):
             raise BufferError("the receive buffer is read-only; pass a writable array", rank=self._rank, op=op)
         if b.is_device and not self.cuda_aware:
             if receive:
-                host = np.empty(b.shape, dtype=b.dtype)
-                return [host, b.nbytes, _BYTE], host, lambda: b.from_host(host)
+                host = np.empty(b.nbytes, np.uint8)
+                return [host, b.nbytes, _BYTE], host, _copy_up(b, host)
             host = b.to_host()
             return [host, b.nbytes, _BYTE], host, None
         b.synchronize()
@@ -346,14 +358,14 @@ class MPITransport(Transport):
                                    True)
                 status = MPI.Status(st)
                 if done is not None:
-                    done()
+                    done(status.Get_count(_BYTE))
             return status
         try:
             self.comm.Recv(spec, source, tag, status)
         except MPI.Exception as exc:
             _raise_completion_error(exc, (status,), self._rank, op)
         if done is not None:
-            done()
+            done(status.Get_count(_BYTE))  # PROC_NULL: 0 bytes
         return status
 
     def sendrecv(self, sendbuf, dest: int, recvbuf, source: int, sendtag: int = 0, recvtag: int = 0, *,
@@ -547,8 +559,20 @@ class MPITransport(Transport):
             self._complete(reqs, op)
         else:
             self._poll(reqs, timeout, op)
+        counts = None
         for r in pending:
-            r._finish()
+            if r._on_complete is not None:
+                # a staged or typed receive among them: the bytes each got, all read
+                # before any callback runs (one may reuse these status objects)
+                st = self._statuses
+                counts = [None if q._on_complete is None else st[i].Get_count(_BYTE) for i, q in enumerate(pending)]
+                break
+        if counts is None:  # host buffers only (the hot path): no count needed
+            for r in pending:
+                r._finish()
+        else:
+            for r, n in zip(pending, counts):
+                r._finish(n)
 
     def _statuses_for(self, n: int) -> list:
         st = self._statuses
@@ -870,6 +894,28 @@ def _raise_completion_error(exc, statuses, rank, op):
         raise CommError("a message was larger than its receive buffer (MPI_ERR_TRUNCATE): the sender's "
                         "message does not match this call", rank=rank, op=op) from exc
     raise_classified(exc, statuses, rank, op)
+
+
+def _copy_up(b: Buffer, host: np.ndarray) -> Callable[[int | None], None]:
+    """The completion step of a receive into device ``b`` staged through
+    ``host`` (1-D uint8, ``b.nbytes`` bytes): copy the ``nbytes`` bytes that
+    arrived (None: all) into the same bytes of ``b``, in memory order, and
+    nothing else, so the rest of ``b`` stays as it was (MPI-4.0 §3.2.4; a host
+    buffer gets that from MPI itself).  A C-ordered buffer filled by the
+    message takes one typed copy; any other case copies the byte prefix into
+    ``b``'s byte view (a Fortran-ordered buffer thus gets the message in its
+    own memory order, as a host one does)."""
+    full = b.nbytes
+
+    def done(nbytes: int | None) -> None:
+        n = full if nbytes is None else min(int(nbytes), full)
+        if n == full and b.contiguous and full:
+            b.from_host(host.view(b.dtype).reshape(b.shape))
+        elif n > 0:
+            devmem.to_device_async(host, b.byte_view(), 0, n)
+            devmem.stream_synchronize()
+
+    return done
 
 
 def _detect(flag: bool | None) -> bool:

@@ -484,9 +484,12 @@ def reduce_scatter_ring_device(tp, work, op, bounds, *, kind: str, src=None, tim
         segment_bytes: pipeline segment (staged path; None: :data:`SEGMENT_BYTES`).
     """
     n, r = tp.size, tp.rank
-    if n == 1:
-        return
     bounds = [int(x) for x in bounds]
+    if n == 1 or bounds[-1] == bounds[0]:
+        # one rank, or nothing to reduce: no message (every rank has the same
+        # bounds, so every rank returns here); an empty device vector is not
+        # sliced (on a GPU numba raises on a slice of a 0-element array)
+        return
     stream = stream_of(kind, work) if stream is None else stream
     right, left = (r + 1) % n, (r - 1) % n
     tag = next_tag(tp)
@@ -542,7 +545,8 @@ def allreduce_ring_device(tp, work, op, *, kind: str, src=None, timeout=None, en
     ``entry`` is None (CUDA-aware transport), else over the pinned host mirror
     ``entry.host`` followed by one asynchronous copy up of the other ranks'
     chunks.  Bit-identical to :func:`.allreduce_ring.allreduce_ring` on the
-    same inputs.
+    same inputs.  A vector of 0 elements (the same count on every rank)
+    returns at once: no message, and no slice of the empty device array.
 
     Args: as :func:`reduce_scatter_ring_device`.
     """
@@ -554,6 +558,12 @@ def allreduce_ring_device(tp, work, op, *, kind: str, src=None, timeout=None, en
         finalize(work, 1, op, kind, stream)
         return
     count = work.size
+    if count == 0:
+        # nothing to reduce, send or divide (every rank has the same count): no
+        # message, and the empty device vector is never sliced -- numba-cuda on
+        # a GPU raises "non-empty slice into empty slice" on any slice of a
+        # 0-element array (its allocation is NULL)
+        return
     base, extra = divmod(count, n)
     bounds = [i * base + min(i, extra) for i in range(n + 1)]
     reduce_scatter_ring_device(tp, work, op, bounds, kind=kind, src=src, timeout=timeout, entry=entry,

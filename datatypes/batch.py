@@ -170,7 +170,9 @@ class BatchPack:
             go()
             return
         for (i, t), o, n in zip(self.pieces, self.offsets, self.sizes):
-            pack(bufs[i], t, out=out[o:o + n])
+            # a 0-byte piece gets ``out`` itself (checked, nothing written): a
+            # slice of an empty numba device array raises on a GPU
+            pack(bufs[i], t, out=out[o:o + n] if n else out)
 
     def unpack(self, packed, bufs: Sequence) -> None:
         """Unpack every piece from ``packed`` into ``bufs``."""
@@ -189,4 +191,4 @@ class BatchPack:
             go()
             return
         for (i, t), o, n in zip(self.pieces, self.offsets, self.sizes):
-            unpack(packed[o:o + n], t, bufs[i])
+            unpack(packed[o:o + n] if n else packed, t, bufs[i])  # as pack for a 0-byte piece

@@ -33,20 +33,27 @@ def pytest_runtest_logreport(report):
 
 @pytest.fixture
 def gpu_empty_slices(monkeypatch):
-    """In the CUDA simulator, slicing a zero-element numba device array raises as
+    """In the CUDA simulator, indexing a zero-element numba device array raises as
     numba-cuda does on a real GPU ("non-empty slice into empty slice": an empty
-    allocation has a NULL pointer, and the slice's extent is one element), so a
+    allocation has a NULL pointer, and numpy 2 gives an empty array stride 0, so
+    the slice's extent is one element; a superset here: every empty array), so a
     code path that slices an empty device vector fails here too, not only on a
     GPU (an H100 found ``allreduce(avg)`` of 0 elements doing that)."""
     if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") in ("", "0"):
         return  # a real GPU raises by itself
     from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
 
-    real = FakeCUDAArray.__getitem__
+    real_get, real_set = FakeCUDAArray.__getitem__, FakeCUDAArray.__setitem__
 
     def getitem(self, item):
         if self.size == 0:
             raise RuntimeError("non-empty slice into empty slice")
-        return real(self, item)
+        return real_get(self, item)
+
+    def setitem(self, key, value):  # numba's __setitem__ views the NULL allocation the same way
+        if self.size == 0:
+            raise RuntimeError("non-empty slice into empty slice")
+        return real_set(self, key, value)
 
     monkeypatch.setattr(FakeCUDAArray, "__getitem__", getitem)
+    monkeypatch.setattr(FakeCUDAArray, "__setitem__", setitem)

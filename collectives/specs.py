@@ -26,7 +26,9 @@ snapshot   ``snapshot(call) -> restorer | None`` in fault-tolerant mode, for
            collectives that overwrite their input (a retry needs it back);
            None when the input is only read
 deliver    ``deliver(call, result)``: what the call returns (a staged result
-           copied back, a ``recvbuf`` filled)
+           copied back, a ``recvbuf`` filled, or a new array of ``sendbuf``'s
+           kind: numpy for a host ``sendbuf``, the same kind of device array
+           for a device one, :func:`.staging.deliver`)
 rooted     the header's ``root`` is renumbered in the shrunk group, and a lost
            root ends the call
 ========== ===================================================================
@@ -213,8 +215,10 @@ class Call:
         return Staged(b, self.ctx.staging, role, down)
 
     def deliver_into(self, out, shape):
-        """:func:`~.staging.deliver` of ``out`` into ``recvbuf`` (or returned, shaped ``shape``)."""
-        return deliver(self.recvbuf, out, self.spec.name, shape, staging=self.ctx.staging, rank=self.rank)
+        """:func:`~.staging.deliver` of ``out`` into ``recvbuf``, or returned
+        shaped ``shape`` as a new array of ``sendbuf``'s kind (:attr:`sb`)."""
+        return deliver(self.recvbuf, out, self.spec.name, shape, staging=self.ctx.staging, rank=self.rank,
+                       like=self.sb)
 
 
 def valid_root(root, size: int) -> bool:
@@ -412,8 +416,10 @@ def _reduce_scatter_ring(c: Call, tp, timeout, survivors):
 
 def _reduce_scatter_ring_device(c: Call, tp, timeout, survivors):
     """The ring reduce-scatter of a device ``sendbuf``, reduced on the device
-    (same order and bits as the host ring); returns this rank's block as the
-    same kind of device array."""
+    (same order and bits as the host ring); returns this rank's block as a
+    device array of the kernels' kind (CuPy or numba, :func:`.staging.device_view`),
+    which the row's ``deliver`` copies into ``recvbuf`` or a new array of
+    ``sendbuf``'s own kind (a torch tensor's block is a torch tensor)."""
     from commlib.collectives import _device_reduce as dr  # noqa: PLC0415
 
     kind, dsrc, stream = c.dev

@@ -12,7 +12,8 @@ buffer into one:
   buffers copied through pinned memory that the communicator keeps per
   (role, count, dtype), asynchronously on the caller's stream;
 - :func:`device_view`: a device buffer the device kernels can drive;
-- :func:`deliver`: a result copied into the caller's ``recvbuf`` (or returned).
+- :func:`deliver`: a result copied into the caller's ``recvbuf``, or returned
+  as a new array of ``sendbuf``'s kind (numpy, or the same kind of device array).
 
 It lives with the collectives, not the user API, because the engine
 (:mod:`commlib.collectives.engine`) stages and restores buffers itself: an
@@ -137,7 +138,8 @@ def device_view(b: Buffer):
     return kind, dr.flat(kind, arr), dr.stream_of(kind, arr)
 
 
-def deliver(recvbuf, out, opname: str, shape, *, staging: Callable | None = None, rank=None):
+def deliver(recvbuf, out, opname: str, shape, *, staging: Callable | None = None, rank=None,
+            like: Buffer | None = None):
     """Copy a result into ``recvbuf`` when it fits, else return it shaped ``shape``.
 
     Args:
@@ -147,28 +149,46 @@ def deliver(recvbuf, out, opname: str, shape, *, staging: Callable | None = None
         opname, rank: for errors.
         shape: the shape of a returned result.
         staging: as :class:`Staged`.
+        like: the call's ``sendbuf`` (a :class:`~commlib.core.buffer.Buffer`):
+            a returned result is a new array of its kind
+            (:meth:`~commlib.core.buffer.Buffer.empty`); None: numpy.
 
     Returns:
-        ``recvbuf``, holding the result, when it has ``out``'s size; else the
-        result as a numpy array of ``shape`` (a device result comes back to
-        the host, as a staged one does).
+        ``recvbuf``, holding the result, when it has ``out``'s size; else a new
+        C-ordered array of ``shape`` and ``out``'s dtype: of ``like``'s kind
+        when ``like`` is a device buffer (a host result copied up once, on the
+        caller's stream, through the pinned staging; a device result copied on
+        the device), else numpy.
     """
     dev = not isinstance(out, np.ndarray)
     if recvbuf is not None:
         rb = wrap(recvbuf, opname, "recvbuf", rank)
         if rb.size == out.size:
-            if dev:
-                dv = device_view(rb)
-                if dv is not None and dv[0] == device_kind(out):
-                    from commlib.collectives import _device_reduce as dr  # noqa: PLC0415
-
-                    dr.d2d(dv[0], out, dv[1], dv[2])
-                    return recvbuf
-                out = to_host(out)
-            st = Staged(rb, staging, "out", down=False)
-            st.host[...] = out.reshape(-1)
-            st.flush()
+            _copy_into(rb, out, staging)
             return recvbuf
+    if like is not None and like.is_device:
+        # a device sendbuf gets a device result of its own kind: allocated here,
+        # filled as a recvbuf would be (C order, as the host result's reshape)
+        res = like.empty(shape)
+        _copy_into(as_buffer(res, op=opname, rank=rank), out, staging)
+        return res
     if dev:
         out = to_host(out)
     return out.reshape(shape)
+
+
+def _copy_into(rb: Buffer, out, staging: Callable | None) -> None:
+    """``out`` (1-D, numpy or device) copied into the dense buffer ``rb`` of the
+    same size, in ``rb``'s memory order: on the device when both are device
+    arrays of one kind, else through the host (:class:`Staged`)."""
+    if not isinstance(out, np.ndarray):
+        dv = device_view(rb)
+        if dv is not None and dv[0] == device_kind(out):
+            from commlib.collectives import _device_reduce as dr  # noqa: PLC0415
+
+            dr.d2d(dv[0], out, dv[1], dv[2])  # nothing (no slice) for 0 elements
+            return
+        out = to_host(out)
+    st = Staged(rb, staging, "out", down=False)
+    st.host[...] = out.reshape(-1)
+    st.flush()

@@ -209,6 +209,39 @@ class Buffer:
             return out
         return arr.copy_to_host()
 
+    def empty(self, shape) -> Any:
+        """A new, uninitialized, C-ordered array of ``shape`` and this buffer's
+        dtype, of the same kind as :attr:`obj`: numpy for host buffers (numpy,
+        buffer-protocol objects, host DLPack); a numba device array for numba
+        and simulator arrays (on the array's own stream); CuPy for CuPy (on its
+        device); a torch tensor on the same device for a torch CUDA tensor;
+        any other ``__cuda_array_interface__`` exporter gets the kernel-ready
+        type (CuPy where it runs, else numba), a DLPack-only device exporter
+        CuPy (:func:`as_buffer` took it as CuPy).  Collectives that allocate their
+        result make it here, so a device ``sendbuf`` gives a device result."""
+        shape = tuple(int(n) for n in shape)
+        if not self.is_device:
+            return np.empty(shape, self.dtype)
+        kind = self.kind
+        if kind == "cai" and type(self.obj).__module__.split(".")[0] == "torch":  # pragma: no cover - GPU
+            # the tensor's own allocator (its dtype and device), without importing torch here
+            return self.obj.new_empty(shape, requires_grad=False)
+        if kind == "cupy" or (kind not in ("numba", "numba-sim") and cupy_usable()):  # pragma: no cover - GPU
+            import cupy  # noqa: PLC0415
+
+            dev = getattr(self.obj, "device", None) if kind == "cupy" else None
+            if dev is None:
+                return cupy.empty(shape, self.dtype)
+            with dev:
+                return cupy.empty(shape, self.dtype)
+        from numba import cuda  # noqa: PLC0415
+
+        stream = getattr(self.obj, "stream", 0) if kind == "numba" else 0
+        if self.dtype.name == "bfloat16":  # numba has no bfloat16 dtype: uint8 memory viewed as it
+            flat = cuda.device_array(math.prod(shape) * self.dtype.itemsize, np.uint8, stream=stream)
+            return flat.view(self.dtype).reshape(shape)
+        return cuda.device_array(shape, self.dtype, stream=stream)
+
     def from_host(self, host: np.ndarray) -> None:
         """Copy a numpy array of the same shape and dtype into this buffer."""
         if not self.is_device:

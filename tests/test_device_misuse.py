@@ -81,6 +81,24 @@ def test_malformed_cai_refused(extra, words):
         as_buffer(CAIOnly(np.zeros((3, 4)), **extra), op="probe")
 
 
+class _GradTensorLike:
+    """Exports ``__cuda_array_interface__`` as a torch CUDA tensor that requires grad
+    does: the property raises RuntimeError (which ``hasattr`` does not catch)."""
+
+    @property
+    def __cuda_array_interface__(self):
+        raise RuntimeError("Can't get __cuda_array_interface__ on Variable that requires grad. "
+                           "If gradients aren't required, use var.detach() to get Variable that doesn't require grad.")
+
+
+def test_tensor_that_requires_grad_refused_with_the_fix_named():
+    with pytest.raises(BufferError, match=r"rank 3: allreduce: .*tensor\.detach\(\)"):
+        as_buffer(_GradTensorLike(), op="allreduce", rank=3)
+    from commlib.core.buffer import is_device_array
+
+    assert is_device_array(_GradTensorLike())
+
+
 def test_empty_cai_with_null_pointer_accepted():
     """A zero-size array may carry a null address (CuPy and numba do)."""
     b = as_buffer(CAIOnly(np.zeros((0, 4)), data=(0, False)))

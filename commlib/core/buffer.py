@@ -35,15 +35,25 @@ _DLPACK_CPU = 1
 _DLPACK_CUDA = (2, 3, 13)  # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
 
 
+def _has_cai(obj) -> bool:
+    """True when ``obj`` exports ``__cuda_array_interface__``.  A torch CUDA tensor
+    that requires grad raises RuntimeError from that property (``hasattr`` lets it
+    through): it counts as an exporter, and :func:`as_buffer` names the fix."""
+    try:
+        return hasattr(obj, "__cuda_array_interface__")
+    except RuntimeError:
+        return True
+
+
 def _is_simulator_array(obj) -> bool:
-    return hasattr(obj, "__cuda_ndarray__") and not hasattr(obj, "__cuda_array_interface__")
+    return hasattr(obj, "__cuda_ndarray__") and not _has_cai(obj)
 
 
 def is_device_array(obj) -> bool:
     """True when ``obj`` lives in GPU memory (or is a numba CUDA-simulator device array)."""
     if isinstance(obj, np.ndarray):
         return False
-    if hasattr(obj, "__cuda_array_interface__") or _is_simulator_array(obj):
+    if _has_cai(obj) or _is_simulator_array(obj):
         return True
     if hasattr(obj, "__dlpack_device__"):
         try:
@@ -350,8 +360,15 @@ def as_buffer(obj, *, op: str = "as_buffer", rank: int | None = None) -> Buffer:
         return obj
     if isinstance(obj, np.ndarray):
         return _from_numpy(obj, "numpy")
-    if hasattr(obj, "__cuda_array_interface__"):
-        return _from_cai(obj, obj.__cuda_array_interface__, op, rank)
+    if _has_cai(obj):
+        try:
+            cai = obj.__cuda_array_interface__
+        except RuntimeError as exc:  # torch: "Can't get __cuda_array_interface__ on Variable that requires grad"
+            raise BufferError(f"{type(obj).__name__} does not export its memory ({exc}); for a tensor that "
+                              "requires grad pass tensor.detach() (the collectives move bytes, not gradients; "
+                              "commlib.nn's attention functions are the autograd-aware ones)",
+                              rank=rank, op=op) from None
+        return _from_cai(obj, cai, op, rank)
     if _is_simulator_array(obj):
         dtype = np.dtype(obj.dtype)
         shape = tuple(obj.shape)

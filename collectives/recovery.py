@@ -211,7 +211,11 @@ class TimeoutPolicy(RecoveryPolicy):
         self.comm, self.ft, self.opname = comm, comm.ft, opname
 
     def start(self):
-        return self.comm.collective_transport(), self.ft.timeout, list(range(self.comm.size))
+        try:
+            tp = self.comm.collective_transport()  # made already, or a bounded MPI_Comm_idup now
+        except CommTimeout as exc:  # the call's name on it; nothing moved, the group is not broken
+            raise CommTimeout(exc.detail, rank=self.comm.rank, op=self.opname) from exc
+        return tp, self.ft.timeout, list(range(self.comm.size))
 
     def settle(self, tp, outcome: Outcome) -> bool:
         return outcome.failure is None

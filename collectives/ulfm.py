@@ -122,7 +122,10 @@ class UlfmPolicy(RecoveryPolicy):
             self.t_fail = time.monotonic()
 
     def start(self):
-        tp = self.comm.collective_transport()
+        try:
+            tp = self.comm.collective_transport()  # made already, or a bounded MPI_Comm_idup now
+        except CommTimeout as exc:  # the call's name on it
+            raise CommTimeout(exc.detail, rank=self.comm.rank, op=self.opname) from exc
         wd = self.wd
         self.w = wd.arm(tp, self.ft.timeout, self.opname, self.comm.rank) if wd is not None else None
         # unbounded steps under the watchdog, else bounded polled waits

@@ -57,14 +57,35 @@ class CollectiveMixin:
         """The :class:`~commlib.collectives.ft.FaultTolerance` state, or None."""
         return self._ft
 
-    def collective_transport(self):
+    def collective_transport(self, op: str = "collective_transport"):
         """The transport commlib's own traffic (collectives, attention) runs on:
-        a duplicate of this communicator, so it never meets the user's messages
-        (created on first use; collective over the group)."""
+        a duplicate of this communicator, so it never meets the user's messages.
+
+        A fault-tolerant communicator makes it when it is created (``init``,
+        ``dup``, ``split``, ``cart_create``, a shrink), while every rank is in
+        that collective call; any other communicator makes it on first use,
+        collectively over the group (made for every communicator at once, the
+        2048 context ids of MPICH ran out after about 2000 ``init`` calls).
+        Should a fault-tolerant one lack it, it is made by ``MPI_Comm_idup``
+        waited for at most the fault-tolerant timeout, so that a first call
+        made on one rank alone raises instead of waiting for ever.
+
+        Args:
+            op: the operation that needs it, for errors.
+
+        Raises:
+            CommTimeout: fault-tolerant, made here, and the peers did not join
+                the duplication within the timeout (it stays posted: the next
+                call waits for it again, see :meth:`MPITransport.idup`).
+        """
         tp = self._coll_tp
         if tp is None:
-            tp = self._coll_tp = self.transport.dup()
-            tp.fault_tolerant = self._ft is not None
+            if self._ft is None:
+                tp = self._coll_tp = self.transport.dup()
+                tp.fault_tolerant = False
+            else:
+                tp = self._coll_tp = self.transport.idup(self._ft.timeout, op=op)[0]
+                tp.fault_tolerant = True
         return tp
 
     def shrink(self, tp):
@@ -199,15 +220,22 @@ class CollectiveMixin:
                 in memory order); same count and dtype on every rank.  Block ``r``
                 is elements ``[b[r], b[r+1])`` with ``b = chunk_bounds(count, size)``
                 (``count // size`` each when it divides, as MPI).
-            recvbuf: 1-D array for block ``rank`` (None: allocated).
+            recvbuf: array of ``b[r+1]-b[r]`` elements of ``sendbuf``'s dtype
+                for block ``rank`` (None: allocated, see Returns).
             op: as :meth:`allreduce`.
             algorithm: ``"ring"``, ``"mpi"`` or ``"auto"`` (one round up to
                 ``COMMLIB_SMALL_BYTES``, as :meth:`allreduce`; ring above).
 
         Returns:
-            np.ndarray or recvbuf: this rank's reduced block, shape ``(b[r+1]-b[r],)``.
-            After a recovered failure the blocks are over the shrunk group (a new
-            array when ``recvbuf`` no longer fits).
+            ``recvbuf``, or a new array of shape ``(b[r+1]-b[r],)`` and
+            ``sendbuf``'s dtype: this rank's reduced block.  A new array is of
+            ``sendbuf``'s kind whatever the algorithm: numpy for a host
+            ``sendbuf``, a numba device array for a numba one, CuPy for CuPy, a
+            torch tensor on the same device for a torch CUDA tensor (other
+            device arrays: CuPy where it runs, else numba); a result computed on
+            the host (staged algorithms, ``"mpi"``, the one round) is copied up
+            once at the end.  After a recovered failure the blocks are over the
+            shrunk group (a new array when ``recvbuf`` no longer fits).
 
         Raises:
             InvalidArgument, BufferError, ProcessFailed, CommTimeout: as :meth:`allreduce`.
@@ -219,15 +247,18 @@ class CollectiveMixin:
 
         Args:
             sendbuf: contiguous array, shape ``S``, same count and dtype everywhere.
-            recvbuf: array of ``size * count`` elements, e.g. shape ``(size, *S)``
-                (None: allocated as numpy with that shape).
+            recvbuf: array of ``size * count`` elements of ``sendbuf``'s dtype,
+                e.g. shape ``(size, *S)`` (None: allocated, see Returns).
             algorithm: ``"ring"`` (Patarasuk & Yuan 2009), ``"mpi"`` or ``"auto"`` (ring).
 
         Returns:
-            recvbuf (or a new array): block ``i`` is rank ``i``'s ``sendbuf``.
-            After a recovered failure, the blocks of the surviving ranks in the
-            new rank order, shape ``(new_size, *S)`` (a new array when ``recvbuf``
-            no longer fits).
+            ``recvbuf``, or a new C-ordered array of shape ``(size, *S)`` and
+            ``sendbuf``'s dtype, of ``sendbuf``'s kind (as :meth:`reduce_scatter`:
+            a device ``sendbuf`` gives the same kind of device array, a host one
+            numpy): block ``i`` is rank ``i``'s ``sendbuf`` (its elements in
+            memory order).  After a recovered failure, the blocks of the
+            surviving ranks in the new rank order, shape ``(new_size, *S)`` (a
+            new array when ``recvbuf`` no longer fits).
 
         Raises:
             InvalidArgument, BufferError, ProcessFailed, CommTimeout: as :meth:`allreduce`.
@@ -260,15 +291,19 @@ class CollectiveMixin:
         Args:
             sendbuf: contiguous array of ``size * count`` elements, e.g. shape
                 ``(size, ...)``; block ``j`` goes to rank ``j``.
-            recvbuf: array like ``sendbuf`` (None: allocated); block ``i`` receives
-                rank ``i``'s block ``rank``.
+            recvbuf: array of ``sendbuf``'s element count and dtype (None:
+                allocated, see Returns); block ``i`` receives rank ``i``'s block
+                ``rank``.
             algorithm: ``"pairwise"`` (Thakur, Rabenseifner & Gropp 2005), ``"mpi"``
                 or ``"auto"`` (pairwise).
 
         Returns:
-            recvbuf (or a new array of shape ``(size, count)``).  After a recovered
-            failure, blocks addressed to failed ranks are dropped and the result
-            has ``new_size`` blocks in the new rank order (a new array).
+            ``recvbuf``, or a new C-ordered array of shape ``(size, count)``
+            and ``sendbuf``'s dtype, of ``sendbuf``'s kind (as :meth:`reduce_scatter`:
+            a device ``sendbuf`` gives the same kind of device array, a host one
+            numpy).  After a recovered failure, blocks addressed to failed ranks
+            are dropped and the result has ``new_size`` blocks in the new rank
+            order (a new array).
 
         Raises:
             InvalidArgument: count not divisible by size, mismatch across ranks.

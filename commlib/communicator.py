@@ -20,7 +20,7 @@ from commlib.collectives.agreement import agree_header, check_all
 from commlib.collectives.ft import ON_FAILURE, FaultTolerance
 from commlib.transports.mpi_process import PROCESS, ft_mode
 from commlib.core.config import config
-from commlib.core.errors import InvalidArgument
+from commlib.core.errors import CommTimeout, InvalidArgument
 from commlib.core.seconds import check_timeout, timeout_problem
 from commlib.core.tags import check_user_tag
 from commlib.transports.base import Request, wait_all
@@ -188,12 +188,59 @@ class Communicator(CollectiveMixin):
 
     # ----------------------------------------------------------- management
     def dup(self) -> "Communicator":
-        """A new communicator over the same group with its own tag space (collective)."""
-        return Communicator(transport=self.transport.dup())
+        """A new communicator over the same group with its own tag space (collective).
+
+        A fault-tolerant communicator's duplicate is fault tolerant too (same
+        mode, ``on_failure`` and ``timeout``; its own failure callbacks) and is
+        made with ``MPI_Comm_idup`` waited for at most the timeout, its
+        collectives' transport with it.
+
+        Raises:
+            CommTimeout: fault-tolerant, and the peers did not call ``dup``
+                within the timeout.  This communicator stays usable for
+                point-to-point traffic; the duplication stays posted (MPI
+                cannot withdraw it), and this rank's next ``dup`` (or first
+                collective on a communicator derived from it) completes it
+                when the peers call ``dup``, so call ``dup`` again before any
+                other collective.
+            ProcessFailed: fault-tolerant, and a peer died (ULFM).
+        """
+        if self._ft is None:
+            return Communicator(transport=self.transport.dup())
+        user, coll = self.transport.idup(self._ft.timeout, n=2, op="dup")
+        return self._fault_tolerant_child(Communicator, user, coll, "dup")
 
     def split(self, color: int, key: int = 0) -> "Communicator":
-        """Split into sub-communicators by ``color`` (``MPI_Comm_split``, collective)."""
-        return Communicator(transport=self.transport.split(color, key))
+        """Split into sub-communicators by ``color`` (``MPI_Comm_split``, collective).
+
+        A fault-tolerant communicator first runs its (bounded) barrier, so a
+        rank whose peers do not call ``split`` gets :class:`~commlib.CommTimeout`
+        instead of waiting in ``MPI_Comm_split``; the parts are fault tolerant
+        as in :meth:`dup`.
+        """
+        if self._ft is None:
+            return Communicator(transport=self.transport.split(color, key))
+        try:
+            self.barrier()  # every rank is here (bounded), before the unbounded MPI_Comm_split
+        except CommTimeout as exc:
+            raise CommTimeout(f"the peers did not call split ({exc.detail})", rank=self.rank, op="split") from exc
+        return self._fault_tolerant_child(Communicator, self.transport.split(color, key), None, "split")
+
+    def _fault_tolerant_child(self, cls, user, coll, op):
+        """A fault-tolerant communicator of class ``cls`` over transport ``user``
+        (made by a collective call of every rank of this fault-tolerant one),
+        with ``coll`` as its collectives' transport (None: an idup of ``user`` now,
+        bounded by the timeout, while every rank is in that call)."""
+        ft = self._ft
+        user.set_errors_return()
+        user.fault_tolerant = True
+        if coll is None:
+            coll = user.idup(ft.timeout, op=op)[0]
+        coll.fault_tolerant = True
+        c = cls(transport=user)
+        c._coll_tp = coll
+        c._ft = FaultTolerance(ft.mode, on_failure=ft.on_failure, timeout=ft.timeout, process=ft.process)
+        return c
 
     def free(self) -> None:
         """Free the underlying communicator (not for ``COMM_WORLD``) and the
@@ -220,7 +267,9 @@ class Communicator(CollectiveMixin):
         Every rank must describe the same grid: after each rank's arguments are
         checked, the ranks compare the completed dims, the periods and
         ``reorder`` (one all-gather of a fixed-size header) before
-        ``MPI_Cart_create`` is called.
+        ``MPI_Cart_create`` is called.  On a fault-tolerant communicator that
+        all-gather's waits are bounded by its timeout (``CommTimeout`` when the
+        peers do not call), and the grid is fault tolerant as in :meth:`dup`.
 
         Returns:
             CartCommunicator
@@ -240,10 +289,15 @@ class Communicator(CollectiveMixin):
             problem = exc
         values = _cart_header(*grid) if grid is not None else [0] * len(_CART_FIELDS)
         n = len(grid[0]) if grid is not None else 0
-        agree_header(self.transport, values, op=op, local_error=problem, names=_CART_FIELDS,
-                     describe=lambda name, v: _cart_describe(name, v, n))
+        ft = self._ft  # fault tolerant: the agreement's waits bounded (it is a barrier too)
+        agree_header(self.transport if ft is None else self.collective_transport(op), values, op=op,
+                     local_error=problem, names=_CART_FIELDS, describe=lambda name, v: _cart_describe(name, v, n),
+                     timeout=None if ft is None else ft.timeout)
         dims, periods, reorder = grid
-        return CartCommunicator(transport=self.transport.create_cart(dims, periods, reorder))
+        if self._ft is None:
+            return CartCommunicator(transport=self.transport.create_cart(dims, periods, reorder))
+        return self._fault_tolerant_child(CartCommunicator, self.transport.create_cart(dims, periods, reorder),
+                                          None, op)
 
     def _cart_args(self, dims, periods, reorder, ndims) -> tuple[list, list, bool]:
         """This rank's :meth:`cart_create` arguments as ``(dims, periods, reorder)``,

@@ -685,6 +685,55 @@ class MPITransport(Transport):
         t.fault_tolerant = self.fault_tolerant
         return t
 
+    def idup(self, timeout: float, n: int = 1, op: str = "dup") -> list:
+        """``n`` transports over duplicates of this communicator (``MPI_Comm_idup``,
+        collective), waited for at most ``timeout`` seconds; for fault-tolerant
+        communicators, whose no blocking call may wait forever.
+
+        A rank whose peers do not call (yet) gets :class:`CommTimeout`; its
+        duplicates stay posted (MPI can neither cancel nor free a pending
+        ``MPI_Comm_idup``) and the next ``idup`` of this transport waits for them
+        first instead of posting new ones, so that they match the peers' first
+        duplicates whenever those come.  Meanwhile this communicator stays usable
+        for point-to-point traffic (any other collective on it would be matched
+        against the pending duplicates: erroneous in MPI).
+
+        Args:
+            timeout: seconds (finite, > 0) to wait for all ``n``.
+            n: how many duplicates.
+            op: operation name for errors.
+
+        Returns:
+            list of ``n`` :class:`MPITransport` (``fault_tolerant`` as this one's,
+            errors returned as exceptions).
+
+        Raises:
+            CommTimeout: not complete within ``timeout`` (they stay posted, see above).
+            ProcessFailed / CommError: the duplication failed (ULFM: a peer died).
+        """
+        pending = self.__dict__.setdefault("_idups", [])
+        while len(pending) < n:
+            pending.append(self.comm.Idup())  # (new comm, request), valid once complete
+        mine = pending[:n]
+        try:
+            self._poll([req for _, req in mine], timeout, op)
+        except CommTimeout as exc:
+            raise CommTimeout(f"{exc.detail}: the peers have not joined this MPI_Comm_idup (a collective); "
+                              "it stays posted and the next duplicate of this communicator waits for it",
+                              rank=self._rank, op=op) from None
+        except CommError:
+            del pending[:n]  # failed: its requests went to _ABANDONED; its comms are kept, never freed
+            _ABANDONED.extend(c for c, _ in mine)
+            raise
+        del pending[:n]
+        out = []
+        for c, _ in mine:
+            c.Set_errhandler(MPI.ERRORS_RETURN)
+            t = MPITransport(c, cuda_aware=self.cuda_aware, node_peers=self.node_peers)
+            t.fault_tolerant = self.fault_tolerant
+            out.append(t)
+        return out
+
     def split(self, color: int, key: int = 0) -> "MPITransport":
         """A transport over ``MPI_Comm_split(color, key)`` (collective)."""
         try:
@@ -789,6 +838,9 @@ class MPITransport(Transport):
         self.comm.Abort(int(errorcode))
 
     def close(self) -> None:
+        # duplicates still posted (idup timed out): MPI can neither cancel nor free
+        # them; the handles are kept for ever rather than dropped
+        _ABANDONED.extend(x for pair in self.__dict__.pop("_idups", ()) for x in pair)
         if self.comm not in (MPI.COMM_WORLD, MPI.COMM_SELF) and self.comm != MPI.COMM_NULL:
             try:
                 self.comm.Free()

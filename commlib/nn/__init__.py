@@ -12,6 +12,13 @@ return the log-sum-exp; block outputs and lse are merged in float32 (float64
 for float64 inputs), never in the half dtype, and dq and the travelling dk/dv
 accumulate in float32.
 
+Like :func:`torch.nn.functional.scaled_dot_product_attention`: under
+``torch.autocast`` q, k, v are cast as SDPA's are (float32/float16 to the
+autocast dtype, float64 unchanged) before anything moves, the output is in that
+dtype and the gradients in the inputs' dtypes; SDPA's keywords ``scale``,
+``is_causal``, ``enable_gqa``, ``dropout_p=0.0`` and ``attn_mask=None`` are
+accepted (an ``attn_mask`` tensor or a nonzero ``dropout_p`` is refused).
+
 * :func:`ring_attention`: K/V travel round the ring (Ring Attention, Liu et al.
   2023, arXiv:2310.01889) in the ``"contiguous"``, ``"striped"`` (Brandon et al.
   2023, arXiv:2311.09431) or ``"zigzag"`` layout; ``cu_seqlens`` for packed

@@ -7,6 +7,7 @@ before any byte moves, so a bad call fails on every rank alike.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -16,7 +17,8 @@ from commlib.collectives.attention.layout import agreement_bound as agreement_ti
 from commlib.core.seconds import timeout_problem
 
 __all__ = ["DTYPES", "DTYPE_NAMES", "DEVICES", "check_qkv", "softmax_scale_of", "cu_seqlens_of", "timeout_of",
-           "agreement_timeout", "grad_flags", "describe_grad", "no_double_backward"]
+           "agreement_timeout", "grad_flags", "describe_grad", "no_double_backward", "autocast_inputs",
+           "autocast_off", "sdpa_keywords"]
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
@@ -136,3 +138,85 @@ def no_double_backward(bad) -> None:
         raise bad("the backward is not differentiable (create_graph=True / double backward, e.g. a gradient "
                   "penalty): use ulysses_attention or hybrid_attention with ulysses_degree == size under "
                   "torch.nn.attention.sdpa_kernel(SDPBackend.MATH), or plain torch attention")
+
+
+def autocast_inputs(*tensors):
+    """Cast the inputs as autocast casts those of
+    :func:`torch.nn.functional.scaled_dot_product_attention` (an op on
+    autocast's lower-precision list): when autocast is on for the tensors'
+    device type (CPU or CUDA), every floating-point tensor on that device
+    type except float64 goes to autocast's dtype (``torch.get_autocast_dtype``,
+    e.g. bfloat16), by a differentiable ``.to`` whose backward returns the
+    gradient in the tensor's own dtype.  Anything else passes unchanged
+    (the argument checks judge it).
+
+    Returns:
+        tuple: ``(tensors, context)``: the (cast) tensors and a context
+        manager to run the call in, autocast switched off for that device
+        type when it was on (the call's block math and merges then run in
+        the cast dtype and the float32/float64 accumulators, as documented,
+        and nothing inside is cast twice), else a null context.
+    """
+    dev = next((t.device.type for t in tensors if isinstance(t, torch.Tensor)), None)
+    if dev not in DEVICES or not torch.is_autocast_enabled(dev):
+        return tensors, contextlib.nullcontext()
+    dtype = torch.get_autocast_dtype(dev)
+    cast = tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.device.type == dev and t.is_floating_point()
+                 and t.dtype != torch.float64 else t for t in tensors)
+    return cast, torch.autocast(dev, enabled=False)
+
+
+def autocast_off(device_type: str):
+    """A context with autocast switched off for ``device_type`` (for a
+    backward: if ``loss.backward()`` runs inside an autocast region, the
+    block math still runs in the saved tensors' dtypes)."""
+    if device_type in DEVICES and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def sdpa_keywords(causal, softmax_scale, heads: int, kv_heads: int, bad, *, attn_mask=None, dropout_p=0.0,
+                  is_causal=None, scale=None, enable_gqa=None):
+    """Resolve the keywords of :func:`torch.nn.functional.scaled_dot_product_attention`
+    that the attention calls take, so that a call written for SDPA works or
+    fails clearly (``bad(message)``, on every rank alike once agreed):
+
+    * ``is_causal``: SDPA's name for ``causal`` (a bool; passing both with
+      different values is refused).
+    * ``scale``: SDPA's name for ``softmax_scale`` (passing both is refused).
+    * ``enable_gqa``: None or True (grouped-query attention is always on);
+      False needs ``heads == kv_heads``, as SDPA requires.
+    * ``attn_mask``: only None; masks are ``causal`` and ``cu_seqlens``.
+    * ``dropout_p``: only 0 (attention dropout is not implemented).
+
+    Returns:
+        tuple: ``(causal, softmax_scale)``, still to be checked by the caller.
+    """
+    if attn_mask is not None:
+        raise bad("attn_mask is not supported (an arbitrary mask cannot be sharded over the ring); use "
+                  "causal=True for a causal mask and cu_seqlens=[0, ..., seq_len] for packed documents "
+                  "(block-diagonal masks)")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float, np.integer, np.floating)):
+        raise bad(f"dropout_p must be a number, got {dropout_p!r}")
+    if dropout_p != 0:
+        raise bad(f"dropout_p={dropout_p!r} is not supported (no attention dropout); pass dropout_p=0.0 and "
+                  "regularize elsewhere, e.g. torch.nn.Dropout on the attention output")
+    if is_causal is not None:
+        if not isinstance(is_causal, (bool, np.bool_)):
+            raise bad(f"is_causal must be a bool, got {is_causal!r}")
+        if isinstance(causal, (bool, np.bool_)) and causal and not is_causal:
+            raise bad("causal=True and is_causal=False disagree; pass one of them (is_causal is SDPA's name "
+                      "for causal)")
+        causal = bool(is_causal) or causal
+    if scale is not None:
+        if softmax_scale is not None:
+            raise bad(f"pass softmax_scale or scale (SDPA's name for it), not both; got {softmax_scale!r} "
+                      f"and {scale!r}")
+        softmax_scale = scale
+    if enable_gqa is not None:
+        if not isinstance(enable_gqa, (bool, np.bool_)):
+            raise bad(f"enable_gqa must be a bool, got {enable_gqa!r}")
+        if not enable_gqa and heads != kv_heads:
+            raise bad(f"enable_gqa=False needs as many kv_heads as heads, got {kv_heads} and {heads}; "
+                      "pass enable_gqa=True (or leave it out) for grouped-query attention")
+    return causal, softmax_scale

@@ -52,6 +52,7 @@ from commlib.collectives.attention.transport import transport_of
 from commlib.core.errors import InvalidArgument
 
 from .ring import ring_attention
+from ._check import autocast_inputs
 from .ulysses import document_mask, heads_to_seq, local_attention, seq_to_heads, spread_kv_heads, validate
 
 __all__ = ["hybrid_attention", "grid"]
@@ -120,7 +121,8 @@ def ring_order(layout: str, size: int, degree: int, seq_local: int, g: int, stri
 
 def hybrid_attention(q, k, v, comm, ulysses_degree: int, causal: bool = False, layout: str = "zigzag",
                      softmax_scale=None, *, bidirectional: bool = False, cu_seqlens=None,
-                     timeout: float | None = None):
+                     timeout: float | None = None, attn_mask=None, dropout_p=0.0, is_causal=None, scale=None,
+                     enable_gqa=None):
     """Exact attention over a 2-D grid: Ulysses inside groups, ring across them (USP).
 
     Args:
@@ -146,14 +148,24 @@ def hybrid_attention(q, k, v, comm, ulysses_degree: int, causal: bool = False, l
             ``U = comm.size``).
         timeout: seconds for each exchange and agreement wait: None (no limit) or a finite
             number > 0.
+        attn_mask, dropout_p, is_causal, scale, enable_gqa: SDPA's keywords,
+            as in :func:`commlib.nn.ring.ring_attention`.
+
+    Autocast: as SDPA under ``torch.autocast`` (see
+    :func:`commlib.nn.ring.ring_attention`): q, k, v cast to the autocast
+    dtype (float64 unchanged) before any exchange, the output in that dtype,
+    the gradients in the inputs' own dtypes.
 
     Returns:
-        torch.Tensor: ``out`` like ``q``, differentiable with respect to ``q``, ``k``, ``v``.
+        torch.Tensor: ``out`` like ``q`` (under autocast: the autocast dtype),
+        differentiable with respect to ``q``, ``k``, ``v``.
 
     Raises:
         InvalidArgument: on every rank alike, before any data moves: bad
             tensors, dtypes, devices, layout or scale; ``ulysses_degree`` not
-            a positive divisor of ``comm.size`` or of the head counts; an odd
+            a positive divisor of ``comm.size`` or of the head counts; an
+            ``attn_mask``, a ``dropout_p`` other than 0 or conflicting SDPA
+            keywords (see ``ring_attention``); an odd
             ``seq_local`` with zigzag; a ``timeout`` that is not None or a
             finite number > 0; or ranks that differ in shapes, dtypes,
             options or which of q, k, v get a gradient.  From the backward
@@ -164,6 +176,15 @@ def hybrid_attention(q, k, v, comm, ulysses_degree: int, causal: bool = False, l
     """
     op = "hybrid_attention"
     tp = transport_of(comm)
+    (q, k, v), ctx = autocast_inputs(q, k, v)  # autocast: SDPA's casts, before the dtype agreement
+    with ctx:
+        return _hybrid(q, k, v, comm, tp, op, ulysses_degree, layout, softmax_scale, bidirectional, cu_seqlens,
+                       timeout, dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                                     enable_gqa=enable_gqa), causal)
+
+
+def _hybrid(q, k, v, comm, tp, op, ulysses_degree, layout, softmax_scale, bidirectional, cu_seqlens, timeout,
+            sdpa, causal):
     size, rank = tp.size, tp.rank
     U = ulysses_degree
 
@@ -191,7 +212,9 @@ def hybrid_attention(q, k, v, comm, ulysses_degree: int, causal: bool = False, l
     deg = int(U) if isinstance(U, (int, np.integer)) and not isinstance(U, bool) else -1
     spec = validate(tp, q, k, v, causal=causal, softmax_scale=softmax_scale, op=op, cu_seqlens=cu_seqlens,
                     checks=checks, extra=(("ulysses_degree", deg), ("layout", lay),
-                                          ("bidirectional", int(bool(bidirectional)))), timeout=timeout)
+                                          ("bidirectional", int(bool(bidirectional)))), timeout=timeout,
+                    sdpa=sdpa)
+    causal = spec.causal
     U = int(U)
     R = size // U
     if U == 1 and R > 1:

@@ -99,7 +99,8 @@ class SequenceParallelAttention(torch.nn.Module):
         self.softmax_scale = softmax_scale
         self.timeout = timeout
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None, *, attn_mask=None,
+                dropout_p=0.0, is_causal=None, scale=None, enable_gqa=None) -> torch.Tensor:
         """Attention of this rank's shard.
 
         Args:
@@ -107,14 +108,27 @@ class SequenceParallelAttention(torch.nn.Module):
                 shard; k, v: ``(batch, seq_local, kv_heads, head_dim)``.
             cu_seqlens: optional global document boundaries ``[0, ..., seq_len]``
                 (int tensor or sequence, the same on every rank).
+            attn_mask, dropout_p, is_causal, scale, enable_gqa: the keywords
+                of :func:`torch.nn.functional.scaled_dot_product_attention`,
+                as :func:`commlib.nn.ring.ring_attention` takes them:
+                ``attn_mask`` only None, ``dropout_p`` only 0;
+                ``is_causal=True`` makes a module built with ``causal=False``
+                causal for this call, ``is_causal=False`` on a causal module
+                is refused (build it with ``causal=False``); ``scale`` only
+                when the module has no ``softmax_scale``.
+
+        Under ``torch.autocast`` the inputs are cast as SDPA's are (float32
+        and float16 to the autocast dtype, float64 unchanged) and the output
+        is in that dtype; gradients come back in the inputs' dtypes.
 
         Returns:
-            torch.Tensor: ``out`` like ``q``.
+            torch.Tensor: ``out`` like ``q`` (under autocast: the autocast dtype).
 
         Raises:
             InvalidArgument, CommTimeout, CommError: as the function of the kind.
         """
-        kw = dict(causal=self.causal, softmax_scale=self.softmax_scale, cu_seqlens=cu_seqlens, timeout=self.timeout)
+        kw = dict(causal=self.causal, softmax_scale=self.softmax_scale, cu_seqlens=cu_seqlens, timeout=self.timeout,
+                  attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
         if self.kind in ("ring", "bidirectional"):
             return ring_attention(q, k, v, self.comm, layout=self.layout, bidirectional=self.kind == "bidirectional",
                                   **kw)

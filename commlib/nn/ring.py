@@ -43,8 +43,8 @@ from commlib.collectives.attention.schedule import RingSchedule, piece_positions
 from commlib.collectives.attention.transport import transport_of
 from commlib.core.errors import InvalidArgument
 
-from ._check import (DEVICES, DTYPE_NAMES, DTYPES, agreement_timeout, check_qkv, cu_seqlens_of, grad_flags,
-                     no_double_backward, softmax_scale_of, timeout_of)
+from ._check import (DEVICES, DTYPE_NAMES, DTYPES, agreement_timeout, autocast_inputs, autocast_off, check_qkv,
+                     cu_seqlens_of, grad_flags, no_double_backward, sdpa_keywords, softmax_scale_of, timeout_of)
 from ._blocks import acc_dtype, block_backward, block_forward, merge, plan_block
 from ._wire import irecv_tensor, isend_tensor
 
@@ -111,13 +111,14 @@ def _disagreement(message, *, rank, op):
                            "dtype, device, options and cu_seqlens", rank=rank, op=op)
 
 
-def _validate_local(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op):
+def _validate_local(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op, sdpa):
     rank, size = tp.rank, tp.size
 
     def bad(msg):
         return InvalidArgument(msg, rank=rank, op=op)
 
     bsz, L, h, hk, d = check_qkv(q, k, v, bad)
+    causal, softmax_scale = sdpa_keywords(causal, softmax_scale, h, hk, bad, **sdpa)
     if layout not in LAYOUTS:
         raise bad(f"layout {layout!r} is not one of {LAYOUTS}")
     if layout == "zigzag" and L % 2:
@@ -143,13 +144,13 @@ def _header(spec: _Spec, device_type: str) -> tuple:
             int(np.float64(spec.scale).view(np.int64)), n_cu, digest, int(spec.grad))
 
 
-def _validate(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op) -> _Spec:
+def _validate(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op, sdpa) -> _Spec:
     """Check the call on every rank together: raise the same InvalidArgument everywhere, before any K/V moves."""
     problem, spec = None, None
     if tp.size == 1:  # nobody to disagree with: the local checks are the whole validation
-        return _validate_local(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op)
+        return _validate_local(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op, sdpa)
     try:
-        spec = _validate_local(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op)
+        spec = _validate_local(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op, sdpa)
     except InvalidArgument as exc:
         problem = exc
     # Two rounds of one small all-gather each (the same protocol on every rank,
@@ -378,22 +379,25 @@ class _RingAttention(torch.autograd.Function):
         # terms silently, as once_differentiable would when dout needs no grad
         no_double_backward(lambda msg: InvalidArgument(msg, rank=spec.rank, op=spec.op + " (backward)"))
         q, k, v, out, lse = ctx.saved_tensors
-        with torch.no_grad():
+        with torch.no_grad(), autocast_off(q.device.type):
             dout = dout.to(q.dtype).contiguous()
             dq, dk, dv = _backward(ctx.tp, spec, ctx.plan, q, k, v, out, lse, dout)
         return dq, dk, dv, None, None, None
 
 
 # ------------------------------------------------------------------ public
-def _ring(q, k, v, comm, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op):
+def _ring(q, k, v, comm, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op, sdpa):
     tp = transport_of(comm)
-    spec = _validate(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op)
-    plan = _plan(spec)
-    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), tp, spec, plan)
+    (q, k, v), ctx = autocast_inputs(q, k, v)  # autocast: SDPA's casts, before the dtype agreement
+    with ctx:
+        spec = _validate(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op, sdpa)
+        plan = _plan(spec)
+        return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), tp, spec, plan)
 
 
 def ring_attention(q, k, v, comm, causal=False, layout="contiguous", softmax_scale=None, *, cu_seqlens=None,
-                   bidirectional=False, timeout=None):
+                   bidirectional=False, timeout=None, attn_mask=None, dropout_p=0.0, is_causal=None, scale=None,
+                   enable_gqa=None):
     """Exact attention over a sequence sharded across ``comm``'s ranks, differentiable in ``q``, ``k``, ``v``.
 
     The global sequence has ``size * seq_local`` tokens (no padding: pad the
@@ -428,10 +432,23 @@ def ring_attention(q, k, v, comm, causal=False, layout="contiguous", softmax_sca
             the ring in opposite directions (:func:`ring_attention_bidirectional`).
         timeout: seconds any one ring step's messages (and each argument
             agreement wait) may take: None (no limit) or a finite number > 0.
+        attn_mask, dropout_p, is_causal, scale, enable_gqa: the keywords of
+            :func:`torch.nn.functional.scaled_dot_product_attention`, so a
+            call written for it ports: ``is_causal`` and ``scale`` are
+            ``causal`` and ``softmax_scale`` under SDPA's names;
+            ``enable_gqa`` None or True (False needs ``heads == kv_heads``);
+            ``attn_mask`` only None (use ``causal`` and ``cu_seqlens``) and
+            ``dropout_p`` only 0 (no attention dropout).
+
+    Autocast: inside ``torch.autocast`` for the inputs' device type, q, k and
+    v are cast as SDPA's are (attention is on autocast's lower-precision
+    list): float32 and float16 inputs go to the autocast dtype (float64
+    stays), the output comes back in that dtype, and the gradients of q, k,
+    v in their own dtypes.
 
     Returns:
         torch.Tensor: ``(batch, seq_local, heads, head_dim)`` in the input
-        dtype.  Block outputs and lse are merged in float32 (float64 for
+        dtype (under autocast: the autocast dtype, see above).  Block outputs and lse are merged in float32 (float64 for
         float64 inputs); the backward accumulates ``dq`` and the travelling
         ``dk``/``dv`` in the same dtype.
 
@@ -440,6 +457,9 @@ def ring_attention(q, k, v, comm, causal=False, layout="contiguous", softmax_sca
             rank's arguments are bad (not 4-d torch tensors, mixed dtypes or
             devices, unsupported dtype, ``heads % kv_heads != 0``, unknown
             layout, odd ``seq_local`` with zigzag, bad scale or timeout,
+            an ``attn_mask``, a ``dropout_p`` other than 0, ``enable_gqa=False``
+            with ``heads != kv_heads``, ``causal``/``is_causal`` or
+            ``softmax_scale``/``scale`` both given and in conflict,
             ``cu_seqlens`` not running from 0 to ``size * seq_local``) or when
             the ranks' shapes, dtype, device, options, ``cu_seqlens`` or
             whether a gradient flows back (grad mode and ``requires_grad``: the
@@ -451,11 +471,14 @@ def ring_attention(q, k, v, comm, causal=False, layout="contiguous", softmax_sca
         CommError: a peer failed (``ProcessFailed``) or another transport error.
     """
     return _ring(q, k, v, comm, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout,
-                 "ring_attention_bidirectional" if bidirectional else "ring_attention")
+                 "ring_attention_bidirectional" if bidirectional else "ring_attention",
+                 dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                      enable_gqa=enable_gqa))
 
 
 def ring_attention_bidirectional(q, k, v, comm, causal=False, layout="contiguous", softmax_scale=None, *,
-                                 cu_seqlens=None, timeout=None):
+                                 cu_seqlens=None, timeout=None, attn_mask=None, dropout_p=0.0, is_causal=None,
+                                 scale=None, enable_gqa=None):
     """:func:`ring_attention` with ``bidirectional=True``.
 
     Every K/V shard is cut in two halves (layout-aware, see
@@ -464,7 +487,10 @@ def ring_attention_bidirectional(q, k, v, comm, causal=False, layout="contiguous
     every link carry half the bytes of the unidirectional ring, in the same
     number of steps and with the same block work per step (TokenRing's idea,
     Wang et al. 2024, arXiv:2412.20501).  Forward and backward, every layout,
-    ``cu_seqlens`` and GQA as in :func:`ring_attention`.
+    ``cu_seqlens``, GQA, autocast and SDPA's keywords as in
+    :func:`ring_attention`.
     """
     return _ring(q, k, v, comm, causal, layout, softmax_scale, cu_seqlens, True, timeout,
-                 "ring_attention_bidirectional")
+                 "ring_attention_bidirectional",
+                 dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                      enable_gqa=enable_gqa))

@@ -43,8 +43,8 @@ from commlib.collectives.attention.layout import LAYOUTS
 from commlib.collectives.attention.transport import transport_of
 from commlib.core.errors import InvalidArgument
 
-from ._check import (DTYPES, agreement_timeout, check_qkv, cu_seqlens_of, describe_grad, grad_flags,
-                     softmax_scale_of, timeout_of)
+from ._check import (DTYPES, agreement_timeout, autocast_inputs, check_qkv, cu_seqlens_of, describe_grad,
+                     grad_flags, sdpa_keywords, softmax_scale_of, timeout_of)
 from ._wire import all_to_all_tensors
 
 __all__ = ["ulysses_attention"]
@@ -150,6 +150,7 @@ class Spec:
     head_dim: int
     scale: float
     cu_seqlens: tuple | None
+    causal: bool = False
 
 
 _FIELDS = ("batch", "seq_local", "heads", "kv_heads", "head_dim", "dtype", "device", "causal", "softmax_scale",
@@ -190,7 +191,7 @@ def check_cu_seqlens(cu_seqlens, seq_len, rank, op):
 
 
 def validate(tp, q, k, v, *, causal, softmax_scale, op, cu_seqlens=None, degree=None, checks=None,
-             extra=(), timeout=None) -> Spec:
+             extra=(), timeout=None, sdpa=None) -> Spec:
     """Check an attention call on torch tensors on every rank together.
 
     Local checks first (any rank's problem becomes an :class:`InvalidArgument`
@@ -205,6 +206,10 @@ def validate(tp, q, k, v, *, causal, softmax_scale, op, cu_seqlens=None, degree=
         extra: ``((name, int), ...)`` more header fields (the same names on every rank).
         timeout: seconds each agreement wait (and each exchange of the call)
             may take: None or a finite number > 0, checked here.
+        sdpa: SDPA's keywords the call was given (``attn_mask``,
+            ``dropout_p``, ``is_causal``, ``scale``, ``enable_gqa``), resolved
+            by :func:`commlib.nn._check.sdpa_keywords`; the returned spec's
+            ``causal`` and ``scale`` are the resolved ones.
 
     Raises:
         InvalidArgument: on every rank alike.
@@ -214,13 +219,14 @@ def validate(tp, q, k, v, *, causal, softmax_scale, op, cu_seqlens=None, degree=
     header = None
     try:
         spec = _validate_local(q, k, v, causal=causal, softmax_scale=softmax_scale, rank=rank, op=op,
-                               cu_seqlens=cu_seqlens, size=tp.size, degree=degree, timeout=timeout)
+                               cu_seqlens=cu_seqlens, size=tp.size, degree=degree, timeout=timeout,
+                               sdpa=sdpa or {})
         if checks is not None:
             checks(spec)
         cu = -1 if spec.cu_seqlens is None else zlib.crc32(np.asarray(spec.cu_seqlens, np.int64).tobytes())
         # which of q, k, v get a gradient: each has its own all-to-all in the backward
         header = (spec.batch, spec.seq_local, spec.heads, spec.kv_heads, spec.head_dim, DTYPES.index(q.dtype),
-                  _device_code(q.device), int(bool(causal)), int(np.float64(spec.scale).view(np.int64)), cu,
+                  _device_code(q.device), int(spec.causal), int(np.float64(spec.scale).view(np.int64)), cu,
                   grad_flags(q, k, v)) + tuple(int(val) for _, val in extra)
     except InvalidArgument as exc:
         problem = exc
@@ -231,11 +237,13 @@ def validate(tp, q, k, v, *, causal, softmax_scale, op, cu_seqlens=None, degree=
     return spec
 
 
-def _validate_local(q, k, v, *, causal, softmax_scale, rank, op, cu_seqlens, size, degree, timeout=None) -> Spec:
+def _validate_local(q, k, v, *, causal, softmax_scale, rank, op, cu_seqlens, size, degree, timeout=None,
+                    sdpa) -> Spec:
     def bad(msg):
         return InvalidArgument(msg, rank=rank, op=op)
 
     bsz, L, h, hk, d = check_qkv(q, k, v, bad)
+    causal, softmax_scale = sdpa_keywords(causal, softmax_scale, h, hk, bad, **sdpa)
     if degree is not None:
         if h % degree:
             raise bad(f"heads ({h}) must be divisible by the Ulysses degree ({degree})")
@@ -247,12 +255,13 @@ def _validate_local(q, k, v, *, causal, softmax_scale, rank, op, cu_seqlens, siz
         raise bad(f"causal must be a bool, got {causal!r}")
     timeout_of(timeout, bad)
     cu = check_cu_seqlens(cu_seqlens, size * L, rank, op)
-    return Spec(bsz, L, h, hk, d, scale, cu)
+    return Spec(bsz, L, h, hk, d, scale, cu, bool(causal))
 
 
 # ---------------------------------------------------------------- the call
 def ulysses_attention(q, k, v, comm, causal: bool = False, softmax_scale=None, *, cu_seqlens=None,
-                      timeout: float | None = None):
+                      timeout: float | None = None, attn_mask=None, dropout_p=0.0, is_causal=None, scale=None,
+                      enable_gqa=None):
     """Exact sequence-parallel attention by all-to-all over heads (DeepSpeed-Ulysses).
 
     Args:
@@ -275,10 +284,19 @@ def ulysses_attention(q, k, v, comm, causal: bool = False, softmax_scale=None, *
             attention).
         timeout: seconds for each all-to-all (and each agreement wait):
             None (no limit) or a finite number > 0.
+        attn_mask, dropout_p, is_causal, scale, enable_gqa: SDPA's keywords,
+            as in :func:`commlib.nn.ring.ring_attention` (``is_causal`` and
+            ``scale`` are ``causal`` and ``softmax_scale``; ``attn_mask``
+            only None, ``dropout_p`` only 0, ``enable_gqa`` None or True).
+
+    Autocast: inside ``torch.autocast``, q, k and v are cast as SDPA's are
+    (float32/float16 to the autocast dtype, float64 unchanged) before the
+    all-to-alls, so the exchanges move the cast tensors; the output is in
+    that dtype and the gradients in the inputs' own dtypes.
 
     Returns:
-        torch.Tensor: ``out`` shaped and typed like ``q`` (this rank's
-        tokens), differentiable with respect to ``q``, ``k``, ``v``; twice
+        torch.Tensor: ``out`` shaped and typed like ``q`` (under autocast:
+        the autocast dtype) (this rank's tokens), differentiable with respect to ``q``, ``k``, ``v``; twice
         too (``create_graph=True``) wherever torch's local attention kernel
         is (``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)`` on the CPU).
 
@@ -287,7 +305,9 @@ def ulysses_attention(q, k, v, comm, causal: bool = False, softmax_scale=None, *
             or non-tensor inputs, mixed dtypes or devices, unsupported dtype,
             ``heads`` not divisible by ``comm.size``, ``kv_heads`` neither
             divisible by nor dividing ``comm.size``, bad ``softmax_scale`` or
-            ``cu_seqlens``, a ``timeout`` that is not None or a finite number
+            ``cu_seqlens``, an ``attn_mask``, a ``dropout_p`` other than 0,
+            conflicting ``causal``/``is_causal`` or ``softmax_scale``/``scale``,
+            ``enable_gqa=False`` with ``heads != kv_heads``, a ``timeout`` that is not None or a finite number
             > 0, or shapes, dtypes, options or which of q, k, v get a gradient
             (grad mode and ``requires_grad``: each one's backward is an
             all-to-all) that differ between ranks.
@@ -296,9 +316,13 @@ def ulysses_attention(q, k, v, comm, causal: bool = False, softmax_scale=None, *
     """
     op = "ulysses_attention"
     tp = transport_of(comm)
-    spec = validate(tp, q, k, v, causal=causal, softmax_scale=softmax_scale, op=op, cu_seqlens=cu_seqlens,
-                    degree=tp.size, timeout=timeout)
-    return ulysses_forward(q, k, v, tp, spec, causal, timeout, op)
+    (q, k, v), ctx = autocast_inputs(q, k, v)  # autocast: SDPA's casts, before the dtype agreement
+    with ctx:
+        spec = validate(tp, q, k, v, causal=causal, softmax_scale=softmax_scale, op=op, cu_seqlens=cu_seqlens,
+                        degree=tp.size, timeout=timeout,
+                        sdpa=dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                                  enable_gqa=enable_gqa))
+        return ulysses_forward(q, k, v, tp, spec, spec.causal, timeout, op)
 
 
 def ulysses_forward(q, k, v, tp, spec, causal, timeout, op, order=None):

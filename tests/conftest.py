@@ -57,3 +57,20 @@ def gpu_empty_slices(monkeypatch):
 
     monkeypatch.setattr(FakeCUDAArray, "__getitem__", getitem)
     monkeypatch.setattr(FakeCUDAArray, "__setitem__", setitem)
+
+
+@pytest.fixture(scope="module")
+def world():
+    """commlib's communicator over MPI.COMM_WORLD (``commlib.init()``); a test module may define its own."""
+    import commlib  # noqa: PLC0415
+
+    return commlib.init()
+
+
+@pytest.fixture(scope="module")
+def selfcomm():
+    """commlib's communicator over MPI.COMM_SELF: a one-rank group inside any job."""
+    import commlib  # noqa: PLC0415
+    from mpi4py import MPI  # noqa: PLC0415
+
+    return commlib.init(MPI.COMM_SELF)

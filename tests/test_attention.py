@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 
-import commlib
 from commlib.collectives import attention as A
 from commlib.collectives.attention import blocks, ring
 from commlib.core.errors import InvalidArgument
@@ -119,16 +117,6 @@ def check_algorithm(comm, algo, layout, causal, dtype, heads, kv_heads, seq, *, 
         assert gl.dtype == ref.dtype and gl.shape == A.shard_sequence(ref, comm, layout)[0].shape
         assert_close(A.unshard_sequence(gl, comm, layout, seq, timeout=60), gw, tol, name)
         assert not np.asarray(gl[:, pad], np.float64).any(), f"{name}: padding has gradient"
-
-
-@pytest.fixture(scope="module")
-def world():
-    return commlib.init()
-
-
-@pytest.fixture(scope="module")
-def selfcomm():
-    return commlib.init(MPI.COMM_SELF)
 
 
 def _seq(size, odd):

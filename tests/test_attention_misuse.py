@@ -39,11 +39,6 @@ def dense(q, k, v, dout, causal, scale):
     return out, lse, dq, dk.reshape(b, n, hk, g, d).sum(3), dv.reshape(b, n, hk, g, d).sum(3)
 
 
-@pytest.fixture(scope="module")
-def world():
-    return commlib.init()
-
-
 @pytest.mark.parametrize("shape", [(2, 5, 1, 4), (1, 1, 2, 4), (1, 6, 2, 4)])
 def test_single_rank_kernels_leave_q_untouched(shape):
     """One head, or one token, made the heads-major copy of q a view: the

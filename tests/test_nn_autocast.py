@@ -26,8 +26,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import commlib  # noqa: E402
-from mpi4py import MPI  # noqa: E402
 
 from commlib.core.errors import InvalidArgument  # noqa: E402
 from commlib.nn import (SequenceParallelAttention, hybrid_attention, ring_attention,  # noqa: E402
@@ -50,16 +48,6 @@ KINDS = {
 }
 OPS = {"ring": "ring_attention", "bidirectional": "ring_attention_bidirectional", "ulysses": "ulysses_attention",
        "hybrid": "hybrid_attention", "module": "ring_attention"}
-
-
-@pytest.fixture(scope="module")
-def world():
-    return commlib.init()
-
-
-@pytest.fixture(scope="module")
-def selfcomm():
-    return commlib.init(MPI.COMM_SELF)
 
 
 def make_inputs(size, seed=7, kv_heads=None):

@@ -36,16 +36,6 @@ F64 = torch.float64
 BAD_TIMEOUTS = [0, -1.0, "3", True, math.inf, math.nan]
 
 
-@pytest.fixture(scope="module")
-def world():
-    return commlib.init()
-
-
-@pytest.fixture(scope="module")
-def selfcomm():
-    return commlib.init(MPI.COMM_SELF)
-
-
 def _inputs(comm, seq_local=4, heads=None, kv_heads=None, dim=8, seed=0, requires_grad=True):
     p = comm.size
     heads = heads or 2 * p

@@ -23,7 +23,6 @@ torch = pytest.importorskip("torch")
 
 from mpi4py import MPI  # noqa: E402
 
-import commlib  # noqa: E402
 from commlib.collectives.attention.layout import LAYOUTS, sequence_positions  # noqa: E402
 from commlib.collectives.attention.schedule import RingSchedule, piece_positions, ring_work, split_halves  # noqa: E402
 from commlib.core.errors import InvalidArgument  # noqa: E402
@@ -32,16 +31,6 @@ from commlib.nn import ring as nnring  # noqa: E402
 from commlib.nn.ring import ring_attention, ring_attention_bidirectional  # noqa: E402
 
 F64 = torch.float64
-
-
-@pytest.fixture(scope="module")
-def world():
-    return commlib.init()
-
-
-@pytest.fixture(scope="module")
-def selfcomm():
-    return commlib.init(MPI.COMM_SELF)
 
 
 # ------------------------------------------------------------------ the oracle

@@ -22,8 +22,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import commlib  # noqa: E402
-from mpi4py import MPI  # noqa: E402
 
 from commlib.core.errors import InvalidArgument  # noqa: E402
 from commlib.nn.hybrid import hybrid_attention  # noqa: E402
@@ -37,16 +35,6 @@ LAYOUTS = ("contiguous", "striped", "zigzag")
 F64 = torch.float64
 
 
-
-
-@pytest.fixture(scope="module")
-def world():
-    return commlib.init()
-
-
-@pytest.fixture(scope="module")
-def selfcomm():
-    return commlib.init(MPI.COMM_SELF)
 
 
 # ------------------------------------------------------------------ the oracle

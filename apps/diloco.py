@@ -642,8 +642,9 @@ def _main(args, leave, log) -> int:
                          progress=not args.no_progress, log=log)
             break
         except commlib.InvalidArgument as exc:
-            # this peer's call differs from the others' (its flags): rejoining would not change that
-            print(f"diloco: error: {exc}", file=sys.stderr)
+            # this peer's call differs from the others' (its flags): rejoining would not change that;
+            # the app's own refusal without its "rank N: diloco:" prefix (the line names the app already)
+            print(f"diloco: error: {exc.detail if exc.op == 'diloco' else exc}", file=sys.stderr)
             return 2
         except commlib.CommError as exc:  # CommTimeout included
             # The master dropped this peer (declared dead: e.g. starved of CPU past the heartbeat

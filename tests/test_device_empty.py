@@ -249,7 +249,7 @@ def test_heat_cuda_backend_one_cell_per_rank(comm, gpu_empty_slices):
     allows (one cell per rank) equals the numpy backend's field."""
     from commlib.apps import heat  # noqa: PLC0415
 
-    grid = (comm.size, 1)
+    grid = tuple(commlib.compute_dims(comm.size, 2))  # the solver's own 2-D split: one cell per rank
     _, dev = heat.solve(comm, grid, steps=2, backend="cuda")
     _, ref = heat.solve(comm, grid, steps=2, backend="numpy")
     np.testing.assert_allclose(_host(dev), ref, rtol=1e-12, atol=0)

@@ -57,7 +57,10 @@ class CollectiveMixin:
         """The :class:`~commlib.collectives.ft.FaultTolerance` state, or None."""
         return self._ft
 
-    def collective_transport(self, op: str = "collective_transport"):
+    #: :meth:`collective_transport` takes a ``timeout`` (the attention layer asks before passing one)
+    bounded_first_use = True
+
+    def collective_transport(self, op: str = "collective_transport", timeout: float | None = None):
         """The transport commlib's own traffic (collectives, attention) runs on:
         a duplicate of this communicator, so it never meets the user's messages.
 
@@ -72,15 +75,23 @@ class CollectiveMixin:
 
         Args:
             op: the operation that needs it, for errors.
+            timeout: a communicator that is not fault tolerant makes it within
+                this many seconds (a finite number > 0: a call's own timeout,
+                e.g. an attention call's) by a bounded ``MPI_Comm_idup``; None:
+                a blocking ``MPI_Comm_dup``.
 
         Raises:
-            CommTimeout: fault-tolerant, made here, and the peers did not join
-                the duplication within the timeout (it stays posted: the next
-                call waits for it again, see :meth:`MPITransport.idup`).
+            CommTimeout: made here with a bound (the fault-tolerant timeout, or
+                ``timeout``), and the peers did not join the duplication within
+                it (it stays posted: the next call waits for it again, see
+                :meth:`MPITransport.idup`).
         """
         tp = self._coll_tp
         if tp is None:
-            if self._ft is None:
+            if self._ft is None and timeout is not None:
+                tp = self._coll_tp = self.transport.idup(timeout, op=op)[0]
+                tp.fault_tolerant = False
+            elif self._ft is None:
                 tp = self._coll_tp = self.transport.dup()
                 tp.fault_tolerant = False
             else:

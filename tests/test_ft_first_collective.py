@@ -96,7 +96,43 @@ if __name__ != "__main__":
             assert r["after"] == r["oracle"], res
 
 
+if __name__ != "__main__":
+    @pytest.mark.timeout(90)
+    def test_first_attention_call_with_a_timeout_on_one_rank_raises(tmp_path):
+        """A communicator that is NOT fault tolerant makes its collectives' transport
+        on first use; an attention call given ``timeout`` bounds that too: rank 0's
+        lone first ``ring_attention(timeout=T)`` raises CommTimeout naming rank 0
+        and the call (it used to wait for ever in MPI_Comm_dup), and once rank 1
+        calls, both get the dense attention's rows."""
+        res = _job("plain-attention", False, tmp_path)
+        r0, r1 = res[0], res[1]
+        assert r0["fault_tolerant"] is None and r0["error"] == "CommTimeout", res
+        assert r0["message"].startswith("rank 0: ") and r0["op"] == "ring_attention", res
+        for r in (r0, r1):
+            assert r["after"] == r["oracle"], res
+
+
 # ------------------------------------------------------------------ the job
+def _attention_case(c, rank, out, lone) -> None:
+    """Rank 0's lone first ring attention with a timeout on a plain communicator,
+    then both ranks' call against dense attention (rows of this rank's shard)."""
+    import numpy as np
+
+    from commlib.collectives import attention as A
+
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.standard_normal((1, 8, 2, 4)) for _ in range(3))  # (batch, seq, heads, head_dim)
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) / 2.0
+    p = np.exp(s - s.max(-1, keepdims=True))
+    dense = np.einsum("bhqk,bkhd->bqhd", p / p.sum(-1, keepdims=True), v)
+    part = slice(4 * rank, 4 * rank + 4)
+    mine = [x[:, part].copy() for x in (q, k, v)]
+    lone(lambda: A.ring_attention(c, *mine, timeout=T))
+    got, _ = A.ring_attention(c, *mine, timeout=30)  # rank 0 completes the duplicate it left posted
+    out["after"] = bool(np.allclose(got, dense[:, part], rtol=1e-12, atol=1e-12))
+    out["oracle"] = True
+
+
 def main(case: str) -> None:
     import numpy as np
     from mpi4py import MPI
@@ -105,7 +141,7 @@ def main(case: str) -> None:
     from commlib import CommError
 
     world = MPI.COMM_WORLD
-    c = commlib.init(fault_tolerant=True, timeout=T)
+    c = commlib.init() if case.startswith("plain") else commlib.init(fault_tolerant=True, timeout=T)
     rank = c.rank
     out = {"rank": rank, "fault_tolerant": c.fault_tolerant, "error": None, "op": None, "after": None,
            "oracle": None}
@@ -126,7 +162,9 @@ def main(case: str) -> None:
         else:
             world.Recv(go, source=0)
 
-    if case == "dup":
+    if case == "plain-attention":
+        _attention_case(c, rank, out, lone)
+    elif case == "dup":
         lone(c.dup)
         c.send(np.ones(1), dest=1 - rank) if rank == 0 else c.recv(np.empty(1), source=0)  # still usable
         d = c.dup()  # rank 0 completes the dup it left posted

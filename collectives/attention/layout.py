@@ -172,7 +172,7 @@ def unshard_sequence(x_local, comm, layout: str = "contiguous", seq_len: int | N
         CommError: a peer failed (``ProcessFailed``) or another transport error.
     """
     op = "unshard_sequence"
-    tp = transport_of(comm)
+    tp = transport_of(comm, timeout, op)
     tag = tp.tags.slot(1)
     rank, size = tp.rank, tp.size
     problem, header = None, ()

@@ -119,7 +119,7 @@ def ring_attention(comm, q, k, v, causal: bool = False, layout: str = "contiguou
         ProcessFailed: a peer failed (any other transport failure: :class:`~commlib.CommError`).
     """
     op = "ring_attention"
-    tp = transport_of(comm)
+    tp = transport_of(comm, timeout, op)
     tag_kv = tp.tags.slot(_TAG_WIDTH) + _TAG_KV
     q, k, v = as_array_api(q, k, v)
     spec = validate(tp, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
@@ -190,7 +190,7 @@ def ring_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = False,
     """
     op = "ring_attention_backward"
     q, k, v, out, lse, dout = as_array_api(q, k, v, out, lse, dout)
-    tp = transport_of(comm)
+    tp = transport_of(comm, timeout, op)
     tag0 = tp.tags.slot(_TAG_WIDTH)
     tag_kv, tag_dkv = tag0 + _TAG_KV, tag0 + _TAG_DKV
     qshape = tuple(q.shape) if hasattr(q, "shape") else None

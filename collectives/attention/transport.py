@@ -9,6 +9,7 @@ same order, so the ranks agree on the tags.
 """
 from __future__ import annotations
 
+from commlib.core.seconds import wait_bound_ok
 from commlib.transports.base import Transport
 
 __all__ = ["transport_of"]
@@ -44,7 +45,7 @@ class _PointToPoint(Transport):
         self._p2p.waitall(requests, timeout)
 
 
-def transport_of(comm) -> Transport:
+def transport_of(comm, timeout=None, op: str = "attention") -> Transport:
     """The transport attention's messages run on.
 
     Args:
@@ -52,11 +53,24 @@ def transport_of(comm) -> Transport:
             its transport where it has none), a
             :class:`~commlib.transports.base.Transport` (itself), or any object
             with ``rank``, ``size``, ``isend``, ``irecv`` and ``waitall``.
+        timeout: the call's ``timeout`` (seconds): when it is a valid bound and
+            the communicator's collectives transport is not made yet, making it
+            (a duplicate: collective over the group) waits at most that long,
+            so a first call made on one rank alone raises instead of waiting
+            for ever.  Anything else: the call's own validation judges it later.
+        op: the operation, for errors.
+
+    Raises:
+        CommTimeout: the duplicate was not made within ``timeout`` (the peers
+            did not call); it stays posted and the next call completes it.
     """
     if isinstance(comm, Transport):
         return comm
     get = getattr(comm, "collective_transport", None)
     if get is not None:
+        if timeout is not None and wait_bound_ok(timeout) and timeout > 0 and getattr(comm, "bounded_first_use",
+                                                                                      False):
+            return get(op, timeout=timeout)
         return get()
     t = getattr(comm, "transport", None)
     if t is not None:

@@ -48,7 +48,7 @@ def alltoall_pairwise(comm, sendparts, recvparts, *, timeout: float | None = Non
         CommTimeout: ``timeout`` passed.
         CommError: a peer failed (``ProcessFailed``) or another transport error.
     """
-    alltoall_pairwise_parts(transport_of(comm), sendparts, recvparts, timeout=timeout)
+    alltoall_pairwise_parts(transport_of(comm, timeout, "alltoall_pairwise"), sendparts, recvparts, timeout=timeout)
 
 
 def _seq_to_heads(tp, x, xp, timeout):
@@ -140,7 +140,7 @@ def ulysses_attention(comm, q, k, v, causal: bool = False, layout: str = "contig
         ProcessFailed: a peer failed (any other transport failure: :class:`~commlib.CommError`).
     """
     op = "ulysses_attention"
-    tp = transport_of(comm)
+    tp = transport_of(comm, timeout, op)
     q, k, v = as_array_api(q, k, v)
     spec = validate(tp, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
                     seq_len=seq_len, tile=tile, op=op, timeout=timeout)
@@ -187,7 +187,7 @@ def ulysses_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = Fal
     """
     op = "ulysses_attention_backward"
     q, k, v, out, lse, dout = as_array_api(q, k, v, out, lse, dout)
-    tp = transport_of(comm)
+    tp = transport_of(comm, timeout, op)
     extra = {}
     if hasattr(q, "shape") and len(q.shape) == 4:
         qshape, qd = tuple(q.shape), np.dtype(q.dtype).name

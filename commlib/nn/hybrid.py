@@ -175,7 +175,7 @@ def hybrid_attention(q, k, v, comm, ulysses_degree: int, causal: bool = False, l
         ProcessFailed: a peer failed (other transport failures: :class:`~commlib.CommError`).
     """
     op = "hybrid_attention"
-    tp = transport_of(comm)
+    tp = transport_of(comm, timeout, op)
     (q, k, v), ctx = autocast_inputs(q, k, v)  # autocast: SDPA's casts, before the dtype agreement
     with ctx:
         return _hybrid(q, k, v, comm, tp, op, ulysses_degree, layout, softmax_scale, bidirectional, cu_seqlens,
@@ -225,7 +225,7 @@ def _hybrid(q, k, v, comm, tp, op, ulysses_degree, layout, softmax_scale, bidire
         ucomm, rcomm = comm, None
     else:
         ucomm, rcomm = grid(comm, U, strided)
-    utp = transport_of(ucomm)
+    utp = transport_of(ucomm, timeout, "hybrid_attention")
     g, _ = _coords(rank, size, U, strided)
     perm_np = ring_order(layout, size, U, spec.seq_local, g, strided)
     perm = torch.as_tensor(perm_np, device=q.device)

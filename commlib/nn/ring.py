@@ -387,7 +387,7 @@ class _RingAttention(torch.autograd.Function):
 
 # ------------------------------------------------------------------ public
 def _ring(q, k, v, comm, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op, sdpa):
-    tp = transport_of(comm)
+    tp = transport_of(comm, timeout, op)
     (q, k, v), ctx = autocast_inputs(q, k, v)  # autocast: SDPA's casts, before the dtype agreement
     with ctx:
         spec = _validate(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op, sdpa)

@@ -244,7 +244,7 @@ def unshard_sequence(x_local: torch.Tensor, comm, layout: str = "contiguous", di
         CommError: a peer failed (``ProcessFailed``) or another transport error.
     """
     op = "unshard_sequence"
-    tp = transport_of(comm)
+    tp = transport_of(comm, timeout, op)
     rank, size = tp.rank, tp.size
     problem, header = None, None
     try:

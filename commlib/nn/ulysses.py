@@ -315,7 +315,7 @@ def ulysses_attention(q, k, v, comm, causal: bool = False, softmax_scale=None, *
         ProcessFailed: a peer failed (other transport failures: :class:`~commlib.CommError`).
     """
     op = "ulysses_attention"
-    tp = transport_of(comm)
+    tp = transport_of(comm, timeout, op)
     (q, k, v), ctx = autocast_inputs(q, k, v)  # autocast: SDPA's casts, before the dtype agreement
     with ctx:
         spec = validate(tp, q, k, v, causal=causal, softmax_scale=softmax_scale, op=op, cu_seqlens=cu_seqlens,

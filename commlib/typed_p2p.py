@@ -24,11 +24,12 @@ from commlib.core import devmem
 from commlib.core.buffer import as_buffer
 from commlib.core.config import config
 from commlib.core.errors import BufferError, CommError, DatatypeError
+from commlib.datatypes import Datatype as _Datatype
 from commlib.datatypes import as_datatype, pack, plan_for, unpack
 from commlib.datatypes import strategy as _strategy
 from commlib.datatypes.strategy import default_model
 from commlib.transports.base import CompletedRequest, Request, Wire, check_plain_dtype
-from commlib.transports.mpi import ANY_SOURCE, ANY_TAG, PROC_NULL
+from commlib.transports.mpi import ANY_SOURCE, ANY_TAG, PROC_NULL, MPITransport
 
 __all__ = ["typed_send", "typed_recv", "typed_isend", "typed_irecv", "typed_sendrecv", "locality_of", "resolve"]
 
@@ -102,10 +103,14 @@ class _MPITypes:
         self.types.clear()
 
 
-def _choose(comm, b, t, count, peer, strategy):
+def _choose(comm, b, t, count, peer, strategy, forced=None):
+    """The strategy: ``strategy`` if given, else the forced one
+    (``forced``, or ``config.datatype_strategy`` read now when None), else the
+    model's choice for this peer's locality (memoized per communicator)."""
     if strategy is not None:
         return strategy
-    forced = config.datatype_strategy
+    if forced is None:
+        forced = config.datatype_strategy
     if forced:
         return forced
     memo = comm._strategy_memo
@@ -118,6 +123,73 @@ def _choose(comm, b, t, count, peer, strategy):
     if len(memo) < 4096:
         memo[key] = (t, s)
     return s
+
+
+_PLANS_CAP = 1024  # plans per communicator (a program uses a handful of shapes)
+
+
+class _HostPlan:
+    """The outcome of validating and choosing for one key: the commlib type,
+    its pack plan, the strategy, and the packed size in bytes."""
+
+    __slots__ = ("t", "p", "s", "n")
+
+    def __init__(self, t, p, s):
+        self.t, self.p, self.s, self.n = t, p, s, p.nbytes
+
+
+def _host_plan(comm, buf, peer, datatype, count, strategy, op, receive):
+    """The cached plan for a host numpy ``buf``, or None when this call does
+    not qualify (the general path then validates it and raises as usual).
+
+    Qualifies: ``buf`` exactly a C-contiguous, non-empty ``numpy.ndarray``
+    (writeable for a receive), ``peer`` an in-range int (or ``ANY_SOURCE`` for
+    a receive), ``count`` an int (not a bool).  The datatype is resolved on
+    every call (:func:`commlib.datatypes.as_datatype`; for an ``MPI.Datatype``
+    the handle's cached attribute, which ``MPI_Type_free`` deletes), and the
+    plan is served only for the very type object it was made for (it holds a
+    reference, so ``id`` is not reused while it lives).  Everything else the
+    general path's checks and choice read is in the key: count, the buffer's
+    dtype and byte size, peer, send/receive, the strategy argument, the forced
+    strategy as set, and the model generation.  A miss runs :func:`_prepare`
+    (every check, every error) and caches only a successful outcome.
+    """
+    if (type(buf) is not np.ndarray or type(count) is not int or type(peer) is not int
+            or not buf.flags.c_contiguous or not buf.nbytes or (receive and not buf.flags.writeable)):
+        return None
+    if not 0 <= peer < comm.transport.size and not (receive and peer == ANY_SOURCE):
+        return None
+    if type(datatype) is MPI.Datatype or not isinstance(datatype, _Datatype):
+        try:
+            t = as_datatype(datatype, op)
+        except Exception:  # noqa: BLE001 - the general path says what is wrong
+            return None
+    else:
+        t = datatype
+    forced = config.datatype_strategy if strategy is None else None  # read at each call (config's contract)
+    key = (receive, id(t), count, buf.dtype, buf.nbytes, peer, strategy, forced, _strategy.generation)
+    plans = getattr(comm, "_typed_plans", None)
+    if plans is None:
+        plans = comm._typed_plans = {}
+    got = plans.get(key)
+    if got is not None and got.t is t:
+        return got
+    b, t2, p = resolve(comm, buf, t, count, op, receive)  # raises as the general path does
+    got = _HostPlan(t2, p, _choose(comm, b, t2, count, peer, strategy, forced))
+    if len(plans) >= _PLANS_CAP:
+        plans.clear()
+    plans[key] = got
+    return got
+
+
+def _direct(comm):
+    """The MPI transport whose :meth:`~commlib.transports.mpi.MPITransport.send_spec`
+    and ``recv_spec`` a blocking typed call with a cached plan may use (a plain
+    transport: not fault tolerant, no p2p timeout), else None."""
+    tp = comm.transport
+    if type(tp) is MPITransport and not tp.fault_tolerant and getattr(comm, "p2p_timeout", None) is None:
+        return tp
+    return None
 
 
 def _mpi_wire(comm, b, t, count, op) -> Wire:
@@ -237,13 +309,13 @@ def _unpack_received(wire, t, b, count, nbytes, s):
 
 def typed_isend(comm, buf, dest, datatype, count=1, tag=0, strategy=None) -> Request:
     """Non-blocking send of ``count`` elements of ``datatype`` from ``buf``; see module doc."""
-    w = _send_wire(comm, buf, dest, datatype, count, strategy, "isend")
+    w = _any_send_wire(comm, buf, dest, datatype, count, strategy, "isend")
     return CompletedRequest() if w is None else comm.transport.isend(w, dest, tag)
 
 
 def typed_irecv(comm, buf, source, datatype, count=1, tag=ANY_TAG, strategy=None) -> Request:
     """Non-blocking receive of ``count`` elements of ``datatype`` into ``buf``."""
-    got = _recv_wire(comm, buf, source, datatype, count, strategy, "irecv")
+    got = _any_recv_wire(comm, buf, source, datatype, count, strategy, "irecv")
     if got is None:
         return CompletedRequest()
     w, done = got
@@ -251,16 +323,90 @@ def typed_irecv(comm, buf, source, datatype, count=1, tag=ANY_TAG, strategy=None
     return req if done is None else req.then(done)  # unpack what arrived, on success only
 
 
+def _any_send_wire(comm, buf, dest, datatype, count, strategy, op) -> Wire | None:
+    """:func:`_send_wire`, from a cached plan when the call qualifies."""
+    pl = _host_plan(comm, buf, dest, datatype, count, strategy, op, False)
+    if pl is None:
+        return _send_wire(comm, buf, dest, datatype, count, strategy, op)
+    return _host_send_wire(comm, buf, pl, count)
+
+
+def _any_recv_wire(comm, buf, source, datatype, count, strategy, op):
+    """:func:`_recv_wire`, from a cached plan when the call qualifies."""
+    pl = _host_plan(comm, buf, source, datatype, count, strategy, op, True)
+    if pl is None:
+        return _recv_wire(comm, buf, source, datatype, count, strategy, op)
+    return _host_recv_wire(comm, buf, pl, count, op)
+
+
+def _host_send_wire(comm, buf, pl, count) -> Wire:
+    """:func:`_send_wire` for a host array with a cached plan (same bytes)."""
+    if pl.s == "mpi":
+        return Wire(buf, count, comm._mpi_types.get(pl.t))
+    if not pl.n:
+        return Wire(np.empty(0, np.uint8), 0, "packed")
+    return Wire(pack(buf, pl.t, count), pl.n, "packed")
+
+
+def _host_recv_wire(comm, buf, pl, count, op):
+    """:func:`_recv_wire` for a host array with a cached plan."""
+    if pl.s == "mpi":
+        return Wire(buf, count, comm._mpi_types.get(pl.t)), None
+    n = pl.n
+    if not n:
+        return Wire(np.empty(0, np.uint8), 0, "packed"), None
+    wire = np.empty(n, np.uint8)
+    return Wire(wire, n, "packed"), lambda nbytes=None: _host_unpack(comm, wire, pl.t, buf, count, nbytes, pl.s, op)
+
+
+def _host_unpack(comm, wire, t, buf, count, nbytes, s, op):
+    """:func:`_unpack_received` into a host array (a whole message: one unpack)."""
+    if nbytes is None or nbytes >= count * t.size:
+        unpack(wire, t, buf, count)
+    else:
+        _unpack_received(wire, t, as_buffer(buf, op=op, rank=comm.rank), count, nbytes, s)
+
+
 def typed_send(comm, buf, dest, datatype, count=1, tag=0, strategy=None) -> None:
     """Blocking send of ``count`` elements of ``datatype`` from ``buf``."""
-    w = _send_wire(comm, buf, dest, datatype, count, strategy, "send")
+    pl = _host_plan(comm, buf, dest, datatype, count, strategy, "send", False)
+    if pl is not None:
+        tp = _direct(comm)
+        if tp is not None:  # the plan checked what MPITransport.send checks: its MPI step alone
+            if pl.s == "mpi":
+                spec = [buf, count, comm._mpi_types.get(pl.t)]
+            elif pl.n:
+                spec = [pack(buf, pl.t, count), pl.n, MPI.PACKED]
+            else:
+                spec = [np.empty(0, np.uint8), 0, MPI.PACKED]
+            tp.send_spec(spec, dest, tag)
+            return
+        w = _host_send_wire(comm, buf, pl, count)
+    else:
+        w = _send_wire(comm, buf, dest, datatype, count, strategy, "send")
     if w is not None:
         comm.transport.send(w, dest, tag, timeout=getattr(comm, "p2p_timeout", None))
 
 
 def typed_recv(comm, buf, source, datatype, count=1, tag=ANY_TAG, strategy=None) -> None:
     """Blocking receive of ``count`` elements of ``datatype`` into ``buf``."""
-    got = _recv_wire(comm, buf, source, datatype, count, strategy, "recv")
+    pl = _host_plan(comm, buf, source, datatype, count, strategy, "recv", True)
+    if pl is not None:
+        tp = _direct(comm)
+        if tp is not None:  # as for the send: MPITransport.recv's MPI step alone
+            n = pl.n
+            if pl.s == "mpi":
+                spec = [buf, count, comm._mpi_types.get(pl.t)]
+            else:
+                wire = np.empty(n, np.uint8)
+                spec = [wire, n, MPI.PACKED]
+            status = tp.recv_spec(spec, source, tag)
+            if pl.s != "mpi" and n:
+                _host_unpack(comm, wire, pl.t, buf, count, status.Get_count(MPI.BYTE), pl.s, "recv")
+            return
+        got = _host_recv_wire(comm, buf, pl, count, "recv")
+    else:
+        got = _recv_wire(comm, buf, source, datatype, count, strategy, "recv")
     if got is not None:
         status = comm.transport.recv(got[0], source, tag, timeout=getattr(comm, "p2p_timeout", None))
         if got[1] is not None:
@@ -277,13 +423,13 @@ def typed_sendrecv(comm, sendbuf, dest, recvbuf, source, sendtag, recvtag, sendt
     op = "sendrecv"
     tp = comm.transport
     if recvtype is not None:
-        got = _recv_wire(comm, recvbuf, source, recvtype, recvcount, strategy, op)
+        got = _any_recv_wire(comm, recvbuf, source, recvtype, recvcount, strategy, op)
         rwire, done = got if got is not None else (None, None)
     else:
         tp.check(recvbuf, source, op, receive=True)
         rwire, done = recvbuf, None
     if sendtype is not None:
-        swire = _send_wire(comm, sendbuf, dest, sendtype, sendcount, strategy, op)
+        swire = _any_send_wire(comm, sendbuf, dest, sendtype, sendcount, strategy, op)
     else:
         tp.check(sendbuf, dest, op)
         swire = sendbuf

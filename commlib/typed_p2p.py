@@ -151,8 +151,8 @@ def _host_plan(comm, buf, peer, datatype, count, strategy, op, receive):
     reference, so ``id`` is not reused while it lives).  Everything else the
     general path's checks and choice read is in the key: count, the buffer's
     dtype and byte size, peer, send/receive, the strategy argument, the forced
-    strategy as set, and the model generation.  A miss runs :func:`_prepare`
-    (every check, every error) and caches only a successful outcome.
+    strategy as set, and the model generation.  A miss runs :func:`resolve` and
+    the strategy choice (every check, every error) and caches only a successful outcome.
     """
     if (type(buf) is not np.ndarray or type(count) is not int or type(peer) is not int
             or not buf.flags.c_contiguous or not buf.nbytes or (receive and not buf.flags.writeable)):
@@ -183,8 +183,8 @@ def _host_plan(comm, buf, peer, datatype, count, strategy, op, receive):
 
 
 def _direct(comm):
-    """The MPI transport whose :meth:`~commlib.transports.mpi.MPITransport.send_spec`
-    and ``recv_spec`` a blocking typed call with a cached plan may use (a plain
+    """The MPI transport whose :meth:`~commlib.transports.mpi.MPITransport.send_checked`
+    and ``recv_checked`` a blocking typed call with a cached plan may use (a plain
     transport: not fault tolerant, no p2p timeout), else None."""
     tp = comm.transport
     if type(tp) is MPITransport and not tp.fault_tolerant and getattr(comm, "p2p_timeout", None) is None:
@@ -370,48 +370,36 @@ def _host_unpack(comm, wire, t, buf, count, nbytes, s, op):
 def typed_send(comm, buf, dest, datatype, count=1, tag=0, strategy=None) -> None:
     """Blocking send of ``count`` elements of ``datatype`` from ``buf``."""
     pl = _host_plan(comm, buf, dest, datatype, count, strategy, "send", False)
-    if pl is not None:
-        tp = _direct(comm)
-        if tp is not None:  # the plan checked what MPITransport.send checks: its MPI step alone
-            if pl.s == "mpi":
-                spec = [buf, count, comm._mpi_types.get(pl.t)]
-            elif pl.n:
-                spec = [pack(buf, pl.t, count), pl.n, MPI.PACKED]
-            else:
-                spec = [np.empty(0, np.uint8), 0, MPI.PACKED]
-            tp.send_spec(spec, dest, tag)
-            return
-        w = _host_send_wire(comm, buf, pl, count)
-    else:
+    if pl is None:
         w = _send_wire(comm, buf, dest, datatype, count, strategy, "send")
-    if w is not None:
+        tp = None
+    else:
+        w = _host_send_wire(comm, buf, pl, count)
+        tp = _direct(comm)
+    if tp is not None:  # the plan checked what MPITransport.send checks: its MPI step alone
+        tp.send_checked(w, dest, tag)
+    elif w is not None:
         comm.transport.send(w, dest, tag, timeout=getattr(comm, "p2p_timeout", None))
 
 
 def typed_recv(comm, buf, source, datatype, count=1, tag=ANY_TAG, strategy=None) -> None:
     """Blocking receive of ``count`` elements of ``datatype`` into ``buf``."""
     pl = _host_plan(comm, buf, source, datatype, count, strategy, "recv", True)
-    if pl is not None:
-        tp = _direct(comm)
-        if tp is not None:  # as for the send: MPITransport.recv's MPI step alone
-            n = pl.n
-            if pl.s == "mpi":
-                spec = [buf, count, comm._mpi_types.get(pl.t)]
-            else:
-                wire = np.empty(n, np.uint8)
-                spec = [wire, n, MPI.PACKED]
-            status = tp.recv_spec(spec, source, tag)
-            if pl.s != "mpi" and n:
-                _host_unpack(comm, wire, pl.t, buf, count, status.Get_count(MPI.BYTE), pl.s, "recv")
-            return
-        got = _host_recv_wire(comm, buf, pl, count, "recv")
-    else:
+    if pl is None:
         got = _recv_wire(comm, buf, source, datatype, count, strategy, "recv")
-    if got is not None:
+        tp = None
+    else:
+        got = _host_recv_wire(comm, buf, pl, count, "recv")
+        tp = _direct(comm)
+    if got is None:
+        return
+    if tp is not None:  # as for the send: MPITransport.recv's MPI step alone
+        status = tp.recv_checked(got[0], source, tag)
+    else:
         status = comm.transport.recv(got[0], source, tag, timeout=getattr(comm, "p2p_timeout", None))
-        if got[1] is not None:
-            # the bytes that arrived (a message may be shorter than count elements)
-            got[1](status.Get_count(MPI.BYTE) if isinstance(status, MPI.Status) else None)
+    if got[1] is not None:
+        # the bytes that arrived (a message may be shorter than count elements)
+        got[1](status.Get_count(MPI.BYTE) if isinstance(status, MPI.Status) else None)
 
 
 def typed_sendrecv(comm, sendbuf, dest, recvbuf, source, sendtag, recvtag, sendtype=None, sendcount=1,

@@ -343,24 +343,25 @@ class MPITransport(Transport):
         except MPI.Exception as exc:
             raise_classified(exc, (), self._rank, op)
 
-    def send_spec(self, spec: list, dest: int, tag: int = 0) -> None:
-        """A blocking send of a message the caller built and checked: ``spec`` an
-        mpi4py ``[host buffer, count, MPI.Datatype]`` to a valid ``dest`` (the typed
-        point-to-point's cached plans, :mod:`commlib.typed_p2p`); no staging, no
-        bound: only on a transport that is not fault tolerant, for a call with
-        no timeout (else :meth:`send`)."""
+    def send_checked(self, wire: Wire, dest: int, tag: int = 0) -> None:
+        """A blocking send of a message the caller built and checked: ``wire`` a
+        :class:`Wire` over a contiguous host numpy array, to a valid ``dest`` (the
+        typed point-to-point's cached plans, :mod:`commlib.typed_p2p`); no
+        staging, no bound: only on a transport that is not fault tolerant, for a
+        call with no timeout (else :meth:`send`)."""
+        obj, count, dt = wire
         try:
-            self.comm.Send(spec, dest, tag)
+            self.comm.Send([obj, count, MPI.PACKED if dt == "packed" else dt], dest, tag)
         except MPI.Exception as exc:
             raise_classified(exc, (), self._rank, "send")
 
-    def recv_spec(self, spec: list, source: int, tag: int = 0) -> MPI.Status:
-        """:meth:`send_spec`'s receive: a blocking receive into a checked, writable
-        host ``spec``; returns the ``MPI.Status`` (a truncated message raises as
-        :meth:`recv` does)."""
+    def recv_checked(self, wire: Wire, source: int, tag: int = 0) -> MPI.Status:
+        """:meth:`send_checked`'s receive, into a checked, writable host ``wire``;
+        returns the ``MPI.Status`` (a truncated message raises as :meth:`recv` does)."""
+        obj, count, dt = wire
         status = MPI.Status()
         try:
-            self.comm.Recv(spec, source, tag, status)
+            self.comm.Recv([obj, count, MPI.PACKED if dt == "packed" else dt], source, tag, status)
         except MPI.Exception as exc:
             _raise_completion_error(exc, (status,), self._rank, "recv")
         return status

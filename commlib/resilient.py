@@ -199,8 +199,9 @@ class ResilientRunner:
                     failure = None
                     rec.recovery_s = time.monotonic() - rec.detected_s
                 result = fn(*args, **kwargs)
-                if self.commit and getattr(self.comm, "size", 1) > 1:
-                    self.comm.barrier()
+                comm = self.comm
+                if self.commit and comm.size > 1:
+                    comm.barrier()  # commlib's fault-tolerant barrier: the commit
             except StateLost:
                 raise
             except (ProcessFailed, CommTimeout) as exc:

@@ -84,6 +84,8 @@ class Failure:
             timeout with no process lost: the step was redone on the same ranks).
         error: the exception the survivor saw first (its ``str``).
         detected_s: ``time.monotonic()`` when this rank saw the failure.
+        detected_unix: the same moment as ``time.time()`` (to compare with
+            other processes' clocks on one host, e.g. the victim's death).
         recovery_s: seconds from that moment to the start of the redone step
             (revoke, shrink, state restore and re-shard included).
         ranks_after: the communicator's size after the recovery.
@@ -93,6 +95,7 @@ class Failure:
     failed: tuple
     error: str
     detected_s: float
+    detected_unix: float = float("nan")
     recovery_s: float = float("nan")
     ranks_after: int = 0
     extra: dict = field(default_factory=dict)
@@ -228,7 +231,8 @@ class ResilientRunner:
         if not getattr(exc, "recovered", False):
             comm.recover()
         failed = tuple(sorted(set(comm.failed_ranks) - before))
-        rec = Failure(step=self.completed + 1, failed=failed, error=" ".join(str(exc).split()), detected_s=t0)
+        rec = Failure(step=self.completed + 1, failed=failed, error=" ".join(str(exc).split()), detected_s=t0,
+                      detected_unix=time.time() - (time.monotonic() - t0))
         self.failures.append(rec)
         if self.load is not None:
             self.load(self._snapshot)

@@ -153,6 +153,7 @@ class ResilientRunner:
         self._revocable: list = []
         self._snapshot = None
         self._have_snapshot = False
+        self._lost: set = set()  # COMM_WORLD ranks lost when the current attempt began
 
     @property
     def recoverable(self) -> bool:
@@ -201,6 +202,8 @@ class ResilientRunner:
                     rec = self._recover(failure)
                     failure = None
                     rec.recovery_s = time.monotonic() - rec.detected_s
+                # the ranks lost so far (a collective that shrinks before it raises adds to them)
+                self._lost = set(self.comm.failed_ranks)
                 result = fn(*args, **kwargs)
                 comm = self.comm
                 if self.commit and comm.size > 1:
@@ -222,7 +225,6 @@ class ResilientRunner:
         """Revoke, shrink, restore, re-shard (every survivor); returns the record."""
         t0 = time.monotonic()
         comm = self.comm
-        before = set(comm.failed_ranks)
         for obj in reversed(self._revocable):  # the last built first, as a with-statement unwinds
             try:
                 obj.revoke()
@@ -230,7 +232,8 @@ class ResilientRunner:
                 pass
         if not getattr(exc, "recovered", False):
             comm.recover()
-        failed = tuple(sorted(set(comm.failed_ranks) - before))
+        failed = tuple(sorted(set(comm.failed_ranks) - self._lost))
+        self._lost = set(comm.failed_ranks)  # a failure in load or reshard is a failure of its own
         rec = Failure(step=self.completed + 1, failed=failed, error=" ".join(str(exc).split()), detected_s=t0,
                       detected_unix=time.time() - (time.monotonic() - t0))
         self.failures.append(rec)

@@ -84,11 +84,12 @@ BAD_CLI = [
     ["--attention", "tree"], ["--layout", "diagonal"], ["--dtype", "float16"], ["--device", "tpu"],
     ["--ulysses-degree", "2"], ["--attention", "hybrid", "--ulysses-degree", "0"], ["--verify-tol", "-1"],
     ["--json", "/nonexistent/x.json"], ["--plot", "/"], ["--no-such-option"],
+    ["--kill", "x"], ["--kill", "1"], ["--kill", "1:0"], ["--kill", "1:99"], ["--kill", "-1:2"],
+    ["--kill", "1:2:sideways"], ["--kill", "0:3:eval", "--eval-every", "10"], ["--checkpoint-every", "5"],
 ]
 #: values refused for a given rank count (the launcher's, before MPI is up)
 BAD_FOR_SIZE = [
-    (4, ["--seq-len", "20"]),  # zigzag needs a multiple of 2P = 8
-    (3, ["--seq-len", "16", "--layout", "contiguous"]),
+    (4, ["--kill", "4:2"]),  # no rank 4 in a 4-rank job
     (4, ["--attention", "ulysses", "--heads", "6", "--kv-heads", "3", "--d-model", "48"]),
     (4, ["--attention", "hybrid", "--ulysses-degree", "3"]),
     (4, ["--attention", "hybrid", "--ulysses-degree", "4", "--heads", "2", "--kv-heads", "2"]),

@@ -182,7 +182,12 @@ def test_resume_is_bit_identical(tmp_path):
 @pytest.mark.timeout(60)
 def test_layout_keep_and_latest(tmp_path):
     d = str(tmp_path)
-    paths = [ck.save_checkpoint(d, s, _small_state(s), CFG) for s in (1, 2, 3)]
+    paths = [ck.save_checkpoint(d, s, _small_state(s), CFG) for s in (1, 2)]
+    (tmp_path / ".tmp-0123456789abcdef.pt").write_bytes(b"a save killed midway")
+    (tmp_path / "notes.txt").write_bytes(b"the user's")
+    paths.append(ck.save_checkpoint(d, 3, _small_state(3), CFG))
+    assert (tmp_path / "notes.txt").read_bytes() == b"the user's"
+    os.unlink(tmp_path / "notes.txt")
     names = sorted(os.listdir(d))
     assert names == sorted([ck.MANIFEST] + [os.path.basename(p) for p in paths[1:]])  # keep=2
     man = json.loads(open(os.path.join(d, ck.MANIFEST)).read())
@@ -191,7 +196,8 @@ def test_layout_keep_and_latest(tmp_path):
     assert ck.latest_checkpoint(d) == (3, paths[2])
     step, st = ck.load_checkpoint(d, CFG)
     assert step == 3 and torch.equal(st["model"]["w"], _small_state(3)["model"]["w"]) and st["note"] == "x"
-    assert torch.equal(st["data"]["buffer"], torch.tensor([1, 256], dtype=torch.int16)) and st["step_losses"] == [1.5, 1.25]
+    assert torch.equal(st["data"]["buffer"], torch.tensor([1, 256], dtype=torch.int16))
+    assert st["step_losses"] == [1.5, 1.25]
     assert ck.load_checkpoint(d, CFG, step=2)[0] == 2
     with pytest.raises(ck.CheckpointError, match="no checkpoint of step 1 .*kept: steps 2, 3"):
         ck.load_checkpoint(d, CFG, step=1)
@@ -202,6 +208,15 @@ def test_layout_keep_and_latest(tmp_path):
     os.umask(umask)
     assert {os.stat(os.path.join(d, n)).st_mode & 0o777 for n in names} == {0o666 & ~umask}
     assert issubclass(ck.CheckpointError, commlib.InvalidArgument)
+
+
+@pytest.mark.timeout(60)
+def test_directory_checks_do_not_load_torch(tmp_path):
+    code = ("import sys; from commlib.apps.lm import checkpoint as ck; "
+            "print(ck.check_checkpoint_dir(sys.argv[1], for_write=False), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-P", "-c", code, str(tmp_path)], capture_output=True, text=True,
+                         timeout=50)
+    assert out.stdout.split("\n")[0] == f"no checkpoint in {tmp_path} (no latest.json) False", out.stderr
 
 
 @pytest.mark.timeout(60)
@@ -244,7 +259,8 @@ def test_truncated_and_flipped(saved):
     raw = open(path, "rb").read()
     with open(path, "wb") as fh:
         fh.write(raw[:len(raw) // 2])
-    _refused(d, lambda: ck.load_checkpoint(d, CFG), re.escape(f"{path} is truncated: {len(raw) // 2} bytes of {len(raw)}"))
+    _refused(d, lambda: ck.load_checkpoint(d, CFG),
+             re.escape(f"{path} is truncated: {len(raw) // 2} bytes of {len(raw)}"))
     flipped = bytearray(raw)
     flipped[len(raw) // 3] ^= 0x10
     with open(path, "wb") as fh:
@@ -332,11 +348,11 @@ def test_save_failing_midway(saved, monkeypatch):
         f.write(buf.getvalue()[:100])
         raise RuntimeError("disk vanished")
 
-    monkeypatch.setattr(ck.torch, "save", half_then_fail)
+    monkeypatch.setattr(torch, "save", half_then_fail)
     with pytest.raises(RuntimeError, match="disk vanished"):
         ck.save_checkpoint(d, 3, _small_state(3), CFG)
     assert _files(d) == before
-    monkeypatch.setattr(ck.torch, "save", real_save)
+    monkeypatch.setattr(torch, "save", real_save)
 
     def no_space(path, obj):
         raise OSError(28, "No space left on device")
@@ -381,9 +397,9 @@ def test_weights_only(saved, monkeypatch, tmp_path):
         calls.append(k.get("weights_only"))
         return real_load(*a, **k)
 
-    monkeypatch.setattr(ck.torch, "load", spy)
+    monkeypatch.setattr(torch, "load", spy)
     assert ck.load_checkpoint(d, CFG)[0] == 2 and calls == [True]
-    monkeypatch.setattr(ck.torch, "load", real_load)
+    monkeypatch.setattr(torch, "load", real_load)
 
     # a file holding a pickled object whose unpickling would run code, with a matching manifest entry
     marker = str(tmp_path / "pwned")

@@ -16,8 +16,11 @@ file in the directory (hashed with SHA-256 while it is written), flushed and
 fsynced, renamed into place with :func:`os.replace`; then the manifest is
 written the same way (temporary file, fsync, ``os.replace``, fsync of the
 directory); only then are the checkpoints that fell out of the last ``keep``
-removed.  A crash or an error at any point leaves the previous manifest and
-every file it names as they were, and the temporary file is removed.  **One
+removed.  An error at any point leaves the previous manifest and every file
+it names as they were and removes what the save wrote; so does a crash, but
+for its temporary file (``.tmp-*``, removed by the next save) and, when it
+struck between the two renames, the new step file (named by no manifest,
+never read, never removed).  **One
 rank writes**: the caller picks it (the lowest surviving rank, say; every rank
 holds the same replicated state); two processes saving into one directory at
 once are not supported.
@@ -28,6 +31,9 @@ values only, never arbitrary pickled objects (so RNG and data positions are
 stored as tensors, numbers, lists and dicts); the configuration saved
 must equal the caller's.  Every rank may read the same file (a shared file
 system, or one machine).
+
+torch loads on the first save, load or RNG call: :func:`check_checkpoint_dir`
+serves a command line's checks before torch loads.
 
 Every refusal is a :class:`CheckpointError` (a :class:`commlib.InvalidArgument`)
 with a one-line message: a missing or unwritable directory, no checkpoint, a
@@ -48,7 +54,6 @@ import secrets
 from collections import OrderedDict
 
 import numpy as np
-import torch
 
 import commlib
 
@@ -109,17 +114,17 @@ def _config_diff(saved: dict, now: dict) -> list[str]:
 
 
 # ------------------------------------------------------------------ state checks
-_ATOMS = frozenset((str, int, float, complex, bool, type(None), torch.dtype, torch.device, torch.Size))
-
-
 def _check_state(obj, where: str) -> None:
     """TypeError unless ``torch.load(weights_only=True)`` reads ``obj`` back."""
+    import torch  # noqa: PLC0415
+
     t = type(obj)
-    if t in _ATOMS or t in (torch.Tensor, torch.nn.Parameter):
+    if t in (str, int, float, complex, bool, type(None), torch.dtype, torch.device, torch.Size, torch.Tensor,
+             torch.nn.Parameter):
         return
     if t in (dict, OrderedDict):
         for k, v in obj.items():
-            if type(k) not in _ATOMS:
+            if type(k) not in (str, int, float, bool, type(None)):
                 raise TypeError(f"{where}: key {k!r} of type {type(k).__qualname__} cannot be stored")
             _check_state(v, f"{where}[{k!r}]")
         return
@@ -309,6 +314,14 @@ def save_checkpoint(directory: str, step: int, state: dict, config: dict, *, kee
     problem = check_checkpoint_dir(directory, for_write=True, config=cfg)
     if problem:
         raise CheckpointError(problem + "; nothing written")
+    import torch  # noqa: PLC0415
+
+    try:
+        stale = [n for n in os.listdir(directory) if n.startswith(_TMP_PREFIX) and n.endswith((".pt", ".json"))]
+    except OSError:
+        stale = []
+    for name in stale:  # left by a writer that died in a save (one writer at a time)
+        _unlink_quietly(os.path.join(directory, name))
     old = _read_manifest(directory)
     old_entries = old["checkpoints"] if old else []
     old_names = {e["file"] for e in old_entries}
@@ -370,6 +383,8 @@ def load_checkpoint(directory: str, config: dict, *, step: int | None = None,
     problem = check_checkpoint_dir(directory, for_write=False)
     if problem:
         raise CheckpointError(problem)
+    import torch  # noqa: PLC0415
+
     entries = _read_manifest(directory)["checkpoints"]
     if step is None:
         entry = entries[-1]
@@ -415,6 +430,8 @@ def rng_state() -> dict:
     ``torch`` (the CPU generator, uint8 tensor), ``numpy`` (the legacy global
     generator ``numpy.random``'s functions use), ``python`` (:mod:`random`)
     and, once CUDA is initialized, ``cuda`` (one uint8 tensor per device)."""
+    import torch  # noqa: PLC0415
+
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     version, words, gauss_next = random.getstate()
     s = dict(torch=torch.get_rng_state(),
@@ -435,6 +452,8 @@ def set_rng_state(s: dict) -> None:
     Raises:
         CheckpointError: ``s`` is not such a state.
     """
+    import torch  # noqa: PLC0415
+
     try:
         torch.set_rng_state(s["torch"].to("cpu", torch.uint8))
         if "numpy" in s:

@@ -190,7 +190,6 @@ def _write_json_atomic(path: str, obj) -> None:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
         tmp = None
-        _fsync_dir(directory)
     finally:
         _unlink_quietly(tmp)
 
@@ -346,13 +345,17 @@ def save_checkpoint(directory: str, step: int, state: dict, config: dict, *, kee
         kept = ([e for e in old_entries if e["step"] != step] + [entry])[-keep:]
         _write_json_atomic(os.path.join(directory, MANIFEST),
                            dict(format=FORMAT, version=VERSION, config=cfg, checkpoints=kept))
-        placed = None
+        placed = None  # the manifest names it now
     except OSError as exc:
         raise CheckpointError(f"cannot write a checkpoint in {directory}: {exc.strerror or exc}; "
                               "the previous checkpoint is kept") from None
     finally:
         _unlink_quietly(tmp)
         _unlink_quietly(placed)
+    try:
+        _fsync_dir(directory)  # the manifest's rename made durable (in place already: an error here changes nothing)
+    except OSError:
+        pass
     names = {e["file"] for e in kept}
     for e in old_entries:  # only files the old manifest named: never a file of the user's
         if e["file"] not in names:

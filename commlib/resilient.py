@@ -88,6 +88,8 @@ class Failure:
             other processes' clocks on one host, e.g. the victim's death).
         recovery_s: seconds from that moment to the start of the redone step
             (revoke, shrink, state restore and re-shard included).
+        lost_s: seconds of the failed attempt before the failure was seen
+            (work lost, redone after the recovery).
         ranks_after: the communicator's size after the recovery.
     """
 
@@ -97,6 +99,7 @@ class Failure:
     detected_s: float
     detected_unix: float = float("nan")
     recovery_s: float = float("nan")
+    lost_s: float = float("nan")
     ranks_after: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -154,6 +157,7 @@ class ResilientRunner:
         self._snapshot = None
         self._have_snapshot = False
         self._lost: set = set()  # COMM_WORLD ranks lost when the current attempt began
+        self._attempt_start = time.monotonic()
 
     @property
     def recoverable(self) -> bool:
@@ -204,6 +208,7 @@ class ResilientRunner:
                     rec.recovery_s = time.monotonic() - rec.detected_s
                 # the ranks lost so far (a collective that shrinks before it raises adds to them)
                 self._lost = set(self.comm.failed_ranks)
+                self._attempt_start = time.monotonic()
                 result = fn(*args, **kwargs)
                 comm = self.comm
                 if self.commit and comm.size > 1:
@@ -235,7 +240,7 @@ class ResilientRunner:
         failed = tuple(sorted(set(comm.failed_ranks) - self._lost))
         self._lost = set(comm.failed_ranks)  # a failure in load or reshard is a failure of its own
         rec = Failure(step=self.completed + 1, failed=failed, error=" ".join(str(exc).split()), detected_s=t0,
-                      detected_unix=time.time() - (time.monotonic() - t0))
+                      detected_unix=time.time() - (time.monotonic() - t0), lost_s=t0 - self._attempt_start)
         self.failures.append(rec)
         if self.load is not None:
             self.load(self._snapshot)

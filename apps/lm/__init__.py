@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import os
 import sys
 
 import commlib  # light: the errors only until init is used
@@ -308,6 +309,19 @@ def parse_args(argv=None, size: int | None = None):
             a.checkpoint_every = 10
         if not 1 <= a.checkpoint_every <= MAX_INT:
             err(f"--checkpoint-every must be in [1, {MAX_INT}], got {a.checkpoint_every}")
+    from .checkpoint import check_checkpoint_dir, latest_checkpoint  # noqa: PLC0415  (light: no torch)
+
+    for opt, d, write in (("--checkpoint", a.checkpoint, True), ("--resume", a.resume, False)):
+        if d is not None:
+            problem = check_checkpoint_dir(d, for_write=write)
+            if problem:
+                err(f"{opt} {d}: {problem}")
+    if a.checkpoint is not None and (a.resume is None or os.path.realpath(a.resume) != os.path.realpath(
+            a.checkpoint)):
+        have = latest_checkpoint(a.checkpoint)
+        if have is not None:  # nothing overwritten: a fresh run would replace that run's checkpoints
+            err(f"--checkpoint {a.checkpoint}: holds a checkpoint of step {have[0]}; continue it with "
+                f"--resume {a.checkpoint}, or name an empty folder")
     check_sizes(p, a, size if size is not None else (world_size() or 1))
     a._parser = p
     return a

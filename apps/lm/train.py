@@ -29,6 +29,8 @@ import torch
 import commlib
 from commlib.nn import SequenceParallelAttention, shard_sequence
 
+from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, \
+    set_rng_state, training_config
 from .data import BOS, VOCAB, TokenStream, corpus_digest, cu_seqlens, flat_positions, split_files, stdlib_files, \
     stdlib_root
 from .model import TransformerLM, dense_attention, document_mask, loss_sum
@@ -374,17 +376,46 @@ def run(args, comm=None):
             val = evaluate()
         return loss, val, seconds
 
-    bar = range(args.steps)
+    train_loss, val_loss = [], {}
+    mine = np.full((args.steps, 2), np.nan)  # per step: seconds, peak bytes on this rank (NaN: not run here)
+    cfg = training_config(args, corpus_digest(files))
+    start = 0
+    if args.resume is not None:
+        start, train_loss, val_loss = _resume(args, comm, cfg, model, opt, stream)
+        runner.checkpoint()  # the resumed state is what a failure goes back to
+
+    def save(step, loss, val):
+        """Checkpoint after step ``step`` (0-based) on the lowest rank; every rank learns the outcome."""
+        problem = None
+        if comm.rank == 0:
+            vl = dict(val_loss)
+            if val is not None:
+                vl[step] = val
+            state = dict(model=model.state_dict(), optimizer=opt.state_dict(), data=stream.state_dict(),
+                         rng=rng_state(), train_loss=train_loss + [loss], val_loss=vl)
+            try:
+                save_checkpoint(args.checkpoint, step + 1, state, cfg)
+            except CheckpointError as exc:
+                problem = exc
+        _agree_or_raise(comm, problem, "checkpoint")
+
+    bar = range(start, args.steps)
     if comm.rank == 0 and not args.no_progress:
         from tqdm import tqdm  # noqa: PLC0415
 
-        bar = tqdm(bar, desc=f"lm {args.attention}/{args.layout} P={P0}", unit="step", file=sys.stderr)
-    train_loss, val_loss = [], {}
-    mine = np.zeros((args.steps, 2))  # per step: seconds, peak bytes on this rank
+        bar = tqdm(bar, desc=f"lm {args.attention}/{args.layout} P={P0}", unit="step", file=sys.stderr,
+                   initial=start, total=args.steps)
     comm.barrier()
     for step in bar:
         tokens = stream.batch(args.batch, args.seq_len)  # outside the step: a redo reads the same tokens
-        loss, val, seconds = runner.run(train_step, step, tokens)
+
+        def step_and_checkpoint(step, tokens):
+            loss, val, seconds = train_step(step, tokens)
+            if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step == args.steps - 1):
+                save(step, loss, val)  # in the step: a failure here redoes the step, then saves it
+            return loss, val, seconds
+
+        loss, val, seconds = runner.run(step_and_checkpoint, step, tokens)
         mine[step] = seconds, _peak_memory(device)
         train_loss.append(loss)
         if val is not None:
@@ -399,7 +430,7 @@ def run(args, comm=None):
         bar.close()
     per_rank = comm.allgather(mine)  # (P, steps, 2): the survivors
     digests = comm.allgather(_parameter_digest(model))  # (P, 4): every rank's parameters, hashed
-    peak_per_rank = per_rank[:, :, 1].max(axis=1)
+    peak_per_rank = np.nanmax(per_rank[:, start:, 1], axis=1)
     failures = _failure_rows(args, runner.failures)
 
     verify = None
@@ -409,17 +440,19 @@ def run(args, comm=None):
         return None
 
     P = comm.size
-    step_time = per_rank[:, :, 0].max(axis=0)  # the slowest rank
-    timed = step_time[1:] if args.steps > 1 else step_time
-    rows = [dict(step=s + 1, train_loss=train_loss[s], val_loss=val_loss.get(s), time_s=float(step_time[s]),
-                 tokens_per_s=float(N / step_time[s]), peak_memory_bytes=int(per_rank[:, s, 1].max()))
+    step_time = per_rank[:, :, 0].max(axis=0)  # the slowest rank (NaN: steps before a --resume)
+    ran = step_time[start:]
+    timed = ran[1:] if ran.size > 1 else ran
+    rows = [dict(step=s + 1, train_loss=train_loss[s], val_loss=val_loss.get(s),
+                 time_s=_num(step_time[s]), tokens_per_s=_num(N / step_time[s]),
+                 peak_memory_bytes=_num(per_rank[:, s, 1].max(), int))
             for s in range(args.steps)]
     config = {k: v for k, v in vars(args).items() if not k.startswith("_")}
     report = dict(
         app="lm", config=config, ranks=P0, ranks_final=P, threads_per_rank=threads,
         device=str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
         torch=torch.__version__, python=platform.python_version(),
-        fault_tolerant=comm.fault_tolerant, failures=failures, notes=notes,
+        fault_tolerant=comm.fault_tolerant, failures=failures, notes=notes, resumed_from_step=start or None,
         attention_final=dict(kind=shard.kind, ulysses_degree=getattr(shard.attention, "ulysses_degree", None)),
         sequence=dict(packed=shard.doc_mask, sequences=1 if shard.doc_mask else args.batch,
                       sharded_length=shard.n, padding=shard.pad, tokens_per_rank=shard.n // P * (
@@ -435,11 +468,46 @@ def run(args, comm=None):
         final_val_loss=val_loss[max(val_loss)],
         tokens_per_s=float(N / np.median(timed)),
         step_time_s=float(np.median(timed)),
-        peak_memory_bytes_per_rank=[int(b) for b in peak_per_rank],
+        peak_memory_bytes_per_rank=[int(b) for b in np.nan_to_num(peak_per_rank)],
     )
     if verify is not None:
         report["verify"] = verify
     return report
+
+
+def _num(x, kind=float):
+    """A JSON number, or None for NaN (a step run before a --resume)."""
+    return None if not np.isfinite(x) else kind(x)
+
+
+def _agree_or_raise(comm, problem, what):
+    """Every rank raises when one had ``problem`` (an exception, or None): one
+    all-reduce, so no rank is left waiting on the one that failed."""
+    bad = np.array([1.0 if problem is not None else 0.0])
+    if comm.size > 1:
+        comm.allreduce(bad)
+    if bad[0] > 0:
+        if problem is not None:
+            raise problem
+        raise CheckpointError(f"{what}: {int(bad[0])} rank(s) failed (the lowest rank says why)", rank=comm.rank,
+                              op=f"lm {what}")
+
+
+def _resume(args, comm, cfg, model, opt, stream):
+    """Load ``--resume``'s newest checkpoint on every rank (all or none: a
+    rank that cannot read it makes every rank raise); returns
+    ``(completed steps, train losses, {step: val loss})``."""
+    problem = st = None
+    try:
+        start, st = load_checkpoint(args.resume, cfg, map_location=next(model.parameters()).device)
+    except CheckpointError as exc:
+        problem = exc
+    _agree_or_raise(comm, problem, "resume")
+    model.load_state_dict(st["model"])
+    opt.load_state_dict(st["optimizer"])
+    stream.load_state_dict(st["data"])
+    set_rng_state(st["rng"])
+    return start, list(st["train_loss"]), {int(k): v for k, v in st["val_loss"].items()}
 
 
 def _failure_rows(args, failures) -> list:
@@ -450,15 +518,35 @@ def _failure_rows(args, failures) -> list:
     for f in failures:
         for w in f.failed or (None,):
             rows.append(dict(world_rank=w, step=f.step, phase=planned.get((w, f.step), "unknown"),
-                             recovery_s=f.recovery_s, ranks_after=f.ranks_after, detected_unix=f.detected_unix,
+                             recovery_s=f.recovery_s, lost_s=f.lost_s, ranks_after=f.ranks_after, detected_unix=f.detected_unix,
                              redone_unix=f.detected_unix + f.recovery_s, error=f.error))
     return rows
 
 
 def failure_line(args, comm, exc) -> str:
-    """The one line a survivor prints when a failure ends the run (no ULFM)."""
+    """The one line a survivor prints when a failure ends the run (no ULFM):
+    what failed, the last checkpoint and the command that resumes from it."""
     what = " ".join(str(exc).split())
-    return f"lm: rank {comm.rank}: a rank failed and this MPI cannot survive it ({what})"
+    head = f"lm: rank {comm.rank}: a rank failed and this MPI cannot survive it ({what})"
+    if args.checkpoint is None:
+        return head + "; no --checkpoint: the run is lost"
+    have = latest_checkpoint(args.checkpoint)
+    if have is None:
+        return head + f"; no checkpoint written yet in {args.checkpoint}: start again"
+    argv, skip = [], False
+    for a in sys.argv[1:]:  # the same options, less the fault injection and any earlier --resume
+        if skip:
+            skip = False
+            continue
+        if a in ("--kill", "--resume"):
+            skip = True
+            continue
+        if a.startswith(("--kill=", "--resume=")):
+            continue
+        argv.append(a)
+    cmd = " ".join(["mpiexec", "-n", "N", sys.executable, "-P", "-m", "commlib.apps.lm", *argv,
+                     "--resume", args.checkpoint])
+    return head + f"; last checkpoint: step {have[0]} in {args.checkpoint}; resume on any rank count N with: {cmd}"
 
 
 # ------------------------------------------------------------------ the oracle

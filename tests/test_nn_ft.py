@@ -32,9 +32,12 @@ cut into this rank's shard by positions computed here (not by
 ``commlib.nn.shard_sequence``).  Tolerance 1e-9 absolute on values of order
 1 (float64 rounding over a few merges; a dropped rank or block is O(1) off).
 
-A unit test checks that the hybrid's grid cache is keyed by the
-communicator's group (a stand-in communicator whose collectives transport
-changes, as a shrink changes it) and that the old group's grid is revoked.
+Unit tests (stand-in communicators whose collectives transport changes, as
+a shrink changes it): the hybrid's grid cache is keyed by the group and the
+old group's grid is revoked; a split that shrank raises ``recovered``; a
+failed call revokes its family (user transport, sub-communicators, from the
+backward too) unless the communicator already shrank inside it (then the
+error is marked ``recovered`` and nothing is revoked).
 
 Settings (environment): ``COMMLIB_NN_FT_JOBS`` (default 6: 18 kills, the
 variants in turn), ``COMMLIB_NN_FT_PAR`` (jobs at once, default 2),
@@ -376,6 +379,92 @@ def test_grid_cache_follows_the_group():
     assert all(s.tp.revoked and s.transport.revoked for s in first)  # the old group's grid: revoked
     second = hybrid.grid(comm, 2)
     assert second is not first and len(comm.subs) == 4  # split anew for the new group
+
+    # a split whose barrier recovered from a failure (on_failure="shrink"): the
+    # colours were the old group's; the call raises, recovered, nothing cached
+    from commlib import ProcessFailed
+
+    class Shrinking(Comm):
+        failed_ranks = (2,)
+
+        def split(self, color, key):
+            self.tp, self.size = Tp(), 3
+            return super().split(color, key)
+
+    comm = Shrinking(4)
+    with pytest.raises(ProcessFailed) as info:
+        hybrid.grid(comm, 2)
+    assert info.value.recovered is True
+    assert all(s.tp.revoked for s in comm.subs)
+
+
+def test_failed_call_revokes_its_family_unless_already_recovered():
+    """A call that fails revokes the transports linked to its own (the
+    communicator's user transport, a grid's sub-communicators); one whose
+    communicator shrank inside the call (its collectives transport replaced)
+    marks the error ``recovered`` and revokes nothing (the new group must
+    survive), as does an error that says ``recovered`` already."""
+    pytest.importorskip("torch")
+    from commlib import CommTimeout, InvalidArgument, ProcessFailed
+    from commlib.nn import _failure
+
+    class Tp:
+        fault_tolerant = True
+
+        def __init__(self):
+            self.revoked = 0
+
+        def revoke(self):
+            self.revoked += 1
+
+    class Ft:
+        mode = "ulfm"
+
+    class Comm:
+        ft = Ft()
+
+        def __init__(self):
+            self.coll, self.transport = Tp(), Tp()
+
+        def collective_transport(self, *a, **k):
+            return self.coll
+
+    def fail(exc, comm=None, tp=None, shrink=False):
+        tp = tp or comm.coll
+        try:
+            with _failure.guarded(tp, comm):
+                if shrink:
+                    comm.coll, comm.transport = Tp(), Tp()
+                raise exc
+        except type(exc) as caught:
+            return caught
+
+    comm = Comm()
+    sub = Tp()
+    _failure.link_comm(comm, comm.coll)
+    _failure.link(comm.coll, sub)
+    exc = fail(ProcessFailed("peer died"), comm)
+    assert not getattr(exc, "recovered", False)
+    assert comm.coll.revoked and comm.transport.revoked and sub.revoked
+    # from the backward (only the transport known): the same family
+    old = comm.coll.revoked
+    fail(CommTimeout("stalled"), tp=sub)
+    assert comm.coll.revoked > old
+
+    comm = Comm()
+    _failure.link_comm(comm, comm.coll)
+    first, user = comm.coll, comm.transport
+    exc = fail(CommTimeout("no process lost; rebuilt"), comm, shrink=True)
+    assert exc.recovered is True
+    assert not (first.revoked or user.revoked or comm.coll.revoked or comm.transport.revoked)
+
+    comm = Comm()
+    done = ProcessFailed("shrunk inside a collective")
+    done.recovered = True
+    fail(done, comm)
+    assert not (comm.coll.revoked or comm.transport.revoked)
+    fail(InvalidArgument("bad argument, raised on every rank"), comm)
+    assert not comm.coll.revoked
 
 
 def test_plan_covers_every_variant_and_phase():

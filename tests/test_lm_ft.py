@@ -6,7 +6,7 @@ the survivors' losses (training and validation, every step) against an
 oracle this test computes itself: the single-process training with plain
 torch attention on the whole sequences (``oracle_losses``: dense SDPA with
 the document mask, no commlib), within 1e-4 relative in float32; and against
-a plain 4-rank run without ``--fault-tolerant``.  The victims, steps and the
+a plain 4-rank run without ``--fault-tolerant`` (the same tolerance).  The victims, steps and the
 phases of the randomized cases come from a seed printed with every failure
 (``COMMLIB_TEST_SEED`` sets it).  Every job is bounded in time.
 """
@@ -67,6 +67,24 @@ def _lm(n, args, ft=True, timeout=150):
 
 
 _ORACLE = {}
+_PLAIN = {}
+
+
+def _plain(argv):
+    """The losses of the same run at 4 ranks without --fault-tolerant (and without failures)."""
+    key = tuple(argv)
+    if key not in _PLAIN:
+        rep, _ = _lm(4, list(argv), ft=False)
+        _PLAIN[key] = rep
+    return _PLAIN[key]
+
+
+def _assert_same_as_plain(rep, argv, what):
+    plain = _plain(argv)
+    for a, b in zip(rep["steps"], plain["steps"]):
+        for k in ("train_loss", "val_loss"):
+            if b[k] is not None:
+                assert abs(a[k] - b[k]) <= REL * abs(b[k]), f"{what} (seed {SEED}): step {a['step']} {k} vs plain"
 
 
 def _oracle(argv):
@@ -107,7 +125,7 @@ def test_plain_run_at_uneven_length_matches_oracle():
     (61 tokens a row, 3 of padding each) give the oracle's losses."""
     for extra in ([], ["--no-doc-mask", "--layout", "striped"]):
         argv = TINY + extra
-        rep, _ = _lm(4, argv, ft=False)
+        rep = _plain(argv)
         assert rep["ranks_final"] == 4 and rep["failures"] == []
         _assert_losses(rep, argv, f"plain {extra}")
 
@@ -132,6 +150,7 @@ def test_two_kills_each_phase(phases):
     _check_failures(rep, kills, text)
     assert rep["ranks_final"] == 2
     _assert_losses(rep, TINY, f"kills {kills}")
+    _assert_same_as_plain(rep, TINY, f"kills {kills}")
 
 
 @pytest.mark.timeout(300)

@@ -44,9 +44,7 @@ import json
 import os
 import random
 import re
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -58,7 +56,7 @@ sys.path.insert(0, str(HERE))
 
 from _util import OneLineParser, find_mpiexec, float_in, int_in, write_json, writable_file  # noqa: E402
 
-from launch import FINALIZE_TIMEOUT, FT_ARGS, LAUNCH_ATTEMPTS, launcher_failed  # noqa: E402
+from launch import FINALIZE_TIMEOUT, FT_ARGS, run_job  # noqa: E402
 
 PHASES = ("forward", "backward", "allreduce", "optimizer", "eval")
 
@@ -70,17 +68,10 @@ def run_lm(np_, args, ft_launch=True, timeout=600):
            "-m", "commlib.apps.lm", "--json", out, "--no-progress", "--quiet", *args]
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     env.setdefault("COMMLIB_FINALIZE_TIMEOUT", FINALIZE_TIMEOUT)
-    text, t0 = "", time.perf_counter()
-    for _ in range(LAUNCH_ATTEMPTS):
-        t0 = time.perf_counter()
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            text = p.communicate(timeout=timeout)[0].decode(errors="replace")
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            text = p.communicate()[0].decode(errors="replace") + f"\n[hang: killed after {timeout} s]"
-        if not launcher_failed(text, os.path.exists(out)):
-            break
+    t0 = time.perf_counter()
+    rc, text = run_job(cmd, env, timeout, started=lambda _: os.path.exists(out))
+    if rc is None:
+        text += f"\n[hang: killed after {timeout} s]"
     wall = time.perf_counter() - t0
     rep = None
     if os.path.exists(out):

@@ -13,8 +13,6 @@ phases of the randomized cases come from a seed printed with every failure
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -31,7 +29,7 @@ from mpi4py import MPI  # noqa: E402
 from commlib.apps import lm as app  # noqa: E402
 from commlib.apps.lm.train import oracle_losses  # noqa: E402
 from commlib.core.device import ulfm_available  # noqa: E402
-from launch import FINALIZE_TIMEOUT, FT_ARGS, LAUNCH_ATTEMPTS, launcher_failed  # noqa: E402 - tests/launch.py
+from launch import FINALIZE_TIMEOUT, FT_ARGS, run_job  # noqa: E402 - tests/launch.py
 
 pytestmark = pytest.mark.skipif(not ("Open MPI" in MPI.Get_library_version() and ulfm_available()),
                                 reason="needs Open MPI with ULFM")
@@ -51,15 +49,9 @@ def _lm(n, args, ft=True, timeout=150):
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     env.setdefault("COMMLIB_FINALIZE_TIMEOUT", FINALIZE_TIMEOUT)
     env.setdefault("COMMLIB_TIMEOUT", "30")
-    for _ in range(LAUNCH_ATTEMPTS):
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            text = p.communicate(timeout=timeout)[0].decode(errors="replace")
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            pytest.fail(f"lm did not finish within {timeout} s (seed {SEED}): {' '.join(cmd)}")
-        if not launcher_failed(text, os.path.exists(out)):
-            break
+    rc, text = run_job(cmd, env, timeout, started=lambda _: os.path.exists(out))
+    if rc is None:
+        pytest.fail(f"lm did not finish within {timeout} s (seed {SEED}): {' '.join(cmd)}")
     assert os.path.exists(out), f"seed {SEED}: no report\n{text[-3000:]}"
     rep = json.loads(Path(out).read_text())
     os.unlink(out)

@@ -18,7 +18,6 @@ import json
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -36,7 +35,7 @@ from mpi4py import MPI  # noqa: E402
 
 from commlib.apps import lm as app  # noqa: E402
 from commlib.apps.lm.train import oracle_losses  # noqa: E402
-from launch import FINALIZE_TIMEOUT, FT_ARGS, LAUNCH_ATTEMPTS, launcher_failed  # noqa: E402 - tests/launch.py
+from launch import FINALIZE_TIMEOUT, FT_ARGS, run_job  # noqa: E402 - tests/launch.py
 
 MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
 OPEN_MPI = "Open MPI" in MPI.Get_library_version()
@@ -53,21 +52,13 @@ def _env(**extra):
 
 
 def _job(n, args, mpiargs=(), env=None, timeout=150):
-    """(returncode, output) of an mpiexec job of the app."""
+    """(returncode, output, output) of an mpiexec job of the app (stdout and stderr together)."""
     cmd = [MPIEXEC, *([] if not OPEN_MPI else ["--oversubscribe"]), *mpiargs, "-n", str(n), sys.executable, "-P",
            "-m", "commlib.apps.lm", *args]
-    for _ in range(LAUNCH_ATTEMPTS):
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env or _env(),
-                             start_new_session=True)
-        try:
-            out, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            pytest.fail(f"lm did not finish within {timeout} s (seed {SEED}): {' '.join(cmd)}")
-        text = out.decode(errors="replace") + err.decode(errors="replace")
-        if not launcher_failed(text, [1] if "lm" in text else []):
-            break
-    return p.returncode, out.decode(errors="replace"), err.decode(errors="replace")
+    rc, text = run_job(cmd, env or _env(), timeout, started=lambda t: "lm" in t)
+    if rc is None:
+        pytest.fail(f"lm did not finish within {timeout} s (seed {SEED}): {' '.join(cmd)}")
+    return rc, text, text
 
 
 def _oracle():

@@ -7,8 +7,6 @@ finish the 20 steps with the final loss of the same script run by one process wi
 import os
 import random
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,7 +21,7 @@ from mpi4py import MPI  # noqa: E402
 
 import commlib  # noqa: E402
 from commlib.core.device import ulfm_available  # noqa: E402
-from launch import FINALIZE_TIMEOUT, FT_ARGS, LAUNCH_ATTEMPTS, launcher_failed  # noqa: E402 - tests/launch.py
+from launch import FINALIZE_TIMEOUT, FT_ARGS, run_job  # noqa: E402 - tests/launch.py
 
 ROOT = Path(__file__).resolve().parent.parent
 MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
@@ -54,16 +52,10 @@ def _run(tmp_path, kills, n):
     env = {k: v for k, v in os.environ.items() if n or not k.startswith(("OMPI_COMM", "PMIX_", "PRTE_"))}
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     env.setdefault("COMMLIB_FINALIZE_TIMEOUT", FINALIZE_TIMEOUT)
-    for _ in range(LAUNCH_ATTEMPTS):
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            text = p.communicate(timeout=150)[0].decode(errors="replace")
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            pytest.fail(f"the README example did not finish in 150 s (seed {SEED}, kills {kills})")
-        m = re.search(r"loss ([0-9.]+) on (\d+) ranks; failures: (.*)", text)
-        if m or not launcher_failed(text, []):
-            break
+    rc, text = run_job(cmd, env, 150, started=lambda t: "loss " in t)
+    if rc is None:
+        pytest.fail(f"the README example did not finish in 150 s (seed {SEED}, kills {kills})")
+    m = re.search(r"loss ([0-9.]+) on (\d+) ranks; failures: (.*)", text)
     assert m, f"seed {SEED}, kills {kills}:\n{text[-3000:]}"
     return float(m.group(1)), int(m.group(2)), m.group(3)
 

@@ -27,9 +27,9 @@ mpi4py.rc.initialize = False
 from mpi4py import MPI  # noqa: E402
 
 from commlib.apps import lm as app  # noqa: E402
-from commlib.apps.lm.train import oracle_losses  # noqa: E402
 from commlib.core.device import ulfm_available  # noqa: E402
 from launch import FINALIZE_TIMEOUT, FT_ARGS, run_job  # noqa: E402 - tests/launch.py
+from lm_oracle import assert_losses, oracle  # noqa: E402 - tests/lm_oracle.py
 
 pytestmark = pytest.mark.skipif(not ("Open MPI" in MPI.Get_library_version() and ulfm_available()),
                                 reason="needs Open MPI with ULFM")
@@ -58,7 +58,6 @@ def _lm(n, args, ft=True, timeout=150):
     return rep, text
 
 
-_ORACLE = {}
 _PLAIN = {}
 
 
@@ -73,31 +72,13 @@ def _plain(argv):
 
 def _assert_same_as_plain(rep, argv, what):
     plain = _plain(argv)
-    for a, b in zip(rep["steps"], plain["steps"]):
-        for k in ("train_loss", "val_loss"):
-            if b[k] is not None:
-                assert abs(a[k] - b[k]) <= REL * abs(b[k]), f"{what} (seed {SEED}): step {a['step']} {k} vs plain"
-
-
-def _oracle(argv):
-    """The single-process losses (train per step, {step: val}) of the model ``argv`` describes."""
-    key = tuple(argv)
-    if key not in _ORACLE:
-        args = app.parse_args(list(argv), size=4)  # the oracle runs alone; 4: the jobs' size, for the checks
-        train, val = oracle_losses(args)
-        _ORACLE[key] = (train, {s + 1: v for s, v in val.items()})
-    return _ORACLE[key]
+    expected = ([x["train_loss"] for x in plain["steps"]],
+                {x["step"]: x["val_loss"] for x in plain["steps"] if x["val_loss"] is not None})
+    assert_losses(rep, expected, REL, f"{what} against a plain run (seed {SEED})")
 
 
 def _assert_losses(rep, argv, what):
-    o_train, o_val = _oracle(argv)
-    train = [s["train_loss"] for s in rep["steps"]]
-    val = {s["step"]: s["val_loss"] for s in rep["steps"] if s["val_loss"] is not None}
-    assert len(train) == len(o_train) and set(val) == set(o_val), (what, SEED)
-    for i, (a, b) in enumerate(zip(train, o_train)):
-        assert abs(a - b) <= REL * abs(b), f"{what} (seed {SEED}): step {i + 1} train loss {a} vs oracle {b}"
-    for s in o_val:
-        assert abs(val[s] - o_val[s]) <= REL * abs(o_val[s]), f"{what} (seed {SEED}): val loss at step {s}"
+    assert_losses(rep, oracle(argv, size=4), REL, f"{what} against the oracle (seed {SEED})")
     assert rep["parameters_identical_across_ranks"], (what, SEED)
 
 

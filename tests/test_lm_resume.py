@@ -20,7 +20,6 @@ import random
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -34,8 +33,8 @@ mpi4py.rc.initialize = False
 from mpi4py import MPI  # noqa: E402
 
 from commlib.apps import lm as app  # noqa: E402
-from commlib.apps.lm.train import oracle_losses  # noqa: E402
 from launch import FINALIZE_TIMEOUT, FT_ARGS, run_job  # noqa: E402 - tests/launch.py
+from lm_oracle import assert_losses, oracle  # noqa: E402 - tests/lm_oracle.py
 
 MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
 OPEN_MPI = "Open MPI" in MPI.Get_library_version()
@@ -62,20 +61,11 @@ def _job(n, args, mpiargs=(), env=None, timeout=150):
 
 
 def _oracle():
-    args = app.parse_args(list(TINY), size=1)
-    train, val = oracle_losses(args)
-    return train, {s + 1: v for s, v in val.items()}
+    return oracle(TINY)
 
 
-def _assert_oracle(rep, oracle, what):
-    o_train, o_val = oracle
-    train = [s["train_loss"] for s in rep["steps"]]
-    val = {s["step"]: s["val_loss"] for s in rep["steps"] if s["val_loss"] is not None}
-    assert len(train) == len(o_train) and set(val) == set(o_val), (what, SEED)
-    for i, (a, b) in enumerate(zip(train, o_train)):
-        assert abs(a - b) <= REL * abs(b), f"{what} (seed {SEED}): step {i + 1}: {a} vs oracle {b}"
-    for s in o_val:
-        assert abs(val[s] - o_val[s]) <= REL * abs(o_val[s]), f"{what} (seed {SEED}): val at step {s}"
+def _assert_oracle(rep, expected, what):
+    assert_losses(rep, expected, REL, f"{what} (seed {SEED})")
 
 
 def _digest(folder):

@@ -9,9 +9,10 @@ cd "$(dirname "$0")/.."
 VENV=${MPICH_VENV:-.venv-mpich}
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV" || exit 1
-  # the files this leg runs need no torch and no apps: "test-mpi", not "test"
+  # the files this leg runs need no apps: "test-mpi", not "test"; torch (the CPU build kept on
+  # these machines, Python < 3.12) for the LM app's checkpoint/resume without ULFM
   # --no-compile: bytecode is written on first import instead (tests/run.sh says why)
-  "$VENV/bin/pip" install -q --no-compile ".[mpich,test-mpi]" || exit 1
+  "$VENV/bin/pip" install -q --no-compile ".[mpich,test-mpi]" "torch==2.13.0; python_version < '3.12'" || exit 1
 else  # an existing venv gets this checkout, not the copy it was made with
   "$VENV/bin/pip" install -q --no-deps --force-reinstall . || exit 1
 fi
@@ -25,6 +26,10 @@ status=0
 . tests/stage.sh
 stage "MPICH: serial collectives and bounded-error fault tests" timeout 900 "$PY" -P -m pytest -q -rfE \
   -p no:cacheprovider --timeout=300 tests/test_collectives_unit.py tests/test_ft.py tests/test_communicator.py || status=1
+# a rank's death without ULFM: every survivor exits in bounded time naming the last checkpoint, and
+# the resume on another rank count gives the uninterrupted run's losses (hydra -disable-auto-cleanup)
+stage "MPICH: LM checkpoint, kill, resume (no ULFM)" timeout 600 "$PY" -P -m pytest -q -rfE -p no:cacheprovider \
+  --timeout=300 tests/test_lm_resume.py -k "kill_resume or without_ulfm" || status=1
 for n in ${RANKS:-2 3}; do
   stage "MPICH: MPI tests on $n rank(s)" timeout 600 "$VENV/bin/mpiexec" -n "$n" "$PY" -P -m pytest -q -rfE \
     -p no:cacheprovider --with-mpi -m mpi --timeout=300 --timeout-method=thread \

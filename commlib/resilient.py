@@ -59,7 +59,7 @@ Example (a torch training loop; the ranks shard each sequence)::
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from .core.errors import CommError, CommTimeout, InvalidArgument, ProcessFailed
@@ -101,7 +101,6 @@ class Failure:
     recovery_s: float = float("nan")
     lost_s: float = float("nan")
     ranks_after: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class ResilientRunner:
@@ -167,9 +166,9 @@ class ResilientRunner:
     def revoke_on_failure(self, obj) -> None:
         """Register ``obj`` (anything with ``revoke()``: a child communicator, a
         halo exchange) to be revoked on a failure before the shrink, so ranks
-        blocked on it are released (in reverse order of registration).  Registrations last until
-        :meth:`forget_revocable` (call it when the objects are rebuilt in
-        ``reshard``)."""
+        blocked on it are released (the last registered first).  Registrations
+        last until :meth:`forget_revocable` (call it when the objects are
+        rebuilt in ``reshard``)."""
         self._revocable.append(obj)
 
     def forget_revocable(self) -> None:
@@ -228,7 +227,7 @@ class ResilientRunner:
     # ------------------------------------------------------------ recovery
     def _recover(self, exc: BaseException) -> Failure:
         """Revoke, shrink, restore, re-shard (every survivor); returns the record."""
-        t0 = time.monotonic()
+        t0, t0_unix = time.monotonic(), time.time()
         comm = self.comm
         for obj in reversed(self._revocable):  # the last built first, as a with-statement unwinds
             try:
@@ -240,7 +239,7 @@ class ResilientRunner:
         failed = tuple(sorted(set(comm.failed_ranks) - self._lost))
         self._lost = set(comm.failed_ranks)  # a failure in load or reshard is a failure of its own
         rec = Failure(step=self.completed + 1, failed=failed, error=" ".join(str(exc).split()), detected_s=t0,
-                      detected_unix=time.time() - (time.monotonic() - t0), lost_s=t0 - self._attempt_start)
+                      detected_unix=t0_unix, lost_s=t0 - self._attempt_start)
         self.failures.append(rec)
         if self.load is not None:
             self.load(self._snapshot)

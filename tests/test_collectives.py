@@ -9,6 +9,8 @@ Run at several sizes, e.g.::
 Every rank draws the same random inputs for a given (test, rank) seed, so no
 rank ever waits on another that skipped a case.
 """
+import os
+import time
 import zlib
 
 import numpy as np
@@ -289,10 +291,76 @@ def test_alltoall(comm, dtype, per, algorithm):
     np.testing.assert_array_equal(out.view(np.uint8), ref.view(np.uint8))
 
 
+@pytest.fixture(scope="module")
+def ft_comm():
+    """A fault-tolerant communicator (ULFM or bounded waits, as the launch allows)."""
+    return commlib.init(fault_tolerant=True, timeout=60)
+
+
+ABOUT_TO_ENTER, LEFT = 1, 2  # tags on the test's own duplicate of the communicator
+# How long the late rank keeps the others waiting after they said they are about to
+# enter: a barrier that lets a rank out early (a no-op) shows it within microseconds,
+# so a fraction of a second catches it even on an oversubscribed machine. Not an
+# ordering and not asserted: a correct barrier passes however long the others take.
+LATE_BY = 0.25
+
+
+def _barrier_holds_for_late_rank(c, algorithm):
+    """The last rank enters ``c.barrier`` only after every other rank said (a
+    message sent just before its own call) that it is about to enter, and after
+    polling LATE_BY seconds for a "left the barrier" message from any of them.
+    Asserted on every rank: no rank's LEFT message reached the late rank before it
+    entered, and every rank's exit (time.monotonic, one clock: checked that all
+    ranks share the host) is at or after the late rank's entry."""
+    side = c.mpi_comm.Dup()  # the test's messages never meet commlib's
+    try:
+        rank, size = side.Get_rank(), side.Get_size()
+        late = size - 1
+        early = []  # ranks whose LEFT message arrived before the late rank entered
+        if rank != late:
+            side.send(rank, dest=late, tag=ABOUT_TO_ENTER)
+            t_in = time.monotonic()
+            c.barrier(algorithm=algorithm)
+            t_out = time.monotonic()
+            side.send(rank, dest=late, tag=LEFT)
+        else:
+            for r in range(late):  # every other rank is about to enter
+                side.recv(source=r, tag=ABOUT_TO_ENTER)
+            until = time.monotonic() + LATE_BY
+            st = MPI.Status()
+            while time.monotonic() < until and len(early) < late:
+                if side.iprobe(source=MPI.ANY_SOURCE, tag=LEFT, status=st):
+                    early.append(side.recv(source=st.Get_source(), tag=LEFT))
+                else:
+                    time.sleep(0.001)  # a poll interval, not an ordering
+            t_in = time.monotonic()
+            c.barrier(algorithm=algorithm)
+            t_out = time.monotonic()
+            for r in sorted(set(range(late)) - set(early)):
+                side.recv(source=r, tag=LEFT)
+        early = side.bcast(early, root=late)
+        hosts = side.allgather(MPI.Get_processor_name())
+        times = side.allgather((t_in, t_out))
+    finally:
+        side.Free()
+    assert not early, f"rank(s) {early} left the {algorithm!r} barrier before rank {late} entered it"
+    if len(set(hosts)) == 1:  # time.monotonic is one clock on one host
+        entered = times[late][0]
+        out_early = [r for r, (_, t) in enumerate(times) if t < entered]
+        assert not out_early, (f"rank(s) {out_early} left the {algorithm!r} barrier before rank {late} "
+                               f"entered it: exits {[t for _, t in times]}, late entry {entered}")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("fault_tolerant", [False, True], ids=["plain", "ft"])
 @pytest.mark.parametrize("algorithm", ["dissemination", "mpi", "auto"])
-def test_barrier(comm, algorithm):
-    for _ in range(3):
-        comm.barrier(algorithm=algorithm)
+def test_barrier_holds_every_rank_until_the_last_enters(comm, ft_comm, algorithm, fault_tolerant):
+    c = ft_comm if fault_tolerant else comm
+    want = os.environ.get("COMMLIB_TEST_FT_MODE")  # tests/test_ft.py runs this under ULFM
+    if fault_tolerant and want:
+        assert c.ft.mode == want, (c.ft.mode, want)
+    for _ in range(2):  # the first call makes the barrier's plan; the second runs from it
+        _barrier_holds_for_late_rank(c, algorithm)
 
 
 def test_nonblocking(comm):

@@ -180,6 +180,26 @@ def test_no_failure_clean_exit():
 
 
 @needs_ulfm
+@pytest.mark.timeout(150)
+def test_ulfm_barrier_holds_every_rank_until_the_last_enters():
+    """tests/test_collectives.py's late-rank barrier test (every algorithm: the
+    last rank enters only after the others said they are about to, and none may
+    leave before it does) on a ULFM fault-tolerant communicator, 3 ranks."""
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               COMMLIB_TEST_FT_MODE="ulfm", COMMLIB_FINALIZE_TIMEOUT=FINALIZE_TIMEOUT)
+    cmd = [MPIEXEC, "--oversubscribe", *ft_args(FT_BTL), "-n", "3", sys.executable, "-P", "-m", "pytest", "-q",
+           "-p", "no:cacheprovider", "--with-mpi", "-m", "mpi", "--timeout=100", "--timeout-method=thread",
+           str(HERE / "test_collectives.py"), "-k", "barrier_holds and ft"]
+    for _ in range(LAUNCH_ATTEMPTS):
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, timeout=130,
+                           cwd=HERE.parent)
+        text = p.stdout.decode(errors="replace")
+        if not launcher_failed(text, "passed" in text or "failed" in text):
+            break
+    assert p.returncode == 0 and "3 passed" in text, text[-4000:]
+
+
+@needs_ulfm
 @pytest.mark.timeout(60)
 def test_on_failure_raise():
     spec = [[2, 1, 1, "kill"]]

@@ -156,8 +156,12 @@ def test_random_kill_points(nprocs, spec, case):
     _check_recovered(nprocs, spec, results, wall, text + f"\n[seed {SEED}, case {case}]")
 
 
-# Deterministic corners: before / first step / mid ring / after, for each collective.
-CORNERS = [(4, [[2, c, p, how]]) for c in range(NCALLS) for p, how in ((-1, "kill"), (0, "exit"), (3, "kill"), (10_000, "exit"))]
+# Deterministic corners: before / first step / mid ring, for each collective, and after
+# the last (noticed in the final barrier). "After call c" would be the same point of
+# the program as "before call c + 1" (nothing runs between them but bookkeeping), so
+# it is not repeated for the others.
+CORNERS = [(4, [[2, c, p, how]]) for c in range(NCALLS) for p, how in ((-1, "kill"), (0, "exit"), (3, "kill"))]
+CORNERS += [(4, [[2, NCALLS - 1, 10_000, "exit"]])]
 CORNERS += [(6, [[1, 0, 2, "kill"], [4, 0, 5, "kill"]]),   # two failures in the same call
             (5, [[3, 7, 1, "exit"], [4, 2, 0, "kill"]]),
             (3, [[1, 0, 1, "kill"], [2, 5, -1, "exit"]])]  # down to one rank

@@ -52,6 +52,7 @@ _LAZY = {
     **dict.fromkeys(("ANY_SOURCE", "ANY_TAG", "PROC_NULL", "CartCommunicator", "Communicator", "compute_dims",
                      "init"), ".communicator"),
     **dict.fromkeys(_ATTENTION, ".collectives"),
+    **dict.fromkeys(("ResilientRunner", "Failure", "StateLost"), ".resilient"),
 }
 #: attribute -> submodule, imported on first use (``commlib.apps`` pulls in argparse, matplotlib)
 _SUBMODULES = {"datatypes": ".datatypes", "transports": ".transports", "apps": ".apps",
@@ -74,7 +75,7 @@ def __dir__():
 
 __all__ = [
     "init", "compute_dims", "Communicator", "CartCommunicator", "PROC_NULL", "ANY_SOURCE", "ANY_TAG",
-    "Buffer", "as_buffer",
+    "Buffer", "as_buffer", "ResilientRunner", "Failure", "StateLost",
     "CommError", "InvalidArgument", "ProcessFailed", "CommTimeout", "DatatypeError", "BufferError",
     "AuthenticationError", "MessageSizeMismatch",
     *_ATTENTION,

@@ -62,3 +62,30 @@ def ft_args(btl="tcp,self", tcp_flags=FT_TCP_FLAGS):
 FT_ARGS = ft_args()
 # the same with Open MPI's default TCP flags (RDMA put on): the soak's other arm
 FT_PUT_ARGS = ft_args(tcp_flags=None)
+
+
+def run_job(cmd, env, timeout, started=None):
+    """Run the ``mpiexec`` command ``cmd`` in a session of its own, bounded by ``timeout``
+    seconds, launched again (at most ``LAUNCH_ATTEMPTS`` times) when the launcher itself
+    failed before any rank ran (``started(text)`` False: no rank wrote a result; default:
+    judged from the output alone).
+
+    Returns:
+        (returncode or None when it was killed at ``timeout``, stdout and stderr as text).
+    """
+    import signal  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+
+    rc, text = None, ""
+    for _ in range(LAUNCH_ATTEMPTS):
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            text = p.communicate(timeout=timeout)[0].decode(errors="replace")
+            rc = p.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            text = p.communicate()[0].decode(errors="replace")
+            return None, text
+        if not launcher_failed(text, [1] if started is not None and started(text) else []):
+            break
+    return rc, text

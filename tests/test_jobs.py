@@ -20,7 +20,7 @@ SCRIPTS = ["mpirun/heat.sh", "mpirun/ft_allreduce_bench.sh", "mpirun/ft_collecti
 
 
 #: the scripts' own settings: taken from the test, never from the environment pytest runs in
-KNOBS = ("NP", "RANKS", "RUNS", "OUT", "MPIRUN", "MPIEXEC", "PYTHON", "GRID", "STEPS", "BACKEND",
+KNOBS = ("NP", "FT", "RANKS", "RUNS", "OUT", "MPIRUN", "MPIEXEC", "PYTHON", "GRID", "STEPS", "BACKEND",
          "CUDA_VISIBLE_DEVICES")
 
 
@@ -75,7 +75,22 @@ def test_heat_sh_builds_the_mpirun_line(args, env, np_, tmp_path):
     assert "-P -m commlib.cli info" in r.stdout  # provenance first
 
 
+@pytest.mark.parametrize("ft", ["0", "1"])
+def test_lm_sh_fault_tolerant_launch_line(ft, tmp_path):
+    """FT=1: the ULFM launch line (without RDMA put) and --fault-tolerant before the user's options."""
+    echo = _stand_in(tmp_path, "echo_args", 'echo "$*"')
+    r = _sh("mpirun/lm.sh", "3", "--", "--steps", "5", env={"MPIRUN": echo, "PYTHON": echo, "FT": ft},
+            cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    last = r.stdout.strip().splitlines()[-1]
+    ulfm = "--with-ft ulfm --mca btl tcp,self --mca btl_tcp_flags send,inplace,need-ack,need-csum"
+    assert (ulfm in last) == (ft == "1") and last.endswith(
+        ("--fault-tolerant " if ft == "1" else "") + "--steps 5"), last
+    assert " -n 3 " in last
+
+
 @pytest.mark.parametrize("script,args,env,word", [
+    ("mpirun/lm.sh", ("2",), {"FT": "yes"}, "FT"),
     ("mpirun/heat.sh", ("abc",), {}, "NP"), ("mpirun/heat.sh", ("0",), {}, "NP"),
     ("mpirun/heat.sh", ("2",), {"MPIRUN": "no-such-mpirun"}, "no-such-mpirun"),
     ("mpirun/ft_allreduce_bench.sh", (), {"RANKS": "2 x"}, "RANKS"),

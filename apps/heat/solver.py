@@ -11,10 +11,11 @@ without overlap, and returns the seconds the steps took.
 * :func:`solve` (plain): one block, ``run_steps(0, steps)``.
 * :func:`solve_ft` (fault tolerant, ULFM): the same ``run_steps`` per
   *epoch* (one decomposition over the ranks alive), started at the step of
-  the last checkpoint, plus its recovery hooks: ``before_step`` takes the
-  in-memory buddy checkpoints and injects the requested kills; a failure
-  raised anywhere in the epoch revokes the epoch's communicators, shrinks
-  ``comm``, rebuilds the checkpoint's field and starts the next epoch.
+  the last checkpoint, as the step of a :class:`commlib.ResilientRunner`:
+  ``before_step`` takes the in-memory buddy checkpoints and injects the
+  requested kills; a failure raised anywhere in the epoch revokes the epoch's
+  communicators, shrinks ``comm``, rebuilds the checkpoint's field (the
+  runner's ``load``), re-decomposes (its ``reshard``) and redoes the epoch.
 
 Both end in :func:`_summary` (error against :func:`.model.exact_solution`,
 MLUPS, communication share, compile time; one :class:`HeatResult`).
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import commlib  # light: commlib's names load on first use
-from commlib import CommTimeout, InvalidArgument, ProcessFailed
+from commlib import InvalidArgument
 from commlib.collectives.agreement import agree_header
 
 from .model import (BACKENDS, DEVICE_BACKENDS, _region_updates, _synchronizer, _to_backend, _to_host, block_of,
@@ -502,11 +503,12 @@ def solve_ft(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final
     checkpointing), committed only when every survivor agreed the exchange
     succeeded.  When a rank dies (seen as :class:`commlib.ProcessFailed` or
     :class:`commlib.CommTimeout` from the halo exchange, a checkpoint, a
-    barrier or the final reductions), the survivors revoke the Cartesian
+    barrier or the final reductions), :class:`commlib.ResilientRunner` takes
+    over: the survivors revoke the halo exchange and the Cartesian
     communicator, shrink ``comm`` (:meth:`commlib.Communicator.recover`),
     rebuild the field of the last checkpoint from the owners' and buddies'
-    copies, re-decompose the grid over the remaining ranks and go on from that
-    step.  FTCS does the same arithmetic per cell whatever the decomposition,
+    copies (the runner's ``load``), re-decompose the grid over the remaining
+    ranks (its ``reshard``) and go on from that step.  FTCS does the same arithmetic per cell whatever the decomposition,
     so the final field equals a failure-free run bit for bit.  A block is lost
     only when its owner and its buddy both die between two checkpoints.
 
@@ -530,7 +532,8 @@ def solve_ft(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final
     Raises:
         InvalidArgument: as :func:`solve`, ``comm`` not fault tolerant (ULFM),
             another backend, or ``checkpoint_every < 1``.
-        ProcessFailed: a block and its buddy copy were both lost.
+        commlib.StateLost: (a ProcessFailed) a block and its buddy copy were
+            both lost.
     """
     op = "heat.solve_ft"
     if comm.fault_tolerant != "ulfm":
@@ -547,64 +550,71 @@ def solve_ft(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final
     dx, dt, steps, c = time_step(grid, alpha, cfl, steps, t_final)
     world = comm.world_ranks[comm.rank]
     kills = {int(s) for r, s in kill if int(r) == world}
-
-    full = None          # field to restart from (global, after a recovery)
-    step = 0             # the step it holds
-    ck = None            # committed checkpoint
-    stats = {"recoveries": 0, "recovery_s": []}
     timers = _Timers()
+    ep = _Epoch()
+
+    def decompose(comm):  # the runner's re-shard: this epoch's decomposition over the ranks alive
+        runner.forget_revocable()
+        ep.cart, shape, offset = _setup(comm, grid, op)
+        runner.revoke_on_failure(ep.cart)
+        ep.halo = _halo_exchange()(ep.cart, shape, width=1, corners=False, dtype=np.float64)
+        runner.revoke_on_failure(ep.halo)  # revoked first (last registered): blocked neighbours are released
+        ep.blk = _Block(ep.cart, ep.halo, shape, offset, grid, alpha, backend, c, start=ep.full)
+        ep.full = None
+        # geometry of every rank's block in this epoch (for the buddy copies)
+        ep.geo = [block_of(grid, ep.cart.dims, ep.cart.coords_of(q)) for q in range(comm.size)]
+        ep.members = [int(x) for x in comm.world_ranks]
+
+    def restore(_snapshot):  # the runner's load: the last committed buddy checkpoint, on the survivors
+        ep.full, ep.step = _restore_checkpoint(comm, grid, ep.ck, op)
+
+    def epoch():  # from the last checkpoint to the end; a failure anywhere redoes it from there
+        if ep.blk is None:
+            decompose(comm)
+        blk, geo, members = ep.blk, ep.geo, ep.members
+
+        def before_step(s):  # this epoch's checkpoints and kills
+            if s % checkpoint_every == 0:
+                ep.ck = _buddy_checkpoint(comm, blk, s, geo, members)
+            if s in kills:
+                _kill_self()
+
+        run_steps(comm, blk, ep.step, steps, True, timers, before_step=before_step, progress=progress)
+        ep.ck = _buddy_checkpoint(comm, blk, steps, geo, members)  # a failure in the reductions restarts here
+        local = blk.owned(steps & 1)
+        wall = time.perf_counter() - t_start - timers.compile_s
+        failures = runner.failures
+        extra = {"fault_tolerant": True, "failed": list(comm.failed_ranks), "checkpoint_every": checkpoint_every,
+                 "recoveries": len(failures), "recovery_s": [f.recovery_s for f in failures]}
+        return _summary(comm, grid, blk, local, backend, steps, alpha, dt, dx, wall, timers, extra), local
+
+    # the recovery (revoke the epoch's halo and Cartesian communicator, shrink,
+    # restore the checkpoint, re-decompose, redo) is commlib's resilient runner;
+    # the epoch ends with the fault-tolerant reductions: no separate commit
+    runner = commlib.ResilientRunner(comm, load=restore, reshard=decompose, commit=False)
     t_start = time.perf_counter()
-    t_detect = None
-    while True:  # one epoch per pass: a decomposition over the ranks alive
-        cart = halo = None
-        try:
-            cart, shape, offset = _setup(comm, grid, op)
-            halo = _halo_exchange()(cart, shape, width=1, corners=False, dtype=np.float64)
-            blk = _Block(cart, halo, shape, offset, grid, alpha, backend, c, start=full)
-            full = None
-            # geometry of every rank's block in this epoch (for the buddy copies)
-            geo = [block_of(grid, cart.dims, cart.coords_of(q)) for q in range(comm.size)]
-            members = [int(x) for x in comm.world_ranks]
-            if t_detect is not None:
-                stats["recovery_s"].append(time.perf_counter() - t_detect)
-                t_detect = None
-
-            def before_step(s):  # the recovery hooks of this epoch's run_steps
-                nonlocal ck
-                if s % checkpoint_every == 0:
-                    ck = _buddy_checkpoint(comm, blk, s, geo, members)
-                if s in kills:
-                    _kill_self()
-
-            run_steps(comm, blk, step, steps, True, timers, before_step=before_step, progress=progress)
-            ck = _buddy_checkpoint(comm, blk, steps, geo, members)  # a failure in the reductions restarts here
-            local = blk.owned(steps & 1)
-            wall = time.perf_counter() - t_start - timers.compile_s
-            extra = {"fault_tolerant": True, "failed": list(comm.failed_ranks), "checkpoint_every": checkpoint_every,
-                     "recoveries": stats["recoveries"], "recovery_s": stats["recovery_s"]}
-            res = _summary(comm, grid, blk, local, backend, steps, alpha, dt, dx, wall, timers, extra)
-            break
-        except (ProcessFailed, CommTimeout) as exc:  # a peer died (or was revoked): recover collectively
-            t_detect = time.perf_counter()
-            # revoke what the halo traffic runs on, so survivors blocked on a
-            # live neighbour are released and join the recovery
-            if halo is not None:
-                halo.revoke()
-            if cart is not None:
-                try:
-                    cart.revoke()
-                except commlib.CommError:  # already revoked, or its peers gone
-                    pass
-            if not getattr(exc, "recovered", False):
-                comm.recover()
-            stats["recoveries"] += 1
-            full, step = _restore_checkpoint(comm, grid, ck, op)
+    res, local = runner.run(epoch)
     try:
-        halo.free()
-        cart.free()
+        ep.halo.free()
+        ep.cart.free()
     except Exception:  # noqa: BLE001
         pass
     return res, local
+
+
+@dataclass
+class _Epoch:
+    """What :func:`solve_ft` holds across epochs: the decomposition over the
+    ranks alive, the committed buddy checkpoint and the field to restart from."""
+
+    cart: object = None
+    halo: object = None
+    blk: object = None
+    geo: list = None
+    members: list = None
+    ck: dict = None       # committed checkpoint
+    full: object = None   # global field to restart from (after a recovery)
+    step: int = 0         # the step it holds
 
 
 def _restore_checkpoint(comm, grid, ck, op):
@@ -636,6 +646,6 @@ def _restore_checkpoint(comm, grid, ck, op):
         have.add(w)
     missing = sorted(set(members) - have)
     if missing:
-        raise ProcessFailed(f"checkpoint blocks of COMM_WORLD ranks {missing} lost (owner and buddy both failed)",
+        raise commlib.StateLost(f"checkpoint blocks of COMM_WORLD ranks {missing} lost (owner and buddy both failed)",
                             failed=comm.failed_ranks, rank=comm.rank, op=op)
     return field_, ck["step"]

@@ -50,15 +50,18 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import os
 import sys
 
 import commlib  # light: the errors only until init is used
 
 from .._cli import OneLineParser, unwritable, world_rank, world_size
 
-__all__ = ["ATTENTIONS", "LAYOUTS", "build_parser", "parse_args", "check_sizes", "run", "main"]
+__all__ = ["ATTENTIONS", "LAYOUTS", "PHASES", "pad_unit", "plan_attention", "build_parser", "parse_args", "check_sizes", "run", "main"]
 
 ATTENTIONS = ("ring", "bidirectional", "ulysses", "hybrid")
+#: where in a step ``--kill`` strikes
+PHASES = ("forward", "backward", "allreduce", "optimizer", "eval")
 LAYOUTS = ("contiguous", "striped", "zigzag")
 DTYPES = ("float32", "bfloat16")
 #: --verify's default tolerance on the largest relative loss difference, per --dtype
@@ -89,8 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="hybrid: ranks per Ulysses group (divides the rank count, --heads and --kv-heads) (default 2)")
     a("--steps", type=int, default=40, help="training steps (default 40)")
     a("--seq-len", type=int, default=256,
-      help="tokens per training sequence (the context each rank holds 1/P of); a multiple of the rank count "
-           "(zigzag: of twice the rank count) (default 256)")
+      help="tokens per training sequence (the context each rank holds 1/P of); any length at any rank count: "
+           "the sharded sequence is padded to the layout's unit (P, zigzag 2P) with a padding document that "
+           "no token attends to and the loss leaves out (default 256)")
     a("--batch", type=int, default=4, help="sequences per step (default 4)")
     a("--d-model", type=int, default=64, help="model width, a multiple of --heads (default 64)")
     a("--heads", type=int, default=4, help="query heads (default 4)")
@@ -130,6 +134,23 @@ def build_parser() -> argparse.ArgumentParser:
       help="largest relative loss difference --verify accepts (default 1e-4 for float32, every loss judged; "
            "1e-2 for bfloat16, the first step's loss judged: later bfloat16 losses drift apart as rounding "
            "differences compound, and are reported)")
+    a("--fault-tolerant", action="store_true",
+      help="survive dead ranks (ULFM: mpiexec --with-ft ulfm ..., see the README): the survivors keep the "
+           "parameters and optimizer state of the last completed step, re-shard every sequence over themselves "
+           "and redo the step (commlib.ResilientRunner); without ULFM every wait is bounded and a failure ends "
+           "the run with the resume command of the last --checkpoint")
+    a("--kill", action="append", default=[], metavar="RANK:STEP[:PHASE]",
+      help="fault injection (repeatable): COMM_WORLD rank RANK SIGKILLs itself in step STEP (1-based) at PHASE, "
+           f"one of {', '.join(PHASES)} (default forward: inside the first layer's attention; backward: when "
+           "autograd reaches it; eval: an evaluation step only)")
+    a("--checkpoint", metavar="DIR",
+      help="write checkpoints (model, optimizer, data position, RNG; atomic: temporary file, checksum, rename) "
+           "into DIR, an existing writable folder (the lowest rank writes)")
+    a("--checkpoint-every", type=int, default=None, metavar="N",
+      help="steps between checkpoints (default 10 with --checkpoint); the last step is always written")
+    a("--resume", metavar="DIR",
+      help="continue from the newest checkpoint in DIR, on any rank count, with the losses an uninterrupted "
+           "run has (the same model options as the run that wrote it)")
     a("--json", metavar="PATH", help="write the configuration and the per-step figures as JSON (rank 0)")
     a("--plot", metavar="PATH", help="PNG of the training and validation loss curves (rank 0)")
     a("--no-progress", action="store_true", help="no progress bar")
@@ -137,8 +158,64 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _divisibility_unit(layout: str, size: int) -> int:
+def pad_unit(layout: str, size: int) -> int:
+    """Tokens of a sharded sequence must be a multiple of this (``P``; zigzag ``2P``)."""
     return 2 * size if layout == "zigzag" else size
+
+
+def _degree_fits(d: int, size: int, heads: int, kv_heads: int) -> bool:
+    return size % d == 0 and heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)
+
+
+def plan_attention(attention: str, ulysses_degree, size: int, heads: int, kv_heads: int):
+    """The attention a run of ``size`` ranks uses for the asked ``attention``.
+
+    Ring and bidirectional run at any rank count.  Ulysses needs ``size`` to
+    divide the heads (and the K/V heads, or be divided by them); hybrid needs
+    that of its Ulysses degree and the degree to divide ``size``.  When the
+    rank count changed (a failure, a resume) and that no longer holds, the
+    Ulysses degree falls back to the largest one that fits (Ulysses inside
+    groups, hybrid), or to the ring.
+
+    Returns:
+        (kind, ulysses_degree or None, note): ``note`` is None when nothing
+        changed, else one line saying what was re-planned.
+    """
+    if attention not in ("ulysses", "hybrid"):
+        return attention, None, None
+    want = size if attention == "ulysses" else int(ulysses_degree)
+    if _degree_fits(want, size, heads, kv_heads):
+        return attention, (None if attention == "ulysses" else want), None
+    d = max(x for x in range(1, min(want, size) + 1) if _degree_fits(x, size, heads, kv_heads))
+    kind, degree = ("hybrid", d) if d > 1 else ("ring", None)
+    was = "ulysses" if attention == "ulysses" else f"hybrid with Ulysses degree {want}"
+    now = f"hybrid with Ulysses degree {d}" if d > 1 else "the ring"
+    return kind, degree, (f"{was} does not fit {size} ranks ({heads} heads, {kv_heads} K/V heads): "
+                          f"attention re-planned as {now}")
+
+
+def parse_kills(parser, values, steps: int, eval_steps) -> list:
+    """``--kill RANK:STEP[:PHASE]`` values as ``(rank, step, phase)`` (step 1-based)."""
+    out = []
+    for v in values:
+        parts = v.split(":")
+        try:
+            if len(parts) not in (2, 3):
+                raise ValueError
+            rank, step = int(parts[0]), int(parts[1])
+        except ValueError:
+            parser.error(f"--kill {v!r}: expected RANK:STEP[:PHASE], e.g. 1:5:backward")
+        phase = parts[2] if len(parts) == 3 else "forward"
+        if phase not in PHASES:
+            parser.error(f"--kill {v!r}: phase {phase!r} is not one of {', '.join(PHASES)}")
+        if rank < 0:
+            parser.error(f"--kill {v!r}: rank must be >= 0")
+        if not 1 <= step <= steps:
+            parser.error(f"--kill {v!r}: step must be in [1, --steps {steps}]")
+        if phase == "eval" and step not in eval_steps:
+            parser.error(f"--kill {v!r}: step {step} has no evaluation (every --eval-every step and the last)")
+        out.append((rank, step, phase))
+    return out
 
 
 def check_sizes(parser, a, size: int) -> None:
@@ -146,6 +223,9 @@ def check_sizes(parser, a, size: int) -> None:
     one line on stderr, exit status 2, on every rank alike)."""
     err = parser.error
     P = size
+    for rank, step, phase in a.kill:
+        if rank >= P:
+            err(f"--kill {rank}:{step}:{phase}: rank {rank} is not a rank of this {P}-rank job")
     if a.attention in ("ulysses", "hybrid"):
         u, what = (P, "the rank count") if a.attention == "ulysses" else (a.ulysses_degree, "--ulysses-degree")
         if P % u:
@@ -154,10 +234,6 @@ def check_sizes(parser, a, size: int) -> None:
             err(f"{a.attention}: --heads {a.heads} is not divisible by {what} {u}")
         if a.kv_heads % u and u % a.kv_heads:
             err(f"{a.attention}: --kv-heads {a.kv_heads} neither divides nor is divisible by {what} {u}")
-    unit = _divisibility_unit(a.layout, P)
-    if a.seq_len % unit:
-        why = f"twice the rank count, {unit}" if a.layout == "zigzag" else f"the rank count {unit}"
-        err(f"--seq-len {a.seq_len} is not a multiple of {why} (layout {a.layout})")
 
 
 def parse_args(argv=None, size: int | None = None):
@@ -224,6 +300,28 @@ def parse_args(argv=None, size: int | None = None):
             err("--plot needs matplotlib (pip install matplotlib)")
     if a.quiet:
         a.no_progress = True
+    eval_steps = {s + 1 for s in range(a.steps) if (s + 1) % a.eval_every == 0 or s == a.steps - 1}
+    a.kill = parse_kills(p, a.kill, a.steps, eval_steps)
+    if a.checkpoint_every is not None and a.checkpoint is None:
+        err("--checkpoint-every needs --checkpoint DIR")
+    if a.checkpoint is not None:
+        if a.checkpoint_every is None:
+            a.checkpoint_every = 10
+        if not 1 <= a.checkpoint_every <= MAX_INT:
+            err(f"--checkpoint-every must be in [1, {MAX_INT}], got {a.checkpoint_every}")
+    from .checkpoint import check_checkpoint_dir, latest_checkpoint  # noqa: PLC0415  (light: no torch)
+
+    for opt, d, write in (("--checkpoint", a.checkpoint, True), ("--resume", a.resume, False)):
+        if d is not None:
+            problem = check_checkpoint_dir(d, for_write=write)
+            if problem:
+                err(f"{opt} {d}: {problem}")
+    if a.checkpoint is not None and (a.resume is None or os.path.realpath(a.resume) != os.path.realpath(
+            a.checkpoint)):
+        have = latest_checkpoint(a.checkpoint)
+        if have is not None:  # nothing overwritten: a fresh run would replace that run's checkpoints
+            err(f"--checkpoint {a.checkpoint}: holds a checkpoint of step {have[0]}; continue it with "
+                f"--resume {a.checkpoint}, or name an empty folder")
     check_sizes(p, a, size if size is not None else (world_size() or 1))
     a._parser = p
     return a
@@ -253,7 +351,12 @@ def main(argv=None) -> int:
                 print("lm: error: --device cuda: torch sees no GPU (torch.cuda.is_available() is False)",
                       file=sys.stderr)
             return 2
-    comm = commlib.init()
+    # --fault-tolerant (and --checkpoint: a failure must end the run in bounded time, naming the
+    # checkpoint) runs on a fault-tolerant communicator: ULFM survives failures, elsewhere every
+    # wait is bounded by COMMLIB_TIMEOUT; on_failure="raise": a collective that lost a rank raises
+    # on every survivor (its sum would miss a shard's gradient) and the step is redone
+    ft = args.fault_tolerant or args.checkpoint is not None
+    comm = commlib.init(fault_tolerant=True, on_failure="raise") if ft else commlib.init()
     try:
         check_sizes(args._parser, args, comm.size)  # a launcher that did not name the size
     except SystemExit as exc:
@@ -264,6 +367,14 @@ def main(argv=None) -> int:
         if comm.rank == 0:
             print(f"lm: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+    except (commlib.ProcessFailed, commlib.CommTimeout) as exc:
+        if not ft:
+            raise
+        # not recovered (no ULFM, or a state lost): every survivor says so in one line and exits
+        from .train import failure_line  # noqa: PLC0415
+
+        print(failure_line(args, comm, exc), file=sys.stderr, flush=True)
+        return 1
     except KeyboardInterrupt:  # Ctrl-C: one line, no traceback; 130 as a shell reports SIGINT
         print(f"lm: interrupted (rank {comm.rank})", file=sys.stderr, flush=True)
         if comm.size > 1:  # the other ranks may be waiting on this one

@@ -19,7 +19,8 @@ job (one Python on every node) reads the same text.
   partial files; :func:`cu_seqlens` gives the document boundaries so attention
   never crosses them (the FlashAttention varlen convention).
 
-Only numpy here: the command line and the data are ready before torch loads.
+Only numpy here (torch in :meth:`TokenStream.state_dict` alone): the command line
+and the data are ready before torch loads.
 """
 from __future__ import annotations
 
@@ -132,6 +133,56 @@ class TokenStream:
             have += doc.size
         self._buf = np.concatenate(parts)
         self._pos = 0
+
+    def state_dict(self) -> dict:
+        """The stream's position, as plain types (``torch.load(weights_only=True)``
+        reads them back): a stream given it by :meth:`load_state_dict` yields
+        the same batches, bit for bit, as this one from here on.
+
+        Returns:
+            dict: ``epoch`` (int, -1 before the first document), ``order``
+            (list of int: this epoch's file order), ``next`` (int: index in
+            ``order`` of the next file to read), ``buffer`` (``torch.int16``
+            tensor: the tokens read but not yet consumed), ``documents`` (int),
+            and ``seed``, ``shuffle``, ``files`` (count) and ``digest``
+            (:func:`corpus_digest` of the paths), which must match the stream
+            restored into.
+        """
+        import torch  # noqa: PLC0415  (loaded by then: only training saves a stream's state)
+
+        rest = torch.from_numpy(self._buf[self._pos:].astype(np.int16))  # tokens <= BOS = 256
+        return dict(epoch=int(self._epoch), order=[int(i) for i in self._order], next=int(self._next),
+                    buffer=rest, documents=int(self.documents), seed=self.seed, shuffle=bool(self.shuffle),
+                    files=len(self.paths), digest=corpus_digest(self.paths))
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state`` (a :meth:`state_dict` of a stream over the
+        same files with the same seed and shuffle).
+
+        Raises:
+            ValueError: ``state`` is of a stream over other files, another seed
+                or shuffle, or is not a stream state.
+        """
+        try:
+            epoch, order, nxt = int(state["epoch"]), [int(i) for i in state["order"]], int(state["next"])
+            buf, documents = np.asarray(state["buffer"]), int(state["documents"])  # a CPU tensor reads as numpy
+            mine = dict(seed=self.seed, shuffle=bool(self.shuffle), files=len(self.paths),
+                        digest=corpus_digest(self.paths))
+            theirs = {k: state[k] for k in mine}
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a TokenStream state: {exc!r}") from None
+        diff = [f"{k} {theirs[k]!r} there, {mine[k]!r} here" for k in mine if theirs[k] != mine[k]]
+        if diff:
+            raise ValueError("TokenStream state of another stream: " + "; ".join(diff))
+        n = len(self.paths)
+        if (buf.ndim != 1 or buf.dtype.kind not in "iu" or (buf.size and not 0 <= buf.min() <= buf.max() <= BOS)
+                or not -1 <= epoch or not 0 <= nxt <= len(order)
+                or (epoch >= 0 and sorted(order) != list(range(n))) or (epoch < 0 and (order or nxt))):
+            raise ValueError("TokenStream state is inconsistent (order, next or buffer)")
+        self._epoch, self._order, self._next = epoch, order, nxt
+        self._buf = buf.astype(np.uint16)
+        self._pos = 0
+        self.documents = documents
 
     def batch(self, batch: int, seq_len: int) -> np.ndarray:
         """The next ``(batch, seq_len + 1)`` int64 tokens (row ``b``: stream

@@ -12,12 +12,14 @@ index vector), their targets and their positions in their own row.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
 import os
 import platform
 import resource
+import signal
 import sys
 import time
 
@@ -27,12 +29,16 @@ import torch
 import commlib
 from commlib.nn import SequenceParallelAttention, shard_sequence
 
-from .data import VOCAB, TokenStream, corpus_digest, cu_seqlens, flat_positions, split_files, stdlib_files, \
+from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, \
+    set_rng_state, training_config
+from .data import BOS, VOCAB, TokenStream, corpus_digest, cu_seqlens, flat_positions, split_files, stdlib_files, \
     stdlib_root
 from .model import TransformerLM, dense_attention, document_mask, loss_sum
 
 __all__ = ["run", "oracle_losses", "print_report", "write_outputs", "plot_losses"]
 
+#: the target of a padding token (torch's cross_entropy ignore_index)
+IGNORE = -100
 _LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
 
 
@@ -69,40 +75,82 @@ def _autocast(args, device):
 class Shard:
     """Which tokens of a batch this rank holds, and the attention over them.
 
+    The sharded sequence (the packed batch, or each row without document
+    masking) is padded at its end to a multiple of the layout's unit
+    (:func:`..pad_unit`: ``P``, zigzag ``2P``), so any ``--seq-len`` runs at
+    any rank count: the padding is a document of its own (packed) or follows
+    every real token (causal, per row), so no real token attends to it, and
+    its targets are ``-100`` (left out of the loss).  The losses are those of
+    the unpadded sequence.
+
     Args:
         args: the parsed command line.
         comm: the communicator (the ranks sharing each sequence).
         device: where the tensors go.
+        kill: ``kill(phase)`` called at the start of the first attention of
+            a forward (``"forward"``) and when autograd's backward reaches
+            its output (``"backward"``): fault injection, or None.
     """
 
-    def __init__(self, args, comm, device):
-        self.args, self.device = args, device
+    def __init__(self, args, comm, device, kill=None):
+        self.args, self.device, self.kill = args, device, kill
         self.B, self.L = args.batch, args.seq_len
         self.doc_mask = not args.no_doc_mask
-        self.n = self.B * self.L if self.doc_mask else self.L  # length of the sharded sequence
-        # the global indices this rank holds: its layout shard of arange(n), int64 (n / P,)
-        self.index = shard_sequence(torch.arange(self.n)[None], comm, layout=args.layout, dim=1)[0].numpy()
-        self.attention = SequenceParallelAttention(comm, kind=args.attention, layout=args.layout, causal=True,
-                                                   ulysses_degree=args.ulysses_degree)
+        self.n_real = self.B * self.L if self.doc_mask else self.L  # length of the sharded sequence
+        self.note = None
+        self.build(comm)
 
-    def split(self, tokens: np.ndarray):
+    def build(self, comm) -> None:
+        """(Re-)shard over ``comm``'s ranks (after a failure: the survivors), in the same layout."""
+        from . import pad_unit, plan_attention  # noqa: PLC0415
+
+        a = self.args
+        unit = pad_unit(a.layout, comm.size)
+        self.n = -(-self.n_real // unit) * unit
+        self.pad = self.n - self.n_real
+        # the global indices this rank holds: its layout shard of arange(n), int64 (n / P,)
+        self.index = shard_sequence(torch.arange(self.n)[None], comm, layout=a.layout, dim=1)[0].numpy()
+        self.kind, degree, self.note = plan_attention(a.attention, a.ulysses_degree, comm.size, a.heads,
+                                                      a.kv_heads)
+        self.attention = SequenceParallelAttention(comm, kind=self.kind, layout=a.layout, causal=True,
+                                                   ulysses_degree=degree)
+
+    def split(self, tokens: np.ndarray, train: bool = False):
         """This rank's (inputs, targets, positions, attn) of a global batch
         ``tokens`` ``(B, L + 1)``: inputs/targets ``(1, n/P)`` (packed) or
-        ``(B, L/P)``, positions ``(n/P,)``, and ``attn(q, k, v)``."""
+        ``(B, n/P)``, positions ``(n/P,)``, and ``attn(q, k, v)`` (with the
+        fault-injection hooks when ``train``)."""
         x, y = tokens[:, :-1], tokens[:, 1:]
-        idx = self.index
+        idx, pad, L = self.index, self.pad, self.L
         if self.doc_mask:
-            cu = torch.from_numpy(cu_seqlens(x))  # host boundaries: the attention reads them on the host
-            inp, tgt = x.reshape(1, -1)[:, idx], y.reshape(1, -1)[:, idx]
-            pos = flat_positions(self.B, self.L)[idx]
+            cu = cu_seqlens(x)
+            xf, yf, pos = x.reshape(-1), y.reshape(-1), flat_positions(self.B, L)
+            if pad:  # a padding document at the end
+                xf = np.concatenate([xf, np.full(pad, BOS, dtype=xf.dtype)])
+                yf = np.concatenate([yf, np.full(pad, IGNORE, dtype=yf.dtype)])
+                pos = np.concatenate([pos, np.minimum(np.arange(pad), L - 1)])
+                cu = np.append(cu, self.n)
+            cu = torch.from_numpy(cu)  # host boundaries: the attention reads them on the host
+            inp, tgt, pos = xf[idx][None], yf[idx][None], pos[idx]
         else:
             cu = None
-            inp, tgt, pos = x[:, idx], y[:, idx], idx
+            if pad:  # after every real token of each row: causal attention never reaches it
+                x = np.pad(x, ((0, 0), (0, pad)), constant_values=BOS)
+                y = np.pad(y, ((0, 0), (0, pad)), constant_values=IGNORE)
+            inp, tgt, pos = x[:, idx], y[:, idx], np.minimum(idx, L - 1)
         dev = self.device
-        attn = self.attention
+        attn, kill = self.attention, self.kill if train else None
+        first = [True]
 
         def call(q, k, v):
-            return attn(q, k, v, cu_seqlens=cu)
+            if kill is None or not first[0]:
+                return attn(q, k, v, cu_seqlens=cu)
+            first[0] = False
+            kill("forward")
+            out = attn(q, k, v, cu_seqlens=cu)
+            if out.requires_grad:
+                out.register_hook(lambda g: kill("backward"))
+            return out
 
         t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)  # noqa: E731
         return t(inp), t(tgt), t(pos), call
@@ -198,40 +246,105 @@ def _eval_points(args) -> list[int]:
     return [s for s in range(args.steps) if (s + 1) % args.eval_every == 0 or s == args.steps - 1]
 
 
+def _kill_self():
+    """Die as a failed node would (SIGKILL: no cleanup, no goodbye to MPI)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _Training:
+    """The state a step changes, and its snapshot for :class:`commlib.ResilientRunner`.
+
+    The parameters are replicated (bit-identical on every rank), so every
+    survivor holds the whole model and optimizer: the snapshot is a copy of
+    both, taken when a step commits, and a failed step starts again from it.
+    """
+
+    def __init__(self, model, opt):
+        self.model, self.opt = model, opt
+
+    def save(self):
+        return ({k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                copy.deepcopy(self.opt.state_dict()))
+
+    def load(self, snap) -> None:
+        params, opt_state = snap
+        self.model.load_state_dict(params)
+        # a copy: AdamW's load keeps same-device tensors, which the redone step then updates in place
+        self.opt.load_state_dict(copy.deepcopy(opt_state))
+
+
 def run(args, comm=None):
     """Train as ``args`` (:func:`commlib.apps.lm.parse_args`) say, sequence-parallel over ``comm``.
 
+    With ``--fault-tolerant`` on a ULFM communicator each step runs under
+    :class:`commlib.ResilientRunner`: a rank dying anywhere in it (attention
+    forward or backward, the gradient all-reduce, the optimizer step,
+    evaluation) makes the survivors shrink, go back to the parameters and
+    optimizer state of the last completed step, re-shard the sequences over
+    themselves (same layout; the attention re-planned when its Ulysses degree
+    no longer fits) and redo the step with the same tokens.
+
     Returns:
-        dict on rank 0 (the report: configuration, per-step figures, summary,
-        and ``verify`` with ``--verify``); None on the other ranks.
+        dict on the lowest surviving rank (the report: configuration, per-step
+        figures, summary, ``failures``, and ``verify`` with ``--verify``);
+        None on the other ranks.
 
     Raises:
         commlib.InvalidArgument: from the attention layer, on every rank alike.
+        commlib.ProcessFailed, commlib.CommTimeout: a failure not recovered
+            (no ULFM, or no fault tolerance asked for).
     """
     comm = comm or commlib.init()
-    rank, P = comm.rank, comm.size
     threads = args.threads
     torch.set_num_threads(threads)
-    device = _device(args, rank)
+    device = _device(args, comm.rank)
     N = args.batch * args.seq_len
+    world = int(comm.world_ranks[comm.rank]) if comm.fault_tolerant else comm.rank
+    P0 = comm.size
+    kills = {(step, phase) for r, step, phase in args.kill if r == world}
 
     root, files, train_files, val_files = _data(args)
     stream = TokenStream(root, train_files, seed=args.seed)
     val_batches = _val_batches(args, root, val_files)
     model, opt = _new_model(args, device)
     sync = GradAllreduce(model.parameters(), comm)
-    shard = Shard(args, comm, device)
-    evals = set(_eval_points(args))
+    where = {"step": 0, "phase": "forward"}  # this rank's place in the step, for the failure report
 
-    def local_loss(tokens):
-        inp, tgt, pos, attn = shard.split(tokens)
+    def kill(phase):
+        where["phase"] = phase
+        if (where["step"] + 1, phase) in kills:
+            print(f"lm: fault injection: COMM_WORLD rank {world} dies in step {where['step'] + 1} ({phase}) "
+                  f"at t={time.time():.6f}", file=sys.stderr, flush=True)
+            _kill_self()
+
+    shard = Shard(args, comm, device, kill=kill)
+    evals = set(_eval_points(args))
+    training = _Training(model, opt)
+    notes = []
+
+    def reshard(comm):
+        shard.build(comm)
+        if shard.note:
+            notes.append(shard.note)
+            if comm.rank == 0:
+                print(f"lm: {shard.note}", file=sys.stderr, flush=True)
+
+    runner = commlib.ResilientRunner(comm, save=training.save, load=training.load, reshard=reshard,
+                                     commit=False)  # every step ends with a fault-tolerant all-reduce
+    if shard.note and comm.rank == 0:  # pragma: no cover - check_sizes refuses a misfit at the start
+        print(f"lm: {shard.note}", file=sys.stderr, flush=True)
+
+    def local_loss(tokens, train=False):
+        inp, tgt, pos, attn = shard.split(tokens, train)
         with _autocast(args, device):
             logits = model(inp, pos, attn)
         return loss_sum(logits, tgt)
 
     def global_mean(local_sum: float, count: int) -> float:
         buf = np.array([local_sum], dtype=np.float64)
-        if P > 1:
+        if comm.size > 1:
             comm.allreduce(buf)
         return float(buf[0]) / count
 
@@ -242,58 +355,108 @@ def run(args, comm=None):
         model.train()
         return global_mean(s, N * len(val_batches))
 
-    bar = range(args.steps)
-    if rank == 0 and not args.no_progress:
-        from tqdm import tqdm  # noqa: PLC0415
-
-        bar = tqdm(bar, desc=f"lm {args.attention}/{args.layout} P={P}", unit="step", file=sys.stderr)
-    train_loss, val_loss = [], {}
-    mine = np.zeros((args.steps, 2))  # per step: seconds, peak bytes on this rank
-    comm.barrier()
-    for step in bar:
-        tokens = stream.batch(args.batch, args.seq_len)
+    def train_step(step, tokens):
+        where["step"], where["phase"] = step, "forward"
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=False)
-        s = local_loss(tokens)
+        s = local_loss(tokens, train=True)
+        where["phase"] = "backward"
         (s / N).backward()
+        kill("allreduce")
         sync()
+        kill("optimizer")
         _update(args, model, opt, step)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        mine[step] = time.perf_counter() - t0, _peak_memory(device)
-        train_loss.append(global_mean(float(s.detach()), N))
+        seconds = time.perf_counter() - t0
+        loss = global_mean(float(s.detach()), N)
+        val = None
         if step in evals:
-            val_loss[step] = evaluate()
-        if rank == 0 and hasattr(bar, "set_postfix"):
-            post = dict(loss=f"{train_loss[-1]:.4f}", tok_s=f"{N / mine[step, 0]:.0f}")
-            if step in val_loss:
-                post["val"] = f"{val_loss[step]:.4f}"
-                bar.write(f"step {step + 1}: train {train_loss[-1]:.4f}  val {val_loss[step]:.4f}")
+            kill("eval")
+            val = evaluate()
+        return loss, val, seconds
+
+    train_loss, val_loss = [], {}
+    mine = np.full((args.steps, 2), np.nan)  # per step: seconds, peak bytes on this rank (NaN: not run here)
+    cfg = training_config(args, corpus_digest(files))
+    start = 0
+    if args.resume is not None:
+        start, train_loss, val_loss = _resume(args, comm, cfg, model, opt, stream)
+        runner.checkpoint()  # the resumed state is what a failure goes back to
+
+    def save(step, loss, val):
+        """Checkpoint after step ``step`` (0-based) on the lowest rank; every rank learns the outcome."""
+        problem = None
+        if comm.rank == 0:
+            vl = dict(val_loss)
+            if val is not None:
+                vl[step] = val
+            state = dict(model=model.state_dict(), optimizer=opt.state_dict(), data=stream.state_dict(),
+                         rng=rng_state(), train_loss=train_loss + [loss], val_loss=vl)
+            try:
+                save_checkpoint(args.checkpoint, step + 1, state, cfg)
+            except CheckpointError as exc:
+                problem = exc
+        _agree_or_raise(comm, problem, "checkpoint")
+
+    bar = range(start, args.steps)
+    if comm.rank == 0 and not args.no_progress:
+        from tqdm import tqdm  # noqa: PLC0415
+
+        bar = tqdm(bar, desc=f"lm {args.attention}/{args.layout} P={P0}", unit="step", file=sys.stderr,
+                   initial=start, total=args.steps)
+    comm.barrier()
+    for step in bar:
+        tokens = stream.batch(args.batch, args.seq_len)  # outside the step: a redo reads the same tokens
+
+        def step_and_checkpoint(step, tokens):
+            loss, val, seconds = train_step(step, tokens)
+            if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step == args.steps - 1):
+                save(step, loss, val)  # in the step: a failure here redoes the step, then saves it
+            return loss, val, seconds
+
+        loss, val, seconds = runner.run(step_and_checkpoint, step, tokens)
+        mine[step] = seconds, _peak_memory(device)
+        train_loss.append(loss)
+        if val is not None:
+            val_loss[step] = val
+        if hasattr(bar, "set_postfix"):
+            post = dict(loss=f"{loss:.4f}", tok_s=f"{N / seconds:.0f}")
+            if val is not None:
+                post["val"] = f"{val:.4f}"
+                bar.write(f"step {step + 1}: train {loss:.4f}  val {val:.4f}")
             bar.set_postfix(post)
     if hasattr(bar, "close"):
         bar.close()
-    per_rank = comm.allgather(mine)  # (P, steps, 2)
+    per_rank = comm.allgather(mine)  # (P, steps, 2): the survivors
     digests = comm.allgather(_parameter_digest(model))  # (P, 4): every rank's parameters, hashed
-    peak_per_rank = per_rank[:, :, 1].max(axis=1)
+    peak_per_rank = np.nanmax(per_rank[:, start:, 1], axis=1)
+    failures = _failure_rows(args, runner.failures)
 
     verify = None
     if args.verify:
         verify = _verify(args, comm, train_loss, val_loss)
-    if rank != 0:
+    if comm.rank != 0:
         return None
 
-    step_time = per_rank[:, :, 0].max(axis=0)  # the slowest rank
-    timed = step_time[1:] if args.steps > 1 else step_time
-    rows = [dict(step=s + 1, train_loss=train_loss[s], val_loss=val_loss.get(s), time_s=float(step_time[s]),
-                 tokens_per_s=float(N / step_time[s]), peak_memory_bytes=int(per_rank[:, s, 1].max()))
+    P = comm.size
+    step_time = per_rank[:, :, 0].max(axis=0)  # the slowest rank (NaN: steps before a --resume)
+    ran = step_time[start:]
+    timed = ran[1:] if ran.size > 1 else ran
+    rows = [dict(step=s + 1, train_loss=train_loss[s], val_loss=val_loss.get(s),
+                 time_s=_num(step_time[s]), tokens_per_s=_num(N / step_time[s]),
+                 peak_memory_bytes=_num(per_rank[:, s, 1].max(), int))
             for s in range(args.steps)]
     config = {k: v for k, v in vars(args).items() if not k.startswith("_")}
     report = dict(
-        app="lm", config=config, ranks=P, threads_per_rank=threads,
+        app="lm", config=config, ranks=P0, ranks_final=P, threads_per_rank=threads,
         device=str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
         torch=torch.__version__, python=platform.python_version(),
+        fault_tolerant=comm.fault_tolerant, failures=failures, notes=notes, resumed_from_step=start or None,
+        attention_final=dict(kind=shard.kind, ulysses_degree=getattr(shard.attention, "ulysses_degree", None)),
         sequence=dict(packed=shard.doc_mask, sequences=1 if shard.doc_mask else args.batch,
-                      sharded_length=shard.n, tokens_per_rank=N // P, tokens_per_step=N),
+                      sharded_length=shard.n, padding=shard.pad, tokens_per_rank=shard.n // P * (
+                          1 if shard.doc_mask else args.batch), tokens_per_step=N),
         data=dict(root=root, files=len(files), train_files=len(train_files), val_files=len(val_files),
                   digest=corpus_digest(files), train_documents_read=stream.documents,
                   val_tokens=N * len(val_batches)),
@@ -305,11 +468,85 @@ def run(args, comm=None):
         final_val_loss=val_loss[max(val_loss)],
         tokens_per_s=float(N / np.median(timed)),
         step_time_s=float(np.median(timed)),
-        peak_memory_bytes_per_rank=[int(b) for b in peak_per_rank],
+        peak_memory_bytes_per_rank=[int(b) for b in np.nan_to_num(peak_per_rank)],
     )
     if verify is not None:
         report["verify"] = verify
     return report
+
+
+def _num(x, kind=float):
+    """A JSON number, or None for NaN (a step run before a --resume)."""
+    return None if not np.isfinite(x) else kind(x)
+
+
+def _agree_or_raise(comm, problem, what):
+    """Every rank raises when one had ``problem`` (an exception, or None): one
+    all-reduce, so no rank is left waiting on the one that failed."""
+    bad = np.array([1.0 if problem is not None else 0.0])
+    if comm.size > 1:
+        comm.allreduce(bad)
+    if bad[0] > 0:
+        if problem is not None:
+            raise problem
+        raise CheckpointError(f"{what}: {int(bad[0])} rank(s) failed (the lowest rank says why)", rank=comm.rank,
+                              op=f"lm {what}")
+
+
+def _resume(args, comm, cfg, model, opt, stream):
+    """Load ``--resume``'s newest checkpoint on every rank (all or none: a
+    rank that cannot read it makes every rank raise); returns
+    ``(completed steps, train losses, {step: val loss})``."""
+    problem = st = None
+    try:
+        start, st = load_checkpoint(args.resume, cfg, map_location=next(model.parameters()).device)
+    except CheckpointError as exc:
+        problem = exc
+    _agree_or_raise(comm, problem, "resume")
+    model.load_state_dict(st["model"])
+    opt.load_state_dict(st["optimizer"])
+    stream.load_state_dict(st["data"])
+    set_rng_state(st["rng"])
+    return start, list(st["train_loss"]), {int(k): v for k, v in st["val_loss"].items()}
+
+
+def _failure_rows(args, failures) -> list:
+    """``--json``'s ``failures``: one row per lost COMM_WORLD rank, with the
+    phase ``--kill`` gave it (else ``"unknown"``)."""
+    planned = {(r, step): phase for r, step, phase in args.kill}
+    rows = []
+    for f in failures:
+        for w in f.failed or (None,):
+            rows.append(dict(world_rank=w, step=f.step, phase=planned.get((w, f.step), "unknown"),
+                             recovery_s=f.recovery_s, lost_s=f.lost_s, ranks_after=f.ranks_after, detected_unix=f.detected_unix,
+                             redone_unix=f.detected_unix + f.recovery_s, error=f.error))
+    return rows
+
+
+def failure_line(args, comm, exc) -> str:
+    """The one line a survivor prints when a failure ends the run (no ULFM):
+    what failed, the last checkpoint and the command that resumes from it."""
+    what = " ".join(str(exc).split())
+    head = f"lm: rank {comm.rank}: a rank failed and this MPI cannot survive it ({what})"
+    if args.checkpoint is None:
+        return head + "; no --checkpoint: the run is lost"
+    have = latest_checkpoint(args.checkpoint)
+    if have is None:
+        return head + f"; no checkpoint written yet in {args.checkpoint}: start again"
+    argv, skip = [], False
+    for a in sys.argv[1:]:  # the same options, less the fault injection and any earlier --resume
+        if skip:
+            skip = False
+            continue
+        if a in ("--kill", "--resume"):
+            skip = True
+            continue
+        if a.startswith(("--kill=", "--resume=")):
+            continue
+        argv.append(a)
+    cmd = " ".join(["mpiexec", "-n", "N", sys.executable, "-P", "-m", "commlib.apps.lm", *argv,
+                     "--resume", args.checkpoint])
+    return head + f"; last checkpoint: step {have[0]} in {args.checkpoint}; resume on any rank count N with: {cmd}"
 
 
 # ------------------------------------------------------------------ the oracle
@@ -397,7 +634,9 @@ def _fmt_bytes(n: float) -> str:
 def print_report(rep) -> None:
     c = rep["config"]
     layout = c["layout"] + (f", ulysses degree {c['ulysses_degree']}" if c["attention"] == "hybrid" else "")
-    print(f"lm {c['attention']} ({layout}) on {rep['ranks']} rank(s), {rep['device']}, {c['dtype']}, "
+    ranks = f"{rep['ranks']} rank(s)" + (f" -> {rep['ranks_final']}" if rep.get("ranks_final", rep["ranks"])
+                                          != rep["ranks"] else "")
+    print(f"lm {c['attention']} ({layout}) on {ranks}, {rep['device']}, {c['dtype']}, "
           f"{rep['threads_per_rank']} thread(s) per rank")
     print(f"  model: {rep['parameters']:,} parameters, d_model {c['d_model']}, {c['layers']} layers, heads "
           f"{c['heads']}/{c['kv_heads']}, {c['pos']} positions")
@@ -411,6 +650,11 @@ def print_report(rep) -> None:
     print(f"  {rep['tokens_per_s']:.0f} tokens/s (median step {rep['step_time_s'] * 1e3:.1f} ms, slowest rank)")
     if not rep["parameters_identical_across_ranks"]:
         print("  WARNING: the ranks' parameters differ")
+    for f in rep.get("failures", []):
+        print(f"  failure: COMM_WORLD rank {f['world_rank']} lost in step {f['step']} ({f['phase']}); recovered in "
+              f"{f['recovery_s']:.2f} s, the step redone on {f['ranks_after']} ranks")
+    for note in rep.get("notes", []):
+        print(f"  note: {note}")
     print(f"  peak memory per rank ({rep['memory_kind']}): "
           f"{', '.join(_fmt_bytes(b) for b in rep['peak_memory_bytes_per_rank'])}")
     v = rep.get("verify")

@@ -36,9 +36,30 @@ accepted (an ``attn_mask`` tensor or a nonzero ``dropout_p`` is refused).
   its attention call.
 
 Bad arguments raise :class:`commlib.InvalidArgument` on every rank before any
-byte moves; waits are bounded by ``timeout`` (seconds) and raise
+byte moves; waits are bounded by ``timeout`` (seconds; on a fault-tolerant
+communicator, its own ``timeout`` when the call gives none) and raise
 :class:`commlib.CommTimeout`.
+
+After a failure (``commlib.init(fault_tolerant=True)`` under ULFM): a rank
+dying inside any of these calls, forward or ``loss.backward()``, makes every
+survivor raise :class:`commlib.ProcessFailed` or :class:`commlib.CommTimeout`
+(the rank that fails revokes the communicator's transports, the hybrid
+grid's sub-communicators included, so nobody stays blocked on a live
+neighbour).  The caller's rule, on every survivor::
+
+    except (commlib.ProcessFailed, commlib.CommTimeout) as exc:
+        if not getattr(exc, "recovered", False):  # True: comm shrank already
+            comm.recover()                        # revoke, agree, shrink
+        # re-shard over comm.size ranks and call again on the same comm
+
+An error with ``recovered = True`` came from a collective that already
+shrank the communicator: revoking or recovering it again would break the
+survivors' new group.  Nothing cached for the old group is reused (the
+hybrid's grids are keyed by the group and split anew).  A caller that saw a
+failure in its own traffic instead calls :func:`revoke` (this layer's
+transports of ``comm``) before ``comm.recover()``.
 """
+from ._failure import revoke
 from .hybrid import hybrid_attention
 from .module import SequenceParallelAttention
 from .ring import ring_attention, ring_attention_bidirectional
@@ -53,4 +74,5 @@ __all__ = [
     "shard_sequence",
     "unshard_sequence",
     "SequenceParallelAttention",
+    "revoke",
 ]

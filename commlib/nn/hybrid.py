@@ -37,8 +37,11 @@ With ``U = P`` (one ring group) the same permutation gives natural order and
 attention runs locally (also on one rank); with ``U = 1`` (and more than
 one rank) the call is ring attention.
 
-The two sub-communicators are made once per communicator, degree and group
-shape with the communicator's own ``split`` (collective) and cached.
+The two sub-communicators are made once per communicator group, degree and
+group shape with the communicator's own ``split`` (collective) and cached,
+keyed by the group's collectives transport: after a fault-tolerant shrink
+the next call splits the survivors anew, and the old group's
+sub-communicators are revoked (see :func:`grid`).
 """
 from __future__ import annotations
 
@@ -49,16 +52,21 @@ import torch
 
 from commlib.collectives.attention.layout import LAYOUTS, sequence_positions
 from commlib.collectives.attention.transport import transport_of
-from commlib.core.errors import InvalidArgument
+from commlib.core.errors import InvalidArgument, ProcessFailed
 
 from .ring import ring_attention
 from ._check import autocast_inputs
+from ._failure import bound, guarded, link, link_comm
 from .ulysses import document_mask, heads_to_seq, local_attention, seq_to_heads, spread_kv_heads, validate
 
 __all__ = ["hybrid_attention", "grid"]
 
+# (ulysses_comm, ring_comm) per (degree, strided), per group: keyed by the
+# communicator's collectives transport, which a shrink replaces
 _GRIDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_GRIDS_BY_ID: dict = {}  # for communicators that cannot be weakly referenced
+_GRIDS_BY_ID: dict = {}  # for transports that cannot be weakly referenced
+_OWNED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # communicator -> [its groups' transports]
+_RETIRED: list = []  # sub-communicators of a group that shrank: revoked, kept (never freed)
 
 
 def _strided(layout: str) -> bool:
@@ -79,6 +87,15 @@ def _member(g: int, u: int, size: int, degree: int, strided: bool) -> int:
 def grid(comm, ulysses_degree: int, strided: bool = False):
     """The ``(ulysses_comm, ring_comm)`` of ``comm`` for ``ulysses_degree`` (collective on first use).
 
+    The pair is cached per communicator *group*: keyed by the collectives
+    transport of ``comm`` (``comm`` itself for a transport), which a
+    fault-tolerant shrink (``comm.recover()``, or a collective that recovered)
+    replaces, so the next call on the shrunk communicator splits it anew.
+    The pairs of the old group are retired then (their sub-communicators
+    revoked, so no survivor stays blocked on one, and dropped): by a failure
+    callback on ``comm`` after every shrink, and here on the first use of the
+    new group.
+
     Args:
         comm: a communicator or transport with ``split(color, key)``.
         ulysses_degree: ``U``, dividing ``comm.size``.
@@ -87,18 +104,92 @@ def grid(comm, ulysses_degree: int, strided: bool = False):
     Returns:
         tuple: the Ulysses group (``U`` ranks, ranked by place in the group)
         and the ring group (``P/U`` ranks, ranked by group index).
+
+    Raises:
+        ProcessFailed, CommTimeout: the split failed (fault-tolerant
+            ``comm``); ``recovered = True`` when ``comm`` shrank inside it
+            (it then holds the survivors already: do not recover it again).
     """
     key = (int(ulysses_degree), bool(strided))
-    try:
-        cache = _GRIDS.setdefault(comm, {})
-    except TypeError:
-        cache = _GRIDS_BY_ID.setdefault(id(comm), {})
+    tp = transport_of(comm)
+    cache = _cache_of(comm, tp)
     if key not in cache:
         g, u = _coords(comm.rank, comm.size, ulysses_degree, strided)
         ucomm = comm.split(g, u)
         rcomm = comm.split(u, g)
+        if transport_of(comm) is not tp:
+            # a fault-tolerant split whose barrier recovered from a failure
+            # (on_failure="shrink"): the colours were of the old group
+            _retire_pair((ucomm, rcomm))
+            exc = ProcessFailed(f"the communicator shrank to {comm.size} ranks while the process grid was "
+                                "split; call again", failed=getattr(comm, "failed_ranks", ()), rank=comm.rank,
+                                op="hybrid_attention")
+            exc.recovered = True  # already shrunk: do not recover it again
+            raise exc
         cache[key] = (ucomm, rcomm)
+        link_comm(comm, tp)
+        for sub in (ucomm, rcomm):
+            link(tp, transport_of(sub), getattr(sub, "transport", None))
     return cache[key]
+
+
+def _cache_of(comm, tp) -> dict:
+    """The grid cache of ``comm``'s current group (``tp``); the pairs cached for
+    an earlier group of the same communicator are retired first."""
+    try:
+        owned = _OWNED.get(comm)
+    except TypeError:  # not weakly referenceable
+        owned = None
+    else:
+        if owned is None:
+            owned = _OWNED[comm] = []
+            if callable(getattr(comm, "add_failure_callback", None)) and getattr(comm, "ft", None) is not None:
+                comm.add_failure_callback(_on_shrink)
+    if owned is not None:
+        _retire_others(owned, tp)
+        if tp not in owned:
+            owned.append(tp)
+    try:
+        return _GRIDS.setdefault(tp, {})
+    except TypeError:
+        return _GRIDS_BY_ID.setdefault(id(tp), {})
+
+
+def _on_shrink(failed, comm) -> None:
+    """Failure callback (every survivor, after ``comm`` shrank): retire the
+    grids of the group that is gone."""
+    owned = _OWNED.get(comm)
+    if owned is not None:
+        _retire_others(owned, transport_of(comm))
+
+
+def _retire_others(owned: list, tp) -> None:
+    """Retire the groups in ``owned`` other than ``tp`` (held strongly until
+    then: a shrink drops the communicator's reference to its old transport)."""
+    for old in [t for t in owned if t is not tp]:
+        _retire(old)
+        owned.remove(old)
+
+
+def _retire(tp) -> None:
+    """Revoke and drop the sub-communicators cached for group ``tp``."""
+    try:
+        cache = _GRIDS.pop(tp, None)
+    except TypeError:
+        cache = _GRIDS_BY_ID.pop(id(tp), None)
+    for pair in (cache or {}).values():
+        _retire_pair(pair)
+
+
+def _retire_pair(pair) -> None:
+    for sub in pair:
+        for t in (transport_of(sub), getattr(sub, "transport", None)):
+            if t is not None and getattr(sub, "ft", None) is not None:
+                try:
+                    t.revoke()  # a survivor still blocked on it returns; never freed (MPI may not free it now)
+                except Exception:  # noqa: BLE001 - best effort
+                    pass
+        _RETIRED.append(sub)
 
 
 def ring_order(layout: str, size: int, degree: int, seq_local: int, g: int, strided: bool):
@@ -146,8 +237,8 @@ def hybrid_attention(q, k, v, comm, ulysses_degree: int, causal: bool = False, l
         cu_seqlens: optional global document boundaries ``[0, ..., seq_len]``
             (same on every rank), passed to the ring (or masked locally when
             ``U = comm.size``).
-        timeout: seconds for each exchange and agreement wait: None (no limit) or a finite
-            number > 0.
+        timeout: seconds for each exchange and agreement wait: None (no limit; on a
+            fault-tolerant communicator its own ``timeout``) or a finite number > 0.
         attn_mask, dropout_p, is_causal, scale, enable_gqa: SDPA's keywords,
             as in :func:`commlib.nn.ring.ring_attention`.
 
@@ -173,11 +264,18 @@ def hybrid_attention(q, k, v, comm, ulysses_degree: int, causal: bool = False, l
             comm.size``): the ring's backward is not differentiable.
         CommTimeout: an exchange did not complete in ``timeout``.
         ProcessFailed: a peer failed (other transport failures: :class:`~commlib.CommError`).
+
+    Failures: as :func:`commlib.nn.ring.ring_attention`; a failure on any
+    rank revokes the grid's sub-communicators with the communicator, and
+    after a shrink the grid is split anew over the survivors (a degree must
+    then divide the new size).
     """
     op = "hybrid_attention"
+    timeout = bound(comm, timeout)  # a fault-tolerant communicator's own bound when the call gives none
     tp = transport_of(comm, timeout, op)
+    link_comm(comm, tp)
     (q, k, v), ctx = autocast_inputs(q, k, v)  # autocast: SDPA's casts, before the dtype agreement
-    with ctx:
+    with ctx, guarded(tp, comm):
         return _hybrid(q, k, v, comm, tp, op, ulysses_degree, layout, softmax_scale, bidirectional, cu_seqlens,
                        timeout, dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                                      enable_gqa=enable_gqa), causal)

@@ -134,7 +134,9 @@ class SequenceParallelAttention(torch.nn.Module):
                                   **kw)
         if self.kind == "ulysses" and self.layout == "contiguous":
             return ulysses_attention(q, k, v, self.comm, **kw)
-        return hybrid_attention(q, k, v, self.comm, self.ulysses_degree, layout=self.layout, **kw)
+        # kind "ulysses": every rank of the communicator *now* (a fault-tolerant one may have shrunk)
+        degree = self.comm.size if self.kind == "ulysses" else self.ulysses_degree
+        return hybrid_attention(q, k, v, self.comm, degree, layout=self.layout, **kw)
 
     def extra_repr(self) -> str:
         deg = f", ulysses_degree={self.ulysses_degree}" if self.kind == "hybrid" else ""

@@ -46,6 +46,7 @@ from commlib.core.errors import InvalidArgument
 from ._check import (DEVICES, DTYPE_NAMES, DTYPES, agreement_timeout, autocast_inputs, autocast_off, check_qkv,
                      cu_seqlens_of, grad_flags, no_double_backward, sdpa_keywords, softmax_scale_of, timeout_of)
 from ._blocks import acc_dtype, block_backward, block_forward, merge, plan_block
+from ._failure import bound, guarded, link_comm
 from ._wire import irecv_tensor, isend_tensor
 
 __all__ = ["ring_attention", "ring_attention_bidirectional"]
@@ -379,7 +380,7 @@ class _RingAttention(torch.autograd.Function):
         # terms silently, as once_differentiable would when dout needs no grad
         no_double_backward(lambda msg: InvalidArgument(msg, rank=spec.rank, op=spec.op + " (backward)"))
         q, k, v, out, lse = ctx.saved_tensors
-        with torch.no_grad(), autocast_off(q.device.type):
+        with torch.no_grad(), autocast_off(q.device.type), guarded(ctx.tp):
             dout = dout.to(q.dtype).contiguous()
             dq, dk, dv = _backward(ctx.tp, spec, ctx.plan, q, k, v, out, lse, dout)
         return dq, dk, dv, None, None, None
@@ -387,9 +388,11 @@ class _RingAttention(torch.autograd.Function):
 
 # ------------------------------------------------------------------ public
 def _ring(q, k, v, comm, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op, sdpa):
+    timeout = bound(comm, timeout)  # a fault-tolerant communicator's own bound when the call gives none
     tp = transport_of(comm, timeout, op)
+    link_comm(comm, tp)
     (q, k, v), ctx = autocast_inputs(q, k, v)  # autocast: SDPA's casts, before the dtype agreement
-    with ctx:
+    with ctx, guarded(tp, comm):
         spec = _validate(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op, sdpa)
         plan = _plan(spec)
         return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), tp, spec, plan)
@@ -431,7 +434,8 @@ def ring_attention(q, k, v, comm, causal=False, layout="contiguous", softmax_sca
         bidirectional: split every K/V shard in two halves that travel round
             the ring in opposite directions (:func:`ring_attention_bidirectional`).
         timeout: seconds any one ring step's messages (and each argument
-            agreement wait) may take: None (no limit) or a finite number > 0.
+            agreement wait) may take: None (no limit; on a fault-tolerant
+            communicator its own ``timeout``) or a finite number > 0.
         attn_mask, dropout_p, is_causal, scale, enable_gqa: the keywords of
             :func:`torch.nn.functional.scaled_dot_product_attention`, so a
             call written for it ports: ``is_causal`` and ``scale`` are
@@ -469,6 +473,13 @@ def ring_attention(q, k, v, comm, causal=False, layout="contiguous", softmax_sca
         CommTimeout: the argument agreement or a step's messages did not
             complete within ``timeout``.
         CommError: a peer failed (``ProcessFailed``) or another transport error.
+
+    Failures (fault-tolerant ``comm``, forward or backward): a rank whose
+    call fails revokes the communicator's transports before raising, so every
+    survivor raises ``ProcessFailed`` or ``CommTimeout`` within ``timeout``
+    of the failure; each survivor then calls ``comm.recover()`` unless the
+    error has ``recovered = True`` (see :mod:`commlib.nn`), and the
+    next call on the shrunk ``comm`` runs over the survivors.
     """
     return _ring(q, k, v, comm, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout,
                  "ring_attention_bidirectional" if bidirectional else "ring_attention",

@@ -45,6 +45,7 @@ from commlib.core.errors import InvalidArgument
 
 from ._check import agreement_timeout, describe_grad, grad_flags, timeout_of
 from ._wire import all_to_all_tensors, irecv_tensor, isend_tensor
+from ._failure import bound, guarded, link_comm
 
 __all__ = ["shard_sequence", "unshard_sequence", "gather_order"]
 
@@ -179,7 +180,8 @@ class _Unshard(torch.autograd.Function):
 
         if not sum_grad or P == 1:
             return (slice_of(r),) + (None,) * 8
-        recv = all_to_all_tensors(tp, [slice_of(s) for s in range(P)], tag, timeout, op + " (backward)")
+        with guarded(tp):  # a failure revokes the call's transports: no survivor left waiting
+            recv = all_to_all_tensors(tp, [slice_of(s) for s in range(P)], tag, timeout, op + " (backward)")
         acc = recv[0].clone()
         for s in range(1, P):  # rank order, the same on every rank
             acc += recv[s]
@@ -229,7 +231,8 @@ def unshard_sequence(x_local: torch.Tensor, comm, layout: str = "contiguous", di
         sum_grad: backward sums every rank's gradient slice for this rank
             (an all-to-all; for per-rank losses) instead of taking this rank's
             own slice (for a loss replicated on every rank).
-        timeout: seconds for each exchange and agreement wait (None: no limit).
+        timeout: seconds for each exchange and agreement wait (None: no limit;
+            on a fault-tolerant communicator its own ``timeout``).
 
     Returns:
         torch.Tensor: ``seq_len`` tokens on ``dim``, dtype and device of ``x_local``.
@@ -244,7 +247,14 @@ def unshard_sequence(x_local: torch.Tensor, comm, layout: str = "contiguous", di
         CommError: a peer failed (``ProcessFailed``) or another transport error.
     """
     op = "unshard_sequence"
+    timeout = bound(comm, timeout)  # a fault-tolerant communicator's own bound when the call gives none
     tp = transport_of(comm, timeout, op)
+    link_comm(comm, tp)
+    with guarded(tp, comm):
+        return _unshard(x_local, tp, layout, dim, seq_len, sum_grad, timeout, op)
+
+
+def _unshard(x_local, tp, layout, dim, seq_len, sum_grad, timeout, op):
     rank, size = tp.rank, tp.size
     problem, header = None, None
     try:

@@ -45,6 +45,7 @@ from commlib.core.errors import InvalidArgument
 
 from ._check import (DTYPES, agreement_timeout, autocast_inputs, check_qkv, cu_seqlens_of, describe_grad,
                      grad_flags, sdpa_keywords, softmax_scale_of, timeout_of)
+from ._failure import bound, guarded, link_comm
 from ._wire import all_to_all_tensors
 
 __all__ = ["ulysses_attention"]
@@ -81,7 +82,8 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, grad):
         tp, scatter_dim, gather_dim, tag, timeout, op = ctx.meta
         bop = op if op.endswith(" (backward)") else op + " (backward)"
-        return (_AllToAll.apply(grad, tp, gather_dim, scatter_dim, (tag, None), timeout, bop),) + (None,) * 6
+        with guarded(tp):  # a failure revokes the call's transports: no survivor left waiting
+            return (_AllToAll.apply(grad, tp, gather_dim, scatter_dim, (tag, None), timeout, bop),) + (None,) * 6
 
 
 def seq_to_heads(x, tp, timeout, op):
@@ -283,7 +285,8 @@ def ulysses_attention(q, k, v, comm, causal: bool = False, softmax_scale=None, *
             (a dense boolean mask of ``seq_len**2`` is built for the local
             attention).
         timeout: seconds for each all-to-all (and each agreement wait):
-            None (no limit) or a finite number > 0.
+            None (no limit; on a fault-tolerant communicator its own
+            ``timeout``) or a finite number > 0.
         attn_mask, dropout_p, is_causal, scale, enable_gqa: SDPA's keywords,
             as in :func:`commlib.nn.ring.ring_attention` (``is_causal`` and
             ``scale`` are ``causal`` and ``softmax_scale``; ``attn_mask``
@@ -313,11 +316,15 @@ def ulysses_attention(q, k, v, comm, causal: bool = False, softmax_scale=None, *
             all-to-all) that differ between ranks.
         CommTimeout: the agreement or an all-to-all did not complete in ``timeout``.
         ProcessFailed: a peer failed (other transport failures: :class:`~commlib.CommError`).
+
+    Failures: as :func:`commlib.nn.ring.ring_attention` (forward and backward).
     """
     op = "ulysses_attention"
+    timeout = bound(comm, timeout)  # a fault-tolerant communicator's own bound when the call gives none
     tp = transport_of(comm, timeout, op)
+    link_comm(comm, tp)
     (q, k, v), ctx = autocast_inputs(q, k, v)  # autocast: SDPA's casts, before the dtype agreement
-    with ctx:
+    with ctx, guarded(tp, comm):
         spec = validate(tp, q, k, v, causal=causal, softmax_scale=softmax_scale, op=op, cu_seqlens=cu_seqlens,
                         degree=tp.size, timeout=timeout,
                         sdpa=dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,

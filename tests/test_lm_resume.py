@@ -1,0 +1,197 @@
+"""Checkpoint and resume of ``python -m commlib.apps.lm`` on any rank count, and bad checkpoints.
+
+- a run with ``--checkpoint`` loses a rank (``--kill``, no fault tolerance: the job
+  ends as any MPI job does), and ``--resume`` on another rank count finishes with
+  the losses of the single-process oracle this test computes (every step: the
+  ones loaded from the checkpoint and the ones trained after the resume);
+- without ULFM (MPICH, or ``COMMLIB_FT_MODE=timeout``: bounded waits, no shrink) every
+  survivor exits within ``COMMLIB_TIMEOUT`` + grace with one line naming the last
+  checkpoint and the resume command, and that command works;
+- a checkpoint of another model configuration, a truncated or corrupted file, a
+  missing folder or one that is a file: one line, exit status 2 on every rank,
+  every file of the folder unchanged.
+
+The victims and steps come from a printed seed (``COMMLIB_TEST_SEED`` sets it).
+"""
+import hashlib
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import mpi4py  # noqa: E402
+
+mpi4py.rc.initialize = False
+from mpi4py import MPI  # noqa: E402
+
+from commlib.apps import lm as app  # noqa: E402
+from launch import FINALIZE_TIMEOUT, FT_ARGS, run_job  # noqa: E402 - tests/launch.py
+from lm_oracle import assert_losses, oracle  # noqa: E402 - tests/lm_oracle.py
+
+MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
+OPEN_MPI = "Open MPI" in MPI.Get_library_version()
+SEED = int(os.environ.get("COMMLIB_TEST_SEED", random.SystemRandom().randrange(1 << 30)))
+TINY = ["--steps", "6", "--seq-len", "61", "--batch", "2", "--d-model", "32", "--heads", "4", "--kv-heads", "2",
+        "--layers", "1", "--eval-every", "3", "--eval-batches", "1", "--quiet"]
+REL = 1e-4
+
+
+def _env(**extra):
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", **extra)
+    env.setdefault("COMMLIB_FINALIZE_TIMEOUT", FINALIZE_TIMEOUT)
+    return env
+
+
+def _job(n, args, mpiargs=(), env=None, timeout=150):
+    """(returncode, output, output) of an mpiexec job of the app (stdout and stderr together)."""
+    cmd = [MPIEXEC, *([] if not OPEN_MPI else ["--oversubscribe"]), *mpiargs, "-n", str(n), sys.executable, "-P",
+           "-m", "commlib.apps.lm", *args]
+    rc, text = run_job(cmd, env or _env(), timeout, started=lambda t: "lm" in t)
+    if rc is None:
+        pytest.fail(f"lm did not finish within {timeout} s (seed {SEED}): {' '.join(cmd)}")
+    return rc, text, text
+
+
+def _oracle():
+    return oracle(TINY)
+
+
+def _assert_oracle(rep, expected, what):
+    assert_losses(rep, expected, REL, f"{what} (seed {SEED})")
+
+
+def _digest(folder):
+    return {f: hashlib.sha256(Path(folder, f).read_bytes()).hexdigest() for f in sorted(os.listdir(folder))}
+
+
+@pytest.mark.timeout(400)
+def test_checkpoint_kill_resume_on_other_rank_counts(tmp_path):
+    """4 ranks checkpoint every 2 steps; a random rank dies in step 4-6 (no fault tolerance:
+    the job ends); the run resumes on 3 ranks and, from the same checkpoint copied, on 2:
+    both finish with the oracle's losses, the steps before the resume included."""
+    rng = random.Random(SEED)
+    victim, step = rng.randrange(4), rng.randrange(4, 7)
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    rc, out, err = _job(4, TINY + ["--checkpoint", str(ck), "--checkpoint-every", "2", "--kill", f"{victim}:{step}"])
+    assert rc != 0, (SEED, err[-2000:])
+    saved = json.loads((ck / "latest.json").read_text())["checkpoints"][-1]["step"]
+    assert saved == 2 * ((step - 1) // 2), (SEED, victim, step, saved)
+    oracle = _oracle()
+    for n in (3, 2):
+        d = tmp_path / f"ck{n}"
+        d.mkdir()
+        for f in ck.iterdir():
+            (d / f.name).write_bytes(f.read_bytes())
+        js = tmp_path / f"resumed{n}.json"
+        rc, out, err = _job(n, TINY + ["--checkpoint", str(d), "--resume", str(d), "--json", str(js)])
+        assert rc == 0, (SEED, n, err[-3000:])
+        rep = json.loads(js.read_text())
+        assert rep["resumed_from_step"] == saved and rep["ranks"] == n
+        _assert_oracle(rep, oracle, f"resumed on {n} ranks from step {saved} (victim {victim} in step {step})")
+        assert json.loads((d / "latest.json").read_text())["checkpoints"][-1]["step"] == 6
+
+
+#: a launcher that lets the survivors run on after a rank's death: Open MPI's ULFM launch line (the
+#: app is told COMMLIB_FT_MODE=timeout: no shrink), MPICH's hydra without its clean-up
+NO_CLEANUP = FT_ARGS if OPEN_MPI else ["-disable-auto-cleanup"]
+
+
+@pytest.mark.timeout(300)
+def test_without_ulfm_every_survivor_names_the_checkpoint(tmp_path):
+    """Timeout mode (no ULFM: COMMLIB_FT_MODE=timeout): a rank dies in the backward of step 4;
+    every survivor exits within COMMLIB_TIMEOUT + grace of the death with one line naming the
+    last checkpoint (step 2) and the resume command, which then finishes the run on 2 ranks."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    t = 4
+    env = _env(COMMLIB_FT_MODE="timeout", COMMLIB_TIMEOUT=str(t))
+    rc, out, err = _job(3, TINY + ["--checkpoint", str(ck), "--checkpoint-every", "2", "--kill", "1:4:backward"],
+                        mpiargs=NO_CLEANUP, env=env, timeout=120)
+    lines = [ln for ln in err.splitlines() if "a rank failed and this MPI cannot survive it" in ln]
+    assert sorted(int(re.search(r"rank (\d+):", ln).group(1)) for ln in lines) == [0, 2], err[-3000:]
+    killed = float(re.search(r"dies in step 4 \(backward\) at t=([0-9.]+)", err).group(1))
+    assert time.time() - killed < t + 2 + 10, "survivors took longer than the timeout + grace (+ start-up slack)"
+    assert all("last checkpoint: step 2" in ln for ln in lines), lines
+    cmd = lines[0].split("resume on any rank count N with: ", 1)[1].split()
+    assert cmd[:3] == ["mpiexec", "-n", "N"] and "--resume" in cmd and "--kill" not in cmd
+    js = tmp_path / "r.json"
+    rc, out, err = _job(2, cmd[7:] + ["--json", str(js)])  # what follows python -P -m commlib.apps.lm
+    assert rc == 0, err[-3000:]
+    _assert_oracle(json.loads(js.read_text()), _oracle(), "resumed after a timeout-mode failure")
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory):
+    """A folder with the checkpoints of a 1-process run (steps 4 and 6)."""
+    d = tmp_path_factory.mktemp("ck")
+    env = {k: v for k, v in _env().items() if not k.startswith(("OMPI_COMM", "PMIX_", "PRTE_", "PMI_"))}
+    res = subprocess.run([sys.executable, "-P", "-m", "commlib.apps.lm", *TINY, "--checkpoint", str(d),
+                          "--checkpoint-every", "4"], capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return d
+
+
+def _corrupt(kind, folder):
+    newest = json.loads((folder / "latest.json").read_text())["checkpoints"][-1]["file"]
+    p = folder / newest
+    data = bytearray(p.read_bytes())
+    if kind == "truncated":
+        p.write_bytes(bytes(data[: len(data) // 2]))
+    elif kind == "flipped":
+        data[len(data) // 2] ^= 0x40
+        p.write_bytes(bytes(data))
+
+
+BAD = [
+    ("other-config", ["--d-model", "16"], "d_model"),
+    ("truncated", [], "truncated"),
+    ("flipped", [], "sha"),
+]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("kind,extra,word", BAD, ids=[b[0] for b in BAD])
+def test_bad_checkpoint_refused_on_every_rank(kind, extra, word, checkpoint_dir, tmp_path):
+    """Resume from a checkpoint of another configuration, or a damaged one, at 2 ranks: exit
+    status 2, one 'lm: error:' line, and every file of the folder unchanged."""
+    d = tmp_path / "ck"
+    d.mkdir()
+    for f in checkpoint_dir.iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    _corrupt(kind, d)
+    before = _digest(d)
+    args = [a for a in TINY] + extra + ["--resume", str(d), "--checkpoint", str(d)]
+    rc, out, err = _job(2, args)
+    assert rc == 2, (kind, err[-2000:])
+    errors = [ln for ln in err.splitlines() if ln.startswith("lm: error:")]
+    assert len(errors) == 1 and word in errors[0].lower(), (kind, err[-2000:])
+    assert _digest(d) == before, f"{kind}: the folder changed"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["missing", "file", "empty-resume", "occupied"])
+def test_bad_checkpoint_folder_refused_before_running(case, checkpoint_dir, tmp_path, capsys, monkeypatch):
+    """A missing folder, a file where a folder should be, --resume from an empty folder, or
+    --checkpoint into a folder holding another run's checkpoints: one line, exit 2, nothing run."""
+    monkeypatch.setattr(app, "run", lambda *a, **k: pytest.fail("ran despite a bad folder"))
+    monkeypatch.setattr(app, "world_size", lambda: 2)
+    monkeypatch.setattr(app, "world_rank", lambda: 0)
+    monkeypatch.setattr("commlib.apps._cli.world_rank", lambda: 0)
+    f = tmp_path / "plain-file"
+    f.write_text("x")
+    argv = {"missing": ["--checkpoint", str(tmp_path / "nope")], "file": ["--checkpoint", str(f)],
+            "empty-resume": ["--resume", str(tmp_path)], "occupied": ["--checkpoint", str(checkpoint_dir)]}[case]
+    before = _digest(checkpoint_dir)
+    assert app.main(TINY + argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("lm: error: "), err
+    assert _digest(checkpoint_dir) == before

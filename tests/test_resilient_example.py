@@ -1,0 +1,103 @@
+"""The README's resilient training loop (the block after ``<!-- resilient-example -->``), run as written
+under ``mpiexec --with-ft ulfm`` at 4 ranks with one or two ranks SIGKILLed at the start of a step (a
+line inserted at the top of its ``step()``; victims and steps from a printed seed).  The survivors must
+finish the 20 steps with the final loss of the same script run by one process without failures (within
+1e-5 relative: the gradient sum is over fewer shards) and report the failures.  Also
+:class:`commlib.ResilientRunner`'s argument checks and its behaviour off ULFM (re-raise)."""
+import os
+import random
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+import mpi4py  # noqa: E402
+
+mpi4py.rc.initialize = False
+from mpi4py import MPI  # noqa: E402
+
+import commlib  # noqa: E402
+from commlib.core.device import ulfm_available  # noqa: E402
+from launch import FINALIZE_TIMEOUT, FT_ARGS, run_job  # noqa: E402 - tests/launch.py
+
+ROOT = Path(__file__).resolve().parent.parent
+MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
+SEED = int(os.environ.get("COMMLIB_TEST_SEED", random.SystemRandom().randrange(1 << 30)))
+DIE = '''import os as _os, signal as _signal
+_KILLS = {KILLS!r}  # (COMM_WORLD rank, 1-based step)
+def _die():
+    if (int(comm.world_ranks[comm.rank]), runner.completed + 1) in _KILLS:
+        _os.kill(_os.getpid(), _signal.SIGKILL)
+'''
+
+
+def _example() -> str:
+    text = (ROOT / "README.md").read_text()
+    block = text.split("<!-- resilient-example -->", 1)[1]
+    return block.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def _run(tmp_path, kills, n):
+    src = _example()
+    assert "def step():\n" in src
+    src = src.replace("def step():\n", "def step():\n    _die()\n", 1)
+    src = src.replace("reshard(comm)\nrunner", DIE.replace("{KILLS!r}", repr(set(kills))) + "reshard(comm)\nrunner", 1)
+    script = tmp_path / "train.py"
+    script.write_text(src)
+    cmd = [MPIEXEC, "--oversubscribe", *FT_ARGS, "-n", str(n), sys.executable, str(script)] if n else \
+        [sys.executable, str(script)]
+    env = {k: v for k, v in os.environ.items() if n or not k.startswith(("OMPI_COMM", "PMIX_", "PRTE_"))}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env.setdefault("COMMLIB_FINALIZE_TIMEOUT", FINALIZE_TIMEOUT)
+    rc, text = run_job(cmd, env, 150, started=lambda t: "loss " in t)
+    if rc is None:
+        pytest.fail(f"the README example did not finish in 150 s (seed {SEED}, kills {kills})")
+    m = re.search(r"loss ([0-9.]+) on (\d+) ranks; failures: (.*)", text)
+    assert m, f"seed {SEED}, kills {kills}:\n{text[-3000:]}"
+    return float(m.group(1)), int(m.group(2)), m.group(3)
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.skipif(not ("Open MPI" in MPI.Get_library_version() and ulfm_available()),
+                    reason="needs Open MPI with ULFM")
+def test_readme_example_survives_kills(tmp_path):
+    ref, size, failures = _run(tmp_path, [], 0)
+    assert size == 1 and failures == "[]"
+    rng = random.Random(SEED)
+    for trial in range(3):
+        victims = rng.sample(range(4), 1 + trial % 2)
+        kills = [(v, rng.randrange(1, 21)) for v in victims]
+        loss, size, failures = _run(tmp_path, kills, 4)
+        assert size == 4 - len(kills), (SEED, kills, failures)
+        for v, s in kills:
+            assert re.search(rf"\({s}, \([^)]*\b{v}\b", failures), (SEED, kills, failures)
+        assert abs(loss - ref) <= 1e-5 * abs(ref), f"seed {SEED}, kills {kills}: loss {loss} vs one process {ref}"
+
+
+def test_runner_refuses_bad_arguments(world):
+    with pytest.raises(commlib.InvalidArgument, match="callable"):
+        commlib.ResilientRunner(world, save=3)
+    with pytest.raises(commlib.InvalidArgument, match="max_retries"):
+        commlib.ResilientRunner(world, max_retries=-1)
+
+
+def test_runner_without_ulfm_reraises_and_counts_steps(world):
+    """Not under ULFM (this process): a failure raised in the step leaves run() unchanged, no
+    load or reshard runs; a step that returns commits, saved state taken each time."""
+    calls = []
+    r = commlib.ResilientRunner(world, save=lambda: calls.append("save") or len(calls),
+                                load=lambda s: calls.append("load"), reshard=lambda c: calls.append("reshard"))
+    assert r.run(lambda a, b=0: a + b, 2, b=3) == 5 and r.completed == 1
+
+    def boom():
+        raise commlib.ProcessFailed("a peer died", rank=world.rank, op="test")
+
+    with pytest.raises(commlib.ProcessFailed):
+        r.run(boom)
+    assert "load" not in calls and "reshard" not in calls and calls.count("save") == 2
+    with pytest.raises(ZeroDivisionError):  # a bug is not a failure
+        r.run(lambda: 1 / 0)
+    assert r.completed == 1 and r.failures == []

@@ -17,8 +17,8 @@ stage() {
     # (seen once in CI, right after the fault-injection stage's hundreds of jobs;
     # other projects' CI report it too): that stage gets one more try. A stage
     # whose ranks ran and failed does not.
-    if [ "$rc" != 0 ] && [ "$try" = 1 ] && grep -q "PMIx server's listener thread failed to start" "$log" &&
-      ! sed 's/\x1b\[[0-9;]*m//g' "$log" | grep -qE '[0-9]+ (passed|failed|error)|^(FAILED|ERROR) |\[ *[0-9]+%\]'; then
+    if [ "$rc" != 0 ] && [ "$try" = 1 ] && grep -aq "PMIx server's listener thread failed to start" "$log" &&
+      ! sed 's/\x1b\[[0-9;]*m//g' "$log" | grep -aqE '[0-9]+ (passed|failed|error)|^(FAILED|ERROR) |\[ *[0-9]+%\]'; then
       echo "== $name: mpiexec failed to start (no rank ran; exit $rc): once more"
       rm -f "$log"
       continue
@@ -30,7 +30,7 @@ stage() {
     {
       echo "stage failed (exit $rc): $name"
       [ "$rc" = 124 ] && echo "  (killed by its time limit: a rank hung)"
-      sed 's/\x1b\[[0-9;]*m//g' "$log" | grep -E '^(FAILED|ERROR) |\] FAILED |Timeout|^E +' | sort | uniq -c | sort -rn | head -40 | sed 's/^/  /'
+      sed 's/\x1b\[[0-9;]*m//g' "$log" | grep -a -E '^(FAILED|ERROR) |\] FAILED |Timeout|^E +' | sort | uniq -c | sort -rn | head -40 | sed 's/^/  /'
     } >> "$COMMLIB_RECAP"
   fi
   rm -f "$log"

@@ -156,8 +156,12 @@ def test_random_kill_points(nprocs, spec, case):
     _check_recovered(nprocs, spec, results, wall, text + f"\n[seed {SEED}, case {case}]")
 
 
-# Deterministic corners: before / first step / mid ring / after, for each collective.
-CORNERS = [(4, [[2, c, p, how]]) for c in range(NCALLS) for p, how in ((-1, "kill"), (0, "exit"), (3, "kill"), (10_000, "exit"))]
+# Deterministic corners: before / first step / mid ring, for each collective, and after
+# the last (noticed in the final barrier). "After call c" would be the same point of
+# the program as "before call c + 1" (nothing runs between them but bookkeeping), so
+# it is not repeated for the others.
+CORNERS = [(4, [[2, c, p, how]]) for c in range(NCALLS) for p, how in ((-1, "kill"), (0, "exit"), (3, "kill"))]
+CORNERS += [(4, [[2, NCALLS - 1, 10_000, "exit"]])]
 CORNERS += [(6, [[1, 0, 2, "kill"], [4, 0, 5, "kill"]]),   # two failures in the same call
             (5, [[3, 7, 1, "exit"], [4, 2, 0, "kill"]]),
             (3, [[1, 0, 1, "kill"], [2, 5, -1, "exit"]])]  # down to one rank
@@ -177,6 +181,26 @@ def test_no_failure_clean_exit():
     results, wall, text, rc = _run(4, {"victims": [], "seed": 5})
     assert rc == 0, text[-2000:]
     assert sorted(results) == [0, 1, 2, 3] and all(r["ok"] and not r["failed"] for r in results.values())
+
+
+@needs_ulfm
+@pytest.mark.timeout(150)
+def test_ulfm_barrier_holds_every_rank_until_the_last_enters():
+    """tests/test_collectives.py's late-rank barrier test (every algorithm: the
+    last rank enters only after the others said they are about to, and none may
+    leave before it does) on a ULFM fault-tolerant communicator, 3 ranks."""
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               COMMLIB_TEST_FT_MODE="ulfm", COMMLIB_FINALIZE_TIMEOUT=FINALIZE_TIMEOUT)
+    cmd = [MPIEXEC, "--oversubscribe", *ft_args(FT_BTL), "-n", "3", sys.executable, "-P", "-m", "pytest", "-q",
+           "-p", "no:cacheprovider", "--with-mpi", "-m", "mpi", "--timeout=100", "--timeout-method=thread",
+           str(HERE / "test_collectives.py"), "-k", "barrier_holds and ft"]
+    for _ in range(LAUNCH_ATTEMPTS):
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, timeout=130,
+                           cwd=HERE.parent)
+        text = p.stdout.decode(errors="replace")
+        if not launcher_failed(text, "passed" in text or "failed" in text):
+            break
+    assert p.returncode == 0 and "3 passed" in text, text[-4000:]
 
 
 @needs_ulfm

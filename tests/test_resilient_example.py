@@ -67,8 +67,8 @@ def test_readme_example_survives_kills(tmp_path):
     ref, size, failures = _run(tmp_path, [], 0)
     assert size == 1 and failures == "[]"
     rng = random.Random(SEED)
-    for trial in range(3):
-        victims = rng.sample(range(4), 1 + trial % 2)
+    for trial in range(2):  # one kill, then two (4 -> 3 -> 2)
+        victims = rng.sample(range(4), 1 + trial)
         kills = [(v, rng.randrange(1, 21)) for v in victims]
         loss, size, failures = _run(tmp_path, kills, 4)
         assert size == 4 - len(kills), (SEED, kills, failures)

@@ -9,7 +9,10 @@ agreements could wait ``timeout`` at every one of them
 * serial: the ring algorithms on a stand-in transport whose every wait costs
   0.3 s of a fake clock: with ``timeout=2`` the call raises once the call's
   2 s are spent (after 7 of the 8-rank ring's 14 steps), each wait bounded by
-  what is left, where a per-step bound never fired; and ``timeout`` checks;
+  what is left, where a per-step bound never fired (this is what shows the
+  steps share one deadline: a peer that never enters stalls every rank at its
+  first blocked wait, so the MPI tests below bound the time and check the
+  error's names, and a per-step bound would pass their timing too);
 * MPI (3-4 ranks): the last rank stalls (it waits for a message the others
   send only after they raised, so it never enters the call); every other rank
   raises ``CommTimeout`` naming itself and the operation within

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from commlib.core.errors import CommError
+from commlib.core.errors import CommError, CommTimeout
+from commlib.core.seconds import Deadline
 
 __all__ = ["chunk_bounds", "chunk_bounds_list", "waitall", "exchange", "next_tag"]
 
@@ -61,7 +62,8 @@ def exchange(transport, sendbuf, dest: int, recvbuf, source: int, tag: int, time
     on the step's critical path (every microsecond there is paid once per rank
     around a ring).  Otherwise the receive and the send are posted,
     ``overlap()`` runs while they are in flight (e.g. a fault-tolerant
-    snapshot), and the step waits at most ``timeout`` seconds.
+    snapshot), and the step waits at most what is left of ``timeout`` (a
+    :class:`~commlib.core.seconds.Deadline`: the whole call's; a number: seconds for this step).
 
     Raises:
         CommTimeout: the step did not complete within ``timeout``.
@@ -78,7 +80,20 @@ def exchange(transport, sendbuf, dest: int, recvbuf, source: int, tag: int, time
 
 
 def waitall(transport, requests, timeout) -> None:
-    """Wait for one step's requests through the transport (bounded when ``timeout``)."""
+    """Wait for one step's requests through the transport, bounded when
+    ``timeout`` is not None (a :class:`~commlib.core.seconds.Deadline`: the time
+    left of the whole call; a number: seconds for this wait)."""
+    if type(timeout) is Deadline:
+        try:
+            _waitall(transport, requests, timeout.left())
+        except CommTimeout as exc:
+            raise CommTimeout(f"not complete within its timeout of {timeout.timeout:g} s (the deadline of the whole "
+                              f"call; {exc.detail})", rank=exc.rank, op=timeout.op or exc.op) from exc
+        return
+    _waitall(transport, requests, timeout)
+
+
+def _waitall(transport, requests, timeout) -> None:
     w = getattr(transport, "waitall", None)
     if w is not None:
         w(requests, timeout)

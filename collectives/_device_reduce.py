@@ -37,6 +37,7 @@ import numpy as np
 
 from commlib.core.buffer import as_buffer, cupy_usable
 from commlib.core.errors import BufferError
+from commlib.core.seconds import deadline_of
 
 from ._common import next_tag, waitall, exchange
 from .allgather_ring import allgather_ring_inplace
@@ -483,6 +484,7 @@ def reduce_scatter_ring_device(tp, work, op, bounds, *, kind: str, src=None, tim
             well.  None: device buffers go to the transport directly.
         segment_bytes: pipeline segment (staged path; None: :data:`SEGMENT_BYTES`).
     """
+    timeout = deadline_of(timeout)  # one deadline for every step of the call
     n, r = tp.size, tp.rank
     bounds = [int(x) for x in bounds]
     if n == 1 or bounds[-1] == bounds[0]:
@@ -550,6 +552,7 @@ def allreduce_ring_device(tp, work, op, *, kind: str, src=None, timeout=None, en
 
     Args: as :func:`reduce_scatter_ring_device`.
     """
+    timeout = deadline_of(timeout)  # one deadline for every step of the call
     n, r = tp.size, tp.rank
     stream = stream_of(kind, work) if stream is None else stream
     if n == 1:

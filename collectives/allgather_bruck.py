@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from commlib.core.seconds import deadline_of
+
 from ._common import exchange, next_tag
 
 __all__ = ["allgather_bruck", "bruck_steps"]
@@ -48,11 +50,14 @@ def allgather_bruck(transport, sendbuf: np.ndarray, recvbuf: np.ndarray, *, time
         sendbuf: 1-D contiguous host array of ``count`` elements.
         recvbuf: 1-D contiguous host array of ``n * count`` elements, same dtype;
             block ``i`` receives rank ``i``'s ``sendbuf``.
-        timeout: seconds per step (None: unbounded).
+        timeout: the deadline of the whole call: seconds, or the caller's
+            :class:`~commlib.core.seconds.Deadline` (None: unbounded); every
+            step waits what is left of it.
 
     Raises:
         CommTimeout / ProcessFailed / CommError: from the transport.
     """
+    timeout = deadline_of(timeout)  # one deadline for every step of the call
     n, r = transport.size, transport.rank
     count = sendbuf.size
     work = np.empty(n * count, sendbuf.dtype)  # block i: rank (r + i) % n's

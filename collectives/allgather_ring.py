@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from commlib.core.seconds import deadline_of
+
 from ._common import next_tag, exchange
 
 __all__ = ["allgather_ring", "allgather_ring_inplace"]
@@ -25,8 +27,11 @@ def allgather_ring_inplace(transport, work: np.ndarray, bounds, owner_shift: int
         bounds: chunk offsets, ``n + 1`` ints (a list or tuple of Python
             ints is used as is).
         owner_shift: which chunk rank r starts with (0: chunk r).
-        timeout: seconds per step (None: unbounded).
+        timeout: the deadline of the whole call: seconds, or the caller's
+            :class:`~commlib.core.seconds.Deadline` (None: unbounded); every
+            step waits what is left of it.
     """
+    timeout = deadline_of(timeout)  # one deadline for every step of the call
     n, r = transport.size, transport.rank
     if type(bounds) is not list and type(bounds) is not tuple:
         bounds = [int(x) for x in bounds]
@@ -54,8 +59,11 @@ def allgather_ring(transport, sendbuf: np.ndarray, recvbuf: np.ndarray, *, timeo
         sendbuf: 1-D contiguous host array of ``count`` elements.
         recvbuf: 1-D contiguous host array of ``n * count`` elements, same dtype;
             block ``i`` receives rank ``i``'s ``sendbuf``.
-        timeout: seconds per step (None: unbounded).
+        timeout: the deadline of the whole call: seconds, or the caller's
+            :class:`~commlib.core.seconds.Deadline` (None: unbounded); every
+            step waits what is left of it.
     """
+    timeout = deadline_of(timeout)  # one deadline for every step of the call
     n, r = transport.size, transport.rank
     count = sendbuf.size
     bounds = np.arange(n + 1, dtype=np.int64) * count

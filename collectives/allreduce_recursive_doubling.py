@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from commlib.core.seconds import deadline_of
+
 from ._common import next_tag, waitall
 from .ops import get_op
 
@@ -45,16 +47,19 @@ def allreduce_recursive_doubling(transport, buf: np.ndarray, op="sum", *, sendbu
             keeps ``sendbuf`` untouched until the result is committed needs no
             snapshot to restore it).  A ``sendbuf`` overlapping ``buf`` is copied
             into it first.
-        timeout: seconds per step (None: unbounded).
+        timeout: the deadline of the whole call: seconds, or the caller's
+            :class:`~commlib.core.seconds.Deadline` (None: unbounded); every
+            step waits what is left of it.
         tmp: scratch for the received vectors, ``buf.dtype``, at least
             ``buf.size`` elements (a caller that keeps one saves allocating and
             page-faulting a buffer as large as ``buf`` on every call).  None:
             allocated.
 
     Raises:
-        CommTimeout: a step did not complete within ``timeout``.
+        CommTimeout: the call did not complete within ``timeout``.
         MPI.Exception / ProcessFailed: a peer failed.
     """
+    timeout = deadline_of(timeout)  # one deadline for every step of the call
     op = get_op(op)
     n, r = transport.size, transport.rank
     cur = buf  # this rank's partial: its input until the first combine writes buf

@@ -27,6 +27,7 @@ import functools
 import numpy as np
 
 from commlib.core.buffer import grown
+from commlib.core.seconds import deadline_of
 
 from ._common import chunk_bounds_list
 from .allgather_ring import allgather_ring_inplace
@@ -50,7 +51,9 @@ def allreduce_ring(transport, buf: np.ndarray, op="sum", *, sendbuf: np.ndarray 
             ``"bor"``, ``"bxor"`` or an :class:`~.ops.Op`.
         sendbuf: this rank's input when it is not ``buf`` (out of place: same
             count and dtype, not modified; nothing is copied up front).
-        timeout: seconds each of the ``2 (n - 1)`` steps may take (None: unbounded).
+        timeout: the deadline of the whole call: seconds, or the caller's
+            :class:`~commlib.core.seconds.Deadline` (None: unbounded); each of
+            the ``2 (n - 1)`` steps waits what is left of it.
         save: a :class:`.snapshot.LazySnapshot` of ``buf`` (in place only): every
             chunk is saved before it is first overwritten, overlapped with the
             reduce-scatter's transfers, so a fault-tolerant retry can restore
@@ -63,9 +66,10 @@ def allreduce_ring(transport, buf: np.ndarray, op="sum", *, sendbuf: np.ndarray 
             agreement (:func:`.reduce_scatter_ring.reduce_scatter_ring_inplace`).
 
     Raises:
-        CommTimeout: a step did not complete within ``timeout``.
+        CommTimeout: the call did not complete within ``timeout``.
         MPI.Exception / ProcessFailed: a peer failed (transport-dependent).
     """
+    timeout = deadline_of(timeout)  # one deadline for every step of the call
     op = get_op(op)
     n = transport.size
     if n == 1:  # nothing is overwritten: no save needed

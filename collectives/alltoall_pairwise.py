@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from commlib.core.seconds import deadline_of
+
 from ._common import next_tag, waitall
 
 __all__ = ["alltoall_pairwise", "alltoall_pairwise_parts"]
@@ -23,8 +25,11 @@ def alltoall_pairwise_parts(transport, sendparts, recvparts, *, timeout: float |
         recvparts: ``n`` contiguous arrays (host or device, same kind as the
             sends); ``recvparts[i]`` receives rank ``i``'s part for this rank,
             ``recvparts[rank]`` gets a copy of ``sendparts[rank]``.
-        timeout: seconds per step (None: unbounded).
+        timeout: the deadline of the whole call: seconds, or the caller's
+            :class:`~commlib.core.seconds.Deadline` (None: unbounded); every
+            step waits what is left of it.
     """
+    timeout = deadline_of(timeout)  # one deadline for every step of the call
     n, r = transport.size, transport.rank
     recvparts[r][...] = sendparts[r]
     tag = next_tag(transport)
@@ -44,8 +49,11 @@ def alltoall_pairwise(transport, sendbuf: np.ndarray, recvbuf: np.ndarray, *, ti
             goes to rank ``i``.
         recvbuf: 1-D contiguous host array of ``n * count`` elements, same dtype,
             not overlapping ``sendbuf``; block ``i`` receives rank ``i``'s block ``rank``.
-        timeout: seconds per step (None: unbounded).
+        timeout: the deadline of the whole call: seconds, or the caller's
+            :class:`~commlib.core.seconds.Deadline` (None: unbounded); every
+            step waits what is left of it.
     """
+    timeout = deadline_of(timeout)  # one deadline for every step of the call
     n = transport.size
     count = sendbuf.size // n
     alltoall_pairwise_parts(transport, [sendbuf[i * count:(i + 1) * count] for i in range(n)],

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from commlib.core.seconds import deadline_of
+
 from ._common import next_tag, waitall
 
 __all__ = ["barrier_dissemination"]
@@ -19,8 +21,11 @@ def barrier_dissemination(transport, *, timeout: float | None = None) -> None:
 
     Args:
         transport: the point-to-point transport (n ranks).
-        timeout: seconds per round (None: unbounded).
+        timeout: the deadline of the whole call: seconds, or the caller's
+            :class:`~commlib.core.seconds.Deadline` (None: unbounded); every
+            round waits what is left of it.
     """
+    timeout = deadline_of(timeout)  # one deadline for every step of the call
     n, r = transport.size, transport.rank
     out = np.zeros(1, np.uint8)
     inb = np.zeros(1, np.uint8)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from commlib.core.seconds import deadline_of
+
 from ._common import next_tag, waitall
 
 __all__ = ["bcast_binomial", "binomial_tree", "DEFAULT_SEGMENT_BYTES"]
@@ -50,8 +52,11 @@ def bcast_binomial(transport, buf: np.ndarray, root: int = 0, *, segment_bytes: 
             root's contents are copied into every other rank's.
         root: rank in ``[0, n)`` whose data is broadcast.
         segment_bytes: pipeline segment size in bytes (<= 0: no segmentation).
-        timeout: seconds per segment wait (None: unbounded).
+        timeout: the deadline of the whole call: seconds, or the caller's
+            :class:`~commlib.core.seconds.Deadline` (None: unbounded); every
+            segment wait waits what is left of it.
     """
+    timeout = deadline_of(timeout)  # one deadline for every step of the call
     n, r = transport.size, transport.rank
     if n == 1 or buf.size == 0:
         return

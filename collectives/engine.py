@@ -48,7 +48,8 @@ import numpy as np
 from commlib.core.agreement import FIELDS
 from commlib.core.buffer import grown
 from commlib.core.config import config
-from commlib.core.errors import BufferError, CommError, InvalidArgument, ProcessFailed
+from commlib.core.errors import BufferError, CommError, CommTimeout, InvalidArgument, ProcessFailed
+from commlib.core.seconds import Deadline, time_left, timeout_problem
 
 from . import ops
 from .agreement import agree, check_all, encode_row, judge
@@ -97,7 +98,8 @@ def first_round(transport, opname: str, values, local_error: CommError | None, p
         values: this rank's header (ints in :data:`commlib.core.agreement.FIELDS` order).
         local_error: this rank's argument error, or None.
         payload: 1-D host array whose bytes ride along, or None.
-        timeout: seconds each wait may take (None: unbounded; native all-gather).
+        timeout: the call's :class:`~commlib.core.seconds.Deadline` (every wait
+            waits what is left of it), or None (unbounded; the native all-gather).
 
     Returns:
         np.ndarray: the gathered payloads, uint8, shape ``(size, capacity)``.
@@ -173,8 +175,28 @@ class Engine:
         return LazySnapshot(buf, self._scratch)
 
     # ------------------------------------------------------------ the general path
+    def deadline(self, opname: str, timeout):
+        """``(deadline, problem)`` of a call given ``timeout``: the
+        :class:`~commlib.core.seconds.Deadline` of the whole call, from now
+        (None: no bound), and why ``timeout`` is refused (None when it is valid).
+
+        ``timeout`` None means the communicator's default: a fault-tolerant
+        communicator's ``ft.timeout``, else no bound (MPI's semantics).  A
+        refused timeout still gives the rank a bound for the first round, in
+        which it tells the others (the fault-tolerant timeout, else
+        ``COMMLIB_TIMEOUT``), so that it takes the same bounded, point-to-point
+        first round as ranks that passed a valid one.
+        """
+        ft = self.comm.ft
+        problem = timeout_problem(timeout)
+        if problem is not None:
+            return Deadline(ft.timeout if ft is not None else config.timeout, op=opname), problem
+        if timeout is None:
+            return (Deadline(ft.timeout, op=opname) if ft is not None else None), None
+        return Deadline(timeout, op=opname), None
+
     def execute(self, opname: str, sendbuf=None, recvbuf=None, op="sum", algorithm: str = "auto", root=None, *,
-                on_failure: str | None = None):
+                on_failure: str | None = None, timeout=None):
         """Run one collective: validate, first round, choose, snapshot, run under
         the recovery policy, return.
 
@@ -183,18 +205,26 @@ class Engine:
             sendbuf, recvbuf, op, algorithm, root: the call's arguments as the
                 user passed them (bcast's ``buf`` is ``sendbuf``).
             on_failure: overrides the communicator's ``on_failure``.
+            timeout: the deadline of the whole call, in seconds (None: the
+                communicator's default, :meth:`deadline`): the first round and
+                every step of the algorithm wait what is left of it.
 
         Returns:
             What the row's ``deliver`` returns (the result array, ``recvbuf``...).
 
         Raises:
-            InvalidArgument: on every rank, when any rank's arguments are bad
-                or the ranks' calls differ.
-            ProcessFailed / CommTimeout: see ``commlib.init``.
+            InvalidArgument: on every rank, when any rank's arguments (its
+                ``timeout`` included) are bad or the ranks' calls differ.
+            CommTimeout: ``timeout`` passed before the call completed (naming
+                the rank and the operation).
+            ProcessFailed: see ``commlib.init``.
         """
         comm, spec = self.comm, SPECS[opname]
+        deadline, bad_timeout = self.deadline(opname, timeout)
         c = Call(spec, self, sendbuf, recvbuf, op, algorithm, root)
         values, local_error = validate(c)
+        if bad_timeout is not None and local_error is None:
+            values, local_error = [0] * len(FIELDS), InvalidArgument(bad_timeout, rank=c.rank, op=opname)
         payload = c.payload
         check = payload is not None or local_error is not None or config.check_args
         root_rank = c.root_rank
@@ -224,10 +254,17 @@ class Engine:
             return c.run(tp, timeout, survivors)
 
         try:
-            result = run_collective(comm, opname, attempt, c.restore, on_failure)
+            result = run_collective(comm, opname, attempt, c.restore, on_failure, deadline)
         except _RootLost:
             raise ProcessFailed(f"{opname} root {root_rank} failed; no survivor holds its data",
                                 failed=comm.failed_ranks, rank=comm.rank, op=opname) from None
+        except CommTimeout as exc:
+            if comm.ft is not None or deadline is None or exc.op == opname:
+                raise  # named the call already (the recovery policy, or a wait under the call's deadline)
+            # a plain communicator: the call's deadline passed (its requests stay posted)
+            raise CommTimeout(f"not complete within its timeout of {deadline.timeout:g} s (the deadline of the "
+                              f"whole call; {exc.detail}{' in ' + exc.op if exc.op and exc.op != opname else ''})",
+                              rank=comm.rank, op=opname) from exc
         return spec.deliver(c, result)
 
     def sendrecv(self, sendbuf, dest: int, recvbuf, source: int, opname: str = "sendrecv_resilient"):
@@ -259,18 +296,19 @@ class Engine:
             # every rank raises alike, before any byte moves (one flag per rank)
             check_all(tp, problem, opname, timeout=timeout)
             tag = tp.tags.slot()
-            tp.waitall([tp.irecv(dst.host, int(source), tag), tp.isend(src.host, int(dest), tag)], timeout, op=opname)
+            tp.waitall([tp.irecv(dst.host, int(source), tag), tp.isend(src.host, int(dest), tag)], time_left(timeout),
+                       op=opname)
 
         run_collective(comm, opname, attempt, on_failure="raise")
         dst.flush()
         return recvbuf
 
     # -------------------------------------------------------------- the hot path
-    def allreduce(self, sendbuf, recvbuf=None, op="sum", algorithm: str = "auto"):
+    def allreduce(self, sendbuf, recvbuf=None, op="sum", algorithm: str = "auto", timeout=None):
         """:meth:`execute` of an allreduce; exact numpy arrays outside
-        fault-tolerant mode run from the cached plan (:class:`HostAllreduce`),
-        with the same messages and bits."""
-        if (type(sendbuf) is np.ndarray and (recvbuf is None or type(recvbuf) is np.ndarray)
+        fault-tolerant mode and without a ``timeout`` run from the cached plan
+        (:class:`HostAllreduce`), with the same messages and bits."""
+        if (timeout is None and type(sendbuf) is np.ndarray and (recvbuf is None or type(recvbuf) is np.ndarray)
                 and self.comm.ft is None):
             host = self._host
             if host is None:
@@ -278,18 +316,19 @@ class Engine:
             done = host.allreduce(sendbuf, recvbuf, op, algorithm)
             if done is not None:
                 return done
-        return self.execute("allreduce", sendbuf, recvbuf, op, algorithm)
+        return self.execute("allreduce", sendbuf, recvbuf, op, algorithm, timeout=timeout)
 
-    def barrier(self, algorithm: str = "auto") -> None:
-        """:meth:`execute` of a barrier; outside fault-tolerant mode from a plan
-        kept per algorithm (:meth:`HostAllreduce.barrier`), with the same messages."""
-        if self.comm.ft is None:
+    def barrier(self, algorithm: str = "auto", timeout=None) -> None:
+        """:meth:`execute` of a barrier; outside fault-tolerant mode and without
+        a ``timeout`` from a plan kept per algorithm (:meth:`HostAllreduce.barrier`),
+        with the same messages."""
+        if timeout is None and self.comm.ft is None:
             host = self._host
             if host is None:
                 host = self._host = HostAllreduce(self.comm.collective_transport(), engine=self)
             if host.barrier(algorithm):
                 return
-        self.execute("barrier", algorithm=algorithm)
+        self.execute("barrier", algorithm=algorithm, timeout=timeout)
 
 
 class _RootLost(CommError):

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from commlib.core.errors import ProcessFailed
+from commlib.core.errors import CommTimeout, ProcessFailed
+from commlib.core.seconds import Deadline
 
 from .recovery import ON_FAILURE, FaultTolerance, TimeoutPolicy, run
 from .snapshot import LazySnapshot  # noqa: F401 - re-exported: the runner and algorithms take one
@@ -23,9 +24,10 @@ from .watchdog import FAILSTOP_EXIT_STATUS, _Watchdog  # noqa: F401 - re-exporte
 __all__ = ["FaultTolerance", "run_collective", "recover", "policy_for", "ON_FAILURE", "LazySnapshot"]
 
 
-def policy_for(comm, opname: str, on_failure: str | None = None):
+def policy_for(comm, opname: str, on_failure: str | None = None, deadline: Deadline | None = None):
     """The recovery policy of one call on ``comm``: ``comm.recovery_policy(opname)``
-    when the group brings its own, else ULFM or timeout-only by ``comm.ft.mode``;
+    when the group brings its own, else ULFM or timeout-only by ``comm.ft.mode``
+    (bounded by ``deadline``, the call's; None: ``comm.ft.timeout`` from now);
     None when ``comm`` is not fault tolerant."""
     own = getattr(comm, "recovery_policy", None)
     if own is not None:
@@ -36,11 +38,13 @@ def policy_for(comm, opname: str, on_failure: str | None = None):
     if ft.broken:
         raise ProcessFailed(f"communicator unusable after an earlier failure ({ft.broken})",
                             failed=ft.failed, rank=comm.rank, op=opname)
-    return UlfmPolicy(comm, opname, on_failure) if ft.mode == "ulfm" else TimeoutPolicy(comm, opname)
+    if ft.mode == "ulfm":
+        return UlfmPolicy(comm, opname, on_failure, deadline)
+    return TimeoutPolicy(comm, opname, deadline)
 
 
 def run_collective(comm, opname: str, attempt: Callable, restore: Callable | None = None,
-                   on_failure: str | None = None):
+                   on_failure: str | None = None, deadline: Deadline | None = None):
     """Run one collective on ``comm``, recovering from failures in FT mode.
 
     ``comm`` speaks a small protocol (``commlib.Communicator`` implements it):
@@ -60,6 +64,10 @@ def run_collective(comm, opname: str, attempt: Callable, restore: Callable | Non
         restore: puts the input buffers back before a retry and before any
             error leaves the call.
         on_failure: override the communicator's ``on_failure`` for this call.
+        deadline: the deadline of the whole call (None: a fault-tolerant
+            communicator's ``ft.timeout`` from now; else no bound).  The attempt
+            gets it as its ``timeout`` (every wait waits what is left of it;
+            under ULFM's watchdog it bounds the attempt instead).
 
     Returns:
         whatever ``attempt`` returns.
@@ -71,7 +79,16 @@ def run_collective(comm, opname: str, attempt: Callable, restore: Callable | Non
             survivor, after the communicator was rebuilt).
         InvalidArgument: inconsistent arguments (on every rank).
     """
-    policy = policy_for(comm, opname, on_failure)
+    policy = policy_for(comm, opname, on_failure, deadline)
     if policy is None:
-        return attempt(comm.collective_transport(), None, range(comm.size))
+        if deadline is None:
+            return attempt(comm.collective_transport(), None, range(comm.size))
+        if getattr(comm, "bounded_first_use", False):  # a first use makes the transport within the deadline
+            try:
+                tp = comm.collective_transport(opname, timeout=max(deadline.left(), 1e-3))
+            except CommTimeout as exc:
+                raise CommTimeout(exc.detail, rank=comm.rank, op=opname) from exc
+        else:
+            tp = comm.collective_transport()
+        return attempt(tp, deadline, range(comm.size))
     return run(policy, attempt, restore)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from commlib.core.errors import CommError, CommTimeout, InvalidArgument, ProcessFailed
-from commlib.core.seconds import timeout_problem
+from commlib.core.seconds import Deadline, timeout_problem
 
 __all__ = ["ON_FAILURE", "FaultTolerance", "Outcome", "RecoveryPolicy", "TimeoutPolicy", "run"]
 
@@ -51,9 +51,10 @@ class FaultTolerance:
         on_failure: ``"shrink"`` (recover and return the result over the
             survivors) or ``"raise"`` (recover the communicator, then raise
             :class:`ProcessFailed` listing the failed ranks on every survivor).
-        timeout: seconds one attempt of a collective may take (ULFM, enforced
-            by the watchdog), or each wait (``"timeout"`` mode, or no
-            ``MPI_THREAD_MULTIPLE``), before it counts as a failure.
+        timeout: the default ``timeout`` of a call on the communicator: the
+            deadline of the whole call in seconds (ULFM: enforced on an attempt
+            by the watchdog; ``"timeout"`` mode, or no ``MPI_THREAD_MULTIPLE``:
+            every wait waits what is left of it), past which it counts as a failure.
         callbacks: ``fn(failed, comm)`` called on every survivor after a shrink,
             with ``failed`` the lost ranks numbered as in ``COMM_WORLD``.
         failed: every ``COMM_WORLD`` rank lost so far (sorted tuple).
@@ -196,7 +197,7 @@ def run(policy: RecoveryPolicy, attempt: Callable, restore: Callable | None = No
 
 
 class TimeoutPolicy(RecoveryPolicy):
-    """No ULFM: every wait bounded by ``ft.timeout``; a failure is final.
+    """No ULFM: every wait bounded by what is left of the call's deadline; a failure is final.
 
     The failure is raised on this rank as :class:`~commlib.ProcessFailed` or
     :class:`~commlib.CommTimeout` naming the call, and the group is marked
@@ -205,17 +206,20 @@ class TimeoutPolicy(RecoveryPolicy):
     Args:
         comm: the communicator (``ft``, ``rank``, ``size``, ``collective_transport()``).
         opname: the operation.
+        deadline: the call's :class:`~commlib.core.seconds.Deadline` (None:
+            ``ft.timeout`` from now).
     """
 
-    def __init__(self, comm, opname: str):
+    def __init__(self, comm, opname: str, deadline: Deadline | None = None):
         self.comm, self.ft, self.opname = comm, comm.ft, opname
+        self.deadline = deadline if deadline is not None else Deadline(self.ft.timeout)
 
     def start(self):
         try:
             tp = self.comm.collective_transport()  # made already, or a bounded MPI_Comm_idup now
         except CommTimeout as exc:  # the call's name on it; nothing moved, the group is not broken
             raise CommTimeout(exc.detail, rank=self.comm.rank, op=self.opname) from exc
-        return tp, self.ft.timeout, list(range(self.comm.size))
+        return tp, self.deadline, list(range(self.comm.size))
 
     def settle(self, tp, outcome: Outcome) -> bool:
         return outcome.failure is None
@@ -224,8 +228,10 @@ class TimeoutPolicy(RecoveryPolicy):
         exc, comm, opname = outcome.failure, self.comm, self.opname
         err = exc if isinstance(exc, CommError) else CommError(str(exc), rank=comm.rank, op=opname)
         if isinstance(err, CommTimeout):
-            err = CommTimeout(f"{err.detail} in {err.op or 'wait'}; a peer probably died (no ULFM to tell)",
-                              rank=comm.rank, op=opname)
+            detail = err.detail if err.op == opname else (
+                f"not complete within its timeout of {self.deadline.timeout:g} s (the deadline of the whole call; "
+                f"{err.detail} in {err.op or 'wait'})")
+            err = CommTimeout(f"{detail}; a peer probably died (no ULFM to tell)", rank=comm.rank, op=opname)
         elif isinstance(err, ProcessFailed) and err.op != opname:
             err = ProcessFailed(err.detail, failed=err.failed or tp.failed_ranks(), rank=comm.rank, op=opname)
         self.ft.broken = str(err)

@@ -20,6 +20,7 @@ import functools
 import numpy as np
 
 from commlib.core.errors import MessageSizeMismatch
+from commlib.core.seconds import deadline_of
 
 from ._common import exchange, next_tag, waitall
 from .ops import get_op
@@ -45,7 +46,9 @@ def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds, *,
         op: :class:`commlib.collectives.ops.Op` or name.
         bounds: chunk offsets, ``size + 1`` ints (see ``chunk_bounds``; a list
             or tuple of Python ints is used as is).
-        timeout: seconds per step (None: unbounded).
+        timeout: the deadline of the whole call: seconds, or the caller's
+            :class:`~commlib.core.seconds.Deadline` (None: unbounded); every
+            step waits what is left of it.
         tmp: scratch of at least the largest chunk (allocated when None or
             smaller); used in place only (out of place each partial is
             received straight into the ``work`` chunk it is combined into).
@@ -69,6 +72,7 @@ def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds, *,
         CommTimeout: a step did not finish within ``timeout``.
         MPI.Exception / ProcessFailed: from the transport, when a peer fails.
     """
+    timeout = deadline_of(timeout)  # one deadline for every step of the call
     op = get_op(op)
     n, r = transport.size, transport.rank
     if n == 1:
@@ -164,8 +168,11 @@ def reduce_scatter_ring(transport, sendbuf: np.ndarray, recvbuf: np.ndarray, op=
         recvbuf: 1-D contiguous host array of ``count`` elements, same dtype;
             receives block ``rank`` reduced over all ranks (order: :func:`ring_order`).
         op: operator name or :class:`Op`; ``avg`` divides by n.
-        timeout: seconds per step (None: unbounded).
+        timeout: the deadline of the whole call: seconds, or the caller's
+            :class:`~commlib.core.seconds.Deadline` (None: unbounded); every
+            step waits what is left of it.
     """
+    timeout = deadline_of(timeout)  # one deadline for every step of the call
     op = get_op(op)
     n = transport.size
     count = recvbuf.size

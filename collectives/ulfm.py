@@ -44,6 +44,7 @@ import time
 
 from commlib.core.config import config
 from commlib.core.errors import CommError, CommTimeout, InvalidArgument, ProcessFailed
+from commlib.core.seconds import Deadline
 
 from .recovery import FaultTolerance, Outcome, RecoveryPolicy
 from .watchdog import _Watch, watchdog
@@ -64,13 +65,15 @@ def _dbg(comm, *a):
         print(f"[ft w{world} {comm.rank}/{comm.size}]", *a, file=sys.stderr, flush=True)
 
 
-def _waiting_bound(ft: FaultTolerance) -> float:
+def _waiting_bound(ft: FaultTolerance, timeout: float | None = None) -> float:
     """Hard bound (seconds) of a step that waits for peers (agree, shrink):
-    ``T + 2G``, longer than any peer's attempt bound ``T + G``."""
-    return ft.timeout + 2 * config.ft_grace if config.ft_grace > 0 else 0.0
+    ``T + 2G``, longer than any peer's attempt bound ``T + G`` (``T`` the
+    larger of ``ft.timeout`` and the call's ``timeout``)."""
+    t = ft.timeout if timeout is None else max(ft.timeout, timeout)
+    return t + 2 * config.ft_grace if config.ft_grace > 0 else 0.0
 
 
-def _shrink(comm, tp, wd, w, ft):
+def _shrink(comm, tp, wd, w, ft, timeout: float | None = None):
     """``comm.shrink(tp)`` under the watchdog's hard bound, with the failure
     callbacks run after it, outside the bound (they are the application's code
     and may take long or run collectives themselves)."""
@@ -78,7 +81,7 @@ def _shrink(comm, tp, wd, w, ft):
     ft.callbacks = []
     try:
         if wd is not None:
-            wd.step(w, "shrink", _waiting_bound(ft))
+            wd.step(w, "shrink", _waiting_bound(ft, timeout))
         lost_world, kept = comm.shrink(tp)
     finally:
         if wd is not None:
@@ -101,6 +104,11 @@ class UlfmPolicy(RecoveryPolicy):
             ``revoke()``, ``agree(flag)`` and ``ack_failed()``.
         opname: the operation, for errors.
         on_failure: overrides ``comm.ft.on_failure`` for this call.
+        deadline: the call's :class:`~commlib.core.seconds.Deadline` (None:
+            ``ft.timeout`` from now).  It bounds the first attempt (the
+            watchdog revokes past it; without one every wait waits what is left
+            of it); a retry after processes were lost and the communicator
+            shrunk gets the call's timeout afresh (recovering is not stalling).
 
     Raises (from :meth:`recover`):
         ProcessFailed: ``on_failure="raise"``, after shrinking (``recovered = True``).
@@ -108,8 +116,9 @@ class UlfmPolicy(RecoveryPolicy):
             every survivor, after the communicator was rebuilt).
     """
 
-    def __init__(self, comm, opname: str, on_failure: str | None = None):
+    def __init__(self, comm, opname: str, on_failure: str | None = None, deadline: Deadline | None = None):
         self.comm, self.ft, self.opname = comm, comm.ft, opname
+        self.deadline = deadline if deadline is not None else Deadline(self.ft.timeout)
         self.on_failure = on_failure or self.ft.on_failure
         self.wd = watchdog(self.ft.process)
         self.w = None
@@ -127,9 +136,11 @@ class UlfmPolicy(RecoveryPolicy):
         except CommTimeout as exc:  # the call's name on it
             raise CommTimeout(exc.detail, rank=self.comm.rank, op=self.opname) from exc
         wd = self.wd
-        self.w = wd.arm(tp, self.ft.timeout, self.opname, self.comm.rank) if wd is not None else None
+        # the watchdog's soft bound: what is left of the call's deadline (a
+        # moment at least: 0 would revoke before any peer could answer)
+        self.w = wd.arm(tp, max(self.deadline.left(), 1e-3), self.opname, self.comm.rank) if wd is not None else None
         # unbounded steps under the watchdog, else bounded polled waits
-        return tp, None if wd is not None else self.ft.timeout, self.survivors
+        return tp, None if wd is not None else self.deadline, self.survivors
 
     def failed(self, tp, exc) -> None:
         self._failed_now()
@@ -144,7 +155,7 @@ class UlfmPolicy(RecoveryPolicy):
             flag &= ~_OK
         elif outcome.error is not None:
             flag &= ~(_NO_BADARG if outcome.badarg else _NO_ERROR)
-        if wd is not None and wd.step(w, "agree", _waiting_bound(self.ft)):
+        if wd is not None and wd.step(w, "agree", _waiting_bound(self.ft, self.deadline.timeout)):
             # past the deadline: the watchdog revoked the communicator (even
             # if this rank's part had just finished, the others may not have)
             flag &= ~(_OK | _NO_TIMEOUT)
@@ -182,11 +193,11 @@ class UlfmPolicy(RecoveryPolicy):
         # otherwise wait forever for the dead ranks)
         comm, ft = self.comm, self.ft
         ft.bound_finalize()
-        lost_world, kept = _shrink(comm, tp, self.wd, self.w, ft)
+        lost_world, kept = _shrink(comm, tp, self.wd, self.w, ft, self.deadline.timeout)
         self.survivors = [self.survivors[k] for k in kept]
         _dbg(comm, self.opname, "shrunk", lost_world, self.survivors)
         if not self.agreed & _NO_TIMEOUT and not lost_world:
-            raise CommTimeout(f"a rank's attempt passed the {ft.timeout:g} s timeout with no process lost "
+            raise CommTimeout(f"a rank's attempt passed the {self.deadline.timeout:g} s timeout with no process lost "
                               "(a stalled peer?); the communicator was revoked and rebuilt",
                               rank=comm.rank, op=self.opname)
         if lost_world and self.on_failure == "raise":
@@ -194,6 +205,8 @@ class UlfmPolicy(RecoveryPolicy):
                                 f"to {comm.size} ranks", failed=lost_world, rank=comm.rank, op=self.opname)
             exc.recovered = True  # already shrunk: do not call comm.recover() again
             raise exc
+        if lost_world:  # the retry over the survivors: the call's timeout afresh
+            self.deadline = Deadline(self.deadline.timeout)
 
 
 def recover(comm) -> tuple:

@@ -189,7 +189,7 @@ class CollectiveMixin:
         return self._engine().staging()
 
     # ---------------------------------------------------------- the collectives
-    def allreduce(self, sendbuf, recvbuf=None, op="sum", algorithm: str = "auto"):
+    def allreduce(self, sendbuf, recvbuf=None, op="sum", algorithm: str = "auto", *, timeout: float | None = None):
         """Combine ``sendbuf`` element-wise over all ranks; every rank gets the result.
 
         Args:
@@ -207,6 +207,20 @@ class CollectiveMixin:
                 rank's data with the argument header and reduces it locally in
                 rank order; recursive doubling up to 256 KiB on 3 or more ranks;
                 ring above (on 2 ranks, ring above the one round).
+            timeout: the deadline of the whole call, in seconds (a finite
+                number > 0): the first round and every step of the algorithm
+                wait what is left of it, and past it the call raises
+                :class:`~commlib.CommTimeout` naming the rank and the operation.
+                None: the communicator's default, its fault-tolerant
+                ``timeout`` (``commlib.init(fault_tolerant=True, timeout=...)``)
+                when it is fault tolerant, else no bound (MPI's semantics: wait
+                as long as it takes).  Pass None on every rank or a number on
+                every rank (the bounded call's first round is point to point,
+                the unbounded one MPI's own all-gather).  ``algorithm="mpi"``
+                waits inside the library's collective after the first round:
+                only the first round is bounded then (and, under ULFM, the
+                watchdog).  A plain communicator whose call timed out keeps the
+                call's messages posted: treat it as broken.
 
         Returns:
             The array holding the result (``recvbuf``, or ``sendbuf`` in place).
@@ -216,13 +230,17 @@ class CollectiveMixin:
         Raises:
             InvalidArgument: an op unfit for the dtype, mismatched count/dtype/op
                 across ranks, an unknown algorithm, a read-only ``recvbuf`` (or
-                ``sendbuf`` in place) on any rank (on every rank, before any byte moves).
+                ``sendbuf`` in place), a ``timeout`` that is not None or a
+                finite number > 0 (NaN, infinite, negative, 0, a bool), on any
+                rank (on every rank, before any byte moves).
             BufferError: unsupported or non-contiguous buffers.
-            ProcessFailed / CommTimeout: fault-tolerant mode, see ``commlib.init``.
+            CommTimeout: ``timeout`` passed (naming the rank and the operation).
+            ProcessFailed: fault-tolerant mode, see ``commlib.init``.
         """
-        return (self._coll_engine or self._engine()).allreduce(sendbuf, recvbuf, op, algorithm)
+        return (self._coll_engine or self._engine()).allreduce(sendbuf, recvbuf, op, algorithm, timeout)
 
-    def reduce_scatter(self, sendbuf, recvbuf=None, op="sum", algorithm: str = "auto"):
+    def reduce_scatter(self, sendbuf, recvbuf=None, op="sum", algorithm: str = "auto", *,
+                       timeout: float | None = None):
         """Reduce ``sendbuf`` over all ranks and give rank ``r`` block ``r``
         (``MPI_Reduce_scatter_block`` when ``count`` divides evenly).
 
@@ -236,6 +254,7 @@ class CollectiveMixin:
             op: as :meth:`allreduce`.
             algorithm: ``"ring"``, ``"mpi"`` or ``"auto"`` (one round up to
                 ``COMMLIB_SMALL_BYTES``, as :meth:`allreduce`; ring above).
+            timeout: the deadline of the whole call, in seconds, as :meth:`allreduce`.
 
         Returns:
             ``recvbuf``, or a new array of shape ``(b[r+1]-b[r],)`` and
@@ -251,9 +270,9 @@ class CollectiveMixin:
         Raises:
             InvalidArgument, BufferError, ProcessFailed, CommTimeout: as :meth:`allreduce`.
         """
-        return self._engine().execute("reduce_scatter", sendbuf, recvbuf, op, algorithm)
+        return self._engine().execute("reduce_scatter", sendbuf, recvbuf, op, algorithm, timeout=timeout)
 
-    def allgather(self, sendbuf, recvbuf=None, algorithm: str = "auto"):
+    def allgather(self, sendbuf, recvbuf=None, algorithm: str = "auto", *, timeout: float | None = None):
         """Gather every rank's ``sendbuf`` on every rank (``MPI_Allgather``).
 
         Args:
@@ -261,6 +280,7 @@ class CollectiveMixin:
             recvbuf: array of ``size * count`` elements of ``sendbuf``'s dtype,
                 e.g. shape ``(size, *S)`` (None: allocated, see Returns).
             algorithm: ``"ring"`` (Patarasuk & Yuan 2009), ``"mpi"`` or ``"auto"`` (ring).
+            timeout: the deadline of the whole call, in seconds, as :meth:`allreduce`.
 
         Returns:
             ``recvbuf``, or a new C-ordered array of shape ``(size, *S)`` and
@@ -274,9 +294,9 @@ class CollectiveMixin:
         Raises:
             InvalidArgument, BufferError, ProcessFailed, CommTimeout: as :meth:`allreduce`.
         """
-        return self._engine().execute("allgather", sendbuf, recvbuf, algorithm=algorithm)
+        return self._engine().execute("allgather", sendbuf, recvbuf, algorithm=algorithm, timeout=timeout)
 
-    def bcast(self, buf, root: int = 0, algorithm: str = "auto"):
+    def bcast(self, buf, root: int = 0, algorithm: str = "auto", *, timeout: float | None = None):
         """Broadcast ``buf`` from ``root`` to every rank, in place (``MPI_Bcast``).
 
         Args:
@@ -285,18 +305,21 @@ class CollectiveMixin:
             algorithm: ``"binomial"`` (binomial tree, pipelined in 1 MiB segments;
                 Thakur, Rabenseifner & Gropp 2005), ``"mpi"`` or ``"auto"`` (one
                 round up to ``COMMLIB_SMALL_BYTES``, binomial above).
+            timeout: the deadline of the whole call, in seconds, as :meth:`allreduce`.
 
         Returns:
             buf, holding the root's data.
 
         Raises:
             InvalidArgument: root out of range (or a bool) or different across
-                ranks, a read-only ``buf`` on a rank other than the root (every rank).
+                ranks, a read-only ``buf`` on a rank other than the root, a bad
+                ``timeout`` (every rank).
+            CommTimeout: ``timeout`` passed (naming the rank and the operation).
             ProcessFailed: fault-tolerant mode and the root failed (every survivor).
         """
-        return self._engine().execute("bcast", buf, algorithm=algorithm, root=root)
+        return self._engine().execute("bcast", buf, algorithm=algorithm, root=root, timeout=timeout)
 
-    def alltoall(self, sendbuf, recvbuf=None, algorithm: str = "auto"):
+    def alltoall(self, sendbuf, recvbuf=None, algorithm: str = "auto", *, timeout: float | None = None):
         """Every rank sends block ``j`` of ``sendbuf`` to rank ``j`` (``MPI_Alltoall``).
 
         Args:
@@ -307,6 +330,7 @@ class CollectiveMixin:
                 ``rank``.
             algorithm: ``"pairwise"`` (Thakur, Rabenseifner & Gropp 2005), ``"mpi"``
                 or ``"auto"`` (pairwise).
+            timeout: the deadline of the whole call, in seconds, as :meth:`allreduce`.
 
         Returns:
             ``recvbuf``, or a new C-ordered array of shape ``(size, count)``
@@ -317,11 +341,13 @@ class CollectiveMixin:
             order (a new array).
 
         Raises:
-            InvalidArgument: count not divisible by size, mismatch across ranks.
+            InvalidArgument: count not divisible by size, mismatch across ranks,
+                a bad ``timeout`` (every rank).
+            CommTimeout: ``timeout`` passed (naming the rank and the operation).
         """
-        return self._engine().execute("alltoall", sendbuf, recvbuf, algorithm=algorithm)
+        return self._engine().execute("alltoall", sendbuf, recvbuf, algorithm=algorithm, timeout=timeout)
 
-    def barrier(self, algorithm: str = "auto") -> None:
+    def barrier(self, algorithm: str = "auto", *, timeout: float | None = None) -> None:
         """Block until every rank has entered the barrier.
 
         Like every collective, the barrier starts with the argument agreement,
@@ -337,15 +363,18 @@ class CollectiveMixin:
                 all-gather; without the round, ``COMMLIB_CHECK_ARGS=0``, the
                 dissemination barrier itself), or ``"mpi"`` (``MPI_Barrier``
                 after the round).  The same on every rank.
+            timeout: the deadline of the whole call, in seconds, as :meth:`allreduce`.
 
         Raises:
-            InvalidArgument: an unknown algorithm, or different ones across ranks (every rank).
-            ProcessFailed / CommTimeout: fault-tolerant mode, see ``commlib.init``.
+            InvalidArgument: an unknown algorithm, or different ones across
+                ranks, a bad ``timeout`` (every rank).
+            CommTimeout: ``timeout`` passed (naming the rank and the operation).
+            ProcessFailed: fault-tolerant mode, see ``commlib.init``.
         """
-        self._engine().barrier(algorithm)
+        self._engine().barrier(algorithm, timeout)
 
     # ---------------------------------------------------------- non-blocking
-    def iallreduce(self, sendbuf, recvbuf=None, op="sum", algorithm: str = "auto"):
+    def iallreduce(self, sendbuf, recvbuf=None, op="sum", algorithm: str = "auto", *, timeout: float | None = None):
         """Non-blocking :meth:`allreduce`; returns a request (``wait``/``test``,
         and ``concurrent.futures.Future``'s ``result``/``done``/``add_done_callback``).
 
@@ -353,35 +382,38 @@ class CollectiveMixin:
         the order they were started) when MPI provides ``MPI_THREAD_MULTIPLE`` and
         the communicator is not fault tolerant; otherwise it runs before this
         returns and the request is already complete.  Do not touch the buffers
-        until the request completes.
+        until the request completes.  ``timeout``: the deadline of the
+        collective, in seconds, as :meth:`allreduce`, counted from when it
+        starts running (on the worker thread: after the calls started before
+        it); ``wait(timeout)`` bounds the wait for the request itself.
         """
-        return self._nonblocking(self.allreduce, sendbuf, recvbuf, op, algorithm)
+        return self._nonblocking(self.allreduce, sendbuf, recvbuf, op, algorithm, timeout=timeout)
 
-    def ireduce_scatter(self, sendbuf, recvbuf, op="sum", algorithm: str = "auto"):
+    def ireduce_scatter(self, sendbuf, recvbuf, op="sum", algorithm: str = "auto", *, timeout: float | None = None):
         """Non-blocking :meth:`reduce_scatter` (``recvbuf`` required); see :meth:`iallreduce`."""
-        return self._nonblocking(self.reduce_scatter, sendbuf, recvbuf, op, algorithm)
+        return self._nonblocking(self.reduce_scatter, sendbuf, recvbuf, op, algorithm, timeout=timeout)
 
-    def iallgather(self, sendbuf, recvbuf, algorithm: str = "auto"):
+    def iallgather(self, sendbuf, recvbuf, algorithm: str = "auto", *, timeout: float | None = None):
         """Non-blocking :meth:`allgather` (``recvbuf`` required); see :meth:`iallreduce`."""
-        return self._nonblocking(self.allgather, sendbuf, recvbuf, algorithm)
+        return self._nonblocking(self.allgather, sendbuf, recvbuf, algorithm, timeout=timeout)
 
-    def ibcast(self, buf, root: int = 0, algorithm: str = "auto"):
+    def ibcast(self, buf, root: int = 0, algorithm: str = "auto", *, timeout: float | None = None):
         """Non-blocking :meth:`bcast`; see :meth:`iallreduce`."""
-        return self._nonblocking(self.bcast, buf, root, algorithm)
+        return self._nonblocking(self.bcast, buf, root, algorithm, timeout=timeout)
 
-    def ialltoall(self, sendbuf, recvbuf, algorithm: str = "auto"):
+    def ialltoall(self, sendbuf, recvbuf, algorithm: str = "auto", *, timeout: float | None = None):
         """Non-blocking :meth:`alltoall` (``recvbuf`` required); see :meth:`iallreduce`."""
-        return self._nonblocking(self.alltoall, sendbuf, recvbuf, algorithm)
+        return self._nonblocking(self.alltoall, sendbuf, recvbuf, algorithm, timeout=timeout)
 
-    def _nonblocking(self, fn, *args):
+    def _nonblocking(self, fn, *args, **kwargs):
         if self._ft is not None or not self.transport.thread_multiple:
             try:
-                return CompletedRequest(fn(*args))
+                return CompletedRequest(fn(*args, **kwargs))
             except BaseException as exc:  # noqa: BLE001 - delivered by wait(), as a Future would
                 return _FailedRequest(exc)
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commlib-collectives")
-        return FutureRequest(self._worker.submit(fn, *args))
+        return FutureRequest(self._worker.submit(fn, *args, **kwargs))
 
 
 class _FailedRequest(CompletedRequest):

@@ -559,11 +559,14 @@ def init(comm: MPI.Comm | None = None, *, cuda_aware: bool | None = None, fault_
         timeout: seconds, fault-tolerant mode (default, None: ``COMMLIB_TIMEOUT``,
             60); a finite number > 0 (0, NaN, infinity, negatives and bools are
             refused: a bound that never passes, or passes at once, is no bound).
-            Under ULFM: the most one attempt of a collective may take; past it
-            a watchdog thread revokes the communicator and every survivor
-            raises ``CommTimeout`` (dead peers are reported by ULFM itself,
-            long before).  Without ULFM, or without ``MPI_THREAD_MULTIPLE``:
-            the most any wait may take before it counts as a failure.  Either
+            The default ``timeout`` of every collective (and attention) call
+            on the communicator: the deadline of the whole call.  Under ULFM a
+            watchdog thread revokes the communicator past it and every
+            survivor raises ``CommTimeout`` (dead peers are reported by ULFM
+            itself, long before; a retry over the survivors after a shrink
+            gets the timeout afresh).  Without ULFM, or without
+            ``MPI_THREAD_MULTIPLE``: every wait of the call waits what is left
+            of it, and a wait that runs out counts as a failure.  Either
             way, the most a point-to-point wait given no timeout may take
             (:attr:`Communicator.p2p_timeout`): ``send``, ``recv``,
             ``sendrecv``, ``waitall`` and a request's ``wait()`` raise

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from commlib.core.errors import InvalidArgument
-from commlib.core.seconds import check_timeout, timeout_problem
+from commlib.core.seconds import Deadline, call_deadline, check_timeout, time_left, timeout_problem
 
 from ..agreement import agree_header
 
@@ -53,13 +53,14 @@ def check_layout(layout, *, rank=None, op="attention") -> str:
     return layout
 
 
-def agreement_bound(timeout) -> float | None:
+def agreement_bound(timeout):
     """The bound of an argument agreement's waits: the call's ``timeout`` when it
-    is valid, else None (the rank that refused its own timeout still takes part,
-    on the same point-to-point all-gather as the others)."""
+    is valid (its :class:`~commlib.core.seconds.Deadline` as it is: the
+    agreement waits what is left of it), else None (the rank that refused its
+    own timeout still takes part, on the same point-to-point all-gather as the others)."""
     if timeout is None or timeout_problem(timeout) is not None:
         return None
-    return float(timeout)
+    return timeout if type(timeout) is Deadline else float(timeout)
 
 
 def local_seq_len(seq_len: int, size: int, layout: str = "contiguous") -> int:
@@ -157,7 +158,7 @@ def unshard_sequence(x_local, comm, layout: str = "contiguous", seq_len: int | N
         layout: the layout the shards are in.
         seq_len: true global length (default ``P * seq_local``, no padding).
         axis: the sequence axis.
-        timeout: seconds (finite, > 0) for the whole exchange (None: no limit).
+        timeout: the deadline of the whole call, in seconds (finite, > 0; None: no limit).
 
     Returns:
         array: ``seq_len`` tokens on ``axis``, same module and dtype as ``x_local``.
@@ -172,6 +173,7 @@ def unshard_sequence(x_local, comm, layout: str = "contiguous", seq_len: int | N
         CommError: a peer failed (``ProcessFailed``) or another transport error.
     """
     op = "unshard_sequence"
+    timeout = call_deadline(timeout, op)  # the deadline of the whole call: every wait gets what is left
     tp = transport_of(comm, timeout, op)
     tag = tp.tags.slot(1)
     rank, size = tp.rank, tp.size
@@ -195,7 +197,7 @@ def unshard_sequence(x_local, comm, layout: str = "contiguous", seq_len: int | N
         reqs.append(tp.irecv(parts[src], src, tag))
     for i in range(1, size):
         reqs.append(tp.isend(mine, (rank + i) % size, tag))
-    tp.waitall(reqs, timeout, op=op)
+    tp.waitall(reqs, time_left(timeout), op=op)
     shape = list(mine.shape)
     shape[axis] = size * L
     full = xp.empty(shape, dtype=mine.dtype)

@@ -29,6 +29,8 @@ import time
 
 import numpy as np
 
+from commlib.core.seconds import call_deadline, time_left
+
 from .blocks import ForwardAccumulator, backward_block, forward_block, from_heads_major, tile_plan, to_heads_major
 from .common import as_array_api, validate
 from .layout import sequence_positions
@@ -100,8 +102,9 @@ def ring_attention(comm, q, k, v, causal: bool = False, layout: str = "contiguou
             :func:`shard_sequence` (default ``size * seq_local``).  Padded keys
             are masked and padded query rows give 0.
         tile: query rows per tile; fully masked tiles are skipped.
-        timeout: seconds (finite, > 0) to wait for any one ring step's
-            messages (None: forever).
+        timeout: the deadline of the whole call, in seconds (finite, > 0;
+            None: forever): the argument agreement and every ring step wait
+            what is left of it.
         stats: optional dict, filled with per-step ``source``, ``work``
             (score entries computed), ``visible`` (unmasked pairs),
             ``compute_s`` and ``wait_s``, and ``total_s``.
@@ -115,10 +118,11 @@ def ring_attention(comm, q, k, v, causal: bool = False, layout: str = "contiguou
         InvalidArgument: bad shapes, dtypes, layout, ``seq_len``, scale, tile
             or ``timeout`` (not None nor a finite number > 0), on any rank
             (raised on every rank before any K/V message is posted).
-        CommTimeout: a step's messages did not complete in ``timeout``.
+        CommTimeout: the call did not complete within ``timeout`` (naming the rank and the operation).
         ProcessFailed: a peer failed (any other transport failure: :class:`~commlib.CommError`).
     """
     op = "ring_attention"
+    timeout = call_deadline(timeout, op)  # the deadline of the whole call: every wait gets what is left
     tp = transport_of(comm, timeout, op)
     tag_kv = tp.tags.slot(_TAG_WIDTH) + _TAG_KV
     q, k, v = as_array_api(q, k, v)
@@ -150,7 +154,7 @@ def ring_attention(comm, q, k, v, causal: bool = False, layout: str = "contiguou
             forward_block(qh, cur[0].astype(spec.cdtype, copy=False), cur[1].astype(spec.cdtype, copy=False),
                           plan, qpos, kpos, state)
         t1 = time.perf_counter()
-        tp.waitall(reqs, timeout, op=op)
+        tp.waitall(reqs, time_left(timeout), op=op)
         t2 = time.perf_counter()
         if st is not None:
             st["steps"].append(dict(step=step, source=owner, work=plan.work * nbh, visible=plan.visible * nbh,
@@ -185,11 +189,12 @@ def ring_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = False,
     Raises:
         InvalidArgument: as in :func:`ring_attention`, or ``out``/``lse``/``dout``
             of the wrong shape or dtype.
-        CommTimeout: a step's messages did not complete in ``timeout``.
+        CommTimeout: the call did not complete within ``timeout`` (naming the rank and the operation).
         ProcessFailed: a peer failed (any other transport failure: :class:`~commlib.CommError`).
     """
     op = "ring_attention_backward"
     q, k, v, out, lse, dout = as_array_api(q, k, v, out, lse, dout)
+    timeout = call_deadline(timeout, op)  # the deadline of the whole call: every wait gets what is left
     tp = transport_of(comm, timeout, op)
     tag0 = tp.tags.slot(_TAG_WIDTH)
     tag_kv, tag_dkv = tag0 + _TAG_KV, tag0 + _TAG_DKV
@@ -241,14 +246,14 @@ def ring_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = False,
         t1 = time.perf_counter()
         if dkv_in is not None:  # add what the previous holders accumulated for this block
             req, buf = dkv_in
-            tp.waitall([req], timeout, op=op)
+            tp.waitall([req], time_left(timeout), op=op)
             dkv += buf
         if P > 1:
             # at most one dk/dv in flight: memory stays O(seq_local)
-            tp.waitall(dkv_sends, timeout, op=op)
+            tp.waitall(dkv_sends, time_left(timeout), op=op)
             dkv_sends = [tp.isend(dkv, dst, tag_dkv)]
             dkv_in = (nxt_req, nxt_buf)
-        tp.waitall(reqs, timeout, op=op)
+        tp.waitall(reqs, time_left(timeout), op=op)
         t2 = time.perf_counter()
         if st is not None:
             st["steps"].append(dict(step=step, source=owner, work=plan.work * nbh, visible=plan.visible * nbh,
@@ -257,8 +262,8 @@ def ring_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = False,
             cur, nxt = nxt, cur
     if P > 1:  # our own block's dk/dv, back from its last holder
         req, dkv = dkv_in
-        tp.waitall([req], timeout, op=op)
-        tp.waitall(dkv_sends, timeout, op=op)
+        tp.waitall([req], time_left(timeout), op=op)
+        tp.waitall(dkv_sends, time_left(timeout), op=op)
     dqh *= spec.scale
     dq = from_heads_major(dqh, spec.dtype, xp)
     dk = xp.ascontiguousarray(dkv[0].transpose(0, 2, 1, 3).astype(spec.dtype, copy=False))

@@ -9,7 +9,7 @@ same order, so the ranks agree on the tags.
 """
 from __future__ import annotations
 
-from commlib.core.seconds import wait_bound_ok
+from commlib.core.seconds import Deadline, time_left, wait_bound_ok
 from commlib.transports.base import Transport
 
 __all__ = ["transport_of"]
@@ -42,7 +42,7 @@ class _PointToPoint(Transport):
         return self._p2p.irecv(buf, source, tag)
 
     def waitall(self, requests, timeout: float | None = None, op: str = "waitall") -> None:
-        self._p2p.waitall(requests, timeout)
+        self._p2p.waitall(requests, time_left(timeout))
 
 
 def transport_of(comm, timeout=None, op: str = "attention") -> Transport:
@@ -53,7 +53,8 @@ def transport_of(comm, timeout=None, op: str = "attention") -> Transport:
             its transport where it has none), a
             :class:`~commlib.transports.base.Transport` (itself), or any object
             with ``rank``, ``size``, ``isend``, ``irecv`` and ``waitall``.
-        timeout: the call's ``timeout`` (seconds): when it is a valid bound and
+        timeout: the call's ``timeout`` (seconds, or its
+            :class:`~commlib.core.seconds.Deadline`): when it is a valid bound and
             the communicator's collectives transport is not made yet, making it
             (a duplicate: collective over the group) waits at most that long,
             so a first call made on one rank alone raises instead of waiting
@@ -68,6 +69,8 @@ def transport_of(comm, timeout=None, op: str = "attention") -> Transport:
         return comm
     get = getattr(comm, "collective_transport", None)
     if get is not None:
+        if type(timeout) is Deadline:
+            timeout = max(timeout.left(), 1e-3)
         if timeout is not None and wait_bound_ok(timeout) and timeout > 0 and getattr(comm, "bounded_first_use",
                                                                                       False):
             return get(op, timeout=timeout)

@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from commlib.core.errors import InvalidArgument
+from commlib.core.seconds import call_deadline
 
 from ..alltoall_pairwise import alltoall_pairwise_parts
 from .blocks import attention_backward, attention_forward, tile_plan
@@ -42,12 +43,13 @@ def alltoall_pairwise(comm, sendparts, recvparts, *, timeout: float | None = Non
         comm: :class:`commlib.Communicator` (or a transport; see :func:`.transport.transport_of`).
         sendparts: ``P`` contiguous arrays; ``sendparts[j]`` goes to rank ``j``.
         recvparts: ``P`` contiguous arrays; ``recvparts[j]`` receives from rank ``j``.
-        timeout: seconds per exchange step.
+        timeout: the deadline of the whole call, in seconds (None: no bound).
 
     Raises:
         CommTimeout: ``timeout`` passed.
         CommError: a peer failed (``ProcessFailed``) or another transport error.
     """
+    timeout = call_deadline(timeout, "alltoall_pairwise")
     alltoall_pairwise_parts(transport_of(comm, timeout, "alltoall_pairwise"), sendparts, recvparts, timeout=timeout)
 
 
@@ -125,7 +127,9 @@ def ulysses_attention(comm, q, k, v, causal: bool = False, layout: str = "contig
         k, v: ``(batch, seq_local, kv_heads, head_dim)``; ``heads % kv_heads == 0``.
         causal, layout, softmax_scale, seq_len, tile: as in
             :func:`commlib.collectives.attention.ring_attention`.
-        timeout: seconds (finite, > 0) for each all-to-all (None: forever).
+        timeout: the deadline of the whole call, in seconds (finite, > 0;
+            None: forever): the argument agreement and every all-to-all wait
+            what is left of it.
         stats: optional dict, filled with ``work`` (score entries computed),
             ``compute_s``, ``comm_s`` and ``total_s``.
 
@@ -136,10 +140,11 @@ def ulysses_attention(comm, q, k, v, causal: bool = False, layout: str = "contig
     Raises:
         InvalidArgument: as ``ring_attention``, and when ``heads`` or ``kv_heads``
             is not divisible by ``comm.size`` (before any communication).
-        CommTimeout: an all-to-all did not complete in ``timeout``.
+        CommTimeout: the call did not complete within ``timeout`` (naming the rank and the operation).
         ProcessFailed: a peer failed (any other transport failure: :class:`~commlib.CommError`).
     """
     op = "ulysses_attention"
+    timeout = call_deadline(timeout, op)  # the deadline of the whole call: every wait gets what is left
     tp = transport_of(comm, timeout, op)
     q, k, v = as_array_api(q, k, v)
     spec = validate(tp, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
@@ -182,11 +187,12 @@ def ulysses_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = Fal
     Raises:
         InvalidArgument: as :func:`ulysses_attention`, or ``out``/``lse``/``dout``
             of the wrong shape or dtype.
-        CommTimeout: an all-to-all did not complete in ``timeout``.
+        CommTimeout: the call did not complete within ``timeout`` (naming the rank and the operation).
         ProcessFailed: a peer failed (any other transport failure: :class:`~commlib.CommError`).
     """
     op = "ulysses_attention_backward"
     q, k, v, out, lse, dout = as_array_api(q, k, v, out, lse, dout)
+    timeout = call_deadline(timeout, op)  # the deadline of the whole call: every wait gets what is left
     tp = transport_of(comm, timeout, op)
     extra = {}
     if hasattr(q, "shape") and len(q.shape) == 4:

@@ -36,9 +36,10 @@ accepted (an ``attn_mask`` tensor or a nonzero ``dropout_p`` is refused).
   its attention call.
 
 Bad arguments raise :class:`commlib.InvalidArgument` on every rank before any
-byte moves; waits are bounded by ``timeout`` (seconds; on a fault-tolerant
-communicator, its own ``timeout`` when the call gives none) and raise
-:class:`commlib.CommTimeout`.
+byte moves; ``timeout`` is the deadline of the whole call (seconds; on a
+fault-tolerant communicator, its own ``timeout`` when the call gives none):
+every wait waits what is left of it, and past it the call raises
+:class:`commlib.CommTimeout` naming the rank and the operation.
 
 After a failure (``commlib.init(fault_tolerant=True)`` under ULFM): a rank
 dying inside any of these calls, forward or ``loss.backward()``, makes every

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from commlib.collectives.attention.layout import agreement_bound as agreement_timeout  # noqa: F401
-from commlib.core.seconds import timeout_problem
+from commlib.core.seconds import Deadline, timeout_problem
 
 __all__ = ["DTYPES", "DTYPE_NAMES", "DEVICES", "check_qkv", "softmax_scale_of", "cu_seqlens_of", "timeout_of",
            "agreement_timeout", "grad_flags", "describe_grad", "no_double_backward", "autocast_inputs",
@@ -106,13 +106,16 @@ def cu_seqlens_of(cu, total: int, bad):
     return arr
 
 
-def timeout_of(timeout, bad) -> float | None:
+def timeout_of(timeout, bad):
     """``timeout`` as seconds: None (no bound) or a finite number > 0 (not a
-    bool); anything else raises ``bad(message)`` (:mod:`commlib.core.seconds`)."""
+    bool), or the call's :class:`~commlib.core.seconds.Deadline` (kept as it
+    is); anything else raises ``bad(message)`` (:mod:`commlib.core.seconds`)."""
     problem = timeout_problem(timeout, zero=False)
     if problem is not None:
         raise bad(problem)
-    return None if timeout is None else float(timeout)
+    if timeout is None or type(timeout) is Deadline:
+        return timeout
+    return float(timeout)
 
 
 def grad_flags(*tensors) -> int:

@@ -36,6 +36,7 @@ import contextlib
 import weakref
 
 from commlib.core.errors import InvalidArgument
+from commlib.core.seconds import call_deadline
 
 __all__ = ["bound", "link", "revoke_family", "guarded", "revoke"]
 
@@ -52,12 +53,15 @@ class _Family:
 _FAMILIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # transport -> _Family
 
 
-def bound(comm, timeout):
-    """The wait bound of a call: ``timeout`` when given, else the fault-tolerant
-    communicator's own (``comm.p2p_timeout``), else None (no bound)."""
-    if timeout is not None:
-        return timeout
-    return getattr(comm, "p2p_timeout", None)
+def bound(comm, timeout, op: str | None = None):
+    """The deadline of a call (:func:`commlib.core.seconds.call_deadline`, from
+    now; ``op`` named in its timeouts): of ``timeout`` when given, else of the fault-tolerant communicator's
+    own (``comm.p2p_timeout``), else None (no bound).  Every wait of the call
+    waits what is left of it; an invalid ``timeout`` is returned as it is, for
+    the call's validation to refuse on every rank."""
+    if timeout is None:
+        timeout = getattr(comm, "p2p_timeout", None)
+    return call_deadline(timeout, op)
 
 
 def _ulfm(comm) -> bool:

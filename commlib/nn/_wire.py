@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from commlib.core.seconds import time_left
+
 __all__ = ["wire_view", "before_send", "isend_tensor", "irecv_tensor", "all_to_all_tensors"]
 
 
@@ -77,7 +79,9 @@ def all_to_all_tensors(transport, send, tag: int, timeout, op: str):
     Args:
         transport: the group's transport.
         send: ``transport.size`` contiguous tensors of one shape, dtype and device.
-        tag: the call's tag; timeout: seconds for the whole exchange (None: no bound).
+        tag: the call's tag; timeout: the call's deadline (a
+            :class:`~commlib.core.seconds.Deadline`: the exchange waits what is
+            left of it) or seconds for the whole exchange (None: no bound).
         op: the operation named in errors.
 
     Raises:
@@ -94,6 +98,6 @@ def all_to_all_tensors(transport, send, tag: int, timeout, op: str):
     for i in range(1, P):
         dst = (r + i) % P
         reqs.append(isend_tensor(transport, send[dst], dst, tag))
-    transport.waitall(reqs, timeout, op=op)
+    transport.waitall(reqs, time_left(timeout), op=op)
     return recv
 

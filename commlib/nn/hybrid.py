@@ -237,8 +237,12 @@ def hybrid_attention(q, k, v, comm, ulysses_degree: int, causal: bool = False, l
         cu_seqlens: optional global document boundaries ``[0, ..., seq_len]``
             (same on every rank), passed to the ring (or masked locally when
             ``U = comm.size``).
-        timeout: seconds for each exchange and agreement wait: None (no limit; on a
-            fault-tolerant communicator its own ``timeout``) or a finite number > 0.
+        timeout: the deadline of the whole call, in seconds: the argument
+            agreement and every exchange wait what is left of it, and past it
+            the call raises ``CommTimeout`` naming the rank and the operation
+            (its backward, a call of its own, gets the whole timeout again).
+            None (no limit; on a fault-tolerant communicator its own
+            ``timeout``) or a finite number > 0.
         attn_mask, dropout_p, is_causal, scale, enable_gqa: SDPA's keywords,
             as in :func:`commlib.nn.ring.ring_attention`.
 
@@ -262,7 +266,7 @@ def hybrid_attention(q, k, v, comm, ulysses_degree: int, causal: bool = False, l
             options or which of q, k, v get a gradient.  From the backward
             with ``create_graph=True`` when a ring runs (``ulysses_degree <
             comm.size``): the ring's backward is not differentiable.
-        CommTimeout: an exchange did not complete in ``timeout``.
+        CommTimeout: the call did not complete within ``timeout``.
         ProcessFailed: a peer failed (other transport failures: :class:`~commlib.CommError`).
 
     Failures: as :func:`commlib.nn.ring.ring_attention`; a failure on any
@@ -271,7 +275,7 @@ def hybrid_attention(q, k, v, comm, ulysses_degree: int, causal: bool = False, l
     then divide the new size).
     """
     op = "hybrid_attention"
-    timeout = bound(comm, timeout)  # a fault-tolerant communicator's own bound when the call gives none
+    timeout = bound(comm, timeout, op)  # the deadline of the whole call (by default a FT communicator's own)
     tp = transport_of(comm, timeout, op)
     link_comm(comm, tp)
     (q, k, v), ctx = autocast_inputs(q, k, v)  # autocast: SDPA's casts, before the dtype agreement

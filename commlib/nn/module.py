@@ -53,7 +53,8 @@ class SequenceParallelAttention(torch.nn.Module):
             divisor of ``comm.size``); ``ulysses``: None or ``comm.size``;
             other kinds: None or 1.
         softmax_scale: score scale (default ``head_dim ** -0.5``).
-        timeout: seconds for each exchange and agreement wait (None: no limit).
+        timeout: the deadline of each attention call (forward, and backward
+            apart), in seconds (None: no limit).
 
     Raises:
         InvalidArgument: at construction, for an unknown kind or layout, a

@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import dataclasses
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -42,6 +43,7 @@ from commlib.collectives.attention.layout import LAYOUTS, sequence_positions
 from commlib.collectives.attention.schedule import RingSchedule, piece_positions, split_halves
 from commlib.collectives.attention.transport import transport_of
 from commlib.core.errors import InvalidArgument
+from commlib.core.seconds import restarted, time_left
 
 from ._check import (DEVICES, DTYPE_NAMES, DTYPES, agreement_timeout, autocast_inputs, autocast_off, check_qkv,
                      cu_seqlens_of, grad_flags, no_double_backward, sdpa_keywords, softmax_scale_of, timeout_of)
@@ -78,7 +80,7 @@ class _Spec:
     layout: str
     bidirectional: bool
     cu_seqlens: np.ndarray | None
-    timeout: float | None
+    timeout: object               # the call's Deadline (every wait waits what is left of it), or None
     grad: bool = False            # a gradient flows back (the backward communicates on every rank)
 
 
@@ -276,7 +278,7 @@ def _forward(tp, spec: _Spec, plan: _Plan, q, k, v):
                 fold(pieces, kh, vh)
             else:
                 fold(pieces, *_heads_major(cur[sidx]))
-        tp.waitall(reqs, spec.timeout, op=spec.op)
+        tp.waitall(reqs, time_left(spec.timeout), op=spec.op)
         if not rs.last:
             cur, nxt = nxt, cur
     return out_acc.to(q.dtype), lse_acc
@@ -342,18 +344,18 @@ def _backward(tp, spec: _Spec, plan: _Plan, q, k, v, out, lse, dout):
                 i = st.index
                 if dkv_in[i] is not None:  # what the previous holders accumulated for this piece
                     req, buf = dkv_in[i]
-                    tp.waitall([req], spec.timeout, op=spec.op)
+                    tp.waitall([req], time_left(spec.timeout), op=spec.op)
                     local[i] += buf
-                tp.waitall(dkv_sends[i], spec.timeout, op=spec.op)  # at most one dk/dv in flight per stream
+                tp.waitall(dkv_sends[i], time_left(spec.timeout), op=spec.op)  # at most one dk/dv in flight per stream
                 dkv_sends[i] = [isend_tensor(tp, local[i], plan.sched.send_to(st), tag_dkv + i)]
                 dkv_in[i] = incoming[i]
-            tp.waitall(reqs, spec.timeout, op=spec.op)
+            tp.waitall(reqs, time_left(spec.timeout), op=spec.op)
             if not rs.last:
                 cur, nxt = nxt, cur
         home = []
         for st in streams:  # our own pieces' dk/dv, back from their last holders
             req, buf = dkv_in[st.index]
-            tp.waitall([req] + dkv_sends[st.index], spec.timeout, op=spec.op)
+            tp.waitall([req] + dkv_sends[st.index], time_left(spec.timeout), op=spec.op)
             home.append(buf)
         if plan.halves is None:
             dkv = home[0]
@@ -374,7 +376,8 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        spec = ctx.spec
+        # the backward is a call of its own: the whole timeout again
+        spec = dataclasses.replace(ctx.spec, timeout=restarted(ctx.spec.timeout))
         # create_graph=True runs the backward in grad mode: refuse it (on every
         # rank alike, before any byte moves) rather than drop the second-order
         # terms silently, as once_differentiable would when dout needs no grad
@@ -388,7 +391,7 @@ class _RingAttention(torch.autograd.Function):
 
 # ------------------------------------------------------------------ public
 def _ring(q, k, v, comm, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op, sdpa):
-    timeout = bound(comm, timeout)  # a fault-tolerant communicator's own bound when the call gives none
+    timeout = bound(comm, timeout, op)  # the deadline of the whole call (by default a FT communicator's own)
     tp = transport_of(comm, timeout, op)
     link_comm(comm, tp)
     (q, k, v), ctx = autocast_inputs(q, k, v)  # autocast: SDPA's casts, before the dtype agreement
@@ -433,9 +436,12 @@ def ring_attention(q, k, v, comm, causal=False, layout="contiguous", softmax_sca
             every layout.
         bidirectional: split every K/V shard in two halves that travel round
             the ring in opposite directions (:func:`ring_attention_bidirectional`).
-        timeout: seconds any one ring step's messages (and each argument
-            agreement wait) may take: None (no limit; on a fault-tolerant
-            communicator its own ``timeout``) or a finite number > 0.
+        timeout: the deadline of the whole call, in seconds: the argument
+            agreement and every exchange wait what is left of it, and past it
+            the call raises ``CommTimeout`` naming the rank and the operation
+            (its backward, a call of its own, gets the whole timeout again).
+            None (no limit; on a fault-tolerant communicator its own
+            ``timeout``) or a finite number > 0.
         attn_mask, dropout_p, is_causal, scale, enable_gqa: the keywords of
             :func:`torch.nn.functional.scaled_dot_product_attention`, so a
             call written for it ports: ``is_causal`` and ``scale`` are

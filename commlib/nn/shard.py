@@ -42,6 +42,7 @@ from commlib.collectives.agreement import agree_header
 from commlib.collectives.attention.layout import LAYOUTS, local_seq_len, sequence_positions
 from commlib.collectives.attention.transport import transport_of
 from commlib.core.errors import InvalidArgument
+from commlib.core.seconds import restarted, time_left
 
 from ._check import agreement_timeout, describe_grad, grad_flags, timeout_of
 from ._wire import all_to_all_tensors, irecv_tensor, isend_tensor
@@ -154,7 +155,7 @@ class _Unshard(torch.autograd.Function):
         for i in range(1, P):
             reqs.append(isend_tensor(tp, mine, (r + i) % P, tags[0]))
         if reqs:
-            tp.waitall(reqs, timeout, op=op)
+            tp.waitall(reqs, time_left(timeout), op=op)
         full = torch.cat(parts, dim=dim) if P > 1 else mine.clone()
         if layout != "contiguous":
             order = torch.as_tensor(gather_order(layout, P, L), device=x.device)
@@ -166,6 +167,7 @@ class _Unshard(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         tp, layout, dim, seq_len, sum_grad, tag, timeout, op, L = ctx.meta
+        timeout = restarted(timeout)  # the backward is a call of its own: the whole timeout again
         P, r = tp.size, tp.rank
         if seq_len < P * L:
             shape = list(grad.shape)
@@ -231,8 +233,9 @@ def unshard_sequence(x_local: torch.Tensor, comm, layout: str = "contiguous", di
         sum_grad: backward sums every rank's gradient slice for this rank
             (an all-to-all; for per-rank losses) instead of taking this rank's
             own slice (for a loss replicated on every rank).
-        timeout: seconds for each exchange and agreement wait (None: no limit;
-            on a fault-tolerant communicator its own ``timeout``).
+        timeout: the deadline of the whole call, in seconds (None: no limit;
+            on a fault-tolerant communicator its own ``timeout``); its backward
+            gets the whole timeout again.
 
     Returns:
         torch.Tensor: ``seq_len`` tokens on ``dim``, dtype and device of ``x_local``.
@@ -247,7 +250,7 @@ def unshard_sequence(x_local: torch.Tensor, comm, layout: str = "contiguous", di
         CommError: a peer failed (``ProcessFailed``) or another transport error.
     """
     op = "unshard_sequence"
-    timeout = bound(comm, timeout)  # a fault-tolerant communicator's own bound when the call gives none
+    timeout = bound(comm, timeout, op)  # the deadline of the whole call (by default a FT communicator's own)
     tp = transport_of(comm, timeout, op)
     link_comm(comm, tp)
     with guarded(tp, comm):

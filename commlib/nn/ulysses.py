@@ -42,6 +42,7 @@ from commlib.collectives.agreement import agree_header
 from commlib.collectives.attention.layout import LAYOUTS
 from commlib.collectives.attention.transport import transport_of
 from commlib.core.errors import InvalidArgument
+from commlib.core.seconds import restarted
 
 from ._check import (DTYPES, agreement_timeout, autocast_inputs, check_qkv, cu_seqlens_of, describe_grad,
                      grad_flags, sdpa_keywords, softmax_scale_of, timeout_of)
@@ -81,6 +82,7 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         tp, scatter_dim, gather_dim, tag, timeout, op = ctx.meta
+        timeout = restarted(timeout)  # the backward is a call of its own: the whole timeout again
         bop = op if op.endswith(" (backward)") else op + " (backward)"
         with guarded(tp):  # a failure revokes the call's transports: no survivor left waiting
             return (_AllToAll.apply(grad, tp, gather_dim, scatter_dim, (tag, None), timeout, bop),) + (None,) * 6
@@ -206,8 +208,8 @@ def validate(tp, q, k, v, *, causal, softmax_scale, op, cu_seqlens=None, degree=
             spread by :func:`spread_kv_heads`); None skips that check.
         checks: ``checks(spec)``, more local checks raising InvalidArgument.
         extra: ``((name, int), ...)`` more header fields (the same names on every rank).
-        timeout: seconds each agreement wait (and each exchange of the call)
-            may take: None or a finite number > 0, checked here.
+        timeout: the call's deadline (:func:`commlib.nn._failure.bound`),
+            or None or a number of seconds, checked here (None or finite > 0).
         sdpa: SDPA's keywords the call was given (``attn_mask``,
             ``dropout_p``, ``is_causal``, ``scale``, ``enable_gqa``), resolved
             by :func:`commlib.nn._check.sdpa_keywords`; the returned spec's
@@ -284,7 +286,10 @@ def ulysses_attention(q, k, v, comm, causal: bool = False, softmax_scale=None, *
             the same on every rank): tokens attend only within their document
             (a dense boolean mask of ``seq_len**2`` is built for the local
             attention).
-        timeout: seconds for each all-to-all (and each agreement wait):
+        timeout: the deadline of the whole call, in seconds: the argument
+            agreement and every exchange wait what is left of it, and past it
+            the call raises ``CommTimeout`` naming the rank and the operation
+            (its backward, a call of its own, gets the whole timeout again).
             None (no limit; on a fault-tolerant communicator its own
             ``timeout``) or a finite number > 0.
         attn_mask, dropout_p, is_causal, scale, enable_gqa: SDPA's keywords,
@@ -320,7 +325,7 @@ def ulysses_attention(q, k, v, comm, causal: bool = False, softmax_scale=None, *
     Failures: as :func:`commlib.nn.ring.ring_attention` (forward and backward).
     """
     op = "ulysses_attention"
-    timeout = bound(comm, timeout)  # a fault-tolerant communicator's own bound when the call gives none
+    timeout = bound(comm, timeout, op)  # the deadline of the whole call (by default a FT communicator's own)
     tp = transport_of(comm, timeout, op)
     link_comm(comm, tp)
     (q, k, v), ctx = autocast_inputs(q, k, v)  # autocast: SDPA's casts, before the dtype agreement

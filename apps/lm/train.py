@@ -258,21 +258,49 @@ class _Training:
 
     The parameters are replicated (bit-identical on every rank), so every
     survivor holds the whole model and optimizer: the snapshot is a copy of
-    both, taken when a step commits, and a failed step starts again from it.
+    the model's tensors and AdamW's state tensors, taken when a step commits,
+    and a failed step starts again from it.  The copy goes into buffers kept
+    from one step to the next (a memcpy per step, no allocation: the runner
+    keeps only the latest snapshot); AdamW creates its state on its first
+    step, so a snapshot taken before it restores an empty state.
     """
 
     def __init__(self, model, opt):
         self.model, self.opt = model, opt
+        self._buf = None
+
+    def _tensors(self):
+        """(the model's and the optimizer's state tensors in a fixed order, the optimizer's layout)."""
+        ts = list(self.model.state_dict(keep_vars=True).values())
+        layout = []
+        for group in self.opt.param_groups:
+            for p in group["params"]:
+                st = self.opt.state.get(p, {})
+                keys = tuple(sorted(k for k, v in st.items() if torch.is_tensor(v)))
+                layout.append(keys)
+                ts += [st[k] for k in keys]
+        return [t.detach() for t in ts], layout
 
     def save(self):
-        return ({k: v.detach().clone() for k, v in self.model.state_dict().items()},
-                copy.deepcopy(self.opt.state_dict()))
+        ts, layout = self._tensors()
+        buf = self._buf
+        if buf is None or buf[1] != layout:
+            buf = self._buf = ([t.clone() for t in ts], layout)
+        else:
+            for dst, src in zip(buf[0], ts):
+                dst.copy_(src)
+        return buf
 
     def load(self, snap) -> None:
-        params, opt_state = snap
-        self.model.load_state_dict(params)
-        # a copy: AdamW's load keeps same-device tensors, which the redone step then updates in place
-        self.opt.load_state_dict(copy.deepcopy(opt_state))
+        saved, layout = snap
+        if not any(layout):  # taken before AdamW's first step: no state yet
+            self.opt.state.clear()
+        ts, now = self._tensors()
+        if now != layout:  # AdamW never drops state, so this is a bug, not a failure
+            raise RuntimeError(f"lm: the optimizer state changed shape since the snapshot: {now} vs {layout}")
+        with torch.no_grad():
+            for dst, src in zip(ts, saved):
+                dst.copy_(src)
 
 
 def run(args, comm=None):

@@ -74,3 +74,16 @@ def selfcomm():
     from mpi4py import MPI  # noqa: PLC0415
 
     return commlib.init(MPI.COMM_SELF)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_terminal_summary(terminalreporter):
+    """Plain-text logs: pytest-mpi's "MPI Information" section prints
+    ``MPI.Get_library_version()``, which under Open MPI ends in a NUL byte
+    (and then ``grep`` calls the whole log binary); written here without it."""
+    write = terminalreporter.write
+    terminalreporter.write = lambda content, **markup: write(content.replace("\x00", ""), **markup)
+    try:
+        yield
+    finally:
+        del terminalreporter.write  # the class's own method again

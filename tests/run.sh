@@ -58,7 +58,7 @@ WORKERS=${COMMLIB_TEST_WORKERS:-2}
 SERIAL_WORKERS=${COMMLIB_SERIAL_WORKERS:-$((WORKERS + 1))}
 skip=()
 for f in $TIMED $NO_MPI; do skip+=("--ignore=$f"); done
-want serial && { stage "serial tests ($SERIAL_WORKERS workers)" timeout 1500 "$PY" -P -m pytest -q -rfE \
+want serial && { stage "serial tests ($SERIAL_WORKERS workers)" timeout 1500 "$PY" -P -m pytest -q -rfEs --color=no \
   -p no:cacheprovider --timeout=600 -n "$SERIAL_WORKERS" --dist worksteal tests "${skip[@]}" "$@" || status=1; }
 # The ULFM kill-point jobs of test_ft.py (20 randomized runs and the corners: each an
 # mpiexec job of 3-6 ranks, mostly waiting on its launch: 0.9 CPU-s in 1.3 s of wall)
@@ -73,10 +73,10 @@ timed_tests() {
   done
   if [ -n "${par// /}" ]; then
     # shellcheck disable=SC2086
-    timeout 1500 "$PY" -P -m pytest -q -rfE -p no:cacheprovider --timeout=600 -n 2 $par "$@" || rc=1
+    timeout 1500 "$PY" -P -m pytest -q -rfEs --color=no -p no:cacheprovider --timeout=600 -n 2 $par "$@" || rc=1
   fi
   # shellcheck disable=SC2086
-  timeout 1500 "$PY" -P -m pytest -q -rfE -p no:cacheprovider --timeout=600 $TIMED "${deselect[@]}" "$@" || rc=1
+  timeout 1500 "$PY" -P -m pytest -q -rfEs --color=no -p no:cacheprovider --timeout=600 $TIMED "${deselect[@]}" "$@" || rc=1
   return $rc
 }
 if want timed && [ -n "${TIMED// /}" ]; then
@@ -101,12 +101,12 @@ no_mpi_tests() {
   done
   if [ -n "${rest// /}" ]; then
     # shellcheck disable=SC2086
-    PYTHONPATH=$pp timeout 1500 "$PY" -P -m pytest -q -rfE -p no:cacheprovider --timeout=600 -n "$WORKERS" $rest "$@" ||
+    PYTHONPATH=$pp timeout 1500 "$PY" -P -m pytest -q -rfEs --color=no -p no:cacheprovider --timeout=600 -n "$WORKERS" $rest "$@" ||
       rc=1
   fi
   if [ -n "${timed// /}" ]; then
     # shellcheck disable=SC2086
-    PYTHONPATH=$pp timeout 1500 "$PY" -P -m pytest -q -rfE -p no:cacheprovider --timeout=600 $timed "$@" || rc=1
+    PYTHONPATH=$pp timeout 1500 "$PY" -P -m pytest -q -rfEs --color=no -p no:cacheprovider --timeout=600 $timed "$@" || rc=1
   fi
   return $rc
 }
@@ -126,7 +126,8 @@ want mpi || RANKS=""
 MPI_FILES=$(grep -l -E "pytest\.mark\.mpi" tests/test_*.py | tr '\n' ' ')
 for n in $RANKS; do
   # shellcheck disable=SC2086
-  stage "MPI tests on $n rank(s)" timeout 900 "$MPIEXEC" $MPIFLAGS -n "$n" "$PY" -P -m pytest -q -rfE \
+  stage "MPI tests on $n rank(s)" timeout 900 "$MPIEXEC" $MPIFLAGS -n "$n" "$PY" -P -m pytest -q -rfEs --color=no \
     -p no:cacheprovider --with-mpi -m mpi --timeout=300 --timeout-method=thread $MPI_FILES "$@" || status=1
 done
+torch_hint "$PY"
 exit $status

@@ -24,15 +24,16 @@ export PYTHONDONTWRITEBYTECODE=  # bytecode written on first import, as in tests
 status=0
 # shellcheck source=tests/stage.sh
 . tests/stage.sh
-stage "MPICH: serial collectives and bounded-error fault tests" timeout 900 "$PY" -P -m pytest -q -rfE \
+stage "MPICH: serial collectives and bounded-error fault tests" timeout 900 "$PY" -P -m pytest -q -rfEs --color=no \
   -p no:cacheprovider --timeout=300 tests/test_collectives_unit.py tests/test_ft.py tests/test_communicator.py || status=1
 # a rank's death without ULFM: every survivor exits in bounded time naming the last checkpoint, and
 # the resume on another rank count gives the uninterrupted run's losses (hydra -disable-auto-cleanup)
-stage "MPICH: LM checkpoint, kill, resume (no ULFM)" timeout 600 "$PY" -P -m pytest -q -rfE -p no:cacheprovider \
+stage "MPICH: LM checkpoint, kill, resume (no ULFM)" timeout 600 "$PY" -P -m pytest -q -rfEs --color=no -p no:cacheprovider \
   --timeout=300 tests/test_lm_resume.py -k "without_ulfm" || status=1
 for n in ${RANKS:-2 3}; do
-  stage "MPICH: MPI tests on $n rank(s)" timeout 600 "$VENV/bin/mpiexec" -n "$n" "$PY" -P -m pytest -q -rfE \
+  stage "MPICH: MPI tests on $n rank(s)" timeout 600 "$VENV/bin/mpiexec" -n "$n" "$PY" -P -m pytest -q -rfEs --color=no \
     -p no:cacheprovider --with-mpi -m mpi --timeout=300 --timeout-method=thread \
     tests/test_collectives.py tests/test_communicator.py tests/test_halo.py tests/test_mixed_p2p.py || status=1
 done
+torch_hint "$PY"
 exit $status

@@ -36,3 +36,16 @@ stage() {
   rm -f "$log"
   return "$rc"
 }
+
+# Sourced too: at the end of a run, one line on how to install torch when "$1" (the
+# suite's Python) has none: its tests (commlib.nn, the LM app) then skip, and
+# the SKIPPED lines above say which. On Python 3.11 torch==2.13.0 is the CPU build
+# kept on these machines; elsewhere PyTorch's CPU index gives the CPU-only build
+# (PyPI's Linux wheel pulls the CUDA build and GBs of nvidia packages).
+torch_hint() {
+  "$1" -P -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)" 2>/dev/null &&
+    return 0
+  local cmd="$1 -m pip install torch --index-url https://download.pytorch.org/whl/cpu"
+  "$1" -c "import sys; sys.exit(sys.version_info[:2] != (3, 11))" 2>/dev/null && cmd="$1 -m pip install torch==2.13.0"
+  echo "== torch is not installed: its tests skipped (the SKIPPED lines above); to run them, CPU-only: $cmd"
+}

@@ -238,8 +238,17 @@ def test_cli_json_and_plot(tmp_path):
     rec = json.loads(out.read_text())
     for key in ("grid", "ranks", "steps", "l2_error", "max_error", "mlups", "comm_fraction", "verified"):
         assert key in rec
-    assert rec["verified"] is True and rec["grid"] == [12, 12]
+    assert rec["verified"] is None and rec["grid"] == [12, 12]  # 1 rank: nothing to compare
     assert png.stat().st_size > 1000
+
+
+def test_cli_verify_at_one_rank_says_nothing_compared(capsys):
+    """At 1 rank ``--verify`` would compare the run with itself: the summary says it compared nothing."""
+    rc = heat.main(["--dims", "2", "--grid", "12", "--steps", "5", "--backend", "numpy", "--verify", "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "single-process check: nothing compared (1 rank" in out, out
+    assert "bit-identical" not in out, out
 
 
 @pytest.mark.mpi(min_size=2)

@@ -170,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write the summary as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of the mid-plane")
     p.add_argument("--verify", action="store_true",
-                   help="gather the field and compare bit for bit with a single-process run")
+                   help="gather the field and compare bit for bit with a single-process run "
+                        "(at 1 rank there is nothing to compare, and the summary says so)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--fault-tolerant", action="store_true",
                    help="survive rank failures (ULFM: mpiexec --with-ft ulfm --mca btl tcp,self --mca btl_tcp_flags send,inplace,need-ack,need-csum): in-memory buddy "
@@ -229,6 +230,8 @@ def print_summary(res, grid) -> None:
           f"comm fraction {res.comm_fraction:.1%}")
     if res.verified is not None:
         print(f"  single-process check: {'bit-identical' if res.verified else 'MISMATCH'}")
+    elif res.extra.get("verify_skipped"):
+        print(f"  single-process check: nothing compared ({res.extra['verify_skipped']})")
     if res.extra.get("fault_tolerant"):
         print(f"  fault tolerant: lost COMM_WORLD ranks {res.extra['failed']}, {res.extra['recoveries']} "
               f"recovery(ies), recovery times {[round(x, 3) for x in res.extra['recovery_s']]} s")
@@ -262,6 +265,7 @@ def _main(argv=None) -> int:
     if comm.size != (size or 1):  # a launcher that did not name the size: check again (every rank alike)
         grid = check_args(parser, args, comm.size)
     heat = _api()
+    start_size = comm.size
     if args.fault_tolerant:
         kill = args.kill_list
         res, local = heat.solve_ft(comm, grid, steps=args.steps, alpha=args.alpha, backend=args.backend,
@@ -277,7 +281,10 @@ def _main(argv=None) -> int:
     full = None
     if args.verify or args.plot:
         full = gather_field(comm, grid, local)
-    if args.verify:
+    if args.verify and start_size == 1:
+        # the run is the single-process run: a rerun would compare it with itself
+        res.extra["verify_skipped"] = "1 rank: this run is the single-process run; launch 2 or more ranks to check"
+    elif args.verify:
         res.verified = matches_one_rank(comm, grid, full, res.steps, alpha=args.alpha, backend=args.backend,
                                         cfl=args.cfl, t_final=args.t_final)
     if comm.rank == 0:

@@ -136,12 +136,10 @@ def run_selection(sel, log) -> tuple[str, float]:
     try:
         rc = p.wait(timeout=timeout + 60)
     except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
+        _stop(p)
         rc = "timeout"
     except BaseException:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
+        _stop(p)
         raise
     dt = time.monotonic() - t0
     log.write(f"[rc {rc}, {dt:.0f} s]\n")
@@ -151,6 +149,20 @@ def run_selection(sel, log) -> tuple[str, float]:
     if rc == 5:
         return "empty", dt
     return ("timeout" if rc == "timeout" or rc in (124, 137) else "fail"), dt
+
+
+def _stop(p) -> None:
+    """End a selection's process group: SIGTERM (mpiexec then ends its ranks), SIGKILL after 5 s."""
+    for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, None)):
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            p.wait(timeout=wait)
+            break
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def _raise_interrupt(signum, frame):
@@ -165,7 +177,10 @@ def main(argv=None) -> int:
     ap.add_argument("--log", default=os.environ.get("COMMLIB_MUTATION_LOG", "/tmp/commlib-mutations.log"),
                     help="the tests' output (default %(default)s)")
     a = ap.parse_args(argv)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    # SIGINT too: a shell starts a background job with SIGINT ignored, and Python then
+    # leaves it ignored; a Ctrl-C or kill -INT must still restore the file
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_interrupt)
     chosen = [m for m in MUTATIONS if not a.only or any(o in m[0] for o in a.only)]
     if not chosen:
         raise SystemExit(f"no mutation matches {a.only}")

@@ -126,7 +126,7 @@ def describe(sel) -> str:
 
 def run_selection(sel, log) -> tuple[str, float]:
     """'pass', 'fail', 'timeout' or 'empty' (nothing collected), and seconds."""
-    kind, n, args, timeout = sel
+    kind, timeout = sel[0], sel[3]
     cmd = command(sel)
     log.write(f"\n$ {' '.join(cmd)}\n")
     log.flush()

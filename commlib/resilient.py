@@ -213,9 +213,11 @@ class ResilientRunner:
                 if self.commit and comm.size > 1:
                     comm.barrier()  # commlib's fault-tolerant barrier: the commit
             except StateLost:
+                self._bound_finalize()
                 raise
             except (ProcessFailed, CommTimeout) as exc:
                 if not self.recoverable or retries >= self.max_retries:
+                    self._bound_finalize()
                     raise
                 retries += 1
                 failure = exc
@@ -223,6 +225,13 @@ class ResilientRunner:
             self.completed += 1
             self.checkpoint()
             return result
+
+    def _bound_finalize(self) -> None:
+        """A failure leaves this call: bound the MPI library's finalize at exit, which
+        can otherwise wait for ever for the dead ranks (fault-tolerant mode only)."""
+        ft = getattr(self.comm, "ft", None)
+        if ft is not None:
+            ft.bound_finalize()
 
     # ------------------------------------------------------------ recovery
     def _recover(self, exc: BaseException) -> Failure:

@@ -1,7 +1,7 @@
 """Fault-tolerant context-parallel training: ``python -m commlib.apps.lm --fault-tolerant`` (ULFM).
 
 Each case launches the app under ``mpiexec --with-ft ulfm`` at 4 ranks with
-ranks SIGKILLed in a chosen phase of a chosen step (``--kill``), and judges
+ranks killed (exiting at once, no cleanup) in a chosen phase of a chosen step (``--kill``), and judges
 the survivors' losses (training and validation, every step) against an
 oracle this test computes itself: the single-process training with plain
 torch attention on the whole sequences (``oracle_losses``: dense SDPA with
@@ -130,14 +130,16 @@ def test_two_kills_each_phase(phases):
 @pytest.mark.parametrize("attention", ["hybrid"])
 def test_ulysses_degree_replanned_after_a_kill(attention):
     """Hybrid with Ulysses degree 2 loses a rank: 3 ranks fit no degree that divides 4 heads, so
-    the attention falls back to the ring, says so, and the losses stay (Ulysses' own fall-back is
+    the attention falls back to the ring, says so, and the losses stay; the app's own --verify runs
+    on the lowest survivor and passes too (Ulysses' own fall-back is
     the same re-plan: test_replan_keeps_a_degree_that_fits; its kills: tests/test_nn_ft.py)."""
     rng = random.Random(f"{SEED}-{attention}")
     kill = (rng.randrange(4), rng.randrange(1, 7), rng.choice(["forward", "backward"]))
     extra = ["--attention", attention] + (["--ulysses-degree", "2"] if attention == "hybrid" else [])
     argv = TINY + extra
-    rep, text = _lm(4, argv + ["--fault-tolerant", "--kill", f"{kill[0]}:{kill[1]}:{kill[2]}"])
+    rep, text = _lm(4, argv + ["--fault-tolerant", "--verify", "--kill", f"{kill[0]}:{kill[1]}:{kill[2]}"])
     _check_failures(rep, [kill], text)
+    assert rep["verify"]["passed"] and rep["verify"]["max_rel_diff"] <= REL, rep["verify"]  # on the lowest survivor
     assert rep["attention_final"]["kind"] == "ring", rep["attention_final"]
     assert any("re-planned" in n for n in rep["notes"]) and "re-planned" in text
     _assert_losses(rep, argv, f"{attention} kill {kill}")

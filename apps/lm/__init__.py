@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
            "and redo the step (commlib.ResilientRunner); without ULFM every wait is bounded and a failure ends "
            "the run with the resume command of the last --checkpoint")
     a("--kill", action="append", default=[], metavar="RANK:STEP[:PHASE]",
-      help="fault injection (repeatable): COMM_WORLD rank RANK SIGKILLs itself in step STEP (1-based) at PHASE, "
+      help="fault injection (repeatable): COMM_WORLD rank RANK dies at once (os._exit(137), no cleanup) in step STEP (1-based) at PHASE, "
            f"one of {', '.join(PHASES)} (default forward: inside the first layer's attention; backward: when "
            "autograd reaches it; eval: an evaluation step only)")
     a("--checkpoint", metavar="DIR",
@@ -371,6 +371,8 @@ def main(argv=None) -> int:
         if not ft:
             raise
         # not recovered (no ULFM, or a state lost): every survivor says so in one line and exits
+        # (MPI_Finalize bounded: it can wait for ever for the dead rank)
+        comm.ft.bound_finalize()
         from .train import failure_line  # noqa: PLC0415
 
         print(failure_line(args, comm, exc), file=sys.stderr, flush=True)

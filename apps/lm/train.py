@@ -19,7 +19,6 @@ import math
 import os
 import platform
 import resource
-import signal
 import sys
 import time
 
@@ -247,10 +246,14 @@ def _eval_points(args) -> list[int]:
 
 
 def _kill_self():
-    """Die as a failed node would (SIGKILL: no cleanup, no goodbye to MPI)."""
+    """Die as a failed node would: at once, no cleanup, no MPI_Finalize (``os._exit(137)``, the
+    status a shell reports for SIGKILL).  The peers see what a killed process leaves (its
+    connections reset); an exit rather than the signal itself, because MPICH's launcher ends the
+    whole job on a rank's signal whatever ``-disable-auto-cleanup`` says, which would hide how
+    the survivors behave without ULFM."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(137)
 
 
 class _Training:

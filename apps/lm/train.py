@@ -364,8 +364,6 @@ def run(args, comm=None):
 
     runner = commlib.ResilientRunner(comm, save=training.save, load=training.load, reshard=reshard,
                                      commit=False)  # every step ends with a fault-tolerant all-reduce
-    if shard.note and comm.rank == 0:  # pragma: no cover - check_sizes refuses a misfit at the start
-        print(f"lm: {shard.note}", file=sys.stderr, flush=True)
 
     def local_loss(tokens, train=False):
         inp, tgt, pos, attn = shard.split(tokens, train)

@@ -141,11 +141,11 @@ class _Watchdog:
       becomes one more process failure, which the survivors' ULFM recovery
       handles as any other (they shrink and retry without this rank).
 
-    The watchdog is a Python thread: it needs the GIL, and every MPI call the
-    fault-tolerant path makes releases it (mpi4py calls MPI ``with nogil``;
-    checked for ``Testall``, ``Waitall``, ``Agree``, ``Shrink``, ``Revoke``,
-    ``Dup``, ``Barrier``, ``Allgather`` with a PMPI shim that blocks inside
-    each: docs/FAULTS.md), so a rank stuck inside MPI still runs it.  Arming
+    The watchdog is a Python thread: it needs the GIL.  It runs while a rank is
+    stuck inside an MPI call only if that call released the GIL (mpi4py's
+    calls are declared ``with nogil``; this repository has no check that a given
+    call does: docs/FAULTS.md).  What the tests show is the other half: a
+    caller blocked in a C call that released the GIL is ended by the watchdog.  Arming
     and disarming cost a lock round trip each and no thread switch (the thread
     sleeps towards the earliest deadline and is woken only when a new one is
     earlier).  Revoking needs ``MPI_THREAD_MULTIPLE``.

@@ -61,7 +61,7 @@ from .snapshot import LazySnapshot
 from .specs import SPECS, Call, CollectiveSpec, valid_root
 from .staging import Staged, wrap
 
-__all__ = ["Engine", "CollectiveSpec", "SPECS", "HostAllreduce", "SmallAllreduce", "validate", "first_round",
+__all__ = ["Engine", "CollectiveSpec", "SPECS", "HostAllreduce", "validate", "first_round",
            "reduce_rows", "small_capacity", "describe_field"]
 
 _ROOT = FIELDS.index("root")
@@ -580,10 +580,6 @@ class HostAllreduce:
             allreduce_ring(tp, work, o, sendbuf=src, tmp=tmp)
         else:
             fn(tp, work, o, sendbuf=src)
-
-
-#: the former name of the engine's cached host-allreduce plans
-SmallAllreduce = HostAllreduce
 
 
 class _TransportComm:

@@ -24,7 +24,7 @@ from commlib.core.errors import CommTimeout, InvalidArgument
 from commlib.core.seconds import check_timeout, timeout_problem
 from commlib.core.tags import check_user_tag
 from commlib.transports.base import Request, wait_all
-from commlib.transports.mpi import MPIRequest, MPITransport
+from commlib.transports.mpi import MPIRequest, MPITransport, dims_create
 from commlib.typed_p2p import _MPITypes, typed_irecv, typed_isend, typed_recv, typed_send, typed_sendrecv
 
 __all__ = ["Communicator", "CartCommunicator", "init", "compute_dims", "PROC_NULL", "ANY_SOURCE", "ANY_TAG"]
@@ -415,10 +415,7 @@ class CartCommunicator(Communicator):
     def __init__(self, comm: MPI.Cartcomm | None = None, *, cuda_aware: bool | None = None,
                  transport: MPITransport | None = None):
         super().__init__(comm, cuda_aware=cuda_aware, transport=transport)
-        dims, periods, coords = self.mpi_comm.Get_topo()
-        self.dims = tuple(int(d) for d in dims)
-        self.periods = tuple(bool(p) for p in periods)
-        self.coords = tuple(int(c) for c in coords)
+        self.dims, self.periods, self.coords = self.transport.cart_topo()
         self.ndim = len(self.dims)
 
     def __repr__(self) -> str:
@@ -442,7 +439,7 @@ class CartCommunicator(Communicator):
                     return PROC_NULL
                 x %= n
             c.append(x)
-        return self.mpi_comm.Get_cart_rank(c)
+        return self.transport.cart_rank(c)
 
     def coords_of(self, rank: int) -> tuple[int, ...]:
         """Coordinates of ``rank``.
@@ -450,10 +447,10 @@ class CartCommunicator(Communicator):
         Raises:
             InvalidArgument: ``rank`` is not in ``[0, size)``.
         """
-        self.transport._check_peer(rank, "rank", "coords_of")
+        self.transport.check_peer(rank, "rank", "coords_of")
         if rank == PROC_NULL:
             raise InvalidArgument("PROC_NULL has no coordinates", rank=self.rank, op="coords_of")
-        return tuple(self.mpi_comm.Get_coords(int(rank)))
+        return self.transport.cart_coords(int(rank))
 
     def neighbor(self, offset: Sequence[int]) -> int:
         """Rank at this rank's coordinates plus ``offset`` (e.g. ``(-1, 1)`` for a
@@ -473,7 +470,7 @@ class CartCommunicator(Communicator):
                 or not 0 <= direction < self.ndim or isinstance(disp, bool) or not isinstance(disp, (int, np.integer))):
             raise InvalidArgument(f"direction {direction!r} must be an int in [0, {self.ndim}) and disp {disp!r} "
                                   "an int", rank=self.rank, op="shift")
-        return self.mpi_comm.Shift(int(direction), int(disp))
+        return self.transport.cart_shift(int(direction), int(disp))
 
 
 #: dims shown entry by entry in cart_create's argument agreement (a digest covers the rest)
@@ -527,11 +524,7 @@ def compute_dims(nnodes: int, dims: Sequence[int] | int) -> tuple[int, ...]:
     Raises:
         InvalidArgument: ``nnodes`` cannot be split so.
     """
-    d = [0] * dims if isinstance(dims, int) else [int(x) for x in dims]
-    try:
-        return tuple(int(x) for x in MPI.Compute_dims(int(nnodes), d))
-    except MPI.Exception as exc:
-        raise InvalidArgument(f"{nnodes} ranks cannot fill dims {d}: {exc}", op="compute_dims") from None
+    return dims_create(nnodes, [0] * dims if isinstance(dims, int) else dims)
 
 
 def init(comm: MPI.Comm | None = None, *, cuda_aware: bool | None = None, fault_tolerant: bool = False,

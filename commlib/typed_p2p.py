@@ -203,7 +203,7 @@ def _prepare(comm, buf, peer, datatype, count, strategy, op, receive):
     """Validate ``(buf, datatype, count)`` and choose the strategy: ``(Buffer,
     type, plan, strategy)``, or None for ``PROC_NULL``.  The peer is checked
     first, so a bad rank is refused before anything is packed."""
-    comm.transport._check_peer(peer, "source" if receive else "dest", op)
+    comm.transport.check_peer(peer, "source" if receive else "dest", op)
     b, t, p = resolve(comm, buf, datatype, count, op, receive)
     if peer == PROC_NULL:
         return None

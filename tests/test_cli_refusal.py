@@ -101,10 +101,11 @@ import commlib, commlib.collectives
 import commlib.apps.heat, commlib.apps.attention
 assert not [m for m in heavy if m in sys.modules], [m for m in heavy if m in sys.modules]
 assert set(commlib.__all__) <= set(dir(commlib)) and set(commlib.collectives.__all__) <= set(dir(commlib.collectives))
-# a submodule named like its function (imported here first) leaves the package's name the function
-import commlib.collectives.allreduce_ring, commlib.collectives.allgather_ring
+# an algorithm is imported from its module (no package-level alias to shadow)
+from commlib.collectives.allreduce_ring import allreduce_ring
+from commlib.collectives.allgather_ring import allgather_ring
 from commlib import init, Communicator, ring_attention, Buffer
-from commlib.collectives import allreduce_ring, allgather_ring, HaloExchange, LAYOUTS
+from commlib.collectives import HaloExchange, LAYOUTS
 assert callable(init) and callable(allreduce_ring) and callable(allgather_ring), (allreduce_ring, allgather_ring)
 assert commlib.apps.heat.HaloExchange is HaloExchange and LAYOUTS == commlib.collectives.attention.LAYOUTS
 for name in commlib.__all__:

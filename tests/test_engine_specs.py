@@ -109,12 +109,10 @@ def test_cached_plan_sends_the_general_paths_row(count, algorithm, op):
     assert fast.tobytes() == np.asarray(general).tobytes()
 
 
-def test_host_plan_alias_and_capacity():
-    from commlib.collectives.engine import SmallAllreduce
+def test_host_plan_capacity():
     from commlib.collectives.one_round import small_capacity
 
     tp = _Mirror()
-    assert SmallAllreduce is HostAllreduce
     assert HostAllreduce(tp).cap == small_capacity(2)
     with pytest.raises(ValueError):
         HostAllreduce(tp, small_capacity(2) + 8)

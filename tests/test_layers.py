@@ -116,3 +116,95 @@ def test_torch_only_in_the_framework_layer_and_apps():
     assert not offenders, "torch imported outside commlib.nn and the apps:\n" + "\n".join(offenders)
     assert TORCH_IMPORT.search("    import torch  # noqa") and TORCH_IMPORT.search("from torch.nn import F")
     assert not TORCH_IMPORT.search("import torchvision") and not TORCH_IMPORT.search("# torch is imported")
+
+
+# ------------------------------------------------- the Transport ABC is the contract
+#: receivers that hold a transport in the package's code (a name, or an attribute of that name)
+_TRANSPORT_NAMES = frozenset(("tp", "transport", "_transport", "coll", "user", "_coll_tp"))
+#: read only by the ``mpi_comm`` interop properties (a user's mpi4py code gets the MPI.Comm)
+_INTEROP = {"comm": "mpi_comm"}
+TOPOLOGY_CALL = re.compile(r"\.(Get_topo|Get_cart_rank|Get_coords|Shift|Compute_dims|Create_dims|Dims_create)\(")
+
+
+def _contract_names():
+    from commlib.transports.base import Transport
+
+    class _Probe(Transport):  # the instance attributes the base sets (tags)
+        rank = size = 0
+
+        def isend(self, *a):  # pragma: no cover
+            pass
+
+        def irecv(self, *a):  # pragma: no cover
+            pass
+
+    return {n for n in dir(Transport) if not n.startswith("_")} | set(vars(_Probe()))
+
+
+def _transport_uses(tree):
+    """``(line, attribute, enclosing function)`` for each attribute read on a transport receiver."""
+    import ast
+
+    out = []
+
+    def walk(node, fn):
+        for child in ast.iter_child_nodes(node):
+            f = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else fn
+            if isinstance(child, ast.Attribute):
+                v = child.value
+                recv = v.id if isinstance(v, ast.Name) else v.attr if isinstance(v, ast.Attribute) else None
+                if recv in _TRANSPORT_NAMES:
+                    out.append((child.lineno, child.attr, f))
+            walk(child, f)
+
+    walk(tree, None)
+    return out
+
+
+def _contract_offenders(sources, allowed):
+    import ast
+
+    offenders = []
+    for path, text in sources:
+        for line, attr, fn in _transport_uses(ast.parse(text)):
+            if attr.startswith("__") or attr in allowed or _INTEROP.get(attr) == fn:
+                continue
+            offenders.append(f"{path}:{line}: .{attr} (in {fn})")
+    return offenders
+
+
+def test_callers_use_only_the_transport_contract():
+    """Above ``commlib.transports`` a transport is used only through what the
+    ``Transport`` ABC declares (docs/ARCHITECTURE.md, "where new things go"):
+    no MPI- or TCP-only method, so a new transport works wherever the contract
+    is met; grid queries go through the transport too, and no module reaches
+    a transport module by a name string."""
+    transports = os.path.realpath(_layer_dirs()["transports"])
+    sources = []
+    strings, topo = [], []
+    for _, path in _sources():
+        if path.startswith(transports + os.sep):
+            continue
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+        sources.append((path, text))
+        for i, line in enumerate(text.splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if re.search(r"[\"']commlib\.transports\.\w+[\"']", code):
+                strings.append(f"{path}:{i}: {line.strip()}")
+            if TOPOLOGY_CALL.search(code):
+                topo.append(f"{path}:{i}: {line.strip()}")
+    offenders = _contract_offenders(sources, _contract_names())
+    assert not offenders, "transport methods outside the Transport contract:\n" + "\n".join(offenders)
+    assert not strings, "a transport module reached by a name string:\n" + "\n".join(strings)
+    assert not topo, "grid (topology) calls outside commlib.transports:\n" + "\n".join(topo)
+
+
+def test_contract_scan_catches_a_leak():
+    """The scan above finds an MPI-only call on a transport (the test can fail)."""
+    code = ("def f(comm):\n    comm.transport.set_errors_return()\n    tp = comm.transport\n"
+            "    tp.comm.Barrier()\n    tp.tcp_only_thing(3)\n    return tp.isend\n"
+            "def mpi_comm(self):\n    return self.transport.comm\n")
+    got = _contract_offenders([("x.py", code)], _contract_names())
+    assert [g.split(": ")[1] for g in got] == [".comm (in f)", ".tcp_only_thing (in f)"], got
+    assert TOPOLOGY_CALL.search("self.mpi_comm.Get_coords(3)") and not TOPOLOGY_CALL.search("tp.cart_shift(0, 1)")

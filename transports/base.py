@@ -40,6 +40,8 @@ from abc import ABC, abstractmethod
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, NamedTuple, Sequence
 
+import numpy as np
+
 from commlib.core.errors import CommTimeout, InvalidArgument, ProcessFailed
 from commlib.core.seconds import check_timeout
 from commlib.core.tags import USER_TAG_MAX, TagAllocator
@@ -373,6 +375,34 @@ class Transport(ABC):
         """Start persistent requests."""
         raise self.unsupported("persistent requests")
 
+    def check_peer(self, peer: int, what: str, op: str) -> None:
+        """Refuse a peer rank outside ``[0, size)`` with :class:`~commlib.InvalidArgument`
+        (``what``: "dest", "source", "rank"; ``op``: the call, for the message).
+        A transport with wildcard or null ranks (MPI's ``ANY_SOURCE``,
+        ``PROC_NULL``) accepts those too."""
+        if not isinstance(peer, (int, np.integer)) or isinstance(peer, bool) or not 0 <= peer < self.size:
+            raise InvalidArgument(f"{what} {peer!r} out of range [0, {self.size})", rank=self.rank, op=op)
+
+    def check(self, buf, peer: int, op: str, receive: bool = False) -> None:
+        """Validate one side of a point-to-point call (``peer`` and ``buf``, array
+        or :class:`Wire`) without posting anything, raising what ``isend`` /
+        ``irecv`` would raise for them; ``sendrecv``-like calls check both sides
+        before either is posted.  Default: the peer only."""
+        self.check_peer(peer, "source" if receive else "dest", op)
+
+    def send_checked(self, wire: "Wire", dest: int, tag: int = 0) -> None:
+        """A blocking send of a message the caller built and checked already
+        (typed point to point's cached plans): a transport may skip its own
+        checks and staging here.  Default: :meth:`send`."""
+        self.send(wire, dest, tag)
+
+    def recv_checked(self, wire: "Wire", source: int, tag: int = 0):
+        """:meth:`send_checked`'s receive; returns what :meth:`recv` returns."""
+        return self.recv(wire, source, tag)
+
+    def free_requests(self, requests: Sequence[Request]) -> None:
+        """Release inactive persistent requests (``send_init``/``recv_init``); default: nothing to release."""
+
     def poll(self, tag: int, nbytes: int):
         """Receive a message of at most ``nbytes`` bytes with ``tag`` from any
         rank if one has arrived (never blocks): a uint8 array of ``nbytes``
@@ -403,6 +433,12 @@ class Transport(ABC):
     def native_barrier(self) -> None:
         raise self.unsupported("native barrier")
 
+    def native_dtype(self, dtype):
+        """The wire library's handle for reducing ``dtype`` natively, or None when
+        its native collectives cannot take that dtype (default: None, no native
+        collectives)."""
+        return None
+
     def has_native(self, what: str) -> bool:
         """True when ``native_<what>`` is implemented."""
         return getattr(type(self), f"native_{what}", None) is not getattr(Transport, f"native_{what}", None)
@@ -421,12 +457,41 @@ class Transport(ABC):
         """A transport over a duplicate of this group (collective)."""
         raise self.unsupported("dup")
 
+    def idup(self, timeout: float, n: int = 1, op: str = "dup") -> list:
+        """``n`` transports over duplicates of this group (collective), waited for
+        at most ``timeout`` seconds: the bounded :meth:`dup` a fault-tolerant
+        group needs (no blocking call may wait forever there).  Raises
+        :class:`~commlib.CommTimeout` when the peers have not joined in time."""
+        raise self.unsupported("a bounded dup")
+
+    def set_errors_return(self) -> None:
+        """Make every later error on this group come back to the caller as an
+        exception rather than end the process (MPI's ``MPI_ERRORS_RETURN``);
+        default: errors already come back."""
+
     def split(self, color: int, key: int = 0) -> "Transport":
         """A transport over the members with the same ``color``, ordered by ``key`` (collective)."""
         raise self.unsupported("split")
 
     def create_cart(self, dims, periods, reorder: bool = False) -> "Transport":
         """A transport over a Cartesian grid of this group (collective)."""
+        raise self.unsupported("a Cartesian topology")
+
+    # A transport made by create_cart answers the grid queries (MPI-4.0 §8.5):
+    def cart_topo(self) -> tuple[tuple[int, ...], tuple[bool, ...], tuple[int, ...]]:
+        """``(dims, periods, coords)`` of this rank in the grid."""
+        raise self.unsupported("a Cartesian topology")
+
+    def cart_rank(self, coords: Sequence[int]) -> int:
+        """The rank at ``coords`` (each within its dimension's range)."""
+        raise self.unsupported("a Cartesian topology")
+
+    def cart_coords(self, rank: int) -> tuple[int, ...]:
+        """The coordinates of ``rank``."""
+        raise self.unsupported("a Cartesian topology")
+
+    def cart_shift(self, direction: int, disp: int = 1) -> tuple[int, int]:
+        """``(source, dest)`` of a shift by ``disp`` along ``direction`` (a null rank off a non-periodic edge)."""
         raise self.unsupported("a Cartesian topology")
 
     def world_ranks(self, ranks=None) -> tuple[int, ...]:

@@ -10,137 +10,37 @@ the rest of it as it was, as MPI's own receive into host memory does (MPI-4.0
 §3.2.4), without a device→host copy of the buffer before the receive.  The
 producing stream is synchronized before MPI reads a device buffer.
 
-This module (with :mod:`commlib.transports.failures`) is the only place in
-commlib that calls MPI to communicate: point to point, persistent requests,
-MPI's own collectives (``native_*``), communicator creation and ULFM's
-revoke / agree / shrink.  Every MPI error leaves it as a classified
+This module (with its request handle, :mod:`~commlib.transports.mpi_request`,
+its reductions, :mod:`~commlib.transports.mpi_ops`, and
+:mod:`~commlib.transports.failures`) is the only place in commlib that calls
+MPI to communicate: point to point, persistent requests, MPI's own
+collectives (``native_*``), communicator and grid creation and queries, and
+ULFM's revoke / agree / shrink.  Every MPI error leaves it as a classified
 :class:`~commlib.CommError`.
 """
 from __future__ import annotations
-
-from typing import Callable
 
 import os
 import time
 
 import numpy as np
 from mpi4py import MPI
-from mpi4py.util.dtlib import to_numpy_dtype
 
-from commlib.core import devmem
 from commlib.core.buffer import Buffer, as_buffer
 from commlib.core.device import cuda_aware
 from commlib.core.errors import BufferError, CommError, CommTimeout, InvalidArgument
 from commlib.core.seconds import timeout_problem, wait_bound_ok
 
-from .base import CompletedRequest, Request, Transport, Wire, check_plain_dtype, register_op_names
+from .base import CompletedRequest, Request, Transport, Wire, check_plain_dtype
 from .failures import is_process_failure, mpi_failed_ranks, raise_classified, to_comm_error
+from .mpi_ops import dims_create, mpi_op, native_op, op_name
+from .mpi_request import ABANDONED, MPIRequest, cancel_receive, copy_up, raise_completion_error
 
 _BYTE = MPI.BYTE
 _U8 = np.dtype(np.uint8)  # builtin dtypes are singletons: `is` is the cheap test
 PROC_NULL, ANY_SOURCE, ANY_TAG = MPI.PROC_NULL, MPI.ANY_SOURCE, MPI.ANY_TAG
-# requests abandoned while pending (see MPIRequest.__del__); never freed
-_ABANDONED: list = []
 
-__all__ = ["MPITransport", "MPIRequest", "PROC_NULL", "ANY_SOURCE", "ANY_TAG", "mpi_op", "op_name"]
-
-
-class MPIRequest(Request):
-    """Wraps an ``MPI.Request``; ``on_complete(nbytes)`` runs once when it
-    finishes (host→device copy of a staged receive), given the number of bytes
-    that arrived (the ``MPI.Status`` count; every completion path reads it:
-    ``test``, ``wait``, the transport's ``waitall``)."""
-
-    __slots__ = ("req", "_on_complete", "_done", "_keep", "persistent", "rank", "bound")
-
-    def __init__(self, req: MPI.Request, on_complete: Callable[[], None] | None = None, keep=None,
-                 persistent: bool = False, rank: int | None = None):
-        self.req = req
-        self._on_complete = on_complete
-        self._done = persistent  # a persistent request is inactive until started
-        self._keep = keep  # staging buffers must outlive the MPI request
-        self.persistent = persistent
-        self.rank = rank
-        #: seconds ``wait()`` without a timeout may take (a fault-tolerant
-        #: communicator's user requests), None: no bound
-        self.bound = None
-
-    def _finish(self, nbytes: int | None = None) -> None:
-        """The one completion point: ``on_complete(nbytes)`` (staging copy,
-        unpack; ``nbytes``: the bytes received, from the request's status), then
-        the ``add_done_callback`` callbacks."""
-        self._done = True
-        if self._on_complete is not None:
-            cb = self._on_complete
-            if not self.persistent:
-                self._on_complete = None
-                self._keep = None
-            cb(nbytes)
-        elif not self.persistent:
-            self._keep = None
-        if self._callbacks:
-            self._fire()
-
-    def then(self, fn: Callable[[int | None], None]) -> "MPIRequest":
-        """Run ``fn(nbytes)`` when the operation completes successfully, after
-        any staging copy and before ``wait``/``test``/``waitall`` report it done
-        (e.g. unpacking a typed receive); not run if it fails.  ``nbytes``: the
-        bytes a receive got (``MPI_Get_count`` with ``MPI_BYTE``; a message
-        may be shorter than the buffer)."""
-        first = self._on_complete
-        self._on_complete = fn if first is None else (lambda n: (first(n), fn(n)))
-        return self
-
-    def test(self) -> bool:
-        if self._done:
-            return True
-        # a status only where a callback needs the count (host requests: none)
-        st = None if self._on_complete is None else MPI.Status()
-        try:
-            flag = self.req.Test(st)
-        except MPI.Exception as exc:
-            _raise_completion_error(exc, () if st is None else (st,), self.rank, "test")
-        if flag:
-            self._finish(None if st is None else st.Get_count(_BYTE))
-            return True
-        return False
-
-    def wait(self, timeout: float | None = None):
-        if timeout is None:
-            timeout = self.bound
-        if timeout is None and not self._done:
-            st = None if self._on_complete is None else MPI.Status()
-            try:
-                self.req.Wait(st)
-            except MPI.Exception as exc:
-                _ABANDONED.append(self.req)
-                _raise_completion_error(exc, () if st is None else (st,), self.rank, "wait")
-            self._finish(None if st is None else st.Get_count(_BYTE))
-            return None
-        return Request.wait(self, timeout)
-
-    def __del__(self):
-        # mpi4py frees an active request when its object dies; a send freed
-        # that way and failing later (a peer died) makes Open MPI's ULFM abort
-        # the whole job ("Send error after request freed").  Requests dropped
-        # while still pending (an error left them behind) are kept instead.
-        if not self._done:
-            try:
-                req = self.req
-                if req is not None and req != MPI.REQUEST_NULL:
-                    _ABANDONED.append(req)
-            except Exception:  # noqa: BLE001 - interpreter shutdown
-                pass
-
-    def cancel(self) -> bool:
-        """Cancel a pending operation (used when recovering from a failure);
-        returns False (``Future.cancel``: the request may still complete)."""
-        if not self._done:
-            try:
-                self.req.Cancel()
-            except MPI.Exception:
-                pass
-        return False
+__all__ = ["MPITransport", "MPIRequest", "PROC_NULL", "ANY_SOURCE", "ANY_TAG", "mpi_op", "op_name", "dims_create"]
 
 
 class MPITransport(Transport):
@@ -205,7 +105,8 @@ class MPITransport(Transport):
         return self._size
 
     # ----------------------------------------------------------------- helpers
-    def _check_peer(self, peer: int, what: str, op: str) -> None:
+    def check_peer(self, peer: int, what: str, op: str) -> None:
+        """As :meth:`Transport.check_peer`; ``PROC_NULL`` (and ``ANY_SOURCE`` as a source) pass."""
         if peer == MPI.PROC_NULL or (what == "source" and peer == MPI.ANY_SOURCE):
             return
         if not isinstance(peer, (int, np.integer)) or isinstance(peer, bool) or not 0 <= peer < self._size:
@@ -229,7 +130,7 @@ class MPITransport(Transport):
             BufferError: ``buf`` is not a usable contiguous buffer, or a read-only
                 one to receive into.
         """
-        self._check_peer(peer, "source" if receive else "dest", op)
+        self.check_peer(peer, "source" if receive else "dest", op)
         if isinstance(buf, Wire):
             b = as_buffer(buf.obj, op=op, rank=self._rank)
             check_plain_dtype(b.dtype, self._rank, op)
@@ -255,7 +156,7 @@ class MPITransport(Transport):
                                       rank=self._rank, op=op)
                 if receive:
                     host = np.empty(b.nbytes, np.uint8)
-                    return [host, count, mdt], host, _copy_up(b, host)
+                    return [host, count, mdt], host, copy_up(b, host)
                 host = b.to_host()
                 return [host, count, mdt], host, None
             if b.is_device:
@@ -269,7 +170,7 @@ class MPITransport(Transport):
         if b.is_device and not self.cuda_aware:
             if receive:
                 host = np.empty(b.nbytes, np.uint8)
-                return [host, b.nbytes, _BYTE], host, _copy_up(b, host)
+                return [host, b.nbytes, _BYTE], host, copy_up(b, host)
             host = b.to_host()
             return [host, b.nbytes, _BYTE], host, None
         b.synchronize()
@@ -297,7 +198,7 @@ class MPITransport(Transport):
             except MPI.Exception as exc:
                 raise_classified(exc, (), self._rank, "isend")
         op = "isend"
-        self._check_peer(dest, "dest", op)
+        self.check_peer(dest, "dest", op)
         spec, keep, _ = self._spec(buf, op, False)
         if dest == MPI.PROC_NULL:
             return CompletedRequest()
@@ -314,7 +215,7 @@ class MPITransport(Transport):
             except MPI.Exception as exc:
                 raise_classified(exc, (), self._rank, "irecv")
         op = "irecv"
-        self._check_peer(source, "source", op)
+        self.check_peer(source, "source", op)
         spec, keep, done = self._spec(buf, op, True)
         if source == MPI.PROC_NULL:
             return CompletedRequest()
@@ -328,7 +229,7 @@ class MPITransport(Transport):
         :class:`CommTimeout` (the send stays posted: MPI cannot withdraw it, so
         ``buf`` must stay unchanged until a receiver takes it)."""
         op = "send"
-        self._check_peer(dest, "dest", op)
+        self.check_peer(dest, "dest", op)
         spec, keep, _ = self._spec(buf, op, False)
         if timeout is not None:
             if dest != MPI.PROC_NULL:
@@ -363,7 +264,7 @@ class MPITransport(Transport):
         try:
             self.comm.Recv([obj, count, MPI.PACKED if dt == "packed" else dt], source, tag, status)
         except MPI.Exception as exc:
-            _raise_completion_error(exc, (status,), self._rank, "recv")
+            raise_completion_error(exc, (status,), self._rank, "recv")
         return status
 
     def recv(self, buf, source: int, tag: int = 0, *, timeout: float | None = None) -> MPI.Status:
@@ -372,7 +273,7 @@ class MPITransport(Transport):
         :class:`CommTimeout` with the receive cancelled (nothing is written into
         ``buf`` afterwards)."""
         op = "recv"
-        self._check_peer(source, "source", op)
+        self.check_peer(source, "source", op)
         spec, keep, done = self._spec(buf, op, True)
         status = MPI.Status()
         if timeout is not None:
@@ -386,7 +287,7 @@ class MPITransport(Transport):
         try:
             self.comm.Recv(spec, source, tag, status)
         except MPI.Exception as exc:
-            _raise_completion_error(exc, (status,), self._rank, op)
+            raise_completion_error(exc, (status,), self._rank, op)
         if done is not None:
             done(status.Get_count(_BYTE))  # PROC_NULL: 0 bytes
         return status
@@ -401,7 +302,7 @@ class MPITransport(Transport):
             try:
                 self.waitall(reqs, timeout, op=op)
             except CommTimeout:
-                if not _cancel_receive(reqs[0]):
+                if not cancel_receive(reqs[0]):
                     _KEPT.append(recvbuf)  # MPI may still write it
                 raise
             return
@@ -417,7 +318,7 @@ class MPITransport(Transport):
                     self._complete([self.comm.Irecv([recvbuf, _BYTE], source, recvtag),
                                     self.comm.Isend([sendbuf, _BYTE], dest, sendtag)], "sendrecv")
             except MPI.Exception as exc:
-                _raise_completion_error(exc, (), self._rank, "sendrecv")
+                raise_completion_error(exc, (), self._rank, "sendrecv")
             return
         op = "sendrecv"
         self.check(recvbuf, source, op, receive=True)  # both sides before either is posted
@@ -431,7 +332,7 @@ class MPITransport(Transport):
         try:
             return [rreq, self.isend(sendbuf, dest, sendtag)]
         except BaseException:
-            if not _cancel_receive(rreq):
+            if not cancel_receive(rreq):
                 _KEPT.append(recvbuf)
             raise
 
@@ -449,10 +350,10 @@ class MPITransport(Transport):
             self._poll([req], timeout, op)
         except CommTimeout:
             if receive:
-                if not _cancel_receive(req):
+                if not cancel_receive(req):
                     _KEPT.append(keep)  # MPI may still write it
             else:
-                _ABANDONED.append(req)
+                ABANDONED.append(req)
                 _KEPT.append(keep)
             raise
         return self._statuses[0]
@@ -490,7 +391,7 @@ class MPITransport(Transport):
         return self._persistent(buf, source, tag, "recv_init")
 
     def _persistent(self, buf, peer, tag, op):
-        self._check_peer(peer, "dest" if op == "send_init" else "source", op)
+        self.check_peer(peer, "dest" if op == "send_init" else "source", op)
         b = self._wrap(buf, op)
         if b.is_device and not self.cuda_aware:
             raise BufferError("persistent requests on device buffers need CUDA-aware MPI; stage through host",
@@ -618,8 +519,8 @@ class MPITransport(Transport):
                 while not MPI.Request.Testall(reqs, st):
                     pass
         except MPI.Exception as exc:
-            _ABANDONED.extend(q for q in reqs if q != MPI.REQUEST_NULL)
-            _raise_completion_error(exc, st, self._rank, op)
+            ABANDONED.extend(q for q in reqs if q != MPI.REQUEST_NULL)
+            raise_completion_error(exc, st, self._rank, op)
 
     def _poll(self, reqs: list, timeout: float, op: str) -> None:
         st = self._statuses_for(len(reqs))
@@ -637,8 +538,8 @@ class MPITransport(Transport):
                     # time.sleep(0) here made a 1-4 MiB ring 17-120% slower
                     os.sched_yield()
         except MPI.Exception as exc:
-            _ABANDONED.extend(q for q in reqs if q != MPI.REQUEST_NULL)
-            _raise_completion_error(exc, st, self._rank, op)
+            ABANDONED.extend(q for q in reqs if q != MPI.REQUEST_NULL)
+            raise_completion_error(exc, st, self._rank, op)
 
     # --------------------------------------------------- native collectives
     @staticmethod
@@ -721,14 +622,8 @@ class MPITransport(Transport):
         for point-to-point traffic (any other collective on it would be matched
         against the pending duplicates: erroneous in MPI).
 
-        Args:
-            timeout: seconds (finite, > 0) to wait for all ``n``.
-            n: how many duplicates.
-            op: operation name for errors.
-
-        Returns:
-            list of ``n`` :class:`MPITransport` (``fault_tolerant`` as this one's,
-            errors returned as exceptions).
+        Returns ``n`` :class:`MPITransport` (``fault_tolerant`` as this one's,
+        errors returned as exceptions); ``timeout``: finite seconds > 0.
 
         Raises:
             CommTimeout: not complete within ``timeout`` (they stay posted, see above).
@@ -745,8 +640,8 @@ class MPITransport(Transport):
                               "it stays posted and the next duplicate of this communicator waits for it",
                               rank=self._rank, op=op) from None
         except CommError:
-            del pending[:n]  # failed: its requests went to _ABANDONED; its comms are kept, never freed
-            _ABANDONED.extend(c for c, _ in mine)
+            del pending[:n]  # failed: its requests went to ABANDONED; its comms are kept, never freed
+            ABANDONED.extend(c for c, _ in mine)
             raise
         del pending[:n]
         out = []
@@ -772,6 +667,24 @@ class MPITransport(Transport):
         except MPI.Exception as exc:
             raise_classified(exc, (), self._rank, "cart_create")
         return MPITransport(c, cuda_aware=self.cuda_aware)
+
+    def cart_topo(self):
+        """``(dims, periods, coords)`` of this rank (``MPI_Cart_get``)."""
+        dims, periods, coords = self.comm.Get_topo()
+        return tuple(int(d) for d in dims), tuple(bool(p) for p in periods), tuple(int(c) for c in coords)
+
+    def cart_rank(self, coords) -> int:
+        """``MPI_Cart_rank`` of in-range ``coords``."""
+        return int(self.comm.Get_cart_rank([int(c) for c in coords]))
+
+    def cart_coords(self, rank: int) -> tuple[int, ...]:
+        """``MPI_Cart_coords`` of ``rank``."""
+        return tuple(int(c) for c in self.comm.Get_coords(int(rank)))
+
+    def cart_shift(self, direction: int, disp: int = 1) -> tuple[int, int]:
+        """``MPI_Cart_shift``: ``(source, dest)``, ``PROC_NULL`` off a non-periodic edge."""
+        src, dst = self.comm.Shift(int(direction), int(disp))
+        return int(src), int(dst)
 
     def set_errors_return(self) -> None:
         """Errors on this communicator come back as exceptions (``MPI_ERRORS_RETURN``)."""
@@ -863,7 +776,7 @@ class MPITransport(Transport):
     def close(self) -> None:
         # duplicates still posted (idup timed out): MPI can neither cancel nor free
         # them; the handles are kept for ever rather than dropped
-        _ABANDONED.extend(x for pair in self.__dict__.pop("_idups", ()) for x in pair)
+        ABANDONED.extend(x for pair in self.__dict__.pop("_idups", ()) for x in pair)
         if self.comm not in (MPI.COMM_WORLD, MPI.COMM_SELF) and self.comm != MPI.COMM_NULL:
             try:
                 self.comm.Free()
@@ -877,120 +790,7 @@ def shrunk_node_peers(node_peers, kept) -> frozenset:
     return frozenset(i for i, old in enumerate(kept) if old in node_peers)
 
 
-_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX,
-        "band": MPI.BAND, "bor": MPI.BOR, "bxor": MPI.BXOR}
-
-
-def mpi_op(name: str) -> MPI.Op:
-    """The ``MPI.Op`` of a reduction named ``name`` (``"avg"``: ``MPI_SUM``; divide afterwards)."""
-    return _OPS[name]
-
-
-#: integer dtypes whose ``MPI_SUM`` Open MPI's ``op/avx`` component computes with
-#: saturating vector adds (``vpaddsb``/``vpaddsw``), so a sum that overflows clamps
-#: at the type's bound instead of wrapping as numpy, and every commlib algorithm,
-#: does (200 + 200 as uint8: 255, not 144; from 64 elements on; open-mpi/ompi#8045,
-#: closed "wontfix").
-_SATURATING = frozenset(np.dtype(t) for t in (np.int8, np.uint8, np.int16, np.uint16))
-_wrapping_sum_op: MPI.Op | None = None
-
-
-def _wrapping_sum(inbuf, inoutbuf, datatype) -> None:
-    """A user-defined ``MPI_SUM`` for :data:`_SATURATING` dtypes: numpy's wrapping add."""
-    dtype = to_numpy_dtype(datatype)
-    a = np.frombuffer(inbuf, dtype)
-    b = np.frombuffer(inoutbuf, dtype)
-    np.add(a, b, out=b)
-
-
-def native_op(name: str, dtype) -> MPI.Op:
-    """The ``MPI.Op`` the native collectives reduce ``dtype`` with for ``name``:
-    :func:`mpi_op`'s, except a sum (``"sum"``, ``"avg"``) of 8- and 16-bit
-    integers, which goes through a user-defined commutative op (numpy's add,
-    created once, on every rank alike whatever its CPU) because Open MPI's AVX
-    reduction saturates those (:data:`_SATURATING`).  That op runs in Python:
-    slower than the library's, but the same bits as the ring and recursive
-    doubling."""
-    global _wrapping_sum_op
-    if name in ("sum", "avg") and np.dtype(dtype) in _SATURATING:
-        if _wrapping_sum_op is None:
-            _wrapping_sum_op = MPI.Op.Create(_wrapping_sum, commute=True)
-        return _wrapping_sum_op
-    return _OPS[name]
-
-
-@register_op_names
-def op_name(op) -> str | None:
-    """The name (``"sum"``...) of a predefined ``MPI.Op`` such as ``MPI.SUM``, or None.
-
-    Registered with :func:`commlib.transports.base.register_op_names` when this
-    module is imported, so the collectives (``commlib.collectives.ops.get_op``)
-    accept ``MPI.Op`` objects without importing MPI themselves."""
-    if not isinstance(op, MPI.Op):
-        return None
-    for name, o in _OPS.items():
-        if name != "avg" and op == o:
-            return name
-    return None
-
-
-_TRUNCATE = int(MPI.ERR_TRUNCATE)
 _KEPT: list = []  # buffers of sends a bounded wait gave up on (MPI may still read them)
-
-
-def _cancel_receive(r) -> bool:
-    """Withdraw a receive (an ``MPI.Request`` or :class:`MPIRequest`) a bounded
-    wait gave up on (``MPI_Cancel``), so no late message is written into the
-    user's buffer; a receive that matched meanwhile completes instead.  Best
-    effort: an error leaves the request kept alive, never freed (False)."""
-    if isinstance(r, MPIRequest):
-        if r._done:
-            return True
-        r._done = True  # no staging copy or callback runs for a withdrawn receive
-        r = r.req
-    try:
-        r.Cancel()
-        r.Wait()
-        return True
-    except MPI.Exception:
-        _ABANDONED.append(r)
-        return False
-
-
-def _raise_completion_error(exc, statuses, rank, op):
-    """:func:`raise_classified`, saying so when a message was larger than its
-    receive buffer (``MPI_ERR_TRUNCATE``, maybe behind ``MPI_ERR_IN_STATUS``)."""
-    try:
-        classes = {MPI.Get_error_class(exc.Get_error_code())}
-        classes |= {MPI.Get_error_class(s.Get_error()) for s in statuses}
-    except MPI.Exception:  # pragma: no cover
-        classes = set()
-    if _TRUNCATE in classes:
-        raise CommError("a message was larger than its receive buffer (MPI_ERR_TRUNCATE): the sender's "
-                        "message does not match this call", rank=rank, op=op) from exc
-    raise_classified(exc, statuses, rank, op)
-
-
-def _copy_up(b: Buffer, host: np.ndarray) -> Callable[[int | None], None]:
-    """The completion step of a receive into device ``b`` staged through
-    ``host`` (1-D uint8, ``b.nbytes`` bytes): copy the ``nbytes`` bytes that
-    arrived (None: all) into the same bytes of ``b``, in memory order, and
-    nothing else, so the rest of ``b`` stays as it was (MPI-4.0 §3.2.4; a host
-    buffer gets that from MPI itself).  A C-ordered buffer filled by the
-    message takes one typed copy; any other case copies the byte prefix into
-    ``b``'s byte view (a Fortran-ordered buffer thus gets the message in its
-    own memory order, as a host one does)."""
-    full = b.nbytes
-
-    def done(nbytes: int | None) -> None:
-        n = full if nbytes is None else min(int(nbytes), full)
-        if n == full and b.contiguous and full:
-            b.from_host(host.view(b.dtype).reshape(b.shape))
-        elif n > 0:
-            devmem.to_device_async(host, b.byte_view(), 0, n)
-            devmem.stream_synchronize()
-
-    return done
 
 
 def _detect(flag: bool | None) -> bool:

@@ -84,7 +84,8 @@ class Communicator(CollectiveMixin):
         return f"<{type(self).__name__} rank={self.rank} size={self.size}>"
 
     # --------------------------------------------------------- point to point
-    def send(self, buf, dest: int, tag: int = 0, *, datatype=None, count: int = 1) -> None:
+    def send(self, buf, dest: int, tag: int = 0, *, datatype=None, count: int = 1,
+             timeout: float | None = None) -> None:
         """Blocking send.
 
         Args:
@@ -99,33 +100,41 @@ class Communicator(CollectiveMixin):
                 (on the device for device arrays), see
                 :mod:`commlib.datatypes.strategy`.
             count: number of ``datatype`` elements.
+            timeout: seconds the whole call may take (finite, > 0), or None:
+                the communicator's :attr:`p2p_timeout` (no bound unless it is
+                fault tolerant).
 
         Raises:
-            InvalidArgument: ``dest`` out of range or negative tag.
+            InvalidArgument: ``dest`` out of range, negative tag, or a bad
+                ``timeout``.
             BufferError: unsupported or non-contiguous buffer.
-            CommTimeout: a fault-tolerant communicator's :attr:`p2p_timeout`
-                passed (the send stays posted: keep ``buf`` unchanged).
+            CommTimeout: the timeout passed (the send stays posted: keep
+                ``buf`` unchanged).
             DatatypeError: ``count`` elements of ``datatype`` do not fit ``buf``,
                 or the datatype is unusable; nothing is sent.
         """
         self._check_tag(tag, "send", peer=dest)
+        timeout = self._call_timeout(timeout, "send")
         if datatype is not None:
-            typed_send(self, buf, dest, datatype, count, tag)
+            typed_send(self, buf, dest, datatype, count, tag, timeout=timeout)
             return
-        self.transport.send(buf, dest, tag, timeout=self.p2p_timeout)
+        self.transport.send(buf, dest, tag, timeout=timeout)
 
-    def recv(self, buf, source: int = ANY_SOURCE, tag: int = ANY_TAG, *, datatype=None, count: int = 1):
+    def recv(self, buf, source: int = ANY_SOURCE, tag: int = ANY_TAG, *, datatype=None, count: int = 1,
+             timeout: float | None = None):
         """Blocking receive into ``buf`` (all its bytes, or ``count`` elements of
-        ``datatype`` as in :meth:`send`).
+        ``datatype`` as in :meth:`send`); ``timeout`` as :meth:`send`'s (a receive
+        that runs out of it is withdrawn: nothing is written into ``buf`` later).
 
         Returns:
             MPI.Status (without ``datatype``): source, tag and byte count.
         """
         self._check_tag(tag, "recv", anywild=True, peer=source)
+        timeout = self._call_timeout(timeout, "recv")
         if datatype is not None:
-            typed_recv(self, buf, source, datatype, count, tag)
+            typed_recv(self, buf, source, datatype, count, tag, timeout=timeout)
             return None
-        return self.transport.recv(buf, source, tag, timeout=self.p2p_timeout)
+        return self.transport.recv(buf, source, tag, timeout=timeout)
 
     def isend(self, buf, dest: int, tag: int = 0, *, datatype=None, count: int = 1) -> Request:
         """Non-blocking send (arguments as :meth:`send`); do not modify ``buf``
@@ -153,16 +162,18 @@ class Communicator(CollectiveMixin):
 
     def sendrecv(self, sendbuf, dest: int, recvbuf, source: int = ANY_SOURCE, sendtag: int = 0,
                  recvtag: int = ANY_TAG, *, sendtype=None, sendcount: int = 1, recvtype=None,
-                 recvcount: int = 1) -> None:
+                 recvcount: int = 1, timeout: float | None = None) -> None:
         """Send ``sendbuf`` to ``dest`` while receiving ``recvbuf`` from ``source`` (no deadlock).
-        ``sendtype``/``recvtype`` with their counts describe non-contiguous data as in :meth:`send`."""
+        ``sendtype``/``recvtype`` with their counts describe non-contiguous data as in :meth:`send`;
+        ``timeout`` as :meth:`send`'s, for both halves together."""
         self._check_tag(sendtag, "sendrecv", peer=dest)
         self._check_tag(recvtag, "sendrecv", anywild=True, peer=source)
+        timeout = self._call_timeout(timeout, "sendrecv")
         if sendtype is None and recvtype is None:
-            self.transport.sendrecv(sendbuf, dest, recvbuf, source, sendtag, recvtag, timeout=self.p2p_timeout)
+            self.transport.sendrecv(sendbuf, dest, recvbuf, source, sendtag, recvtag, timeout=timeout)
             return
         typed_sendrecv(self, sendbuf, dest, recvbuf, source, sendtag, recvtag, sendtype, sendcount, recvtype,
-                       recvcount)
+                       recvcount, timeout=timeout)
 
     def waitall(self, requests: Sequence[Request], timeout: float | None = None) -> None:
         """Wait for every request; ``timeout`` in seconds for all of them together.
@@ -383,6 +394,13 @@ class Communicator(CollectiveMixin):
         semantics: wait as long as it takes)."""
         ft = self._ft
         return None if ft is None else ft.timeout
+
+    def _call_timeout(self, timeout, op: str) -> float | None:
+        """A blocking point-to-point call's bound: ``timeout`` checked (finite,
+        > 0), else :attr:`p2p_timeout`."""
+        if timeout is None:
+            return self.p2p_timeout
+        return check_timeout(timeout, op=op, rank=self.rank)
 
     def _bound(self, req: Request) -> Request:
         """``req`` with this communicator's :attr:`p2p_timeout` as its ``wait()`` bound."""

@@ -182,12 +182,18 @@ def _host_plan(comm, buf, peer, datatype, count, strategy, op, receive):
     return got
 
 
-def _direct(comm):
+def _timeout(comm, timeout):
+    """A call's ``timeout``: the one it was given, else the communicator's
+    ``p2p_timeout`` (None: no bound)."""
+    return getattr(comm, "p2p_timeout", None) if timeout is None else timeout
+
+
+def _direct(comm, timeout):
     """The MPI transport whose :meth:`~commlib.transports.mpi.MPITransport.send_checked`
     and ``recv_checked`` a blocking typed call with a cached plan may use (a plain
-    transport: not fault tolerant, no p2p timeout), else None."""
+    transport: not fault tolerant, no timeout for this call), else None."""
     tp = comm.transport
-    if type(tp) is MPITransport and not tp.fault_tolerant and getattr(comm, "p2p_timeout", None) is None:
+    if type(tp) is MPITransport and not tp.fault_tolerant and timeout is None:
         return tp
     return None
 
@@ -367,43 +373,47 @@ def _host_unpack(comm, wire, t, buf, count, nbytes, s, op):
         _unpack_received(wire, t, as_buffer(buf, op=op, rank=comm.rank), count, nbytes, s)
 
 
-def typed_send(comm, buf, dest, datatype, count=1, tag=0, strategy=None) -> None:
-    """Blocking send of ``count`` elements of ``datatype`` from ``buf``."""
+def typed_send(comm, buf, dest, datatype, count=1, tag=0, strategy=None, timeout=None) -> None:
+    """Blocking send of ``count`` elements of ``datatype`` from ``buf``; ``timeout``
+    seconds (None: the communicator's ``p2p_timeout``)."""
+    timeout = _timeout(comm, timeout)
     pl = _host_plan(comm, buf, dest, datatype, count, strategy, "send", False)
     if pl is None:
         w = _send_wire(comm, buf, dest, datatype, count, strategy, "send")
         tp = None
     else:
         w = _host_send_wire(comm, buf, pl, count)
-        tp = _direct(comm)
+        tp = _direct(comm, timeout)
     if tp is not None:  # the plan checked what MPITransport.send checks: its MPI step alone
         tp.send_checked(w, dest, tag)
     elif w is not None:
-        comm.transport.send(w, dest, tag, timeout=getattr(comm, "p2p_timeout", None))
+        comm.transport.send(w, dest, tag, timeout=timeout)
 
 
-def typed_recv(comm, buf, source, datatype, count=1, tag=ANY_TAG, strategy=None) -> None:
-    """Blocking receive of ``count`` elements of ``datatype`` into ``buf``."""
+def typed_recv(comm, buf, source, datatype, count=1, tag=ANY_TAG, strategy=None, timeout=None) -> None:
+    """Blocking receive of ``count`` elements of ``datatype`` into ``buf``; ``timeout``
+    as :func:`typed_send`'s."""
+    timeout = _timeout(comm, timeout)
     pl = _host_plan(comm, buf, source, datatype, count, strategy, "recv", True)
     if pl is None:
         got = _recv_wire(comm, buf, source, datatype, count, strategy, "recv")
         tp = None
     else:
         got = _host_recv_wire(comm, buf, pl, count, "recv")
-        tp = _direct(comm)
+        tp = _direct(comm, timeout)
     if got is None:
         return
     if tp is not None:  # as for the send: MPITransport.recv's MPI step alone
         status = tp.recv_checked(got[0], source, tag)
     else:
-        status = comm.transport.recv(got[0], source, tag, timeout=getattr(comm, "p2p_timeout", None))
+        status = comm.transport.recv(got[0], source, tag, timeout=timeout)
     if got[1] is not None:
         # the bytes that arrived (a message may be shorter than count elements)
         got[1](status.Get_count(MPI.BYTE) if isinstance(status, MPI.Status) else None)
 
 
 def typed_sendrecv(comm, sendbuf, dest, recvbuf, source, sendtag, recvtag, sendtype=None, sendcount=1,
-                   recvtype=None, recvcount=1, strategy=None) -> None:
+                   recvtype=None, recvcount=1, strategy=None, timeout=None) -> None:
     """``sendrecv`` where either side has a datatype (the other, if None, sends
     or receives the buffer's bytes).  Both sides are validated (and the send
     packed) before either message is posted, so a bad argument on one side
@@ -427,4 +437,4 @@ def typed_sendrecv(comm, sendbuf, dest, recvbuf, source, sendtag, recvtag, sendt
         reqs.append(r if done is None else r.then(done))
     if swire is not None and dest != PROC_NULL:
         reqs.append(tp.isend(swire, dest, sendtag))
-    tp.waitall(reqs, getattr(comm, "p2p_timeout", None), op=op)
+    tp.waitall(reqs, _timeout(comm, timeout), op=op)

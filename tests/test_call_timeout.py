@@ -17,8 +17,9 @@ agreements could wait ``timeout`` at every one of them
   send only after they raised, so it never enters the call); every other rank
   raises ``CommTimeout`` naming itself and the operation within
   ``timeout + 0.5`` s: the ring allreduce of 4 MiB (with the first round, and
-  without it: ``COMMLIB_CHECK_ARGS=0``, so the ring's own steps time out) and
-  ``commlib.nn.ring_attention``, ``timeout=2``.  The stalled communicator is a
+  without it: ``COMMLIB_CHECK_ARGS=0``, so the ring's own steps time out),
+  ``commlib.nn.ring_attention`` and ``Communicator.recv`` (contiguous and with
+  a datatype), ``timeout=2``.  The stalled communicator is a
   fresh duplicate, abandoned afterwards (a plain communicator whose call timed
   out keeps the call's messages posted; nothing else runs on it).
 
@@ -193,6 +194,46 @@ def test_ring_attention_raises_within_its_timeout(stalled_comm):
     assert out.shape == q.shape
     _, everyone = _stalled_call(lambda c: ring_attention(q, k, v, c, timeout=T), stalled_comm)
     _check(everyone, "ring_attention")
+
+
+@pytest.mark.mpi(min_size=3)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("typed", [False, True], ids=["contiguous", "datatype"])
+def test_point_to_point_raises_within_its_timeout(stalled_comm, typed):
+    """``recv(timeout=T)`` from the stalled rank raises CommTimeout naming the
+    rank and the call within ``T + 0.5`` s, contiguous and with a datatype (a
+    vector: every other float64), and writes nothing into ``buf``."""
+    kw = {"datatype": MPI.DOUBLE.Create_vector(64, 1, 2).Commit(), "count": 1} if typed else {}
+    buf = np.full(128, -1.0)
+    last = stalled_comm.size - 1
+    _, everyone = _stalled_call(lambda c: c.recv(buf, source=last, tag=5, timeout=T, **kw), stalled_comm)
+    _check(everyone, "recv")
+    assert np.all(buf == -1.0)
+    if typed:
+        kw["datatype"].Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_point_to_point_timeout_argument():
+    """``send``/``recv``/``sendrecv`` take ``timeout=``: a bad one is refused
+    before anything is posted; a good one lets the call complete as without."""
+    comm = commlib.init()
+    r, n = comm.rank, comm.size
+    buf = np.zeros(8)
+    for value in (float("nan"), -1.0, 0, True, "2"):
+        with pytest.raises(InvalidArgument, match=f"rank {r}: recv"):
+            comm.recv(buf, source=(r + 1) % n, tag=6, timeout=value)
+        with pytest.raises(InvalidArgument, match=f"rank {r}: send"):
+            comm.send(buf, dest=(r + 1) % n, tag=6, timeout=value)
+    got = np.zeros(8)
+    comm.sendrecv(np.full(8, float(r)), (r + 1) % n, got, (r - 1) % n, sendtag=7, recvtag=7, timeout=30)
+    assert np.all(got == (r - 1) % n)
+    if r == 0:
+        comm.send(np.arange(8.0), dest=1, tag=8, timeout=30)
+    elif r == 1:
+        comm.recv(got, source=0, tag=8, timeout=30)
+        assert np.array_equal(got, np.arange(8.0))
 
 
 @pytest.mark.mpi(min_size=1)

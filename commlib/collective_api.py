@@ -29,6 +29,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
+from commlib.collectives.agreement import agree_header
 from commlib.collectives.engine import SPECS, Engine
 from commlib.collectives.ft import recover
 from commlib.core.errors import CommError, InvalidArgument
@@ -372,6 +373,44 @@ class CollectiveMixin:
             ProcessFailed: fault-tolerant mode, see ``commlib.init``.
         """
         self._engine().barrier(algorithm, timeout)
+
+    def agree_arguments(self, values, names, *, op: str, local_error: CommError | None = None,
+                        describe: Callable[[str, int], object] | None = None,
+                        timeout: float | None = None) -> None:
+        """Argument agreement for a caller's own collective step (an app's
+        problem size, a library's options), as every commlib collective runs
+        it first: each rank passes its values and, if it found its own
+        arguments bad, that error; every rank then raises together, before any
+        byte of the step moves, or returns having checked that all ranks hold
+        the same values.  One all-gather of ``8 (1 + len(values))`` bytes per
+        rank (MPI's native all-gather, or a bounded point-to-point one when
+        ``timeout`` is given or the communicator is fault tolerant).
+
+        Args:
+            values: this rank's ints (the same count on every rank; encode
+                floats as their bits, e.g. ``struct.unpack("<q", struct.pack("<d", x))``).
+            names: one name per value, for the message that says which differ.
+            op: the step's name, for the errors.
+            local_error: this rank's own argument error (a :class:`CommError`),
+                or None.
+            describe: ``describe(name, value)`` formats a value for the
+                message (default: the int).
+            timeout: the deadline of the call, in seconds (None: the
+                communicator's fault-tolerant timeout, or no bound).
+
+        Raises:
+            CommError: ``local_error`` on the rank that passed it, and
+                :class:`InvalidArgument` naming that rank on every other.
+            InvalidArgument: on every rank, when the values differ (naming the
+                fields and ranks).
+            CommTimeout / ProcessFailed: a rank did not take part in time, or died.
+        """
+        if len(names) != len(values):
+            raise InvalidArgument(f"{len(values)} values but {len(names)} names", rank=self.rank, op=op)
+        if timeout is None and self.ft is not None:
+            timeout = self.ft.timeout
+        agree_header(self.transport, [int(v) for v in values], op=op, local_error=local_error,
+                     timeout=timeout, names=list(names), describe=describe)
 
     # ---------------------------------------------------------- non-blocking
     def iallreduce(self, sendbuf, recvbuf=None, op="sum", algorithm: str = "auto", *, timeout: float | None = None):

@@ -288,3 +288,40 @@ def test_cart_create_bad_argument_on_one_rank_fails_everywhere(bad):
     }[bad]
     mine = args if comm.rank == n - 1 else dict(dims=[n])
     _cart_refused_everywhere(comm, mine, f"rank {n - 1}: cart_create", f"rank(s) [{n - 1}] passed invalid")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("case", ["same", "differ", "local_error"])
+def test_agree_arguments(case):
+    """``Communicator.agree_arguments``: equal values pass on every rank; a value
+    that differs on the last rank raises InvalidArgument on every rank naming
+    the field and both values; a local error on the last rank is raised there
+    and named by every other rank; the communicator works afterwards."""
+    comm = commlib.init()
+    r, last = comm.rank, comm.size - 1
+    values = [3, 7, 11]
+    own = None
+    if r == last and case == "differ":
+        values = [3, 8, 11]
+    if r == last and case == "local_error":
+        own = InvalidArgument("my grid is empty", rank=r, op="setup")
+    try:
+        comm.agree_arguments(values, ("nx", "ny", "steps"), op="setup", local_error=own)
+        got = ("ok", "")
+    except InvalidArgument as exc:
+        got = ("InvalidArgument", str(exc))
+    everyone = MPI.COMM_WORLD.allgather(got)
+    if case == "same" or comm.size == 1 and case == "differ":
+        assert [g[0] for g in everyone] == ["ok"] * comm.size, everyone
+    else:
+        assert [g[0] for g in everyone] == ["InvalidArgument"] * comm.size, everyone
+        assert got[1].startswith(f"rank {r}: setup"), got
+        if case == "differ":
+            assert "ny differs across ranks" in got[1] and "7 and 8" in got[1], got
+        elif r == last:
+            assert "my grid is empty" in got[1], got
+        else:
+            assert f"[{last}]" in got[1], got
+    with pytest.raises(InvalidArgument, match="3 values but 2 names"):
+        comm.agree_arguments(values, ("nx", "ny"), op="setup")
+    assert np.array_equal(comm.allreduce(np.ones(3)), np.full(3, comm.size))

@@ -32,7 +32,6 @@ import numpy as np
 
 import commlib  # light: commlib's names load on first use
 from commlib import InvalidArgument
-from commlib.collectives.agreement import agree_header
 
 from .model import (BACKENDS, DEVICE_BACKENDS, _region_updates, _synchronizer, _to_backend, _to_host, block_of,
                     exact_solution, neighbour_sides, time_step)
@@ -186,7 +185,7 @@ def _check_args(comm, grid, backend, cfl, alpha, progress, op, steps, t_final, l
         else:
             values = [len(grid), *(grid + [0, 0])[:3], int(steps) if t_final is None else 0,
                       _bits(t_final) if t_final is not None else 0, _bits(alpha), _bits(cfl)]
-    agree_header(comm.transport, values, op=op, local_error=local_error, names=_AGREED, describe=_describe)
+    comm.agree_arguments(values, _AGREED, op=op, local_error=local_error, describe=_describe)
     return grid
 
 

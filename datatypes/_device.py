@@ -28,7 +28,7 @@ from ._launch import team_lg
 
 __all__ = ["pack", "unpack", "prepare", "use_cuda_kernels", "new_like", "on_stream"]
 
-_WORD = {8: np.uint64, 4: np.uint32, 2: np.uint16, 1: np.uint8}
+WORD = {8: np.uint64, 4: np.uint32, 2: np.uint16, 1: np.uint8}
 _SIM = bool(config.ENABLE_CUDASIM)
 _THREADS = 32 if _SIM else 256
 
@@ -120,7 +120,7 @@ def _wview(u8, w):
     n = u8.shape[0]
     if n % w:
         u8 = u8[: n - n % w]
-    return u8.view(_WORD[w])
+    return u8.view(WORD[w])
 
 
 def _numba_args(p, w):
@@ -272,11 +272,11 @@ def _out_buffer(out, nb, op):
     if ob.shape[0] < nb:
         raise DatatypeError(f"out holds {ob.shape[0]} bytes, the packed data needs {nb}", op=op)
     if not ob.is_device:  # mapped host memory (a numpy subclass): use its device address
-        ob = as_buffer(_cai_only(out), op=op)
+        ob = as_buffer(cai_only(out), op=op)
     return ob
 
 
-class _cai_only:
+class cai_only:
     """Exposes only an object's ``__cuda_array_interface__`` (numba's mapped
     arrays are numpy subclasses, which :func:`as_buffer` would see as host)."""
 

@@ -26,7 +26,7 @@ from commlib.core.buffer import as_buffer
 from commlib.core.errors import DatatypeError
 
 from . import _host
-from .pack import _WORD, _packed_device, pack, plan_for, unpack
+from .pack import WORD, packed_device, pack, plan_for, unpack
 
 __all__ = ["BatchPack"]
 
@@ -100,7 +100,7 @@ class BatchPack:
                 which = np.array([self.pieces[m][0] for m, _ in live], np.int64)
                 offs = np.array([offsets[m] for m, _ in live], np.int64)  # bytes: slices of the uint8 buffer
                 lens = np.array([sizes[m] for m, _ in live], np.int64)
-                self._fused = (_WORD[word](0), prms, which, offs, lens)
+                self._fused = (WORD[word](0), prms, which, offs, lens)
         self._checked: set = set()
         self._dev: dict = {}  # (id(buf)..., id(out), to_packed) -> (launch, refs)
         # a piece whose type map writes some byte twice must raise on unpack
@@ -146,7 +146,7 @@ class BatchPack:
                                     "buffer; nothing was written", op=op)
         if not to_packed and any(p.overlaps() for p in self.plans):
             return None  # the per-piece unpack raises the precise error
-        pk = _packed_device(packed)
+        pk = packed_device(packed)
         go = _device.prepare_batch([(p, bb[i], pk, o) for (i, _), p, o in zip(self.pieces, self.plans, self.offsets)
                                     if p.nbytes], to_packed)
         if len(self._dev) >= 8:

@@ -30,7 +30,7 @@ __all__ = ["pack", "unpack", "plan_for", "Packer"]
 # 16-byte words move as complex128: loads and stores of SSE/NEON registers copy
 # the bits unchanged (no arithmetic touches them), and a 16-byte block becomes
 # one element of a gather instead of a two-word inner loop.
-_WORD = {16: np.complex128, 8: np.uint64, 4: np.uint32, 2: np.uint16, 1: np.uint8}
+WORD = {16: np.complex128, 8: np.uint64, 4: np.uint32, 2: np.uint16, 1: np.uint8}
 _U8 = np.empty(0, np.uint8).dtype
 _TILE_LIMIT = 1 << 16  # tile an irregular element over count when this small
 _ENUM_LIMIT = 1 << 24  # blocks enumerated for the exact overlap check
@@ -109,7 +109,7 @@ class Plan:
             w = self.word
             while w > 1 and origin % w:
                 w //= 2
-            wit = _WORD[w](0)
+            wit = WORD[w](0)
             # numba loads with the first host kernel, not with commlib: a job that
             # never packs a derived datatype starts without it (0.4 s a process)
             from . import _host  # noqa: PLC0415
@@ -485,7 +485,7 @@ def _unpack_device(packed, t, p, buf, count, origin):
         return buf
     from . import _device  # noqa: PLC0415  - numba.cuda: heavy, only for device buffers
 
-    pb = _packed_device(packed)
+    pb = packed_device(packed)
     nb = p.nbytes
     if pb.nbytes < nb:
         raise DatatypeError(f"packed holds {pb.nbytes} bytes, {count} element(s) of {_short(t)} "
@@ -502,14 +502,14 @@ def _unpack_device(packed, t, p, buf, count, origin):
     return buf
 
 
-def _packed_device(packed):
+def packed_device(packed):
     """The packed bytes of a device unpack as a dense device Buffer (mapped
     pinned host memory counts: kernels read it through its device address)."""
     pb = as_buffer(packed, op="unpack")
     if not pb.is_device and hasattr(packed, "__cuda_array_interface__"):
-        from ._device import _cai_only  # noqa: PLC0415
+        from ._device import cai_only  # noqa: PLC0415
 
-        pb = as_buffer(_cai_only(packed), op="unpack")
+        pb = as_buffer(cai_only(packed), op="unpack")
     if not pb.is_device:
         raise BufferError("packed must be a device array for a device buffer", op="unpack")
     if not pb.dense:
@@ -563,7 +563,7 @@ class Packer:
             if b is not None:  # a device buffer: the launch is prepared once, here
                 from . import _device  # noqa: PLC0415
 
-                ob = _packed_device(self.out)
+                ob = packed_device(self.out)
                 self._stream = None if stream is None else _device.on_stream(stream)
                 self._dpack = _device.prepare(p, b, ob, self.origin, True)
                 if not p.overlaps() and not b.readonly:
@@ -597,7 +597,7 @@ class Packer:
         with a reference to ``packed``, for the next calls with the same array)."""
         from . import _device  # noqa: PLC0415
 
-        pb = _packed_device(packed)
+        pb = packed_device(packed)
         if pb.nbytes < self.nbytes:
             return None  # unpack() raises the precise error
         b, _ = _device_buffer(self.buf, "Packer.unpack")

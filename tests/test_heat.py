@@ -329,7 +329,7 @@ def _numpy_steps(u, c, shape, nsteps):
     a, b = u.copy(), u.copy()
     lo, hi = (1,) * len(shape), tuple(n + 1 for n in shape)
     for _ in range(nsteps):
-        heat._numpy_update(a, b, c, lo, hi)
+        heat.numpy_update(a, b, c, lo, hi)
         a, b = b, a
     return a
 
@@ -343,7 +343,7 @@ def _check_region_updates(backend, to_dev, to_host, shape, chunk, sides_list, ex
     for sides in sides_list:
         for split in (True, False):
             f = (to_dev(u), to_dev(u))
-            run_all, run_inner, run_shell = heat._region_updates(backend, f, c, shape, width, sides, chunk=chunk)
+            run_all, run_inner, run_shell = heat.region_updates(backend, f, c, shape, width, sides, chunk=chunk)
             for p in (0, 1):
                 if split:
                     run_inner(p)

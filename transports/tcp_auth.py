@@ -400,8 +400,8 @@ def server_handshake(sock: socket.socket, secret: bytes, *, timeout: float = HAN
     hs = _ServerHandshake(secret, encrypt)
     try:
         _send_all(sock, hs.challenge, deadline)
-        from .tcp_frames import _recv_exact  # noqa: PLC0415 - a helper of the frames module
-        while not hs.feed(bytes(_recv_exact(sock, hs.want(), deadline))):
+        from .tcp_frames import recv_exact  # noqa: PLC0415 - a helper of the frames module
+        while not hs.feed(bytes(recv_exact(sock, hs.want(), deadline))):
             pass
     except Exception:  # noqa: BLE001 - anything wrong: close without a word
         conn.close()

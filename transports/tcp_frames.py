@@ -172,7 +172,7 @@ def _recv_exact_into(sock: socket.socket, mv: memoryview, deadline: float | None
         got += k
 
 
-def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:
     buf = bytearray(n)
     _recv_exact_into(sock, memoryview(buf), deadline)
     return buf
@@ -328,7 +328,7 @@ class Connection:
             FrameError: bad magic, version or kind.
             ConnectionError / OSError / socket.timeout: the connection failed.
         """
-        raw = bytes(_recv_exact(self.sock, HEADER.size, deadline))
+        raw = bytes(recv_exact(self.sock, HEADER.size, deadline))
         magic, version, kind, flags, epoch, tag, chunk, stream, length = HEADER.unpack(raw)
         if magic != MAGIC or version != VERSION or kind not in _KINDS or flags & ~F_SEALED:
             raise FrameError("bad frame header")
@@ -346,7 +346,7 @@ class Connection:
         ``into`` (exactly the plaintext size) receives it without a copy when not sealed.
         """
         if self.rx is not None:
-            body = _recv_exact(self.sock, length, deadline)
+            body = recv_exact(self.sock, length, deadline)
             plain = self.rx.open(self._hdr, body)
             if into is not None:
                 if len(plain) != len(into):
@@ -357,7 +357,7 @@ class Connection:
         if into is not None:
             _recv_exact_into(self.sock, into, deadline)
             return None
-        return bytes(_recv_exact(self.sock, length, deadline))
+        return bytes(recv_exact(self.sock, length, deadline))
 
     def plain_length(self, length: int) -> int:
         return length - GCM_TAG if self.rx is not None else length

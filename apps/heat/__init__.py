@@ -44,7 +44,7 @@ from .model import (BACKENDS, CHUNK_MAX, CHUNK_MIN, DEVICE_BACKENDS, TARGET_BLOC
                     block_of, cupy_slice_step, decompose, exact_solution, interior_region, launch_geometry,
                     neighbour_sides, shell_regions, time_step)
 # private, but the tests use them from here (as when this package was one module)
-from .model import _numpy_update, _region_updates  # noqa: F401
+from .model import numpy_update, region_updates  # noqa: F401
 from .solver import HeatResult, gather_field, matches_one_rank, solve, solve_ft
 
 __all__ = ["HeatResult", "decompose", "solve", "solve_ft", "main", "BACKENDS", "DEVICE_BACKENDS",

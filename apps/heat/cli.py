@@ -21,7 +21,7 @@ import commlib  # light: commlib's names load on first use
 
 from .._cli import OneLineParser, unwritable, world_size
 from .model import BACKENDS, time_step
-from .solver import _load_solver, gather_field, matches_one_rank
+from .solver import load_solver, gather_field, matches_one_rank
 
 #: limits of the command line (a grid side, all grid points, steps)
 MAX_SIDE, MAX_POINTS, MAX_STEPS = 1 << 20, 1 << 36, 10 ** 9
@@ -260,7 +260,7 @@ def _main(argv=None) -> int:
     args = parser.parse_args(argv)
     size = world_size()
     grid = check_args(parser, args, size or 1)
-    _load_solver()
+    load_solver()
     comm = commlib.init(fault_tolerant=True, on_failure="raise") if args.fault_tolerant else commlib.init()
     if comm.size != (size or 1):  # a launcher that did not name the size: check again (every rank alike)
         grid = check_args(parser, args, comm.size)

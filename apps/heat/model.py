@@ -115,7 +115,7 @@ def time_step(grid, alpha, cfl, steps, t_final=None) -> tuple[list, float, int, 
 # Host kernels: update(u, un, c, lo, hi) writes the FTCS update of the box
 # [lo, hi) of the padded float64 field u into un (same shape), reading one
 # cell beyond the box on every side; c as from time_step.
-def _numpy_update(u, un, c, lo, hi):
+def numpy_update(u, un, c, lo, hi):
     d = u.ndim
     box = tuple(slice(a, b) for a, b in zip(lo, hi))
     centre = u[box]
@@ -182,7 +182,7 @@ def _numba_update(u, un, c, lo, hi):
     _get_numba(u.ndim)(u, un, c, np.asarray(lo, np.int64), np.asarray(hi, np.int64))
 
 
-_UPDATES = {"numpy": _numpy_update, "numba": _numba_update}  # host backends
+_UPDATES = {"numpy": numpy_update, "numba": _numba_update}  # host backends
 
 
 # -------------------------------------------------------------- halo layout
@@ -288,7 +288,7 @@ def launch_geometry(lo, hi, chunk=None):
 
 
 # ------------------------------------------------------------ backend glue
-def _to_backend(backend, u0):
+def to_backend(backend, u0):
     """The two fields ``(u, un)`` of ``backend``, both equal to ``u0``."""
     if backend == "cuda":
         from numba import cuda  # noqa: PLC0415 - numba.cuda only when asked for
@@ -301,7 +301,7 @@ def _to_backend(backend, u0):
     return u0, u0.copy()
 
 
-def _to_host(backend, u):
+def field_to_host(backend, u):
     if backend == "cuda":
         return u.copy_to_host()
     if backend == "cupy":
@@ -311,7 +311,7 @@ def _to_host(backend, u):
     return u
 
 
-def _synchronizer(backend):
+def synchronizer(backend):
     """A callable that waits for the backend's queued device work (no-op on the host)."""
     if backend == "cuda":
         from numba import cuda  # noqa: PLC0415
@@ -328,7 +328,7 @@ def _noop(parity):
     return None
 
 
-def _region_updates(backend, fields, c, shape, width, sides, chunk=None):
+def region_updates(backend, fields, c, shape, width, sides, chunk=None):
     """Three callables of the step parity ``p`` (each updates from
     ``fields[p]`` into ``fields[1 - p]``), built once per solve:
 

@@ -33,11 +33,11 @@ import numpy as np
 import commlib  # light: commlib's names load on first use
 from commlib import InvalidArgument
 
-from .model import (BACKENDS, DEVICE_BACKENDS, _region_updates, _synchronizer, _to_backend, _to_host, block_of,
+from .model import (BACKENDS, DEVICE_BACKENDS, region_updates, synchronizer, to_backend, field_to_host, block_of,
                     exact_solution, neighbour_sides, time_step)
 
 
-def _load_solver():
+def load_solver():
     """Import what a run needs (the communicator: mpi4py.MPI; the halo
     exchange: the datatypes and numba) in one go, before MPI's first
     collective, as ``import commlib`` did before the command line became
@@ -221,17 +221,17 @@ class _Block:
             u0[halo.interior] = exact_solution(grid, offset, shape, 0.0, alpha)
         else:
             u0[halo.interior] = start[tuple(slice(o, o + m) for o, m in zip(offset, shape))]
-        self.fields = _to_backend(backend, u0)
+        self.fields = to_backend(backend, u0)
         self.sides = neighbour_sides(cart.dims, cart.coords)
         self.exchange = any(low or high for low, high in self.sides)  # False at 1 rank: no halo call at all
-        self.run_all, self.run_inner, self.run_shell = _region_updates(backend, self.fields, c, shape, halo.width,
+        self.run_all, self.run_inner, self.run_shell = region_updates(backend, self.fields, c, shape, halo.width,
                                                                        self.sides)
-        self.sync = _synchronizer(backend)
+        self.sync = synchronizer(backend)
 
     def owned(self, parity):
         """A new C-contiguous float64 host array of ``shape``: the owned
         cells of ``fields[parity]``."""
-        return _to_host(self.backend, self.fields[parity])[self.halo.interior].copy()
+        return field_to_host(self.backend, self.fields[parity])[self.halo.interior].copy()
 
 
 @dataclass

@@ -197,9 +197,11 @@ class UlfmPolicy(RecoveryPolicy):
         self.survivors = [self.survivors[k] for k in kept]
         _dbg(comm, self.opname, "shrunk", lost_world, self.survivors)
         if not self.agreed & _NO_TIMEOUT and not lost_world:
-            raise CommTimeout(f"a rank's attempt passed the {self.deadline.timeout:g} s timeout with no process lost "
+            exc = CommTimeout(f"a rank's attempt passed the {self.deadline.timeout:g} s timeout with no process lost "
                               "(a stalled peer?); the communicator was revoked and rebuilt",
                               rank=comm.rank, op=self.opname)
+            exc.recovered = True  # rebuilt already (every survivor agreed): no second comm.recover()
+            raise exc
         if lost_world and self.on_failure == "raise":
             exc = ProcessFailed(f"rank(s) {list(lost_world)} of COMM_WORLD failed; communicator shrunk "
                                 f"to {comm.size} ranks", failed=lost_world, rank=comm.rank, op=self.opname)

@@ -219,6 +219,7 @@ def main():
         res["ok"] = False
         res["error"] = type(exc).__name__
         res["message"] = str(exc)[:300]
+        res["recovered"] = bool(getattr(exc, "recovered", False))
         res["elapsed"] = round(time.monotonic() - t_start, 3)
     res["failed"] = list(comm.failed_ranks)
     res["callbacks"] = lost_seen

@@ -222,7 +222,9 @@ def test_stalled_peer_times_out(call, point):
     """A live rank that stops answering mid-collective (no ULFM failure to
     report): the watchdog revokes after COMMLIB_TIMEOUT, and once the stalled
     rank is back every rank, itself included, raises CommTimeout: no one hangs,
-    no one returns a result the others lack."""
+    no one returns a result the others lack.  The error is marked ``recovered``
+    (the communicator was revoked and rebuilt inside the call), so a
+    ResilientRunner redoes the step without a second shrink."""
     spec = [[2, call, point, "stall"]]
     # a stall shorter than the hard bound (timeout + grace): no fail-stop
     results, wall, text, rc = _run(4, {"victims": spec, "seed": 3},
@@ -232,6 +234,7 @@ def test_stalled_peer_times_out(call, point):
         assert res.get("error") == "CommTimeout", res
         assert "timeout" in res["message"], res
         assert res["failed"] == [], res
+        assert res["recovered"] is True, res
         assert len(res["hashes"]) == call, res  # the calls before it all succeeded
     assert wall < 60, wall
 

@@ -76,6 +76,8 @@ MUTATIONS = [
       mpi(2, "tests/test_nn_ring.py", "-k", "matches_oracle")]),
     ("12-checkpoint-wrong-step", "load_checkpoint: the oldest kept checkpoint, not the newest",
      [serial("tests/test_lm_checkpoint.py")]),
+    ("13-noop-dissemination-barrier", "the dissemination barrier (COMMLIB_CHECK_ARGS=0) returns at once",
+     [mpi(3, "tests/test_collectives.py", "-k", "barrier_holds")]),
 ]
 
 

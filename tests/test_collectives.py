@@ -400,9 +400,17 @@ def _barrier_holds_for_late_rank(c, algorithm):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("check_args", [True, False], ids=["agreed", "no-agreement"])
 @pytest.mark.parametrize("fault_tolerant", [False, True], ids=["plain", "ft"])
 @pytest.mark.parametrize("algorithm", ["dissemination", "mpi", "auto"])
-def test_barrier_holds_every_rank_until_the_last_enters(comm, ft_comm, algorithm, fault_tolerant):
+def test_barrier_holds_every_rank_until_the_last_enters(comm, ft_comm, algorithm, fault_tolerant, check_args,
+                                                        monkeypatch):
+    """With the argument agreement (whose all-gather is itself a barrier) and
+    without it (``COMMLIB_CHECK_ARGS=0``: the dissemination barrier, or
+    ``MPI_Barrier``, alone), no rank leaves before the last has entered."""
+    from commlib.core.config import config
+
+    monkeypatch.setattr(config, "check_args", check_args)
     c = ft_comm if fault_tolerant else comm
     want = os.environ.get("COMMLIB_TEST_FT_MODE")  # tests/test_ft.py runs this under ULFM
     if fault_tolerant and want:

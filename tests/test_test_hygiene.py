@@ -44,7 +44,6 @@ ALLOWED_SLEEPS = {
         "window in which its monitor must not drop live peers",
     ("test_elastic.py", "joiner"): "a join at a drawn delay (from the suite's seed) races votes and calls",
     ("test_elastic_engine.py", "steps"): "a member late by a drawn 1.5-2 s on purpose: its peers' timeout (1 s) fires",
-    ("test_elastic_engine.py", "call"): "the others' next call late on purpose (after the 1 s hold-back of the refusal)",
 }
 
 SLEEP_LIMIT = 1.0          # seconds: a wall-clock bound below this is a speed check

@@ -37,7 +37,7 @@ ALLOWED_SLEEPS = {
         "the attempt's thread blocks on purpose: the watchdog must not fail it before the bound",
     ("test_ft.py", "<string>"): "the fail-stop script's caller stuck in a sleep (a C call that released the GIL)",
     ("test_tcp.py", "setter"): "set() calls at drawn delays race the waiters: the interleavings are the test",
-    ("test_tcp.py", "test_send_ctrl_and_reader_interleave"):
+    ("test_tcp.py", "test_connection_reader_survives_a_writer_with_timeouts"):
         "pacing of a stress loop so the reader blocks in recv at times; no outcome depends on it",
     ("test_elastic.py", "test_heartbeat_survives_a_starved_master"):
         "the master process is stopped (SIGSTOP) for 3 s past its heartbeat timeout on purpose, then a "

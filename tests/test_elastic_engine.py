@@ -486,13 +486,13 @@ def test_a_call_given_up_after_a_death_fails_on_a_member_that_was_not_in_it():
                     except commlib.CommError as exc:
                         res["A", k] = exc
 
-            sent, epoch = a.stats["first_round_bytes_sent"], b.epoch
+            sent, epoch = a.stats["first_round_bytes_sent"], master.epoch
             th = threading.Thread(target=a_side, daemon=True)
             th.start()
             wait_until(lambda: a.stats["first_round_bytes_sent"] > sent, what="A's step 0 under way")
             c.close()
-            # B enters step 0 only once the new epoch (without C) reached it and A
-            wait_until(lambda: b.epoch > epoch and a.epoch == b.epoch, what="the epoch after C's close")
+            # B enters step 0 only once the new epoch (without C) began and A gave its step 0 up
+            wait_until(lambda: master.epoch > epoch and ("A", 0) in res, what="A's step 0 ended by C's close")
             for k in range(2):
                 buf = np.full(4, 1.0 + k)
                 t0 = time.monotonic()

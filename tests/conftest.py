@@ -10,11 +10,53 @@ import shutil
 
 import pytest
 
+from seeds import ENV as SEED_ENV, repeat_hint, test_seed  # tests/ is on the path (rootdir conftest)
+
 if not os.environ.get("COMMLIB_REAL_GPU") and shutil.which("nvidia-smi") is None:
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
     import numba.core.config
 
     numba.core.config.reload_config()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """Seed hypothesis from ``COMMLIB_TEST_SEED`` (unless ``--hypothesis-seed`` is
+    given) and load the ``commlib`` profile: ``print_blob`` on, so a failure also
+    prints the ``@reproduce_failure`` line that replays it exactly."""
+    try:
+        from hypothesis import settings  # noqa: PLC0415
+    except ImportError:
+        return
+    settings.register_profile("commlib", print_blob=True)
+    if not config.getoption("--hypothesis-profile", default=None):
+        settings.load_profile("commlib")
+    if hasattr(config.option, "hypothesis_seed") and config.option.hypothesis_seed is None:
+        config.option.hypothesis_seed = str(test_seed())
+
+
+def pytest_report_header(config):
+    return f"commlib test {repeat_hint()}; hypothesis seed {getattr(config.option, 'hypothesis_seed', None)}"
+
+
+@pytest.fixture
+def seed() -> int:
+    """The suite's random seed (``COMMLIB_TEST_SEED``, else a fixed default; see
+    tests/seeds.py): every test that draws random numbers starts from it."""
+    return test_seed()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Every failure's report names the seed that repeats it."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        hyp = getattr(item.config.option, "hypothesis_seed", None)
+        text = repeat_hint()
+        if hyp is not None and "hypothesis" in item.keywords:
+            text += f"; hypothesis: --hypothesis-seed={hyp} (also set by {SEED_ENV})"
+        report.sections.append(("commlib test seed", text))
 
 
 def pytest_runtest_logreport(report):

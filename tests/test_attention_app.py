@@ -64,15 +64,10 @@ BAD_CLI = [
 @pytest.mark.parametrize("argv", BAD_CLI, ids=lambda a: " ".join(a))
 def test_cli_refuses_bad_values_before_running(argv, capsys, monkeypatch):
     """One line on stderr, exit status 2, no traceback, nothing run."""
-    import time  # noqa: PLC0415
-
     monkeypatch.setattr(app, "run", lambda *a, **k: pytest.fail("ran despite a bad value"))
-    t0 = time.perf_counter()
-    assert app.main(argv + ["--quiet"]) == 2
-    took = time.perf_counter() - t0
+    assert app.main(argv + ["--quiet"]) == 2  # (no speed check: the patched entry point proves nothing ran)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("attention: error: "), err
-    assert took < 0.5, took
 
 
 @pytest.mark.timeout(120)

@@ -394,7 +394,8 @@ def test_halo_field_gone_bad_on_one_rank(topology, how):
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.timeout(120)
 def test_halo_abort_notice_from_an_offender_ahead():
-    """A chain 0-1-2-3...: ranks >= 3 start exchange 1 late, so rank 2 waits in
+    """A chain 0-1-2-3...: ranks >= 3 start exchange 1 only once rank 0 has aborted
+    exchange 2 (rank 0 tells them so on a side communicator), so rank 2 waits in
     it (looking for abort notices meanwhile) while rank 0, which waits only for
     rank 1, already aborts exchange 2, and its notice reaches rank 2 early.
     Rank 2 must still finish exchange 1 (its neighbours run it normally and
@@ -402,12 +403,14 @@ def test_halo_abort_notice_from_an_offender_ahead():
     it raised at once and rank 1 waited out its timeout (a CI hang)."""
     comm = commlib.init()
     cart, halo = _halo_world("chain", comm)
+    side = cart.mpi_comm.Dup()  # the test's own ordering messages, apart from the halo's traffic
     timeout = 30.0
     try:
         good = halo.allocate(fill=float(cart.rank))
         halo.exchange(good, timeout=60)  # exchange 0 (compiles the pack kernels)
         if cart.rank >= 3:
-            time.sleep(1.5)  # late: rank 2 waits for rank 3 in exchange 1 while rank 0 aborts exchange 2
+            # late: rank 2 waits for rank 3 in exchange 1 while rank 0 aborts exchange 2
+            side.recv(source=0, tag=77)
         t0 = time.perf_counter()
         halo.exchange(good, timeout=timeout)  # exchange 1: good everywhere
         ghosts_ok = bool(np.all(good[halo.interior] == cart.rank))
@@ -419,6 +422,9 @@ def test_halo_abort_notice_from_an_offender_ahead():
         except CommError as exc:
             err = exc
         took = time.perf_counter() - t0
+        if cart.rank == 0:  # exchange 2 aborted here: the late ranks may start exchange 1
+            for r in range(3, cart.size):
+                side.send(None, dest=r, tag=77)
 
         def check():
             assert ghosts_ok
@@ -428,6 +434,7 @@ def test_halo_abort_notice_from_an_offender_ahead():
 
         _agreed(comm, check)
     finally:
+        side.Free()
         halo.free()
         cart.free()
     _still_usable(comm)

@@ -16,6 +16,8 @@ import commlib.elastic as el
 from commlib.collectives.one_round import small_capacity
 from commlib.collectives.specs import choose_tcp_allreduce
 from oracles import ring_oracle  # tests/ is on the path (rootdir conftest)
+from seeds import test_seed
+from waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -709,7 +711,6 @@ def test_pair_abort_after_the_exchange_leaves_buf_untouched():
     reaches the master), the operation is aborted after the exchange, and the
     survivor's ``buf`` must still hold its input, bit for bit; the retry over the
     survivor alone then returns exactly that input."""
-    import time
 
     master = el.Master(secret=SECRET).start()
     peers = [el.connect(master.address, secret=SECRET, streams=1, timeout=20) for _ in range(2)]
@@ -740,7 +741,9 @@ def test_pair_abort_after_the_exchange_leaves_buf_untouched():
         for th in ths:
             th.start()
         assert reported.wait(30), "the exchange did not finish"
-        time.sleep(0.3)  # the survivor has combined and waits for the verdict
+        # the survivor has combined and waits for the verdict: the master holds its "done"
+        wait_until(lambda: any(peers[0].id in op["done"] for op in list(master._ops.values())),
+                   what="the survivor's done at the master")
         gone.close()
         for th in ths:
             th.join(60)
@@ -917,7 +920,7 @@ def test_unreachable_advertise_is_refused_at_connect_and_costs_the_members_nothi
     import random
     import time
 
-    seed = random.randrange(1 << 30)
+    seed = test_seed()
     rng = random.Random(seed)
     master = el.Master(secret=SECRET).start()
     dead, bad = _refusing_address()

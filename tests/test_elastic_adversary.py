@@ -43,7 +43,9 @@ import commlib
 import commlib.elastic as el
 from commlib.transports import tcp, tcp_auth
 
+from seeds import test_seed
 from test_elastic import form, run_peers  # tests/ is on sys.path (the engine tests do the same)
+from waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -134,7 +136,8 @@ def test_idle_flood_costs_no_thread_and_leaves_room_for_honest_clients():
     try:
         base = threading.active_count()
         socks = flood(lst.address)
-        time.sleep(0.3)
+        wait_until(lambda: lst.stats["accepted"] >= FLOOD and lst.stats["evicted"] >= FLOOD - tcp_auth.PER_SOURCE,
+                   what="the listener to take in the flood")
         grown = threading.active_count() - base
         assert grown <= 1, f"{grown} threads for {FLOOD} unauthenticated sockets"
         assert lst.pending <= tcp_auth.PER_SOURCE, lst.stats
@@ -178,7 +181,7 @@ def test_slots_shared_fairly_between_sources():
     try:
         socks = flood(lst.address, 10, "127.0.0.3")
         socks += flood(lst.address, 150, "127.0.0.2")
-        time.sleep(0.3)
+        wait_until(lambda: lst.stats["accepted"] >= 160, what="the listener to take in the 160 sockets")
         held = {}
         for p in list(lst._pending.values()):
             held[p.src] = held.get(p.src, 0) + 1
@@ -198,9 +201,9 @@ def test_slow_client_evicted_hears_no_slot_not_wrong_secret():
     lst = tcp.Listener("127.0.0.1:0", SECRET, lambda c: None, per_source=1)
     try:
         slow = tcp.open_socket(lst.address, 5)      # connects, then dawdles
-        time.sleep(0.1)
+        wait_until(lambda: lst.stats["accepted"] >= 1, what="the slow client accepted")
         other = tcp.open_socket(lst.address, 5)     # same source: takes the only slot
-        time.sleep(0.1)
+        wait_until(lambda: lst.stats["evicted"] >= 1, what="the slow client evicted")
         with pytest.raises(el.NoHandshakeSlot, match="slot") as info:
             tcp.client_handshake(slow, SECRET, {}, timeout=5)
         assert not isinstance(info.value, commlib.AuthenticationError)
@@ -234,8 +237,8 @@ def test_dial_backs_off_with_jitter_and_tells_gone_from_unreachable():
 
         t0 = time.monotonic()
         with pytest.raises(commlib.ProcessFailed, match="process is gone"):
-            p._dial(Fake, 999, 0, "ring", 3.0)
-        assert time.monotonic() - t0 < 0.5
+            p._dial(Fake, 999, 0, "ring", 10.0)
+        assert time.monotonic() - t0 < 10.0 / 2  # told at once, not after retrying to the deadline
         Fake.addrs = {999: "127.0.0.1:%d" % silent.getsockname()[1]}
         t0 = time.monotonic()
         with pytest.raises(commlib.ProcessFailed, match="cannot connect") as info:
@@ -252,10 +255,10 @@ def test_dial_backs_off_with_jitter_and_tells_gone_from_unreachable():
 def test_flood_on_every_port_kill_recovers_in_2s():
     """3 members (one a process), 200 idle sockets on the master and 200 on each
     survivor's data port, then the process is SIGKILLed at a random point of a
-    loop of all-reduces: each survivor's first all-reduce over the 2 survivors is
-    done within 2 s of the kill, bit-identical, and nobody raises PeerFailure.
-    2 trials."""
-    rng = random.Random(int(os.environ.get("COMMLIB_ADVERSARY_SEED", "22")))
+    loop of all-reduces (after a drawn number of completed calls): each survivor's
+    first all-reduce over the 2 survivors is done within 2 s of the kill,
+    bit-identical, and nobody raises PeerFailure.  2 trials."""
+    rng = random.Random(int(os.environ.get("COMMLIB_ADVERSARY_SEED") or test_seed()))
     for trial in range(2):
         master = el.Master(secret=SECRET).start()
         proc = subprocess.Popen([sys.executable, "-P", __file__, "victim", master.address, "3"],
@@ -291,7 +294,8 @@ def test_flood_on_every_port_kill_recovers_in_2s():
             ths = [threading.Thread(target=loop, args=(i, p), daemon=True) for i, p in enumerate(peers)]
             for t in ths:
                 t.start()
-            time.sleep(rng.uniform(0.3, 1.2))
+            calls = rng.randrange(1, 40)  # the kill lands inside or between the calls after these
+            wait_until(lambda: len(records[0]) >= calls or errors, what=f"{calls} all-reduces of 3 members")
             kill_at[0] = time.monotonic()
             proc.send_signal(signal.SIGKILL)
             for t in ths:
@@ -364,9 +368,9 @@ def test_encryption_mismatch_named(master_enc):
             el.connect(master.address, secret=SECRET, encrypt=not master_enc, timeout=5)
         assert ("does not encrypt" in str(info.value)) == (not master_enc)
         assert "FrameError" not in str(info.value)
-        time.sleep(0.1)
-        assert not master._peers, "a peer with the other encryption setting was admitted"
         p = el.connect(master.address, secret=SECRET, encrypt=master_enc, timeout=5)
+        # admitted after the refused one: the master holds it alone
+        assert list(master._peers) == [p.id], "a peer with the other encryption setting was admitted"
         p.close()
     finally:
         master.stop()
@@ -506,7 +510,7 @@ def test_fetch_parked_without_thread_until_the_plan_then_served():
         conns = [_dial_raw(fetcher, donor, {"purpose": "fetch", "r": rnd, "stream": s,
                                             "tkt": tcp.make_ticket(donor._key, e, fetcher.id, donor.id, s, exp,
                                                                    "fetch", rnd)}) for s in (1, 2, 3)]
-        time.sleep(0.3)
+        wait_until(lambda: len(donor._fetch_parked) == 3, what="3 fetch connections parked")
         assert len(donor._fetch_parked) == 3 and threading.active_count() <= base + 1
         # the real round (number rnd) names the pair: the parked ones are served with it, closed at its end
         state = [{"w": np.arange(10, dtype=np.float64)}, {"w": np.zeros(10)}]
@@ -666,12 +670,11 @@ def test_recorded_encrypted_session_cannot_be_decrypted_with_the_secret(monkeypa
     master = el.Master(secret=SECRET, encrypt=True).start()
     proxy = RecordingProxy(master.address)
     peer = el.connect(proxy.address, secret=SECRET, encrypt=True, timeout=10)
-    try:
-        time.sleep(0.3)
+    try:  # the handshake and a sealed frame (the welcome) recorded
+        wait_until(lambda: any(f[1] & 1 for f in _frames(bytes(proxy.s2c))[2:]), what="a sealed frame recorded")
     finally:
         peer.close()
         master.stop()
-    time.sleep(0.2)
     s2c, c2s = _frames(bytes(proxy.s2c)), _frames(bytes(proxy.c2s))
     assert [f[0] for f in s2c[:2]] == [tcp.K_CHALLENGE, tcp.K_PROOF] and c2s[0][0] == tcp.K_RESPONSE
     ns, nc = s2c[0][3], c2s[0][3][:32]

@@ -9,10 +9,12 @@
   equals the sum over exactly the members of the epoch it completed in
   (recomputed here from the seeds), state hashes are identical after every
   sync, steps keep completing, and no peer hangs or fails (each wait is bounded).
-  ``COMMLIB_CHURN_SECONDS`` sets the churn time (default 45).
+  ``COMMLIB_CHURN_SECONDS`` sets the churn time (default 45), ``COMMLIB_CHURN_SEED``
+  (else ``COMMLIB_TEST_SEED``) the kill plan.
 * ``test_donor_killed_mid_transfer``: a joiner fetches state from a donor that
-  serves slowly (``COMMLIB_ELASTIC_SERVE_RATE``) and is SIGKILLed mid-transfer;
-  the joiner completes from the other donor and verifies the hashes.
+  serves slowly (``COMMLIB_ELASTIC_SERVE_RATE``) and is SIGKILLed once its first
+  bytes have reached the joiner (checked: some, not all, had arrived); the joiner
+  completes from the other donor and verifies the hashes.
 
 The peer processes are this file run as a script (``worker`` / ``donor`` mode).
 """
@@ -114,9 +116,10 @@ def _records(paths):
 @pytest.mark.timeout(240)
 def test_churn(tmp_path):
     import commlib.elastic as el
+    from seeds import test_seed
 
     seconds = float(os.environ.get("COMMLIB_CHURN_SECONDS", "45"))
-    rng = random.Random(int(os.environ.get("COMMLIB_CHURN_SEED", "12345")))
+    rng = random.Random(int(os.environ.get("COMMLIB_CHURN_SEED") or test_seed()))
     master = el.Master(secret=SECRET.encode()).start()
     procs: dict = {}   # path -> Popen
     killed: set = set()
@@ -205,14 +208,15 @@ def test_churn(tmp_path):
 @pytest.mark.timeout(120)
 def test_donor_killed_mid_transfer(tmp_path):
     import commlib.elastic as el
+    from waiting import wait_until  # (here: this file also runs as a script, without tests/ on the path)
 
     nbytes = 24 << 20
     master = el.Master(secret=SECRET.encode()).start()
     paths = [str(tmp_path / f"donor{i}.jsonl") for i in range(2)]
     procs = []
     try:
-        # donor 0 serves slowly (so it dies mid-transfer), donor 1 at full speed
-        procs.append(_spawn("donor", master.address, paths[0], nbytes, env={"COMMLIB_ELASTIC_SERVE_RATE": "20e6"}))
+        # donor 0 serves slowly (so it dies mid-transfer: 24 MiB at 10 MB/s take 2.5 s), donor 1 at full speed
+        procs.append(_spawn("donor", master.address, paths[0], nbytes, env={"COMMLIB_ELASTIC_SERVE_RATE": "10e6"}))
         deadline = time.monotonic() + 30
         while not _records(paths[:1]) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -226,21 +230,30 @@ def test_donor_killed_mid_transfer(tmp_path):
         state = {"w": np.zeros(nbytes // 4, np.float32)}
         import threading
 
-        def kill_soon():
-            time.sleep(0.5)
-            procs[0].send_signal(signal.SIGKILL)
+        w = state["w"]  # fetched in place (same dtype and shape): its bytes show the transfer's progress
+        at_kill = {}
 
-        threading.Thread(target=kill_soon, daemon=True).start()
+        def kill_once_under_way():
+            # the donor's standard normals are never 0: a non-zero element has arrived
+            wait_until(lambda: w[:256].any(), timeout=60, what="the first donor's bytes at the joiner")
+            procs[0].send_signal(signal.SIGKILL)
+            at_kill["t"] = time.monotonic()
+            at_kill["got"] = int(np.count_nonzero(w))  # an upper bound of what came before the kill
+
+        threading.Thread(target=kill_once_under_way, daemon=True).start()
         t0 = time.monotonic()
         res = joiner.sync_shared_state(state, 0)
         dt = time.monotonic() - t0
+        assert state["w"] is w, "the state was not fetched in place"
+        got = at_kill.get("got", 0) * 4
+        assert 0 < got < nbytes, f"the kill did not land mid-transfer: {got} of {nbytes} bytes had arrived"
         want = np.random.default_rng(7).standard_normal(nbytes // 4).astype(np.float32)
         assert _h(state["w"]) == _h(want)
         assert res["revision"] == 5 and res["bytes_received"] >= nbytes
         assert res["donor"] == 2, "the joiner should have finished from the second donor (peer id 2)"
         assert procs[0].wait(5) == -signal.SIGKILL
         print(f"\njoiner synced {res['bytes_received']} bytes in {dt:.2f} s, donor {res['donor']} "
-              f"(first donor killed at 0.5 s)")
+              f"(first donor killed at {at_kill['t'] - t0:.2f} s, {got} bytes in)")
         # the group goes on: the survivors vote and step
         assert joiner.update_topology() is True and joiner.size == 2
         joiner.close()

@@ -37,6 +37,8 @@ from commlib.collectives.one_round import small_capacity
 from commlib.collectives.specs import choose_tcp_allreduce
 
 from test_elastic import SECRET, form, run_outcomes as _outcomes, run_peers
+from seeds import test_seed
+from waiting import wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -141,7 +143,7 @@ def test_ring_sized_mismatch_refused_before_anything_is_combined(n, overlap, joi
     them); no frame of a refused call is left buffered; no new epoch (the same
     connections), the master counting each refusal; and after every trial a
     ring-sized call completes, bit-identical on every peer and equal to the sum."""
-    rng = random.Random(2611 + n)
+    rng = random.Random(f"{test_seed()}-{2611 + n}")
     master, peers = _group(n)
     for p in peers:
         p.overlap_first_round = overlap
@@ -216,7 +218,7 @@ def test_members_whose_first_round_forms_differ_are_told_so(attr, odd_value):
     message that says the headers agree and the forms differ, not that a count or
     dtype differs; once the setting is shared again the next call completes with
     the sum.  5 trials, 3 peers, the odd member drawn at random."""
-    rng = random.Random(77)
+    rng = random.Random(f"{test_seed()}-{77}")
     n = 3
     master, peers = _group(n)
     try:
@@ -244,7 +246,7 @@ def test_master_killed_mid_call_restores_the_input():
     """12 trials, the master stopped (its sockets closed, as a kill does) at a random
     point 0-60 ms into a ring all-reduce of 4 MiB over 3 peers: a peer whose call
     returned holds the sum; one whose call raised holds its input, bit for bit."""
-    rng = random.Random(1234)
+    rng = random.Random(f"{test_seed()}-{1234}")
     raised = 0
     for trial in range(12):
         master, peers = _group(3)
@@ -320,7 +322,7 @@ def test_one_shot_survives_a_peer_closed_mid_call():
     hold the same bits."""
     from oracles import ring_oracle  # noqa: PLC0415 - tests/ is on the path
 
-    rng = random.Random(2026)
+    rng = random.Random(f"{test_seed()}-{2026}")
     retried = 0
     for trial in range(15):
         master, peers = _group(3)
@@ -366,8 +368,9 @@ def test_skipped_collective_fails_within_timeout(nbytes):
         late = np.full(10, 7.0)
         t0 = time.monotonic()
         with pytest.raises(commlib.CommTimeout, match="call 0 given up by rank [01]"):
-            peers[2].allreduce(late, "sum", timeout=10)
-        assert time.monotonic() - t0 < 0.5 and np.all(late == 7.0)
+            peers[2].allreduce(late, "sum", timeout=30)
+        # at once, from the others' verdict: not by waiting out its own timeout
+        assert time.monotonic() - t0 < 30 / 2 and np.all(late == 7.0)
         res = run_peers(peers, lambda i, p: p.allreduce(np.full(10, i + 1.0), "sum", timeout=10))
         assert all(np.all(r == 6.0) for r in res)
     finally:
@@ -419,7 +422,7 @@ def test_a_late_member_never_pairs_with_the_next_call(n, nbytes, retry):
     ``retry=False`` too (a call made while the aborted epoch's successor is on its
     way waits for it, instead of failing at once on the aborted epoch and giving
     the late member's next call up as well)."""
-    rng = random.Random(41 + n)
+    rng = random.Random(f"{test_seed()}-{41 + n}")
     count = nbytes // 8
     for trial in range(5):
         master, peers = _group(n)
@@ -466,8 +469,8 @@ def test_a_call_given_up_after_a_death_fails_on_a_member_that_was_not_in_it():
     is the call A gave up: it raises PeerFailure at once, input intact (it used to
     be combined with A's step 1: 201 where step 0's sum is 101).  Step 1 (with
     retries: A may start it before the new epoch reaches it) then completes on A and
-    B with its own sum.  5 trials, C's close drawn 0.2-0.5 s in."""
-    rng = random.Random(7)
+    B with its own sum.  5 trials, C closing once A's call is under way (its first
+    round's bytes sent: A then waits for B, who has not called)."""
     for trial in range(5):
         master, peers = _group(3, timeout=10.0)
         a, b, c = peers
@@ -483,14 +486,13 @@ def test_a_call_given_up_after_a_death_fails_on_a_member_that_was_not_in_it():
                     except commlib.CommError as exc:
                         res["A", k] = exc
 
+            sent, epoch = a.stats["first_round_bytes_sent"], master.epoch
             th = threading.Thread(target=a_side, daemon=True)
             th.start()
-            time.sleep(rng.uniform(0.2, 0.5))
+            wait_until(lambda: a.stats["first_round_bytes_sent"] > sent, what="A's step 0 under way")
             c.close()
-            deadline = time.monotonic() + 5
-            while b.epoch == a.epoch == 1 and time.monotonic() < deadline:
-                time.sleep(0.02)
-            time.sleep(0.2)
+            # B enters step 0 only once the new epoch (without C) began and A gave its step 0 up
+            wait_until(lambda: master.epoch > epoch and ("A", 0) in res, what="A's step 0 ended by C's close")
             for k in range(2):
                 buf = np.full(4, 1.0 + k)
                 t0 = time.monotonic()
@@ -500,7 +502,8 @@ def test_a_call_given_up_after_a_death_fails_on_a_member_that_was_not_in_it():
                 except commlib.CommError as exc:
                     assert np.all(buf == 1.0 + k)
                     res["B", k] = exc
-                    assert k == 0 and time.monotonic() - t0 < 0.5, (trial, k, repr(exc))
+                    # at once (the call A gave up), not by waiting out its timeout (8 s)
+                    assert k == 0 and time.monotonic() - t0 < 8 / 2, (trial, k, repr(exc))
             th.join(20)
             assert isinstance(res["A", 0], el.PeerFailure), (trial, res)
             assert isinstance(res["B", 0], el.PeerFailure), (trial, res)
@@ -518,10 +521,8 @@ def test_timeouts_that_are_not_finite_numbers_are_refused():
         for bad in (float("nan"), float("inf"), "soon", -1.0, 0, True):
             for call in (lambda p: p.update_topology(timeout=bad),
                          lambda p: p.sync_shared_state({"w": np.zeros(4)}, 0, timeout=bad)):
-                t0 = time.monotonic()
                 with pytest.raises(commlib.InvalidArgument, match="timeout must be"):
-                    call(peers[0])
-                assert time.monotonic() - t0 < 0.5
+                    call(peers[0])  # refused before anything is sent (no time bound: nothing to wait for)
             bufs = [np.full(8, 1.0), np.full(8, 2.0)]
             out = _outcomes(peers, lambda i, p: p.allreduce(bufs[i], timeout=bad if i == 0 else 20))
             for i, (r, exc, dt) in enumerate(out):
@@ -543,7 +544,7 @@ def test_a_members_bad_sync_argument_is_refused_on_every_member():
     a misleading "no answer from the master".  Now every member raises
     InvalidArgument naming the member and the cause within a second, every state is
     untouched, and the next round syncs every member (the refused one included)."""
-    rng = random.Random(2611)
+    rng = random.Random(f"{test_seed()}-{2611}")
     master, peers = _group(3)
     try:
         bads = [
@@ -590,8 +591,9 @@ def test_a_refused_members_next_sync_is_not_answered_by_the_late_refusal():
     master answers that round; when that answer (the refusal) reaches it only after
     its next, good call has begun, the call must wait for its own round, not take
     the late refusal as its answer (a race a run of the elastic tests here hit once,
-    in the twelve trials of the test above, under load).  The refusal is held back 1 s in the member's receive path to
-    make that order certain."""
+    in the twelve trials of the test above, under load).  The refusal is held back in
+    the member's receive path until its next call has begun, and the others make
+    that call only once the refusal is delivered: that order is certain."""
     master, peers = _group(3)
     try:
         states = [{"w": np.full(8, float(i)), "b": np.arange(3.0) + i} for i in range(3)]
@@ -599,34 +601,39 @@ def test_a_refused_members_next_sync_is_not_answered_by_the_late_refusal():
         culprit = peers[0]
         with pytest.raises(commlib.InvalidArgument, match="C-contiguous"):
             culprit.sync_shared_state({"w": np.zeros(16)[::2]}, 5, timeout=20)
-        held = threading.Event()
+        held, delivered, pending = threading.Event(), threading.Event(), {}
 
         class LatePlans(dict):
             def __setitem__(self, rnd, msg):
                 if msg.get("refused") is None or held.is_set():
                     return dict.__setitem__(self, rnd, msg)
+                pending.update(rnd=rnd, msg=msg)
                 held.set()
 
-                def late():
-                    with culprit._cv:
-                        culprit._plans[rnd] = msg
-                        culprit._cv.notify_all()
-                threading.Timer(1.0, late).start()
+        def deliver_late():
+            # once the culprit's next (good) call holds its call lock, the late refusal arrives
+            wait_until(lambda: culprit._call_lock.locked(), what="the culprit's next call under way")
+            with culprit._cv:
+                culprit._plans[pending["rnd"]] = pending["msg"]
+                culprit._cv.notify_all()
+            delivered.set()
 
         with culprit._cv:
             culprit._plans = LatePlans(culprit._plans)
-        # the others end the refused round, then (1.5 s later, after the refusal
-        # reached the culprit) call the next one with it
+        # the others end the refused round, then (once the refusal, held back, reached
+        # the culprit inside its next call) call the next one with it
         out = _outcomes(peers[1:], lambda i, p: p.sync_shared_state(states[i + 1], 5, timeout=20))
         assert all(isinstance(exc, commlib.InvalidArgument) and "refused on every member" in str(exc)
                    for _, exc, _ in out), out
+        wait_until(held.is_set, what="the refusal reaching the culprit")
         revs = [7, 6, 6]
 
         def call(i, p):
             if i > 0:
-                time.sleep(1.5)
+                assert delivered.wait(30), "the held refusal was never delivered"
             return p.sync_shared_state(states[i], revs[i], timeout=20)
 
+        threading.Thread(target=deliver_late, daemon=True).start()
         out = _outcomes(peers, call)
         assert held.is_set()
         assert all(exc is None for _, exc, _ in out), out
@@ -638,16 +645,20 @@ def test_a_refused_members_next_sync_is_not_answered_by_the_late_refusal():
 
 def test_close_from_another_thread_ends_the_call_with_peer_closed():
     """close() while the peer waits in an all-reduce (the other member never calls):
-    the call ends promptly with PeerClosed, its input intact."""
+    the call ends with PeerClosed, its input intact, long before its timeout."""
     master, peers = _group(2)
     try:
         data = np.arange(1 << 16, dtype=np.float64)
         buf = data.copy()
-        threading.Timer(0.3, peers[0].close).start()
+        def close_once_in_the_call():
+            wait_until(lambda: peers[0]._call_lock.locked(), what="the all-reduce under way")
+            peers[0].close()
+
+        threading.Thread(target=close_once_in_the_call, daemon=True).start()
         t0 = time.monotonic()
         with pytest.raises(el.PeerClosed):
-            peers[0].allreduce(buf, timeout=10)
-        assert time.monotonic() - t0 < 3.0 and _h(buf) == _h(data)
+            peers[0].allreduce(buf, timeout=30)
+        assert time.monotonic() - t0 < 30 / 2 and _h(buf) == _h(data)
     finally:
         _close(master, peers)
 
@@ -659,18 +670,19 @@ def test_a_second_thread_s_call_is_refused_while_one_runs():
     master, peers = _group(2)
     try:
         bufs = [np.full(1000, 1.0), np.full(1000, 2.0)]
-        first = threading.Thread(target=peers[0].allreduce, args=(bufs[0],), kwargs={"timeout": 10})
+        first = threading.Thread(target=peers[0].allreduce, args=(bufs[0],), kwargs={"timeout": 30})
         first.start()
-        time.sleep(0.3)
+        # the first call holds the peer's one-call lock (set on entry, kept until it returns)
+        wait_until(lambda: peers[0]._call_name == "allreduce" and peers[0]._call_lock.locked(),
+                   what="the first call under way")
         other = np.full(1000, 5.0)
         for call in (lambda: peers[0].allreduce(other), lambda: peers[0].update_topology(),
                      lambda: peers[0].sync_shared_state({"w": other}, 0)):
-            t0 = time.monotonic()
             with pytest.raises(commlib.InvalidArgument, match="already in a call .allreduce. from another thread"):
-                call()
-            assert time.monotonic() - t0 < 0.5 and np.all(other == 5.0)
-        peers[1].allreduce(bufs[1], timeout=10)
-        first.join(10)
+                call()  # raised at once: the first call is still waiting for peer 1, which has not called
+            assert np.all(other == 5.0) and first.is_alive()
+        peers[1].allreduce(bufs[1], timeout=30)
+        first.join(30)
         assert np.all(bufs[0] == 3.0) and np.all(bufs[1] == 3.0)
     finally:
         _close(master, peers)

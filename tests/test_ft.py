@@ -16,7 +16,7 @@ hang the suite:
   across survivors), see the same failed set, get the failure callback, and
   ``mpiexec`` must return within seconds.  ``COMMLIB_FT_CASES`` (default 20:
   a failure in one run of five goes unseen with probability 0.8^20 = 1.2 %)
-  sets the number of randomized cases, ``COMMLIB_FT_SEED`` the seed (printed);
+  sets the number of randomized cases, ``COMMLIB_FT_SEED`` the seed (printed; default: ``COMMLIB_TEST_SEED``, tests/seeds.py);
   the random-*time* kills of 64 MiB allreduces are tests/test_ft_kill.py's.
 - MPICH (no ULFM): a victim ``os._exit``\\ s; every survivor must raise
   ``CommTimeout``/``ProcessFailed`` within the timeout and the job must end; a
@@ -43,6 +43,7 @@ mpi4py.rc.initialize = False
 from mpi4py import MPI  # noqa: E402
 
 from launch import FINALIZE_TIMEOUT, LAUNCH_ATTEMPTS, ft_args, launcher_failed  # noqa: E402 - tests/launch.py
+from seeds import test_seed  # noqa: E402 - tests/seeds.py
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "ft_worker.py")
@@ -54,7 +55,7 @@ IS_MPICH = "MPICH" in LIB
 NCALLS = 8
 REPLICATED = {0, 1, 3, 4, 6, 7}  # calls whose result is the same on every rank
 
-SEED = int(os.environ.get("COMMLIB_FT_SEED", str(int(time.time()) % 100000)))
+SEED = int(os.environ.get("COMMLIB_FT_SEED") or test_seed())  # the suite's seed unless set here
 # 20 randomized runs catch a failure that happens one run in five with probability
 # 1 - 0.8**20 = 98.8% (the deterministic corners below come on top)
 NCASES = int(os.environ.get("COMMLIB_FT_CASES", "20"))

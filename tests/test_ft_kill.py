@@ -43,7 +43,7 @@ environment variables (the defaults are the CI configuration):
 ``COMMLIB_KILL_MIB``        ``16``   MiB per allreduce (the issue's: 64)
 ``COMMLIB_KILL_PAR``        ``4``    jobs at once (a job mostly waits on its launch)
 ``COMMLIB_KILL_TIMEOUT``    ``8``    ``COMMLIB_TIMEOUT`` of the jobs, seconds
-``COMMLIB_KILL_SEED``       (time)   seed of the kill plan (printed on failure)
+``COMMLIB_KILL_SEED``       (suite)  seed of the kill plan (printed on failure; default COMMLIB_TEST_SEED)
 ``COMMLIB_KILL_REPORT``     (none)   path: write every run's outcome as JSON
 ``COMMLIB_KILL_CALL_BOUND`` (above)  seconds any call may take (the soak: ``15``)
 ==========================  =======  ==============================================
@@ -81,6 +81,7 @@ mpi4py.rc.initialize = False
 from mpi4py import MPI  # noqa: E402
 
 from launch import FINALIZE_TIMEOUT, FT_ARGS, LAUNCH_ATTEMPTS, launcher_failed  # noqa: E402 - tests/launch.py
+from seeds import test_seed  # noqa: E402 - tests/seeds.py
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "ft_worker.py")
@@ -93,7 +94,7 @@ MIB = float(os.environ.get("COMMLIB_KILL_MIB", "16"))
 PAR = int(os.environ.get("COMMLIB_KILL_PAR", "4"))
 TIMEOUT = float(os.environ.get("COMMLIB_KILL_TIMEOUT", "8"))
 GRACE = float(os.environ.get("COMMLIB_FT_GRACE", "2"))
-SEED = int(os.environ.get("COMMLIB_KILL_SEED", str(int(time.time()) % 100000)))
+SEED = int(os.environ.get("COMMLIB_KILL_SEED") or test_seed())  # the suite's seed unless set here
 REPORT = os.environ.get("COMMLIB_KILL_REPORT")
 # Per-call bound asserted (seconds). The default is what the watchdog guarantees
 # with up to two stuck ranks in a row (a survivor Open MPI hung fails at up to

@@ -182,12 +182,9 @@ def test_cli_refuses_bad_values_before_the_solve(argv, capsys, monkeypatch):
     """One line on stderr, exit status 2, no traceback, and nothing solved."""
     monkeypatch.setattr(heat, "solve", lambda *a, **k: pytest.fail("solved despite a bad value"))
     monkeypatch.setattr(heat, "solve_ft", lambda *a, **k: pytest.fail("solved despite a bad value"))
-    t0 = time.perf_counter()
-    assert heat.main(argv + ["--no-progress"]) == 2
-    took = time.perf_counter() - t0
+    assert heat.main(argv + ["--no-progress"]) == 2  # (no speed check: the patched entry point proves nothing ran)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("heat: error: "), err
-    assert took < 0.5, took
 
 
 def test_cli_refuses_unwritable_json_before_the_solve(tmp_path, capsys):

@@ -141,9 +141,9 @@ class Run:
 
 
 @pytest.mark.timeout(120)
-def test_resume_is_bit_identical(tmp_path):
+def test_resume_is_bit_identical(tmp_path, seed):
     torch.set_num_threads(1)
-    seed = int(np.random.SeedSequence().entropy % 1000)
+    seed %= 1000  # the suite's seed (COMMLIB_TEST_SEED; printed with a failure) seeds the global RNGs
     print("global RNG seed", seed)
     np.random.seed(seed)
     random.seed(seed)

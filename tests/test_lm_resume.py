@@ -11,7 +11,8 @@
   missing folder or one that is a file: one line, exit status 2 on every rank,
   every file of the folder unchanged.
 
-The victims and steps come from a printed seed (``COMMLIB_TEST_SEED`` sets it).
+The victims and steps come from the suite's seed (tests/seeds.py), printed with every
+failure (``COMMLIB_TEST_SEED`` sets it; a fixed default otherwise).
 """
 import hashlib
 import json
@@ -35,10 +36,11 @@ from mpi4py import MPI  # noqa: E402
 from commlib.apps import lm as app  # noqa: E402
 from launch import FINALIZE_TIMEOUT, FT_ARGS, run_job  # noqa: E402 - tests/launch.py
 from lm_oracle import assert_losses, oracle  # noqa: E402 - tests/lm_oracle.py
+from seeds import test_seed  # noqa: E402 - tests/seeds.py
 
 MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
 OPEN_MPI = "Open MPI" in MPI.Get_library_version()
-SEED = int(os.environ.get("COMMLIB_TEST_SEED", random.SystemRandom().randrange(1 << 30)))
+SEED = test_seed()
 TINY = ["--steps", "6", "--seq-len", "61", "--batch", "2", "--d-model", "32", "--heads", "4", "--kv-heads", "2",
         "--layers", "1", "--eval-every", "3", "--eval-batches", "1", "--quiet"]
 REL = 1e-4

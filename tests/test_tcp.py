@@ -29,6 +29,7 @@ import commlib.elastic as el
 from commlib.collectives.allgather_bruck import allgather_bruck
 from commlib.collectives.allreduce_ring import allreduce_ring
 from commlib.transports import tcp
+from waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 SECRET = b"tcp-test-secret-0123456789"
@@ -231,6 +232,19 @@ def test_frame_bounds_and_striping():
     assert len(tcp.frame_bounds(100, 4)) == 2           # small: one frame
 
 
+def _arrived(t, src, tag) -> bool:
+    """A frame of (src, tag) has reached ``t``'s receiver (its header read: a slot)."""
+    return bool(t._slots.get((src, tag)))
+
+
+def _posted(t) -> bool:
+    """``t`` has a receive posted (a slot with its request)."""
+    try:
+        return any(s.req is not None for dq in list(t._slots.values()) for s in list(dq))
+    except RuntimeError:  # a deque changed while read: look again
+        return False
+
+
 def _warm(ts):
     """One byte from rank 0 to rank 1 (tag 99): the link's connections are up."""
     q = ts[1].irecv(np.zeros(1, np.uint8), 0, tag=99)
@@ -254,7 +268,7 @@ def test_early_frames_wait_for_their_receive_and_counters(streams, encrypt):
         dst = np.zeros(nbytes, np.uint8)
         _warm(ts)
         sq = ts[0].isend(src, 1, tag=5)
-        time.sleep(0.15)                                   # the frame arrives before the post
+        wait_until(lambda: _arrived(ts[1], 0, 5), what="the frame's header read")  # it arrives before the post
         ts[1].irecv(dst, 0, tag=5).wait(10)
         sq.wait(10)
         assert np.array_equal(dst, src)
@@ -265,10 +279,11 @@ def test_early_frames_wait_for_their_receive_and_counters(streams, encrypt):
         assert ts[0].wire_bytes_sent == ts[1].wire_bytes_received == nbytes + 1 + (k + 1) * per_frame
 
 
-def test_early_frame_buffered_when_another_receive_waits():
+def test_early_frame_buffered_when_another_receive_waits(monkeypatch):
     """Receives posted in the reverse order of the sends on one connection: the first
     frame is buffered at once (the application waits for the one behind it), no stall
-    of POST_WAIT, no deadlock."""
+    of POST_WAIT (made 30 s here, so a stall could not pass for speed), no deadlock."""
+    monkeypatch.setattr(tcp, "POST_WAIT", 30.0)
     with tcp_group(2, 1) as ts:
         a = np.arange(1 << 18, dtype=np.float32)
         b = a[::-1].copy()
@@ -277,8 +292,8 @@ def test_early_frame_buffered_when_another_receive_waits():
         t0 = time.monotonic()
         qb = ts[1].irecv(rb, 0, tag=2)                     # posted first, sent second
         s1, s2 = ts[0].isend(a, 1, tag=1), ts[0].isend(b, 1, tag=2)
-        qb.wait(10)
-        assert time.monotonic() - t0 < tcp.POST_WAIT
+        qb.wait(20)
+        assert time.monotonic() - t0 < tcp.POST_WAIT / 2
         ts[1].irecv(ra, 0, tag=1).wait(10)
         ts[0].waitall([s1, s2], 10)
         assert np.array_equal(ra, a) and np.array_equal(rb, b)
@@ -293,7 +308,8 @@ def test_early_frame_never_posted_is_buffered_after_post_wait():
         y = np.full(1 << 17, 2.0, np.float32)
         ts[0].isend(x, 1, tag=7)
         ts[0].isend(y, 1, tag=8)
-        time.sleep(tcp.POST_WAIT + 0.3)
+        # x is held for POST_WAIT, then buffered (y, behind it, is read next)
+        wait_until(lambda: ts[1].bytes_buffered >= x.nbytes, what="x buffered after POST_WAIT")
         got_y = np.zeros_like(y)
         ts[1].irecv(got_y, 0, tag=8).wait(5)
         got_x = np.zeros_like(x)
@@ -597,7 +613,7 @@ def test_first_round_message_of_another_size_fails_its_receive_only(posted_first
             sq = ts[0].isend(src, 1, tag=tag)
         else:
             sq = ts[0].isend(src, 1, tag=tag)
-            time.sleep(0.1)  # the frame arrives before the post
+            wait_until(lambda: _arrived(ts[1], 0, tag), what="the frame's header read")  # it arrives before the post
             rq = ts[1].irecv(dst, 0, tag=tag)
         with pytest.raises(commlib.MessageSizeMismatch, match="does not match the posted receive") as info:
             rq.wait(10)
@@ -638,11 +654,12 @@ def _inline_order(streams):
         assert all(np.array_equal(m, o) for m, o in zip(msgs, outs))
 
 
-def test_abort_tag_unposts_receives_and_drops_frames():
+def test_abort_tag_unposts_receives_and_drops_frames(monkeypatch):
     """abort_tag: a posted receive of the tag fails with CommError and its buffer is
     never written; a frame of the tag buffered before the abort is freed; frames of
-    it arriving later are dropped at once (not held for POST_WAIT), and the next
-    message on the connection is delivered."""
+    it arriving later are dropped at once (not held for POST_WAIT, made 30 s here so
+    a hold could not pass for speed), and the next message on the connection is delivered."""
+    monkeypatch.setattr(tcp, "POST_WAIT", 30.0)
     with tcp_group(2, 1) as ts:
         _warm(ts)
         ts[0].isend(np.full(100, 3, np.uint8), 1, tag=9).wait(5)  # small: buffered, never posted
@@ -661,9 +678,9 @@ def test_abort_tag_unposts_receives_and_drops_frames():
         r6 = ts[1].irecv(after, 0, tag=6)
         t0 = time.monotonic()
         ts[0].waitall([ts[0].isend(np.ones(1 << 18, np.uint8), 1, tag=5),
-                       ts[0].isend(np.arange(8, dtype=np.uint8), 1, tag=6)], 5)
-        r6.wait(5)
-        assert time.monotonic() - t0 < tcp.POST_WAIT
+                       ts[0].isend(np.arange(8, dtype=np.uint8), 1, tag=6)], 20)
+        r6.wait(20)
+        assert time.monotonic() - t0 < tcp.POST_WAIT / 2
         assert np.array_equal(after, np.arange(8)) and not got.any()
         assert ts[1]._unexpected == 0 and ts[1].bytes_buffered == 100
 
@@ -822,7 +839,7 @@ def test_first_round_aborted_by_a_refusal_is_not_a_size_mismatch(kind, n):
         th = threading.Thread(target=lambda: out.setdefault("e", _catch(lambda: _first_round(kind, ts[1], [1, 2, 3],
                                                                                              4096))))
         th.start()
-        time.sleep(0.2)  # rank 1 waits on its first receive; nobody else calls
+        wait_until(lambda: _posted(ts[1]), what="rank 1's first-round receive posted")  # nobody else calls
         data, first = ts[1].operation_tags(5)
         ts[1].abort_tags((*data, *first), lambda t: commlib.InvalidArgument("refused by the master", rank=1, op="t"))
         th.join(20)

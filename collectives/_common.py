@@ -67,7 +67,7 @@ def exchange(transport, sendbuf, dest: int, recvbuf, source: int, tag: int, time
 
     Raises:
         CommTimeout: the step did not complete within ``timeout``.
-        MPI.Exception / ProcessFailed: from the transport, when a peer fails.
+        ProcessFailed / CommError: from the transport (classified), when a peer fails.
     """
     if timeout is None and overlap is None:
         transport.sendrecv(sendbuf, dest, recvbuf, source, tag, tag)

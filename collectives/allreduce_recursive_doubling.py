@@ -57,7 +57,7 @@ def allreduce_recursive_doubling(transport, buf: np.ndarray, op="sum", *, sendbu
 
     Raises:
         CommTimeout: the call did not complete within ``timeout``.
-        MPI.Exception / ProcessFailed: a peer failed.
+        ProcessFailed / CommError: from the transport (classified), when a peer fails.
     """
     timeout = deadline_of(timeout)  # one deadline for every step of the call
     op = get_op(op)

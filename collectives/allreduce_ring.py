@@ -67,7 +67,7 @@ def allreduce_ring(transport, buf: np.ndarray, op="sum", *, sendbuf: np.ndarray 
 
     Raises:
         CommTimeout: the call did not complete within ``timeout``.
-        MPI.Exception / ProcessFailed: a peer failed (transport-dependent).
+        ProcessFailed / CommError: from the transport (classified), when a peer fails.
     """
     timeout = deadline_of(timeout)  # one deadline for every step of the call
     op = get_op(op)

@@ -70,7 +70,7 @@ def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds, *,
 
     Raises:
         CommTimeout: a step did not finish within ``timeout``.
-        MPI.Exception / ProcessFailed: from the transport, when a peer fails.
+        ProcessFailed / CommError: from the transport (classified), when a peer fails.
     """
     timeout = deadline_of(timeout)  # one deadline for every step of the call
     op = get_op(op)

@@ -88,7 +88,6 @@ BAD_CLI = [
     ["--kill", "x"], ["--kill", "1"], ["--kill", "1:0"], ["--kill", "1:99"], ["--kill", "-1:2"],
     ["--kill", "1:2:sideways"], ["--kill", "0:3:eval", "--eval-every", "10"], ["--checkpoint-every", "5"],
     ["--window", "0"], ["--window", "4", "--window-every", "0"], ["--window-every", "2"],
-    ["--window", "4", "--attention", "ulysses"], ["--window", "4", "--attention", "hybrid"],
 ]
 #: values refused for a given rank count (the launcher's, before MPI is up)
 BAD_FOR_SIZE = [
@@ -279,7 +278,8 @@ WINDOWED = ["--layers", "2", "--window", "7", "--window-every", "2"]
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind,layout,sizes", [("ring", "contiguous", (1, 2, 4)), ("bidirectional", "zigzag", (3,))],
+@pytest.mark.parametrize("kind,layout,sizes", [("ring", "contiguous", (1, 2, 4)), ("bidirectional", "zigzag", (3,)),
+                                                ("ulysses", "contiguous", (2,))],
                          ids=lambda x: x if isinstance(x, str) else "")
 def test_window_ranks_train_like_one_rank(kind, layout, sizes):
     """``--window``: P ranks (the local layer a halo exchange) give the losses

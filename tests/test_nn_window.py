@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 
 from commlib.collectives.attention.layout import LAYOUTS, sequence_positions  # noqa: E402
 from commlib.core.errors import CommError, InvalidArgument  # noqa: E402
-from commlib.nn import SequenceParallelAttention, ring_attention  # noqa: E402
+from commlib.nn import SequenceParallelAttention, hybrid_attention, ring_attention, ulysses_attention  # noqa: E402
 from commlib.nn import _blocks  # noqa: E402
 from commlib.nn import window as nnwindow  # noqa: E402
 
@@ -64,15 +64,22 @@ def make_global(seed, batch, n, heads, kv_heads, dim):
     return mk(heads), mk(kv_heads), mk(kv_heads), mk(heads)
 
 
-def check(comm, layout, causal, cu, window, kv_heads, *, seq_local=8, seed=SEED, module=False):
+def check(comm, layout, causal, cu, window, kv_heads, *, seq_local=8, seed=SEED, module=False, kind="ring",
+          degree=None):
     p, r = comm.size, comm.rank
     n = p * seq_local
     glob = make_global(seed, 2, n, 4, kv_heads, 8)
     pos = torch.from_numpy(sequence_positions(layout, r, p, seq_local))
     ql, kl, vl = (x[:, pos].clone().requires_grad_() for x in glob[:3])
     if module:
-        attn = SequenceParallelAttention(comm, kind="ring", layout=layout, causal=causal, window=window, timeout=60)
+        attn = SequenceParallelAttention(comm, kind=kind, layout=layout, causal=causal, window=window, timeout=60,
+                                         ulysses_degree=degree)
         out = attn(ql, kl, vl, cu_seqlens=cu)
+    elif kind == "ulysses":
+        out = ulysses_attention(ql, kl, vl, comm, causal=causal, cu_seqlens=cu, window=window, timeout=60)
+    elif kind == "hybrid":
+        out = hybrid_attention(ql, kl, vl, comm, degree, causal=causal, layout=layout, cu_seqlens=cu, window=window,
+                               timeout=60)
     else:
         out = ring_attention(ql, kl, vl, comm, causal=causal, layout=layout, cu_seqlens=cu, window=window,
                              timeout=60)
@@ -82,7 +89,7 @@ def check(comm, layout, causal, cu, window, kv_heads, *, seq_local=8, seed=SEED,
         assert g.dtype == F64 and not torch.isnan(g).any()
         err = ((g.detach() - w[:, pos]).abs().max() / w.abs().max()).item()
         assert err <= 1e-10, (f"{name}: {err:.2e} (rank {r}/{p}, {layout}, causal={causal}, cu={cu}, "
-                              f"window={window}, kv_heads={kv_heads}, seed={seed})")
+                              f"window={window}, kv_heads={kv_heads}, kind={kind}, degree={degree}, seed={seed})")
 
 
 def windows(L):
@@ -167,6 +174,27 @@ def test_window_module(world):
     """SequenceParallelAttention(window=...) is the function's window."""
     check(world, "contiguous", True, None, (5, 0), 2, module=True)
     check(world, "zigzag", False, None, (3, 3), 4, module=True)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(120)
+def test_window_ulysses_and_hybrid(world):
+    """Ulysses (the window a mask on the local attention) and the hybrid (the
+    halo exchange across the groups, or the mask when one group holds every
+    rank), functions and module."""
+    p = world.size
+    L = 8
+    docs = np.array([0, 5, p * L // 2 + 1, p * L], dtype=np.int64)
+    cases = (((3, 0), True, None), ((2, 3), False, docs), ((L + 1, 0), True, docs))
+    if 4 % p == 0:  # 4 heads over the ranks
+        for window, causal, cu in cases:
+            check(world, "contiguous", causal, cu, window, 2, kind="ulysses")
+        check(world, "zigzag", True, docs, (5, 0), 2, kind="ulysses", module=True)
+    if p % 2 == 0:
+        for layout in ("contiguous", "zigzag"):
+            for window, causal, cu in cases:
+                check(world, layout, causal, cu, window, 2, kind="hybrid", degree=2)
+        check(world, "striped", True, None, (4, 0), 4, kind="hybrid", degree=2, module=True)
 
 
 class _Recording:
@@ -301,10 +329,17 @@ def test_bad_window_raises_on_every_rank(world):
         _all_raise(world, lambda: ring_attention(q, k, k, world, window=(2, 0) if last else (3, 0), timeout=30),
                    r"disagree.*window")
     with pytest.raises(InvalidArgument, match="window") as ei:
-        SequenceParallelAttention(world, kind="ulysses", layout="contiguous", window=(4, 0))
-    assert f"rank {world.rank}" in str(ei.value) and "SequenceParallelAttention" in str(ei.value)
-    with pytest.raises(InvalidArgument, match="window"):
         SequenceParallelAttention(world, kind="ring", window=(-5, 0))
+    assert f"rank {world.rank}" in str(ei.value) and "SequenceParallelAttention" in str(ei.value)
+    if 4 % world.size == 0:
+        _all_raise(world, lambda: ulysses_attention(q, k, k, world, window=(0, -2), timeout=30),
+                   "right must be >= -1", op="ulysses_attention")
+        if world.size > 1:
+            _all_raise(world, lambda: ulysses_attention(q, k, k, world, window=(2, 0) if last else None, timeout=30),
+                       r"disagree.*window", op="ulysses_attention")
+    if world.size % 2 == 0:
+        _all_raise(world, lambda: hybrid_attention(q, k, k, world, 2, window=(1, "x"), timeout=30),
+                   "right must be an int", op="hybrid_attention")
     # the attention works afterwards
     check(world, "contiguous", True, None, (3, 0), 2)
     world.barrier()

@@ -117,8 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--window", type=int, default=None, metavar="W",
       help="sliding-window (local) attention: a token attends to itself and the W - 1 tokens before it "
            "(window_size (W-1, 0), causal, within its document), in every layer or every --window-every-th; "
-           "the ranks exchange only the K/V rows inside the window (a halo), not the sequence; --attention "
-           "ring or bidirectional (default: global attention in every layer)")
+           "with --attention ring or bidirectional (and across hybrid's groups) the ranks exchange only the K/V "
+           "rows inside the window (a halo), not the sequence; with ulysses it is a mask (default: global "
+           "attention in every layer)")
     a("--window-every", type=int, default=None, metavar="K",
       help="with --window: layers 0, K, 2K, ... are local (windowed), the others global, as Gemma 2 alternates "
            "them (default 1: every layer local)")
@@ -309,8 +310,7 @@ def parse_args(argv=None, size: int | None = None):
             a.window_every = 1
         if not 1 <= a.window_every <= MAX_INT:
             err(f"--window-every must be in [1, {MAX_INT}], got {a.window_every}")
-        if a.attention not in ("ring", "bidirectional"):
-            err(f"--window needs --attention ring or bidirectional (the halo exchange); got {a.attention}")
+
     if a.ulysses_degree is not None and a.attention != "hybrid":
         err("--ulysses-degree applies to --attention hybrid only")
     if a.attention == "hybrid":

@@ -113,12 +113,12 @@ class Shard:
                                                       a.kv_heads)
         self.attention = SequenceParallelAttention(comm, kind=self.kind, layout=a.layout, causal=True,
                                                    ulysses_degree=degree)
-        # --window: the local layers' attention, a halo exchange of the window's K/V rows
+        # --window: the local layers' attention (ring, bidirectional, hybrid: a halo exchange of the window's rows)
         self.local = local_layers(a.layers, a.window, a.window_every)
         self.local_attention = None
         if any(self.local):
             self.local_attention = SequenceParallelAttention(comm, kind=self.kind, layout=a.layout, causal=True,
-                                                             window=(a.window - 1, 0))
+                                                             ulysses_degree=degree, window=(a.window - 1, 0))
 
     def split(self, tokens: np.ndarray, train: bool = False):
         """This rank's (inputs, targets, positions, attn) of a global batch

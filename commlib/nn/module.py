@@ -58,15 +58,16 @@ class SequenceParallelAttention(torch.nn.Module):
             apart), in seconds (None: no limit).
         window: optional sliding window ``(left, right)`` (FlashAttention-2's
             ``window_size``, -1 unbounded; Longformer/Mistral local
-            attention), kinds ``"ring"`` and ``"bidirectional"``: a halo
-            exchange bounded by the window (:mod:`commlib.nn.window`).
+            attention): kinds ``"ring"`` and ``"bidirectional"``, a halo
+            exchange bounded by the window (:mod:`commlib.nn.window`);
+            ``"hybrid"``, the halo across the groups; ``"ulysses"``, a mask
+            on the local attention (no bytes or work saved).
 
     Raises:
         InvalidArgument: at construction, for an unknown kind or layout, a
             non-bool ``causal``, a ``ulysses_degree`` the kind cannot use, or
             a ``timeout`` that is not None or a finite number > 0, or a
-            ``window`` that is not None or a pair of ints >= -1, or a window
-            with kind ``"ulysses"`` or ``"hybrid"`` (not supported yet).
+            ``window`` that is not None or a pair of ints >= -1.
     """
 
     def __init__(self, comm, kind: str = "ring", layout: str = "zigzag", causal: bool = True,
@@ -101,8 +102,6 @@ class SequenceParallelAttention(torch.nn.Module):
             raise bad(f"kind {kind!r} takes no ulysses_degree (got {ulysses_degree}); use kind='hybrid'")
         timeout = timeout_of(timeout, bad)
         window = window_of(window, bad)
-        if window is not None and window != (-1, -1) and kind not in ("ring", "bidirectional"):
-            raise bad(f"window {window} is supported with kind 'ring' or 'bidirectional' only, got kind {kind!r}")
         self.window = window
         self.comm = comm
         self.kind = kind
@@ -146,10 +145,10 @@ class SequenceParallelAttention(torch.nn.Module):
             return ring_attention(q, k, v, self.comm, layout=self.layout, bidirectional=self.kind == "bidirectional",
                                   window=self.window, **kw)
         if self.kind == "ulysses" and self.layout == "contiguous":
-            return ulysses_attention(q, k, v, self.comm, **kw)
+            return ulysses_attention(q, k, v, self.comm, window=self.window, **kw)
         # kind "ulysses": every rank of the communicator *now* (a fault-tolerant one may have shrunk)
         degree = self.comm.size if self.kind == "ulysses" else self.ulysses_degree
-        return hybrid_attention(q, k, v, self.comm, degree, layout=self.layout, **kw)
+        return hybrid_attention(q, k, v, self.comm, degree, layout=self.layout, window=self.window, **kw)
 
     def extra_repr(self) -> str:
         deg = f", ulysses_degree={self.ulysses_degree}" if self.kind == "hybrid" else ""

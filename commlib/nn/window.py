@@ -63,7 +63,7 @@ from ._check import autocast_off, no_double_backward
 from ._failure import guarded
 from ._wire import irecv_tensor, isend_tensor
 
-__all__ = ["LINK_BYTES", "window_of", "effective_window", "halo_plan", "HaloPlan", "window_forward",
+__all__ = ["LINK_BYTES", "window_of", "effective_window", "window_dense_mask", "halo_plan", "HaloPlan", "window_forward",
            "window_backward", "WindowAttention"]
 
 #: bytes this process sent in windowed attention calls since import (or the
@@ -128,6 +128,33 @@ def effective_window(window, causal: bool, total: int):
     if left == -1 and (right == -1 or (causal and right == 0)):
         return None
     return left, right
+
+
+def window_dense_mask(mask, n: int, causal: bool, window, device):
+    """A dense boolean ``(n, n)`` mask (True: visible) of a whole sequence in
+    natural order, cut to ``window`` (for attention that runs on the whole
+    sequence locally, as Ulysses does after its all-to-all).
+
+    Args:
+        mask: None (then ``causal`` alone) or a bool ``(n, n)`` tensor that
+            already holds the causal and document masks.
+        n: tokens; causal: causal masking; window: an effective ``(left,
+            right)`` or None (``mask`` returned as it is).
+        device: where the mask goes.
+    """
+    if window is None:
+        return mask
+    pos = torch.arange(n, device=device)
+    d = pos[None, :] - pos[:, None]  # key - query
+    band = torch.ones(n, n, dtype=torch.bool, device=device)
+    left, right = window
+    if left >= 0:
+        band &= d >= -left
+    if right >= 0:
+        band &= d <= right
+    if mask is not None:
+        return mask & band
+    return band & (d <= 0) if causal else band
 
 
 @dataclass(frozen=True)

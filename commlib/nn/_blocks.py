@@ -63,6 +63,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from commlib.collectives.attention.window import visible_ranges  # the one definition of what a query sees
+
 __all__ = [
     "acc_dtype",
     "block_forward",
@@ -449,45 +451,6 @@ class Piece(NamedTuple):
         if self.kind == "causal":
             return n * (n + 1) // 2
         return n * (self.k1 - self.k0)
-
-
-def visible_ranges(qpos, kpos, causal: bool, cu_seqlens=None, window=None):
-    """For each query, the range ``[lo, hi)`` of keys it sees.
-
-    Keys are sorted by position, so what one query sees is contiguous: a
-    prefix (causal), everything, the keys of its own document (cut at the
-    query for causal), each cut to the query's window.
-
-    Args:
-        qpos, kpos: ascending int64 global positions of the queries and keys.
-        causal: keys after the query are hidden.
-        cu_seqlens: None or int64 document boundaries ``[0, ..., seq_len]``.
-        window: None or ``(left, right)`` (FlashAttention-2's ``window_size``,
-            -1 unbounded): query ``i`` sees keys ``j`` with
-            ``i - left <= j <= i + right`` only.
-
-    Returns:
-        tuple: int64 ``lo``, ``hi`` of ``len(qpos)`` entries (``hi <= lo``: none).
-    """
-    qpos = np.asarray(qpos, dtype=np.int64)
-    kpos = np.asarray(kpos, dtype=np.int64)
-    if cu_seqlens is None:
-        lo = np.zeros(len(qpos), dtype=np.int64)
-        hi = np.searchsorted(kpos, qpos, side="right") if causal else np.full(len(qpos), len(kpos), np.int64)
-    else:
-        cu = np.asarray(cu_seqlens, dtype=np.int64)
-        doc = np.searchsorted(cu, qpos, side="right") - 1
-        lo = np.searchsorted(kpos, cu[doc], side="left")
-        hi = np.searchsorted(kpos, cu[np.minimum(doc + 1, len(cu) - 1)], side="left")
-        if causal:
-            hi = np.minimum(hi, np.searchsorted(kpos, qpos, side="right"))
-    if window is not None:
-        left, right = (int(w) for w in window)
-        if left >= 0:
-            lo = np.maximum(lo, np.searchsorted(kpos, qpos - left, side="left"))
-        if right >= 0:
-            hi = np.minimum(hi, np.searchsorted(kpos, qpos + right, side="right"))
-    return lo.astype(np.int64), hi.astype(np.int64)
 
 
 def _runs(lo, hi, max_runs):

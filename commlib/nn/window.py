@@ -7,7 +7,9 @@ combined with ``causal`` and ``cu_seqlens``, only keys of its own document and
 not after it.  Sharded over ranks, a window narrower than the sequence needs
 only the K/V rows that fall inside some local query's window: this module
 computes, from the layout's positions, which rows of every rank's shard each
-rank needs (:func:`halo_plan`), and exchanges exactly those rows, point to
+rank needs (:func:`halo_plan`, over
+:func:`commlib.collectives.attention.window.halo_rows`, the bookkeeping the
+numpy/CuPy attention shares), and exchanges exactly those rows, point to
 point, in one round:
 
 * **forward**: every rank posts the receives of the rows it needs and sends
@@ -55,16 +57,17 @@ import numpy as np
 import torch
 
 from commlib.collectives.attention.layout import sequence_positions
+from commlib.collectives.attention.window import effective_window, halo_rows, window_of
 from commlib.core.errors import InvalidArgument
 from commlib.core.seconds import restarted, time_left
 
-from ._blocks import acc_dtype, block_backward, block_forward, merge, plan_window_block, visible_ranges
+from ._blocks import acc_dtype, block_backward, block_forward, merge, plan_window_block
 from ._check import autocast_off, no_double_backward
 from ._failure import guarded
 from ._wire import irecv_tensor, isend_tensor
 
-__all__ = ["LINK_BYTES", "window_of", "effective_window", "window_dense_mask", "halo_plan", "HaloPlan", "window_forward",
-           "window_backward", "WindowAttention"]
+__all__ = ["LINK_BYTES", "window_of", "effective_window", "window_dense_mask", "halo_plan", "HaloPlan",
+           "window_forward", "window_backward", "WindowAttention"]
 
 #: bytes this process sent in windowed attention calls since import (or the
 #: last ``LINK_BYTES.clear()``), keyed ``(phase, src, dst)`` with ``phase``
@@ -75,59 +78,6 @@ LINK_BYTES: Counter = Counter()
 _TAG_KV = 0
 _TAG_DKV = 1
 _TAG_WIDTH = 2
-
-
-def window_of(window, bad):
-    """Check a ``window`` argument: None, or a pair ``(left, right)`` of ints
-    ``>= -1`` (FlashAttention-2's ``window_size``; ``-1``: unbounded).
-
-    Returns:
-        None or ``(left, right)`` as Python ints.
-
-    Raises:
-        what ``bad(message)`` builds, for anything else.
-    """
-    if window is None:
-        return None
-    if isinstance(window, torch.Tensor):
-        window = window.tolist()
-    if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:
-        raise bad(f"window must be None or a pair (left, right) of ints >= -1 (FlashAttention's window_size, "
-                  f"-1: unbounded), got {window!r}")
-    out = []
-    for name, w in zip(("left", "right"), window):
-        if isinstance(w, (bool, np.bool_)) or not isinstance(w, (int, np.integer)):
-            raise bad(f"window {name} must be an int >= -1, got {w!r}")
-        if w < -1:
-            raise bad(f"window {name} must be >= -1 (-1: unbounded), got {int(w)}")
-        out.append(int(w))
-    return tuple(out)
-
-
-def effective_window(window, causal: bool, total: int):
-    """The window that changes what a query sees, or None when it changes nothing.
-
-    ``causal`` makes ``right`` 0; a side as long as the sequence (``>= total
-    - 1``) is unbounded (-1); ``(-1, -1)``, and ``(-1, 0)`` with ``causal``,
-    is no window.
-
-    Args:
-        window: None or a checked ``(left, right)``.
-        causal: the call's causal flag.
-        total: the global sequence length.
-    """
-    if window is None:
-        return None
-    left, right = window
-    if causal:
-        right = 0
-    if left >= total - 1:
-        left = -1
-    if right >= total - 1:
-        right = -1
-    if left == -1 and (right == -1 or (causal and right == 0)):
-        return None
-    return left, right
 
 
 def window_dense_mask(mask, n: int, causal: bool, window, device):
@@ -175,16 +125,6 @@ class HaloPlan:
     send: list
 
 
-def _needed(qpos, kpos, causal, cu, window) -> np.ndarray:
-    """Local indices of the keys ``kpos`` that some query of ``qpos`` sees."""
-    lo, hi = visible_ranges(qpos, kpos, causal, cu, window)
-    seen = hi > lo
-    cover = np.zeros(len(kpos) + 1, dtype=np.int64)
-    np.add.at(cover, lo[seen], 1)
-    np.add.at(cover, hi[seen], -1)
-    return np.flatnonzero(np.cumsum(cover[:-1]) > 0)
-
-
 def halo_plan(size: int, rank: int, seq_local: int, layout: str, causal: bool, cu_seqlens, window) -> HaloPlan:
     """The halo exchange of a windowed call (cached: a training loop repeats one call shape).
 
@@ -204,24 +144,13 @@ def halo_plan(size: int, rank: int, seq_local: int, layout: str, causal: bool, c
 
 @functools.lru_cache(maxsize=64)
 def _halo_plan(P, r, L, layout, causal, cu, window) -> HaloPlan:
+    rows = halo_rows(P, r, L, layout, causal, cu, window)
     cu = None if cu is None else np.asarray(cu, dtype=np.int64)
-    pos = [sequence_positions(layout, s, P, L) for s in range(P)]
-    qpos = pos[r]
+    qpos = sequence_positions(layout, r, P, L)
     own = plan_window_block(qpos, qpos, causal, cu, window)
-    recv, send = [], []
-    for i in range(1, P):  # sources nearest first: the halo's rows arrive in the order they are used
-        for s in sorted({(r - i) % P, (r + i) % P} - {r}):
-            if any(s == x[0] for x in recv):
-                continue
-            idx = _needed(qpos, pos[s], causal, cu, window)
-            if len(idx):
-                recv.append((s, len(idx), plan_window_block(qpos, pos[s][idx], causal, cu, window)))
-    for t in range(P):
-        if t == r:
-            continue
-        idx = _needed(pos[t], qpos, causal, cu, window)
-        if len(idx):
-            send.append((t, torch.from_numpy(idx)))
+    recv = [(s, len(idx), plan_window_block(qpos, sequence_positions(layout, s, P, L)[idx], causal, cu, window))
+            for s, idx in rows.recv]
+    send = [(t, torch.from_numpy(idx)) for t, idx in rows.send]
     return HaloPlan(own, recv, send)
 
 

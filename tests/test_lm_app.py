@@ -299,5 +299,6 @@ def test_window_ranks_train_like_one_rank(kind, layout, sizes):
         return
     want = lm_oracle.oracle(argv)
     lm_oracle.assert_losses(rep, want, 1e-5, f"--window {kind}/{layout} P={P}")
-    glob_train, _ = lm_oracle.oracle(argv[:argv.index("--window")])
-    assert max(abs(a - b) / b for a, b in zip(want[0], glob_train)) > 1e-3  # the window changes the training
+    if P == 1:  # the window changes the training (checked once: the oracles do not depend on P)
+        glob_train, _ = lm_oracle.oracle(argv[:argv.index("--window")])
+        assert max(abs(a - b) / b for a, b in zip(want[0], glob_train)) > 1e-3

@@ -121,6 +121,20 @@ def test_window_plan_covers_each_visible_pair_once():
         assert (got == want).all()
 
 
+def test_window_work_is_bounded_by_the_window():
+    """Score entries the pieces compute: about rows x (window + tile), not
+    rows x keys; and a block wholly outside the window has no piece."""
+    L, W, T = 4096, 1024, 256
+    q = np.arange(L, 2 * L)
+    for causal, window, span in ((True, (W - 1, 0), W), (False, (W // 2, W // 2), W + 1)):
+        own = _blocks.plan_window_block(q, q, causal, None, window, tile=T)
+        prev = _blocks.plan_window_block(q, np.arange(0, L), causal, None, window, tile=T)
+        work = sum(p.work for p in own + prev)
+        assert work <= L * (span + 2 * T), (causal, work, L * (span + 2 * T))
+    assert _blocks.plan_window_block(q, np.arange(2 * L, 3 * L), True, None, (W - 1, 0), tile=T) == []
+    assert _blocks.plan_window_block(np.arange(2 * L, 3 * L), np.arange(0, L), False, None, (W, W), tile=T) == []
+
+
 def test_effective_window():
     ew = nnwindow.effective_window
     assert ew(None, True, 10) is None
@@ -174,6 +188,7 @@ def test_window_module(world):
     """SequenceParallelAttention(window=...) is the function's window."""
     check(world, "contiguous", True, None, (5, 0), 2, module=True)
     check(world, "zigzag", False, None, (3, 3), 4, module=True)
+    check(world, "contiguous", False, None, (9, 2), 1, module=True, kind="bidirectional")
 
 
 @pytest.mark.mpi(min_size=1)

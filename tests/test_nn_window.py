@@ -48,14 +48,15 @@ def window_mask(n, causal, cu, window):
     return vis
 
 
-def oracle(q, k, v, dout, causal, cu, window):
-    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+def oracle(q, k, v, dout, causal, cu, window, dtype=F64):
+    """SDPA with the window mask on the whole sequence, in ``dtype``: (out, dq, dk, dv) as float64."""
+    q, k, v = (x.detach().to(dtype).requires_grad_() for x in (q, k, v))
     mask = window_mask(q.shape[1], causal, cu, window)
     out = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
         enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
-    out.backward(dout)
-    return [t.detach() for t in (out, q.grad, k.grad, v.grad)]
+    out.backward(dout.to(dtype))
+    return [t.detach().to(F64) for t in (out, q.grad, k.grad, v.grad)]
 
 
 def make_global(seed, batch, n, heads, kv_heads, dim):
@@ -210,6 +211,44 @@ def test_window_ulysses_and_hybrid(world):
             for window, causal, cu in cases:
                 check(world, layout, causal, cu, window, 2, kind="hybrid", degree=2)
         check(world, "striped", True, None, (4, 0), 4, kind="hybrid", degree=2, module=True)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(120)
+def test_window_float32_and_bfloat16(world):
+    """float32 within 1e-5 (max error over the largest entry); bfloat16's
+    relative Frobenius error over every rank's shard at most 1.5x that of
+    single-process bfloat16 SDPA with the same mask on the same inputs."""
+    from mpi4py import MPI  # noqa: PLC0415
+
+    p, r = world.size, world.rank
+    L = 16
+    n = p * L
+    docs = np.array([0, 7, n // 2 + 3, n], dtype=np.int64)
+    for seed, (dtype, causal, cu, window) in enumerate(((torch.float32, True, docs, (11, 0)),
+                                                        (torch.float32, False, None, (5, 9)),
+                                                        (torch.bfloat16, True, None, (12, 0)),
+                                                        (torch.bfloat16, False, docs, (9, 13)))):
+        glob = make_global(SEED + seed, 1, n, 4, 2, 32)
+        pos = torch.from_numpy(sequence_positions("contiguous", r, p, L))
+        ql, kl, vl = (x[:, pos].to(dtype).requires_grad_() for x in glob[:3])
+        out = ring_attention(ql, kl, vl, world, causal=causal, cu_seqlens=cu, window=window, timeout=60)
+        assert out.dtype == dtype
+        out.backward(glob[3][:, pos].to(dtype))
+        got = [t.detach().to(F64) for t in (out, ql.grad, kl.grad, vl.grad)]
+        exact = oracle(*glob, causal, cu, window)
+        base = oracle(*glob, causal, cu, window, dtype=dtype) if dtype != torch.float32 else None
+        for i, (name, g, e) in enumerate(zip(("out", "dq", "dk", "dv"), got, exact)):
+            if dtype == torch.float32:
+                err = ((g - e[:, pos]).abs().max() / e.abs().max()).item()
+                assert err <= 1e-5, (name, err, causal, window, f"seed {SEED + seed}")
+                continue
+            sums = np.array([((g - e[:, pos]) ** 2).sum().item(), (e[:, pos] ** 2).sum().item()])
+            tot = np.empty_like(sums)
+            MPI.COMM_WORLD.Allreduce(sums, tot)
+            err = (tot[0] / tot[1]) ** 0.5
+            ref = ((base[i] - e).norm() / e.norm()).item()
+            assert err <= 1.5 * ref, (name, err, ref, causal, window, f"seed {SEED + seed}")
 
 
 class _Recording:

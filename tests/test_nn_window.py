@@ -184,6 +184,34 @@ def test_window_matches_oracle_other_layouts(world):
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(120)
+def test_window_both_schedules(world, monkeypatch):
+    """The windowed ring (every shard travels, blocks cut to the window) and
+    the halo exchange, each forced on the layouts the other would take."""
+    L = 8
+    n = world.size * L
+    docs = np.array([0, 5, n // 2 + 1, n], dtype=np.int64)
+    for schedule, layouts in (("ring", ("contiguous", "zigzag")), ("halo", ("striped",))):
+        monkeypatch.setattr(nnwindow, "SCHEDULE", schedule)
+        for layout in layouts:
+            for window, causal, cu in (((3, 0), True, docs), ((2, 5), False, None), ((L + 2, 0), True, None)):
+                check(world, layout, causal, cu, window, 2)
+        check(world, layouts[0], True, docs, (4, 0), 1, module=True, kind="bidirectional")
+
+
+def test_schedule_choice():
+    """The halo while it brings a rank at most two shards' rows or half the
+    ring's; the ring past both (the striped layout over 4 ranks)."""
+    pays = nnwindow.halo_pays
+    assert pays(4, 1024, "contiguous", True, None, (255, 0))
+    assert pays(4, 1024, "zigzag", True, None, (255, 0))
+    assert pays(16, 1024, "contiguous", True, None, (4095, 0))      # 4 shards of 15: bytes saved
+    assert not pays(4, 1024, "striped", True, None, (255, 0))       # every row of every rank
+    assert not pays(4, 1024, "contiguous", False, None, (-1, 3))    # unbounded: 3 shards of 3
+    assert pays(2, 1024, "striped", True, None, (255, 0))           # one shard: no more than the ring
+
+
+@pytest.mark.mpi(min_size=1)
 @pytest.mark.timeout(60)
 def test_window_module(world):
     """SequenceParallelAttention(window=...) is the function's window."""

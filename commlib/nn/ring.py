@@ -47,10 +47,10 @@ from commlib.core.seconds import restarted, time_left
 
 from ._check import (DEVICES, DTYPE_NAMES, DTYPES, agreement_timeout, autocast_inputs, autocast_off, check_qkv,
                      cu_seqlens_of, grad_flags, no_double_backward, sdpa_keywords, softmax_scale_of, timeout_of)
-from ._blocks import acc_dtype, block_backward, block_forward, merge, plan_block
+from ._blocks import acc_dtype, block_backward, block_forward, merge, plan_block, plan_window_block
 from ._failure import bound, guarded, link_comm
 from ._wire import irecv_tensor, isend_tensor
-from .window import WindowAttention, effective_window, halo_plan, window_of
+from .window import WindowAttention, effective_window, halo_pays, halo_plan, window_of
 
 __all__ = ["ring_attention", "ring_attention_bidirectional"]
 
@@ -194,25 +194,32 @@ def _plan(spec: _Spec) -> _Plan:
     bidirectional, cu_seqlens): a training loop repeats one call shape, and
     building it costs host time that a GPU step waits for."""
     cu = None if spec.cu_seqlens is None else tuple(int(x) for x in spec.cu_seqlens)
-    return _plan_cached(spec.size, spec.rank, spec.seq_local, spec.layout, spec.causal, spec.bidirectional, cu)
+    return _plan_cached(spec.size, spec.rank, spec.seq_local, spec.layout, spec.causal, spec.bidirectional, cu,
+                        spec.window)
 
 
 @functools.lru_cache(maxsize=64)
-def _plan_cached(P, r, L, layout, causal, bidirectional, cu) -> _Plan:
+def _plan_cached(P, r, L, layout, causal, bidirectional, cu, window=None) -> _Plan:
     spec = SimpleNamespace(size=P, rank=r, seq_local=L, layout=layout, causal=causal, bidirectional=bidirectional,
                            cu_seqlens=None if cu is None else np.asarray(cu, dtype=np.int64))
     sched = RingSchedule(P, r, spec.bidirectional and P > 1)
     halves = split_halves(spec.layout, L) if sched.bidirectional else None
     qpos = sequence_positions(spec.layout, r, P, L)
+
+    def block_plan(qp, kp):  # a window's band in tiles (blocks outside it: no piece), else full/causal pieces
+        if window is not None:
+            return plan_window_block(qp, kp, spec.causal, spec.cu_seqlens, window)
+        return plan_block(qp, kp, spec.causal, spec.cu_seqlens)
+
     steps = []
     for rs in sched.steps():
         if rs.step == 0:  # the own shard, whole, in both rings
-            steps.append([(None, plan_block(qpos, qpos, spec.causal, spec.cu_seqlens))])
+            steps.append([(None, block_plan(qpos, qpos))])
             continue
         entry = []
         for stream, owner in zip(sched.streams, rs.owners):
             kpos = piece_positions(spec.layout, owner, P, L, stream.half)
-            entry.append((stream.index, plan_block(qpos, kpos, spec.causal, spec.cu_seqlens)))
+            entry.append((stream.index, block_plan(qpos, kpos)))
         steps.append(entry)
     pieces = steps[0][0][1]
     single = (P == 1 and len(pieces) == 1 and pieces[0].mask is None
@@ -409,11 +416,13 @@ def _ring(q, k, v, comm, causal, layout, softmax_scale, cu_seqlens, bidirectiona
     with ctx, guarded(tp, comm):
         spec = _validate(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op, sdpa,
                          window)
-        if spec.window is not None:  # a halo exchange bounded by the window, not the ring
+        if spec.window is not None and halo_pays(spec.size, spec.seq_local, spec.layout, spec.causal,
+                                                 spec.cu_seqlens, spec.window):
+            # a halo exchange bounded by the window, not the ring
             plan = halo_plan(spec.size, spec.rank, spec.seq_local, spec.layout, spec.causal, spec.cu_seqlens,
                              spec.window)
             return WindowAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), tp, spec, plan)
-        plan = _plan(spec)
+        plan = _plan(spec)  # with a window the halo saves nothing: the ring, blocks cut to the window
         return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), tp, spec, plan)
 
 

@@ -22,10 +22,13 @@ point, in one round:
   whatever the sequence length and the rank count.  Wider windows reach the
   ranks they cover, and only those (no K/V of a rank wholly outside the
   window moves); a window unbounded on one side reaches every rank on that
-  side, as the ring would, but in one round (memory: the rows received).
-  The zigzag layout needs the halo of each of a rank's two chunks (up to
-  four neighbours); the striped layout spreads every window over every rank,
-  so a window saves work there but not bytes.
+  side, in one round (memory: the rows received).  The zigzag layout needs
+  the halo of each of a rank's two chunks (up to four neighbours); the
+  striped layout spreads every window over every rank.  Where the halo
+  would bring a rank more than two shards and more than half the rows the
+  ring brings (striped over many ranks, or a window nearly as long as the
+  sequence: :func:`halo_pays`), the ring runs instead, its blocks cut to the
+  window: the bytes of the ring, the work of the window.
 * **backward**: the received K/V rows are kept from the forward (no second
   exchange); the ``dk``/``dv`` partials of those rows, accumulated in float32
   (float64), go back to their owners, who add them to their own.
@@ -66,7 +69,8 @@ from ._check import autocast_off, no_double_backward
 from ._failure import guarded
 from ._wire import irecv_tensor, isend_tensor
 
-__all__ = ["LINK_BYTES", "window_of", "effective_window", "window_dense_mask", "halo_plan", "HaloPlan",
+__all__ = ["LINK_BYTES", "SCHEDULE", "window_of", "effective_window", "window_dense_mask", "halo_pays",
+           "halo_plan", "HaloPlan",
            "window_forward", "window_backward", "WindowAttention"]
 
 #: bytes this process sent in windowed attention calls since import (or the
@@ -152,6 +156,38 @@ def _halo_plan(P, r, L, layout, causal, cu, window) -> HaloPlan:
             for s, idx in rows.recv]
     send = [(t, torch.from_numpy(idx)) for t, idx in rows.send]
     return HaloPlan(own, recv, send)
+
+
+#: which schedule a windowed call takes: "auto" (:func:`halo_pays`), "halo" or "ring" (tests, benchmarks)
+SCHEDULE = "auto"
+
+
+def halo_pays(size: int, seq_local: int, layout: str, causal: bool, cu_seqlens, window) -> bool:
+    """Whether a windowed call runs as the halo exchange (True) or as the ring
+    with its blocks cut to the window (False); the same answer on every rank.
+
+    The halo sends every needed row in one round (memory: the rows a rank
+    receives); the ring sends every shard in ``size - 1`` double-buffered
+    steps (memory: two shards in flight, and all the bytes).  The halo is
+    taken while the busiest rank receives at most ``2 * seq_local`` rows (no
+    more memory than the ring's buffers, never more bytes) or at most half
+    the ``(size - 1) * seq_local`` rows the ring brings it; past both (the
+    striped layout, whose every window reaches every rank, or a window about
+    as long as the sequence over many ranks) the ring runs.
+    :data:`SCHEDULE` overrides the choice.
+    """
+    if SCHEDULE != "auto":
+        return SCHEDULE == "halo"
+    if size == 1:
+        return True
+    cu = None if cu_seqlens is None else tuple(int(x) for x in cu_seqlens)
+    return _halo_pays(int(size), int(seq_local), layout, bool(causal), cu, tuple(window))
+
+
+@functools.lru_cache(maxsize=64)
+def _halo_pays(P, L, layout, causal, cu, window) -> bool:
+    most = max(sum(len(idx) for _, idx in halo_rows(P, r, L, layout, causal, cu, window).recv) for r in range(P))
+    return most <= max(2 * L, (P - 1) * L // 2)
 
 
 def _mask_tensor(piece, device):

@@ -329,8 +329,9 @@ def ulysses_attention(q, k, v, comm, causal: bool = False, softmax_scale=None, *
             conflicting ``causal``/``is_causal`` or ``softmax_scale``/``scale``,
             ``enable_gqa=False`` with ``heads != kv_heads``, a ``timeout`` that is not None or a finite number
             > 0, a ``window`` that is not None or a pair of ints >= -1, or
-            shapes, dtypes, options or which of q, k, v get a gradient (grad mode and ``requires_grad``: each one's backward is an
-            all-to-all) that differ between ranks.
+            shapes, dtypes, options, ``window`` or which of q, k, v get a
+            gradient (grad mode and ``requires_grad``: each one's backward is
+            an all-to-all) that differ between ranks.
         CommTimeout: the agreement or an all-to-all did not complete in ``timeout``.
         ProcessFailed: a peer failed (other transport failures: :class:`~commlib.CommError`).
 

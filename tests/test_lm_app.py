@@ -87,6 +87,7 @@ BAD_CLI = [
     ["--json", "/nonexistent/x.json"], ["--plot", "/"], ["--no-such-option"],
     ["--kill", "x"], ["--kill", "1"], ["--kill", "1:0"], ["--kill", "1:99"], ["--kill", "-1:2"],
     ["--kill", "1:2:sideways"], ["--kill", "0:3:eval", "--eval-every", "10"], ["--checkpoint-every", "5"],
+    ["--window", "0"], ["--window", "4", "--window-every", "0"], ["--window-every", "2"],
 ]
 #: values refused for a given rank count (the launcher's, before MPI is up)
 BAD_FOR_SIZE = [
@@ -250,3 +251,54 @@ def test_ctrl_c_is_one_line_and_exit_130(capsys, monkeypatch):
     assert app.main(TINY) == 130
     err = capsys.readouterr().err
     assert err == "lm: interrupted (rank 0)\n", err
+
+
+# ----------------------------------------------------------------- --window: sliding-window layers
+def test_window_mask_is_the_sliding_window():
+    """The oracle's window mask, checked entry by entry from the definition:
+    query i sees key j when i - W < j <= i (and the document mask allows it)."""
+    from commlib.apps.lm.model import local_layers, window_mask  # noqa: PLC0415
+
+    W, L = 3, 7
+    docs = np.ones((2, 1, L, L), dtype=bool)
+    docs[1, :, :, :4] = False
+    got = window_mask(docs, W, L)
+    for b in range(2):
+        for i in range(L):
+            for j in range(L):
+                assert got[b, 0, i, j] == (docs[b, 0, i, j] and i - W < j <= i)
+    assert window_mask(None, W, L).shape == (1, 1, L, L)
+    assert local_layers(5, 4, 2) == [True, False, True, False, True]
+    assert local_layers(3, None, None) == [False] * 3
+
+
+#: --window runs: a local layer then a global one (window 7 tokens of 48, under a shard at 1-4 ranks)
+WINDOWED = ["--layers", "2", "--window", "7", "--window-every", "2"]
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind,layout,sizes", [("ring", "contiguous", (1, 2, 4)), ("bidirectional", "zigzag", (3,)),
+                                                ("ulysses", "contiguous", (2,))],
+                         ids=lambda x: x if isinstance(x, str) else "")
+def test_window_ranks_train_like_one_rank(kind, layout, sizes):
+    """``--window``: P ranks (the local layer a halo exchange) give the losses
+    of the single-process training whose local layer is dense SDPA with the
+    window mask, within 1e-5; and the window matters (those losses differ
+    from global attention's)."""
+    import lm_oracle  # noqa: PLC0415
+
+    comm = commlib.init()
+    P = comm.size
+    if P not in sizes:
+        pytest.skip(f"{kind}/{layout} --window runs on {sizes} ranks")
+    argv = TINY[:TINY.index("--layers")] + TINY[TINY.index("--layers") + 2:] + WINDOWED
+    rep = app.run(app.parse_args(argv + ["--attention", kind, "--layout", layout], size=P), comm)
+    if comm.rank != 0:
+        assert rep is None
+        return
+    want = lm_oracle.oracle(argv)
+    lm_oracle.assert_losses(rep, want, 1e-5, f"--window {kind}/{layout} P={P}")
+    if P == 1:  # the window changes the training (checked once: the oracles do not depend on P)
+        glob_train, _ = lm_oracle.oracle(argv[:argv.index("--window")])
+        assert max(abs(a - b) / b for a, b in zip(want[0], glob_train)) > 1e-3

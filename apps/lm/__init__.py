@@ -25,6 +25,14 @@ One training step on ``P`` ranks:
    one float32 buffer: the parameters are replicated and stay bit-identical;
 5. clip the global gradient norm, AdamW (linear warmup, then cosine decay).
 
+``--window W`` makes layers local (every layer, or layers ``0, K, 2K, ...``
+with ``--window-every K``, as Gemma 2 alternates local and global layers): a
+token attends to itself and the ``W - 1`` tokens before it in its document
+(FlashAttention's ``window_size=(W - 1, 0)``; Longformer, Mistral), and those
+layers exchange only the K/V rows inside the window between neighbouring
+ranks (``commlib.nn.ring_attention(window=...)``), not the sequence;
+``--verify``'s oracle applies the same window mask.
+
 So 1, 2 and 4 ranks train the same model on the same tokens, and the losses
 agree to rounding.  ``--verify`` retrains on rank 0 alone with plain torch
 attention on the whole sequences (the single-process oracle) and reports the
@@ -42,6 +50,7 @@ Examples::
     mpiexec -n 2 python -P -m commlib.apps.lm
     mpiexec -n 4 python -P -m commlib.apps.lm --attention ulysses --heads 8 --kv-heads 4 --verify
     mpiexec -n 4 python -P -m commlib.apps.lm --attention hybrid --ulysses-degree 2 --json lm.json --plot lm.png
+    mpiexec -n 4 python -P -m commlib.apps.lm --layout contiguous --seq-len 1024 --window 128 --window-every 2 --verify
     mpiexec -n 8 python -P -m commlib.apps.lm --device cuda --dtype bfloat16 --seq-len 16384 --d-model 512 \\
         --heads 8 --layers 8 --steps 500
 """
@@ -105,6 +114,15 @@ def build_parser() -> argparse.ArgumentParser:
       help="position embedding: rotary (rope) or a learned table of --seq-len positions (default rope)")
     a("--no-doc-mask", action="store_true",
       help="let attention cross document (file) boundaries: causal over each whole sequence")
+    a("--window", type=int, default=None, metavar="W",
+      help="sliding-window (local) attention: a token attends to itself and the W - 1 tokens before it "
+           "(window_size (W-1, 0), causal, within its document), in every layer or every --window-every-th; "
+           "with --attention ring or bidirectional (and across hybrid's groups) the ranks exchange only the K/V "
+           "rows inside the window (a halo), not the sequence; with ulysses it is a mask (default: global "
+           "attention in every layer)")
+    a("--window-every", type=int, default=None, metavar="K",
+      help="with --window: layers 0, K, 2K, ... are local (windowed), the others global, as Gemma 2 alternates "
+           "them (default 1: every layer local)")
     a("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     a("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default 0.01)")
     a("--warmup", type=int, default=10,
@@ -283,6 +301,16 @@ def parse_args(argv=None, size: int | None = None):
     elif not (math.isfinite(a.verify_tol) and a.verify_tol > 0):
         err(f"--verify-tol must be a finite number > 0, got {a.verify_tol}")
     a.layout = a.layout or ("contiguous" if a.attention == "ulysses" else "zigzag")
+    if a.window_every is not None and a.window is None:
+        err("--window-every needs --window W")
+    if a.window is not None:
+        if not 1 <= a.window <= MAX_INT:
+            err(f"--window must be in [1, {MAX_INT}], got {a.window}")
+        if a.window_every is None:
+            a.window_every = 1
+        if not 1 <= a.window_every <= MAX_INT:
+            err(f"--window-every must be in [1, {MAX_INT}], got {a.window_every}")
+
     if a.ulysses_degree is not None and a.attention != "hybrid":
         err("--ulysses-degree applies to --attention hybrid only")
     if a.attention == "hybrid":

@@ -85,9 +85,12 @@ def training_config(args, corpus: str) -> dict:
     """The configuration a resume must match: the :data:`CONFIG_KEYS` of the
     parsed command line ``args``, the vocabulary, the corpus digest ``corpus``
     (:func:`.data.corpus_digest` of the files) and the Python version (its
-    standard library is the data).  Attention kind, layout, rank count, device
+    standard library is the data), and ``--window``/``--window-every`` when a
+    window is set.  Attention kind, layout, rank count, device
     and threads are left out: a run resumes under any of them."""
     cfg = {k: getattr(args, k) for k in CONFIG_KEYS}
+    if getattr(args, "window", None) is not None:  # only when set: checkpoints of global attention still match
+        cfg.update(window=args.window, window_every=args.window_every)
     cfg.update(vocab=VOCAB, corpus=corpus, python=platform.python_version())
     return cfg
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["TransformerLM", "dense_attention", "document_mask", "loss_sum"]
+__all__ = ["TransformerLM", "dense_attention", "document_mask", "window_mask", "local_layers", "loss_sum"]
 
 
 class RMSNorm(nn.Module):
@@ -135,15 +135,18 @@ class TransformerLM(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """Logits ``(B, T, vocab)`` of ``tokens`` ``(B, T)`` int64 whose global
         positions in their sequence are ``positions`` ``(T,)`` int64;
-        ``attn(q, k, v)`` computes the attention of the tokens given."""
+        ``attn(q, k, v)`` computes the attention of the tokens given, or
+        ``attn`` is a list of one such callable per layer (local and global
+        layers)."""
         x = self.tok(tokens)
         rope = None
         if self.pos_emb is not None:
             x = x + self.pos_emb(positions)[None]
         else:
             rope = rotary_tables(positions, self.head_dim)
-        for block in self.blocks:
-            x = block(x, rope, attn)
+        attns = attn if isinstance(attn, (list, tuple)) else [attn] * len(self.blocks)
+        for block, layer_attn in zip(self.blocks, attns, strict=True):
+            x = block(x, rope, layer_attn)
         return F.linear(self.norm(x), self.tok.weight)
 
 
@@ -159,6 +162,22 @@ def document_mask(cu: np.ndarray, batch: int, seq_len: int) -> np.ndarray:
     seg = (np.searchsorted(cu, np.arange(batch * seq_len), side="right") - 1).reshape(batch, seq_len)
     same = seg[:, :, None] == seg[:, None, :]
     return (same & np.tril(np.ones((seq_len, seq_len), dtype=bool))[None])[:, None]
+
+
+def local_layers(layers: int, window, every) -> list[bool]:
+    """Which of ``layers`` blocks attend within a sliding window: none without
+    ``window``, else layers ``0, every, 2 every, ...``."""
+    return [window is not None and i % every == 0 for i in range(layers)]
+
+
+def window_mask(mask, window: int, seq_len: int) -> np.ndarray:
+    """``mask`` (``(B, 1, L, L)`` bool, or None for causal) cut to a sliding
+    window of ``window`` tokens: query ``i`` attends keys ``i - window < j <= i``
+    (Longformer/Mistral local attention; FlashAttention's ``window_size=(window - 1, 0)``).
+    Returns ``(B or 1, 1, L, L)`` bool."""
+    i = np.arange(seq_len)
+    band = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+    return band[None, None] if mask is None else mask & band[None, None]
 
 
 def dense_attention(q, k, v, mask=None):

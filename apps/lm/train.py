@@ -32,7 +32,7 @@ from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, rng
     set_rng_state, training_config
 from .data import BOS, VOCAB, TokenStream, corpus_digest, cu_seqlens, flat_positions, split_files, stdlib_files, \
     stdlib_root
-from .model import TransformerLM, dense_attention, document_mask, loss_sum
+from .model import TransformerLM, dense_attention, document_mask, local_layers, loss_sum, window_mask
 
 __all__ = ["run", "oracle_losses", "print_report", "write_outputs", "plot_losses"]
 
@@ -113,12 +113,19 @@ class Shard:
                                                       a.kv_heads)
         self.attention = SequenceParallelAttention(comm, kind=self.kind, layout=a.layout, causal=True,
                                                    ulysses_degree=degree)
+        # --window: the local layers' attention (ring, bidirectional, hybrid: a halo exchange of the window's rows)
+        self.local = local_layers(a.layers, a.window, a.window_every)
+        self.local_attention = None
+        if any(self.local):
+            self.local_attention = SequenceParallelAttention(comm, kind=self.kind, layout=a.layout, causal=True,
+                                                             ulysses_degree=degree, window=(a.window - 1, 0))
 
     def split(self, tokens: np.ndarray, train: bool = False):
         """This rank's (inputs, targets, positions, attn) of a global batch
         ``tokens`` ``(B, L + 1)``: inputs/targets ``(1, n/P)`` (packed) or
         ``(B, n/P)``, positions ``(n/P,)``, and ``attn(q, k, v)`` (with the
-        fault-injection hooks when ``train``)."""
+        fault-injection hooks when ``train``), or with ``--window`` the list
+        of one such call per layer (local or global)."""
         x, y = tokens[:, :-1], tokens[:, 1:]
         idx, pad, L = self.index, self.pad, self.L
         if self.doc_mask:
@@ -138,18 +145,25 @@ class Shard:
                 y = np.pad(y, ((0, 0), (0, pad)), constant_values=IGNORE)
             inp, tgt, pos = x[:, idx], y[:, idx], np.minimum(idx, L - 1)
         dev = self.device
-        attn, kill = self.attention, self.kill if train else None
+        kill = self.kill if train else None
         first = [True]
 
-        def call(q, k, v):
-            if kill is None or not first[0]:
-                return attn(q, k, v, cu_seqlens=cu)
-            first[0] = False
-            kill("forward")
-            out = attn(q, k, v, cu_seqlens=cu)
-            if out.requires_grad:
-                out.register_hook(lambda g: kill("backward"))
-            return out
+        def caller(attn):
+            def call(q, k, v):
+                if kill is None or not first[0]:
+                    return attn(q, k, v, cu_seqlens=cu)
+                first[0] = False
+                kill("forward")
+                out = attn(q, k, v, cu_seqlens=cu)
+                if out.requires_grad:
+                    out.register_hook(lambda g: kill("backward"))
+                return out
+            return call
+
+        call = caller(self.attention)
+        if self.local_attention is not None:
+            local = caller(self.local_attention)
+            call = [local if w else call for w in self.local]
 
         t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev)  # noqa: E731
         return t(inp), t(tgt), t(pos), call
@@ -581,7 +595,8 @@ def failure_line(args, comm, exc) -> str:
 # ------------------------------------------------------------------ the oracle
 def oracle_losses(args, device=None):
     """Train the same model on the same batches in this process alone, with
-    plain torch attention (:func:`..model.dense_attention`) on whole sequences:
+    plain torch attention (:func:`..model.dense_attention`) on whole sequences,
+    the local layers of ``--window`` with the window's mask (:func:`..model.window_mask`):
     returns (training losses per step, {step: validation loss})."""
     device = device or torch.device("cpu")
     root, _, train_files, val_files = _data(args)
@@ -592,15 +607,22 @@ def oracle_losses(args, device=None):
     pos = torch.arange(args.seq_len, device=device)
     evals = set(_eval_points(args))
 
+    local = local_layers(args.layers, args.window, args.window_every)
+
     def loss_of(tokens):
         x, y = tokens[:, :-1], tokens[:, 1:]
         mask = None
         if not args.no_doc_mask:
-            mask = torch.from_numpy(document_mask(cu_seqlens(x), args.batch, args.seq_len)).to(device)
+            mask = document_mask(cu_seqlens(x), args.batch, args.seq_len)
+        attns = []
+        for w in local:
+            m = window_mask(mask, args.window, args.seq_len) if w else mask
+            m = None if m is None else torch.from_numpy(m).to(device)
+            attns.append(lambda q, k, v, m=m: dense_attention(q, k, v, m))
         inp, tgt = torch.from_numpy(np.ascontiguousarray(x)).to(device), torch.from_numpy(
             np.ascontiguousarray(y)).to(device)
         with _autocast(args, device):
-            logits = model(inp, pos, lambda q, k, v: dense_attention(q, k, v, mask))
+            logits = model(inp, pos, attns)
         return loss_sum(logits, tgt)
 
     train, val = [], {}
@@ -669,6 +691,11 @@ def print_report(rep) -> None:
           f"{rep['threads_per_rank']} thread(s) per rank")
     print(f"  model: {rep['parameters']:,} parameters, d_model {c['d_model']}, {c['layers']} layers, heads "
           f"{c['heads']}/{c['kv_heads']}, {c['pos']} positions")
+    if c.get("window") is not None:
+        every = c.get("window_every") or 1
+        which = "every layer" if every == 1 else f"layers 0, {every}, {2 * every}, ..."
+        print(f"  sliding-window attention: {c['window']} tokens (window_size ({c['window'] - 1}, 0), causal) in "
+              f"{which}; global attention in the others")
     sq = rep["sequence"]
     print(f"  tokens per step {sq['tokens_per_step']} ({c['batch']} x {c['seq_len']}"
           f"{', packed with document masking' if sq['packed'] else ', no document masking'}), "

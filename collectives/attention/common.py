@@ -23,6 +23,7 @@ from commlib.core.seconds import check_timeout
 from ..agreement import agree_header
 from .blocks import SUPPORTED_DTYPES, compute_dtype, get_array_module
 from .layout import LAYOUTS, agreement_bound, check_layout, local_seq_len
+from .window import effective_window, window_of
 
 __all__ = ["AttnSpec", "validate"]
 
@@ -42,6 +43,7 @@ class AttnSpec:
     dtype: np.dtype
     cdtype: np.dtype
     xp: object
+    window: tuple | None = None   # the effective sliding window (.window.effective_window), or None
 
 
 def _dtype_name(x) -> str:
@@ -53,14 +55,15 @@ def _dtype_name(x) -> str:
 
 #: the header fields of an attention call, in wire order
 _SIG_FIELDS = ("batch", "seq_local", "heads", "kv_heads", "head_dim", "dtype", "causal", "layout", "seq_len",
-               "tile", "softmax_scale")
+               "tile", "softmax_scale", "window left", "window right")
 
 
 def _header(spec: AttnSpec, causal, layout, tile) -> tuple:
     """``spec`` and the options as the ints of :data:`_SIG_FIELDS` (the scale by its float64 bits)."""
     return (spec.batch, spec.seq_local, spec.heads, spec.kv_heads, spec.head_dim,
             SUPPORTED_DTYPES.index(spec.dtype.name), int(bool(causal)), LAYOUTS.index(layout), spec.seq_len,
-            int(tile), int(np.float64(spec.scale).view(np.int64)))
+            int(tile), int(np.float64(spec.scale).view(np.int64)),
+            *(spec.window if spec.window is not None else (-2, -2)))
 
 
 def _describe(name: str, value: int):
@@ -73,6 +76,8 @@ def _describe(name: str, value: int):
         return bool(value)
     if name == "softmax_scale":
         return float(np.int64(value).view(np.float64))
+    if name in ("window left", "window right"):
+        return {-2: "no window", -1: "unbounded"}.get(value, value)
     return value
 
 
@@ -104,7 +109,7 @@ def as_array_api(*arrays):
 
 
 def validate(transport, q, k, v, *, causal, layout, softmax_scale, seq_len, tile, op, extra=None,
-             timeout=None) -> AttnSpec:
+             timeout=None, window=None) -> AttnSpec:
     """Check an attention call on every rank together and return its :class:`AttnSpec`.
 
     Args:
@@ -113,6 +118,8 @@ def validate(transport, q, k, v, *, causal, layout, softmax_scale, seq_len, tile
             > 0 (0, a poll, would strand the other ranks mid-ring).  Checked
             here so that a bad value on one rank is refused on every rank
             before any message is posted; valid values may differ by rank.
+        window: None or a sliding window ``(left, right)`` (ints >= -1,
+            :func:`.window.window_of`); the spec holds its effective value.
 
     Raises:
         InvalidArgument: on every rank alike when any rank's arguments are bad
@@ -123,6 +130,9 @@ def validate(transport, q, k, v, *, causal, layout, softmax_scale, seq_len, tile
     try:
         spec = _validate_local(transport, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
                                seq_len=seq_len, tile=tile, op=op, extra=extra)
+        spec.window = effective_window(window_of(window, lambda msg: InvalidArgument(msg, rank=transport.rank,
+                                                                                     op=op)),
+                                       bool(causal), spec.seq_len)
         check_timeout(timeout, op=op, rank=transport.rank)
     except InvalidArgument as exc:
         problem = exc

@@ -36,6 +36,7 @@ from .common import as_array_api, validate
 from .layout import sequence_positions
 from .schedule import RingSchedule
 from .transport import transport_of
+from .window import window_attention, window_attention_backward
 
 __all__ = ["ring_attention", "ring_attention_backward", "ring_plan_work"]
 
@@ -81,7 +82,8 @@ def _new_stats(stats, kind):
 
 
 def ring_attention(comm, q, k, v, causal: bool = False, layout: str = "contiguous", softmax_scale=None, *,
-                   seq_len: int | None = None, tile: int = 128, timeout: float | None = None, stats: dict | None = None):
+                   seq_len: int | None = None, tile: int = 128, timeout: float | None = None, stats: dict | None = None,
+                   window=None):
     """Exact attention over a sequence sharded across ``comm``'s ranks.
 
     Args:
@@ -107,7 +109,17 @@ def ring_attention(comm, q, k, v, causal: bool = False, layout: str = "contiguou
             what is left of it.
         stats: optional dict, filled with per-step ``source``, ``work``
             (score entries computed), ``visible`` (unmasked pairs),
-            ``compute_s`` and ``wait_s``, and ``total_s``.
+            ``compute_s`` and ``wait_s``, and ``total_s`` (with a window:
+            ``work``, ``recv_bytes``, ``sent_bytes`` and ``total_s``).
+        window: optional sliding window ``(left, right)`` (FlashAttention-2's
+            ``window_size``, ints >= -1, -1 unbounded; Longformer/Mistral):
+            the query at global position ``i`` sees only keys ``j`` with
+            ``i - left <= j <= i + right`` (and, with ``causal``, ``j <= i``).
+            A window that hides anything replaces the ring by a halo
+            exchange (:mod:`.window`): each rank receives only the K/V rows
+            inside some local query's window (contiguous layout: about
+            ``left`` rows from the previous rank and ``right`` from the next)
+            and computes only the tiles the window reaches.
 
     Returns:
         tuple: ``out`` ``(batch, seq_local, heads, head_dim)`` in the input dtype,
@@ -115,7 +127,8 @@ def ring_attention(comm, q, k, v, causal: bool = False, layout: str = "contiguou
         float32.  Rows that see no key (padding) give out 0 and lse ``-inf``.
 
     Raises:
-        InvalidArgument: bad shapes, dtypes, layout, ``seq_len``, scale, tile
+        InvalidArgument: bad shapes, dtypes, layout, ``seq_len``, scale, tile,
+            ``window`` (not None nor a pair of ints >= -1)
             or ``timeout`` (not None nor a finite number > 0), on any rank
             (raised on every rank before any K/V message is posted).
         CommTimeout: the call did not complete within ``timeout`` (naming the rank and the operation).
@@ -127,7 +140,10 @@ def ring_attention(comm, q, k, v, causal: bool = False, layout: str = "contiguou
     tag_kv = tp.tags.slot(_TAG_WIDTH) + _TAG_KV
     q, k, v = as_array_api(q, k, v)
     spec = validate(tp, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
-                    seq_len=seq_len, tile=tile, op=op, timeout=timeout)
+                    seq_len=seq_len, tile=tile, op=op, timeout=timeout, window=window)
+    if spec.window is not None:
+        return window_attention(tp, spec, q, k, v, causal=causal, layout=layout, window=spec.window, tile=tile,
+                                tag=tag_kv, timeout=timeout, op=op, stats=stats)
     xp, P, r = spec.xp, tp.size, tp.rank
     st = _new_stats(stats, "forward")
     t_start = time.perf_counter()
@@ -171,11 +187,11 @@ def ring_attention(comm, q, k, v, causal: bool = False, layout: str = "contiguou
 
 def ring_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = False, layout: str = "contiguous",
                             softmax_scale=None, *, seq_len: int | None = None, tile: int = 128,
-                            timeout: float | None = None, stats: dict | None = None):
+                            timeout: float | None = None, stats: dict | None = None, window=None):
     """Gradients of :func:`ring_attention`.
 
     Args:
-        comm, q, k, v, causal, layout, softmax_scale, seq_len, tile, timeout, stats:
+        comm, q, k, v, causal, layout, softmax_scale, seq_len, tile, timeout, stats, window:
             as in :func:`ring_attention` (the same values as the forward call).
         out: the forward output ``(batch, seq_local, heads, head_dim)``, input dtype.
         lse: the forward lse ``(batch, heads, seq_local)``, float32 or float64.
@@ -205,7 +221,10 @@ def ring_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = False,
         extra = {"out": (out, qshape, qd), "dout": (dout, qshape, qd),
                  "lse": (lse, (qshape[0], qshape[2], qshape[1]), None)}
     spec = validate(tp, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
-                    seq_len=seq_len, tile=tile, op=op, extra=extra, timeout=timeout)
+                    seq_len=seq_len, tile=tile, op=op, extra=extra, timeout=timeout, window=window)
+    if spec.window is not None:
+        return window_attention_backward(tp, spec, q, k, v, out, lse, dout, causal=causal, layout=layout,
+                                         window=spec.window, tile=tile, tag=tag0, timeout=timeout, op=op, stats=stats)
     xp, P, r = spec.xp, tp.size, tp.rank
     st = _new_stats(stats, "backward")
     t_start = time.perf_counter()

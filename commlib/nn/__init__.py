@@ -23,6 +23,11 @@ accepted (an ``attn_mask`` tensor or a nonzero ``dropout_p`` is refused).
   2023, arXiv:2310.01889) in the ``"contiguous"``, ``"striped"`` (Brandon et al.
   2023, arXiv:2311.09431) or ``"zigzag"`` layout; ``cu_seqlens`` for packed
   variable-length documents (FlashAttention's convention).
+* ``window=(left, right)`` on every attention function and the module:
+  sliding-window attention (FlashAttention-2's ``window_size``, -1
+  unbounded; Longformer, Mistral) with ``causal`` and ``cu_seqlens``; over the
+  ring a halo exchange (:mod:`commlib.nn.window`) that moves only the K/V rows
+  inside the window, in Ulysses a mask.
 * :func:`ring_attention_bidirectional`: each K/V shard split in two halves that
   travel round the ring in opposite directions, so a step moves half the bytes
   per link (the idea of TokenRing, arXiv:2412.20501, with a backward).

@@ -63,6 +63,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from commlib.collectives.attention.window import visible_ranges  # the one definition of what a query sees
+
 __all__ = [
     "acc_dtype",
     "block_forward",
@@ -71,6 +73,7 @@ __all__ = [
     "Piece",
     "visible_ranges",
     "plan_block",
+    "plan_window_block",
     "explicit_forward",
     "explicit_backward",
 ]
@@ -450,36 +453,6 @@ class Piece(NamedTuple):
         return n * (self.k1 - self.k0)
 
 
-def visible_ranges(qpos, kpos, causal: bool, cu_seqlens=None):
-    """For each query, the range ``[lo, hi)`` of keys it sees.
-
-    Keys are sorted by position, so what one query sees is contiguous: a
-    prefix (causal), everything, or the keys of its own document (cut at the
-    query for causal).
-
-    Args:
-        qpos, kpos: ascending int64 global positions of the queries and keys.
-        causal: keys after the query are hidden.
-        cu_seqlens: None or int64 document boundaries ``[0, ..., seq_len]``.
-
-    Returns:
-        tuple: int64 ``lo``, ``hi`` of ``len(qpos)`` entries (``hi <= lo``: none).
-    """
-    qpos = np.asarray(qpos, dtype=np.int64)
-    kpos = np.asarray(kpos, dtype=np.int64)
-    if cu_seqlens is None:
-        lo = np.zeros(len(qpos), dtype=np.int64)
-        hi = np.searchsorted(kpos, qpos, side="right") if causal else np.full(len(qpos), len(kpos), np.int64)
-        return lo, hi.astype(np.int64)
-    cu = np.asarray(cu_seqlens, dtype=np.int64)
-    doc = np.searchsorted(cu, qpos, side="right") - 1
-    lo = np.searchsorted(kpos, cu[doc], side="left")
-    hi = np.searchsorted(kpos, cu[np.minimum(doc + 1, len(cu) - 1)], side="left")
-    if causal:
-        hi = np.minimum(hi, np.searchsorted(kpos, qpos, side="right"))
-    return lo.astype(np.int64), hi.astype(np.int64)
-
-
 def _runs(lo, hi, max_runs):
     """Cut the rows into maximal runs of equal ``[lo, hi)`` ("full") or of
     equal ``lo`` and ``hi`` growing by one a row ("diag"); None past ``max_runs``."""
@@ -581,3 +554,83 @@ def plan_block(qpos, kpos, causal: bool, cu_seqlens=None, *, call_cost: int | No
     ar = np.arange(k0, k1)
     mask = (ar >= lo[a0:b0, None]) & (ar < hi[a0:b0, None])
     return [Piece(a0, b0, k0, k1, "full", mask)]
+
+
+#: query rows per tile in :func:`plan_window_block` (None: from the window, see there)
+WINDOW_TILE = None
+
+
+def plan_window_block(qpos, kpos, causal: bool, cu_seqlens, window, *, tile: int | None = None):
+    """The kernel calls of one block under a sliding window: band-shaped
+    visibility cut into query tiles.
+
+    What a row of a sliding window sees moves by one key a row, so no run of
+    rows shares a range (:func:`plan_block` would fall back to one masked
+    call over the whole box, the cost of dense attention).  Here the visible
+    rows are cut into tiles of ``tile`` rows; in each tile the keys every row
+    sees are one ``"full"`` piece (a fused call, no mask), the keys some rows
+    see to its right a square ``"causal"`` piece when they form the
+    diagonal (causal windows) or else a masked piece, and those to its left a
+    masked piece.  The work is about ``rows * (window + 2 * tile)`` score
+    entries instead of ``rows * keys``.
+
+    Args:
+        qpos, kpos: ascending int64 positions.
+        causal: causal masking.
+        cu_seqlens: None or int64 document boundaries.
+        window: ``(left, right)`` as in :func:`visible_ranges`.
+        tile: rows per tile; default :data:`WINDOW_TILE`, else a quarter of
+            the window's span, between 64 and 512 rows.
+
+    Returns:
+        list of :class:`Piece` (empty: nothing visible); every visible pair
+        is computed exactly once.
+    """
+    lo, hi = visible_ranges(qpos, kpos, causal, cu_seqlens, window)
+    seen = hi > lo
+    if not seen.any():
+        return []
+    if tile is None:
+        tile = WINDOW_TILE
+    if tile is None:
+        left, right = (int(w) for w in window)
+        span = (left if left >= 0 else len(kpos)) + (0 if causal else (right if right >= 0 else len(kpos))) + 1
+        tile = min(512, max(64, span // 4))
+    rows = np.flatnonzero(seen)
+    # runs of consecutive visible rows, each cut into tiles
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    pieces = []
+    for run in np.split(rows, breaks):
+        for a in range(int(run[0]), int(run[-1]) + 1, tile):
+            b = min(a + tile, int(run[-1]) + 1)
+            pieces.extend(_tile_pieces(a, b, lo[a:b], hi[a:b]))
+    return pieces
+
+
+def _tile_pieces(a, b, lo, hi):
+    """Pieces of query rows ``[a, b)`` seeing keys ``[lo[i], hi[i])`` (every row sees one at least)."""
+    n = b - a
+    minlo, maxlo, minhi, maxhi = int(lo.min()), int(lo.max()), int(hi.min()), int(hi.max())
+
+    def masked(k0, k1):
+        ar = np.arange(k0, k1)
+        mask = (ar >= lo[:, None]) & (ar < hi[:, None])
+        if mask.all():
+            return [Piece(a, b, k0, k1, "full")]
+        return [Piece(a, b, k0, k1, "full", mask)] if mask.any() else []
+
+    if minhi <= maxlo:  # no key every row sees: one masked call
+        return masked(minlo, maxhi)
+    out = []
+    if maxlo > minlo:
+        out += masked(minlo, maxlo)
+    c0 = int(hi[0]) - 1  # a causal diagonal: row i sees up to key c0 + i
+    if n > 1 and c0 >= maxlo and np.array_equal(hi, hi[0] + np.arange(n)):
+        if c0 > maxlo:
+            out.append(Piece(a, b, maxlo, c0, "full"))
+        out.append(Piece(a, b, c0, c0 + n, "causal"))
+        return out
+    out.append(Piece(a, b, maxlo, minhi, "full"))
+    if maxhi > minhi:
+        out += masked(minhi, maxhi)
+    return out

@@ -57,7 +57,9 @@ from commlib.core.errors import InvalidArgument, ProcessFailed
 from .ring import ring_attention
 from ._check import autocast_inputs
 from ._failure import bound, guarded, link, link_comm
-from .ulysses import document_mask, heads_to_seq, local_attention, seq_to_heads, spread_kv_heads, validate
+from .ulysses import (document_mask, heads_to_seq, local_attention, seq_to_heads, spread_kv_heads, validate,
+                      window_checks)
+from .window import window_dense_mask
 
 __all__ = ["hybrid_attention", "grid"]
 
@@ -211,7 +213,7 @@ def ring_order(layout: str, size: int, degree: int, seq_local: int, g: int, stri
 
 
 def hybrid_attention(q, k, v, comm, ulysses_degree: int, causal: bool = False, layout: str = "zigzag",
-                     softmax_scale=None, *, bidirectional: bool = False, cu_seqlens=None,
+                     softmax_scale=None, *, bidirectional: bool = False, cu_seqlens=None, window=None,
                      timeout: float | None = None, attn_mask=None, dropout_p=0.0, is_causal=None, scale=None,
                      enable_gqa=None):
     """Exact attention over a 2-D grid: Ulysses inside groups, ring across them (USP).
@@ -237,6 +239,13 @@ def hybrid_attention(q, k, v, comm, ulysses_degree: int, causal: bool = False, l
         cu_seqlens: optional global document boundaries ``[0, ..., seq_len]``
             (same on every rank), passed to the ring (or masked locally when
             ``U = comm.size``).
+        window: optional sliding window ``(left, right)`` (FlashAttention-2's
+            ``window_size``, ints >= -1, -1 unbounded; Longformer/Mistral):
+            query ``i`` sees keys ``i - left <= j <= i + right`` only.  The
+            ring across the groups becomes the halo exchange of
+            :func:`commlib.nn.ring_attention` (only the K/V rows inside the
+            window move between groups); with ``U = comm.size`` it is a mask
+            on the local attention.
         timeout: the deadline of the whole call, in seconds: the argument
             agreement and every exchange wait what is left of it, and past it
             the call raises ``CommTimeout`` naming the rank and the operation
@@ -262,7 +271,8 @@ def hybrid_attention(q, k, v, comm, ulysses_degree: int, causal: bool = False, l
             ``attn_mask``, a ``dropout_p`` other than 0 or conflicting SDPA
             keywords (see ``ring_attention``); an odd
             ``seq_local`` with zigzag; a ``timeout`` that is not None or a
-            finite number > 0; or ranks that differ in shapes, dtypes,
+            finite number > 0; a ``window`` that is not None or a pair of
+            ints >= -1; or ranks that differ in shapes, dtypes,
             options or which of q, k, v get a gradient.  From the backward
             with ``create_graph=True`` when a ring runs (``ulysses_degree <
             comm.size``): the ring's backward is not differentiable.
@@ -282,11 +292,11 @@ def hybrid_attention(q, k, v, comm, ulysses_degree: int, causal: bool = False, l
     with ctx, guarded(tp, comm):
         return _hybrid(q, k, v, comm, tp, op, ulysses_degree, layout, softmax_scale, bidirectional, cu_seqlens,
                        timeout, dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                                     enable_gqa=enable_gqa), causal)
+                                     enable_gqa=enable_gqa), causal, window)
 
 
 def _hybrid(q, k, v, comm, tp, op, ulysses_degree, layout, softmax_scale, bidirectional, cu_seqlens, timeout,
-            sdpa, causal):
+            sdpa, causal, window=None):
     size, rank = tp.size, tp.rank
     U = ulysses_degree
 
@@ -312,16 +322,18 @@ def _hybrid(q, k, v, comm, tp, op, ulysses_degree, layout, softmax_scale, bidire
 
     lay = LAYOUTS.index(layout) if isinstance(layout, str) and layout in LAYOUTS else -1
     deg = int(U) if isinstance(U, (int, np.integer)) and not isinstance(U, bool) else -1
+    checks, win_extra = window_checks(window, tp, op, more=checks)
     spec = validate(tp, q, k, v, causal=causal, softmax_scale=softmax_scale, op=op, cu_seqlens=cu_seqlens,
                     checks=checks, extra=(("ulysses_degree", deg), ("layout", lay),
-                                          ("bidirectional", int(bool(bidirectional)))), timeout=timeout,
+                                          ("bidirectional", int(bool(bidirectional)))) + win_extra, timeout=timeout,
                     sdpa=sdpa)
     causal = spec.causal
     U = int(U)
     R = size // U
     if U == 1 and R > 1:
         return ring_attention(q, k, v, comm, causal=causal, layout=layout, softmax_scale=spec.scale,
-                              cu_seqlens=spec.cu_seqlens, bidirectional=bool(bidirectional), timeout=timeout)
+                              cu_seqlens=spec.cu_seqlens, bidirectional=bool(bidirectional), timeout=timeout,
+                              window=spec.window)
     strided = _strided(layout)
     if R == 1:
         ucomm, rcomm = comm, None
@@ -337,8 +349,10 @@ def _hybrid(q, k, v, comm, tp, op, ulysses_degree, layout, softmax_scale, bidire
     if R == 1:
         mask = None if spec.cu_seqlens is None else document_mask(spec.cu_seqlens, size * spec.seq_local, causal,
                                                                   q.device)
+        mask = window_dense_mask(mask, size * spec.seq_local, causal, spec.window, q.device)
         out = local_attention(qg, kg, vg, causal, spec.scale, mask)
     else:
         out = ring_attention(qg, kg, vg, rcomm, causal=causal, layout=layout, softmax_scale=spec.scale,
-                             cu_seqlens=spec.cu_seqlens, bidirectional=bool(bidirectional), timeout=timeout)
+                             cu_seqlens=spec.cu_seqlens, bidirectional=bool(bidirectional), timeout=timeout,
+                             window=spec.window)
     return heads_to_seq(out.index_select(1, inv), utp, timeout, op)

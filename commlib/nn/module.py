@@ -33,6 +33,7 @@ from ._check import timeout_of
 from .hybrid import hybrid_attention
 from .ring import ring_attention
 from .ulysses import ulysses_attention
+from .window import window_of
 
 __all__ = ["SequenceParallelAttention", "KINDS"]
 
@@ -55,15 +56,23 @@ class SequenceParallelAttention(torch.nn.Module):
         softmax_scale: score scale (default ``head_dim ** -0.5``).
         timeout: the deadline of each attention call (forward, and backward
             apart), in seconds (None: no limit).
+        window: optional sliding window ``(left, right)`` (FlashAttention-2's
+            ``window_size``, -1 unbounded; Longformer/Mistral local
+            attention): kinds ``"ring"`` and ``"bidirectional"``, a halo
+            exchange bounded by the window (:mod:`commlib.nn.window`);
+            ``"hybrid"``, the halo across the groups; ``"ulysses"``, a mask
+            on the local attention (no bytes or work saved).
 
     Raises:
         InvalidArgument: at construction, for an unknown kind or layout, a
             non-bool ``causal``, a ``ulysses_degree`` the kind cannot use, or
-            a ``timeout`` that is not None or a finite number > 0.
+            a ``timeout`` that is not None or a finite number > 0, or a
+            ``window`` that is not None or a pair of ints >= -1.
     """
 
     def __init__(self, comm, kind: str = "ring", layout: str = "zigzag", causal: bool = True,
-                 ulysses_degree: int | None = None, softmax_scale=None, timeout: float | None = None):
+                 ulysses_degree: int | None = None, softmax_scale=None, timeout: float | None = None,
+                 window=None):
         super().__init__()
         op = "SequenceParallelAttention"
         rank, size = int(comm.rank), int(comm.size)
@@ -92,6 +101,8 @@ class SequenceParallelAttention(torch.nn.Module):
         elif ulysses_degree not in (None, 1):
             raise bad(f"kind {kind!r} takes no ulysses_degree (got {ulysses_degree}); use kind='hybrid'")
         timeout = timeout_of(timeout, bad)
+        window = window_of(window, bad)
+        self.window = window
         self.comm = comm
         self.kind = kind
         self.layout = layout
@@ -132,13 +143,14 @@ class SequenceParallelAttention(torch.nn.Module):
                   attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
         if self.kind in ("ring", "bidirectional"):
             return ring_attention(q, k, v, self.comm, layout=self.layout, bidirectional=self.kind == "bidirectional",
-                                  **kw)
+                                  window=self.window, **kw)
         if self.kind == "ulysses" and self.layout == "contiguous":
-            return ulysses_attention(q, k, v, self.comm, **kw)
+            return ulysses_attention(q, k, v, self.comm, window=self.window, **kw)
         # kind "ulysses": every rank of the communicator *now* (a fault-tolerant one may have shrunk)
         degree = self.comm.size if self.kind == "ulysses" else self.ulysses_degree
-        return hybrid_attention(q, k, v, self.comm, degree, layout=self.layout, **kw)
+        return hybrid_attention(q, k, v, self.comm, degree, layout=self.layout, window=self.window, **kw)
 
     def extra_repr(self) -> str:
         deg = f", ulysses_degree={self.ulysses_degree}" if self.kind == "hybrid" else ""
-        return f"kind={self.kind!r}, layout={self.layout!r}, causal={self.causal}{deg}, size={self.comm.size}"
+        win = "" if self.window is None else f", window={self.window}"
+        return f"kind={self.kind!r}, layout={self.layout!r}, causal={self.causal}{deg}{win}, size={self.comm.size}"

@@ -47,9 +47,10 @@ from commlib.core.seconds import restarted, time_left
 
 from ._check import (DEVICES, DTYPE_NAMES, DTYPES, agreement_timeout, autocast_inputs, autocast_off, check_qkv,
                      cu_seqlens_of, grad_flags, no_double_backward, sdpa_keywords, softmax_scale_of, timeout_of)
-from ._blocks import acc_dtype, block_backward, block_forward, merge, plan_block
+from ._blocks import acc_dtype, block_backward, block_forward, merge, plan_block, plan_window_block
 from ._failure import bound, guarded, link_comm
 from ._wire import irecv_tensor, isend_tensor
+from .window import WindowAttention, effective_window, halo_pays, halo_plan, window_of
 
 __all__ = ["ring_attention", "ring_attention_bidirectional"]
 
@@ -82,11 +83,13 @@ class _Spec:
     cu_seqlens: np.ndarray | None
     timeout: object               # the call's Deadline (every wait waits what is left of it), or None
     grad: bool = False            # a gradient flows back (the backward communicates on every rank)
+    window: tuple | None = None   # the effective (left, right) sliding window (.window.effective_window)
 
 
 # ------------------------------------------------------------------ validation
 _SIG_FIELDS = ("batch", "seq_local", "heads", "kv_heads", "head_dim", "dtype", "device", "causal", "layout",
-               "bidirectional", "softmax_scale", "cu_seqlens length", "cu_seqlens", "requires_grad")
+               "bidirectional", "softmax_scale", "cu_seqlens length", "cu_seqlens", "requires_grad",
+               "window left", "window right")
 
 
 def _describe(name, value):
@@ -104,6 +107,8 @@ def _describe(name, value):
         return "none" if value < 0 else f"{value} entries"
     if name == "cu_seqlens":
         return "none" if value == 0 else f"digest {value & 0xFFFFFFFF:08x}"
+    if name in ("window left", "window right"):
+        return "no window" if value == -2 else ("unbounded" if value == -1 else value)
     if name == "requires_grad":
         return "a gradient of q, k or v" if value else "no gradient (torch.no_grad or requires_grad=False)"
     return value
@@ -114,7 +119,8 @@ def _disagreement(message, *, rank, op):
                            "dtype, device, options and cu_seqlens", rank=rank, op=op)
 
 
-def _validate_local(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op, sdpa):
+def _validate_local(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op, sdpa,
+                    window=None):
     rank, size = tp.rank, tp.size
 
     def bad(msg):
@@ -132,8 +138,9 @@ def _validate_local(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidi
     scale = softmax_scale_of(softmax_scale, d, bad)
     timeout = timeout_of(timeout, bad)
     cu = cu_seqlens_of(cu_seqlens, size * L, bad)
+    win = effective_window(window_of(window, bad), bool(causal), size * L)
     return _Spec(op, rank, size, bsz, L, h, hk, d, q.dtype, scale, bool(causal), layout, bool(bidirectional),
-                 cu, timeout, grad_flags(q, k, v) != 0)
+                 cu, timeout, grad_flags(q, k, v) != 0, win)
 
 
 def _header(spec: _Spec, device_type: str) -> tuple:
@@ -144,16 +151,20 @@ def _header(spec: _Spec, device_type: str) -> tuple:
         digest = int.from_bytes(hashlib.sha256(spec.cu_seqlens.tobytes()).digest()[:8], "little", signed=True)
     return (spec.batch, spec.seq_local, spec.heads, spec.kv_heads, spec.head_dim, DTYPES.index(spec.dtype),
             _DEVICES.index(device_type), int(spec.causal), LAYOUTS.index(spec.layout), int(spec.bidirectional),
-            int(np.float64(spec.scale).view(np.int64)), n_cu, digest, int(spec.grad))
+            int(np.float64(spec.scale).view(np.int64)), n_cu, digest, int(spec.grad),
+            *(spec.window if spec.window is not None else (-2, -2)))
 
 
-def _validate(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op, sdpa) -> _Spec:
+def _validate(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op, sdpa,
+              window=None) -> _Spec:
     """Check the call on every rank together: raise the same InvalidArgument everywhere, before any K/V moves."""
     problem, spec = None, None
     if tp.size == 1:  # nobody to disagree with: the local checks are the whole validation
-        return _validate_local(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op, sdpa)
+        return _validate_local(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op, sdpa,
+                               window)
     try:
-        spec = _validate_local(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op, sdpa)
+        spec = _validate_local(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op, sdpa,
+                               window)
     except InvalidArgument as exc:
         problem = exc
     # Two rounds of one small all-gather each (the same protocol on every rank,
@@ -183,25 +194,32 @@ def _plan(spec: _Spec) -> _Plan:
     bidirectional, cu_seqlens): a training loop repeats one call shape, and
     building it costs host time that a GPU step waits for."""
     cu = None if spec.cu_seqlens is None else tuple(int(x) for x in spec.cu_seqlens)
-    return _plan_cached(spec.size, spec.rank, spec.seq_local, spec.layout, spec.causal, spec.bidirectional, cu)
+    return _plan_cached(spec.size, spec.rank, spec.seq_local, spec.layout, spec.causal, spec.bidirectional, cu,
+                        spec.window)
 
 
 @functools.lru_cache(maxsize=64)
-def _plan_cached(P, r, L, layout, causal, bidirectional, cu) -> _Plan:
+def _plan_cached(P, r, L, layout, causal, bidirectional, cu, window=None) -> _Plan:
     spec = SimpleNamespace(size=P, rank=r, seq_local=L, layout=layout, causal=causal, bidirectional=bidirectional,
                            cu_seqlens=None if cu is None else np.asarray(cu, dtype=np.int64))
     sched = RingSchedule(P, r, spec.bidirectional and P > 1)
     halves = split_halves(spec.layout, L) if sched.bidirectional else None
     qpos = sequence_positions(spec.layout, r, P, L)
+
+    def block_plan(qp, kp):  # a window's band in tiles (blocks outside it: no piece), else full/causal pieces
+        if window is not None:
+            return plan_window_block(qp, kp, spec.causal, spec.cu_seqlens, window)
+        return plan_block(qp, kp, spec.causal, spec.cu_seqlens)
+
     steps = []
     for rs in sched.steps():
         if rs.step == 0:  # the own shard, whole, in both rings
-            steps.append([(None, plan_block(qpos, qpos, spec.causal, spec.cu_seqlens))])
+            steps.append([(None, block_plan(qpos, qpos))])
             continue
         entry = []
         for stream, owner in zip(sched.streams, rs.owners):
             kpos = piece_positions(spec.layout, owner, P, L, stream.half)
-            entry.append((stream.index, plan_block(qpos, kpos, spec.causal, spec.cu_seqlens)))
+            entry.append((stream.index, block_plan(qpos, kpos)))
         steps.append(entry)
     pieces = steps[0][0][1]
     single = (P == 1 and len(pieces) == 1 and pieces[0].mask is None
@@ -390,20 +408,27 @@ class _RingAttention(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------ public
-def _ring(q, k, v, comm, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op, sdpa):
+def _ring(q, k, v, comm, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op, sdpa, window=None):
     timeout = bound(comm, timeout, op)  # the deadline of the whole call (by default a FT communicator's own)
     tp = transport_of(comm, timeout, op)
     link_comm(comm, tp)
     (q, k, v), ctx = autocast_inputs(q, k, v)  # autocast: SDPA's casts, before the dtype agreement
     with ctx, guarded(tp, comm):
-        spec = _validate(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op, sdpa)
-        plan = _plan(spec)
+        spec = _validate(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op, sdpa,
+                         window)
+        if spec.window is not None and halo_pays(spec.size, spec.seq_local, spec.layout, spec.causal,
+                                                 spec.cu_seqlens, spec.window):
+            # a halo exchange bounded by the window, not the ring
+            plan = halo_plan(spec.size, spec.rank, spec.seq_local, spec.layout, spec.causal, spec.cu_seqlens,
+                             spec.window)
+            return WindowAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), tp, spec, plan)
+        plan = _plan(spec)  # with a window the halo saves nothing: the ring, blocks cut to the window
         return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), tp, spec, plan)
 
 
 def ring_attention(q, k, v, comm, causal=False, layout="contiguous", softmax_scale=None, *, cu_seqlens=None,
-                   bidirectional=False, timeout=None, attn_mask=None, dropout_p=0.0, is_causal=None, scale=None,
-                   enable_gqa=None):
+                   window=None, bidirectional=False, timeout=None, attn_mask=None, dropout_p=0.0, is_causal=None,
+                   scale=None, enable_gqa=None):
     """Exact attention over a sequence sharded across ``comm``'s ranks, differentiable in ``q``, ``k``, ``v``.
 
     The global sequence has ``size * seq_local`` tokens (no padding: pad the
@@ -434,6 +459,19 @@ def ring_attention(q, k, v, comm, causal=False, layout="contiguous", softmax_sca
             same on every rank; a tensor, numpy array or sequence.  No query
             sees a key of another document; composes with ``causal`` and
             every layout.
+        window: optional sliding window ``(left, right)`` (FlashAttention-2's
+            ``window_size``; ints >= -1, -1 unbounded): the query at global
+            position ``i`` sees only keys ``j`` with ``i - left <= j <= i +
+            right``, and that with ``causal`` (then ``right`` is 0) and
+            ``cu_seqlens``.  A window that hides anything turns the ring
+            into a halo exchange (:mod:`commlib.nn.window`): every rank
+            receives only the K/V rows inside some local query's window (in
+            the contiguous layout, about ``left`` rows from the previous
+            rank(s) and ``right`` from the next, whatever the sequence length
+            and rank count) and returns only their dk/dv; blocks outside the
+            window are neither computed nor sent.  Every layout (striped
+            spreads a window over every rank: no bytes saved there);
+            ``bidirectional`` changes nothing then.
         bidirectional: split every K/V shard in two halves that travel round
             the ring in opposite directions (:func:`ring_attention_bidirectional`).
         timeout: the deadline of the whole call, in seconds: the argument
@@ -470,7 +508,8 @@ def ring_attention(q, k, v, comm, causal=False, layout="contiguous", softmax_sca
             an ``attn_mask``, a ``dropout_p`` other than 0, ``enable_gqa=False``
             with ``heads != kv_heads``, ``causal``/``is_causal`` or
             ``softmax_scale``/``scale`` both given and in conflict,
-            ``cu_seqlens`` not running from 0 to ``size * seq_local``) or when
+            ``cu_seqlens`` not running from 0 to ``size * seq_local``, a
+            ``window`` that is not None or a pair of ints >= -1) or when
             the ranks' shapes, dtype, device, options, ``cu_seqlens`` or
             whether a gradient flows back (grad mode and ``requires_grad``: the
             backward communicates) differ.  Also from the backward, on every
@@ -490,12 +529,12 @@ def ring_attention(q, k, v, comm, causal=False, layout="contiguous", softmax_sca
     return _ring(q, k, v, comm, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout,
                  "ring_attention_bidirectional" if bidirectional else "ring_attention",
                  dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                      enable_gqa=enable_gqa))
+                      enable_gqa=enable_gqa), window)
 
 
 def ring_attention_bidirectional(q, k, v, comm, causal=False, layout="contiguous", softmax_scale=None, *,
-                                 cu_seqlens=None, timeout=None, attn_mask=None, dropout_p=0.0, is_causal=None,
-                                 scale=None, enable_gqa=None):
+                                 cu_seqlens=None, window=None, timeout=None, attn_mask=None, dropout_p=0.0,
+                                 is_causal=None, scale=None, enable_gqa=None):
     """:func:`ring_attention` with ``bidirectional=True``.
 
     Every K/V shard is cut in two halves (layout-aware, see
@@ -504,10 +543,10 @@ def ring_attention_bidirectional(q, k, v, comm, causal=False, layout="contiguous
     every link carry half the bytes of the unidirectional ring, in the same
     number of steps and with the same block work per step (TokenRing's idea,
     Wang et al. 2024, arXiv:2412.20501).  Forward and backward, every layout,
-    ``cu_seqlens``, GQA, autocast and SDPA's keywords as in
-    :func:`ring_attention`.
+    ``cu_seqlens``, ``window`` (a halo exchange, both ways already), GQA,
+    autocast and SDPA's keywords as in :func:`ring_attention`.
     """
     return _ring(q, k, v, comm, causal, layout, softmax_scale, cu_seqlens, True, timeout,
                  "ring_attention_bidirectional",
                  dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                      enable_gqa=enable_gqa))
+                      enable_gqa=enable_gqa), window)

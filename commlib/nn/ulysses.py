@@ -48,8 +48,9 @@ from ._check import (DTYPES, agreement_timeout, autocast_inputs, check_qkv, cu_s
                      grad_flags, sdpa_keywords, softmax_scale_of, timeout_of)
 from ._failure import bound, guarded, link_comm
 from ._wire import all_to_all_tensors
+from .window import effective_window, window_dense_mask, window_of
 
-__all__ = ["ulysses_attention"]
+__all__ = ["ulysses_attention", "window_checks"]
 
 #: dtypes the attention calls take, in header-code order
 
@@ -155,6 +156,7 @@ class Spec:
     scale: float
     cu_seqlens: tuple | None
     causal: bool = False
+    window: tuple | None = None   # the effective sliding window (commlib.nn.window.effective_window), or None
 
 
 _FIELDS = ("batch", "seq_local", "heads", "kv_heads", "head_dim", "dtype", "device", "causal", "softmax_scale",
@@ -180,6 +182,8 @@ def _describe(name, value):
         return repr(LAYOUTS[value]) if 0 <= value < len(LAYOUTS) else value
     if name == "requires_grad":
         return describe_grad(value)
+    if name in ("window left", "window right"):
+        return {-3: "a bad window", -2: "no window", -1: "unbounded"}.get(value, value)
     return value
 
 
@@ -263,7 +267,7 @@ def _validate_local(q, k, v, *, causal, softmax_scale, rank, op, cu_seqlens, siz
 
 
 # ---------------------------------------------------------------- the call
-def ulysses_attention(q, k, v, comm, causal: bool = False, softmax_scale=None, *, cu_seqlens=None,
+def ulysses_attention(q, k, v, comm, causal: bool = False, softmax_scale=None, *, cu_seqlens=None, window=None,
                       timeout: float | None = None, attn_mask=None, dropout_p=0.0, is_causal=None, scale=None,
                       enable_gqa=None):
     """Exact sequence-parallel attention by all-to-all over heads (DeepSpeed-Ulysses).
@@ -286,6 +290,14 @@ def ulysses_attention(q, k, v, comm, causal: bool = False, softmax_scale=None, *
             the same on every rank): tokens attend only within their document
             (a dense boolean mask of ``seq_len**2`` is built for the local
             attention).
+        window: optional sliding window ``(left, right)`` (FlashAttention-2's
+            ``window_size``, ints >= -1, -1 unbounded; Longformer/Mistral):
+            query ``i`` sees keys ``i - left <= j <= i + right`` only.  Here
+            it is a mask on the local whole-sequence attention: the
+            all-to-alls move what they always move and the local attention
+            still costs ``seq_len**2`` per head (the ring's halo exchange,
+            :func:`commlib.nn.ring_attention` with ``window``, is the one
+            whose bytes and work the window bounds).
         timeout: the deadline of the whole call, in seconds: the argument
             agreement and every exchange wait what is left of it, and past it
             the call raises ``CommTimeout`` naming the rank and the operation
@@ -316,9 +328,10 @@ def ulysses_attention(q, k, v, comm, causal: bool = False, softmax_scale=None, *
             ``cu_seqlens``, an ``attn_mask``, a ``dropout_p`` other than 0,
             conflicting ``causal``/``is_causal`` or ``softmax_scale``/``scale``,
             ``enable_gqa=False`` with ``heads != kv_heads``, a ``timeout`` that is not None or a finite number
-            > 0, or shapes, dtypes, options or which of q, k, v get a gradient
-            (grad mode and ``requires_grad``: each one's backward is an
-            all-to-all) that differ between ranks.
+            > 0, a ``window`` that is not None or a pair of ints >= -1, or
+            shapes, dtypes, options, ``window`` or which of q, k, v get a
+            gradient (grad mode and ``requires_grad``: each one's backward is
+            an all-to-all) that differ between ranks.
         CommTimeout: the agreement or an all-to-all did not complete in ``timeout``.
         ProcessFailed: a peer failed (other transport failures: :class:`~commlib.CommError`).
 
@@ -330,11 +343,33 @@ def ulysses_attention(q, k, v, comm, causal: bool = False, softmax_scale=None, *
     link_comm(comm, tp)
     (q, k, v), ctx = autocast_inputs(q, k, v)  # autocast: SDPA's casts, before the dtype agreement
     with ctx, guarded(tp, comm):
+        checks, extra = window_checks(window, tp, op)
         spec = validate(tp, q, k, v, causal=causal, softmax_scale=softmax_scale, op=op, cu_seqlens=cu_seqlens,
-                        degree=tp.size, timeout=timeout,
+                        degree=tp.size, timeout=timeout, checks=checks, extra=extra,
                         sdpa=dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                                   enable_gqa=enable_gqa))
         return ulysses_forward(q, k, v, tp, spec, spec.causal, timeout, op)
+
+
+def window_checks(window, tp, op, more=None):
+    """The ``checks`` and ``extra`` header fields of :func:`validate` for a
+    ``window`` argument: the window is checked on every rank
+    (:func:`commlib.nn.window.window_of`; a bad one is refused in the
+    agreement's first round), agreed across ranks as given, and its
+    effective value (:func:`commlib.nn.window.effective_window`) stored as
+    ``spec.window``; ``more(spec)`` runs after."""
+    try:
+        code = window_of(window, ValueError) or (-2, -2)
+    except ValueError:
+        code = (-3, -3)  # refused by checks() below
+
+    def checks(spec):
+        win = window_of(window, lambda msg: InvalidArgument(msg, rank=tp.rank, op=op))
+        spec.window = effective_window(win, spec.causal, tp.size * spec.seq_local)
+        if more is not None:
+            more(spec)
+
+    return checks, (("window left", code[0]), ("window right", code[1]))
 
 
 def ulysses_forward(q, k, v, tp, spec, causal, timeout, op, order=None):
@@ -352,6 +387,7 @@ def ulysses_forward(q, k, v, tp, spec, causal, timeout, op, order=None):
     if order is not None:
         qg, kg, vg = (x.index_select(1, order[0]) for x in (qg, kg, vg))
     mask = None if spec.cu_seqlens is None else document_mask(spec.cu_seqlens, N, causal, q.device)
+    mask = window_dense_mask(mask, N, causal, spec.window, q.device)
     out = local_attention(qg, kg, vg, causal, spec.scale, mask)
     if order is not None:
         out = out.index_select(1, order[1])

@@ -27,8 +27,8 @@ from commlib.core.errors import CommError, InvalidArgument, MessageSizeMismatch
 from ._common import next_tag, waitall
 from .allgather_bruck import allgather_bruck
 
-__all__ = ["agree", "agree_header", "check_all", "judge", "encode_row", "NeighbourRefusal", "RingHead", "difference",
-           "size_refusal"]
+__all__ = ["agree", "agree_header", "agree_on_own_tags", "check_all", "judge", "encode_row", "FirstRoundView",
+           "NeighbourRefusal", "RingHead", "difference", "size_refusal"]
 
 
 def encode_row(values: Sequence[int], *, local_error: CommError | None = None, payload: np.ndarray | None = None,
@@ -102,6 +102,66 @@ def agree(transport, values: Sequence[int], *, op: str, local_error: CommError |
     judge(transport, rows[:, :head], values, op=op, local_error=local_error, names=names, describe=describe,
           exc_type=exc_type)
     return rows[:, head:]
+
+
+class FirstRoundView:
+    """A transport as a first round uses it, on a transport that counts first
+    rounds apart (its ``first_round_tags`` allocator: the TCP transport, whose
+    first-round messages are single frames, a receive of another size failing at
+    once with :class:`~commlib.core.errors.MessageSizeMismatch`).
+
+    ``tags`` is the transport's first-round allocator, read at each use (a kept
+    view never goes stale when the transport renews it per operation).
+    ``mirror``: ranks seen mirrored (``(n - r) % n``), so the first step of
+    Bruck's all-gather goes to rank ``r + 1`` and comes from ``r - 1``, as a
+    ring's first step does: a rank whose call differs and chose a ring carrying
+    its header (:class:`RingHead`) meets it."""
+
+    def __init__(self, tr, mirror: bool = False):
+        self._tr = tr
+        if mirror:
+            n = tr.size
+            self.rank = (n - tr.rank) % n
+            self.isend = lambda buf, dest, tag=0: tr.isend(buf, (n - dest) % n, tag)
+            self.irecv = lambda buf, source, tag=0: tr.irecv(buf, (n - source) % n, tag)
+            self.sendrecv = lambda sb, dest, rb, source, stag=0, rtag=0: tr.sendrecv(sb, (n - dest) % n, rb,
+                                                                                    (n - source) % n, stag, rtag)
+
+    @property
+    def tags(self):
+        return self._tr.first_round_tags
+
+    def __getattr__(self, name):
+        return getattr(self._tr, name)
+
+
+def agree_on_own_tags(transport, values: Sequence[int], *, op: str, local_error: CommError | None = None,
+                      payload: np.ndarray | None = None, capacity: int = 0, timeout=None,
+                      names: Sequence[str] = _hdr.FIELDS, describe: Callable[[str, int], object] | None = None
+                      ) -> np.ndarray:
+    """:func:`agree` on a transport with first-round tags of its own
+    (:class:`FirstRoundView`): over 3 or more ranks seen mirrored, the rows given
+    back in rank order (2 ranks: one exchange either way).
+
+    Returns:
+        np.ndarray: uint8, shape ``(size, capacity)``, row ``i`` rank ``i``'s payload.
+
+    Raises:
+        as :func:`agree`, naming this rank's own number.
+    """
+    n = transport.size
+    if n <= 2:
+        return agree(FirstRoundView(transport), values, op=op, local_error=local_error, payload=payload,
+                     capacity=capacity, timeout=timeout, names=names, describe=describe, native=False)
+    try:
+        rows = agree(FirstRoundView(transport, mirror=True), values, op=op, local_error=local_error,
+                     payload=payload, capacity=capacity, timeout=timeout, names=names, describe=describe,
+                     native=False)
+    except InvalidArgument as exc:  # raised under the mirrored rank: this rank's own number on it
+        if exc is local_error:
+            raise
+        raise InvalidArgument(exc.detail, rank=transport.rank, op=exc.op) from None
+    return rows[[(n - r) % n for r in range(n)]]
 
 
 def judge(transport, headers: np.ndarray, values: Sequence[int], *, op: str, local_error: CommError | None = None,

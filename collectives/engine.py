@@ -52,7 +52,7 @@ from commlib.core.errors import BufferError, CommError, CommTimeout, InvalidArgu
 from commlib.core.seconds import Deadline, time_left, timeout_problem
 
 from . import ops
-from .agreement import agree, check_all, encode_row, judge
+from .agreement import agree, agree_on_own_tags, check_all, encode_row, judge
 from .allreduce_ring import allreduce_ring, ring_scratch
 from .barrier import barrier_dissemination
 from .ft import run_collective
@@ -104,11 +104,19 @@ def first_round(transport, opname: str, values, local_error: CommError | None, p
     Returns:
         np.ndarray: the gathered payloads, uint8, shape ``(size, capacity)``.
 
+    A transport with first-round tags of its own (``first_round_tags``: the
+    elastic group's TCP transport) runs it on them
+    (:func:`~.agreement.agree_on_own_tags`), counted apart from the data plane.
+
     Raises:
         CommError: ``local_error`` on its rank, ``InvalidArgument`` on the others;
             ``InvalidArgument`` everywhere when the headers differ.
         ProcessFailed / CommTimeout: from the transport.
     """
+    if getattr(transport, "first_round_tags", None) is not None:  # first rounds counted apart (the TCP transport)
+        return agree_on_own_tags(transport, values, op=opname, local_error=local_error, payload=payload,
+                                 capacity=small_capacity(transport.size), timeout=timeout,
+                                 describe=describe_field(opname))
     return agree(transport, values, op=opname, local_error=local_error, payload=payload,
                  capacity=small_capacity(transport.size), timeout=timeout, describe=describe_field(opname))
 
@@ -226,7 +234,10 @@ class Engine:
         if bad_timeout is not None and local_error is None:
             values, local_error = [0] * len(FIELDS), InvalidArgument(bad_timeout, rank=c.rank, op=opname)
         payload = c.payload
-        check = payload is not None or local_error is not None or config.check_args
+        # a group whose recovery needs every call agreed (the elastic group: ``always_agree``) runs the first
+        # round whatever COMMLIB_CHECK_ARGS says
+        check = (payload is not None or local_error is not None or config.check_args
+                 or getattr(comm, "always_agree", False))
         root_rank = c.root_rank
 
         def attempt(tp, timeout, survivors):
@@ -332,7 +343,11 @@ class Engine:
 
 
 class _RootLost(CommError):
-    """The root of a rooted collective is among the failed ranks (internal)."""
+    """The root of a rooted collective is among the failed ranks (internal).
+    Every survivor finds it alike (``agreed``): a recovery policy decides the
+    call with it at once, as an argument error, instead of retrying."""
+
+    agreed = True
 
 
 class HostAllreduce:

@@ -16,22 +16,23 @@ import numpy as np
 from commlib.collectives.allreduce_recursive_doubling import allreduce_recursive_doubling, combine_pair
 from commlib.collectives.allreduce_ring import allreduce_ring, ring_scratch
 from commlib.collectives.snapshot import LazySnapshot
-from commlib.collectives.agreement import NeighbourRefusal, RingHead, agree
+from commlib.collectives.agreement import FirstRoundView, RingHead, agree
 from commlib.collectives.one_round import reduce_rows, small_capacity
 from commlib.collectives.one_shot import one_shot_bytes, one_shot_first_round
 from commlib.collectives.pair_round import message_bytes, pair_first_round
 from commlib.collectives.specs import choose_tcp_allreduce
 from commlib.collectives.ops import OPS, dtype_code, dtype_name, get_op, is_floating
-from commlib.collectives.recovery import RecoveryPolicy, run
+from commlib.collectives.recovery import run
 from commlib.core.buffer import grown
 from commlib.core.errors import (AuthError, AuthenticationError, CommError, CommTimeout, EncryptionMismatch,
                                  InvalidArgument, JobMismatch, NoHandshakeSlot, PeerClosed, PeerFailure,
                                  ProcessFailed)
-from commlib.core.seconds import check_timeout
+from commlib.core.seconds import Deadline, check_timeout
 from commlib.transports import tcp
 from commlib.transports.base import check_plain_dtype
 from commlib.transports.quantize import QuantizingTransport
 
+from .group import ElasticGroup, MasterPolicy
 from .state_sync import StateSync, one_thread
 from .protocol import (BYE, DONE, DROP, FAIL, FETCH, GAVE_UP, GIVE_UP, JOB, PLAN, PROBE, REFUSE, REFUSED, RING,
                        SYNC_END, TERM, TOPO, VOTE, VOTED, WELCOME, AUTO_STREAMS, HEARTBEAT_INTERVAL, JOB_MAX,
@@ -56,9 +57,6 @@ _FIELDS = ("operation", "count", "dtype", "op", "quantize")
 _QUANTIZE = (None, "fp16", "int8")
 _SMALL = 0  # the quantize field of a call travelling in the first round (no quantization)
 _OPERATION = 1
-#: seconds past the call's deadline a peer still waits for the master's verdict on a
-#: report it sent (the master answers the last report within milliseconds)
-_VERDICT_GRACE = 2.0
 #: given-up call numbers a peer keeps (:meth:`Peer._call_given_up`)
 _DEAD_CALLS_KEPT = 64
 
@@ -144,173 +142,6 @@ def _combine_pair_into(opx, flat, theirs, theirs_is_lower: bool) -> None:
     opx.finalize(flat, 2)
 
 
-class _FirstRound:
-    """The epoch's transport as the first round uses it: its tags from the
-    transport's ``first_round_tags``, so the round's bytes are counted apart from
-    the data plane's (:attr:`Peer.stats`).  ``mirror``: ranks seen mirrored
-    (``(n - r) % n``), so the first step of Bruck's all-gather goes to rank
-    ``r + 1`` and comes from ``r - 1``, as a ring's first step does: a member whose
-    call differs and chose the ring meets it (:class:`~commlib.collectives.agreement.RingHead`)."""
-
-    def __init__(self, tr, mirror: bool = False):
-        self._tr = tr
-        if mirror:
-            n = tr.size
-            self.rank = (n - tr.rank) % n
-            self.isend = lambda buf, dest, tag=0: tr.isend(buf, (n - dest) % n, tag)
-            self.irecv = lambda buf, source, tag=0: tr.irecv(buf, (n - source) % n, tag)
-            self.sendrecv = lambda sb, dest, rb, source, stag=0, rtag=0: tr.sendrecv(sb, (n - dest) % n, rb,
-                                                                                    (n - source) % n, stag, rtag)
-
-    @property
-    def tags(self):
-        """The transport's first-round allocator of the current operation (renewed by
-        its ``begin_operation``), read at each use: a kept wrapper never goes stale."""
-        return self._tr.first_round_tags
-
-    def __getattr__(self, name):
-        return getattr(self._tr, name)
-
-
-class _MasterPolicy(RecoveryPolicy):
-    """The elastic master's verdict as a recovery policy (PCCL's model).
-
-    An attempt runs on the current epoch's transport under tag ``(epoch,
-    seq)``; :meth:`settle` reports ``done`` or ``fail`` to the master and waits
-    for its terminal message: committed on every member, or aborted on every
-    member.  The tag is spent either way (the next call uses the next one).
-    :meth:`recover` waits for the next epoch (the survivors, fresh
-    connections) and retries, within the call's ``timeout`` and
-    ``max_retries``.  Argument errors found by the first round are the same on
-    every member: reported ``done``, raised everywhere; one found by a ring
-    member's neighbour check alone (:class:`~commlib.collectives.agreement.NeighbourRefusal`)
-    is reported ``refuse``, and the master's verdict carries its message to every
-    member (the peer's reader aborts the operation's tags with it).  Every wait
-    is bounded by the call's deadline.
-    """
-
-    def __init__(self, peer: "Peer", opname: str, deadline: float, timeout: float, retry: bool, max_retries: int):
-        self.peer, self.opname, self.deadline, self.timeout = peer, opname, deadline, timeout
-        self.retry, self.max_retries = retry, max_retries
-        self.aborts = 0
-        self.tag = None
-        self.decided = False  # the group decided how the call ends (committed, refused, given up)
-
-    def _left(self) -> float:
-        return self.deadline - time.monotonic()
-
-    def start(self):
-        peer = self.peer
-        if peer._closed:
-            raise PeerClosed("this peer was closed (close() was called)", rank=peer.rank, op=self.opname)
-        topo = peer._adopt()
-        if topo is None or topo.rank is None:
-            raise InvalidArgument("this peer is not a member yet: call update_topology() first",
-                                  rank=None, op=self.opname)
-        if peer._lost is not None:
-            raise CommError(peer._lost, rank=topo.rank, op=self.opname)
-        self.tag = (topo.epoch, peer._seq)  # (the call's number is spent even if the wait below raises)
-        tr = peer._transport(topo)
-        if tr.revoked and peer._aborted_epoch == topo.epoch and peer._seq not in peer._dead_calls:
-            # the master aborted an operation of this epoch (a member's failure, no death
-            # known yet): its next epoch is on the way (after its abort_grace); this call
-            # runs there instead of failing at once on the aborted one
-            e = topo.epoch
-            peer._wait(lambda: True if ((peer._latest is not None and peer._latest.epoch > e)
-                                        or peer._seq in peer._dead_calls) else None,
-                       max(self._left(), 0.0), self.opname)
-            topo = peer._adopt()
-            tr = peer._transport(topo)
-        self.tag = (topo.epoch, peer._seq)
-        if peer._seq in peer._dead_calls:
-            # another member gave this call up (e.g. it timed out while this peer was
-            # late for it): it fails here too, before anything is sent; the epoch's
-            # transport exists, so what the others sent for it is taken and dropped
-            self.decided = True
-            data, first = tr.operation_tags(peer._seq)
-            tr.abort_tags((*data, *first))
-            raise peer._dead_error(peer._seq, self.opname)
-        tr.begin_operation(peer._seq)  # the call's tags follow from (epoch, seq) alone
-        return tr, max(self._left(), 0.0), range(tr.size)
-
-    def is_failure(self, tp, exc) -> bool:
-        return isinstance(exc, (CommError, OSError)) and not isinstance(exc, InvalidArgument)
-
-    def failed(self, tp, exc) -> None:
-        # the attempt may have left receives posted into the caller's buffer: stop the
-        # transport placing frames (the epoch's operation is aborted anyway) before
-        # the runner restores the input
-        tp.revoke(f"this peer's attempt failed ({type(exc).__name__})")
-
-    def settle(self, tp, outcome) -> bool:
-        peer, (e, s) = self.peer, self.tag
-        if s not in peer._dead_calls:
-            bad = outcome.failure is not None or (outcome.error is not None and not outcome.badarg)
-            if isinstance(outcome.error, NeighbourRefusal):
-                # this member alone saw that the calls differ: the master makes it every member's
-                peer._send({"t": REFUSE, "e": e, "s": s, "why": outcome.error.detail[:WHY_MAX]})
-            else:
-                peer._send({"t": FAIL if bad else DONE, "e": e, "s": s})
-            # the verdict follows the last member's report: bounded by what is left of
-            # the call, plus the master's answer to a report sent at the very end (or
-            # another member gives the call up)
-            ok = peer._wait(lambda: peer._terms.pop((e, s), None) if s not in peer._dead_calls else False,
-                            max(self._left(), 0.0) + _VERDICT_GRACE, self.opname)
-            if ok:
-                self.decided = True
-                return True
-        if s in peer._dead_calls:
-            # another member gave the call up: it ends on every member
-            outcome.error, outcome.failure = peer._dead_error(s, self.opname), None
-            self.decided = True
-            return True
-        why = peer._refusals.pop((e, s), None)
-        if why is not None:
-            # refused by a member whose call differs from its neighbour's: its message is
-            # raised on every member alike (this one's own view of the difference, e.g. a
-            # first-round message of another size, names less)
-            outcome.error, outcome.failure = peer._refusal(why, None), None
-            self.decided = True
-            return True
-        if outcome.error is not None and not outcome.badarg:
-            raise outcome.error  # this peer's own error: not a failure to retry
-        return False
-
-    def recover(self, tp, outcome) -> None:
-        peer, e = self.peer, self.tag[0]
-        peer._counts["aborts"] += 1
-        self.aborts += 1
-        cause = outcome.failure if outcome.failure is not None else outcome.error
-        why = f"{type(cause).__name__}: {cause}" if cause is not None else "another member failed"
-        if not self.retry or self.aborts > self.max_retries:
-            raise PeerFailure(f"all-reduce aborted in epoch {e} ({why})", rank=tp.rank, op=self.opname)
-        if self._left() <= 0:
-            raise CommTimeout(f"no committed result within the call's {self.timeout:g} s timeout "
-                              f"({self.aborts} abort(s); last: {why}); did every member call it?",
-                              rank=tp.rank, op=self.opname)
-        # the next epoch (survivors, fresh connections) comes from the master; the call
-        # number is kept: the retry is the same call, in the next epoch
-        s = self.tag[1]
-        peer._wait(lambda: True if s in peer._dead_calls or (peer._latest is not None and peer._latest.epoch > e)
-                   else None, max(self._left(), 0.0), self.opname)
-        if s in peer._dead_calls:
-            self.decided = True
-            raise peer._dead_error(s, self.opname)
-        peer._counts["retries"] += 1
-
-    def ended(self, exc: BaseException | None) -> None:
-        """The call is over (``exc``: the error leaving it): its number is spent;
-        an error the group did not decide gives the call up on every member
-        (:meth:`Peer._give_up`)."""
-        if self.tag is None:
-            return
-        peer, s = self.peer, self.tag[1]
-        peer._seq = max(peer._seq, s + 1)
-        if exc is not None and not self.decided and s not in peer._dead_calls and not peer._closed:
-            # (a peer that left gives nothing up: the others retry without it, as after a death)
-            peer._give_up(s, "timeout" if isinstance(exc, CommTimeout) else "fail", f"{type(exc).__name__}: {exc}")
-
-
 @functools.lru_cache(maxsize=1024)
 def _loopback(addr: str) -> bool:
     """True when the data address ``addr`` (``host:port``) is on a loopback address
@@ -327,7 +158,7 @@ def _loopback(addr: str) -> bool:
         return False
 
 
-class Peer(StateSync):
+class Peer(ElasticGroup, StateSync):
     """One elastic peer (made by :func:`connect`).
 
     Attributes:
@@ -676,7 +507,8 @@ class Peer(StateSync):
         tr = self._tr
         if tr is not None:
             data, first = tr.operation_tags(s)
-            tr.abort_tags((*data, *first), lambda tag, rec=(kind, why, pid): self._dead_error(s, "allreduce", rec))
+            tr.abort_tags((*data, *first),
+                          lambda tag, rec=(kind, why, pid): self._dead_error(s, self._call_name or "allreduce", rec))
 
     def _dead_error(self, s: int, op: str, rec: tuple | None = None) -> CommError:
         """The error of call ``s``, given up by a member (``rec``, else its record
@@ -1002,14 +834,14 @@ class Peer(StateSync):
         except InvalidArgument as exc:
             local_error = local_error or exc
             timeout = 0.0
-        deadline = time.monotonic() + timeout
+        deadline = Deadline(timeout, op="allreduce") if timeout > 0 else None
         if local_error is not None:
             # this peer's own bad argument: raised here, before any byte moves, and the
             # call given up on every member (each raises InvalidArgument naming it)
             self._refuse_call(local_error)
             raise local_error
         flat = buf.reshape(-1)
-        policy = _MasterPolicy(self, "allreduce", deadline, timeout, retry, max_retries)
+        policy = MasterPolicy(self, "allreduce", deadline, retry, max_retries)
         keep = {}
         try:
             finish = run(policy, functools.partial(self._allreduce_attempt, flat, values, opx, quantize, policy, keep),
@@ -1071,7 +903,7 @@ class Peer(StateSync):
 
     def _refusal(self, why: str, tag) -> InvalidArgument:
         """The error of an operation a member refused (:data:`.protocol.REFUSE`)."""
-        return InvalidArgument(why, rank=self.rank, op="allreduce")
+        return InvalidArgument(why, rank=self.rank, op=self._call_name or "allreduce")
 
     def _ring_head(self, tr, values, flat, alone: bool) -> RingHead:
         """The first round of a ring-sized all-reduce on ``tr``: a
@@ -1107,7 +939,7 @@ class Peer(StateSync):
                 return fits and self.first_round_in_chunk
             return fits and _loopback(topo.addrs[topo.ids[a]]) and _loopback(topo.addrs[topo.ids[b]])
 
-        head = RingHead(_FirstRound(tr), header, op="allreduce", capacity=cap, keep=self._head_keep,
+        head = RingHead(FirstRoundView(tr), header, op="allreduce", capacity=cap, keep=self._head_keep,
                         send_joined=joined(r, (r + 1) % n), recv_joined=joined((r - 1) % n, r), names=_FIELDS,
                         describe=_describe)
         self._head_plan = (tr, key, head)
@@ -1129,14 +961,14 @@ class Peer(StateSync):
         header = values[:4] + [_SMALL if algo == "small" else values[4]]
         if algo == "one_shot":  # every member's header and whole vector to every member
             self._round_keep = grown(self._round_keep, one_shot_bytes(len(header), n, flat.nbytes))
-            return one_shot_first_round(_FirstRound(tr), header, op="allreduce", vector=flat, keep=self._round_keep,
+            return one_shot_first_round(FirstRoundView(tr), header, op="allreduce", vector=flat, keep=self._round_keep,
                                         timeout=timeout, names=_FIELDS, describe=_describe)
         payload = flat.view(np.uint8) if algo == "small" else None
         if n == 2:  # one message each way: the header row with the payload or the whole vector
             vector = flat if algo == "pair_exchange" else None
             nb = message_bytes(len(header), small_capacity(n), flat.nbytes if vector is not None else 0)
             self._round_keep = grown(self._round_keep, 2 * nb)
-            return pair_first_round(_FirstRound(tr), header, op="allreduce", capacity=small_capacity(n),
+            return pair_first_round(FirstRoundView(tr), header, op="allreduce", capacity=small_capacity(n),
                                     sendbuf=self._round_keep[:nb], recvbuf=self._round_keep[nb:2 * nb],
                                     payload=payload, vector=vector, timeout=timeout, names=_FIELDS,
                                     describe=_describe)
@@ -1144,7 +976,7 @@ class Peer(StateSync):
             # mirrored: the all-gather's first step goes the ring's way, so a member whose
             # call differs and chose the ring meets it (RingHead); rows back in rank order
             try:
-                rows = agree(_FirstRound(tr, mirror=True), header, op="allreduce", payload=payload,
+                rows = agree(FirstRoundView(tr, mirror=True), header, op="allreduce", payload=payload,
                              capacity=small_capacity(n), timeout=timeout, names=_FIELDS, describe=_describe)
             except InvalidArgument as exc:  # raised under the mirrored rank: this member's real one
                 raise InvalidArgument(exc.detail, rank=tr.rank, op=exc.op) from None

@@ -43,6 +43,8 @@ first round (the argument agreement, itself a barrier) in the same kept rows.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from commlib.core.agreement import FIELDS
@@ -159,11 +161,20 @@ class Engine:
     of host allreduces (:class:`HostAllreduce`).
     """
 
-    __slots__ = ("comm", "_staging", "_scratch", "_host")
+    __slots__ = ("comm", "_staging", "_scratch", "_host", "_plans")
 
     def __init__(self, comm):
         self.comm = comm
         self._staging = self._scratch = self._host = None
+        self._plans = {}
+
+    def plan_cache(self, row: str, make):
+        """What a row's path keeps between calls on this group (scratch buffers, a
+        cached first round), made by ``make()`` on first use."""
+        plans = self._plans.get(row)
+        if plans is None:
+            plans = self._plans[row] = make()
+        return plans
 
     def staging(self):
         """The communicator's pinned staging buffers for device arrays
@@ -204,7 +215,7 @@ class Engine:
         return Deadline(timeout, op=opname), None
 
     def execute(self, opname: str, sendbuf=None, recvbuf=None, op="sum", algorithm: str = "auto", root=None, *,
-                on_failure: str | None = None, timeout=None):
+                on_failure: str | None = None, timeout=None, quantize=None):
         """Run one collective: validate, first round, choose, snapshot, run under
         the recovery policy, return.
 
@@ -216,6 +227,14 @@ class Engine:
             timeout: the deadline of the whole call, in seconds (None: the
                 communicator's default, :meth:`deadline`): the first round and
                 every step of the algorithm wait what is left of it.
+            quantize: the wire format of a row's TCP path (the elastic
+                all-reduce: None, ``"fp16"``, ``"int8"``).
+
+        A group whose transport carries first rounds on tags of its own
+        (``comm.own_first_round``: the elastic peer) runs a row's ``tcp`` path
+        where the row has one (:mod:`.allreduce_tcp`): its header, first-round
+        strategies and deferred delivery in place of the general ones; such a
+        group refuses a member's bad argument itself, before the call.
 
         Returns:
             What the row's ``deliver`` returns (the result array, ``recvbuf``...).
@@ -230,6 +249,14 @@ class Engine:
         comm, spec = self.comm, SPECS[opname]
         deadline, bad_timeout = self.deadline(opname, timeout)
         c = Call(spec, self, sendbuf, recvbuf, op, algorithm, root)
+        path = spec.tcp if getattr(comm, "own_first_round", False) else None
+        if path is not None:  # the row's path on a transport with first-round tags of its own
+            if bad_timeout is not None:
+                raise InvalidArgument(bad_timeout, rank=c.rank, op=opname)
+            c.quantize = quantize
+            c.header = path.prepare(c)
+            return path.deliver(c, run_collective(comm, opname, functools.partial(path.attempt, c), c.restore,
+                                                  on_failure, deadline))
         values, local_error = validate(c)
         if bad_timeout is not None and local_error is None:
             values, local_error = [0] * len(FIELDS), InvalidArgument(bad_timeout, rank=c.rank, op=opname)

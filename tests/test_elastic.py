@@ -14,6 +14,7 @@ import pytest
 import commlib
 import commlib.elastic as el
 from commlib.collectives.one_round import small_capacity
+from commlib.collectives.allreduce_tcp import TcpPlans
 from commlib.collectives.specs import choose_tcp_allreduce
 from oracles import ring_oracle  # tests/ is on the path (rootdir conftest)
 
@@ -657,7 +658,8 @@ def test_one_shot_allreduce_holds_the_ring_order_on_every_peer(group, op, count)
 
 @pytest.mark.parametrize("group", [(3, 2)], indirect=True)
 def test_ring_head_plan_reused_only_for_the_same_call(group):
-    """The ring's first round is a cached plan (Peer._ring_head): a ring-sized call
+    """The ring's first round is a cached plan (the engine's plan cache of the
+    all-reduce row's TCP path, collectives/allreduce_tcp.py): a ring-sized call
     with the same header on the same epoch reuses it, with a fresh tag; any other
     header builds a new one.  A sequence that interleaves the same ring call with a
     one-shot call and a refused one (whose first rounds write another scratch: each
@@ -689,11 +691,12 @@ def test_ring_head_plan_reused_only_for_the_same_call(group):
         out = run_peers(peers, lambda i, p: (p.rank, p.allreduce(data[p.rank].copy(), op)))
         want = _h(ring_oracle([data[r] for r in range(3)], op))
         assert all(_h(o) == want for _, o in out), f"call {call}: not the ring order's bits"
-        heads.append({p.rank: p._head_plan[2] if p._head_plan else None for p in peers})
+        plans = {p.rank: p._engine.plan_cache("allreduce", TcpPlans).head_plan for p in peers}
+        heads.append({r: plan[2] if plan else None for r, plan in plans.items()})
         if choose_tcp_allreduce(n * np.dtype(dtype).itemsize, 3, False) == "ring":
             # the head spoke under this call's own first-round tags (what a refusal aborts)
             for p in peers:
-                assert p._head_plan[2].tag in p._tr.operation_tags(p._seq - 1)[1], (call, p.rank)
+                assert plans[p.rank][2].tag in p._tr.operation_tags(p._seq - 1)[1], (call, p.rank)
     # one plan is kept: the one-shot call leaves it and the repeated ring call reuses it;
     # each new header (dtype, op, count) makes a new one (peers 1 and 2 made the plan of
     # the calls after the refusal in the refused call, peer 0 in the first of them)

@@ -316,6 +316,9 @@ class TCPTransport(Transport):
     thread_multiple = True
     tag_ub = FIRST_ROUND_TAG - 1
 
+    #: bytes of the largest single frame (a first-round message is one frame)
+    frame_max = FRAME_MAX
+
     def __init__(self, rank: int, size: int, epoch: int, connect: Callable[[int, int], Connection], *,
                  streams: int | Callable[[int], int] = 4, timeout: float | None = 30.0,
                  on_abuse: Callable[[int, str], None] | None = None):

@@ -245,6 +245,9 @@ class ElasticGroup:
     #: the engine runs the first round of every call (the argument agreement the
     #: master's verdict relies on), whatever ``COMMLIB_CHECK_ARGS`` says
     always_agree = True
+    #: the TCP transport carries first rounds on tags of its own: the engine runs a
+    #: row's TCP path where it has one (the all-reduce's strategies)
+    own_first_round = True
     #: ranks lost inside a call are not tracked: the next epoch has the survivors
     failed_ranks = ()
     _engine = None
@@ -265,8 +268,11 @@ class ElasticGroup:
         return self._policy
 
     def _run(self, opname: str, sendbuf=None, op="sum", root=None, timeout=None, retry: bool = True,
-             max_retries: int = 16):
-        """One collective through the engine under :class:`MasterPolicy`."""
+             max_retries: int = 16, quantize=None):
+        """One collective through the engine under :class:`MasterPolicy`.  A
+        row with a TCP path (the all-reduce) refuses this member's bad argument
+        before anything moves and gives the call up on every member
+        (:meth:`Peer._refuse_call`); the others refuse it in their first round."""
         self._check_open(opname)
         # the call's ranks are those this peer's topology gave before the call (rank, size,
         # members as the caller read them); a newer epoch (a death since) is taken by the
@@ -278,10 +284,12 @@ class ElasticGroup:
             self._engine = Engine(self)
         self._policy, self._policy_opts = None, (retry, max_retries)
         try:
-            out = self._engine.execute(opname, sendbuf, None, op, "auto", root, timeout=timeout)
+            out = self._engine.execute(opname, sendbuf, None, op, "auto", root, timeout=timeout, quantize=quantize)
         except BaseException as exc:
             if self._policy is not None:
                 self._policy.ended(exc)
+            elif isinstance(exc, InvalidArgument):  # this member's own argument, found before the call
+                self._refuse_call(exc)
             if isinstance(exc, ProcessFailed) and not isinstance(exc, PeerFailure):
                 raise PeerFailure(exc.detail, failed=exc.failed, rank=self.rank, op=opname) from None
             raise

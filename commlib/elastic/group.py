@@ -254,10 +254,15 @@ class ElasticGroup:
     _policy = None
     _policy_opts = (True, 16)
 
+    _bound = None
+
     @property
     def ft(self):
         """The bound the engine gives a call without ``timeout``: ``ft.timeout`` (the peer's)."""
-        return _Bound(self)
+        bound = self._bound
+        if bound is None:
+            bound = self._bound = _Bound(self)
+        return bound
 
     def recovery_policy(self, opname: str, deadline: Deadline) -> MasterPolicy:
         """The group's recovery policy for one call (:func:`commlib.collectives.ft.policy_for`)."""

@@ -304,6 +304,70 @@ class ElasticGroup:
             self._policy.ended(None)
         return out
 
+    @one_thread("allreduce")
+    def allreduce(self, buf: np.ndarray, op: str = "sum", quantize: str | None = None, retry: bool = True,
+                  timeout: float | None = None, max_retries: int = 16) -> np.ndarray:
+        """All-reduce ``buf`` in place over the current members; bit-identical on all.
+
+        The collective engine's all-reduce row over the epoch's TCP transport
+        (its strategies by size and group size: :mod:`commlib.collectives.allreduce_tcp`),
+        under the master's verdict: every member reports, the master commits the
+        call on every member or aborts it on every member, and an aborted call
+        is retried over the next epoch's members (``retry``).  Calls that differ
+        between members raise InvalidArgument on every member, naming the
+        difference; a member's own bad argument raises there at once, before
+        anything is sent, and the call is given up on every member (each raises
+        InvalidArgument naming it).  Calls are paired by their number: a call
+        one member leaves with an error the group did not decide (its timeout,
+        ``retry=False`` after an abort) fails on every member, a late one
+        included.  On every error ``buf`` holds its input again, bit for bit.
+
+        Args:
+            buf: writable C-contiguous numpy array (any shape) of a numeric dtype;
+                the same dtype and size on every member.
+            op: a name of :data:`commlib.collectives.ops.OPS` (``"sum"``, ``"avg"``,
+                ``"min"``, ``"max"``, ``"prod"``, bitwise ops on integers).
+            quantize: None, ``"fp16"`` or ``"int8"`` (floating dtypes only): the
+                wire format of each message; every member still ends with the same bits.
+            retry: on an abort, retry over the survivors (else raise PeerFailure).
+            timeout: the deadline of the whole call in seconds, retries included
+                (default: the peer's ``timeout``).
+            max_retries: aborts tolerated before PeerFailure.
+
+        Returns:
+            ``buf``.
+
+        Raises:
+            InvalidArgument: bad buffer, op, quantize or timeout on any member, or
+                calls that differ (on every member alike); not a member; another
+                thread of this peer is in a call (this peer alone).
+            PeerFailure: aborted and ``retry=False`` (or more than ``max_retries``
+                aborts); or another member gave this call up after one.
+            CommTimeout: no committed result within ``timeout`` (e.g. a member
+                did not call it), here or on a member that gave the call up.
+            PeerClosed: this peer was closed.
+            CommError: the master is lost.
+        """
+        return self._run("allreduce", buf, op=op, timeout=timeout, retry=retry, max_retries=max_retries,
+                         quantize=quantize)
+
+    def _refuse_call(self, error: InvalidArgument) -> None:
+        """This member's next call is invalid here (``error``, found before anything
+        moved): give it up on every member, so the others raise at once instead of
+        waiting for their timeout.  Nothing to tell when this peer is not a member,
+        closed or without its master."""
+        if self._closed or self._lost is not None:
+            return
+        topo = self._adopt()
+        if topo is None or topo.rank is None:
+            return
+        s = self._seq
+        self._seq = s + 1
+        # the epoch's transport, so the members' sends of this call (dialled to this
+        # peer) are taken and dropped, not left waiting for a connection it never serves
+        self._transport(topo)
+        self._give_up(s, "arg", error.detail)
+
     @one_thread("bcast")
     def bcast(self, buf, root: int = 0, timeout: float | None = None, retry: bool = True) -> np.ndarray:
         """Broadcast ``buf`` from member ``root`` (a rank) to every member, in place.

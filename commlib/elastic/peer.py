@@ -1,6 +1,9 @@
-"""An elastic peer: control connection to the master, the epoch's data transport, the
-all-reduce as a front end of the collective engine under the master's recovery policy,
-and the shared-state sync (its methods in :mod:`.state_sync`)."""
+"""An elastic peer: joining (the authenticated handshake with the master, the
+probe of its data address), membership (the control connection's reader, the
+votes of :meth:`Peer.update_topology`, the topology adopted at each call), and
+the epoch's data transport (dialled with the master's tickets).  Its collectives
+are front ends of the collective engine under the master's verdict
+(:mod:`.group`); the shared-state sync is :mod:`.state_sync`."""
 from __future__ import annotations
 
 import functools
@@ -11,8 +14,6 @@ import socket
 import threading
 import time
 
-import numpy as np
-
 from commlib.core.errors import (AuthError, AuthenticationError, CommError, CommTimeout, EncryptionMismatch,
                                  InvalidArgument, JobMismatch, NoHandshakeSlot, PeerClosed, PeerFailure,
                                  ProcessFailed)
@@ -21,7 +22,7 @@ from commlib.transports import tcp
 
 from .group import ElasticGroup
 from .state_sync import StateSync, one_thread
-from .protocol import (BYE, DONE, DROP, FAIL, FETCH, GAVE_UP, GIVE_UP, JOB, PLAN, PROBE, REFUSE, REFUSED, RING,
+from .protocol import (BYE, DROP, FETCH, GAVE_UP, GIVE_UP, JOB, PLAN, PROBE, REFUSED, RING,
                        SYNC_END, TERM, TOPO, VOTE, VOTED, WELCOME, AUTO_STREAMS, HEARTBEAT_INTERVAL, JOB_MAX,
                        PROBE_TOKEN, TRAFFIC, WHY_MAX, check_job, is_bytes, is_int)
 
@@ -72,7 +73,10 @@ def _loopback(addr: str) -> bool:
 
 
 class Peer(ElasticGroup, StateSync):
-    """One elastic peer (made by :func:`connect`).
+    """One elastic peer (made by :func:`connect`): a group of the collective
+    engine (:class:`~.group.ElasticGroup`: ``allreduce``, ``bcast``, ``allgather``,
+    ``reduce_scatter``, ``alltoall``, ``barrier``), with ``update_topology`` and
+    ``sync_shared_state``.
 
     Attributes:
         id: the master's id for this peer (stable for its lifetime).
@@ -262,8 +266,8 @@ class Peer(ElasticGroup, StateSync):
     def stats(self) -> dict:
         """Counters of this peer since :func:`connect` (a new dict on each read):
 
-        - ``retries``, ``aborts``: all-reduces aborted (a peer died or failed) and retried;
-        - ``bytes_sent``, ``bytes_received``: payload bytes of the all-reduce data plane
+        - ``retries``, ``aborts``: collective calls aborted (a peer died or failed) and retried;
+        - ``bytes_sent``, ``bytes_received``: payload bytes of the collectives' data plane
           (the ring's messages, over every epoch's transport; quantized messages count
           their wire size). A ring all-reduce of ``B`` bytes over ``n`` peers sends and
           receives ``2 (n - 1) / n * B`` per peer (to rounding of the chunk bounds);
@@ -275,7 +279,7 @@ class Peer(ElasticGroup, StateSync):
           and took one extra copy.
 
         - ``first_round_bytes_sent``, ``first_round_bytes_received`` (and
-          ``first_round_wire_bytes_*``): the first round of each all-reduce, its
+          ``first_round_wire_bytes_*``): the first round of each collective, its
           argument agreement: ``n - 1`` rows of 48 header bytes plus
           :func:`~commlib.collectives.one_round.small_capacity` payload bytes each
           way per peer, which carry the whole vector of a small call; at 2 peers
@@ -643,70 +647,6 @@ class Peer(ElasticGroup, StateSync):
         changed = members != self._last_members
         self._last_members = members
         return changed
-
-    @one_thread("allreduce")
-    def allreduce(self, buf: np.ndarray, op: str = "sum", quantize: str | None = None, retry: bool = True,
-                  timeout: float | None = None, max_retries: int = 16) -> np.ndarray:
-        """All-reduce ``buf`` in place over the current members; bit-identical on all.
-
-        The collective engine's all-reduce row over the epoch's TCP transport
-        (its strategies by size and group size: :mod:`commlib.collectives.allreduce_tcp`),
-        under the master's verdict: every member reports, the master commits the
-        call on every member or aborts it on every member, and an aborted call
-        is retried over the next epoch's members (``retry``).  Calls that differ
-        between members raise InvalidArgument on every member, naming the
-        difference; a member's own bad argument raises there at once, before
-        anything is sent, and the call is given up on every member (each raises
-        InvalidArgument naming it).  Calls are paired by their number: a call
-        one member leaves with an error the group did not decide (its timeout,
-        ``retry=False`` after an abort) fails on every member, a late one
-        included.  On every error ``buf`` holds its input again, bit for bit.
-
-        Args:
-            buf: writable C-contiguous numpy array (any shape) of a numeric dtype;
-                the same dtype and size on every member.
-            op: a name of :data:`commlib.collectives.ops.OPS` (``"sum"``, ``"avg"``,
-                ``"min"``, ``"max"``, ``"prod"``, bitwise ops on integers).
-            quantize: None, ``"fp16"`` or ``"int8"`` (floating dtypes only): the
-                wire format of each message; every member still ends with the same bits.
-            retry: on an abort, retry over the survivors (else raise PeerFailure).
-            timeout: the deadline of the whole call in seconds, retries included
-                (default: the peer's ``timeout``).
-            max_retries: aborts tolerated before PeerFailure.
-
-        Returns:
-            ``buf``.
-
-        Raises:
-            InvalidArgument: bad buffer, op, quantize or timeout on any member, or
-                calls that differ (on every member alike); not a member; another
-                thread of this peer is in a call (this peer alone).
-            PeerFailure: aborted and ``retry=False`` (or more than ``max_retries``
-                aborts); or another member gave this call up after one.
-            CommTimeout: no committed result within ``timeout`` (e.g. a member
-                did not call it), here or on a member that gave the call up.
-            PeerClosed: this peer was closed.
-            CommError: the master is lost.
-        """
-        return self._run("allreduce", buf, op=op, timeout=timeout, retry=retry, max_retries=max_retries,
-                         quantize=quantize)
-
-    def _refuse_call(self, error: InvalidArgument) -> None:
-        """This member's next call is invalid here (``error``, found before anything
-        moved): give it up on every member, so the others raise at once instead of
-        waiting for their timeout.  Nothing to tell when this peer is not a member,
-        closed or without its master."""
-        if self._closed or self._lost is not None:
-            return
-        topo = self._adopt()
-        if topo is None or topo.rank is None:
-            return
-        s = self._seq
-        self._seq = s + 1
-        # the epoch's transport, so the members' sends of this call (dialled to this
-        # peer) are taken and dropped, not left waiting for a connection it never serves
-        self._transport(topo)
-        self._give_up(s, "arg", error.detail)
 
     def first_round_joined(self, a: int, b: int) -> bool:
         """Whether the link of ranks ``a`` and ``b`` carries a ring's header row and

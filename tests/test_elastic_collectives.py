@@ -212,10 +212,12 @@ def test_barrier_holds_every_peer_until_the_last_entered(n):
         _close(master, peers)
 
 
-@pytest.mark.parametrize("call", ["allreduce-64B", "allreduce-1MiB", "allgather", "bcast"])
+@pytest.mark.parametrize("call", ["allreduce-64B", "allreduce-1MiB", "allgather", "bcast", "barrier",
+                                  "update_topology", "sync_shared_state"])
 def test_timeout_2_against_a_stalled_member_raises_within_2_5_s(call):
-    """Two of three members call with timeout=2; the third stalls (never calls):
-    both raise CommTimeout within 2.5 s, their buffers as they were."""
+    """Two of three members call with timeout=2 (the deadline of the whole call);
+    the third stalls (never calls): both raise CommTimeout within 2.5 s, their
+    buffers as they were."""
     import commlib
 
     master, peers = _group(3)
@@ -230,6 +232,12 @@ def test_timeout_2_against_a_stalled_member_raises_within_2_5_s(call):
                 return p.allreduce(bufs[i], "sum", timeout=2)
             if name == "bcast":
                 return p.bcast(bufs[i], root=2, timeout=2)
+            if name == "barrier":
+                return p.barrier(timeout=2)
+            if name == "update_topology":
+                return p.update_topology(timeout=2)
+            if name == "sync_shared_state":
+                return p.sync_shared_state({"w": bufs[i]}, 1, timeout=2)
             return p.allgather(bufs[i], timeout=2)
 
         out = _outcomes(peers[:2], fn)

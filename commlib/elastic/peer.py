@@ -17,7 +17,7 @@ import time
 from commlib.core.errors import (AuthError, AuthenticationError, CommError, CommTimeout, EncryptionMismatch,
                                  InvalidArgument, JobMismatch, NoHandshakeSlot, PeerClosed, PeerFailure,
                                  ProcessFailed)
-from commlib.core.seconds import check_timeout
+from commlib.core.seconds import Deadline, check_timeout
 from commlib.transports import tcp
 
 from .group import ElasticGroup
@@ -628,7 +628,8 @@ class Peer(ElasticGroup, StateSync):
         peer saw at its previous call (always True on admission).
 
         Raises:
-            CommTimeout: no decision within ``timeout`` (default: the peer's timeout).
+            CommTimeout: no decision within ``timeout``, the deadline of the whole call in
+                seconds (default: the peer's timeout).
             InvalidArgument: ``timeout`` is not a finite number; another thread of this
                 peer is in a call.
             CommError: the master is gone.
@@ -638,9 +639,10 @@ class Peer(ElasticGroup, StateSync):
         self._adopt()
         with self._cv:
             self._voted = None
+        deadline = Deadline(timeout, op="update_topology")  # one bound for the whole call
         self._send({"t": VOTE})
-        e = self._wait(lambda: self._voted, timeout, "update_topology")
-        self._wait(lambda: True if self._latest is not None and self._latest.epoch >= e else None, timeout,
+        e = self._wait(lambda: self._voted, deadline.left(), "update_topology")
+        self._wait(lambda: True if self._latest is not None and self._latest.epoch >= e else None, deadline.left(),
                    "update_topology")
         topo = self._adopt()
         members = frozenset(topo.ids)

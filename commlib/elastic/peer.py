@@ -197,6 +197,7 @@ class Peer(ElasticGroup, StateSync):
         self._call_name = None
         self._topo: _Topo | None = None      # adopted
         self._latest: _Topo | None = None    # newest pushed
+        self._recent: dict = {}              # epoch -> the last few pushed topologies
         self._terms: dict = {}
         self._refusals: dict = {}  # (epoch, seq) -> why: operations a member refused (REFUSE)
         # call number -> (kind, why, peer id): calls given up by a member (GIVE_UP), this
@@ -336,6 +337,9 @@ class Peer(ElasticGroup, StateSync):
                         topo = _Topo(msg, self.id)
                         if self._latest is None or topo.epoch > self._latest.epoch:
                             self._latest = topo
+                            self._recent[topo.epoch] = topo  # (update_topology adopts the voted one)
+                            for old in [k for k in self._recent if k < topo.epoch - 8]:
+                                del self._recent[old]
                             tr = self._tr
                             if tr is not None and tr.epoch < topo.epoch:
                                 tr.revoke("a newer epoch began")
@@ -461,10 +465,15 @@ class Peer(ElasticGroup, StateSync):
                     raise CommTimeout(f"no answer from the master after {timeout:.3g} s", rank=self.rank, op=op)
                 self._cv.wait(min(left, 0.5))
 
-    def _adopt(self) -> _Topo | None:
-        """Make the newest pushed topology the current one (at an operation's start)."""
+    def _adopt(self, epoch: int | None = None) -> _Topo | None:
+        """Make the newest pushed topology the current one (at an operation's start);
+        ``epoch``: that epoch's when it is newer than the current one and still kept
+        (``update_topology``: the voted epoch, so that every member reads the same
+        rank, size and members after it even when a death began a later epoch)."""
         with self._cv:
             latest = self._latest
+            if epoch is not None and epoch in self._recent:
+                latest = self._recent[epoch]
             if latest is not None and (self._topo is None or latest.epoch > self._topo.epoch):
                 if latest.rank is not None and (self._topo is None or self._topo.rank is None):
                     self._seq = latest.seq  # admitted: its calls pair with the group's next ones
@@ -644,7 +653,7 @@ class Peer(ElasticGroup, StateSync):
         e = self._wait(lambda: self._voted, deadline.left(), "update_topology")
         self._wait(lambda: True if self._latest is not None and self._latest.epoch >= e else None, deadline.left(),
                    "update_topology")
-        topo = self._adopt()
+        topo = self._adopt(e)
         members = frozenset(topo.ids)
         changed = members != self._last_members
         self._last_members = members

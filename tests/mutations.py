@@ -76,6 +76,8 @@ MUTATIONS = [
       mpi(2, "tests/test_nn_ring.py", "-k", "matches_oracle")]),
     ("12-checkpoint-wrong-step", "load_checkpoint: the oldest kept checkpoint, not the newest",
      [serial("tests/test_lm_checkpoint.py")]),
+    ("13-elastic-noop-barrier", "elastic Peer.barrier returns at once",
+     [no_mpi("tests/test_elastic_collectives.py", "-k", "barrier_holds")]),
 ]
 
 

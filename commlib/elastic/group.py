@@ -76,8 +76,9 @@ class MasterPolicy(RecoveryPolicy):
             attempt gets it as its ``timeout`` (one bound for the whole call).
         retry: retry an aborted call over the next epoch (else PeerFailure).
         max_retries: aborts tolerated before PeerFailure.
-        members: the peer ids of the epoch the call started in (its ranks):
-            ``survivors`` maps the ranks of a retry's epoch back to them.
+        members: the topology the call started in (its ranks: ``ids``), or None
+            (the first attempt's): ``survivors`` maps the ranks of a retry's
+            epoch back to them, by peer id.
     """
 
     def __init__(self, peer, opname: str, deadline: Deadline, retry: bool = True, max_retries: int = 16,
@@ -85,7 +86,7 @@ class MasterPolicy(RecoveryPolicy):
         self.peer, self.opname, self.deadline = peer, opname, deadline
         self.timeout = deadline.timeout
         self.retry, self.max_retries = retry, max_retries
-        self.members = list(members) if members is not None else None
+        self.members = members
         self.aborts = 0
         self.tag = None
         self.decided = False  # the group decided how the call ends (committed, refused, given up)
@@ -125,11 +126,15 @@ class MasterPolicy(RecoveryPolicy):
             tr.abort_tags((*data, *first))
             raise peer._dead_error(peer._seq, self.opname)
         if self.members is None:
-            self.members = list(topo.ids)
-        survivors = [self.members.index(i) for i in topo.ids if i in self.members]
-        if len(survivors) != len(topo.ids):  # pragma: no cover - the master admits joiners at votes only
-            raise PeerFailure(f"{self.opname}: peers joined the group during the call", rank=topo.rank,
-                              op=self.opname)
+            self.members = topo
+        if topo is self.members:
+            survivors = range(len(topo.ids))
+        else:
+            ids0 = self.members.ids
+            survivors = [ids0.index(i) for i in topo.ids if i in ids0]
+            if len(survivors) != len(topo.ids):  # pragma: no cover - the master admits joiners at votes only
+                raise PeerFailure(f"{self.opname}: peers joined the group during the call", rank=topo.rank,
+                                  op=self.opname)
         tr.begin_operation(peer._seq)  # the call's tags follow from (epoch, seq) alone
         return tr, self.deadline, survivors
 
@@ -269,7 +274,7 @@ class ElasticGroup:
         retry, max_retries = self._policy_opts
         topo = self._topo
         self._policy = MasterPolicy(self, opname, deadline, retry, max_retries,
-                                    members=topo.ids if topo is not None and topo.rank is not None else None)
+                                    members=topo if topo is not None and topo.rank is not None else None)
         return self._policy
 
     def _run(self, opname: str, sendbuf=None, op="sum", root=None, timeout=None, retry: bool = True,

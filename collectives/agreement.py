@@ -147,18 +147,28 @@ def agree_on_own_tags(transport, values: Sequence[int], *, op: str, local_error:
         np.ndarray: uint8, shape ``(size, capacity)``, row ``i`` rank ``i``'s payload.
 
     Raises:
-        as :func:`agree`, naming this rank's own number.
+        as :func:`agree`, naming this rank's own number; NeighbourRefusal: a
+            first message of another size came (a call of another form: only
+            this rank knows, the caller makes it every rank's).
     """
     n = transport.size
-    if n <= 2:
-        return agree(FirstRoundView(transport), values, op=op, local_error=local_error, payload=payload,
-                     capacity=capacity, timeout=timeout, names=names, describe=describe, native=False)
     try:
+        if n <= 2:
+            return agree(FirstRoundView(transport), values, op=op, local_error=local_error, payload=payload,
+                         capacity=capacity, timeout=timeout, names=names, describe=describe, native=False)
         rows = agree(FirstRoundView(transport, mirror=True), values, op=op, local_error=local_error,
                      payload=payload, capacity=capacity, timeout=timeout, names=names, describe=describe,
                      native=False)
+    except MessageSizeMismatch as exc:
+        # a first message of another size: the sender's call takes another form (another
+        # collective's, or a strategy whose first message carries data); only this rank
+        # knows, so it is a neighbour's refusal, which the group makes every rank's
+        if exc.source is not None:  # the sender's header row leads its message: name what differs
+            raise size_refusal(names, describe, values, transport.rank, exc.source, op, exc.head) from None
+        raise NeighbourRefusal(f"the calls differ: rank {transport.rank} got a first message of another form "
+                               f"({exc.detail})", rank=transport.rank, op=op) from None
     except InvalidArgument as exc:  # raised under the mirrored rank: this rank's own number on it
-        if exc is local_error:
+        if exc is local_error or n <= 2:
             raise
         raise InvalidArgument(exc.detail, rank=transport.rank, op=exc.op) from None
     return rows[[(n - r) % n for r in range(n)]]
@@ -207,9 +217,12 @@ def difference(names, describe, values, other, r: int, source: int, op: str) -> 
         why = f"rank {source} passed invalid arguments and rejected the call (see its error)"
     else:
         d = describe or (lambda _name, v: v)
+        fields = list(zip(names, values, other[1:]))
+        if fields and fields[0][0] == "operation" and fields[0][1] != fields[0][2]:
+            fields = fields[:1]  # another collective: the rest of its header has another layout
         why = "the calls differ: " + "; ".join(
             f"{name} {d(name, mine)} on rank {r}, {d(name, int(theirs))} on rank {source}"
-            for name, mine, theirs in zip(names, values, other[1:]) if mine != theirs)
+            for name, mine, theirs in fields if mine != theirs)
     return NeighbourRefusal(why, rank=r, op=op)
 
 

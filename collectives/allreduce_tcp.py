@@ -119,6 +119,10 @@ def describe(name: str, value: int):
         return dtype_name(value)
     if name == "op":
         return next((o.name for o in OPS.values() if o.code == value), value)
+    if name == "operation":  # (another collective's first message, on the error path only)
+        from .specs import SPECS  # noqa: PLC0415 - the table holds this path: imported when asked
+
+        return next((k for k, v in SPECS.items() if v.code == value), value)
     return value
 
 

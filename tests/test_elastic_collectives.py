@@ -172,6 +172,38 @@ def test_bad_arguments_refused_everywhere_before_any_byte_moves(n, case):
         _close(master, peers)
 
 
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("mine,theirs", [("allreduce", "allgather"), ("reduce_scatter", "allreduce"),
+                                         ("bcast", "allgather"), ("allreduce-ring", "barrier")])
+def test_members_calling_different_collectives_are_refused_at_once(n, mine, theirs):
+    """The last peer calls another collective than the others (whose first messages
+    may differ in form: the all-reduce's carry its data): every peer raises
+    InvalidArgument well before the timeout, buffers as they were; the next call
+    completes."""
+    import commlib
+
+    master, peers = _group(n)
+    try:
+        def call(i, p):
+            which = theirs if i == n - 1 else mine
+            x = np.ones(300_000 if which.endswith("-ring") else 10)
+            which = which.split("-")[0]
+            if which == "bcast":
+                return p.bcast(x, root=0, timeout=10)
+            if which == "barrier":
+                return p.barrier(timeout=10)
+            return getattr(p, which)(x, timeout=10)
+
+        out = _outcomes(peers, call)
+        for i, (r, exc, dt) in enumerate(out):
+            assert isinstance(exc, commlib.InvalidArgument), (i, repr(exc))
+            assert dt < 3, f"peer {i} took {dt:.2f} s"
+        got = _all(peers, lambda i, p: p.allgather(np.full(3, i), timeout=20))
+        assert all(_h(g) == _h(np.repeat(np.arange(n), 3).reshape(n, 3)) for g in got)
+    finally:
+        _close(master, peers)
+
+
 def barrier_violations(peers, barrier) -> list:
     """Run ``barrier(peer)`` on every peer, the last one entering only after the
     others had a chance to leave; returns what went wrong (empty: a barrier).

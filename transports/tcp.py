@@ -653,7 +653,7 @@ class TCPTransport(Transport):
         the message (its tag ``key[1]`` is aborted); the link stays up."""
         exc = MessageSizeMismatch(f"a message from rank {key[0]} does not match the posted receive "
                                   f"({len(slot.view)} bytes)", rank=self._rank, op="irecv")
-        exc.head = head
+        exc.head, exc.source = head, key[0]
         slot.req._fail(exc)
         self._aborted.setdefault(key[1], None)
         dq = self._slots.get(key)

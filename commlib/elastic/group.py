@@ -279,10 +279,13 @@ class ElasticGroup:
 
     def _run(self, opname: str, sendbuf=None, op="sum", root=None, timeout=None, retry: bool = True,
              max_retries: int = 16, quantize=None):
-        """One collective through the engine under :class:`MasterPolicy`.  A
-        row with a TCP path (the all-reduce) refuses this member's bad argument
-        before anything moves and gives the call up on every member
-        (:meth:`Peer._refuse_call`); the others refuse it in their first round."""
+        """One collective through the engine under :class:`MasterPolicy`.
+
+        This member's bad argument: a row with a TCP path (the all-reduce) raises
+        it here before anything moves and gives the call up on every member
+        (:meth:`_refuse_call`: the others raise InvalidArgument naming it); the
+        other rows carry it in their first round's error flag, which every
+        member reads."""
         self._check_open(opname)
         # the call's ranks are those this peer's topology gave before the call (rank, size,
         # members as the caller read them); a newer epoch (a death since) is taken by the

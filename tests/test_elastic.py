@@ -836,7 +836,7 @@ def test_master_answers_each_report_once_after_forgetting():
 def test_master_passes_a_given_up_call_on_to_every_other_member():
     """Driven report by report: a member's ``give_up`` reaches every other live
     member (``gave_up``, with the giver's id and cause), refuses the call where it
-    is open in the current epoch (the members that reported it get one ``term``),
+    is open in the current epoch (every member, the giver included, gets one ``term``),
     sets a new member's first call number past it (``topo``'s ``seq``), and is
     ignored for a call already committed; a malformed one closes the giver."""
     from commlib.elastic.protocol import DONE, GIVE_UP
@@ -853,7 +853,8 @@ def test_master_passes_a_given_up_call_on_to_every_other_member():
         notes = [x for x in rec.sent if x["t"] == "gave_up"]
         assert notes == [{"t": "gave_up", "s": 0, "kind": "fail", "why": "CommTimeout: 1 s", "id": 1}]
     assert not [x for x in a.sent if x["t"] == "gave_up"]
-    assert b.terms() == c.terms() == [(0, False)] and a.terms() == []
+    # the giver too gets the verdict: its answer when it gave up waiting for one
+    assert a.terms() == b.terms() == c.terms() == [(0, False)]
     assert m._ops == {} and m.stats["given_up"] == 1
     # a call committed while still held (a member's verdict not yet sent) stays committed
     m._handle(a.p, {"t": DONE, "e": e, "s": 1})

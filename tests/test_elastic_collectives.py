@@ -283,6 +283,60 @@ def test_timeout_2_against_a_stalled_member_raises_within_2_5_s(call):
         _close(master, peers)
 
 
+@pytest.mark.parametrize("call", ["barrier", "allreduce-64B", "allreduce-1MiB", "allgather"])
+def test_a_member_stalled_before_its_report_holds_no_one_past_timeout_plus_0_5_s(call, monkeypatch):
+    """Every member enters the call; one stalls after its attempt, before it reports to
+    the master (held on an event): the others raise CommTimeout within timeout + 0.5 s
+    (no verdict by then: they give the call up and take the master's answer), their
+    buffers as they were; released, the stalled one raises CommTimeout too; the next
+    call completes on all three."""
+    import commlib
+    from commlib.elastic import group
+
+    master, peers = _group(3)
+    release = threading.Event()
+    settle = group.MasterPolicy.settle
+
+    def stalled_settle(self, tp, outcome):
+        if self.peer is peers[2]:
+            release.wait(30)
+        return settle(self, tp, outcome)
+
+    monkeypatch.setattr(group.MasterPolicy, "settle", stalled_settle)
+    try:
+        nb = 1 << 20 if call.endswith("1MiB") else 64
+        data = [np.full(nb // 4, i + 1.0, np.float32) for i in range(3)]
+        bufs = [d.copy() for d in data]
+        name = call.split("-")[0]
+
+        def fn(i, p):
+            if name == "allreduce":
+                return p.allreduce(bufs[i], "sum", timeout=2)
+            if name == "barrier":
+                return p.barrier(timeout=2)
+            return p.allgather(bufs[i], timeout=2)
+
+        threads_out = {}
+        stalled = threading.Thread(target=lambda: threads_out.setdefault(
+            "x", _outcomes(peers[2:], lambda i, p: fn(2, p))))
+        stalled.start()
+        out = _outcomes(peers[:2], lambda i, p: fn(i, p))
+        release.set()
+        stalled.join(30)
+        for i, (r, exc, dt) in enumerate(out):
+            assert isinstance(exc, commlib.CommTimeout), repr(exc)
+            assert dt < 2.5, f"peer {i} took {dt:.2f} s"
+            assert _h(bufs[i]) == _h(data[i])
+        assert isinstance(threads_out["x"][0][1], commlib.CommTimeout), threads_out
+        assert _h(bufs[2]) == _h(data[2])
+        monkeypatch.setattr(group.MasterPolicy, "settle", settle)
+        got = _all(peers, lambda i, p: p.allgather(np.full(3, i), timeout=20))
+        assert all(_h(g) == _h(np.repeat(np.arange(3), 3).reshape(3, 3)) for g in got)
+    finally:
+        release.set()
+        _close(master, peers)
+
+
 # ------------------------------------------------------------- process kills
 def _count(step: int, coll: str) -> int:
     return int(np.random.default_rng([step, COLLS.index(coll), 99]).choice([5, 3000, 150_000, 400_000]))

@@ -47,11 +47,15 @@ from commlib.core.seconds import Deadline
 from .protocol import DONE, FAIL, REFUSE, WHY_MAX
 from .state_sync import one_thread
 
-__all__ = ["MasterPolicy", "ElasticGroup", "VERDICT_GRACE"]
+__all__ = ["MasterPolicy", "ElasticGroup", "VERDICT_GRACE", "ANSWER_GRACE"]
 
 #: seconds past the call's deadline a peer still waits for the master's verdict on a
 #: report it sent (the master answers the last report within milliseconds)
-VERDICT_GRACE = 2.0
+VERDICT_GRACE = 0.25
+#: seconds a peer that gave a call up for want of a verdict waits for the master's
+#: answer: the verdict it sent before the give-up reached it (committed: the result
+#: stands), or the refusal the give-up made (every member raises)
+ANSWER_GRACE = 0.25
 
 
 class MasterPolicy(RecoveryPolicy):
@@ -166,8 +170,11 @@ class MasterPolicy(RecoveryPolicy):
             # the verdict follows the last member's report: bounded by what is left of
             # the call, plus the master's answer to a report sent at the very end (or
             # another member gives the call up)
-            ok = peer._wait(lambda: peer._terms.pop((e, s), None) if s not in peer._dead_calls else False,
-                            self._left() + VERDICT_GRACE, self.opname)
+            try:
+                ok = peer._wait(lambda: peer._terms.pop((e, s), None) if s not in peer._dead_calls else False,
+                                self._left() + VERDICT_GRACE, self.opname)
+            except CommTimeout:
+                ok = self._give_up_for_verdict(e, s)
             if ok:
                 self.decided = True
                 return True
@@ -187,6 +194,26 @@ class MasterPolicy(RecoveryPolicy):
         if outcome.error is not None and not outcome.badarg:
             raise outcome.error  # this peer's own error: not a failure to retry
         return False
+
+    def _give_up_for_verdict(self, e: int, s: int) -> bool:
+        """The call's deadline passed with no verdict (a member has not reported: it
+        stalls, or the master is slow): give the call up on every member and take
+        the master's answer, so the call ends the same way everywhere: True when
+        the master had committed it first (the result stands).
+
+        Raises:
+            CommTimeout: the call was given up (every member raises), or the master
+                did not answer within :data:`ANSWER_GRACE`.
+        """
+        peer = self.peer
+        peer._give_up(s, "timeout", f"no verdict within the call's {self.timeout:g} s timeout")
+        self.decided = True
+        ok = peer._wait(lambda: peer._terms.pop((e, s), None), ANSWER_GRACE, self.opname)
+        peer._refusals.pop((e, s), None)
+        if ok:
+            return True
+        raise CommTimeout(f"no committed result within the call's {self.timeout:g} s timeout (a member did not "
+                          "report; the call was given up on every member)", rank=peer.rank, op=self.opname)
 
     def recover(self, tp, outcome) -> None:
         peer, e = self.peer, self.tag[0]

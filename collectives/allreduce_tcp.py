@@ -111,18 +111,17 @@ def choose_tcp_allreduce(nbytes: int, nranks: int, quantized: bool, thresholds=T
     return "ring"
 
 
-def describe(name: str, value: int):
-    """Header codes as the user wrote them, for mismatch messages."""
+def describe(name: str, value: int, operations=None):
+    """Header codes as the user wrote them, for mismatch messages (``operations``:
+    operation code -> collective name, the engine's table)."""
     if name == "quantize":
         return "none (one round)" if value == _SMALL else (QUANTIZE[value - 1] or "none") if 0 < value <= 3 else value
     if name == "dtype":
         return dtype_name(value)
     if name == "op":
         return next((o.name for o in OPS.values() if o.code == value), value)
-    if name == "operation":  # (another collective's first message, on the error path only)
-        from .specs import SPECS  # noqa: PLC0415 - the table holds this path: imported when asked
-
-        return next((k for k, v in SPECS.items() if v.code == value), value)
+    if name == "operation" and operations:  # another collective's first message
+        return operations.get(value, value)
     return value
 
 
@@ -203,7 +202,7 @@ def _combine_pair_into(opx, flat, theirs, theirs_is_lower: bool) -> None:
     opx.finalize(flat, 2)
 
 
-def _ring_head(plans: TcpPlans, group, tr, values, flat, alone: bool) -> RingHead:
+def _ring_head(plans: TcpPlans, group, tr, values, flat, alone: bool, desc=describe) -> RingHead:
     """The ring's first round on ``tr``: a :class:`~.agreement.RingHead`, kept
     for the next call with the same header, chunk size and settings on the same
     transport (epoch), its row already encoded in a scratch no other path
@@ -225,12 +224,12 @@ def _ring_head(plans: TcpPlans, group, tr, values, flat, alone: bool) -> RingHea
 
     head = RingHead(FirstRoundView(tr), values, op="allreduce", capacity=cap, keep=plans.head_keep,
                     send_joined=joined(r, (r + 1) % n), recv_joined=joined((r - 1) % n, r), names=HEADER,
-                    describe=describe)
+                    describe=desc)
     plans.head_plan = (tr, key, head)
     return head
 
 
-def _first_round(plans: TcpPlans, tr, values, algo, flat, timeout):
+def _first_round(plans: TcpPlans, tr, values, algo, flat, timeout, desc=describe):
     """The argument agreement of a call that is not a ring's, carrying a small
     call's vector, a pair exchange's or a one-shot call's; every member's
     payload in rank order (None on 1 member)."""
@@ -239,7 +238,7 @@ def _first_round(plans: TcpPlans, tr, values, algo, flat, timeout):
     if algo == "one_shot":  # every member's header and whole vector to every member
         plans.round_keep = grown(plans.round_keep, one_shot_bytes(len(values), n, flat.nbytes))
         return one_shot_first_round(FirstRoundView(tr), values, op="allreduce", vector=flat, keep=plans.round_keep,
-                                    timeout=timeout, names=HEADER, describe=describe)
+                                    timeout=timeout, names=HEADER, describe=desc)
     payload = flat.view(np.uint8) if algo == "small" else None
     if n == 2:  # one message each way: the header row with the payload or the whole vector
         vector = flat if algo == "pair_exchange" else None
@@ -247,10 +246,10 @@ def _first_round(plans: TcpPlans, tr, values, algo, flat, timeout):
         plans.round_keep = grown(plans.round_keep, 2 * nb)
         return pair_first_round(FirstRoundView(tr), values, op="allreduce", capacity=small_capacity(n),
                                 sendbuf=plans.round_keep[:nb], recvbuf=plans.round_keep[nb:2 * nb],
-                                payload=payload, vector=vector, timeout=timeout, names=HEADER, describe=describe)
+                                payload=payload, vector=vector, timeout=timeout, names=HEADER, describe=desc)
     if n > 2:
         return agree_on_own_tags(tr, values, op="allreduce", payload=payload, capacity=small_capacity(n),
-                                 timeout=timeout, names=HEADER, describe=describe)
+                                 timeout=timeout, names=HEADER, describe=desc)
     return None
 
 
@@ -313,17 +312,18 @@ def _attempt(c, tr, timeout, survivors):
     group = c.ctx.comm
     c.snapshot = None
     algo = choose_tcp_allreduce(flat.nbytes, tr.size, c.quantize is not None, c.spec.tcp.thresholds)
+    desc = functools.partial(describe, operations=c.operations)
     if algo == "ring" and tr.size > 1:
         # the header row in front of the ring's first chunk, compared before anything is
         # combined or written into buf; or (overlap_first_round False; a quantized ring
         # writes a chunk's dequantized value into buf as it sends it) that row alone first
         alone = c.quantize is not None or not group.overlap_first_round
-        head = _ring_head(plans, group, tr, values, flat, alone)
+        head = _ring_head(plans, group, tr, values, flat, alone, desc)
         if not alone:
             return _data(plans, c, tr, flat, timeout, algo, None, head=head)
         head.check_alone((tr.rank - 1) % tr.size, (tr.rank + 1) % tr.size, timeout)
         return _data(plans, c, tr, flat, timeout, algo, None)
-    rows = _first_round(plans, tr, values, algo, flat, timeout)
+    rows = _first_round(plans, tr, values, algo, flat, timeout, desc)
     return _data(plans, c, tr, flat, timeout, algo, rows)
 
 

@@ -67,6 +67,8 @@ __all__ = ["Engine", "CollectiveSpec", "SPECS", "HostAllreduce", "SmallAllreduce
            "reduce_rows", "small_capacity", "describe_field"]
 
 _ROOT = FIELDS.index("root")
+#: operation code -> collective name (a path's mismatch messages name another collective's call)
+_OPERATIONS = {spec.code: name for name, spec in SPECS.items()}
 
 
 def describe_field(opname: str):
@@ -253,7 +255,7 @@ class Engine:
         if path is not None:  # the row's path on a transport with first-round tags of its own
             if bad_timeout is not None:
                 raise InvalidArgument(bad_timeout, rank=c.rank, op=opname)
-            c.quantize = quantize
+            c.quantize, c.operations = quantize, _OPERATIONS
             c.header = path.prepare(c)
             return path.deliver(c, run_collective(comm, opname, functools.partial(path.attempt, c), c.restore,
                                                   on_failure, deadline))

@@ -193,7 +193,7 @@ class Call:
     """
 
     # defaults at class level: a call sets only what its collective uses
-    payload = sb = rb = o = algo = src = dst = dev = snapshot = shape = blk = quantize = header = None
+    payload = sb = rb = o = algo = src = dst = dev = snapshot = shape = blk = quantize = header = operations = None
     inplace = staged = agreed = False
 
     def __init__(self, spec: CollectiveSpec, ctx, sendbuf=None, recvbuf=None, op="sum", algorithm: str = "auto",

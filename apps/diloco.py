@@ -18,7 +18,8 @@ vector of the MLP's weights and biases). An outer step ``t``:
    whose moments stay local as in the paper) on minibatches of its own shard
    of the training set: shard ``r`` of ``P`` is every ``P``-th sample of a
    fixed permutation, recomputed from the current rank and size, so the data
-   are re-sharded whenever membership changes.
+   are re-sharded whenever membership changes.  Before the first outer step
+   every member takes rank 0's initial ``theta`` (``peer.bcast``).
 3. Outer step: pseudo-gradient ``delta = theta - theta_local`` (float32),
    ``peer.allreduce(delta, op="avg", quantize=...)`` (bit-identical on every
    peer; a peer that dies mid-operation is dropped and the average is retried
@@ -368,6 +369,9 @@ def _run(peer, *, outer_steps: int = 30, inner_steps: int = 20, batch: int = 32,
                     raise TimeoutError(f"only {peer.size} peer(s) after {wait_s:g} s, --min-peers {int(need[0])}")
                 time.sleep(0.05)
                 continue
+            # the job's initial weights are rank 0's, broadcast to every member (each peer made its
+            # own from --seed; the broadcast makes the start the same bits whatever made them)
+            peer.bcast(state["theta"], root=0)
         theta, mom = state["theta"], state["momentum"]
         load_into(model, theta)
         shard = shard_indices(len(y_train), peer.rank, peer.size, seed)

@@ -27,8 +27,8 @@ from commlib.core.errors import CommError, InvalidArgument, MessageSizeMismatch
 from ._common import next_tag, waitall
 from .allgather_bruck import allgather_bruck
 
-__all__ = ["agree", "agree_header", "check_all", "judge", "encode_row", "NeighbourRefusal", "RingHead", "difference",
-           "size_refusal"]
+__all__ = ["agree", "agree_header", "agree_on_own_tags", "check_all", "judge", "encode_row", "FirstRoundView",
+           "NeighbourRefusal", "RingHead", "difference", "size_refusal"]
 
 
 def encode_row(values: Sequence[int], *, local_error: CommError | None = None, payload: np.ndarray | None = None,
@@ -104,6 +104,76 @@ def agree(transport, values: Sequence[int], *, op: str, local_error: CommError |
     return rows[:, head:]
 
 
+class FirstRoundView:
+    """A transport as a first round uses it, on a transport that counts first
+    rounds apart (its ``first_round_tags`` allocator: the TCP transport, whose
+    first-round messages are single frames, a receive of another size failing at
+    once with :class:`~commlib.core.errors.MessageSizeMismatch`).
+
+    ``tags`` is the transport's first-round allocator, read at each use (a kept
+    view never goes stale when the transport renews it per operation).
+    ``mirror``: ranks seen mirrored (``(n - r) % n``), so the first step of
+    Bruck's all-gather goes to rank ``r + 1`` and comes from ``r - 1``, as a
+    ring's first step does: a rank whose call differs and chose a ring carrying
+    its header (:class:`RingHead`) meets it."""
+
+    def __init__(self, tr, mirror: bool = False):
+        self._tr = tr
+        if mirror:
+            n = tr.size
+            self.rank = (n - tr.rank) % n
+            self.isend = lambda buf, dest, tag=0: tr.isend(buf, (n - dest) % n, tag)
+            self.irecv = lambda buf, source, tag=0: tr.irecv(buf, (n - source) % n, tag)
+            self.sendrecv = lambda sb, dest, rb, source, stag=0, rtag=0: tr.sendrecv(sb, (n - dest) % n, rb,
+                                                                                    (n - source) % n, stag, rtag)
+
+    @property
+    def tags(self):
+        return self._tr.first_round_tags
+
+    def __getattr__(self, name):
+        return getattr(self._tr, name)
+
+
+def agree_on_own_tags(transport, values: Sequence[int], *, op: str, local_error: CommError | None = None,
+                      payload: np.ndarray | None = None, capacity: int = 0, timeout=None,
+                      names: Sequence[str] = _hdr.FIELDS, describe: Callable[[str, int], object] | None = None
+                      ) -> np.ndarray:
+    """:func:`agree` on a transport with first-round tags of its own
+    (:class:`FirstRoundView`): over 3 or more ranks seen mirrored, the rows given
+    back in rank order (2 ranks: one exchange either way).
+
+    Returns:
+        np.ndarray: uint8, shape ``(size, capacity)``, row ``i`` rank ``i``'s payload.
+
+    Raises:
+        as :func:`agree`, naming this rank's own number; NeighbourRefusal: a
+            first message of another size came (a call of another form: only
+            this rank knows, the caller makes it every rank's).
+    """
+    n = transport.size
+    try:
+        if n <= 2:
+            return agree(FirstRoundView(transport), values, op=op, local_error=local_error, payload=payload,
+                         capacity=capacity, timeout=timeout, names=names, describe=describe, native=False)
+        rows = agree(FirstRoundView(transport, mirror=True), values, op=op, local_error=local_error,
+                     payload=payload, capacity=capacity, timeout=timeout, names=names, describe=describe,
+                     native=False)
+    except MessageSizeMismatch as exc:
+        # a first message of another size: the sender's call takes another form (another
+        # collective's, or a strategy whose first message carries data); only this rank
+        # knows, so it is a neighbour's refusal, which the group makes every rank's
+        if exc.source is not None:  # the sender's header row leads its message: name what differs
+            raise size_refusal(names, describe, values, transport.rank, exc.source, op, exc.head) from None
+        raise NeighbourRefusal(f"the calls differ: rank {transport.rank} got a first message of another form "
+                               f"({exc.detail})", rank=transport.rank, op=op) from None
+    except InvalidArgument as exc:  # raised under the mirrored rank: this rank's own number on it
+        if exc is local_error or n <= 2:
+            raise
+        raise InvalidArgument(exc.detail, rank=transport.rank, op=exc.op) from None
+    return rows[[(n - r) % n for r in range(n)]]
+
+
 def judge(transport, headers: np.ndarray, values: Sequence[int], *, op: str, local_error: CommError | None = None,
           names: Sequence[str] = _hdr.FIELDS, describe: Callable[[str, int], object] | None = None,
           exc_type=InvalidArgument) -> None:
@@ -147,9 +217,12 @@ def difference(names, describe, values, other, r: int, source: int, op: str) -> 
         why = f"rank {source} passed invalid arguments and rejected the call (see its error)"
     else:
         d = describe or (lambda _name, v: v)
+        fields = list(zip(names, values, other[1:]))
+        if fields and fields[0][0] == "operation" and fields[0][1] != fields[0][2]:
+            fields = fields[:1]  # another collective: the rest of its header has another layout
         why = "the calls differ: " + "; ".join(
             f"{name} {d(name, mine)} on rank {r}, {d(name, int(theirs))} on rank {source}"
-            for name, mine, theirs in zip(names, values, other[1:]) if mine != theirs)
+            for name, mine, theirs in fields if mine != theirs)
     return NeighbourRefusal(why, rank=r, op=op)
 
 

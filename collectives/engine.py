@@ -43,6 +43,8 @@ first round (the argument agreement, itself a barrier) in the same kept rows.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from commlib.core.agreement import FIELDS
@@ -52,7 +54,7 @@ from commlib.core.errors import BufferError, CommError, CommTimeout, InvalidArgu
 from commlib.core.seconds import Deadline, time_left, timeout_problem
 
 from . import ops
-from .agreement import agree, check_all, encode_row, judge
+from .agreement import agree, agree_on_own_tags, check_all, encode_row, judge
 from .allreduce_ring import allreduce_ring, ring_scratch
 from .barrier import barrier_dissemination
 from .ft import run_collective
@@ -65,6 +67,8 @@ __all__ = ["Engine", "CollectiveSpec", "SPECS", "HostAllreduce", "validate", "fi
            "reduce_rows", "small_capacity", "describe_field"]
 
 _ROOT = FIELDS.index("root")
+#: operation code -> collective name (a path's mismatch messages name another collective's call)
+_OPERATIONS = {spec.code: name for name, spec in SPECS.items()}
 
 
 def describe_field(opname: str):
@@ -104,11 +108,19 @@ def first_round(transport, opname: str, values, local_error: CommError | None, p
     Returns:
         np.ndarray: the gathered payloads, uint8, shape ``(size, capacity)``.
 
+    A transport with first-round tags of its own (``first_round_tags``: the
+    elastic group's TCP transport) runs it on them
+    (:func:`~.agreement.agree_on_own_tags`), counted apart from the data plane.
+
     Raises:
         CommError: ``local_error`` on its rank, ``InvalidArgument`` on the others;
             ``InvalidArgument`` everywhere when the headers differ.
         ProcessFailed / CommTimeout: from the transport.
     """
+    if getattr(transport, "first_round_tags", None) is not None:  # first rounds counted apart (the TCP transport)
+        return agree_on_own_tags(transport, values, op=opname, local_error=local_error, payload=payload,
+                                 capacity=small_capacity(transport.size), timeout=timeout,
+                                 describe=describe_field(opname))
     return agree(transport, values, op=opname, local_error=local_error, payload=payload,
                  capacity=small_capacity(transport.size), timeout=timeout, describe=describe_field(opname))
 
@@ -151,11 +163,20 @@ class Engine:
     of host allreduces (:class:`HostAllreduce`).
     """
 
-    __slots__ = ("comm", "_staging", "_scratch", "_host")
+    __slots__ = ("comm", "_staging", "_scratch", "_host", "_plans")
 
     def __init__(self, comm):
         self.comm = comm
         self._staging = self._scratch = self._host = None
+        self._plans = {}
+
+    def plan_cache(self, row: str, make):
+        """What a row's path keeps between calls on this group (scratch buffers, a
+        cached first round), made by ``make()`` on first use."""
+        plans = self._plans.get(row)
+        if plans is None:
+            plans = self._plans[row] = make()
+        return plans
 
     def staging(self):
         """The communicator's pinned staging buffers for device arrays
@@ -196,7 +217,7 @@ class Engine:
         return Deadline(timeout, op=opname), None
 
     def execute(self, opname: str, sendbuf=None, recvbuf=None, op="sum", algorithm: str = "auto", root=None, *,
-                on_failure: str | None = None, timeout=None):
+                on_failure: str | None = None, timeout=None, quantize=None):
         """Run one collective: validate, first round, choose, snapshot, run under
         the recovery policy, return.
 
@@ -208,6 +229,14 @@ class Engine:
             timeout: the deadline of the whole call, in seconds (None: the
                 communicator's default, :meth:`deadline`): the first round and
                 every step of the algorithm wait what is left of it.
+            quantize: the wire format of a row's TCP path (the elastic
+                all-reduce: None, ``"fp16"``, ``"int8"``).
+
+        A group whose transport carries first rounds on tags of its own
+        (``comm.own_first_round``: the elastic peer) runs a row's ``tcp`` path
+        where the row has one (:mod:`.allreduce_tcp`): its header, first-round
+        strategies and deferred delivery in place of the general ones; such a
+        group refuses a member's bad argument itself, before the call.
 
         Returns:
             What the row's ``deliver`` returns (the result array, ``recvbuf``...).
@@ -222,11 +251,22 @@ class Engine:
         comm, spec = self.comm, SPECS[opname]
         deadline, bad_timeout = self.deadline(opname, timeout)
         c = Call(spec, self, sendbuf, recvbuf, op, algorithm, root)
+        path = spec.tcp if getattr(comm, "own_first_round", False) else None
+        if path is not None:  # the row's path on a transport with first-round tags of its own
+            if bad_timeout is not None:
+                raise InvalidArgument(bad_timeout, rank=c.rank, op=opname)
+            c.quantize, c.operations = quantize, _OPERATIONS
+            c.header = path.prepare(c)
+            return path.deliver(c, run_collective(comm, opname, functools.partial(path.attempt, c), c.restore,
+                                                  on_failure, deadline))
         values, local_error = validate(c)
         if bad_timeout is not None and local_error is None:
             values, local_error = [0] * len(FIELDS), InvalidArgument(bad_timeout, rank=c.rank, op=opname)
         payload = c.payload
-        check = payload is not None or local_error is not None or config.check_args
+        # a group whose recovery needs every call agreed (the elastic group: ``always_agree``) runs the first
+        # round whatever COMMLIB_CHECK_ARGS says
+        check = (payload is not None or local_error is not None or config.check_args
+                 or getattr(comm, "always_agree", False))
         root_rank = c.root_rank
 
         def attempt(tp, timeout, survivors):
@@ -332,7 +372,11 @@ class Engine:
 
 
 class _RootLost(CommError):
-    """The root of a rooted collective is among the failed ranks (internal)."""
+    """The root of a rooted collective is among the failed ranks (internal).
+    Every survivor finds it alike (``agreed``): a recovery policy decides the
+    call with it at once, as an argument error, instead of retrying."""
+
+    agreed = True
 
 
 class HostAllreduce:

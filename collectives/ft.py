@@ -25,13 +25,13 @@ __all__ = ["FaultTolerance", "run_collective", "recover", "policy_for", "ON_FAIL
 
 
 def policy_for(comm, opname: str, on_failure: str | None = None, deadline: Deadline | None = None):
-    """The recovery policy of one call on ``comm``: ``comm.recovery_policy(opname)``
-    when the group brings its own, else ULFM or timeout-only by ``comm.ft.mode``
+    """The recovery policy of one call on ``comm``: ``comm.recovery_policy(opname,
+    deadline)`` when the group brings its own (the elastic peer: the master's verdict), else ULFM or timeout-only by ``comm.ft.mode``
     (bounded by ``deadline``, the call's; None: ``comm.ft.timeout`` from now);
     None when ``comm`` is not fault tolerant."""
     own = getattr(comm, "recovery_policy", None)
     if own is not None:
-        return own(opname)
+        return own(opname, deadline)
     ft: FaultTolerance | None = comm.ft
     if ft is None:
         return None
@@ -52,7 +52,7 @@ def run_collective(comm, opname: str, attempt: Callable, restore: Callable | Non
     ``collective_transport()`` (the transport commlib's collectives run on) and
     ``shrink(transport)`` (ULFM recovery: returns ``(lost_world_ranks,
     kept)``, ``kept[i]`` the old rank of new rank ``i``); or
-    ``recovery_policy(opname)`` giving its own policy.
+    ``recovery_policy(opname, deadline)`` giving its own policy.
 
     Args:
         comm: the communicator.

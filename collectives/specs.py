@@ -31,6 +31,11 @@ deliver    ``deliver(call, result)``: what the call returns (a staged result
            for a device one, :func:`.staging.deliver`)
 rooted     the header's ``root`` is renumbered in the shrunk group, and a lost
            root ends the call
+tcp        the row's path on a group whose transport carries first rounds on
+           tags of its own (the elastic peers' TCP transport), or None: its
+           header, first-round strategies, thresholds and deferred delivery
+           (:class:`~.allreduce_tcp.TcpPath`; the all-reduce's:
+           :mod:`.allreduce_tcp`, thresholds :data:`TCP_ALLREDUCE_THRESHOLDS`)
 ========== ===================================================================
 
 A :class:`Call` carries one call through those steps.  Every function here is
@@ -50,6 +55,9 @@ from commlib.core.errors import InvalidArgument
 from . import ops
 from ._common import chunk_bounds
 from .allgather_ring import allgather_ring
+from .allreduce_tcp import (ONE_SHOT_TCP_MAX, PAIR_EXCHANGE_MAX, RECURSIVE_DOUBLING_TCP_MAX, TCP_ALLREDUCE_THRESHOLDS,
+                            choose_tcp_allreduce)
+from .allreduce_tcp import PATH as _ALLREDUCE_TCP
 from .allreduce_recursive_doubling import allreduce_recursive_doubling
 from .allreduce_ring import allreduce_ring
 from .alltoall_pairwise import alltoall_pairwise
@@ -59,7 +67,8 @@ from .one_round import reduce_rows, root_payload, small_capacity
 from .reduce_scatter_ring import reduce_scatter_ring_inplace
 from .staging import Staged, deliver, device_view, wrap
 
-__all__ = ["Algorithm", "OneRound", "CollectiveSpec", "Call", "SPECS"]
+__all__ = ["Algorithm", "OneRound", "CollectiveSpec", "Call", "SPECS", "PAIR_EXCHANGE_MAX", "ONE_SHOT_TCP_MAX",
+           "RECURSIVE_DOUBLING_TCP_MAX", "TCP_ALLREDUCE_THRESHOLDS", "choose_tcp_allreduce"]
 
 
 @dataclass(frozen=True)
@@ -121,6 +130,7 @@ class CollectiveSpec:
     stage: Callable | None = None
     snapshot: Callable | None = None
     rooted: bool = False
+    tcp: object = None
     algorithms: tuple = field(init=False)
     impl: Mapping[str, Algorithm] = field(init=False, repr=False)
 
@@ -183,7 +193,7 @@ class Call:
     """
 
     # defaults at class level: a call sets only what its collective uses
-    payload = sb = rb = o = algo = src = dst = dev = snapshot = shape = blk = None
+    payload = sb = rb = o = algo = src = dst = dev = snapshot = shape = blk = quantize = header = operations = None
     inplace = staged = agreed = False
 
     def __init__(self, spec: CollectiveSpec, ctx, sendbuf=None, recvbuf=None, op="sum", algorithm: str = "auto",
@@ -602,50 +612,6 @@ def _nothing(c: Call, result) -> None:
 
 
 # ------------------------------------------------------------------------ the table
-#: bytes up to which a 2-member unquantized elastic all-reduce (over the TCP
-#: transport: :meth:`commlib.elastic.Peer.allreduce`) is one exchange of the whole
-#: vector, shipped behind its header (:mod:`.pair_round`), instead of the ring's
-#: two steps after the first round (measured on loopback, 2 cores: 4-256 KiB
-#: 1.3-1.8x faster, 1 MiB even, 8 MiB slower)
-PAIR_EXCHANGE_MAX = 1 << 20
-#: bytes up to which an unquantized elastic all-reduce on 4 or more members runs
-#: recursive doubling (``ceil(log2 n)`` exchanges of the whole vector, plus two
-#: when ``n`` is not a power of two) instead of the ring's ``2 (n - 1)`` steps of
-#: ``1/n`` of it: below this the steps' latency, not the bytes, is the cost
-RECURSIVE_DOUBLING_TCP_MAX = 256 << 10
-#: bytes up to which an unquantized elastic all-reduce on 3 members is one-shot
-#: (:mod:`.one_shot`): the first round's Bruck all-gather carries every member's
-#: whole vector behind its header (2 messages a member, one vector each) and each
-#: member reduces the three; recursive doubling there is 3 exchanges after a
-#: 2-step argument agreement, its busiest member moving as many vectors.  Measured
-#: (benchmarks/ab_elastic.py, 3 peers on loopback, 2 cores, against recursive
-#: doubling and the ring in the same run): 4-256 KiB 1.08-1.97x wall, 1.42-1.62x
-#: CPU; 512 KiB 1.15-1.41x wall against the ring; 1 MiB 0.72x (the ring moves
-#: ``2 (n - 1) / n`` of the vector a member, one-shot two vectors)
-ONE_SHOT_TCP_MAX = 512 << 10
-#: the elastic all-reduce's choice over the TCP transport, as ``(max_bytes,
-#: algorithm, min_ranks, max_ranks)``: the first entry that fits wins, else the
-#: ring (a quantized call always takes the ring; a call of at most
-#: :func:`~.one_round.small_capacity` bytes travels inside the first round)
-TCP_ALLREDUCE_THRESHOLDS = ((PAIR_EXCHANGE_MAX, "pair_exchange", 2, 2),
-                            (ONE_SHOT_TCP_MAX, "one_shot", 3, 3),
-                            (RECURSIVE_DOUBLING_TCP_MAX, "recursive_doubling", 4, 1 << 30))
-
-
-def choose_tcp_allreduce(nbytes: int, nranks: int, quantized: bool) -> str:
-    """The elastic all-reduce's algorithm: ``"small"`` (inside the first round),
-    ``"pair_exchange"``, ``"one_shot"``, ``"recursive_doubling"`` or ``"ring"``, by
-    :data:`TCP_ALLREDUCE_THRESHOLDS`."""
-    if quantized:
-        return "ring"
-    if nranks > 1 and nbytes <= small_capacity(nranks):
-        return "small"
-    for max_bytes, algo, min_ranks, max_ranks in TCP_ALLREDUCE_THRESHOLDS:
-        if nbytes <= max_bytes and min_ranks <= nranks <= max_ranks:
-            return algo
-    return "ring"
-
-
 #: the collectives (allreduce "auto": recursive doubling up to 256 KiB on 3 or
 #: more ranks, ring above; measured with benchmarks/bench_allreduce.py at 2 and
 #: 4 ranks, shared memory, 2 cores: the two cross between 64 and 256 KiB.  At 2
@@ -660,7 +626,7 @@ SPECS: dict[str, CollectiveSpec] = {s.name: s for s in (
          Algorithm("mpi", _allreduce_native)),
         _allreduce_deliver, thresholds=((256 * 1024, "recursive_doubling", 3),),
         one_round=OneRound(_allreduce_payload, _allreduce_finish), stage=_allreduce_stage,
-        snapshot=_allreduce_snapshot),
+        snapshot=_allreduce_snapshot, tcp=_ALLREDUCE_TCP),
     CollectiveSpec(
         "reduce_scatter", 2, ("count", "dtype", "op", "algorithm"), _reduce_scatter_prepare,
         (Algorithm("ring", _reduce_scatter_ring, device=_reduce_scatter_ring_device),

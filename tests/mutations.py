@@ -78,6 +78,8 @@ MUTATIONS = [
      [serial("tests/test_lm_checkpoint.py")]),
     ("13-noop-dissemination-barrier", "the dissemination barrier (COMMLIB_CHECK_ARGS=0) returns at once",
      [mpi(3, "tests/test_collectives.py", "-k", "barrier_holds")]),
+    ("14-elastic-noop-barrier", "elastic Peer.barrier returns at once",
+     [no_mpi("tests/test_elastic_collectives.py", "-k", "barrier_holds")]),
 ]
 
 

@@ -97,7 +97,7 @@ class FakeGroup:
 
 class FakePeer:
     """TEST DOUBLE: one peer of a FakeGroup (rank, size, epoch, update_topology, allreduce,
-    sync_shared_state, close)."""
+    bcast, sync_shared_state, close)."""
 
     def __init__(self, group):
         self.g = group
@@ -159,6 +159,17 @@ class FakePeer:
         g._last_finish = finish
         out = g._round(self, "allreduce", buf.copy(), finish)
         buf[...] = out
+        return buf
+
+    def bcast(self, buf, root=0):
+        g = self.g
+
+        def finish(contrib):
+            src = next(v for p, (_, v) in contrib.items() if p.rank == root)
+            return {p: src for p in contrib}
+
+        g._last_finish = finish
+        buf[...] = g._round(self, "bcast", buf.copy(), finish)
         return buf
 
     def sync_shared_state(self, state, revision):

@@ -14,6 +14,7 @@ import pytest
 import commlib
 import commlib.elastic as el
 from commlib.collectives.one_round import small_capacity
+from commlib.collectives.allreduce_tcp import TcpPlans
 from commlib.collectives.specs import choose_tcp_allreduce
 from oracles import ring_oracle  # tests/ is on the path (rootdir conftest)
 from seeds import test_seed
@@ -659,7 +660,8 @@ def test_one_shot_allreduce_holds_the_ring_order_on_every_peer(group, op, count)
 
 @pytest.mark.parametrize("group", [(3, 2)], indirect=True)
 def test_ring_head_plan_reused_only_for_the_same_call(group):
-    """The ring's first round is a cached plan (Peer._ring_head): a ring-sized call
+    """The ring's first round is a cached plan (the engine's plan cache of the
+    all-reduce row's TCP path, collectives/allreduce_tcp.py): a ring-sized call
     with the same header on the same epoch reuses it, with a fresh tag; any other
     header builds a new one.  A sequence that interleaves the same ring call with a
     one-shot call and a refused one (whose first rounds write another scratch: each
@@ -691,11 +693,12 @@ def test_ring_head_plan_reused_only_for_the_same_call(group):
         out = run_peers(peers, lambda i, p: (p.rank, p.allreduce(data[p.rank].copy(), op)))
         want = _h(ring_oracle([data[r] for r in range(3)], op))
         assert all(_h(o) == want for _, o in out), f"call {call}: not the ring order's bits"
-        heads.append({p.rank: p._head_plan[2] if p._head_plan else None for p in peers})
+        plans = {p.rank: p._engine.plan_cache("allreduce", TcpPlans).head_plan for p in peers}
+        heads.append({r: plan[2] if plan else None for r, plan in plans.items()})
         if choose_tcp_allreduce(n * np.dtype(dtype).itemsize, 3, False) == "ring":
             # the head spoke under this call's own first-round tags (what a refusal aborts)
             for p in peers:
-                assert p._head_plan[2].tag in p._tr.operation_tags(p._seq - 1)[1], (call, p.rank)
+                assert plans[p.rank][2].tag in p._tr.operation_tags(p._seq - 1)[1], (call, p.rank)
     # one plan is kept: the one-shot call leaves it and the repeated ring call reuses it;
     # each new header (dtype, op, count) makes a new one (peers 1 and 2 made the plan of
     # the calls after the refusal in the refused call, peer 0 in the first of them)
@@ -836,7 +839,7 @@ def test_master_answers_each_report_once_after_forgetting():
 def test_master_passes_a_given_up_call_on_to_every_other_member():
     """Driven report by report: a member's ``give_up`` reaches every other live
     member (``gave_up``, with the giver's id and cause), refuses the call where it
-    is open in the current epoch (the members that reported it get one ``term``),
+    is open in the current epoch (every member, the giver included, gets one ``term``),
     sets a new member's first call number past it (``topo``'s ``seq``), and is
     ignored for a call already committed; a malformed one closes the giver."""
     from commlib.elastic.protocol import DONE, GIVE_UP
@@ -853,7 +856,8 @@ def test_master_passes_a_given_up_call_on_to_every_other_member():
         notes = [x for x in rec.sent if x["t"] == "gave_up"]
         assert notes == [{"t": "gave_up", "s": 0, "kind": "fail", "why": "CommTimeout: 1 s", "id": 1}]
     assert not [x for x in a.sent if x["t"] == "gave_up"]
-    assert b.terms() == c.terms() == [(0, False)] and a.terms() == []
+    # the giver too gets the verdict: its answer when it gave up waiting for one
+    assert a.terms() == b.terms() == c.terms() == [(0, False)]
     assert m._ops == {} and m.stats["given_up"] == 1
     # a call committed while still held (a member's verdict not yet sent) stays committed
     m._handle(a.p, {"t": DONE, "e": e, "s": 1})

@@ -316,6 +316,9 @@ class TCPTransport(Transport):
     thread_multiple = True
     tag_ub = FIRST_ROUND_TAG - 1
 
+    #: bytes of the largest single frame (a first-round message is one frame)
+    frame_max = FRAME_MAX
+
     def __init__(self, rank: int, size: int, epoch: int, connect: Callable[[int, int], Connection], *,
                  streams: int | Callable[[int], int] = 4, timeout: float | None = 30.0,
                  on_abuse: Callable[[int, str], None] | None = None):
@@ -650,7 +653,7 @@ class TCPTransport(Transport):
         the message (its tag ``key[1]`` is aborted); the link stays up."""
         exc = MessageSizeMismatch(f"a message from rank {key[0]} does not match the posted receive "
                                   f"({len(slot.view)} bytes)", rank=self._rank, op="irecv")
-        exc.head = head
+        exc.head, exc.source = head, key[0]
         slot.req._fail(exc)
         self._aborted.setdefault(key[1], None)
         dq = self._slots.get(key)

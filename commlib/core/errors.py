@@ -67,9 +67,11 @@ class MessageSizeMismatch(InvalidArgument):
             transport read that frame (a first round's one-frame message always);
             else None.  A first round's message starts with its sender's header
             row, so the receiver can name the field that differs.
+        source: the sender's rank, when the transport knows it; else None.
     """
 
     head: bytes | None = None
+    source: int | None = None
 
 
 class ProcessFailed(CommError):

@@ -1,4 +1,4 @@
-"""Elastic peers over a WAN: a master, authenticated peers, an all-reduce that survives churn.
+"""Elastic peers over a WAN: a master, authenticated peers, collectives that survive churn.
 
 The model is PCCL (Prime Collective Communications Library, arXiv 2505.14065):
 a master keeps membership; the topology changes only at step boundaries, by a
@@ -6,8 +6,10 @@ vote of the live peers (:meth:`Peer.update_topology`); an all-reduce that loses
 a peer is aborted on every survivor, the inputs are restored and it is retried
 over the survivors; shared state is checked by SHA-256 hashes.  Every byte
 travels over :mod:`commlib.transports.tcp` (authenticated frames, no pickle);
-the all-reduce is :func:`commlib.collectives.allreduce_ring.allreduce_ring`
-over a :class:`~commlib.transports.tcp.TCPTransport` of the current epoch.
+the collectives (``allreduce``, ``bcast``, ``allgather``, ``reduce_scatter``,
+``alltoall``, ``barrier``) are calls of the collective engine over a
+:class:`~commlib.transports.tcp.TCPTransport` of the current epoch, under the
+master's verdict (:mod:`~commlib.elastic.group`).
 
 Usage::
 
@@ -22,7 +24,8 @@ Usage::
 The package: :mod:`~commlib.elastic.protocol` (message kinds, limits, the
 master's state machine and the threat model), :mod:`~commlib.elastic.master`
 (:class:`Master`), :mod:`~commlib.elastic.peer` (:class:`Peer`,
-:func:`connect`), :mod:`~commlib.elastic.state_sync` (the peer's shared-state sync).  The quantized wire format is
+:func:`connect`), :mod:`~commlib.elastic.group` (the peer as a group of the engine:
+its recovery policy and collectives), :mod:`~commlib.elastic.state_sync` (the peer's shared-state sync).  The quantized wire format is
 :class:`commlib.transports.quantize.QuantizingTransport`; the errors
 (:class:`PeerFailure`, :class:`AuthError`, :class:`SecretError`, :class:`EncryptionMismatch`,
 :class:`NoHandshakeSlot`, :class:`SilentPort`, :class:`PeerClosed`, :class:`JobMismatch`) are in :mod:`commlib.core.errors`.

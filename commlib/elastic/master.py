@@ -615,8 +615,8 @@ class Master:
                         self._peers[pid].send(notice)
                 if op is not None and op["term"] is None:
                     # members that reported it wait for a verdict: refused (their gave_up
-                    # notice, sent first, gives the cause); the giver needs none
-                    op["sent"].add(p.id)
+                    # notice, sent first, gives the cause); the giver too, when it gave the
+                    # call up while waiting for the verdict (its answer)
                     self._terminate(tag, False, why)
                     self._prune()
             elif t == BYE:

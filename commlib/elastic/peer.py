@@ -1,6 +1,9 @@
-"""An elastic peer: control connection to the master, the epoch's data transport, the
-all-reduce as a front end of the collective engine under the master's recovery policy,
-and the shared-state sync (its methods in :mod:`.state_sync`)."""
+"""An elastic peer: joining (the authenticated handshake with the master, the
+probe of its data address), membership (the control connection's reader, the
+votes of :meth:`Peer.update_topology`, the topology adopted at each call), and
+the epoch's data transport (dialled with the master's tickets).  Its collectives
+are front ends of the collective engine under the master's verdict
+(:mod:`.group`); the shared-state sync is :mod:`.state_sync`."""
 from __future__ import annotations
 
 import functools
@@ -11,29 +14,15 @@ import socket
 import threading
 import time
 
-import numpy as np
-
-from commlib.collectives.allreduce_recursive_doubling import allreduce_recursive_doubling, combine_pair
-from commlib.collectives.allreduce_ring import allreduce_ring, ring_scratch
-from commlib.collectives.snapshot import LazySnapshot
-from commlib.collectives.agreement import NeighbourRefusal, RingHead, agree
-from commlib.collectives.one_round import reduce_rows, small_capacity
-from commlib.collectives.one_shot import one_shot_bytes, one_shot_first_round
-from commlib.collectives.pair_round import message_bytes, pair_first_round
-from commlib.collectives.specs import choose_tcp_allreduce
-from commlib.collectives.ops import OPS, dtype_code, dtype_name, get_op, is_floating
-from commlib.collectives.recovery import RecoveryPolicy, run
-from commlib.core.buffer import grown
 from commlib.core.errors import (AuthError, AuthenticationError, CommError, CommTimeout, EncryptionMismatch,
                                  InvalidArgument, JobMismatch, NoHandshakeSlot, PeerClosed, PeerFailure,
                                  ProcessFailed)
-from commlib.core.seconds import check_timeout
+from commlib.core.seconds import Deadline, check_timeout
 from commlib.transports import tcp
-from commlib.transports.base import check_plain_dtype
-from commlib.transports.quantize import QuantizingTransport
 
+from .group import ElasticGroup
 from .state_sync import StateSync, one_thread
-from .protocol import (BYE, DONE, DROP, FAIL, FETCH, GAVE_UP, GIVE_UP, JOB, PLAN, PROBE, REFUSE, REFUSED, RING,
+from .protocol import (BYE, DROP, FETCH, GAVE_UP, GIVE_UP, JOB, PLAN, PROBE, REFUSED, RING,
                        SYNC_END, TERM, TOPO, VOTE, VOTED, WELCOME, AUTO_STREAMS, HEARTBEAT_INTERVAL, JOB_MAX,
                        PROBE_TOKEN, TRAFFIC, WHY_MAX, check_job, is_bytes, is_int)
 
@@ -51,14 +40,6 @@ class _Topo:
         self.seq = int(msg.get("seq", 0))  # the group's next call number: a new member's first
 
 
-#: the header of an elastic all-reduce (the first round's argument agreement)
-_FIELDS = ("operation", "count", "dtype", "op", "quantize")
-_QUANTIZE = (None, "fp16", "int8")
-_SMALL = 0  # the quantize field of a call travelling in the first round (no quantization)
-_OPERATION = 1
-#: seconds past the call's deadline a peer still waits for the master's verdict on a
-#: report it sent (the master answers the last report within milliseconds)
-_VERDICT_GRACE = 2.0
 #: given-up call numbers a peer keeps (:meth:`Peer._call_given_up`)
 _DEAD_CALLS_KEPT = 64
 
@@ -73,242 +54,6 @@ def _finite_seconds(value, op: str, rank=None) -> float:
     if value is None:
         raise InvalidArgument("timeout must be a finite number of seconds > 0, got None", rank=rank, op=op)
     return check_timeout(value, op=op, rank=rank)
-
-
-def _describe(name: str, value: int):
-    """Header codes as the user wrote them, for mismatch messages."""
-    if name == "quantize":
-        return "none (one round)" if value == _SMALL else (_QUANTIZE[value - 1] or "none") if 0 < value <= 3 else value
-    if name == "dtype":
-        return dtype_name(value)
-    if name == "op":
-        return next((o.name for o in OPS.values() if o.code == value), value)
-    return value
-
-
-def _allreduce_header(buf, op, quantize, rank):
-    """Validate one peer's all-reduce arguments, before anything moves.
-
-    The buffer's kind, layout and writability are checked on every call; what
-    follows from its dtype, size, ``op`` and ``quantize`` alone is validated once
-    per combination and kept (:func:`_header_of`).
-
-    Returns:
-        ``(values, local_error, op)``: the header ints (:data:`_FIELDS`), this
-        peer's :class:`InvalidArgument` or None, and the :class:`~commlib.collectives.ops.Op`.
-    """
-    try:
-        if not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous:
-            raise InvalidArgument("buf must be a C-contiguous numpy array", rank=rank, op="allreduce")
-        if not buf.flags.writeable:
-            raise InvalidArgument("buf is read-only: the all-reduce writes its result into it", rank=rank,
-                                  op="allreduce")
-        if type(op) is str and (quantize is None or type(quantize) is str):  # hashable: the kept answer
-            values, opx = _header_of(buf.dtype, buf.size, op, quantize, rank)
-            return list(values), None, opx
-        values, opx = _header_of.__wrapped__(buf.dtype, buf.size, op, quantize, rank)
-    except InvalidArgument as exc:
-        return [0] * len(_FIELDS), exc, None
-    return list(values), None, opx
-
-
-@functools.lru_cache(maxsize=256)
-def _header_of(dtype, size: int, op, quantize, rank) -> tuple:
-    """The header ints and the Op of a valid call on a buffer of ``dtype`` and
-    ``size`` elements (kept per combination: asked on every all-reduce).
-
-    Raises:
-        InvalidArgument: a dtype, ``op`` or ``quantize`` the all-reduce refuses
-            (never kept: raised anew on each call).
-    """
-    check_plain_dtype(dtype, rank, "allreduce", "buf")
-    if dtype.kind not in "biufc":
-        raise InvalidArgument(f"buf must have a numeric dtype, got {dtype}", rank=rank, op="allreduce")
-    if not isinstance(op, str) or op not in OPS:
-        raise InvalidArgument(f"op must be one of {', '.join(OPS)}, got {op!r}", rank=rank, op="allreduce")
-    opx = get_op(op, rank=rank, opname="allreduce")
-    opx.check(dtype, rank=rank, op="allreduce")
-    if quantize not in _QUANTIZE:
-        raise InvalidArgument(f"quantize must be None, 'fp16' or 'int8', got {quantize!r}", rank=rank,
-                              op="allreduce")
-    if quantize is not None and not is_floating(dtype):
-        raise InvalidArgument("quantize needs a floating dtype", rank=rank, op="allreduce")
-    return (_OPERATION, size, dtype_code(dtype), opx.code, _QUANTIZE.index(quantize) + 1), opx
-
-
-def _combine_pair_into(opx, flat, theirs, theirs_is_lower: bool) -> None:
-    """The committed pair exchange's result into ``flat`` in place: ``flat (op)
-    theirs`` with the lower rank's vector on the left (recursive doubling's
-    order, so both members compute the same bits), then the op's finalize."""
-    combine_pair(opx, flat, flat, theirs, theirs_is_lower)
-    opx.finalize(flat, 2)
-
-
-class _FirstRound:
-    """The epoch's transport as the first round uses it: its tags from the
-    transport's ``first_round_tags``, so the round's bytes are counted apart from
-    the data plane's (:attr:`Peer.stats`).  ``mirror``: ranks seen mirrored
-    (``(n - r) % n``), so the first step of Bruck's all-gather goes to rank
-    ``r + 1`` and comes from ``r - 1``, as a ring's first step does: a member whose
-    call differs and chose the ring meets it (:class:`~commlib.collectives.agreement.RingHead`)."""
-
-    def __init__(self, tr, mirror: bool = False):
-        self._tr = tr
-        if mirror:
-            n = tr.size
-            self.rank = (n - tr.rank) % n
-            self.isend = lambda buf, dest, tag=0: tr.isend(buf, (n - dest) % n, tag)
-            self.irecv = lambda buf, source, tag=0: tr.irecv(buf, (n - source) % n, tag)
-            self.sendrecv = lambda sb, dest, rb, source, stag=0, rtag=0: tr.sendrecv(sb, (n - dest) % n, rb,
-                                                                                    (n - source) % n, stag, rtag)
-
-    @property
-    def tags(self):
-        """The transport's first-round allocator of the current operation (renewed by
-        its ``begin_operation``), read at each use: a kept wrapper never goes stale."""
-        return self._tr.first_round_tags
-
-    def __getattr__(self, name):
-        return getattr(self._tr, name)
-
-
-class _MasterPolicy(RecoveryPolicy):
-    """The elastic master's verdict as a recovery policy (PCCL's model).
-
-    An attempt runs on the current epoch's transport under tag ``(epoch,
-    seq)``; :meth:`settle` reports ``done`` or ``fail`` to the master and waits
-    for its terminal message: committed on every member, or aborted on every
-    member.  The tag is spent either way (the next call uses the next one).
-    :meth:`recover` waits for the next epoch (the survivors, fresh
-    connections) and retries, within the call's ``timeout`` and
-    ``max_retries``.  Argument errors found by the first round are the same on
-    every member: reported ``done``, raised everywhere; one found by a ring
-    member's neighbour check alone (:class:`~commlib.collectives.agreement.NeighbourRefusal`)
-    is reported ``refuse``, and the master's verdict carries its message to every
-    member (the peer's reader aborts the operation's tags with it).  Every wait
-    is bounded by the call's deadline.
-    """
-
-    def __init__(self, peer: "Peer", opname: str, deadline: float, timeout: float, retry: bool, max_retries: int):
-        self.peer, self.opname, self.deadline, self.timeout = peer, opname, deadline, timeout
-        self.retry, self.max_retries = retry, max_retries
-        self.aborts = 0
-        self.tag = None
-        self.decided = False  # the group decided how the call ends (committed, refused, given up)
-
-    def _left(self) -> float:
-        return self.deadline - time.monotonic()
-
-    def start(self):
-        peer = self.peer
-        if peer._closed:
-            raise PeerClosed("this peer was closed (close() was called)", rank=peer.rank, op=self.opname)
-        topo = peer._adopt()
-        if topo is None or topo.rank is None:
-            raise InvalidArgument("this peer is not a member yet: call update_topology() first",
-                                  rank=None, op=self.opname)
-        if peer._lost is not None:
-            raise CommError(peer._lost, rank=topo.rank, op=self.opname)
-        self.tag = (topo.epoch, peer._seq)  # (the call's number is spent even if the wait below raises)
-        tr = peer._transport(topo)
-        if tr.revoked and peer._aborted_epoch == topo.epoch and peer._seq not in peer._dead_calls:
-            # the master aborted an operation of this epoch (a member's failure, no death
-            # known yet): its next epoch is on the way (after its abort_grace); this call
-            # runs there instead of failing at once on the aborted one
-            e = topo.epoch
-            peer._wait(lambda: True if ((peer._latest is not None and peer._latest.epoch > e)
-                                        or peer._seq in peer._dead_calls) else None,
-                       max(self._left(), 0.0), self.opname)
-            topo = peer._adopt()
-            tr = peer._transport(topo)
-        self.tag = (topo.epoch, peer._seq)
-        if peer._seq in peer._dead_calls:
-            # another member gave this call up (e.g. it timed out while this peer was
-            # late for it): it fails here too, before anything is sent; the epoch's
-            # transport exists, so what the others sent for it is taken and dropped
-            self.decided = True
-            data, first = tr.operation_tags(peer._seq)
-            tr.abort_tags((*data, *first))
-            raise peer._dead_error(peer._seq, self.opname)
-        tr.begin_operation(peer._seq)  # the call's tags follow from (epoch, seq) alone
-        return tr, max(self._left(), 0.0), range(tr.size)
-
-    def is_failure(self, tp, exc) -> bool:
-        return isinstance(exc, (CommError, OSError)) and not isinstance(exc, InvalidArgument)
-
-    def failed(self, tp, exc) -> None:
-        # the attempt may have left receives posted into the caller's buffer: stop the
-        # transport placing frames (the epoch's operation is aborted anyway) before
-        # the runner restores the input
-        tp.revoke(f"this peer's attempt failed ({type(exc).__name__})")
-
-    def settle(self, tp, outcome) -> bool:
-        peer, (e, s) = self.peer, self.tag
-        if s not in peer._dead_calls:
-            bad = outcome.failure is not None or (outcome.error is not None and not outcome.badarg)
-            if isinstance(outcome.error, NeighbourRefusal):
-                # this member alone saw that the calls differ: the master makes it every member's
-                peer._send({"t": REFUSE, "e": e, "s": s, "why": outcome.error.detail[:WHY_MAX]})
-            else:
-                peer._send({"t": FAIL if bad else DONE, "e": e, "s": s})
-            # the verdict follows the last member's report: bounded by what is left of
-            # the call, plus the master's answer to a report sent at the very end (or
-            # another member gives the call up)
-            ok = peer._wait(lambda: peer._terms.pop((e, s), None) if s not in peer._dead_calls else False,
-                            max(self._left(), 0.0) + _VERDICT_GRACE, self.opname)
-            if ok:
-                self.decided = True
-                return True
-        if s in peer._dead_calls:
-            # another member gave the call up: it ends on every member
-            outcome.error, outcome.failure = peer._dead_error(s, self.opname), None
-            self.decided = True
-            return True
-        why = peer._refusals.pop((e, s), None)
-        if why is not None:
-            # refused by a member whose call differs from its neighbour's: its message is
-            # raised on every member alike (this one's own view of the difference, e.g. a
-            # first-round message of another size, names less)
-            outcome.error, outcome.failure = peer._refusal(why, None), None
-            self.decided = True
-            return True
-        if outcome.error is not None and not outcome.badarg:
-            raise outcome.error  # this peer's own error: not a failure to retry
-        return False
-
-    def recover(self, tp, outcome) -> None:
-        peer, e = self.peer, self.tag[0]
-        peer._counts["aborts"] += 1
-        self.aborts += 1
-        cause = outcome.failure if outcome.failure is not None else outcome.error
-        why = f"{type(cause).__name__}: {cause}" if cause is not None else "another member failed"
-        if not self.retry or self.aborts > self.max_retries:
-            raise PeerFailure(f"all-reduce aborted in epoch {e} ({why})", rank=tp.rank, op=self.opname)
-        if self._left() <= 0:
-            raise CommTimeout(f"no committed result within the call's {self.timeout:g} s timeout "
-                              f"({self.aborts} abort(s); last: {why}); did every member call it?",
-                              rank=tp.rank, op=self.opname)
-        # the next epoch (survivors, fresh connections) comes from the master; the call
-        # number is kept: the retry is the same call, in the next epoch
-        s = self.tag[1]
-        peer._wait(lambda: True if s in peer._dead_calls or (peer._latest is not None and peer._latest.epoch > e)
-                   else None, max(self._left(), 0.0), self.opname)
-        if s in peer._dead_calls:
-            self.decided = True
-            raise peer._dead_error(s, self.opname)
-        peer._counts["retries"] += 1
-
-    def ended(self, exc: BaseException | None) -> None:
-        """The call is over (``exc``: the error leaving it): its number is spent;
-        an error the group did not decide gives the call up on every member
-        (:meth:`Peer._give_up`)."""
-        if self.tag is None:
-            return
-        peer, s = self.peer, self.tag[1]
-        peer._seq = max(peer._seq, s + 1)
-        if exc is not None and not self.decided and s not in peer._dead_calls and not peer._closed:
-            # (a peer that left gives nothing up: the others retry without it, as after a death)
-            peer._give_up(s, "timeout" if isinstance(exc, CommTimeout) else "fail", f"{type(exc).__name__}: {exc}")
 
 
 @functools.lru_cache(maxsize=1024)
@@ -327,8 +72,11 @@ def _loopback(addr: str) -> bool:
         return False
 
 
-class Peer(StateSync):
-    """One elastic peer (made by :func:`connect`).
+class Peer(ElasticGroup, StateSync):
+    """One elastic peer (made by :func:`connect`): a group of the collective
+    engine (:class:`~.group.ElasticGroup`: ``allreduce``, ``bcast``, ``allgather``,
+    ``reduce_scatter``, ``alltoall``, ``barrier``), with ``update_topology`` and
+    ``sync_shared_state``.
 
     Attributes:
         id: the master's id for this peer (stable for its lifetime).
@@ -449,6 +197,7 @@ class Peer(StateSync):
         self._call_name = None
         self._topo: _Topo | None = None      # adopted
         self._latest: _Topo | None = None    # newest pushed
+        self._recent: dict = {}              # epoch -> the last few pushed topologies
         self._terms: dict = {}
         self._refusals: dict = {}  # (epoch, seq) -> why: operations a member refused (REFUSE)
         # call number -> (kind, why, peer id): calls given up by a member (GIVE_UP), this
@@ -474,12 +223,6 @@ class Peer(StateSync):
         self._fetch_parked: list = []        # (deadline, round, src, stream, conn)
         self._counts = {"retries": 0, "aborts": 0}
         self._traffic = dict.fromkeys(TRAFFIC, 0)  # of the ring transports of past epochs
-        self._scratch: np.ndarray | None = None  # the ring's snapshot; recursive doubling's receives
-        self._ring_keep: np.ndarray | None = None  # the in-place ring's receive scratch (ring_scratch)
-        self._pair_keep: np.ndarray | None = None  # the one-round, one-shot and recursive-doubling result
-        self._round_keep: np.ndarray | None = None  # the first round's messages (pair exchange, one-shot)
-        self._head_keep: np.ndarray | None = None  # the ring head's row and the left neighbour's message
-        self._head_plan = None  # (transport, key, RingHead) of the last ring-sized call (_ring_head)
         threading.Thread(target=self._reader, daemon=True, name="commlib-peer-rx").start()
         threading.Thread(target=self._heartbeat, daemon=True, name="commlib-peer-hb").start()
 
@@ -524,8 +267,8 @@ class Peer(StateSync):
     def stats(self) -> dict:
         """Counters of this peer since :func:`connect` (a new dict on each read):
 
-        - ``retries``, ``aborts``: all-reduces aborted (a peer died or failed) and retried;
-        - ``bytes_sent``, ``bytes_received``: payload bytes of the all-reduce data plane
+        - ``retries``, ``aborts``: collective calls aborted (a peer died or failed) and retried;
+        - ``bytes_sent``, ``bytes_received``: payload bytes of the collectives' data plane
           (the ring's messages, over every epoch's transport; quantized messages count
           their wire size). A ring all-reduce of ``B`` bytes over ``n`` peers sends and
           receives ``2 (n - 1) / n * B`` per peer (to rounding of the chunk bounds);
@@ -537,7 +280,7 @@ class Peer(StateSync):
           and took one extra copy.
 
         - ``first_round_bytes_sent``, ``first_round_bytes_received`` (and
-          ``first_round_wire_bytes_*``): the first round of each all-reduce, its
+          ``first_round_wire_bytes_*``): the first round of each collective, its
           argument agreement: ``n - 1`` rows of 48 header bytes plus
           :func:`~commlib.collectives.one_round.small_capacity` payload bytes each
           way per peer, which carry the whole vector of a small call; at 2 peers
@@ -594,6 +337,9 @@ class Peer(StateSync):
                         topo = _Topo(msg, self.id)
                         if self._latest is None or topo.epoch > self._latest.epoch:
                             self._latest = topo
+                            self._recent[topo.epoch] = topo  # (update_topology adopts the voted one)
+                            for old in [k for k in self._recent if k < topo.epoch - 8]:
+                                del self._recent[old]
                             tr = self._tr
                             if tr is not None and tr.epoch < topo.epoch:
                                 tr.revoke("a newer epoch began")
@@ -676,7 +422,8 @@ class Peer(StateSync):
         tr = self._tr
         if tr is not None:
             data, first = tr.operation_tags(s)
-            tr.abort_tags((*data, *first), lambda tag, rec=(kind, why, pid): self._dead_error(s, "allreduce", rec))
+            tr.abort_tags((*data, *first),
+                          lambda tag, rec=(kind, why, pid): self._dead_error(s, self._call_name or "allreduce", rec))
 
     def _dead_error(self, s: int, op: str, rec: tuple | None = None) -> CommError:
         """The error of call ``s``, given up by a member (``rec``, else its record
@@ -718,10 +465,15 @@ class Peer(StateSync):
                     raise CommTimeout(f"no answer from the master after {timeout:.3g} s", rank=self.rank, op=op)
                 self._cv.wait(min(left, 0.5))
 
-    def _adopt(self) -> _Topo | None:
-        """Make the newest pushed topology the current one (at an operation's start)."""
+    def _adopt(self, epoch: int | None = None) -> _Topo | None:
+        """Make the newest pushed topology the current one (at an operation's start);
+        ``epoch``: that epoch's when it is newer than the current one and still kept
+        (``update_topology``: the voted epoch, so that every member reads the same
+        rank, size and members after it even when a death began a later epoch)."""
         with self._cv:
             latest = self._latest
+            if epoch is not None and epoch in self._recent:
+                latest = self._recent[epoch]
             if latest is not None and (self._topo is None or latest.epoch > self._topo.epoch):
                 if latest.rank is not None and (self._topo is None or self._topo.rank is None):
                     self._seq = latest.seq  # admitted: its calls pair with the group's next ones
@@ -885,7 +637,8 @@ class Peer(StateSync):
         peer saw at its previous call (always True on admission).
 
         Raises:
-            CommTimeout: no decision within ``timeout`` (default: the peer's timeout).
+            CommTimeout: no decision within ``timeout``, the deadline of the whole call in
+                seconds (default: the peer's timeout).
             InvalidArgument: ``timeout`` is not a finite number; another thread of this
                 peer is in a call.
             CommError: the master is gone.
@@ -895,314 +648,29 @@ class Peer(StateSync):
         self._adopt()
         with self._cv:
             self._voted = None
+        deadline = Deadline(timeout, op="update_topology")  # one bound for the whole call
         self._send({"t": VOTE})
-        e = self._wait(lambda: self._voted, timeout, "update_topology")
-        self._wait(lambda: True if self._latest is not None and self._latest.epoch >= e else None, timeout,
+        e = self._wait(lambda: self._voted, deadline.left(), "update_topology")
+        self._wait(lambda: True if self._latest is not None and self._latest.epoch >= e else None, deadline.left(),
                    "update_topology")
-        topo = self._adopt()
+        topo = self._adopt(e)
         members = frozenset(topo.ids)
         changed = members != self._last_members
         self._last_members = members
         return changed
 
-    @one_thread("allreduce")
-    def allreduce(self, buf: np.ndarray, op: str = "sum", quantize: str | None = None, retry: bool = True,
-                  timeout: float | None = None, max_retries: int = 16) -> np.ndarray:
-        """All-reduce ``buf`` in place over the current members; bit-identical on all.
-
-        A front end of the collective engine's steps, run by the one retry runner
-        (:func:`commlib.collectives.recovery.run`) under the master's recovery
-        policy: the first round agrees on the call's header (operation, count,
-        dtype, op, quantize) over the epoch's TCP transport, so mismatched
-        calls raise :class:`~commlib.InvalidArgument` on every peer, naming the
-        difference, and every buffer holds its input; a call of at most
-        :func:`~commlib.collectives.one_round.small_capacity` bytes (unquantized)
-        travels inside that round and is reduced locally in the ring's order.
-        Larger calls run :func:`~commlib.collectives.allreduce_ring.allreduce_ring`,
-        whose first step carries the first round
-        (:class:`~commlib.collectives.agreement.RingHead`): each member's header
-        row goes in front of its first chunk (between loopback addresses; beside
-        it elsewhere, :attr:`first_round_in_chunk`), and the left neighbour's row
-        is compared before its chunk is combined or anything written: around the
-        ring, every member finding its neighbour's header equal to its own means
-        all are equal, at no message of its own; a member that finds a difference
-        (or a first message of another size: a call that chose another
-        algorithm) reports it to the master, whose verdict ends the call on every
-        member with that member's message (other members may by then have run a
-        few ring steps, undone from the snapshot; their chunks are dropped
-        unused); with :attr:`overlap_first_round` False, or quantized, the row
-        alone is checked before the ring starts; on 3 members, unquantized, up to
-        :data:`~commlib.collectives.specs.ONE_SHOT_TCP_MAX` (512 KiB) one-shot
-        (:mod:`commlib.collectives.one_shot`: the first round's all-gather carries
-        every member's header row and whole vector, 2 messages a member, each
-        reducing the three in the ring's order; a member that finds a header or
-        size different reports it to the master, as the ring's); on 4 or more,
-        unquantized, up to
-        :data:`~commlib.collectives.specs.RECURSIVE_DOUBLING_TCP_MAX` (256 KiB)
-        :func:`~commlib.collectives.allreduce_recursive_doubling.allreduce_recursive_doubling`
-        out of place (``ceil(log2 n)`` steps instead of ``2 (n - 1)``; ``buf`` only
-        read until the commit); or with 2 members, no quantization and at most
-        :data:`commlib.elastic.PAIR_EXCHANGE_MAX` bytes (the specification table's threshold,
-        :func:`commlib.collectives.specs.choose_tcp_allreduce`) one exchange of
-        the whole vector, shipped right behind the header
-        (:func:`commlib.collectives.pair_round.pair_first_round`: one round trip
-        instead of two; a mismatched call then has sent its vector, which the
-        other peer drops unused), the result
-        computed out of place into a kept scratch and copied into ``buf`` only
-        once the master commits).  Each peer then reports to the master, which
-        commits the operation when every member reported success and aborts it
-        otherwise; an aborted call is retried over the next epoch's members
-        (``retry``).  The ring restores from a copy-before-write snapshot kept
-        in a scratch buffer the peer reuses between calls.
-
-        This peer's invalid arguments (a read-only, non-contiguous or non-numeric
-        ``buf``, an unknown ``op`` or ``quantize``, a ``timeout`` that is not a
-        finite number) raise at once, before anything is sent, and the call is
-        given up on every member: each raises InvalidArgument naming this peer's
-        rank and cause, instead of waiting for its timeout.  Calls are paired by
-        their number (each member counts its calls; a retry keeps its number): a
-        call that one member leaves with an error the group did not decide (its
-        timeout, ``retry=False`` after an abort) is given up too, and fails on every
-        member, a member late for it included (at once, with the giver's error
-        class), so a late call is never combined with another member's next one.  On every error
-        ``buf`` holds its input again, bit for bit, before the error leaves the call
-        (the master lost included), and the peer is ready for the next call.
-
-        Args:
-            buf: writable C-contiguous numpy array (any shape) of a numeric dtype;
-                the same dtype and size on every peer.
-            op: a name of :data:`commlib.collectives.ops.OPS` (``"sum"``, ``"avg"``,
-                ``"min"``, ``"max"``, ``"prod"``, bitwise ops on integers).
-            quantize: None, ``"fp16"`` or ``"int8"`` (floating dtypes only): the
-                wire format of each message; every peer still ends with the same bits.
-            retry: on an abort, retry over the survivors (else raise PeerFailure).
-            timeout: seconds the whole call may take, retries included (default:
-                the peer's ``timeout``).
-            max_retries: aborts tolerated before PeerFailure.
-
-        Returns:
-            ``buf``.
-
-        Raises:
-            InvalidArgument: bad buffer, op, quantize or timeout on any peer, or
-                calls that differ between peers (on every peer alike); not a member;
-                another thread of this peer is in a call (this peer alone).
-            PeerFailure: aborted and ``retry=False`` (or more than ``max_retries``
-                aborts); or another member gave this call up after one.
-            CommTimeout: no committed result within ``timeout`` seconds (e.g. a
-                member did not call the all-reduce), here or on a member that gave
-                this call up for it (a member late for the call raises it at once).
-            PeerClosed: this peer was closed.
-            CommError: the master is lost.
-        """
-        rank = self.rank
-        values, local_error, opx = _allreduce_header(buf, op, quantize, rank)
-        try:
-            timeout = self._call_timeout(timeout, "allreduce")
-        except InvalidArgument as exc:
-            local_error = local_error or exc
-            timeout = 0.0
-        deadline = time.monotonic() + timeout
-        if local_error is not None:
-            # this peer's own bad argument: raised here, before any byte moves, and the
-            # call given up on every member (each raises InvalidArgument naming it)
-            self._refuse_call(local_error)
-            raise local_error
-        flat = buf.reshape(-1)
-        policy = _MasterPolicy(self, "allreduce", deadline, timeout, retry, max_retries)
-        keep = {}
-        try:
-            finish = run(policy, functools.partial(self._allreduce_attempt, flat, values, opx, quantize, policy, keep),
-                         lambda: keep["snap"].restore() if keep.get("snap") is not None else None)
-        except BaseException as exc:
-            policy.ended(exc)
-            raise
-        policy.ended(None)
-        if finish is not None:  # committed: an out-of-place result goes into buf now
-            finish()
-        return buf
-
-    def _refuse_call(self, error: InvalidArgument) -> None:
-        """This member's next call is invalid here (``error``, found before anything
-        moved): give it up on every member, so the others raise at once instead of
-        waiting for their timeout.  Nothing to tell when this peer is not a member,
-        closed or without its master."""
-        if self._closed or self._lost is not None:
-            return
-        topo = self._adopt()
-        if topo is None or topo.rank is None:
-            return
-        s = self._seq
-        self._seq = s + 1
-        # the epoch's transport, so the members' sends of this call (dialled to this
-        # peer) are taken and dropped, not left waiting for a connection it never serves
-        self._transport(topo)
-        self._give_up(s, "arg", error.detail)
-
-    def _allreduce_attempt(self, flat, values, opx, quantize, policy, keep, tr, left, survivors):
-        """One attempt of :meth:`allreduce` on the epoch's transport ``tr``, ``left``
-        seconds left: the first round, then the data part (:meth:`_allreduce_data`);
-        returns what that returns.  ``keep["snap"]``: the ring's snapshot, for the
-        runner's restore."""
-        algo = choose_tcp_allreduce(flat.nbytes, tr.size, quantize is not None)
-        try:
-            if algo == "ring" and tr.size > 1:
-                # the ring's first round: the header row in front of the ring's first
-                # chunk, compared before anything is combined or written into buf; or
-                # (overlap_first_round False; a quantized ring writes a chunk's
-                # dequantized value into buf as it sends it) that row alone first
-                alone = quantize is not None or not self.overlap_first_round
-                head = self._ring_head(tr, values, flat, alone)
-                if not alone:
-                    return self._allreduce_data(tr, flat, opx, quantize, left, algo, None, keep, head=head)
-                head.check_alone((tr.rank - 1) % tr.size, (tr.rank + 1) % tr.size, left)
-                return self._allreduce_data(tr, flat, opx, quantize, left, algo, None, keep)
-            rows = self._first_round(tr, values, algo, flat, left)
-            return self._allreduce_data(tr, flat, opx, quantize, left, algo, rows, keep)
-        except InvalidArgument:
-            # the calls differ: a member that chose the ring has sent its first chunk
-            # (and posted its receive) under this call's tags, another may wait in
-            # the first round for a message that will not come; drop them all here
-            # (abort_tags returns once no frame of theirs is still landing in a
-            # kept scratch, so the scratch is reused as is)
-            data, first = tr.operation_tags(policy.tag[1])
-            tr.abort_tags((*data, *first))
-            raise
+    def first_round_joined(self, a: int, b: int) -> bool:
+        """Whether the link of ranks ``a`` and ``b`` carries a ring's header row and
+        first chunk as one frame (:attr:`first_round_in_chunk`, else both ends on
+        loopback addresses: both ends decide alike)."""
+        if self.first_round_in_chunk is not None:
+            return self.first_round_in_chunk
+        topo = self._topo
+        return _loopback(topo.addrs[topo.ids[a]]) and _loopback(topo.addrs[topo.ids[b]])
 
     def _refusal(self, why: str, tag) -> InvalidArgument:
         """The error of an operation a member refused (:data:`.protocol.REFUSE`)."""
-        return InvalidArgument(why, rank=self.rank, op="allreduce")
-
-    def _ring_head(self, tr, values, flat, alone: bool) -> RingHead:
-        """The first round of a ring-sized all-reduce on ``tr``: a
-        :class:`~commlib.collectives.agreement.RingHead`, the header row in front of
-        the ring's first chunk, one message per member; ``alone`` (with
-        :attr:`overlap_first_round` False, or a quantized call): the bare row on
-        every link, checked before the ring starts (``RingHead.check_alone``).
-
-        A link carries row and chunk joined when both its ends are on loopback
-        addresses (both ends see that alike; elsewhere the chunk keeps the ring's
-        striping over the link's connections) and they fit one frame.
-
-        The head is kept for the next call (a cached plan, as NCCL keeps one per
-        communicator): a call on the same transport (epoch) with the same header,
-        chunk size and settings reuses it, its row already encoded in a scratch of
-        its own (:attr:`_head_keep`, which no other path writes), with the next
-        first-round tag of that call's operation."""
-        n, r = tr.size, tr.rank
-        header = values[:5]
-        chunk = -(-flat.size // n) * flat.itemsize
-        key = (tuple(header), chunk, alone, self.first_round_in_chunk)
-        plan = self._head_plan
-        if plan is not None and plan[0] is tr and plan[1] == key:
-            return plan[2].renew()
-        cap = small_capacity(n)
-        need = RingHead.need(len(header), cap, chunk)
-        self._head_keep = grown(self._head_keep, need)
-        topo = self._topo
-        fits = need <= tcp.FRAME_MAX and not alone
-
-        def joined(a, b):
-            if self.first_round_in_chunk is not None:
-                return fits and self.first_round_in_chunk
-            return fits and _loopback(topo.addrs[topo.ids[a]]) and _loopback(topo.addrs[topo.ids[b]])
-
-        head = RingHead(_FirstRound(tr), header, op="allreduce", capacity=cap, keep=self._head_keep,
-                        send_joined=joined(r, (r + 1) % n), recv_joined=joined((r - 1) % n, r), names=_FIELDS,
-                        describe=_describe)
-        self._head_plan = (tr, key, head)
-        return head
-
-    def _first_round(self, tr, values, algo, flat, timeout):
-        """The all-reduce's first round on ``tr``: the argument agreement, carrying a
-        small call's vector (``algo == "small"``), at 2 members a pair exchange's
-        (:mod:`commlib.collectives.pair_round`) and a one-shot call's
-        (:mod:`commlib.collectives.one_shot`); returns every member's payload in
-        rank order, or None on 1 member.
-
-        Raises:
-            InvalidArgument: the members' calls differ (on every member alike; a
-                :class:`~commlib.collectives.agreement.NeighbourRefusal` on the
-                members that saw it, made everyone's by the master).
-        """
-        n = tr.size
-        header = values[:4] + [_SMALL if algo == "small" else values[4]]
-        if algo == "one_shot":  # every member's header and whole vector to every member
-            self._round_keep = grown(self._round_keep, one_shot_bytes(len(header), n, flat.nbytes))
-            return one_shot_first_round(_FirstRound(tr), header, op="allreduce", vector=flat, keep=self._round_keep,
-                                        timeout=timeout, names=_FIELDS, describe=_describe)
-        payload = flat.view(np.uint8) if algo == "small" else None
-        if n == 2:  # one message each way: the header row with the payload or the whole vector
-            vector = flat if algo == "pair_exchange" else None
-            nb = message_bytes(len(header), small_capacity(n), flat.nbytes if vector is not None else 0)
-            self._round_keep = grown(self._round_keep, 2 * nb)
-            return pair_first_round(_FirstRound(tr), header, op="allreduce", capacity=small_capacity(n),
-                                    sendbuf=self._round_keep[:nb], recvbuf=self._round_keep[nb:2 * nb],
-                                    payload=payload, vector=vector, timeout=timeout, names=_FIELDS,
-                                    describe=_describe)
-        if n > 2:
-            # mirrored: the all-gather's first step goes the ring's way, so a member whose
-            # call differs and chose the ring meets it (RingHead); rows back in rank order
-            try:
-                rows = agree(_FirstRound(tr, mirror=True), header, op="allreduce", payload=payload,
-                             capacity=small_capacity(n), timeout=timeout, names=_FIELDS, describe=_describe)
-            except InvalidArgument as exc:  # raised under the mirrored rank: this member's real one
-                raise InvalidArgument(exc.detail, rank=tr.rank, op=exc.op) from None
-            return rows[[(n - r) % n for r in range(n)]]
-        return None
-
-    def _allreduce_data(self, tr, flat, opx, quantize, timeout, algo, rows, keep, head=None):
-        """The data part of one all-reduce attempt on ``tr`` (``algo`` from
-        :func:`~commlib.collectives.specs.choose_tcp_allreduce`); returns None
-        when ``flat`` holds the result, else a callable that writes it into
-        ``flat``, run after the commit (until then ``flat`` holds the input, so an
-        abort has nothing to restore).  ``head``: the ring's first step carrying
-        the first round (:class:`~commlib.collectives.agreement.RingHead`)."""
-        keep["snap"] = None
-        nb = flat.nbytes
-        if tr.size == 1:
-            opx.finalize(flat, 1)  # the identity for every op: nothing to save
-            return None
-        if algo in ("small", "pair_exchange", "one_shot"):
-            # every member's vector came in the first round (at 2 members up to
-            # PAIR_EXCHANGE_MAX bytes: collectives/pair_round.py; at 3 up to
-            # ONE_SHOT_TCP_MAX: collectives/one_shot.py), reduced out of place, so
-            # ``buf`` is untouched until the commit and an abort has nothing to
-            # restore; bit-identical on every member: a small or one-shot call in the
-            # ring's order, the pair exchange as recursive doubling's, rank 0's vector
-            # on the left.  The pair exchange combines straight into ``buf`` after the
-            # commit (an element-wise op of ``buf`` and the received vector: no
-            # scratch, no copy); a small or one-shot call's rows may include ``buf``
-            # itself (a gather send), so those reduce into a scratch and copy
-            if algo == "pair_exchange":
-                return functools.partial(_combine_pair_into, opx, flat, rows[1 - tr.rank][:nb].view(flat.dtype),
-                                         tr.rank == 1)
-            self._pair_keep = grown(self._pair_keep, nb)
-            result = self._pair_keep[:nb].view(flat.dtype)
-            reduce_rows(rows, flat.dtype, flat.size, opx, result)
-            return functools.partial(np.copyto, flat, result)
-        if algo == "recursive_doubling":
-            # out of place, from ``flat`` (read, never written) into a kept scratch:
-            # as the pair exchange, nothing to restore on an abort
-            self._pair_keep = grown(self._pair_keep, nb)
-            self._scratch = grown(self._scratch, nb)  # the ring's snapshot scratch, unused here: the receives
-            result = self._pair_keep[:nb].view(flat.dtype)
-            allreduce_recursive_doubling(tr, result, opx, sendbuf=flat, timeout=timeout,
-                                         tmp=self._scratch[:nb].view(flat.dtype))
-            return functools.partial(np.copyto, flat, result)
-        # copy-before-write snapshot into a reused scratch (no page faults, the
-        # copies overlap the ring's transfers); restored only on an error
-        self._scratch = grown(self._scratch, nb)  # the largest all-reduce so far
-        snap = keep["snap"] = LazySnapshot(flat, self._scratch)
-        self._ring_keep, tmp = ring_scratch(self._ring_keep, flat, tr.size)
-        if quantize is None:
-            allreduce_ring(tr, flat, opx, timeout=timeout, save=snap, tmp=tmp, head=head)
-        else:
-            # the quantizing view overwrites a chunk with its dequantized value when it
-            # first sends it, before the ring's lazy saves: save everything up front
-            snap.save_all()
-            allreduce_ring(QuantizingTransport(tr, quantize), flat, opx, timeout=timeout, tmp=tmp)
-        return None
+        return InvalidArgument(why, rank=self.rank, op=self._call_name or "allreduce")
 
     def _call_timeout(self, timeout, op: str) -> float:
         """A call's ``timeout`` argument in seconds (None: the peer's).

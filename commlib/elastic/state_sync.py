@@ -30,6 +30,7 @@ import numpy as np
 
 from commlib.core.config import config
 from commlib.core.errors import CommError, InvalidArgument
+from commlib.core.seconds import Deadline
 from commlib.transports import tcp
 from commlib.transports.base import check_plain_dtype
 
@@ -71,7 +72,8 @@ class StateSync:
                 differ gets a new array (the old one is left as it was), and on a
                 member that fetches, a name the job's state lacks is removed.
             revision: this peer's revision of ``state``.
-            timeout: seconds to wait for the plan and for the transfers.
+            timeout: the deadline of the whole call in seconds (the plan, the
+                transfers, the round's end); default: the peer's ``timeout``.
 
         Returns:
             ``{"revision", "bytes_received", "donor", "seconds"}`` (donor: the peer
@@ -90,17 +92,18 @@ class StateSync:
         if topo is None or topo.rank is None:
             raise InvalidArgument("not a member: call update_topology() first", op="sync_shared_state")
         timeout, hashes, meta, views = self._sync_arguments(state, revision, timeout, topo.rank)
-        plan = self._sync_round(revision, hashes, meta, timeout, topo.rank)
+        deadline = Deadline(timeout, start=t0, op="sync_shared_state")  # one bound for the whole call
+        plan = self._sync_round(revision, hashes, meta, deadline.left(), topo.rank)
         rnd = int(plan["round"])
         result = {"revision": int(plan["rev"]), "bytes_received": 0, "donor": None}
         if plan["fetchers"] and self.id in [int(d) for d in plan["donors"]]:
-            self._serve_round(rnd, views, timeout)
+            self._serve_round(rnd, views, deadline.left())
         elif plan["fetchers"]:
             try:
-                got, donor = self._fetch(plan, state, topo, timeout, own=hashes)
+                got, donor = self._fetch(plan, state, topo, deadline, own=hashes)
             finally:
                 self._send({"t": SYNCED})
-            self._wait(lambda: True if rnd in self._sync_ends else None, timeout, "sync_shared_state")
+            self._wait(lambda: True if rnd in self._sync_ends else None, deadline.left(), "sync_shared_state")
             result.update(bytes_received=got, donor=donor)
         result["seconds"] = time.monotonic() - t0
         return result
@@ -304,8 +307,9 @@ class StateSync:
             if self._fetch_active.get(key) is conn:
                 del self._fetch_active[key]
 
-    def _fetch(self, plan: dict, state: dict, topo, timeout: float, own: dict | None = None):
-        """Fetch every tensor whose hash differs, from the donors in turn; verify.
+    def _fetch(self, plan: dict, state: dict, topo, deadline: Deadline, own: dict | None = None):
+        """Fetch every tensor whose hash differs, from the donors in turn, within
+        ``deadline`` (the call's); verify.
 
         ``own``: name → SHA-256 of this peer's tensors as they were when the
         call began (still valid for an array kept as it is: one pass over the
@@ -339,7 +343,7 @@ class StateSync:
             if not todo:
                 break
             try:
-                n, todo = self._fetch_from(d, topo, views, todo, timeout, plan)
+                n, todo = self._fetch_from(d, topo, views, todo, deadline, plan)
                 got += n
                 used = d
             except _DonorFailed as exc:
@@ -354,7 +358,7 @@ class StateSync:
             del state[k]  # a name the job's state lacks: every member ends with the same names
         return got, used
 
-    def _fetch_from(self, donor: int, topo, views, todo, timeout, plan: dict):
+    def _fetch_from(self, donor: int, topo, views, todo, deadline: Deadline, plan: dict):
         """Fetch ranges ``todo`` from ``donor`` over up to ``streams`` connections.
 
         Returns (bytes, []) or raises :class:`_DonorFailed` with what is left."""
@@ -368,7 +372,7 @@ class StateSync:
 
         def worker(stream):
             try:
-                conn = self._dial(topo, donor, stream, FETCH, min(timeout, 10.0), plan=plan)
+                conn = self._dial(topo, donor, stream, FETCH, min(max(deadline.left(), 0.05), 10.0), plan=plan)
             except Exception as exc:  # noqa: BLE001
                 errors.append(exc)
                 return
@@ -380,11 +384,11 @@ class StateSync:
                         return
                     k, o, n = r
                     try:
-                        conn.send_ctrl({"k": k, "o": o, "n": n}, timeout=timeout)
-                        kind, flags, ep, tg, ch, st, length = conn.read_header(time.monotonic() + timeout)
+                        conn.send_ctrl({"k": k, "o": o, "n": n}, timeout=max(deadline.left(), 1e-3))
+                        kind, flags, ep, tg, ch, st, length = conn.read_header(deadline.at)
                         if kind != tcp.K_DATA or conn.plain_length(length) != n:
                             raise tcp.FrameError("bad reply")
-                        conn.read_payload(length, into=views[k][o:o + n], deadline=time.monotonic() + timeout)
+                        conn.read_payload(length, into=views[k][o:o + n], deadline=deadline.at)
                     except Exception as exc:  # noqa: BLE001
                         errors.append(exc)
                         return
@@ -399,7 +403,7 @@ class StateSync:
         for th in threads:
             th.start()
         for th in threads:
-            th.join(timeout + 15.0)
+            th.join(deadline.left() + 1.0)  # each worker's reads end at the deadline
         if left:
             raise _DonorFailed(done_bytes[0], left)
         return done_bytes[0], []

@@ -400,6 +400,38 @@ class Transport(ABC):
         """:meth:`send_checked`'s receive; returns what :meth:`recv` returns."""
         return self.recv(wire, source, tag)
 
+    #: a tag allocator of its own for first rounds (argument agreement), counted
+    #: apart from the data tags (the TCP transport's), or None: first rounds take
+    #: tags from :attr:`tags` like any other traffic
+    first_round_tags = None
+
+    #: the largest message sent as one frame, bytes (None: the transport does not
+    #: cut messages into frames)
+    frame_max = None
+
+    @property
+    def revoked(self) -> bool:
+        """True once :meth:`revoke` ended this transport (every request fails from
+        then on); False where the transport cannot tell."""
+        return False
+
+    def begin_operation(self, seq: int):
+        """Number the tags of the group's operation ``seq`` from ``seq`` alone (a
+        transport whose members may take different paths through one operation,
+        the elastic TCP transport); see :meth:`operation_tags`."""
+        raise self.unsupported("per-operation tags")
+
+    def operation_tags(self, seq: int) -> tuple[range, range]:
+        """Operation ``seq``'s ``(data tags, first-round tags)`` on a transport that
+        numbers its traffic per operation (the elastic TCP transport)."""
+        raise self.unsupported("per-operation tags")
+
+    def abort_tags(self, tags, error: Callable[[int], Exception] | None = None, wait: float | None = None) -> None:
+        """Drop every later message of ``tags`` and fail their posted receives
+        (with ``error(tag)``), leaving other traffic going: the abort of one
+        refused operation without a :meth:`revoke` of the whole group."""
+        raise self.unsupported("aborting an operation's tags")
+
     def free_requests(self, requests: Sequence[Request]) -> None:
         """Release inactive persistent requests (``send_init``/``recv_init``); default: nothing to release."""
 

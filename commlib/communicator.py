@@ -20,7 +20,7 @@ from commlib.collectives.agreement import agree_header, check_all
 from commlib.collectives.ft import ON_FAILURE, FaultTolerance
 from commlib.transports.mpi_process import PROCESS, ft_mode
 from commlib.core.config import config
-from commlib.core.errors import CommTimeout, InvalidArgument
+from commlib.core.errors import CommTimeout, InvalidArgument, ProcessFailed
 from commlib.core.seconds import check_timeout, timeout_problem
 from commlib.core.tags import check_user_tag
 from commlib.transports.base import Request, wait_all
@@ -624,7 +624,13 @@ def init(comm: MPI.Comm | None = None, *, cuda_aware: bool | None = None, fault_
     tp.set_errors_return()
     c = Communicator(transport=tp)
     c._ft = ft
-    c.collective_transport().native_barrier()  # duplicate now, while every rank is alive
+    try:
+        c.collective_transport().native_barrier()  # duplicate now, while every rank is alive
+    except ProcessFailed:
+        # a rank that had left the barrier died and the survivors, already in their
+        # first collective, revoked the communicators: every communicator exists
+        # by now, so this rank returns and its first collective joins their recovery
+        pass
     # (the barrier: no rank returns, and maybe fails, while another is still
     # creating communicators; Open MPI 5.0 can crash handling a failure then)
     return c

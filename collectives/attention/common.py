@@ -11,6 +11,7 @@ rank instead of deadlocking the ring.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,7 +26,7 @@ from .blocks import SUPPORTED_DTYPES, compute_dtype, get_array_module
 from .layout import LAYOUTS, agreement_bound, check_layout, local_seq_len
 from .window import effective_window, window_of
 
-__all__ = ["AttnSpec", "validate"]
+__all__ = ["AttnSpec", "validate", "is_comm", "comm_last"]
 
 
 @dataclass
@@ -44,6 +45,56 @@ class AttnSpec:
     cdtype: np.dtype
     xp: object
     window: tuple | None = None   # the effective sliding window (.window.effective_window), or None
+
+
+def is_comm(x) -> bool:
+    """Whether ``x`` looks like a communicator (a :class:`commlib.Communicator`,
+    a transport, anything with ``rank`` and ``size`` that is not an array):
+    what tells the attention calls' argument order apart."""
+    return x is not None and not hasattr(x, "shape") and hasattr(x, "rank") and hasattr(x, "size")
+
+
+def comm_last(op: str, arrays: tuple, comm, *, stacklevel: int = 3):
+    """The arrays and the communicator of an attention call written either way.
+
+    The documented order, the same in the numpy/CuPy and the torch layer, is
+    the arrays first and the communicator after them (``ring_attention(q, k,
+    v, comm)``, as :func:`torch.nn.functional.scaled_dot_product_attention`
+    takes q, k, v first).  The old numpy order, the communicator first
+    (``ring_attention(comm, q, k, v)``), still works with a
+    ``DeprecationWarning``: the positional arguments are shifted back.
+
+    Args:
+        op: the call's name, for the messages.
+        arrays: the positional arrays as the call received them (``q, k, v``,
+            or ``q, k, v, out, lse, dout`` for a backward).
+        comm: what the call received in the communicator's slot.
+
+    Returns:
+        tuple: ``(arrays, comm)`` in the documented order.
+
+    Raises:
+        InvalidArgument: no communicator in the communicator's slot nor, in
+            the old order, in the first one (naming the rank when a
+            communicator sits in another slot).
+    """
+    if is_comm(arrays[0]) and not is_comm(comm):
+        warnings.warn(f"{op}(comm, q, k, v, ...) is deprecated: pass the communicator after the arrays, "
+                      f"{op}(q, k, v, comm, ...) (one order in commlib and commlib.nn)", DeprecationWarning,
+                      stacklevel=stacklevel)
+        return tuple(arrays[1:]) + (comm,), arrays[0]
+    if not is_comm(comm):
+        where = next((i for i, a in enumerate(arrays) if is_comm(a)), None)
+        rank = None if where is None else getattr(arrays[where], "rank", None)
+        slot = "" if where is None else f" (a communicator was passed as argument {where + 1})"
+        n = len(arrays)
+        raise InvalidArgument(f"argument {n + 1} must be the communicator (a commlib.Communicator or a transport "
+                              f"with rank, size, isend, irecv and waitall), got {type(comm).__name__}{slot}; "
+                              f"the order is {op}({', '.join(_NAMES[n])}, comm, ...)", rank=rank, op=op)
+    return tuple(arrays), comm
+
+
+_NAMES = {3: ("q", "k", "v"), 6: ("q", "k", "v", "out", "lse", "dout")}
 
 
 def _dtype_name(x) -> str:

@@ -32,7 +32,7 @@ import numpy as np
 from commlib.core.seconds import call_deadline, time_left
 
 from .blocks import ForwardAccumulator, backward_block, forward_block, from_heads_major, tile_plan, to_heads_major
-from .common import as_array_api, validate
+from .common import as_array_api, comm_last, validate
 from .layout import sequence_positions
 from .schedule import RingSchedule
 from .transport import transport_of
@@ -81,21 +81,26 @@ def _new_stats(stats, kind):
     return stats
 
 
-def ring_attention(comm, q, k, v, causal: bool = False, layout: str = "contiguous", softmax_scale=None, *,
+def ring_attention(q, k, v, comm=None, causal: bool = False, layout: str = "contiguous", softmax_scale=None, *,
                    seq_len: int | None = None, tile: int = 128, timeout: float | None = None, stats: dict | None = None,
                    window=None):
     """Exact attention over a sequence sharded across ``comm``'s ranks.
 
+    The communicator comes after the arrays, as in :mod:`commlib.nn`; the
+    old order ``ring_attention(comm, q, k, v, ...)`` still works and warns
+    (``DeprecationWarning``).
+
     Args:
-        comm: :class:`commlib.Communicator`; the messages go over its
-            collectives transport (see :func:`.transport.transport_of`), with
-            tags of their own.
         q: local queries ``(batch, seq_local, heads, head_dim)``; numpy or CuPy;
-            float16, bfloat16 (ml_dtypes), float32 or float64.
+            float16, bfloat16 (ml_dtypes), float32 or float64.  (torch
+            tensors: :func:`commlib.nn.ring_attention`.)
         k: local keys ``(batch, seq_local, kv_heads, head_dim)``, same dtype;
             ``heads % kv_heads == 0`` (grouped-query attention: K/V travel
             unreplicated).
         v: local values, shaped like ``k``.
+        comm: :class:`commlib.Communicator`; the messages go over its
+            collectives transport (see :func:`.transport.transport_of`), with
+            tags of their own.
         causal: mask key positions after the query's position.
         layout: ``"contiguous"``, ``"striped"`` or ``"zigzag"``: how the global
             sequence is spread over the ranks (:mod:`.layout`).
@@ -127,7 +132,8 @@ def ring_attention(comm, q, k, v, causal: bool = False, layout: str = "contiguou
         float32.  Rows that see no key (padding) give out 0 and lse ``-inf``.
 
     Raises:
-        InvalidArgument: bad shapes, dtypes, layout, ``seq_len``, scale, tile,
+        InvalidArgument: no communicator after the arrays (nor, old order,
+            before them); bad shapes, dtypes, layout, ``seq_len``, scale, tile,
             ``window`` (not None nor a pair of ints >= -1)
             or ``timeout`` (not None nor a finite number > 0), on any rank
             (raised on every rank before any K/V message is posted).
@@ -135,6 +141,7 @@ def ring_attention(comm, q, k, v, causal: bool = False, layout: str = "contiguou
         ProcessFailed: a peer failed (any other transport failure: :class:`~commlib.CommError`).
     """
     op = "ring_attention"
+    (q, k, v), comm = comm_last(op, (q, k, v), comm)
     timeout = call_deadline(timeout, op)  # the deadline of the whole call: every wait gets what is left
     tp = transport_of(comm, timeout, op)
     tag_kv = tp.tags.slot(_TAG_WIDTH) + _TAG_KV
@@ -185,14 +192,15 @@ def ring_attention(comm, q, k, v, causal: bool = False, layout: str = "contiguou
     return out, lse
 
 
-def ring_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = False, layout: str = "contiguous",
+def ring_attention_backward(q, k, v, out, lse, dout, comm=None, causal: bool = False, layout: str = "contiguous",
                             softmax_scale=None, *, seq_len: int | None = None, tile: int = 128,
                             timeout: float | None = None, stats: dict | None = None, window=None):
     """Gradients of :func:`ring_attention`.
 
     Args:
-        comm, q, k, v, causal, layout, softmax_scale, seq_len, tile, timeout, stats, window:
-            as in :func:`ring_attention` (the same values as the forward call).
+        q, k, v, comm, causal, layout, softmax_scale, seq_len, tile, timeout, stats, window:
+            as in :func:`ring_attention` (the same values as the forward call;
+            the old order, ``comm`` first, warns as there).
         out: the forward output ``(batch, seq_local, heads, head_dim)``, input dtype.
         lse: the forward lse ``(batch, heads, seq_local)``, float32 or float64.
         dout: gradient of the loss with respect to ``out``, shaped and typed like ``q``.
@@ -209,6 +217,7 @@ def ring_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = False,
         ProcessFailed: a peer failed (any other transport failure: :class:`~commlib.CommError`).
     """
     op = "ring_attention_backward"
+    (q, k, v, out, lse, dout), comm = comm_last(op, (q, k, v, out, lse, dout), comm)
     q, k, v, out, lse, dout = as_array_api(q, k, v, out, lse, dout)
     timeout = call_deadline(timeout, op)  # the deadline of the whole call: every wait gets what is left
     tp = transport_of(comm, timeout, op)

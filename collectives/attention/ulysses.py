@@ -27,7 +27,7 @@ from commlib.core.seconds import call_deadline
 
 from ..alltoall_pairwise import alltoall_pairwise_parts
 from .blocks import attention_backward, attention_forward, tile_plan
-from .common import as_array_api, validate
+from .common import as_array_api, comm_last, validate
 from .layout import sequence_positions
 from .transport import transport_of
 
@@ -114,17 +114,18 @@ def _order(layout, P, L, xp):
     return xp.asarray(perm), xp.asarray(inv)
 
 
-def ulysses_attention(comm, q, k, v, causal: bool = False, layout: str = "contiguous", softmax_scale=None, *,
+def ulysses_attention(q, k, v, comm=None, causal: bool = False, layout: str = "contiguous", softmax_scale=None, *,
                       seq_len: int | None = None, tile: int = 128, timeout: float | None = None,
                       stats: dict | None = None):
     """Exact sequence-parallel attention by all-to-all over heads (DeepSpeed-Ulysses).
 
     Args:
-        comm: :class:`commlib.Communicator`; the all-to-alls go over its
-            collectives transport (see :func:`.transport.transport_of`).
         q: local queries ``(batch, seq_local, heads, head_dim)``, numpy or CuPy,
             float16 / bfloat16 / float32 / float64.
         k, v: ``(batch, seq_local, kv_heads, head_dim)``; ``heads % kv_heads == 0``.
+        comm: :class:`commlib.Communicator`; the all-to-alls go over its
+            collectives transport (see :func:`.transport.transport_of`).  The
+            old order, ``comm`` first, works with a ``DeprecationWarning``.
         causal, layout, softmax_scale, seq_len, tile: as in
             :func:`commlib.collectives.attention.ring_attention`.
         timeout: the deadline of the whole call, in seconds (finite, > 0;
@@ -144,6 +145,7 @@ def ulysses_attention(comm, q, k, v, causal: bool = False, layout: str = "contig
         ProcessFailed: a peer failed (any other transport failure: :class:`~commlib.CommError`).
     """
     op = "ulysses_attention"
+    (q, k, v), comm = comm_last(op, (q, k, v), comm)
     timeout = call_deadline(timeout, op)  # the deadline of the whole call: every wait gets what is left
     tp = transport_of(comm, timeout, op)
     q, k, v = as_array_api(q, k, v)
@@ -171,7 +173,7 @@ def ulysses_attention(comm, q, k, v, causal: bool = False, layout: str = "contig
     return out, lse
 
 
-def ulysses_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = False, layout: str = "contiguous",
+def ulysses_attention_backward(q, k, v, out, lse, dout, comm=None, causal: bool = False, layout: str = "contiguous",
                                softmax_scale=None, *, seq_len: int | None = None, tile: int = 128,
                                timeout: float | None = None, stats: dict | None = None):
     """Gradients of :func:`ulysses_attention`.
@@ -191,6 +193,7 @@ def ulysses_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = Fal
         ProcessFailed: a peer failed (any other transport failure: :class:`~commlib.CommError`).
     """
     op = "ulysses_attention_backward"
+    (q, k, v, out, lse, dout), comm = comm_last(op, (q, k, v, out, lse, dout), comm)
     q, k, v, out, lse, dout = as_array_api(q, k, v, out, lse, dout)
     timeout = call_deadline(timeout, op)  # the deadline of the whole call: every wait gets what is left
     tp = transport_of(comm, timeout, op)

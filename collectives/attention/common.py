@@ -221,6 +221,9 @@ def _validate_local(transport, q, k, v, *, causal, layout, softmax_scale, seq_le
             raise bad(f"{name} must be a numpy or CuPy array, got {type(x).__name__}")
         if x.ndim != 4:
             raise bad(f"{name} must be 4-d (batch, seq_local, heads, head_dim), got shape {tuple(x.shape)}")
+    if type(q).__module__.split(".")[0] == "torch":
+        raise bad(f"q is a torch tensor: the numpy/CuPy {op} would lose its autograd graph; use "
+                  f"commlib.nn.{op.removesuffix('_backward')} (a torch autograd function, the same arguments)")
     xp = get_array_module(q)
     if xp is np and not isinstance(q, np.ndarray):
         raise bad(f"q is a {type(q).__name__}: pass numpy or CuPy arrays (cupy.asarray wraps numba device "

@@ -46,9 +46,10 @@ from commlib.core.errors import InvalidArgument
 from commlib.core.seconds import restarted, time_left
 
 from ._check import (DEVICES, DTYPE_NAMES, DTYPES, agreement_timeout, autocast_inputs, autocast_off, check_qkv,
-                     cu_seqlens_of, grad_flags, no_double_backward, sdpa_keywords, softmax_scale_of, timeout_of)
+                     cu_seqlens_of, grad_flags, no_double_backward, call_problem, sdpa_keywords, softmax_scale_of, timeout_of)
 from ._blocks import acc_dtype, block_backward, block_forward, merge, plan_block, plan_window_block
 from ._failure import bound, guarded, link_comm
+from ._front import front
 from ._wire import irecv_tensor, isend_tensor
 from .window import WindowAttention, effective_window, halo_pays, halo_plan, window_of
 
@@ -126,6 +127,7 @@ def _validate_local(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidi
     def bad(msg):
         return InvalidArgument(msg, rank=rank, op=op)
 
+    call_problem(sdpa, bad)
     bsz, L, h, hk, d = check_qkv(q, k, v, bad)
     causal, softmax_scale = sdpa_keywords(causal, softmax_scale, h, hk, bad, **sdpa)
     if layout not in LAYOUTS:
@@ -426,9 +428,9 @@ def _ring(q, k, v, comm, causal, layout, softmax_scale, cu_seqlens, bidirectiona
         return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), tp, spec, plan)
 
 
-def ring_attention(q, k, v, comm, causal=False, layout="contiguous", softmax_scale=None, *, cu_seqlens=None,
-                   window=None, bidirectional=False, timeout=None, attn_mask=None, dropout_p=0.0, is_causal=None,
-                   scale=None, enable_gqa=None):
+def ring_attention(q, k, v, comm=None, causal=False, layout=None, softmax_scale=None, *, cu_seqlens=None,
+                   window=None, bidirectional=False, qkv_format="bshd", timeout=None, attn_mask=None, dropout_p=0.0,
+                   is_causal=None, scale=None, enable_gqa=None):
     """Exact attention over a sequence sharded across ``comm``'s ranks, differentiable in ``q``, ``k``, ``v``.
 
     The global sequence has ``size * seq_local`` tokens (no padding: pad the
@@ -437,9 +439,14 @@ def ring_attention(q, k, v, comm, causal=False, layout="contiguous", softmax_sca
     ``sequence_positions(layout, r, size, seq_local)``
     (:mod:`commlib.collectives.attention.layout`).
 
+    Arguments come in one order, q, k, v, then the communicator (as
+    :func:`commlib.ring_attention` takes them); the communicator first
+    (``ring_attention(comm, q, k, v)``) works with a ``DeprecationWarning``.
+
     Args:
         q: this rank's queries, torch tensor ``(batch, seq_local, heads,
-            head_dim)``; float16, bfloat16, float32 or float64; CPU or CUDA.
+            head_dim)`` (``qkv_format="bhsd"``: ``(batch, heads, seq_local,
+            head_dim)``); float16, bfloat16, float32 or float64; CPU or CUDA.
             Non-contiguous tensors are accepted (copied with ``.contiguous()``).
         k: keys ``(batch, seq_local, kv_heads, head_dim)``, same dtype and
             device; ``heads % kv_heads == 0`` (grouped-query attention: K/V
@@ -447,10 +454,15 @@ def ring_attention(q, k, v, comm, causal=False, layout="contiguous", softmax_sca
         v: values, shaped like ``k``.
         comm: :class:`commlib.Communicator` (messages go over its collectives
             transport with tags of their own), a transport, or any object with
-            ``rank``, ``size``, ``isend``, ``irecv`` and ``waitall``.
+            ``rank``, ``size``, ``isend``, ``irecv`` and ``waitall``; or a
+            :class:`commlib.nn.Sharding`, which carries the layout (the
+            recommended path: the layout said once for sharding, attention
+            and unsharding).
         causal: a query sees only keys at positions up to its own.
         layout: ``"contiguous"``, ``"striped"`` or ``"zigzag"`` (even
-            ``seq_local``): how the sequence is spread over the ranks.
+            ``seq_local``): how the sequence is spread over the ranks; None
+            (default): the Sharding's, else ``"contiguous"``.  A tensor
+            :func:`commlib.nn.shard_sequence` cut in another layout is refused.
         softmax_scale: scores are ``softmax_scale * q k^T``; default
             ``head_dim ** -0.5``.
         cu_seqlens: optional document boundaries on the *global* sequence
@@ -474,6 +486,11 @@ def ring_attention(q, k, v, comm, causal=False, layout="contiguous", softmax_sca
             ``bidirectional`` changes nothing then.
         bidirectional: split every K/V shard in two halves that travel round
             the ring in opposite directions (:func:`ring_attention_bidirectional`).
+        qkv_format: ``"bshd"`` (default, ``(batch, seq, heads, head_dim)``)
+            or ``"bhsd"`` (SDPA's ``(batch, heads, seq, head_dim)``,
+            Transformer Engine's name): the order of q, k, v, of the output
+            and of the gradients (a transposed view in and out, no copy
+            beyond the call's own ``.contiguous()``).  The same on every rank.
         timeout: the deadline of the whole call, in seconds: the argument
             agreement and every exchange wait what is left of it, and past it
             the call raises ``CommTimeout`` naming the rank and the operation
@@ -495,14 +512,19 @@ def ring_attention(q, k, v, comm, causal=False, layout="contiguous", softmax_sca
     v in their own dtypes.
 
     Returns:
-        torch.Tensor: ``(batch, seq_local, heads, head_dim)`` in the input
-        dtype (under autocast: the autocast dtype, see above).  Block outputs and lse are merged in float32 (float64 for
+        torch.Tensor: ``(batch, seq_local, heads, head_dim)`` (``"bhsd"``:
+        ``(batch, heads, seq_local, head_dim)``) in the input dtype (under autocast: the autocast dtype, see above).  Block outputs and lse are merged in float32 (float64 for
         float64 inputs); the backward accumulates ``dq`` and the travelling
         ``dk``/``dv`` in the same dtype.
 
     Raises:
-        InvalidArgument: on every rank alike, before any K/V moves, when any
-            rank's arguments are bad (not 4-d torch tensors, mixed dtypes or
+        InvalidArgument: no communicator in its slot (nor, old order,
+            first): raised at once, naming the call.  On every rank alike,
+            before any K/V moves, when any
+            rank's arguments are bad (not 4-d torch tensors, an unknown
+            ``qkv_format`` or shapes that fit only the other one (GQA head
+            counts, ``cu_seqlens``), a ``layout`` that contradicts the
+            Sharding's or the one a shard was cut in, mixed dtypes or
             devices, unsupported dtype, ``heads % kv_heads != 0``, unknown
             layout, odd ``seq_local`` with zigzag, bad scale or timeout,
             an ``attn_mask``, a ``dropout_p`` other than 0, ``enable_gqa=False``
@@ -526,15 +548,17 @@ def ring_attention(q, k, v, comm, causal=False, layout="contiguous", softmax_sca
     error has ``recovered = True`` (see :mod:`commlib.nn`), and the
     next call on the shrunk ``comm`` runs over the survivors.
     """
-    return _ring(q, k, v, comm, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout,
-                 "ring_attention_bidirectional" if bidirectional else "ring_attention",
-                 dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                      enable_gqa=enable_gqa), window)
+    op = "ring_attention_bidirectional" if bidirectional is True else "ring_attention"
+    call = front(op, q, k, v, comm, layout, qkv_format, cu_seqlens=cu_seqlens)
+    return call.out(_ring(call.q, call.k, call.v, call.comm, causal, call.layout, softmax_scale, cu_seqlens,
+                          bidirectional, timeout, op,
+                          call.keywords(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                                        enable_gqa=enable_gqa), window))
 
 
-def ring_attention_bidirectional(q, k, v, comm, causal=False, layout="contiguous", softmax_scale=None, *,
-                                 cu_seqlens=None, window=None, timeout=None, attn_mask=None, dropout_p=0.0,
-                                 is_causal=None, scale=None, enable_gqa=None):
+def ring_attention_bidirectional(q, k, v, comm=None, causal=False, layout=None, softmax_scale=None, *,
+                                 cu_seqlens=None, window=None, qkv_format="bshd", timeout=None, attn_mask=None,
+                                 dropout_p=0.0, is_causal=None, scale=None, enable_gqa=None):
     """:func:`ring_attention` with ``bidirectional=True``.
 
     Every K/V shard is cut in two halves (layout-aware, see
@@ -544,9 +568,12 @@ def ring_attention_bidirectional(q, k, v, comm, causal=False, layout="contiguous
     number of steps and with the same block work per step (TokenRing's idea,
     Wang et al. 2024, arXiv:2412.20501).  Forward and backward, every layout,
     ``cu_seqlens``, ``window`` (a halo exchange, both ways already), GQA,
-    autocast and SDPA's keywords as in :func:`ring_attention`.
+    autocast, SDPA's keywords, a :class:`commlib.nn.Sharding` as ``comm``
+    and ``qkv_format`` as in :func:`ring_attention`.
     """
-    return _ring(q, k, v, comm, causal, layout, softmax_scale, cu_seqlens, True, timeout,
-                 "ring_attention_bidirectional",
-                 dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                      enable_gqa=enable_gqa), window)
+    op = "ring_attention_bidirectional"
+    call = front(op, q, k, v, comm, layout, qkv_format, cu_seqlens=cu_seqlens)
+    return call.out(_ring(call.q, call.k, call.v, call.comm, causal, call.layout, softmax_scale, cu_seqlens, True,
+                          timeout, op,
+                          call.keywords(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                                        enable_gqa=enable_gqa), window))

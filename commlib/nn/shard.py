@@ -56,6 +56,20 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.co
 _MAX_NDIM = 8
 
 
+#: the attribute :func:`shard_sequence` sets on a shard: ``(layout, size)``,
+#: which the attention calls check against their layout (:mod:`._front`)
+SHARD_TAG = "_commlib_sharded"
+
+
+def tag_shard(t: torch.Tensor, layout: str, size: int) -> torch.Tensor:
+    """Mark ``t`` as a sequence shard in ``layout`` over ``size`` ranks; returns ``t``."""
+    try:
+        setattr(t, SHARD_TAG, (layout, int(size)))
+    except (AttributeError, RuntimeError):  # pragma: no cover - a tensor subclass without a __dict__
+        pass
+    return t
+
+
 def _check_layout(layout, rank, op):
     if not isinstance(layout, str) or layout not in LAYOUTS:
         raise InvalidArgument(f"layout {layout!r} is not one of {LAYOUTS}", rank=rank, op=op)
@@ -102,6 +116,10 @@ def shard_sequence(x: torch.Tensor, comm, layout: str = "contiguous", dim: int =
         pad: zero-pad a sequence whose length the layout cannot divide (see
             the module notes); False refuses such lengths.
 
+    The shard remembers its layout: an attention call of :mod:`commlib.nn`
+    in another layout refuses it (a wrong result otherwise).  Saying the
+    layout once with :class:`commlib.nn.Sharding` avoids the mismatch.
+
     Returns:
         torch.Tensor: the contiguous shard, ``seq_local`` tokens on ``dim``
         (``seq_len / P``, or ``seq_len / (2P) * 2`` for zigzag, rounded up
@@ -131,9 +149,11 @@ def shard_sequence(x: torch.Tensor, comm, layout: str = "contiguous", dim: int =
         shape[dim] = L * size - n
         x = torch.cat([x, x.new_zeros(shape)], dim=dim)
     if layout == "contiguous":
-        return x.narrow(dim, rank * L, L).contiguous()
-    pos = torch.as_tensor(sequence_positions(layout, rank, size, L), device=x.device)
-    return x.index_select(dim, pos).contiguous()
+        part = x.narrow(dim, rank * L, L).contiguous()
+    else:
+        pos = torch.as_tensor(sequence_positions(layout, rank, size, L), device=x.device)
+        part = x.index_select(dim, pos).contiguous()
+    return tag_shard(part, layout, size)  # an attention call in another layout refuses it
 
 
 class _Unshard(torch.autograd.Function):

@@ -45,7 +45,9 @@ from commlib.core.errors import InvalidArgument
 from commlib.core.seconds import restarted
 
 from ._check import (DTYPES, agreement_timeout, autocast_inputs, check_qkv, cu_seqlens_of, describe_grad,
-                     grad_flags, sdpa_keywords, softmax_scale_of, timeout_of)
+                     grad_flags, call_problem, sdpa_keywords, softmax_scale_of, timeout_of)
+from ._front import front
+from .shard import gather_order
 from ._failure import bound, guarded, link_comm
 from ._wire import all_to_all_tensors
 from .window import effective_window, window_dense_mask, window_of
@@ -250,6 +252,7 @@ def _validate_local(q, k, v, *, causal, softmax_scale, rank, op, cu_seqlens, siz
     def bad(msg):
         return InvalidArgument(msg, rank=rank, op=op)
 
+    call_problem(sdpa, bad)
     bsz, L, h, hk, d = check_qkv(q, k, v, bad)
     causal, softmax_scale = sdpa_keywords(causal, softmax_scale, h, hk, bad, **sdpa)
     if degree is not None:
@@ -267,22 +270,23 @@ def _validate_local(q, k, v, *, causal, softmax_scale, rank, op, cu_seqlens, siz
 
 
 # ---------------------------------------------------------------- the call
-def ulysses_attention(q, k, v, comm, causal: bool = False, softmax_scale=None, *, cu_seqlens=None, window=None,
-                      timeout: float | None = None, attn_mask=None, dropout_p=0.0, is_causal=None, scale=None,
-                      enable_gqa=None):
+def ulysses_attention(q, k, v, comm=None, causal: bool = False, softmax_scale=None, *, cu_seqlens=None, window=None,
+                      layout=None, qkv_format="bshd", timeout: float | None = None, attn_mask=None, dropout_p=0.0, is_causal=None,
+                      scale=None, enable_gqa=None):
     """Exact sequence-parallel attention by all-to-all over heads (DeepSpeed-Ulysses).
 
     Args:
-        q: this rank's queries ``(batch, seq_local, heads, head_dim)``: tokens
-            ``[rank * seq_local, (rank + 1) * seq_local)`` of the global
-            sequence (contiguous shards,
-            ``commlib.nn.shard_sequence(x, comm, "contiguous")``); float16,
+        q: this rank's queries ``(batch, seq_local, heads, head_dim)``: its
+            ``layout`` shard of the global sequence (contiguous by default:
+            tokens ``[rank * seq_local, (rank + 1) * seq_local)``); float16,
             bfloat16, float32 or float64, CPU or CUDA.  Non-contiguous
             tensors are accepted (copied contiguous for the wire).
         k, v: ``(batch, seq_local, kv_heads, head_dim)``, dtype and device of
             ``q``; ``heads % kv_heads == 0``.
         comm: :class:`commlib.Communicator` (its collectives transport carries
-            the all-to-alls) or a transport.
+            the all-to-alls) or a transport, or a
+            :class:`commlib.nn.Sharding` (its layout is the call's).  The
+            communicator first works with a ``DeprecationWarning``.
         causal: mask key positions after the query's (global positions).
         softmax_scale: score scale (default ``head_dim ** -0.5``).
         cu_seqlens: optional int tensor or sequence of global document
@@ -298,6 +302,13 @@ def ulysses_attention(q, k, v, comm, causal: bool = False, softmax_scale=None, *
             still costs ``seq_len**2`` per head (the ring's halo exchange,
             :func:`commlib.nn.ring_attention` with ``window``, is the one
             whose bytes and work the window bounds).
+        layout: the shards' layout, ``"contiguous"``, ``"striped"`` or
+            ``"zigzag"`` (even ``seq_local``); None (default): the
+            Sharding's, else ``"contiguous"``.  Other layouts than
+            contiguous put the gathered tokens in natural order and back (an
+            index_select each way).
+        qkv_format: ``"bshd"`` (default) or ``"bhsd"`` (SDPA's order), as in
+            :func:`commlib.nn.ring_attention`.
         timeout: the deadline of the whole call, in seconds: the argument
             agreement and every exchange wait what is left of it, and past it
             the call raises ``CommTimeout`` naming the rank and the operation
@@ -321,8 +332,11 @@ def ulysses_attention(q, k, v, comm, causal: bool = False, softmax_scale=None, *
         is (``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)`` on the CPU).
 
     Raises:
-        InvalidArgument: on every rank alike, before any data moves: non-4-d
-            or non-tensor inputs, mixed dtypes or devices, unsupported dtype,
+        InvalidArgument: no communicator in its slot (at once, naming the
+            call).  On every rank alike, before any data moves: non-4-d
+            or non-tensor inputs, an unknown ``qkv_format`` or shapes that
+            fit only the other one, a bad layout or one that contradicts the
+            Sharding's or the shards', mixed dtypes or devices, unsupported dtype,
             ``heads`` not divisible by ``comm.size``, ``kv_heads`` neither
             divisible by nor dividing ``comm.size``, bad ``softmax_scale`` or
             ``cu_seqlens``, an ``attn_mask``, a ``dropout_p`` other than 0,
@@ -338,17 +352,30 @@ def ulysses_attention(q, k, v, comm, causal: bool = False, softmax_scale=None, *
     Failures: as :func:`commlib.nn.ring.ring_attention` (forward and backward).
     """
     op = "ulysses_attention"
+    call = front(op, q, k, v, comm, layout, qkv_format, cu_seqlens=cu_seqlens)
+    q, k, v, comm, layout = call.q, call.k, call.v, call.comm, call.layout
     timeout = bound(comm, timeout, op)  # the deadline of the whole call (by default a FT communicator's own)
     tp = transport_of(comm, timeout, op)
     link_comm(comm, tp)
     (q, k, v), ctx = autocast_inputs(q, k, v)  # autocast: SDPA's casts, before the dtype agreement
     with ctx, guarded(tp, comm):
-        checks, extra = window_checks(window, tp, op)
+        def layout_checks(spec):
+            if not isinstance(layout, str) or layout not in LAYOUTS:
+                raise InvalidArgument(f"layout {layout!r} is not one of {LAYOUTS}", rank=tp.rank, op=op)
+            if layout == "zigzag" and spec.seq_local % 2:
+                raise InvalidArgument(f"zigzag needs an even seq_local, got {spec.seq_local}", rank=tp.rank, op=op)
+
+        checks, extra = window_checks(window, tp, op, more=layout_checks)
+        lay = LAYOUTS.index(layout) if isinstance(layout, str) and layout in LAYOUTS else -1
         spec = validate(tp, q, k, v, causal=causal, softmax_scale=softmax_scale, op=op, cu_seqlens=cu_seqlens,
-                        degree=tp.size, timeout=timeout, checks=checks, extra=extra,
-                        sdpa=dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                                  enable_gqa=enable_gqa))
-        return ulysses_forward(q, k, v, tp, spec, spec.causal, timeout, op)
+                        degree=tp.size, timeout=timeout, checks=checks, extra=extra + (("layout", lay),),
+                        sdpa=call.keywords(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                           scale=scale, enable_gqa=enable_gqa))
+        order = None
+        if layout != "contiguous" and tp.size > 1:  # the gathered shards put in natural order, and back
+            perm = gather_order(layout, tp.size, spec.seq_local)
+            order = (torch.as_tensor(perm, device=q.device), torch.as_tensor(np.argsort(perm), device=q.device))
+        return call.out(ulysses_forward(q, k, v, tp, spec, spec.causal, timeout, op, order))
 
 
 def window_checks(window, tp, op, more=None):

@@ -2,9 +2,9 @@
 
 Each rank first checks its own arguments; then the ranks agree through
 :mod:`commlib.collectives.agreement` (the protocol the collectives use), before
-any K/V message is posted: first that no rank's arguments were invalid, then
-that every rank passed the same shapes, dtype and options (a header of
-attention's own fields).  So a bad call — on one rank or on all, including
+any K/V message is posted, in one round (:func:`..agreement.agree_call`): that
+no rank's arguments were invalid and that every rank passed the same shapes,
+dtype and options (a header of attention's own fields).  So a bad call — on one rank or on all, including
 shapes that differ between ranks — raises :class:`InvalidArgument` on every
 rank instead of deadlocking the ring.
 """
@@ -21,7 +21,7 @@ from commlib.core.buffer import as_buffer, cupy_usable
 from commlib.core.errors import CommError, InvalidArgument
 from commlib.core.seconds import check_timeout
 
-from ..agreement import agree_header
+from ..agreement import agree_call
 from .blocks import SUPPORTED_DTYPES, compute_dtype, get_array_module
 from .layout import LAYOUTS, agreement_bound, check_layout, local_seq_len
 from .window import effective_window, window_of
@@ -185,16 +185,14 @@ def validate(transport, q, k, v, *, causal, layout, softmax_scale, seq_len, tile
                                                                                      op=op)),
                                        bool(causal), spec.seq_len)
         check_timeout(timeout, op=op, rank=transport.rank)
+        header = _header(spec, causal, layout, tile)
     except InvalidArgument as exc:
-        problem = exc
-    # Two rounds of one small all-gather each: did any rank refuse (its header
-    # would mean nothing then), and do the headers agree, in attention's words.
-    # Both bounded by the call's timeout (a rank that never makes the call must
-    # not strand the others), on the same all-gather whatever each rank's timeout.
-    wait = agreement_bound(timeout)
-    agree_header(transport, (), op=op, local_error=problem, timeout=wait, native=False)
-    agree_header(transport, _header(spec, causal, layout, tile), op=op, names=_SIG_FIELDS, describe=_describe,
-                 exc_type=_disagreement, timeout=wait, native=False)
+        problem, header = exc, None
+    # One round (collectives.agreement.agree_call): did any rank refuse, and do
+    # the headers agree, in attention's words; bounded by the call's timeout (a
+    # rank that never makes the call must not strand the others).
+    agree_call(transport, header, op=op, names=_SIG_FIELDS, local_error=problem, timeout=agreement_bound(timeout),
+               describe=_describe, exc_type=_disagreement)
     return spec
 
 

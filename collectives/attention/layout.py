@@ -25,7 +25,7 @@ import numpy as np
 from commlib.core.errors import InvalidArgument
 from commlib.core.seconds import Deadline, call_deadline, check_timeout, time_left, timeout_problem
 
-from ..agreement import agree_header
+from ..agreement import agree_call
 
 from .blocks import get_array_module
 from .transport import transport_of
@@ -201,10 +201,9 @@ def unshard_sequence(x_local, comm, layout: str = "contiguous", seq_len: int | N
         header = _unshard_header(x_local, axis, layout, n)
     except InvalidArgument as exc:
         problem = exc
-    # as the attention calls: did any rank refuse, then do the calls agree
-    wait = agreement_bound(timeout)
-    agree_header(tp, (), op=op, local_error=problem, timeout=wait, native=False)
-    agree_header(tp, header, op=op, names=_UNSHARD_FIELDS, describe=_describe_unshard, timeout=wait, native=False)
+    # as the attention calls: one round, did any rank refuse and do the calls agree
+    agree_call(tp, header, op=op, names=_UNSHARD_FIELDS, local_error=problem, timeout=agreement_bound(timeout),
+               describe=_describe_unshard)
     mine = xp.ascontiguousarray(x_local)
     parts = [None] * size
     parts[rank] = mine

@@ -38,7 +38,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from commlib.collectives.agreement import agree_header
+from commlib.collectives.agreement import agree_call
 from commlib.collectives.attention.layout import LAYOUTS, sequence_positions
 from commlib.collectives.attention.schedule import RingSchedule, piece_positions, split_halves
 from commlib.collectives.attention.transport import transport_of
@@ -167,16 +167,15 @@ def _validate(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectio
     try:
         spec = _validate_local(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op, sdpa,
                                window)
+        header = _header(spec, q.device.type)
     except InvalidArgument as exc:
-        problem = exc
-    # Two rounds of one small all-gather each (the same protocol on every rank,
-    # whatever its arguments): did any rank refuse, and do the headers agree.
-    # Both bounded by the call's timeout: a rank that never makes the call
-    # must not leave the others waiting forever.
-    wait = agreement_timeout(timeout)
-    agree_header(tp, (), op=op, local_error=problem, timeout=wait, native=False)
-    agree_header(tp, _header(spec, q.device.type), op=op, names=_SIG_FIELDS, describe=_describe,
-                 exc_type=_disagreement, timeout=wait, native=False)
+        problem, header = exc, None
+    # One round of one small all-gather (the same protocol on every rank,
+    # whatever its arguments): did any rank refuse, and do the headers agree;
+    # bounded by the call's timeout: a rank that never makes the call must not
+    # leave the others waiting forever.
+    agree_call(tp, header, op=op, names=_SIG_FIELDS, local_error=problem, timeout=agreement_timeout(timeout),
+               describe=_describe, exc_type=_disagreement)
     return spec
 
 

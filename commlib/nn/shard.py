@@ -38,7 +38,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from commlib.collectives.agreement import agree_header
+from commlib.collectives.agreement import agree_call
 from commlib.collectives.attention.layout import LAYOUTS, local_seq_len, sequence_positions
 from commlib.collectives.attention.transport import transport_of
 from commlib.core.errors import InvalidArgument
@@ -310,8 +310,7 @@ def _unshard(x_local, tp, layout, dim, seq_len, sum_grad, timeout, op):
                   LAYOUTS.index(layout), n, int(bool(sum_grad)), grad)
     except InvalidArgument as exc:
         problem = exc
-    wait = agreement_timeout(timeout)
-    agree_header(tp, (), op=op, local_error=problem, timeout=wait, native=False)
-    agree_header(tp, header, op=op, names=_UNSHARD_FIELDS, describe=_describe_unshard, timeout=wait, native=False)
+    agree_call(tp, header, op=op, names=_UNSHARD_FIELDS, local_error=problem, timeout=agreement_timeout(timeout),
+               describe=_describe_unshard)
     tag0 = tp.tags.slot(2)
     return _Unshard.apply(x_local, tp, layout, d, n, bool(sum_grad), (tag0, tag0 + 1), timeout, op)

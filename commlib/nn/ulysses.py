@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from commlib.collectives.agreement import agree_header
+from commlib.collectives.agreement import agree_call
 from commlib.collectives.attention.layout import LAYOUTS
 from commlib.collectives.attention.transport import transport_of
 from commlib.core.errors import InvalidArgument
@@ -204,9 +204,10 @@ def validate(tp, q, k, v, *, causal, softmax_scale, op, cu_seqlens=None, degree=
              extra=(), timeout=None, sdpa=None) -> Spec:
     """Check an attention call on torch tensors on every rank together.
 
-    Local checks first (any rank's problem becomes an :class:`InvalidArgument`
-    on every rank, in one agreement round), then one round that every rank
-    passed the same shapes, dtype, device type and options.
+    Local checks first, then one agreement round
+    (:func:`commlib.collectives.agreement.agree_call`): any rank's problem
+    becomes an :class:`InvalidArgument` on every rank, and so do ranks that
+    passed different shapes, dtype, device type or options.
 
     Args:
         tp: the transport of the call's communicator.
@@ -240,10 +241,8 @@ def validate(tp, q, k, v, *, causal, softmax_scale, op, cu_seqlens=None, degree=
                   grad_flags(q, k, v)) + tuple(int(val) for _, val in extra)
     except InvalidArgument as exc:
         problem = exc
-    wait = agreement_timeout(timeout)
-    agree_header(tp, (), op=op, local_error=problem, timeout=wait, native=False)
-    agree_header(tp, header, op=op, names=_FIELDS + tuple(name for name, _ in extra), describe=_describe,
-                 exc_type=_disagreement, timeout=wait, native=False)
+    agree_call(tp, header, op=op, names=_FIELDS + tuple(name for name, _ in extra), local_error=problem,
+               timeout=agreement_timeout(timeout), describe=_describe, exc_type=_disagreement)
     return spec
 
 

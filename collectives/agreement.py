@@ -27,8 +27,8 @@ from commlib.core.errors import CommError, InvalidArgument, MessageSizeMismatch
 from ._common import next_tag, waitall
 from .allgather_bruck import allgather_bruck
 
-__all__ = ["agree", "agree_header", "agree_call", "check_all", "judge", "encode_row", "NeighbourRefusal", "RingHead", "difference",
-           "size_refusal"]
+__all__ = ["agree", "agree_header", "agree_call", "check_all", "judge", "encode_row", "NeighbourRefusal", "RingHead",
+           "difference", "size_refusal"]
 
 
 def encode_row(values: Sequence[int], *, local_error: CommError | None = None, payload: np.ndarray | None = None,

@@ -263,3 +263,28 @@ def test_no_warning_in_documented_order(selfcomm):
         warnings.simplefilter("error")
         cnn.ring_attention(q, q, q, selfcomm, causal=True)
         commlib.ring_attention(q.numpy(), q.numpy(), q.numpy(), selfcomm, causal=True)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_numpy_bhsd_matches_sdpa(world, layout):
+    """The numpy/CuPy twin takes qkv_format too: out, dq, dk, dv in SDPA's order, lse (batch, heads, seq)."""
+    p = world.size
+    Q, K, V, DO = _global(p, kv_heads=p, fmt="bhsd", seed=4)  # the numpy Ulysses: kv_heads divisible by p
+    out_o, dq_o, dk_o, dv_o = _oracle(Q, K, V, DO, True, "bhsd")
+    L = Q.shape[2] // p
+    pos = sequence_positions(layout, world.rank, p, L)
+    q, k, v, do = (np.ascontiguousarray(x.numpy()[:, :, pos]) for x in (Q, K, V, DO))
+    for fwd, bwd in ((commlib.ring_attention, commlib.ring_attention_backward),
+                     (commlib.ulysses_attention, commlib.ulysses_attention_backward)):
+        kw = dict(causal=True, layout=layout, qkv_format="bhsd")
+        out, lse = fwd(q, k, v, world, **kw)
+        assert out.shape == q.shape and lse.shape == (1, q.shape[1], L)
+        grads = bwd(q, k, v, out, lse, do, world, **kw)
+        _close(torch.from_numpy(np.ascontiguousarray(out)), out_o[:, :, pos], f"{fwd.__name__} {layout} out")
+        for g, want, what in zip(grads, (dq_o, dk_o, dv_o), "qkv"):
+            assert g.shape == (q if what == "q" else k).shape
+            _close(torch.from_numpy(np.ascontiguousarray(g)), want[:, :, pos], f"{fwd.__name__} {layout} d{what}")
+    with pytest.raises(InvalidArgument, match="qkv_format"):
+        commlib.ring_attention(q, k, v, world, qkv_format="BHSD")

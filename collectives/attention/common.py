@@ -26,7 +26,7 @@ from .blocks import SUPPORTED_DTYPES, compute_dtype, get_array_module
 from .layout import LAYOUTS, agreement_bound, check_layout, local_seq_len
 from .window import effective_window, window_of
 
-__all__ = ["AttnSpec", "validate", "is_comm", "comm_last"]
+__all__ = ["AttnSpec", "validate", "is_comm", "comm_last", "FORMATS", "in_format"]
 
 
 @dataclass
@@ -96,6 +96,26 @@ def comm_last(op: str, arrays: tuple, comm, *, stacklevel: int = 3):
 
 _NAMES = {3: ("q", "k", "v"), 6: ("q", "k", "v", "out", "lse", "dout")}
 
+#: the tensor orders the attention calls take (Transformer Engine's names):
+#: ``(batch, seq, heads, head_dim)`` and SDPA's ``(batch, heads, seq, head_dim)``
+FORMATS = ("bshd", "bhsd")
+
+
+def in_format(qkv_format, *arrays):
+    """Swap the 4-d arrays' axes 1 and 2 (a view) when ``qkv_format`` is
+    ``"bhsd"``: the calls' inputs to ``"bshd"`` and their results back; lse
+    (3-d) and anything else pass unchanged.
+
+    Returns:
+        tuple: ``(arrays, problem)``: ``problem`` a message for an unknown
+        ``qkv_format`` (the arrays then unchanged), to be agreed, else None.
+    """
+    if not isinstance(qkv_format, str) or qkv_format not in FORMATS:
+        return arrays, f"qkv_format must be one of {FORMATS}, got {qkv_format!r}"
+    if qkv_format == "bhsd":
+        arrays = tuple(x.swapaxes(1, 2) if getattr(x, "ndim", 0) == 4 else x for x in arrays)
+    return arrays, None
+
 
 def _dtype_name(x) -> str:
     try:
@@ -160,7 +180,7 @@ def as_array_api(*arrays):
 
 
 def validate(transport, q, k, v, *, causal, layout, softmax_scale, seq_len, tile, op, extra=None,
-             timeout=None, window=None) -> AttnSpec:
+             timeout=None, window=None, problem=None) -> AttnSpec:
     """Check an attention call on every rank together and return its :class:`AttnSpec`.
 
     Args:
@@ -171,14 +191,18 @@ def validate(transport, q, k, v, *, causal, layout, softmax_scale, seq_len, tile
             before any message is posted; valid values may differ by rank.
         window: None or a sliding window ``(left, right)`` (ints >= -1,
             :func:`.window.window_of`); the spec holds its effective value.
+        problem: a message the caller found wrong before (an unknown
+            ``qkv_format``), raised first, agreed like the others.
 
     Raises:
         InvalidArgument: on every rank alike when any rank's arguments are bad
             (that rank names its problem, the others name that rank) or when
             the ranks' shapes, dtypes or options differ.
     """
-    problem, spec = None, None
+    found, problem, spec = problem, None, None
     try:
+        if found is not None:
+            raise InvalidArgument(found, rank=transport.rank, op=op)
         spec = _validate_local(transport, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
                                seq_len=seq_len, tile=tile, op=op, extra=extra)
         spec.window = effective_window(window_of(window, lambda msg: InvalidArgument(msg, rank=transport.rank,

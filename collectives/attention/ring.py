@@ -32,7 +32,7 @@ import numpy as np
 from commlib.core.seconds import call_deadline, time_left
 
 from .blocks import ForwardAccumulator, backward_block, forward_block, from_heads_major, tile_plan, to_heads_major
-from .common import as_array_api, comm_last, validate
+from .common import as_array_api, comm_last, in_format, validate
 from .layout import sequence_positions
 from .schedule import RingSchedule
 from .transport import transport_of
@@ -83,7 +83,7 @@ def _new_stats(stats, kind):
 
 def ring_attention(q, k, v, comm=None, causal: bool = False, layout: str = "contiguous", softmax_scale=None, *,
                    seq_len: int | None = None, tile: int = 128, timeout: float | None = None, stats: dict | None = None,
-                   window=None):
+                   window=None, qkv_format: str = "bshd"):
     """Exact attention over a sequence sharded across ``comm``'s ranks.
 
     The communicator comes after the arrays, as in :mod:`commlib.nn`; the
@@ -116,6 +116,11 @@ def ring_attention(q, k, v, comm=None, causal: bool = False, layout: str = "cont
             (score entries computed), ``visible`` (unmasked pairs),
             ``compute_s`` and ``wait_s``, and ``total_s`` (with a window:
             ``work``, ``recv_bytes``, ``sent_bytes`` and ``total_s``).
+        qkv_format: ``"bshd"`` (default, the shapes above) or ``"bhsd"``
+            (SDPA's ``(batch, heads, seq_local, head_dim)``): the order of q,
+            k, v and of ``out`` (and, in the backward, of ``out``, ``dout``,
+            dq, dk, dv; lse is ``(batch, heads, seq_local)`` either way).
+            The results are views in that order.
         window: optional sliding window ``(left, right)`` (FlashAttention-2's
             ``window_size``, ints >= -1, -1 unbounded; Longformer/Mistral):
             the query at global position ``i`` sees only keys ``j`` with
@@ -142,15 +147,17 @@ def ring_attention(q, k, v, comm=None, causal: bool = False, layout: str = "cont
     """
     op = "ring_attention"
     (q, k, v), comm = comm_last(op, (q, k, v), comm)
+    (q, k, v), fmt_problem = in_format(qkv_format, q, k, v)
     timeout = call_deadline(timeout, op)  # the deadline of the whole call: every wait gets what is left
     tp = transport_of(comm, timeout, op)
     tag_kv = tp.tags.slot(_TAG_WIDTH) + _TAG_KV
     q, k, v = as_array_api(q, k, v)
     spec = validate(tp, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
-                    seq_len=seq_len, tile=tile, op=op, timeout=timeout, window=window)
+                    seq_len=seq_len, tile=tile, op=op, timeout=timeout, window=window, problem=fmt_problem)
     if spec.window is not None:
-        return window_attention(tp, spec, q, k, v, causal=causal, layout=layout, window=spec.window, tile=tile,
-                                tag=tag_kv, timeout=timeout, op=op, stats=stats)
+        res = window_attention(tp, spec, q, k, v, causal=causal, layout=layout, window=spec.window, tile=tile,
+                               tag=tag_kv, timeout=timeout, op=op, stats=stats)
+        return in_format(qkv_format, *res)[0]
     xp, P, r = spec.xp, tp.size, tp.rank
     st = _new_stats(stats, "forward")
     t_start = time.perf_counter()
@@ -189,12 +196,13 @@ def ring_attention(q, k, v, comm=None, causal: bool = False, layout: str = "cont
     lse = lse.reshape(spec.batch, spec.heads, L)
     if st is not None:
         st["total_s"] = time.perf_counter() - t_start
-    return out, lse
+    return in_format(qkv_format, out, lse)[0]
 
 
 def ring_attention_backward(q, k, v, out, lse, dout, comm=None, causal: bool = False, layout: str = "contiguous",
                             softmax_scale=None, *, seq_len: int | None = None, tile: int = 128,
-                            timeout: float | None = None, stats: dict | None = None, window=None):
+                            timeout: float | None = None, stats: dict | None = None, window=None,
+                            qkv_format: str = "bshd"):
     """Gradients of :func:`ring_attention`.
 
     Args:
@@ -218,6 +226,7 @@ def ring_attention_backward(q, k, v, out, lse, dout, comm=None, causal: bool = F
     """
     op = "ring_attention_backward"
     (q, k, v, out, lse, dout), comm = comm_last(op, (q, k, v, out, lse, dout), comm)
+    (q, k, v, out, lse, dout), fmt_problem = in_format(qkv_format, q, k, v, out, lse, dout)
     q, k, v, out, lse, dout = as_array_api(q, k, v, out, lse, dout)
     timeout = call_deadline(timeout, op)  # the deadline of the whole call: every wait gets what is left
     tp = transport_of(comm, timeout, op)
@@ -230,10 +239,12 @@ def ring_attention_backward(q, k, v, out, lse, dout, comm=None, causal: bool = F
         extra = {"out": (out, qshape, qd), "dout": (dout, qshape, qd),
                  "lse": (lse, (qshape[0], qshape[2], qshape[1]), None)}
     spec = validate(tp, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
-                    seq_len=seq_len, tile=tile, op=op, extra=extra, timeout=timeout, window=window)
+                    seq_len=seq_len, tile=tile, op=op, extra=extra, timeout=timeout, window=window,
+                    problem=fmt_problem)
     if spec.window is not None:
-        return window_attention_backward(tp, spec, q, k, v, out, lse, dout, causal=causal, layout=layout,
-                                         window=spec.window, tile=tile, tag=tag0, timeout=timeout, op=op, stats=stats)
+        res = window_attention_backward(tp, spec, q, k, v, out, lse, dout, causal=causal, layout=layout,
+                                        window=spec.window, tile=tile, tag=tag0, timeout=timeout, op=op, stats=stats)
+        return in_format(qkv_format, *res)[0]
     xp, P, r = spec.xp, tp.size, tp.rank
     st = _new_stats(stats, "backward")
     t_start = time.perf_counter()
@@ -298,4 +309,4 @@ def ring_attention_backward(q, k, v, out, lse, dout, comm=None, causal: bool = F
     dv = xp.ascontiguousarray(dkv[1].transpose(0, 2, 1, 3).astype(spec.dtype, copy=False))
     if st is not None:
         st["total_s"] = time.perf_counter() - t_start
-    return dq, dk, dv
+    return in_format(qkv_format, dq, dk, dv)[0]

@@ -45,8 +45,9 @@ from commlib.collectives.attention.transport import transport_of
 from commlib.core.errors import InvalidArgument
 from commlib.core.seconds import restarted, time_left
 
-from ._check import (DEVICES, DTYPE_NAMES, DTYPES, agreement_timeout, autocast_inputs, autocast_off, check_qkv,
-                     cu_seqlens_of, grad_flags, no_double_backward, call_problem, sdpa_keywords, softmax_scale_of, timeout_of)
+from ._check import (DEVICES, DTYPE_NAMES, DTYPES, agreement_timeout, autocast_inputs, autocast_off, call_problem,
+                     check_qkv, cu_seqlens_of, grad_flags, no_double_backward, sdpa_keywords, softmax_scale_of,
+                     timeout_of)
 from ._blocks import acc_dtype, block_backward, block_forward, merge, plan_block, plan_window_block
 from ._failure import bound, guarded, link_comm
 from ._front import front
@@ -512,7 +513,9 @@ def ring_attention(q, k, v, comm=None, causal=False, layout=None, softmax_scale=
 
     Returns:
         torch.Tensor: ``(batch, seq_local, heads, head_dim)`` (``"bhsd"``:
-        ``(batch, heads, seq_local, head_dim)``) in the input dtype (under autocast: the autocast dtype, see above).  Block outputs and lse are merged in float32 (float64 for
+        ``(batch, heads, seq_local, head_dim)``) in the input dtype (under
+        autocast: the autocast dtype, see above).  Block outputs and lse are
+        merged in float32 (float64 for
         float64 inputs); the backward accumulates ``dq`` and the travelling
         ``dk``/``dv`` in the same dtype.
 

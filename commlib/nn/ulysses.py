@@ -270,8 +270,8 @@ def _validate_local(q, k, v, *, causal, softmax_scale, rank, op, cu_seqlens, siz
 
 # ---------------------------------------------------------------- the call
 def ulysses_attention(q, k, v, comm=None, causal: bool = False, softmax_scale=None, *, cu_seqlens=None, window=None,
-                      layout=None, qkv_format="bshd", timeout: float | None = None, attn_mask=None, dropout_p=0.0, is_causal=None,
-                      scale=None, enable_gqa=None):
+                      layout=None, qkv_format="bshd", timeout: float | None = None, attn_mask=None, dropout_p=0.0,
+                      is_causal=None, scale=None, enable_gqa=None):
     """Exact sequence-parallel attention by all-to-all over heads (DeepSpeed-Ulysses).
 
     Args:

@@ -288,3 +288,16 @@ def test_numpy_bhsd_matches_sdpa(world, layout):
             _close(torch.from_numpy(np.ascontiguousarray(g)), want[:, :, pos], f"{fwd.__name__} {layout} d{what}")
     with pytest.raises(InvalidArgument, match="qkv_format"):
         commlib.ring_attention(q, k, v, world, qkv_format="BHSD")
+
+
+def test_sharding_carries_layout_to_shard_functions(selfcomm):
+    """A Sharding given to commlib.nn.shard_sequence / unshard_sequence as their comm is their layout
+    and dim; an explicit one that contradicts it is refused (no silent default 'contiguous')."""
+    sp = cnn.Sharding(selfcomm, "zigzag", dim=2)
+    x = torch.randn(1, 3, 8, 4, dtype=F64)
+    assert torch.equal(cnn.shard_sequence(x, sp), sp.shard(x))
+    assert torch.equal(cnn.unshard_sequence(sp.shard(x), sp), x)
+    with pytest.raises(InvalidArgument, match="contradicts the Sharding's layout"):
+        cnn.shard_sequence(x, sp, "striped")
+    with pytest.raises(InvalidArgument, match="contradicts the Sharding's dim"):
+        cnn.unshard_sequence(x, sp, dim=1)

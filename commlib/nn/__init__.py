@@ -78,7 +78,7 @@ transports of ``comm``) before ``comm.recover()``.
 """
 from ._failure import revoke
 from .hybrid import hybrid_attention
-from ._front import Sharding
+from .shard import Sharding
 from .module import SequenceParallelAttention
 from .ring import ring_attention, ring_attention_bidirectional
 from .shard import shard_sequence, unshard_sequence

@@ -24,95 +24,17 @@ every rank alike in its agreement round (no extra round).
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from commlib.collectives.attention.common import comm_last, is_comm
-from commlib.collectives.attention.layout import LAYOUTS, local_seq_len, sequence_positions
 from commlib.core.errors import InvalidArgument
 
-from .shard import SHARD_TAG, shard_sequence, unshard_sequence
+from .shard import SHARD_TAG, Sharding
 
 __all__ = ["FORMATS", "Sharding", "Call", "front"]
 
 #: the tensor orders the attention calls take (Transformer Engine's names)
 FORMATS = ("bshd", "bhsd")
-
-class Sharding:
-    """A communicator with the sequence layout stated once: shard, attend, unshard in it.
-
-    Pass it wherever :mod:`commlib.nn` takes a communicator (the attention
-    functions, :class:`~commlib.nn.SequenceParallelAttention`): the call
-    runs in its layout, so the layout cannot be forgotten on one call and
-    given on another (which gives a wrong result without an error)::
-
-        sp = commlib.nn.Sharding(comm, "zigzag")
-        q, k, v = (sp.shard(x) for x in (Q, K, V))          # this rank's shards
-        out = commlib.nn.ring_attention(q, k, v, sp, causal=True)
-        full = sp.unshard(out)                              # the global output
-
-    Args:
-        comm: the :class:`commlib.Communicator` the sequence is sharded over.
-        layout: ``"contiguous"``, ``"striped"`` or ``"zigzag"``
-            (:mod:`commlib.collectives.attention.layout`).
-        dim: the sequence dimension of the tensors it shards and unshards
-            (default 1, as in ``(batch, seq, heads, head_dim)``; 2 for SDPA's
-            ``(batch, heads, seq, head_dim)``).
-
-    Attributes:
-        comm, layout, dim: as given; ``rank`` and ``size`` are the communicator's.
-
-    Raises:
-        InvalidArgument: ``comm`` not a communicator, an unknown layout, or
-            ``dim`` not an int.
-    """
-
-    def __init__(self, comm, layout: str, dim: int = 1):
-        op = "Sharding"
-        if isinstance(comm, Sharding):
-            comm = comm.comm
-        if not is_comm(comm):
-            raise InvalidArgument(f"comm must be a commlib.Communicator, got {type(comm).__name__}", op=op)
-        if not isinstance(layout, str) or layout not in LAYOUTS:
-            raise InvalidArgument(f"layout {layout!r} is not one of {LAYOUTS}", rank=comm.rank, op=op)
-        if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
-            raise InvalidArgument(f"dim must be an int, got {dim!r}", rank=comm.rank, op=op)
-        self.comm, self.layout, self.dim = comm, layout, int(dim)
-
-    @property
-    def rank(self) -> int:
-        return int(self.comm.rank)
-
-    @property
-    def size(self) -> int:
-        return int(self.comm.size)
-
-    def shard(self, x: torch.Tensor, *, pad: bool = False) -> torch.Tensor:
-        """This rank's shard of the global tensor ``x`` (the same on every
-        rank), differentiable: :func:`commlib.nn.shard_sequence` in this
-        layout and dimension."""
-        return shard_sequence(x, self.comm, self.layout, self.dim, pad=pad)
-
-    def unshard(self, x_local: torch.Tensor, seq_len: int | None = None, *, sum_grad: bool = False,
-                timeout: float | None = None) -> torch.Tensor:
-        """The global tensor from every rank's shard, on every rank
-        (:func:`commlib.nn.unshard_sequence` in this layout and dimension;
-        an all-gather, differentiable)."""
-        return unshard_sequence(x_local, self.comm, self.layout, self.dim, seq_len, sum_grad=sum_grad,
-                                timeout=timeout)
-
-    def seq_local(self, seq_len: int) -> int:
-        """Tokens per rank (padding included) for a global length ``seq_len``."""
-        return local_seq_len(seq_len, self.size, self.layout)
-
-    def positions(self, seq_local: int) -> np.ndarray:
-        """int64 ``(seq_local,)``: the global positions of this rank's tokens
-        (for rotary embeddings; entries ``>= seq_len`` are padding)."""
-        return sequence_positions(self.layout, self.rank, self.size, int(seq_local))
-
-    def __repr__(self) -> str:
-        return f"Sharding(layout={self.layout!r}, dim={self.dim}, rank={self.rank}, size={self.size})"
-
 
 class Call:
     """A public call after :func:`front`: the tensors in ``"bshd"``, the

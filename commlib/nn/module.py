@@ -36,7 +36,8 @@ from .hybrid import hybrid_attention
 from .ring import ring_attention
 from .ulysses import ulysses_attention
 from .window import window_of
-from ._front import FORMATS, Sharding
+from ._front import FORMATS
+from .shard import Sharding
 from commlib.collectives.attention.common import is_comm
 
 __all__ = ["SequenceParallelAttention", "KINDS"]

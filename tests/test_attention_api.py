@@ -301,3 +301,30 @@ def test_sharding_carries_layout_to_shard_functions(selfcomm):
         cnn.shard_sequence(x, sp, "striped")
     with pytest.raises(InvalidArgument, match="contradicts the Sharding's dim"):
         cnn.unshard_sequence(x, sp, dim=1)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_mask_disagreement_named_alike(world):
+    """Every variant agrees on one mask header (collectives.attention.spec.MaskSpec): ranks that differ in a
+    mask feature get the same field named, whatever the call."""
+    p, r = world.size, world.rank
+    if p == 1:
+        pytest.skip("needs 2+ ranks")
+    Q, K, V, _ = _global(p, kv_heads=p, seed=5)
+    pos = torch.from_numpy(sequence_positions("contiguous", r, p, Q.shape[1] // p))
+    q, k, v = (x[:, pos] for x in (Q, K, V))
+    n = Q.shape[1]
+    cu = [0, n // 2, n] if r == 0 else [0, n]
+    calls = {"ring_attention": lambda **kw: cnn.ring_attention(q, k, v, world, **kw),
+             "ulysses_attention": lambda **kw: cnn.ulysses_attention(q, k, v, world, **kw)}
+    for op, f in calls.items():
+        with pytest.raises(InvalidArgument, match=rf"{op}.*causal differs"):
+            f(causal=r == 0)
+        with pytest.raises(InvalidArgument, match=rf"{op}.*cu_seqlens length differs"):
+            f(cu_seqlens=cu)
+        with pytest.raises(InvalidArgument, match=rf"{op}.*window left differs"):
+            f(window=(1, 1) if r == 0 else (2, 1))
+    qn, kn, vn = (x.numpy() for x in (q, k, v))
+    with pytest.raises(InvalidArgument, match="ring_attention.*window left differs"):
+        commlib.ring_attention(qn, kn, vn, world, window=(1, 1) if r == 0 else (2, 1))

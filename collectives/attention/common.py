@@ -24,6 +24,7 @@ from commlib.core.seconds import check_timeout
 from ..agreement import agree_call
 from .blocks import SUPPORTED_DTYPES, compute_dtype, get_array_module
 from .layout import LAYOUTS, agreement_bound, check_layout, local_seq_len
+from .spec import MaskSpec, describe_with
 from .window import effective_window, window_of
 
 __all__ = ["AttnSpec", "validate", "is_comm", "comm_last", "FORMATS", "in_format"]
@@ -125,31 +126,29 @@ def _dtype_name(x) -> str:
 
 
 #: the header fields of an attention call, in wire order
-_SIG_FIELDS = ("batch", "seq_local", "heads", "kv_heads", "head_dim", "dtype", "causal", "layout", "seq_len",
-               "tile", "softmax_scale", "window left", "window right")
+_SIG_FIELDS = ("batch", "seq_local", "heads", "kv_heads", "head_dim", "dtype", "layout", "seq_len", "tile",
+               "softmax_scale") + MaskSpec.FIELDS
 
 
 def _header(spec: AttnSpec, causal, layout, tile) -> tuple:
     """``spec`` and the options as the ints of :data:`_SIG_FIELDS` (the scale by its float64 bits)."""
     return (spec.batch, spec.seq_local, spec.heads, spec.kv_heads, spec.head_dim,
-            SUPPORTED_DTYPES.index(spec.dtype.name), int(bool(causal)), LAYOUTS.index(layout), spec.seq_len,
-            int(tile), int(np.float64(spec.scale).view(np.int64)),
-            *(spec.window if spec.window is not None else (-2, -2)))
+            SUPPORTED_DTYPES.index(spec.dtype.name), LAYOUTS.index(layout), spec.seq_len, int(tile),
+            int(np.float64(spec.scale).view(np.int64)), *MaskSpec.of(causal, None, spec.window).header())
 
 
-def _describe(name: str, value: int):
-    """A header field's value as the caller wrote it."""
+def _describe_attention(name: str, value: int):
+    """A header field's value as the caller wrote it (the mask's: :class:`.spec.MaskSpec`)."""
     if name == "dtype":
         return SUPPORTED_DTYPES[value]
     if name == "layout":
         return repr(LAYOUTS[value])
-    if name == "causal":
-        return bool(value)
     if name == "softmax_scale":
         return float(np.int64(value).view(np.float64))
-    if name in ("window left", "window right"):
-        return {-2: "no window", -1: "unbounded"}.get(value, value)
     return value
+
+
+_describe = describe_with(_describe_attention)
 
 
 def _disagreement(message: str, *, rank, op) -> InvalidArgument:

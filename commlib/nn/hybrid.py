@@ -332,10 +332,10 @@ def _hybrid(q, k, v, comm, tp, op, ulysses_degree, layout, softmax_scale, bidire
 
     lay = LAYOUTS.index(layout) if isinstance(layout, str) and layout in LAYOUTS else -1
     deg = int(U) if isinstance(U, (int, np.integer)) and not isinstance(U, bool) else -1
-    checks, win_extra = window_checks(window, tp, op, more=checks)
+    checks = window_checks(window, tp, op, more=checks)
     spec = validate(tp, q, k, v, causal=causal, softmax_scale=softmax_scale, op=op, cu_seqlens=cu_seqlens,
                     checks=checks, extra=(("ulysses_degree", deg), ("layout", lay),
-                                          ("bidirectional", int(bool(bidirectional)))) + win_extra, timeout=timeout,
+                                          ("bidirectional", int(bool(bidirectional)))), timeout=timeout,
                     sdpa=sdpa)
     causal = spec.causal
     U = int(U)

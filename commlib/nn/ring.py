@@ -29,7 +29,6 @@ backward.
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
 import dataclasses
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ import torch
 from commlib.collectives.agreement import agree_call
 from commlib.collectives.attention.layout import LAYOUTS, sequence_positions
 from commlib.collectives.attention.schedule import RingSchedule, piece_positions, split_halves
+from commlib.collectives.attention.spec import MaskSpec, describe_with
 from commlib.collectives.attention.transport import transport_of
 from commlib.core.errors import InvalidArgument
 from commlib.core.seconds import restarted, time_left
@@ -89,31 +89,27 @@ class _Spec:
 
 
 # ------------------------------------------------------------------ validation
-_SIG_FIELDS = ("batch", "seq_local", "heads", "kv_heads", "head_dim", "dtype", "device", "causal", "layout",
-               "bidirectional", "softmax_scale", "cu_seqlens length", "cu_seqlens", "requires_grad",
-               "window left", "window right")
+_SIG_FIELDS = ("batch", "seq_local", "heads", "kv_heads", "head_dim", "dtype", "device", "layout", "bidirectional",
+               "softmax_scale", "requires_grad") + MaskSpec.FIELDS
 
 
-def _describe(name, value):
+def _describe_ring(name, value):
     if name == "dtype":
         return _DTYPE_NAMES[value] if 0 <= value < len(_DTYPE_NAMES) else value
     if name == "device":
         return _DEVICES[value] if 0 <= value < len(_DEVICES) else value
     if name == "layout":
         return repr(LAYOUTS[value]) if 0 <= value < len(LAYOUTS) else value
-    if name in ("causal", "bidirectional"):
+    if name == "bidirectional":
         return bool(value)
     if name == "softmax_scale":
         return float(np.int64(value).view(np.float64))
-    if name == "cu_seqlens length":
-        return "none" if value < 0 else f"{value} entries"
-    if name == "cu_seqlens":
-        return "none" if value == 0 else f"digest {value & 0xFFFFFFFF:08x}"
-    if name in ("window left", "window right"):
-        return "no window" if value == -2 else ("unbounded" if value == -1 else value)
     if name == "requires_grad":
         return "a gradient of q, k or v" if value else "no gradient (torch.no_grad or requires_grad=False)"
     return value
+
+
+_describe = describe_with(_describe_ring)
 
 
 def _disagreement(message, *, rank, op):
@@ -147,15 +143,10 @@ def _validate_local(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidi
 
 
 def _header(spec: _Spec, device_type: str) -> tuple:
-    if spec.cu_seqlens is None:
-        n_cu, digest = -1, 0
-    else:
-        n_cu = len(spec.cu_seqlens)
-        digest = int.from_bytes(hashlib.sha256(spec.cu_seqlens.tobytes()).digest()[:8], "little", signed=True)
     return (spec.batch, spec.seq_local, spec.heads, spec.kv_heads, spec.head_dim, DTYPES.index(spec.dtype),
-            _DEVICES.index(device_type), int(spec.causal), LAYOUTS.index(spec.layout), int(spec.bidirectional),
-            int(np.float64(spec.scale).view(np.int64)), n_cu, digest, int(spec.grad),
-            *(spec.window if spec.window is not None else (-2, -2)))
+            _DEVICES.index(device_type), LAYOUTS.index(spec.layout), int(spec.bidirectional),
+            int(np.float64(spec.scale).view(np.int64)), int(spec.grad),
+            *MaskSpec.of(spec.causal, spec.cu_seqlens, spec.window).header())
 
 
 def _validate(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op, sdpa,

@@ -31,7 +31,6 @@ back); any other ``kv_heads`` is refused.
 """
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +39,7 @@ import torch.nn.functional as F
 
 from commlib.collectives.agreement import agree_call
 from commlib.collectives.attention.layout import LAYOUTS
+from commlib.collectives.attention.spec import MaskSpec, describe_with
 from commlib.collectives.attention.transport import transport_of
 from commlib.core.errors import InvalidArgument
 from commlib.core.seconds import restarted
@@ -161,32 +161,31 @@ class Spec:
     window: tuple | None = None   # the effective sliding window (commlib.nn.window.effective_window), or None
 
 
-_FIELDS = ("batch", "seq_local", "heads", "kv_heads", "head_dim", "dtype", "device", "causal", "softmax_scale",
-           "cu_seqlens", "requires_grad")
+_FIELDS = ("batch", "seq_local", "heads", "kv_heads", "head_dim", "dtype", "device", "softmax_scale",
+           "requires_grad") + MaskSpec.FIELDS
 
 
 def _device_code(device: torch.device) -> int:
     return {"cpu": 0, "cuda": 1}.get(device.type, 2)
 
 
-def _describe(name, value):
+def _describe_ulysses(name, value):
     if name == "dtype":
         return str(DTYPES[value]) if 0 <= value < len(DTYPES) else value
     if name == "device":
         return ("cpu", "cuda", "other")[value] if 0 <= value < 3 else value
-    if name in ("causal", "bidirectional"):
+    if name == "bidirectional":
         return bool(value)
     if name == "softmax_scale":
         return float(np.int64(value).view(np.float64))
-    if name == "cu_seqlens":
-        return "none" if value == -1 else f"crc32 {value:#010x}"
     if name == "layout":
         return repr(LAYOUTS[value]) if 0 <= value < len(LAYOUTS) else value
     if name == "requires_grad":
         return describe_grad(value)
-    if name in ("window left", "window right"):
-        return {-3: "a bad window", -2: "no window", -1: "unbounded"}.get(value, value)
     return value
+
+
+_describe = describe_with(_describe_ulysses)
 
 
 def _disagreement(message, *, rank, op):
@@ -234,11 +233,11 @@ def validate(tp, q, k, v, *, causal, softmax_scale, op, cu_seqlens=None, degree=
                                sdpa=sdpa or {})
         if checks is not None:
             checks(spec)
-        cu = -1 if spec.cu_seqlens is None else zlib.crc32(np.asarray(spec.cu_seqlens, np.int64).tobytes())
         # which of q, k, v get a gradient: each has its own all-to-all in the backward
         header = (spec.batch, spec.seq_local, spec.heads, spec.kv_heads, spec.head_dim, DTYPES.index(q.dtype),
-                  _device_code(q.device), int(spec.causal), int(np.float64(spec.scale).view(np.int64)), cu,
-                  grad_flags(q, k, v)) + tuple(int(val) for _, val in extra)
+                  _device_code(q.device), int(np.float64(spec.scale).view(np.int64)), grad_flags(q, k, v),
+                  *MaskSpec.of(spec.causal, spec.cu_seqlens, spec.window).header(),
+                  *(int(val) for _, val in extra))
     except InvalidArgument as exc:
         problem = exc
     agree_call(tp, header, op=op, names=_FIELDS + tuple(name for name, _ in extra), local_error=problem,
@@ -364,10 +363,10 @@ def ulysses_attention(q, k, v, comm=None, causal: bool = False, softmax_scale=No
             if layout == "zigzag" and spec.seq_local % 2:
                 raise InvalidArgument(f"zigzag needs an even seq_local, got {spec.seq_local}", rank=tp.rank, op=op)
 
-        checks, extra = window_checks(window, tp, op, more=layout_checks)
+        checks = window_checks(window, tp, op, more=layout_checks)
         lay = LAYOUTS.index(layout) if isinstance(layout, str) and layout in LAYOUTS else -1
         spec = validate(tp, q, k, v, causal=causal, softmax_scale=softmax_scale, op=op, cu_seqlens=cu_seqlens,
-                        degree=tp.size, timeout=timeout, checks=checks, extra=extra + (("layout", lay),),
+                        degree=tp.size, timeout=timeout, checks=checks, extra=(("layout", lay),),
                         sdpa=call.keywords(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                                            scale=scale, enable_gqa=enable_gqa))
         order = None
@@ -378,24 +377,20 @@ def ulysses_attention(q, k, v, comm=None, causal: bool = False, softmax_scale=No
 
 
 def window_checks(window, tp, op, more=None):
-    """The ``checks`` and ``extra`` header fields of :func:`validate` for a
-    ``window`` argument: the window is checked on every rank
-    (:func:`commlib.nn.window.window_of`; a bad one is refused in the
-    agreement's first round), agreed across ranks as given, and its
-    effective value (:func:`commlib.nn.window.effective_window`) stored as
-    ``spec.window``; ``more(spec)`` runs after."""
-    try:
-        code = window_of(window, ValueError) or (-2, -2)
-    except ValueError:
-        code = (-3, -3)  # refused by checks() below
-
+    """The ``checks`` of :func:`validate` for a ``window`` argument: the
+    window is checked on every rank (:func:`commlib.nn.window.window_of`; a
+    bad one is refused in the agreement), its effective value
+    (:func:`commlib.nn.window.effective_window`) stored as ``spec.window``
+    and agreed with the other mask features
+    (:class:`commlib.collectives.attention.spec.MaskSpec`); ``more(spec)``
+    runs after."""
     def checks(spec):
         win = window_of(window, lambda msg: InvalidArgument(msg, rank=tp.rank, op=op))
         spec.window = effective_window(win, spec.causal, tp.size * spec.seq_local)
         if more is not None:
             more(spec)
 
-    return checks, (("window left", code[0]), ("window right", code[1]))
+    return checks
 
 
 def ulysses_forward(q, k, v, tp, spec, causal, timeout, op, order=None):

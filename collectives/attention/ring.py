@@ -29,21 +29,22 @@ import time
 
 import numpy as np
 
-from commlib.core.seconds import call_deadline, time_left
+from commlib.core.seconds import call_deadline
 
 from .blocks import ForwardAccumulator, backward_block, forward_block, from_heads_major, tile_plan, to_heads_major
 from .common import as_array_api, comm_last, in_format, validate
 from .layout import sequence_positions
+from .ringcomm import RingComm
 from .schedule import RingSchedule
 from .transport import transport_of
 from .window import window_attention, window_attention_backward
 
 __all__ = ["ring_attention", "ring_attention_backward", "ring_plan_work"]
 
-# Tags, as offsets in the block each call takes from its transport's allocator.
-_TAG_KV = 0   # the K/V shards going round
-_TAG_DKV = 1  # the backward's travelling dk/dv
-_TAG_WIDTH = 2
+# Tags: each call takes a block of RingComm.WIDTH from its transport's allocator
+# (the K/V and the travelling dk/dv of each stream; the halo exchange of a
+# windowed call uses the same block).
+_TAG_WIDTH, _TAG_KV, _TAG_DKV = RingComm.WIDTH, RingComm.KV, RingComm.DKV
 
 
 def _heads_major_kv(k, v, spec):
@@ -150,7 +151,7 @@ def ring_attention(q, k, v, comm=None, causal: bool = False, layout: str = "cont
     (q, k, v), fmt_problem = in_format(qkv_format, q, k, v)
     timeout = call_deadline(timeout, op)  # the deadline of the whole call: every wait gets what is left
     tp = transport_of(comm, timeout, op)
-    tag_kv = tp.tags.slot(_TAG_WIDTH) + _TAG_KV
+    tag_kv = tp.tags.slot(_TAG_WIDTH)
     q, k, v = as_array_api(q, k, v)
     spec = validate(tp, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
                     seq_len=seq_len, tile=tile, op=op, timeout=timeout, window=window, problem=fmt_problem)
@@ -170,13 +171,11 @@ def ring_attention(q, k, v, comm=None, causal: bool = False, layout: str = "cont
     cur = _heads_major_kv(k, v, spec)
     nxt = xp.empty_like(cur) if P > 1 else None
     sched = RingSchedule(P, r)
-    stream = sched.streams[0]
-    dst, src_rank = sched.send_to(stream), sched.recv_from(stream)
+    ring = RingComm(tp, sched, tag_kv, timeout, op)
     for ring_step in sched.steps():
         step, owner = ring_step.step, ring_step.owners[0]
-        reqs = []
-        if not ring_step.last:  # double buffering: post the next block before computing this one
-            reqs = [tp.irecv(nxt, src_rank, tag_kv), tp.isend(cur, dst, tag_kv)]
+        # double buffering: post the next block before computing this one
+        reqs = ring.post_kv([cur], [nxt]) if not ring_step.last else []
         t0 = time.perf_counter()
         kpos = sequence_positions(layout, owner, P, L)
         plan = tile_plan(qpos, kpos, spec.seq_len, causal, tile)
@@ -184,7 +183,7 @@ def ring_attention(q, k, v, comm=None, causal: bool = False, layout: str = "cont
             forward_block(qh, cur[0].astype(spec.cdtype, copy=False), cur[1].astype(spec.cdtype, copy=False),
                           plan, qpos, kpos, state)
         t1 = time.perf_counter()
-        tp.waitall(reqs, time_left(timeout), op=op)
+        ring.wait(reqs)
         t2 = time.perf_counter()
         if st is not None:
             st["steps"].append(dict(step=step, source=owner, work=plan.work * nbh, visible=plan.visible * nbh,
@@ -231,7 +230,6 @@ def ring_attention_backward(q, k, v, out, lse, dout, comm=None, causal: bool = F
     timeout = call_deadline(timeout, op)  # the deadline of the whole call: every wait gets what is left
     tp = transport_of(comm, timeout, op)
     tag0 = tp.tags.slot(_TAG_WIDTH)
-    tag_kv, tag_dkv = tag0 + _TAG_KV, tag0 + _TAG_DKV
     qshape = tuple(q.shape) if hasattr(q, "shape") else None
     qd = np.dtype(q.dtype).name if hasattr(q, "dtype") else None
     extra = {}
@@ -262,19 +260,14 @@ def ring_attention_backward(q, k, v, out, lse, dout, comm=None, causal: bool = F
     cur = _heads_major_kv(k, v, spec)
     nxt = xp.empty_like(cur) if P > 1 else None
     sched = RingSchedule(P, r)
-    stream = sched.streams[0]
-    dst, src_rank = sched.send_to(stream), sched.recv_from(stream)
-    dkv_in = None      # request + buffer of the travelling dk/dv arriving for this step
-    dkv_sends = []     # sends still in flight (their buffers must stay untouched)
+    ring = RingComm(tp, sched, tag0, timeout, op)
     dkv = None
     for ring_step in sched.steps():
         step, owner = ring_step.step, ring_step.owners[0]
-        reqs = []
-        if not ring_step.last:  # post the next K/V block before computing this one
-            reqs = [tp.irecv(nxt, src_rank, tag_kv), tp.isend(cur, dst, tag_kv)]
+        # post the next K/V block before computing this one
+        reqs = ring.post_kv([cur], [nxt]) if not ring_step.last else []
         if P > 1:  # the dk/dv that will arrive for the next step (or, at the last, our own)
-            nxt_buf = xp.empty(dkv_shape, dtype=cdt)
-            nxt_req = tp.irecv(nxt_buf, src_rank, tag_dkv)
+            ring.expect_dkv(0, xp.empty(dkv_shape, dtype=cdt))
         t0 = time.perf_counter()
         kpos = sequence_positions(layout, owner, P, L)
         plan = tile_plan(qpos, kpos, spec.seq_len, causal, tile)
@@ -283,16 +276,9 @@ def ring_attention_backward(q, k, v, out, lse, dout, comm=None, causal: bool = F
             backward_block(qh, cur[0].astype(cdt, copy=False), cur[1].astype(cdt, copy=False), doh, lseh, dh,
                            plan, qpos, kpos, dqh, dkv[0], dkv[1])
         t1 = time.perf_counter()
-        if dkv_in is not None:  # add what the previous holders accumulated for this block
-            req, buf = dkv_in
-            tp.waitall([req], time_left(timeout), op=op)
-            dkv += buf
-        if P > 1:
-            # at most one dk/dv in flight: memory stays O(seq_local)
-            tp.waitall(dkv_sends, time_left(timeout), op=op)
-            dkv_sends = [tp.isend(dkv, dst, tag_dkv)]
-            dkv_in = (nxt_req, nxt_buf)
-        tp.waitall(reqs, time_left(timeout), op=op)
+        if P > 1:  # add what the previous holders accumulated for this block, pass it on
+            ring.pass_dkv(0, dkv)
+        ring.wait(reqs)
         t2 = time.perf_counter()
         if st is not None:
             st["steps"].append(dict(step=step, source=owner, work=plan.work * nbh, visible=plan.visible * nbh,
@@ -300,9 +286,7 @@ def ring_attention_backward(q, k, v, out, lse, dout, comm=None, causal: bool = F
         if not ring_step.last:
             cur, nxt = nxt, cur
     if P > 1:  # our own block's dk/dv, back from its last holder
-        req, dkv = dkv_in
-        tp.waitall([req], time_left(timeout), op=op)
-        tp.waitall(dkv_sends, time_left(timeout), op=op)
+        dkv = ring.home_dkv(0)
     dqh *= spec.scale
     dq = from_heads_major(dqh, spec.dtype, xp)
     dk = xp.ascontiguousarray(dkv[0].transpose(0, 2, 1, 3).astype(spec.dtype, copy=False))

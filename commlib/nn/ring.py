@@ -39,11 +39,12 @@ import torch
 
 from commlib.collectives.agreement import agree_call
 from commlib.collectives.attention.layout import LAYOUTS, sequence_positions
+from commlib.collectives.attention.ringcomm import RingComm
 from commlib.collectives.attention.schedule import RingSchedule, piece_positions, split_halves
 from commlib.collectives.attention.spec import MaskSpec, describe_with
 from commlib.collectives.attention.transport import transport_of
 from commlib.core.errors import InvalidArgument
-from commlib.core.seconds import restarted, time_left
+from commlib.core.seconds import restarted
 
 from ._check import (DEVICES, DTYPE_NAMES, DTYPES, agreement_timeout, autocast_inputs, autocast_off, call_problem,
                      check_qkv, cu_seqlens_of, grad_flags, no_double_backward, sdpa_keywords, softmax_scale_of,
@@ -58,11 +59,9 @@ __all__ = ["ring_attention", "ring_attention_bidirectional"]
 
 _DTYPE_NAMES, _DEVICES = DTYPE_NAMES, DEVICES
 
-# Tags, as offsets in the block each call takes from its transport's allocator:
-# the K/V of stream s at s, the backward's travelling dk/dv of stream s at 2 + s.
-_TAG_KV = 0
-_TAG_DKV = 2
-_TAG_WIDTH = 4
+# Tags: each call takes a block of RingComm.WIDTH from its transport's allocator
+# (the K/V of stream s at s, the backward's travelling dk/dv of stream s at 2 + s).
+_TAG_WIDTH = RingComm.WIDTH
 
 
 @dataclass
@@ -240,12 +239,10 @@ def _heads_major(buf):
     return buf[0].transpose(1, 2), buf[1].transpose(1, 2)
 
 
-def _post_kv(tp, plan, cur, nxt, tag):
-    reqs = []
-    for st in plan.sched.streams:
-        reqs.append(irecv_tensor(tp, nxt[st.index], plan.sched.recv_from(st), tag + st.index))
-        reqs.append(isend_tensor(tp, cur[st.index], plan.sched.send_to(st), tag + st.index))
-    return reqs
+def _ring_comm(tp, spec: _Spec, plan: _Plan) -> RingComm:
+    """The call's ring traffic (tensors on the wire through :mod:`._wire`)."""
+    return RingComm(tp, plan.sched, tp.tags.slot(_TAG_WIDTH), spec.timeout, spec.op, isend=isend_tensor,
+                    irecv=irecv_tensor)
 
 
 # ------------------------------------------------------------------ forward
@@ -276,20 +273,21 @@ def _forward(tp, spec: _Spec, plan: _Plan, q, k, v):
                 seen[p.q0:p.q1] = True
 
     P = spec.size
-    cur = nxt = None
+    cur = nxt = ring = None
     if P > 1:
-        tag = tp.tags.slot(_TAG_WIDTH) + _TAG_KV
+        ring = _ring_comm(tp, spec, plan)
         halves = plan.halves or (None,)
         cur = [_pack(k, v, idx) for idx in halves]
         nxt = [torch.empty_like(c) for c in cur]
     for rs, entry in zip(plan.sched.steps(), plan.steps):
-        reqs = _post_kv(tp, plan, cur, nxt, tag) if not rs.last else []  # before this step's compute
+        reqs = ring.post_kv(cur, nxt) if not rs.last else []  # before this step's compute
         for sidx, pieces in entry:
             if sidx is None:
                 fold(pieces, kh, vh)
             else:
                 fold(pieces, *_heads_major(cur[sidx]))
-        tp.waitall(reqs, time_left(spec.timeout), op=spec.op)
+        if reqs:
+            ring.wait(reqs)
         if not rs.last:
             cur, nxt = nxt, cur
     return out_acc.to(q.dtype), lse_acc
@@ -329,20 +327,15 @@ def _backward(tp, spec: _Spec, plan: _Plan, q, k, v, out, lse, dout):
             grads(pieces, kh, vh, own)
         dkv = own
     else:
-        tag0 = tp.tags.slot(_TAG_WIDTH)
-        tag_kv, tag_dkv = tag0 + _TAG_KV, tag0 + _TAG_DKV
+        ring = _ring_comm(tp, spec, plan)
         halves = plan.halves or (None,)
         streams = plan.sched.streams
         cur = [_pack(k, v, idx) for idx in halves]
         nxt = [torch.empty_like(c) for c in cur]
-        dkv_in = [None] * len(streams)      # (request, buffer) of the dk/dv arriving for this step
-        dkv_sends = [[] for _ in streams]   # sends in flight: their buffers stay untouched
         for rs, entry in zip(plan.sched.steps(), plan.steps):
-            reqs = _post_kv(tp, plan, cur, nxt, tag_kv) if not rs.last else []  # before this step's compute
-            incoming = []
+            reqs = ring.post_kv(cur, nxt) if not rs.last else []  # before this step's compute
             for st in streams:  # the dk/dv for the next step (at the last: our own, home)
-                buf = torch.empty_like(cur[st.index], dtype=cd)
-                incoming.append((irecv_tensor(tp, buf, plan.sched.recv_from(st), tag_dkv + st.index), buf))
+                ring.expect_dkv(st.index, torch.empty_like(cur[st.index], dtype=cd))
             if rs.step == 0:
                 grads(entry[0][1], kh, vh, own)
                 local = [own if idx is None else own.index_select(2, idx.to(q.device)) for idx in halves]
@@ -351,23 +344,12 @@ def _backward(tp, spec: _Spec, plan: _Plan, q, k, v, out, lse, dout):
                 for sidx, pieces in entry:
                     kb, vb = _heads_major(cur[sidx])
                     grads(pieces, kb, vb, local[sidx])
-            for st in streams:
-                i = st.index
-                if dkv_in[i] is not None:  # what the previous holders accumulated for this piece
-                    req, buf = dkv_in[i]
-                    tp.waitall([req], time_left(spec.timeout), op=spec.op)
-                    local[i] += buf
-                tp.waitall(dkv_sends[i], time_left(spec.timeout), op=spec.op)  # at most one dk/dv in flight per stream
-                dkv_sends[i] = [isend_tensor(tp, local[i], plan.sched.send_to(st), tag_dkv + i)]
-                dkv_in[i] = incoming[i]
-            tp.waitall(reqs, time_left(spec.timeout), op=spec.op)
+            for st in streams:  # add what the previous holders accumulated for each piece, pass it on
+                ring.pass_dkv(st.index, local[st.index])
+            ring.wait(reqs)
             if not rs.last:
                 cur, nxt = nxt, cur
-        home = []
-        for st in streams:  # our own pieces' dk/dv, back from their last holders
-            req, buf = dkv_in[st.index]
-            tp.waitall([req] + dkv_sends[st.index], time_left(spec.timeout), op=spec.op)
-            home.append(buf)
+        home = [ring.home_dkv(st.index) for st in streams]  # our own pieces' dk/dv, back from their last holders
         if plan.halves is None:
             dkv = home[0]
         else:

@@ -386,16 +386,45 @@ class Sharding:
         return int(self.comm.size)
 
     def shard(self, x: torch.Tensor, *, pad: bool = False) -> torch.Tensor:
-        """This rank's shard of the global tensor ``x`` (the same on every
-        rank), differentiable: :func:`commlib.nn.shard_sequence` in this
-        layout and dimension."""
+        """This rank's shard of the global tensor ``x``.
+
+        :func:`shard_sequence` in this layout and dimension (no
+        communication; differentiable).
+
+        Args:
+            x: the global tensor, the same on every rank, the sequence on
+                :attr:`dim`; any dtype and device.
+            pad: zero-pad a length the layout cannot divide (see
+                :func:`shard_sequence`).
+
+        Returns:
+            torch.Tensor: ``seq_local`` tokens on :attr:`dim`, ascending
+            global positions (:meth:`positions`).
+
+        Raises:
+            InvalidArgument: as :func:`shard_sequence`.
+        """
         return shard_sequence(x, self.comm, self.layout, self.dim, pad=pad)
 
     def unshard(self, x_local: torch.Tensor, seq_len: int | None = None, *, sum_grad: bool = False,
                 timeout: float | None = None) -> torch.Tensor:
-        """The global tensor from every rank's shard, on every rank
-        (:func:`commlib.nn.unshard_sequence` in this layout and dimension;
-        an all-gather, differentiable)."""
+        """The global tensor from every rank's shard, on every rank.
+
+        :func:`unshard_sequence` in this layout and dimension (an
+        all-gather over the communicator; differentiable).
+
+        Args:
+            x_local: this rank's shard, ``seq_local`` tokens on :attr:`dim`;
+                the same shape, dtype and device type on every rank.
+            seq_len: the true global length (default ``size * seq_local``).
+            sum_grad, timeout: as :func:`unshard_sequence`.
+
+        Returns:
+            torch.Tensor: ``seq_len`` tokens on :attr:`dim`, dtype and device of ``x_local``.
+
+        Raises:
+            InvalidArgument, CommTimeout, CommError: as :func:`unshard_sequence`.
+        """
         return unshard_sequence(x_local, self.comm, self.layout, self.dim, seq_len, sum_grad=sum_grad,
                                 timeout=timeout)
 

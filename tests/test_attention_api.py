@@ -328,3 +328,12 @@ def test_mask_disagreement_named_alike(world):
     qn, kn, vn = (x.numpy() for x in (q, k, v))
     with pytest.raises(InvalidArgument, match="ring_attention.*window left differs"):
         commlib.ring_attention(qn, kn, vn, world, window=(1, 1) if r == 0 else (2, 1))
+
+
+def test_numpy_call_refuses_a_sharding(selfcomm):
+    """commlib.nn.Sharding carries a layout the numpy calls would ignore: refused, pointing to layout=."""
+    q = np.zeros((1, 4, 2, 8))
+    sp = cnn.Sharding(selfcomm, "zigzag")
+    for fn in (commlib.ring_attention, commlib.ulysses_attention):
+        with pytest.raises(InvalidArgument, match=r"sharding\.comm, layout=sharding\.layout"):
+            fn(q, q, q, sp)

@@ -77,7 +77,8 @@ def comm_last(op: str, arrays: tuple, comm, *, stacklevel: int = 3):
     Raises:
         InvalidArgument: no communicator in the communicator's slot nor, in
             the old order, in the first one (naming the rank when a
-            communicator sits in another slot).
+            communicator sits in another slot); a ``commlib.nn.Sharding``
+            (the torch layer's; its layout would be ignored here).
     """
     if is_comm(arrays[0]) and not is_comm(comm):
         warnings.warn(f"{op}(comm, q, k, v, ...) is deprecated: pass the communicator after the arrays, "
@@ -92,6 +93,11 @@ def comm_last(op: str, arrays: tuple, comm, *, stacklevel: int = 3):
         raise InvalidArgument(f"argument {n + 1} must be the communicator (a commlib.Communicator or a transport "
                               f"with rank, size, isend, irecv and waitall), got {type(comm).__name__}{slot}; "
                               f"the order is {op}({', '.join(_NAMES[n])}, comm, ...)", rank=rank, op=op)
+    if hasattr(comm, "layout") and callable(getattr(comm, "shard", None)) and is_comm(getattr(comm, "comm", None)):
+        # a commlib.nn.Sharding: its layout would be ignored here (the numpy calls take layout=)
+        raise InvalidArgument(f"a commlib.nn.Sharding (layout {comm.layout!r}) is for torch tensors; for numpy/CuPy "
+                              f"arrays pass its communicator and layout: {op}(..., sharding.comm, "
+                              f"layout=sharding.layout)", rank=getattr(comm, "rank", None), op=op)
     return tuple(arrays), comm
 
 

@@ -55,7 +55,7 @@ def is_comm(x) -> bool:
     return x is not None and not hasattr(x, "shape") and hasattr(x, "rank") and hasattr(x, "size")
 
 
-def comm_last(op: str, arrays: tuple, comm, *, stacklevel: int = 3):
+def comm_last(op: str, arrays: tuple, comm, *, stacklevel: int = 3, sharding: bool = False):
     """The arrays and the communicator of an attention call written either way.
 
     The documented order, the same in the numpy/CuPy and the torch layer, is
@@ -70,6 +70,8 @@ def comm_last(op: str, arrays: tuple, comm, *, stacklevel: int = 3):
         arrays: the positional arrays as the call received them (``q, k, v``,
             or ``q, k, v, out, lse, dout`` for a backward).
         comm: what the call received in the communicator's slot.
+        sharding: a ``commlib.nn.Sharding`` is accepted (the torch layer,
+            which takes its layout); else refused.
 
     Returns:
         tuple: ``(arrays, comm)`` in the documented order.
@@ -93,7 +95,8 @@ def comm_last(op: str, arrays: tuple, comm, *, stacklevel: int = 3):
         raise InvalidArgument(f"argument {n + 1} must be the communicator (a commlib.Communicator or a transport "
                               f"with rank, size, isend, irecv and waitall), got {type(comm).__name__}{slot}; "
                               f"the order is {op}({', '.join(_NAMES[n])}, comm, ...)", rank=rank, op=op)
-    if hasattr(comm, "layout") and callable(getattr(comm, "shard", None)) and is_comm(getattr(comm, "comm", None)):
+    if not sharding and hasattr(comm, "layout") and callable(getattr(comm, "shard", None)) \
+            and is_comm(getattr(comm, "comm", None)):
         # a commlib.nn.Sharding: its layout would be ignored here (the numpy calls take layout=)
         raise InvalidArgument(f"a commlib.nn.Sharding (layout {comm.layout!r}) is for torch tensors; for numpy/CuPy "
                               f"arrays pass its communicator and layout: {op}(..., sharding.comm, "

@@ -105,7 +105,7 @@ def front(op: str, q, k, v, comm, layout, qkv_format, *, default_layout: str = "
             here, the same on every rank).  Everything else travels as
             ``Call.problem``.
     """
-    (q, k, v), comm = comm_last(op, (q, k, v), comm, stacklevel=4)
+    (q, k, v), comm = comm_last(op, (q, k, v), comm, stacklevel=4, sharding=True)
     problem = None
     sharding = comm if isinstance(comm, Sharding) else None
     if sharding is not None:

@@ -36,6 +36,7 @@ __all__ = ["FORMATS", "Sharding", "Call", "front"]
 #: the tensor orders the attention calls take (Transformer Engine's names)
 FORMATS = ("bshd", "bhsd")
 
+
 class Call:
     """A public call after :func:`front`: the tensors in ``"bshd"``, the
     communicator, the layout, and what this rank found wrong (``problem``, a
@@ -108,13 +109,15 @@ def front(op: str, q, k, v, comm, layout, qkv_format, *, default_layout: str = "
     (q, k, v), comm = comm_last(op, (q, k, v), comm, stacklevel=4, sharding=True)
     problem = None
     sharding = comm if isinstance(comm, Sharding) else None
+    sdim = None
     if sharding is not None:
         comm = sharding.comm
+        sdim = sharding.dim % 4 if -4 <= sharding.dim < 4 else sharding.dim  # of a 4-d q
         if layout is not None and layout != sharding.layout:
             problem = (f"layout {layout!r} contradicts the Sharding's layout {sharding.layout!r}; leave layout out "
                        "(the Sharding carries it)")
         layout = sharding.layout
-        if sharding.dim not in (1, 2) and problem is None:
+        if sdim not in (1, 2) and problem is None:
             problem = f"the Sharding's sequence dim is {sharding.dim}; attention takes dim 1 ('bshd') or 2 ('bhsd')"
     if layout is None:
         layout = default_layout
@@ -123,7 +126,7 @@ def front(op: str, q, k, v, comm, layout, qkv_format, *, default_layout: str = "
     if not isinstance(fmt, str) or fmt not in FORMATS:
         problem = problem or f"qkv_format must be one of {FORMATS}, got {qkv_format!r}"
         fmt = "bshd"
-    elif sharding is not None and problem is None and sharding.dim != (1 if fmt == "bshd" else 2):
+    elif sharding is not None and problem is None and sdim != (1 if fmt == "bshd" else 2):
         problem = (f"the Sharding shards dim {sharding.dim} but qkv_format={fmt!r} has the sequence on dim "
                    f"{1 if fmt == 'bshd' else 2}")
     if problem is None and size > 1:

@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from commlib.collectives.attention.common import comm_last, is_comm
-from commlib.core.errors import InvalidArgument
+from commlib.collectives.attention.common import comm_last
 
 from .shard import SHARD_TAG, Sharding
 

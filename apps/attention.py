@@ -310,9 +310,9 @@ def run(args, comm=None):
 
     def one(fstats=None, bstats=None):
         t0 = time.perf_counter()
-        out, lse = fwd(comm, q, k, v, stats=fstats, **kw)
+        out, lse = fwd(q, k, v, comm, stats=fstats, **kw)
         t1 = time.perf_counter()
-        grads = bwd(comm, q, k, v, out, lse, do, stats=bstats, **kw) if args.backward else None
+        grads = bwd(q, k, v, out, lse, do, comm, stats=bstats, **kw) if args.backward else None
         t2 = time.perf_counter()
         return out, lse, grads, t1 - t0, t2 - t1
 

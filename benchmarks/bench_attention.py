@@ -151,13 +151,13 @@ def main(argv=None):
     def run_ring(layout):
         (q, k, v, do), kw = cases[layout]
         fst = stats.setdefault(layout, {})
-        out, lse = ring_attention(comm, q, k, v, stats=fst, **kw)
+        out, lse = ring_attention(q, k, v, comm, stats=fst, **kw)
         if args.backward:
-            ring_attention_backward(comm, q, k, v, out, lse, do, **kw)
+            ring_attention_backward(q, k, v, out, lse, do, comm, **kw)
 
     def run_ulysses():
         (q, k, v, do), kw = cases["zigzag"]
-        ulysses_attention(comm, q, k, v, **kw)
+        ulysses_attention(q, k, v, comm, **kw)
 
     for it in range(args.warmup + args.iters):
         quiet_barrier(comm)
@@ -191,10 +191,10 @@ def main(argv=None):
     def ring_call(a, seq):
         L = local_seq_len(seq, P, "zigzag")
         q, k, v, do = local_inputs(a, L, rank, dtype)
-        out, lse = ring_attention(comm, q, k, v, causal=True, layout="zigzag", seq_len=seq, tile=a.tile,
+        out, lse = ring_attention(q, k, v, comm, causal=True, layout="zigzag", seq_len=seq, tile=a.tile,
                                   timeout=TIMEOUT)
         if a.backward:
-            ring_attention_backward(comm, q, k, v, out, lse, do, causal=True, layout="zigzag", seq_len=seq,
+            ring_attention_backward(q, k, v, out, lse, do, comm, causal=True, layout="zigzag", seq_len=seq,
                                     tile=a.tile, timeout=TIMEOUT)
 
     mem_full = peak_memory(comm, args, args.seq, ring_call)

@@ -27,8 +27,8 @@ from commlib.core.errors import CommError, InvalidArgument, MessageSizeMismatch
 from ._common import next_tag, waitall
 from .allgather_bruck import allgather_bruck
 
-__all__ = ["agree", "agree_header", "agree_on_own_tags", "check_all", "judge", "encode_row", "FirstRoundView",
-           "NeighbourRefusal", "RingHead", "difference", "size_refusal"]
+__all__ = ["agree", "agree_header", "agree_call", "agree_on_own_tags", "check_all", "judge", "encode_row",
+           "FirstRoundView", "NeighbourRefusal", "RingHead", "difference", "size_refusal"]
 
 
 def encode_row(values: Sequence[int], *, local_error: CommError | None = None, payload: np.ndarray | None = None,
@@ -200,6 +200,39 @@ def agree_header(transport, values: Sequence[int], *, op: str, local_error: Comm
     """:func:`agree` without a payload (argument agreement only)."""
     agree(transport, values, op=op, local_error=local_error, timeout=timeout, names=names, describe=describe,
           exc_type=exc_type, native=native)
+
+
+def agree_call(transport, values: Sequence[int] | None, *, op: str, names: Sequence[str],
+               local_error: CommError | None = None, timeout: float | None = None,
+               describe: Callable[[str, int], object] | None = None, exc_type=InvalidArgument) -> None:
+    """A call's argument agreement in one round: did any rank refuse its own
+    arguments, and do the headers agree.
+
+    A rank whose local checks failed (``local_error``) has no header; it
+    sends its error flag and zeros in the header's place (one row of the same
+    size on every rank: :func:`encode_row`), so one all-gather decides both
+    questions.  Always the point-to-point all-gather, bounded by ``timeout``
+    (callers' ranks may pass different timeouts, and the native all-gather
+    and the point-to-point one do not meet).  Used by the attention calls of
+    both layers and the sequence (un)sharding.
+
+    Args:
+        values: this rank's header (ints, ``len(names)`` of them), or None
+            when ``local_error`` is set.
+        names: the header's field names (their count is the header's length
+            on every rank).
+        op, local_error, timeout, describe, exc_type: as :func:`agree`.
+
+    Raises:
+        CommError: ``local_error`` on the rank that had it and ``exc_type``
+            naming that rank everywhere else; ``exc_type`` naming the fields
+            that differ when the headers do.
+        CommTimeout / ProcessFailed: from the transport.
+    """
+    if local_error is not None or values is None:
+        values = (0,) * len(names)
+    agree(transport, values, op=op, local_error=local_error, timeout=timeout, names=names, describe=describe,
+          exc_type=exc_type, native=False)
 
 
 class NeighbourRefusal(InvalidArgument):

@@ -37,10 +37,10 @@ rng = np.random.default_rng(0)                          # the same global arrays
 q, k, v = rng.standard_normal((1, 256, 4, 32)), *rng.standard_normal((2, 1, 256, 2, 32))
 q_local, pos = commlib.shard_sequence(q, comm, "zigzag")     # this rank's chunks r and 2P-1-r
 k_local, _ = commlib.shard_sequence(k, comm, "zigzag"); v_local, _ = commlib.shard_sequence(v, comm, "zigzag")
-out, lse = commlib.ring_attention(comm, q_local, k_local, v_local, causal=True, layout="zigzag",
+out, lse = commlib.ring_attention(q_local, k_local, v_local, comm, causal=True, layout="zigzag",
                                   seq_len=q.shape[1])   # the shards are padded where 2P does not divide it
 dout = np.ones_like(out)                                # the loss's gradient with respect to out
-dq, dk, dv = commlib.ring_attention_backward(comm, q_local, k_local, v_local, out, lse, dout,
+dq, dk, dv = commlib.ring_attention_backward(q_local, k_local, v_local, out, lse, dout, comm,
                                              causal=True, layout="zigzag", seq_len=q.shape[1])
 if comm.rank == 0:
     print(f"tour done on {comm.size} ranks: out {out.shape}, dq {dq.shape}")

@@ -99,7 +99,7 @@ def check_algorithm(comm, algo, layout, causal, dtype, heads, kv_heads, seq, *, 
     fwd, bwd = {"ring": (A.ring_attention, A.ring_attention_backward),
                 "ulysses": (A.ulysses_attention, A.ulysses_attention_backward)}[algo]
     kw = dict(causal=causal, layout=layout, seq_len=seq, tile=tile, timeout=60)
-    out, lse = fwd(comm, *local[:3], **kw)
+    out, lse = fwd(*local[:3], comm, **kw)
     assert out.dtype == q.dtype and out.shape == local[0].shape
     assert lse.dtype == blocks.compute_dtype(q.dtype) and lse.shape == (batch, heads, local[0].shape[1])
     want_out, want_lse = dense_forward(q, k, v, causal, scale)
@@ -111,7 +111,7 @@ def check_algorithm(comm, algo, layout, causal, dtype, heads, kv_heads, seq, *, 
     assert not np.asarray(out[:, pad], np.float64).any() and np.isneginf(lse[:, :, pad]).all()
     if not backward:
         return
-    grads = bwd(comm, *local[:3], out, lse, local[3], **kw)
+    grads = bwd(*local[:3], out, lse, local[3], comm, **kw)
     want = dense_backward(q, k, v, do, causal, scale)
     for name, gl, gw, ref in zip(("dq", "dk", "dv"), grads, want, (q, k, v)):
         assert gl.dtype == ref.dtype and gl.shape == A.shard_sequence(ref, comm, layout)[0].shape
@@ -165,10 +165,10 @@ def test_ring_larger_tiles_and_default_seq_len(world, layout):
     p = world.size
     q, k, v, do = make_inputs(7, 1, 8 * p, 2, 1, 4, "float64")
     local = [A.shard_sequence(x, world, layout)[0] for x in (q, k, v, do)]
-    out, lse = A.ring_attention(world, *local[:3], causal=True, layout=layout, softmax_scale=0.3, tile=1000)
+    out, lse = A.ring_attention(*local[:3], world, causal=True, layout=layout, softmax_scale=0.3, tile=1000)
     want_out, want_lse = dense_forward(q, k, v, True, 0.3)
     assert_close(A.unshard_sequence(out, world, layout), want_out, 1e-10, "out")
-    grads = A.ring_attention_backward(world, *local[:3], out, lse, local[3], causal=True, layout=layout,
+    grads = A.ring_attention_backward(*local[:3], out, lse, local[3], world, causal=True, layout=layout,
                                       softmax_scale=0.3, tile=1000)
     for gl, gw in zip(grads, dense_backward(q, k, v, do, True, 0.3)):
         assert_close(A.unshard_sequence(gl, world, layout), gw, 1e-10, "grad")
@@ -203,25 +203,25 @@ def test_bad_arguments_raise_on_every_rank(world):
     q = np.zeros((1, 4, 4, 8))
     k = np.zeros((1, 4, 2, 8))
     op = "ring_attention"
-    _all_raise(world, lambda: A.ring_attention(world, q, k, k, layout="spiral"), op, "layout")
-    _all_raise(world, lambda: A.ring_attention(world, q, np.zeros((1, 4, 3, 8)), np.zeros((1, 4, 3, 8))),
+    _all_raise(world, lambda: A.ring_attention(q, k, k, world, layout="spiral"), op, "layout")
+    _all_raise(world, lambda: A.ring_attention(q, np.zeros((1, 4, 3, 8)), np.zeros((1, 4, 3, 8)), world),
                op, "multiple of kv_heads")
-    _all_raise(world, lambda: A.ring_attention(world, q, k, np.zeros((1, 4, 2, 4))), op, "differs")
-    _all_raise(world, lambda: A.ring_attention(world, q, np.zeros((1, 5, 2, 8)), np.zeros((1, 5, 2, 8))),
+    _all_raise(world, lambda: A.ring_attention(q, k, np.zeros((1, 4, 2, 4)), world), op, "differs")
+    _all_raise(world, lambda: A.ring_attention(q, np.zeros((1, 5, 2, 8)), np.zeros((1, 5, 2, 8)), world),
                op, "does not match")
-    _all_raise(world, lambda: A.ring_attention(world, q[:, :3], k[:, :3], k[:, :3], layout="zigzag"), op, "even")
-    _all_raise(world, lambda: A.ring_attention(world, q, k, k, seq_len=4 * p + 5), op, "seq_len")
-    _all_raise(world, lambda: A.ring_attention(world, q.astype(np.int32), k, k), op, "dtype")
-    _all_raise(world, lambda: A.ring_attention(world, q, k.astype(np.float32), k), op, "dtype")
-    _all_raise(world, lambda: A.ring_attention(world, q[0], k, k), op, "4-d")
-    _all_raise(world, lambda: A.ring_attention(world, q, k, k, softmax_scale=-1.0), op, "softmax_scale")
-    _all_raise(world, lambda: A.ring_attention(world, q, k, k, tile=0), op, "tile")
-    out, lse = A.ring_attention(world, q, k, k)
+    _all_raise(world, lambda: A.ring_attention(q[:, :3], k[:, :3], k[:, :3], world, layout="zigzag"), op, "even")
+    _all_raise(world, lambda: A.ring_attention(q, k, k, world, seq_len=4 * p + 5), op, "seq_len")
+    _all_raise(world, lambda: A.ring_attention(q.astype(np.int32), k, k, world), op, "dtype")
+    _all_raise(world, lambda: A.ring_attention(q, k.astype(np.float32), k, world), op, "dtype")
+    _all_raise(world, lambda: A.ring_attention(q[0], k, k, world), op, "4-d")
+    _all_raise(world, lambda: A.ring_attention(q, k, k, world, softmax_scale=-1.0), op, "softmax_scale")
+    _all_raise(world, lambda: A.ring_attention(q, k, k, world, tile=0), op, "tile")
+    out, lse = A.ring_attention(q, k, k, world)
     opb = "ring_attention_backward"
-    _all_raise(world, lambda: A.ring_attention_backward(world, q, k, k, out, lse[:, :1], q), opb, "lse")
-    _all_raise(world, lambda: A.ring_attention_backward(world, q, k, k, out.astype(np.float32), lse, q), opb, "out")
+    _all_raise(world, lambda: A.ring_attention_backward(q, k, k, out, lse[:, :1], q, world), opb, "lse")
+    _all_raise(world, lambda: A.ring_attention_backward(q, k, k, out.astype(np.float32), lse, q, world), opb, "out")
     # the ring still works after the refusals (nothing half-sent is left behind)
-    out2, _ = A.ring_attention(world, q, k, k)
+    out2, _ = A.ring_attention(q, k, k, world)
     assert np.array_equal(out, out2)
 
 
@@ -232,11 +232,11 @@ def test_ulysses_head_divisibility_error(world):
     q = np.zeros((1, 2, p + 1, 4))
     k = np.zeros((1, 2, p + 1, 4))
     for fn, op in ((A.ulysses_attention, "ulysses_attention"),):
-        _all_raise(world, lambda: fn(world, q, k, k), op, "divisible")
+        _all_raise(world, lambda: fn(q, k, k, world), op, "divisible")
     q2 = np.zeros((1, 2, 2 * p, 4))
     k2 = np.zeros((1, 2, 1, 4))  # kv_heads 1 < P: not divisible
-    _all_raise(world, lambda: A.ulysses_attention(world, q2, k2, k2), "ulysses_attention", "kv_heads")
-    _all_raise(world, lambda: A.ulysses_attention_backward(world, q2, k2, k2, q2, np.zeros((1, 2 * p, 2)), q2),
+    _all_raise(world, lambda: A.ulysses_attention(q2, k2, k2, world), "ulysses_attention", "kv_heads")
+    _all_raise(world, lambda: A.ulysses_attention_backward(q2, k2, k2, q2, np.zeros((1, 2 * p, 2)), q2, world),
                "ulysses_attention_backward", "divisible")
 
 
@@ -278,8 +278,8 @@ def test_next_block_posted_before_compute(world, monkeypatch):
     rc = _RecordingComm(world, log)
     q, k, v, do = make_inputs(3, 1, 4 * p, 2, 2, 4, "float64")
     local = [A.shard_sequence(x, world, "contiguous")[0] for x in (q, k, v, do)]
-    out, lse = A.ring_attention(rc, *local[:3])
-    A.ring_attention_backward(rc, *local[:3], out, lse, local[3])
+    out, lse = A.ring_attention(*local[:3], rc)
+    A.ring_attention_backward(*local[:3], out, lse, local[3], rc)
     for kernel in ("forward_block", "backward_block"):
         idx = [i for i, e in enumerate(log) if e[0] == kernel]
         assert len(idx) == p
@@ -395,12 +395,12 @@ def test_cupy_ring_matches_numpy(selfcomm):  # pragma: no cover - needs a GPU
 
     q, k, v, do = make_inputs(11, 2, 24, 4, 2, 8, "float64")
     for layout in LAYOUTS:
-        out, lse = A.ring_attention(selfcomm, *(cupy.asarray(x) for x in (q, k, v)), causal=True, layout=layout)
+        out, lse = A.ring_attention(*(cupy.asarray(x) for x in (q, k, v)), selfcomm, causal=True, layout=layout)
         assert isinstance(out, cupy.ndarray)
         want_out, _ = dense_forward(q, k, v, True, 8 ** -0.5)
         assert_close(cupy.asnumpy(out), want_out, 1e-10, "out")
-        grads = A.ring_attention_backward(selfcomm, *(cupy.asarray(x) for x in (q, k, v)), out, lse,
-                                          cupy.asarray(do), causal=True, layout=layout)
+        grads = A.ring_attention_backward(*(cupy.asarray(x) for x in (q, k, v)), out, lse,
+                                          cupy.asarray(do), selfcomm, causal=True, layout=layout)
         for g, w in zip(grads, dense_backward(q, k, v, do, True, 8 ** -0.5)):
             assert_close(cupy.asnumpy(g), w, 1e-10, "grad")
 
@@ -414,8 +414,8 @@ def test_mismatched_shapes_across_ranks_fail_everywhere(world):
     d = 8 if world.rank == world.size - 1 else 4
     q = rng.standard_normal((1, 4, 2, d))
     with pytest.raises(InvalidArgument, match=r"ring_attention: ranks disagree on the call \(head_dim"):
-        A.ring_attention(world, q, q[:, :, :1], q[:, :, :1])
+        A.ring_attention(q, q[:, :, :1], q[:, :, :1], world)
     k = q[:, :, :1] if world.rank else q[:, :3, :1]  # rank 0 alone: k shorter than q
     with pytest.raises(InvalidArgument, match="ring_attention"):
-        A.ring_attention(world, q, k, q[:, :, :1])
+        A.ring_attention(q, k, q[:, :, :1], world)
     world.barrier()

@@ -73,8 +73,8 @@ def test_one_token_per_rank_and_one_head_match_dense(world, algo):
         Q, K, V, DO = (rng.standard_normal((1, n, heads, 4)) for _ in range(4))
         q, k, v, do = (A.shard_sequence(x, world)[0] for x in (Q, K, V, DO))
         saved = [x.copy() for x in (q, k, v, do)]
-        out, lse = fwd(world, q, k, v, True, seq_len=n, timeout=30)
-        grads = bwd(world, q, k, v, out, lse, do, True, seq_len=n, timeout=30)
+        out, lse = fwd(q, k, v, world, True, seq_len=n, timeout=30)
+        grads = bwd(q, k, v, out, lse, do, world, True, seq_len=n, timeout=30)
         for x, x0 in zip((q, k, v, do), saved):
             assert np.array_equal(x, x0), "input modified"
         want = dense(Q, K, V, DO, True, 0.5)
@@ -97,12 +97,12 @@ def test_bad_timeout_on_one_rank_refused_everywhere(world, bad):
     rng = np.random.default_rng(world.rank)
     q = rng.standard_normal((1, 4, P, 4))
     k = v = q.copy()
-    out, lse = A.ring_attention(world, q, k, v, timeout=30)
+    out, lse = A.ring_attention(q, k, v, world, timeout=30)
     calls = {
-        "ring_attention": lambda t: A.ring_attention(world, q, k, v, timeout=t),
-        "ring_attention_backward": lambda t: A.ring_attention_backward(world, q, k, v, out, lse, q, timeout=t),
-        "ulysses_attention": lambda t: A.ulysses_attention(world, q, k, v, timeout=t),
-        "ulysses_attention_backward": lambda t: A.ulysses_attention_backward(world, q, k, v, out, lse, q,
+        "ring_attention": lambda t: A.ring_attention(q, k, v, world, timeout=t),
+        "ring_attention_backward": lambda t: A.ring_attention_backward(q, k, v, out, lse, q, world, timeout=t),
+        "ulysses_attention": lambda t: A.ulysses_attention(q, k, v, world, timeout=t),
+        "ulysses_attention_backward": lambda t: A.ulysses_attention_backward(q, k, v, out, lse, q, world,
                                                                              timeout=t),
         "unshard_sequence": lambda t: A.unshard_sequence(q, world, timeout=t),
     }
@@ -148,14 +148,14 @@ def test_argument_agreement_is_bounded_by_timeout(call):
     comm.collective_transport()  # made collectively, before the ranks part ways
     rng = np.random.default_rng(comm.rank)
     q = rng.standard_normal((1, 4, 2, 8))
-    fn = {"ring_attention": lambda t: A.ring_attention(comm, q, q, q, timeout=t),
+    fn = {"ring_attention": lambda t: A.ring_attention(q, q, q, comm, timeout=t),
           "unshard_sequence": lambda t: A.unshard_sequence(q, comm, axis=1, timeout=t)}[call]
     if comm.rank == 0:
         with pytest.raises(CommTimeout):
             fn(1)
     MPI.COMM_WORLD.Barrier()
     other = commlib.init(MPI.COMM_WORLD.Dup())
-    got = {"ring_attention": lambda t: A.ring_attention(other, q, q, q, timeout=t)[0],
+    got = {"ring_attention": lambda t: A.ring_attention(q, q, q, other, timeout=t)[0],
            "unshard_sequence": lambda t: A.unshard_sequence(q, other, axis=1, timeout=t)}[call](
         None if comm.rank == 0 else 30)
     assert np.all(np.isfinite(got))

@@ -77,8 +77,8 @@ def run_case(comm, layout, causal, window, kv_heads, seq_len, tile=4):
     pos = sequence_positions(layout, r, p, L)
     ql, kl, vl, dol = (np.ascontiguousarray(x[:, pos]) for x in (q, k, v, do))
     kw = dict(causal=causal, layout=layout, seq_len=seq_len, tile=tile, window=window, timeout=60)
-    out, lse = commlib.ring_attention(comm, ql, kl, vl, **kw)
-    dq, dk, dv = commlib.ring_attention_backward(comm, ql, kl, vl, out, lse, dol, **kw)
+    out, lse = commlib.ring_attention(ql, kl, vl, comm, **kw)
+    dq, dk, dv = commlib.ring_attention_backward(ql, kl, vl, out, lse, dol, comm, **kw)
     rows = pos < seq_len
     for name, got, w in (("out", out, want[0][:, pos]), ("dq", dq, want[2][:, pos]), ("dk", dk, want[3][:, pos]),
                          ("dv", dv, want[4][:, pos])):
@@ -141,7 +141,7 @@ def test_numpy_window_bytes_are_the_window_rows():
             rng = np.random.default_rng(SEED)
             q, k, v = (rng.standard_normal((1, L, 2, 8)) for _ in range(3))
             stats = {}
-            commlib.ring_attention(comm, q, k, v, causal=causal, window=window, timeout=60, stats=stats)
+            commlib.ring_attention(q, k, v, comm, causal=causal, window=window, timeout=60, stats=stats)
             rows = (window[0] if r > 0 else 0) + (0 if causal or r == p - 1 else window[1])
             assert stats["recv_bytes"] == rows * 2 * 2 * 8 * 8, (stats, rows)
             got.append(stats["recv_bytes"])
@@ -155,10 +155,10 @@ def test_numpy_bad_window_raises_everywhere():
     q = np.zeros((1, 4, 2, 8))
     for bad, match in (((-3, 0), "left must be >= -1"), ((0, 2.0), "right must be an int"), (7, "pair")):
         with pytest.raises(InvalidArgument, match=match) as ei:
-            commlib.ring_attention(comm, q, q, q, window=bad, timeout=30)
+            commlib.ring_attention(q, q, q, comm, window=bad, timeout=30)
         assert f"rank {comm.rank}" in str(ei.value) and "ring_attention" in str(ei.value)
     if comm.size > 1:
         last = comm.rank == comm.size - 1
         with pytest.raises(InvalidArgument, match="disagree.*window"):
-            commlib.ring_attention(comm, q, q, q, window=(1, 0) if last else (2, 0), timeout=30)
+            commlib.ring_attention(q, q, q, comm, window=(1, 0) if last else (2, 0), timeout=30)
     comm.barrier()

@@ -127,8 +127,8 @@ def _attention_case(c, rank, out, lone) -> None:
     dense = np.einsum("bhqk,bkhd->bqhd", p / p.sum(-1, keepdims=True), v)
     part = slice(4 * rank, 4 * rank + 4)
     mine = [x[:, part].copy() for x in (q, k, v)]
-    lone(lambda: A.ring_attention(c, *mine, timeout=T))
-    got, _ = A.ring_attention(c, *mine, timeout=30)  # rank 0 completes the duplicate it left posted
+    lone(lambda: A.ring_attention(*mine, c, timeout=T))
+    got, _ = A.ring_attention(*mine, c, timeout=30)  # rank 0 completes the duplicate it left posted
     out["after"] = bool(np.allclose(got, dense[:, part], rtol=1e-12, atol=1e-12))
     out["oracle"] = True
 

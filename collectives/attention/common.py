@@ -2,15 +2,16 @@
 
 Each rank first checks its own arguments; then the ranks agree through
 :mod:`commlib.collectives.agreement` (the protocol the collectives use), before
-any K/V message is posted: first that no rank's arguments were invalid, then
-that every rank passed the same shapes, dtype and options (a header of
-attention's own fields).  So a bad call — on one rank or on all, including
+any K/V message is posted, in one round (:func:`..agreement.agree_call`): that
+no rank's arguments were invalid and that every rank passed the same shapes,
+dtype and options (a header of attention's own fields).  So a bad call — on one rank or on all, including
 shapes that differ between ranks — raises :class:`InvalidArgument` on every
 rank instead of deadlocking the ring.
 """
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,12 +21,13 @@ from commlib.core.buffer import as_buffer, cupy_usable
 from commlib.core.errors import CommError, InvalidArgument
 from commlib.core.seconds import check_timeout
 
-from ..agreement import agree_header
+from ..agreement import agree_call
 from .blocks import SUPPORTED_DTYPES, compute_dtype, get_array_module
 from .layout import LAYOUTS, agreement_bound, check_layout, local_seq_len
+from .spec import MaskSpec, describe_with
 from .window import effective_window, window_of
 
-__all__ = ["AttnSpec", "validate"]
+__all__ = ["AttnSpec", "validate", "is_comm", "comm_last", "FORMATS", "in_format"]
 
 
 @dataclass
@@ -46,6 +48,85 @@ class AttnSpec:
     window: tuple | None = None   # the effective sliding window (.window.effective_window), or None
 
 
+def is_comm(x) -> bool:
+    """Whether ``x`` looks like a communicator (a :class:`commlib.Communicator`,
+    a transport, anything with ``rank`` and ``size`` that is not an array):
+    what tells the attention calls' argument order apart."""
+    return x is not None and not hasattr(x, "shape") and hasattr(x, "rank") and hasattr(x, "size")
+
+
+def comm_last(op: str, arrays: tuple, comm, *, stacklevel: int = 3, sharding: bool = False):
+    """The arrays and the communicator of an attention call written either way.
+
+    The documented order, the same in the numpy/CuPy and the torch layer, is
+    the arrays first and the communicator after them (``ring_attention(q, k,
+    v, comm)``, as :func:`torch.nn.functional.scaled_dot_product_attention`
+    takes q, k, v first).  The old numpy order, the communicator first
+    (``ring_attention(comm, q, k, v)``), still works with a
+    ``DeprecationWarning``: the positional arguments are shifted back.
+
+    Args:
+        op: the call's name, for the messages.
+        arrays: the positional arrays as the call received them (``q, k, v``,
+            or ``q, k, v, out, lse, dout`` for a backward).
+        comm: what the call received in the communicator's slot.
+        sharding: a ``commlib.nn.Sharding`` is accepted (the torch layer,
+            which takes its layout); else refused.
+
+    Returns:
+        tuple: ``(arrays, comm)`` in the documented order.
+
+    Raises:
+        InvalidArgument: no communicator in the communicator's slot nor, in
+            the old order, in the first one (naming the rank when a
+            communicator sits in another slot); a ``commlib.nn.Sharding``
+            (the torch layer's; its layout would be ignored here).
+    """
+    if is_comm(arrays[0]) and not is_comm(comm):
+        warnings.warn(f"{op}(comm, q, k, v, ...) is deprecated: pass the communicator after the arrays, "
+                      f"{op}(q, k, v, comm, ...) (one order in commlib and commlib.nn)", DeprecationWarning,
+                      stacklevel=stacklevel)
+        return tuple(arrays[1:]) + (comm,), arrays[0]
+    if not is_comm(comm):
+        where = next((i for i, a in enumerate(arrays) if is_comm(a)), None)
+        rank = None if where is None else getattr(arrays[where], "rank", None)
+        slot = "" if where is None else f" (a communicator was passed as argument {where + 1})"
+        n = len(arrays)
+        raise InvalidArgument(f"argument {n + 1} must be the communicator (a commlib.Communicator or a transport "
+                              f"with rank, size, isend, irecv and waitall), got {type(comm).__name__}{slot}; "
+                              f"the order is {op}({', '.join(_NAMES[n])}, comm, ...)", rank=rank, op=op)
+    if not sharding and hasattr(comm, "layout") and callable(getattr(comm, "shard", None)) \
+            and is_comm(getattr(comm, "comm", None)):
+        # a commlib.nn.Sharding: its layout would be ignored here (the numpy calls take layout=)
+        raise InvalidArgument(f"a commlib.nn.Sharding (layout {comm.layout!r}) is for torch tensors; for numpy/CuPy "
+                              f"arrays pass its communicator and layout: {op}(..., sharding.comm, "
+                              f"layout=sharding.layout)", rank=getattr(comm, "rank", None), op=op)
+    return tuple(arrays), comm
+
+
+_NAMES = {3: ("q", "k", "v"), 6: ("q", "k", "v", "out", "lse", "dout")}
+
+#: the tensor orders the attention calls take (Transformer Engine's names):
+#: ``(batch, seq, heads, head_dim)`` and SDPA's ``(batch, heads, seq, head_dim)``
+FORMATS = ("bshd", "bhsd")
+
+
+def in_format(qkv_format, *arrays):
+    """Swap the 4-d arrays' axes 1 and 2 (a view) when ``qkv_format`` is
+    ``"bhsd"``: the calls' inputs to ``"bshd"`` and their results back; lse
+    (3-d) and anything else pass unchanged.
+
+    Returns:
+        tuple: ``(arrays, problem)``: ``problem`` a message for an unknown
+        ``qkv_format`` (the arrays then unchanged), to be agreed, else None.
+    """
+    if not isinstance(qkv_format, str) or qkv_format not in FORMATS:
+        return arrays, f"qkv_format must be one of {FORMATS}, got {qkv_format!r}"
+    if qkv_format == "bhsd":
+        arrays = tuple(x.swapaxes(1, 2) if getattr(x, "ndim", 0) == 4 else x for x in arrays)
+    return arrays, None
+
+
 def _dtype_name(x) -> str:
     try:
         return np.dtype(x.dtype).name
@@ -54,31 +135,29 @@ def _dtype_name(x) -> str:
 
 
 #: the header fields of an attention call, in wire order
-_SIG_FIELDS = ("batch", "seq_local", "heads", "kv_heads", "head_dim", "dtype", "causal", "layout", "seq_len",
-               "tile", "softmax_scale", "window left", "window right")
+_SIG_FIELDS = ("batch", "seq_local", "heads", "kv_heads", "head_dim", "dtype", "layout", "seq_len", "tile",
+               "softmax_scale") + MaskSpec.FIELDS
 
 
 def _header(spec: AttnSpec, causal, layout, tile) -> tuple:
     """``spec`` and the options as the ints of :data:`_SIG_FIELDS` (the scale by its float64 bits)."""
     return (spec.batch, spec.seq_local, spec.heads, spec.kv_heads, spec.head_dim,
-            SUPPORTED_DTYPES.index(spec.dtype.name), int(bool(causal)), LAYOUTS.index(layout), spec.seq_len,
-            int(tile), int(np.float64(spec.scale).view(np.int64)),
-            *(spec.window if spec.window is not None else (-2, -2)))
+            SUPPORTED_DTYPES.index(spec.dtype.name), LAYOUTS.index(layout), spec.seq_len, int(tile),
+            int(np.float64(spec.scale).view(np.int64)), *MaskSpec.of(causal, None, spec.window).header())
 
 
-def _describe(name: str, value: int):
-    """A header field's value as the caller wrote it."""
+def _describe_attention(name: str, value: int):
+    """A header field's value as the caller wrote it (the mask's: :class:`.spec.MaskSpec`)."""
     if name == "dtype":
         return SUPPORTED_DTYPES[value]
     if name == "layout":
         return repr(LAYOUTS[value])
-    if name == "causal":
-        return bool(value)
     if name == "softmax_scale":
         return float(np.int64(value).view(np.float64))
-    if name in ("window left", "window right"):
-        return {-2: "no window", -1: "unbounded"}.get(value, value)
     return value
+
+
+_describe = describe_with(_describe_attention)
 
 
 def _disagreement(message: str, *, rank, op) -> InvalidArgument:
@@ -109,7 +188,7 @@ def as_array_api(*arrays):
 
 
 def validate(transport, q, k, v, *, causal, layout, softmax_scale, seq_len, tile, op, extra=None,
-             timeout=None, window=None) -> AttnSpec:
+             timeout=None, window=None, problem=None) -> AttnSpec:
     """Check an attention call on every rank together and return its :class:`AttnSpec`.
 
     Args:
@@ -120,30 +199,32 @@ def validate(transport, q, k, v, *, causal, layout, softmax_scale, seq_len, tile
             before any message is posted; valid values may differ by rank.
         window: None or a sliding window ``(left, right)`` (ints >= -1,
             :func:`.window.window_of`); the spec holds its effective value.
+        problem: a message the caller found wrong before (an unknown
+            ``qkv_format``), raised first, agreed like the others.
 
     Raises:
         InvalidArgument: on every rank alike when any rank's arguments are bad
             (that rank names its problem, the others name that rank) or when
             the ranks' shapes, dtypes or options differ.
     """
-    problem, spec = None, None
+    found, problem, spec = problem, None, None
     try:
+        if found is not None:
+            raise InvalidArgument(found, rank=transport.rank, op=op)
         spec = _validate_local(transport, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
                                seq_len=seq_len, tile=tile, op=op, extra=extra)
         spec.window = effective_window(window_of(window, lambda msg: InvalidArgument(msg, rank=transport.rank,
                                                                                      op=op)),
                                        bool(causal), spec.seq_len)
         check_timeout(timeout, op=op, rank=transport.rank)
+        header = _header(spec, causal, layout, tile)
     except InvalidArgument as exc:
-        problem = exc
-    # Two rounds of one small all-gather each: did any rank refuse (its header
-    # would mean nothing then), and do the headers agree, in attention's words.
-    # Both bounded by the call's timeout (a rank that never makes the call must
-    # not strand the others), on the same all-gather whatever each rank's timeout.
-    wait = agreement_bound(timeout)
-    agree_header(transport, (), op=op, local_error=problem, timeout=wait, native=False)
-    agree_header(transport, _header(spec, causal, layout, tile), op=op, names=_SIG_FIELDS, describe=_describe,
-                 exc_type=_disagreement, timeout=wait, native=False)
+        problem, header = exc, None
+    # One round (collectives.agreement.agree_call): did any rank refuse, and do
+    # the headers agree, in attention's words; bounded by the call's timeout (a
+    # rank that never makes the call must not strand the others).
+    agree_call(transport, header, op=op, names=_SIG_FIELDS, local_error=problem, timeout=agreement_bound(timeout),
+               describe=_describe, exc_type=_disagreement)
     return spec
 
 
@@ -170,6 +251,9 @@ def _validate_local(transport, q, k, v, *, causal, layout, softmax_scale, seq_le
             raise bad(f"{name} must be a numpy or CuPy array, got {type(x).__name__}")
         if x.ndim != 4:
             raise bad(f"{name} must be 4-d (batch, seq_local, heads, head_dim), got shape {tuple(x.shape)}")
+    if type(q).__module__.split(".")[0] == "torch":
+        raise bad(f"q is a torch tensor: the numpy/CuPy {op} would lose its autograd graph; use "
+                  f"commlib.nn.{op.removesuffix('_backward')} (a torch autograd function, the same arguments)")
     xp = get_array_module(q)
     if xp is np and not isinstance(q, np.ndarray):
         raise bad(f"q is a {type(q).__name__}: pass numpy or CuPy arrays (cupy.asarray wraps numba device "

@@ -25,7 +25,7 @@ import numpy as np
 from commlib.core.errors import InvalidArgument
 from commlib.core.seconds import Deadline, call_deadline, check_timeout, time_left, timeout_problem
 
-from ..agreement import agree_header
+from ..agreement import agree_call
 
 from .blocks import get_array_module
 from .transport import transport_of
@@ -51,6 +51,21 @@ def check_layout(layout, *, rank=None, op="attention") -> str:
     if layout not in LAYOUTS:
         raise InvalidArgument(f"layout {layout!r} is not one of {LAYOUTS}", rank=rank, op=op)
     return layout
+
+
+def refuse_torch(x, name: str, *, rank=None, op: str) -> None:
+    """Refuse a torch tensor given to a numpy/CuPy sequence call: its result
+    would be a numpy array, the tensor's autograd graph silently lost.
+
+    Raises:
+        InvalidArgument: ``x`` is a torch tensor; the message points to the
+            torch twin in :mod:`commlib.nn`.
+    """
+    if type(x).__module__.split(".")[0] == "torch":
+        raise InvalidArgument(f"{name} is a {type(x).__module__}.{type(x).__name__}: commlib.{op} takes numpy or "
+                              f"CuPy arrays (a torch tensor would come back as numpy, its autograd graph lost); "
+                              f"use commlib.nn.{op} (or commlib.nn.Sharding(comm, layout)), which keeps autograd",
+                              rank=rank, op=op)
 
 
 def agreement_bound(timeout):
@@ -120,9 +135,11 @@ def shard_sequence(x, comm, layout: str = "contiguous", *, axis: int = 1):
         ``>= seq_len`` are padding), e.g. for rotary embeddings.
 
     Raises:
-        InvalidArgument: unknown layout or ``axis`` out of range.
+        InvalidArgument: a torch tensor (use :func:`commlib.nn.shard_sequence`,
+            which keeps autograd), unknown layout or ``axis`` out of range.
     """
     op = "shard_sequence"
+    refuse_torch(x, "x", rank=comm.rank, op=op)
     check_layout(layout, rank=comm.rank, op=op)
     if not -x.ndim <= axis < x.ndim:
         raise InvalidArgument(f"axis {axis} out of range for a {x.ndim}-d array", rank=comm.rank, op=op)
@@ -164,7 +181,8 @@ def unshard_sequence(x_local, comm, layout: str = "contiguous", seq_len: int | N
         array: ``seq_len`` tokens on ``axis``, same module and dtype as ``x_local``.
 
     Raises:
-        InvalidArgument: unknown layout, bad axis, ``seq_len`` or ``timeout``,
+        InvalidArgument: a torch tensor (use :func:`commlib.nn.unshard_sequence`),
+            unknown layout, bad axis, ``seq_len`` or ``timeout``,
             ``seq_local`` inconsistent with ``seq_len``, or shards whose shape,
             dtype, axis, layout or ``seq_len`` differ between ranks: on every
             rank alike, before any shard is sent (the argument agreement of
@@ -183,10 +201,9 @@ def unshard_sequence(x_local, comm, layout: str = "contiguous", seq_len: int | N
         header = _unshard_header(x_local, axis, layout, n)
     except InvalidArgument as exc:
         problem = exc
-    # as the attention calls: did any rank refuse, then do the calls agree
-    wait = agreement_bound(timeout)
-    agree_header(tp, (), op=op, local_error=problem, timeout=wait, native=False)
-    agree_header(tp, header, op=op, names=_UNSHARD_FIELDS, describe=_describe_unshard, timeout=wait, native=False)
+    # as the attention calls: one round, did any rank refuse and do the calls agree
+    agree_call(tp, header, op=op, names=_UNSHARD_FIELDS, local_error=problem, timeout=agreement_bound(timeout),
+               describe=_describe_unshard)
     mine = xp.ascontiguousarray(x_local)
     parts = [None] * size
     parts[rank] = mine
@@ -220,6 +237,7 @@ def _unshard_local(x_local, rank, size, layout, seq_len, axis, timeout, op):
     Raises:
         InvalidArgument: naming ``rank`` and ``op``.
     """
+    refuse_torch(x_local, "x_local", rank=rank, op=op)
     check_layout(layout, rank=rank, op=op)
     check_timeout(timeout, op=op, rank=rank)
     if not hasattr(x_local, "shape") or not hasattr(x_local, "dtype"):

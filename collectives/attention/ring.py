@@ -29,21 +29,22 @@ import time
 
 import numpy as np
 
-from commlib.core.seconds import call_deadline, time_left
+from commlib.core.seconds import call_deadline
 
 from .blocks import ForwardAccumulator, backward_block, forward_block, from_heads_major, tile_plan, to_heads_major
-from .common import as_array_api, validate
+from .common import as_array_api, comm_last, in_format, validate
 from .layout import sequence_positions
+from .ringcomm import RingComm
 from .schedule import RingSchedule
 from .transport import transport_of
 from .window import window_attention, window_attention_backward
 
 __all__ = ["ring_attention", "ring_attention_backward", "ring_plan_work"]
 
-# Tags, as offsets in the block each call takes from its transport's allocator.
-_TAG_KV = 0   # the K/V shards going round
-_TAG_DKV = 1  # the backward's travelling dk/dv
-_TAG_WIDTH = 2
+# Tags: each call takes a block of RingComm.WIDTH from its transport's allocator
+# (the K/V and the travelling dk/dv of each stream; the halo exchange of a
+# windowed call uses the same block).
+_TAG_WIDTH, _TAG_KV, _TAG_DKV = RingComm.WIDTH, RingComm.KV, RingComm.DKV
 
 
 def _heads_major_kv(k, v, spec):
@@ -81,21 +82,26 @@ def _new_stats(stats, kind):
     return stats
 
 
-def ring_attention(comm, q, k, v, causal: bool = False, layout: str = "contiguous", softmax_scale=None, *,
+def ring_attention(q, k, v, comm=None, causal: bool = False, layout: str = "contiguous", softmax_scale=None, *,
                    seq_len: int | None = None, tile: int = 128, timeout: float | None = None, stats: dict | None = None,
-                   window=None):
+                   window=None, qkv_format: str = "bshd"):
     """Exact attention over a sequence sharded across ``comm``'s ranks.
 
+    The communicator comes after the arrays, as in :mod:`commlib.nn`; the
+    old order ``ring_attention(comm, q, k, v, ...)`` still works and warns
+    (``DeprecationWarning``).
+
     Args:
-        comm: :class:`commlib.Communicator`; the messages go over its
-            collectives transport (see :func:`.transport.transport_of`), with
-            tags of their own.
         q: local queries ``(batch, seq_local, heads, head_dim)``; numpy or CuPy;
-            float16, bfloat16 (ml_dtypes), float32 or float64.
+            float16, bfloat16 (ml_dtypes), float32 or float64.  (torch
+            tensors: :func:`commlib.nn.ring_attention`.)
         k: local keys ``(batch, seq_local, kv_heads, head_dim)``, same dtype;
             ``heads % kv_heads == 0`` (grouped-query attention: K/V travel
             unreplicated).
         v: local values, shaped like ``k``.
+        comm: :class:`commlib.Communicator`; the messages go over its
+            collectives transport (see :func:`.transport.transport_of`), with
+            tags of their own.
         causal: mask key positions after the query's position.
         layout: ``"contiguous"``, ``"striped"`` or ``"zigzag"``: how the global
             sequence is spread over the ranks (:mod:`.layout`).
@@ -111,6 +117,11 @@ def ring_attention(comm, q, k, v, causal: bool = False, layout: str = "contiguou
             (score entries computed), ``visible`` (unmasked pairs),
             ``compute_s`` and ``wait_s``, and ``total_s`` (with a window:
             ``work``, ``recv_bytes``, ``sent_bytes`` and ``total_s``).
+        qkv_format: ``"bshd"`` (default, the shapes above) or ``"bhsd"``
+            (SDPA's ``(batch, heads, seq_local, head_dim)``): the order of q,
+            k, v and of ``out`` (and, in the backward, of ``out``, ``dout``,
+            dq, dk, dv; lse is ``(batch, heads, seq_local)`` either way).
+            The results are views in that order.
         window: optional sliding window ``(left, right)`` (FlashAttention-2's
             ``window_size``, ints >= -1, -1 unbounded; Longformer/Mistral):
             the query at global position ``i`` sees only keys ``j`` with
@@ -127,7 +138,8 @@ def ring_attention(comm, q, k, v, causal: bool = False, layout: str = "contiguou
         float32.  Rows that see no key (padding) give out 0 and lse ``-inf``.
 
     Raises:
-        InvalidArgument: bad shapes, dtypes, layout, ``seq_len``, scale, tile,
+        InvalidArgument: no communicator after the arrays (nor, old order,
+            before them); bad shapes, dtypes, layout, ``seq_len``, scale, tile,
             ``window`` (not None nor a pair of ints >= -1)
             or ``timeout`` (not None nor a finite number > 0), on any rank
             (raised on every rank before any K/V message is posted).
@@ -135,15 +147,18 @@ def ring_attention(comm, q, k, v, causal: bool = False, layout: str = "contiguou
         ProcessFailed: a peer failed (any other transport failure: :class:`~commlib.CommError`).
     """
     op = "ring_attention"
+    (q, k, v), comm = comm_last(op, (q, k, v), comm)
+    (q, k, v), fmt_problem = in_format(qkv_format, q, k, v)
     timeout = call_deadline(timeout, op)  # the deadline of the whole call: every wait gets what is left
     tp = transport_of(comm, timeout, op)
-    tag_kv = tp.tags.slot(_TAG_WIDTH) + _TAG_KV
+    tag_kv = tp.tags.slot(_TAG_WIDTH)
     q, k, v = as_array_api(q, k, v)
     spec = validate(tp, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
-                    seq_len=seq_len, tile=tile, op=op, timeout=timeout, window=window)
+                    seq_len=seq_len, tile=tile, op=op, timeout=timeout, window=window, problem=fmt_problem)
     if spec.window is not None:
-        return window_attention(tp, spec, q, k, v, causal=causal, layout=layout, window=spec.window, tile=tile,
-                                tag=tag_kv, timeout=timeout, op=op, stats=stats)
+        res = window_attention(tp, spec, q, k, v, causal=causal, layout=layout, window=spec.window, tile=tile,
+                               tag=tag_kv, timeout=timeout, op=op, stats=stats)
+        return in_format(qkv_format, *res)[0]
     xp, P, r = spec.xp, tp.size, tp.rank
     st = _new_stats(stats, "forward")
     t_start = time.perf_counter()
@@ -156,13 +171,11 @@ def ring_attention(comm, q, k, v, causal: bool = False, layout: str = "contiguou
     cur = _heads_major_kv(k, v, spec)
     nxt = xp.empty_like(cur) if P > 1 else None
     sched = RingSchedule(P, r)
-    stream = sched.streams[0]
-    dst, src_rank = sched.send_to(stream), sched.recv_from(stream)
+    ring = RingComm(tp, sched, tag_kv, timeout, op)
     for ring_step in sched.steps():
         step, owner = ring_step.step, ring_step.owners[0]
-        reqs = []
-        if not ring_step.last:  # double buffering: post the next block before computing this one
-            reqs = [tp.irecv(nxt, src_rank, tag_kv), tp.isend(cur, dst, tag_kv)]
+        # double buffering: post the next block before computing this one
+        reqs = ring.post_kv([cur], [nxt]) if not ring_step.last else []
         t0 = time.perf_counter()
         kpos = sequence_positions(layout, owner, P, L)
         plan = tile_plan(qpos, kpos, spec.seq_len, causal, tile)
@@ -170,7 +183,7 @@ def ring_attention(comm, q, k, v, causal: bool = False, layout: str = "contiguou
             forward_block(qh, cur[0].astype(spec.cdtype, copy=False), cur[1].astype(spec.cdtype, copy=False),
                           plan, qpos, kpos, state)
         t1 = time.perf_counter()
-        tp.waitall(reqs, time_left(timeout), op=op)
+        ring.wait(reqs)
         t2 = time.perf_counter()
         if st is not None:
             st["steps"].append(dict(step=step, source=owner, work=plan.work * nbh, visible=plan.visible * nbh,
@@ -182,17 +195,19 @@ def ring_attention(comm, q, k, v, causal: bool = False, layout: str = "contiguou
     lse = lse.reshape(spec.batch, spec.heads, L)
     if st is not None:
         st["total_s"] = time.perf_counter() - t_start
-    return out, lse
+    return in_format(qkv_format, out, lse)[0]
 
 
-def ring_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = False, layout: str = "contiguous",
+def ring_attention_backward(q, k, v, out, lse, dout, comm=None, causal: bool = False, layout: str = "contiguous",
                             softmax_scale=None, *, seq_len: int | None = None, tile: int = 128,
-                            timeout: float | None = None, stats: dict | None = None, window=None):
+                            timeout: float | None = None, stats: dict | None = None, window=None,
+                            qkv_format: str = "bshd"):
     """Gradients of :func:`ring_attention`.
 
     Args:
-        comm, q, k, v, causal, layout, softmax_scale, seq_len, tile, timeout, stats, window:
-            as in :func:`ring_attention` (the same values as the forward call).
+        q, k, v, comm, causal, layout, softmax_scale, seq_len, tile, timeout, stats, window:
+            as in :func:`ring_attention` (the same values as the forward call;
+            the old order, ``comm`` first, warns as there).
         out: the forward output ``(batch, seq_local, heads, head_dim)``, input dtype.
         lse: the forward lse ``(batch, heads, seq_local)``, float32 or float64.
         dout: gradient of the loss with respect to ``out``, shaped and typed like ``q``.
@@ -209,11 +224,12 @@ def ring_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = False,
         ProcessFailed: a peer failed (any other transport failure: :class:`~commlib.CommError`).
     """
     op = "ring_attention_backward"
+    (q, k, v, out, lse, dout), comm = comm_last(op, (q, k, v, out, lse, dout), comm)
+    (q, k, v, out, lse, dout), fmt_problem = in_format(qkv_format, q, k, v, out, lse, dout)
     q, k, v, out, lse, dout = as_array_api(q, k, v, out, lse, dout)
     timeout = call_deadline(timeout, op)  # the deadline of the whole call: every wait gets what is left
     tp = transport_of(comm, timeout, op)
     tag0 = tp.tags.slot(_TAG_WIDTH)
-    tag_kv, tag_dkv = tag0 + _TAG_KV, tag0 + _TAG_DKV
     qshape = tuple(q.shape) if hasattr(q, "shape") else None
     qd = np.dtype(q.dtype).name if hasattr(q, "dtype") else None
     extra = {}
@@ -221,10 +237,12 @@ def ring_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = False,
         extra = {"out": (out, qshape, qd), "dout": (dout, qshape, qd),
                  "lse": (lse, (qshape[0], qshape[2], qshape[1]), None)}
     spec = validate(tp, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
-                    seq_len=seq_len, tile=tile, op=op, extra=extra, timeout=timeout, window=window)
+                    seq_len=seq_len, tile=tile, op=op, extra=extra, timeout=timeout, window=window,
+                    problem=fmt_problem)
     if spec.window is not None:
-        return window_attention_backward(tp, spec, q, k, v, out, lse, dout, causal=causal, layout=layout,
-                                         window=spec.window, tile=tile, tag=tag0, timeout=timeout, op=op, stats=stats)
+        res = window_attention_backward(tp, spec, q, k, v, out, lse, dout, causal=causal, layout=layout,
+                                        window=spec.window, tile=tile, tag=tag0, timeout=timeout, op=op, stats=stats)
+        return in_format(qkv_format, *res)[0]
     xp, P, r = spec.xp, tp.size, tp.rank
     st = _new_stats(stats, "backward")
     t_start = time.perf_counter()
@@ -242,19 +260,14 @@ def ring_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = False,
     cur = _heads_major_kv(k, v, spec)
     nxt = xp.empty_like(cur) if P > 1 else None
     sched = RingSchedule(P, r)
-    stream = sched.streams[0]
-    dst, src_rank = sched.send_to(stream), sched.recv_from(stream)
-    dkv_in = None      # request + buffer of the travelling dk/dv arriving for this step
-    dkv_sends = []     # sends still in flight (their buffers must stay untouched)
+    ring = RingComm(tp, sched, tag0, timeout, op)
     dkv = None
     for ring_step in sched.steps():
         step, owner = ring_step.step, ring_step.owners[0]
-        reqs = []
-        if not ring_step.last:  # post the next K/V block before computing this one
-            reqs = [tp.irecv(nxt, src_rank, tag_kv), tp.isend(cur, dst, tag_kv)]
+        # post the next K/V block before computing this one
+        reqs = ring.post_kv([cur], [nxt]) if not ring_step.last else []
         if P > 1:  # the dk/dv that will arrive for the next step (or, at the last, our own)
-            nxt_buf = xp.empty(dkv_shape, dtype=cdt)
-            nxt_req = tp.irecv(nxt_buf, src_rank, tag_dkv)
+            ring.expect_dkv(0, xp.empty(dkv_shape, dtype=cdt))
         t0 = time.perf_counter()
         kpos = sequence_positions(layout, owner, P, L)
         plan = tile_plan(qpos, kpos, spec.seq_len, causal, tile)
@@ -263,16 +276,9 @@ def ring_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = False,
             backward_block(qh, cur[0].astype(cdt, copy=False), cur[1].astype(cdt, copy=False), doh, lseh, dh,
                            plan, qpos, kpos, dqh, dkv[0], dkv[1])
         t1 = time.perf_counter()
-        if dkv_in is not None:  # add what the previous holders accumulated for this block
-            req, buf = dkv_in
-            tp.waitall([req], time_left(timeout), op=op)
-            dkv += buf
-        if P > 1:
-            # at most one dk/dv in flight: memory stays O(seq_local)
-            tp.waitall(dkv_sends, time_left(timeout), op=op)
-            dkv_sends = [tp.isend(dkv, dst, tag_dkv)]
-            dkv_in = (nxt_req, nxt_buf)
-        tp.waitall(reqs, time_left(timeout), op=op)
+        if P > 1:  # add what the previous holders accumulated for this block, pass it on
+            ring.pass_dkv(0, dkv)
+        ring.wait(reqs)
         t2 = time.perf_counter()
         if st is not None:
             st["steps"].append(dict(step=step, source=owner, work=plan.work * nbh, visible=plan.visible * nbh,
@@ -280,13 +286,11 @@ def ring_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = False,
         if not ring_step.last:
             cur, nxt = nxt, cur
     if P > 1:  # our own block's dk/dv, back from its last holder
-        req, dkv = dkv_in
-        tp.waitall([req], time_left(timeout), op=op)
-        tp.waitall(dkv_sends, time_left(timeout), op=op)
+        dkv = ring.home_dkv(0)
     dqh *= spec.scale
     dq = from_heads_major(dqh, spec.dtype, xp)
     dk = xp.ascontiguousarray(dkv[0].transpose(0, 2, 1, 3).astype(spec.dtype, copy=False))
     dv = xp.ascontiguousarray(dkv[1].transpose(0, 2, 1, 3).astype(spec.dtype, copy=False))
     if st is not None:
         st["total_s"] = time.perf_counter() - t_start
-    return dq, dk, dv
+    return in_format(qkv_format, dq, dk, dv)[0]

@@ -27,7 +27,7 @@ from commlib.core.seconds import call_deadline
 
 from ..alltoall_pairwise import alltoall_pairwise_parts
 from .blocks import attention_backward, attention_forward, tile_plan
-from .common import as_array_api, validate
+from .common import as_array_api, comm_last, in_format, validate
 from .layout import sequence_positions
 from .transport import transport_of
 
@@ -114,18 +114,19 @@ def _order(layout, P, L, xp):
     return xp.asarray(perm), xp.asarray(inv)
 
 
-def ulysses_attention(comm, q, k, v, causal: bool = False, layout: str = "contiguous", softmax_scale=None, *,
+def ulysses_attention(q, k, v, comm=None, causal: bool = False, layout: str = "contiguous", softmax_scale=None, *,
                       seq_len: int | None = None, tile: int = 128, timeout: float | None = None,
-                      stats: dict | None = None):
+                      stats: dict | None = None, qkv_format: str = "bshd"):
     """Exact sequence-parallel attention by all-to-all over heads (DeepSpeed-Ulysses).
 
     Args:
-        comm: :class:`commlib.Communicator`; the all-to-alls go over its
-            collectives transport (see :func:`.transport.transport_of`).
         q: local queries ``(batch, seq_local, heads, head_dim)``, numpy or CuPy,
             float16 / bfloat16 / float32 / float64.
         k, v: ``(batch, seq_local, kv_heads, head_dim)``; ``heads % kv_heads == 0``.
-        causal, layout, softmax_scale, seq_len, tile: as in
+        comm: :class:`commlib.Communicator`; the all-to-alls go over its
+            collectives transport (see :func:`.transport.transport_of`).  The
+            old order, ``comm`` first, works with a ``DeprecationWarning``.
+        causal, layout, softmax_scale, seq_len, tile, qkv_format: as in
             :func:`commlib.collectives.attention.ring_attention`.
         timeout: the deadline of the whole call, in seconds (finite, > 0;
             None: forever): the argument agreement and every all-to-all wait
@@ -144,11 +145,13 @@ def ulysses_attention(comm, q, k, v, causal: bool = False, layout: str = "contig
         ProcessFailed: a peer failed (any other transport failure: :class:`~commlib.CommError`).
     """
     op = "ulysses_attention"
+    (q, k, v), comm = comm_last(op, (q, k, v), comm)
+    (q, k, v), fmt_problem = in_format(qkv_format, q, k, v)
     timeout = call_deadline(timeout, op)  # the deadline of the whole call: every wait gets what is left
     tp = transport_of(comm, timeout, op)
     q, k, v = as_array_api(q, k, v)
     spec = validate(tp, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
-                    seq_len=seq_len, tile=tile, op=op, timeout=timeout)
+                    seq_len=seq_len, tile=tile, op=op, timeout=timeout, problem=fmt_problem)
     _check_heads(tp, spec, op)
     xp, P, L = spec.xp, tp.size, spec.seq_local
     t0 = time.perf_counter()
@@ -168,12 +171,12 @@ def ulysses_attention(comm, q, k, v, causal: bool = False, layout: str = "contig
         work = tile_plan(pos, pos, spec.seq_len, causal, tile).work * spec.batch * spec.heads // P
         stats.clear()
         stats.update(kind="forward", work=work, compute_s=t2 - t1, comm_s=(t1 - t0) + (t3 - t2), total_s=t3 - t0)
-    return out, lse
+    return in_format(qkv_format, out, lse)[0]
 
 
-def ulysses_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = False, layout: str = "contiguous",
+def ulysses_attention_backward(q, k, v, out, lse, dout, comm=None, causal: bool = False, layout: str = "contiguous",
                                softmax_scale=None, *, seq_len: int | None = None, tile: int = 128,
-                               timeout: float | None = None, stats: dict | None = None):
+                               timeout: float | None = None, stats: dict | None = None, qkv_format: str = "bshd"):
     """Gradients of :func:`ulysses_attention`.
 
     Args:
@@ -191,6 +194,8 @@ def ulysses_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = Fal
         ProcessFailed: a peer failed (any other transport failure: :class:`~commlib.CommError`).
     """
     op = "ulysses_attention_backward"
+    (q, k, v, out, lse, dout), comm = comm_last(op, (q, k, v, out, lse, dout), comm)
+    (q, k, v, out, lse, dout), fmt_problem = in_format(qkv_format, q, k, v, out, lse, dout)
     q, k, v, out, lse, dout = as_array_api(q, k, v, out, lse, dout)
     timeout = call_deadline(timeout, op)  # the deadline of the whole call: every wait gets what is left
     tp = transport_of(comm, timeout, op)
@@ -200,7 +205,7 @@ def ulysses_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = Fal
         extra = {"out": (out, qshape, qd), "dout": (dout, qshape, qd),
                  "lse": (lse, (qshape[0], qshape[2], qshape[1]), None)}
     spec = validate(tp, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
-                    seq_len=seq_len, tile=tile, op=op, extra=extra, timeout=timeout)
+                    seq_len=seq_len, tile=tile, op=op, extra=extra, timeout=timeout, problem=fmt_problem)
     _check_heads(tp, spec, op)
     xp, P, L = spec.xp, tp.size, spec.seq_local
     t0 = time.perf_counter()
@@ -221,4 +226,4 @@ def ulysses_attention_backward(comm, q, k, v, out, lse, dout, causal: bool = Fal
     if stats is not None:
         stats.clear()
         stats.update(kind="backward", compute_s=t2 - t1, comm_s=(t1 - t0) + (t3 - t2), total_s=t3 - t0)
-    return dq, dk, dv
+    return in_format(qkv_format, dq, dk, dv)[0]

@@ -12,6 +12,13 @@ return the log-sum-exp; block outputs and lse are merged in float32 (float64
 for float64 inputs), never in the half dtype, and dq and the travelling dk/dv
 accumulate in float32.
 
+One argument order, q, k, v, then the communicator (``ring_attention(q, k, v,
+comm)``, as the numpy/CuPy ``commlib.ring_attention`` takes them); the
+communicator first works with a ``DeprecationWarning``.  ``qkv_format="bhsd"``
+takes and returns SDPA's ``(batch, heads, seq, head_dim)`` order instead of
+``"bshd"`` ``(batch, seq, heads, head_dim)`` (Transformer Engine's names);
+shapes that only fit the other order are refused.
+
 Like :func:`torch.nn.functional.scaled_dot_product_attention`: under
 ``torch.autocast`` q, k, v are cast as SDPA's are (float32/float16 to the
 autocast dtype, float64 unchanged) before anything moves, the output is in that
@@ -35,8 +42,12 @@ accepted (an ``attn_mask`` tensor or a nonzero ``dropout_p`` is refused).
   (DeepSpeed-Ulysses, Jacobs et al. 2023, arXiv:2309.14509).
 * :func:`hybrid_attention`: Ulysses inside groups of ``ulysses_degree`` ranks, a
   ring across the groups (USP, Fang & Zhao 2024, arXiv:2405.07719).
+* :class:`Sharding`: a communicator with the sequence layout said once (the
+  recommended path): ``sp.shard(x)``, any attention call or module given
+  ``sp`` as its communicator, ``sp.unshard(out)`` all use its layout.
 * :func:`shard_sequence` / :func:`unshard_sequence`: between the global
-  sequence and this rank's shard (the latter differentiable).
+  sequence and this rank's shard (the latter differentiable); a shard
+  remembers its layout and an attention call in another layout refuses it.
 * :class:`SequenceParallelAttention`: a ``torch.nn.Module`` a model swaps in for
   its attention call.
 
@@ -67,6 +78,7 @@ transports of ``comm``) before ``comm.recover()``.
 """
 from ._failure import revoke
 from .hybrid import hybrid_attention
+from .shard import Sharding
 from .module import SequenceParallelAttention
 from .ring import ring_attention, ring_attention_bidirectional
 from .shard import shard_sequence, unshard_sequence
@@ -80,5 +92,6 @@ __all__ = [
     "shard_sequence",
     "unshard_sequence",
     "SequenceParallelAttention",
+    "Sharding",
     "revoke",
 ]

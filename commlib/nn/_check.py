@@ -18,7 +18,7 @@ from commlib.core.seconds import Deadline, timeout_problem
 
 __all__ = ["DTYPES", "DTYPE_NAMES", "DEVICES", "check_qkv", "softmax_scale_of", "cu_seqlens_of", "timeout_of",
            "agreement_timeout", "grad_flags", "describe_grad", "no_double_backward", "autocast_inputs",
-           "autocast_off", "sdpa_keywords"]
+           "autocast_off", "sdpa_keywords", "call_problem"]
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
@@ -178,8 +178,18 @@ def autocast_off(device_type: str):
     return contextlib.nullcontext()
 
 
+def call_problem(sdpa: dict, bad) -> None:
+    """Raise ``bad(message)`` for what the public front found wrong with the
+    call on this rank (``sdpa["problem"]``, :mod:`commlib.nn._front`: a
+    communicator or layout mix-up, a ``qkv_format`` the shapes contradict), so
+    that it is agreed like the other local checks; the first of them."""
+    problem = sdpa.get("problem")
+    if problem is not None:
+        raise bad(problem)
+
+
 def sdpa_keywords(causal, softmax_scale, heads: int, kv_heads: int, bad, *, attn_mask=None, dropout_p=0.0,
-                  is_causal=None, scale=None, enable_gqa=None):
+                  is_causal=None, scale=None, enable_gqa=None, problem=None):
     """Resolve the keywords of :func:`torch.nn.functional.scaled_dot_product_attention`
     that the attention calls take, so that a call written for SDPA works or
     fails clearly (``bad(message)``, on every rank alike once agreed):
@@ -191,6 +201,7 @@ def sdpa_keywords(causal, softmax_scale, heads: int, kv_heads: int, bad, *, attn
       False needs ``heads == kv_heads``, as SDPA requires.
     * ``attn_mask``: only None; masks are ``causal`` and ``cu_seqlens``.
     * ``dropout_p``: only 0 (attention dropout is not implemented).
+    * ``problem``: not SDPA's: the front's finding, raised by :func:`call_problem` before.
 
     Returns:
         tuple: ``(causal, softmax_scale)``, still to be checked by the caller.

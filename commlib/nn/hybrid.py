@@ -56,6 +56,7 @@ from commlib.core.errors import InvalidArgument, ProcessFailed
 
 from .ring import ring_attention
 from ._check import autocast_inputs
+from ._front import front
 from ._failure import bound, guarded, link, link_comm
 from .ulysses import (document_mask, heads_to_seq, local_attention, seq_to_heads, spread_kv_heads, validate,
                       window_checks)
@@ -212,10 +213,10 @@ def ring_order(layout: str, size: int, degree: int, seq_local: int, g: int, stri
     return perm
 
 
-def hybrid_attention(q, k, v, comm, ulysses_degree: int, causal: bool = False, layout: str = "zigzag",
-                     softmax_scale=None, *, bidirectional: bool = False, cu_seqlens=None, window=None,
-                     timeout: float | None = None, attn_mask=None, dropout_p=0.0, is_causal=None, scale=None,
-                     enable_gqa=None):
+def hybrid_attention(q, k, v, comm=None, ulysses_degree: int | None = None, causal: bool = False,
+                     layout: str | None = None, softmax_scale=None, *, bidirectional: bool = False, cu_seqlens=None,
+                     window=None, qkv_format="bshd", timeout: float | None = None, attn_mask=None, dropout_p=0.0,
+                     is_causal=None, scale=None, enable_gqa=None):
     """Exact attention over a 2-D grid: Ulysses inside groups, ring across them (USP).
 
     Args:
@@ -225,7 +226,9 @@ def hybrid_attention(q, k, v, comm, ulysses_degree: int, causal: bool = False, l
             bfloat16, float32 or float64, CPU or CUDA; non-contiguous
             tensors are accepted.
         k, v: ``(batch, seq_local, kv_heads, head_dim)``, dtype and device of ``q``.
-        comm: :class:`commlib.Communicator` (or a transport) with ``split``.
+        comm: :class:`commlib.Communicator` (or a transport) with ``split``,
+            or a :class:`commlib.nn.Sharding` (its layout is the call's).
+            The communicator first works with a ``DeprecationWarning``.
         ulysses_degree: ``U``, the Ulysses group size: divides ``comm.size``
             and ``heads``; ``kv_heads`` divisible by ``U`` or dividing it
             (kv heads are then replicated, as in
@@ -233,7 +236,7 @@ def hybrid_attention(q, k, v, comm, ulysses_degree: int, causal: bool = False, l
         causal: mask later global positions.
         layout: ``"contiguous"``, ``"striped"`` or ``"zigzag"`` (balances
             causal work across the ring); see the module notes for the grid
-            each implies.
+            each implies.  None (default): the Sharding's, else ``"zigzag"``.
         softmax_scale: score scale (default ``head_dim ** -0.5``).
         bidirectional: the ring sends K/V both ways (see ``ring_attention``).
         cu_seqlens: optional global document boundaries ``[0, ..., seq_len]``
@@ -252,6 +255,8 @@ def hybrid_attention(q, k, v, comm, ulysses_degree: int, causal: bool = False, l
             (its backward, a call of its own, gets the whole timeout again).
             None (no limit; on a fault-tolerant communicator its own
             ``timeout``) or a finite number > 0.
+        qkv_format: ``"bshd"`` (default) or ``"bhsd"`` (SDPA's order), as in
+            :func:`commlib.nn.ring_attention`.
         attn_mask, dropout_p, is_causal, scale, enable_gqa: SDPA's keywords,
             as in :func:`commlib.nn.ring.ring_attention`.
 
@@ -265,8 +270,10 @@ def hybrid_attention(q, k, v, comm, ulysses_degree: int, causal: bool = False, l
         differentiable with respect to ``q``, ``k``, ``v``.
 
     Raises:
-        InvalidArgument: on every rank alike, before any data moves: bad
-            tensors, dtypes, devices, layout or scale; ``ulysses_degree`` not
+        InvalidArgument: no communicator in its slot (at once).  On every
+            rank alike, before any data moves: bad tensors, dtypes, devices,
+            layout (or one that contradicts the Sharding's or the shards'),
+            ``qkv_format`` or scale; ``ulysses_degree`` not
             a positive divisor of ``comm.size`` or of the head counts; an
             ``attn_mask``, a ``dropout_p`` other than 0 or conflicting SDPA
             keywords (see ``ring_attention``); an odd
@@ -285,14 +292,17 @@ def hybrid_attention(q, k, v, comm, ulysses_degree: int, causal: bool = False, l
     then divide the new size).
     """
     op = "hybrid_attention"
+    call = front(op, q, k, v, comm, layout, qkv_format, default_layout="zigzag", cu_seqlens=cu_seqlens)
+    q, k, v, comm, layout = call.q, call.k, call.v, call.comm, call.layout
     timeout = bound(comm, timeout, op)  # the deadline of the whole call (by default a FT communicator's own)
     tp = transport_of(comm, timeout, op)
     link_comm(comm, tp)
     (q, k, v), ctx = autocast_inputs(q, k, v)  # autocast: SDPA's casts, before the dtype agreement
     with ctx, guarded(tp, comm):
-        return _hybrid(q, k, v, comm, tp, op, ulysses_degree, layout, softmax_scale, bidirectional, cu_seqlens,
-                       timeout, dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                                     enable_gqa=enable_gqa), causal, window)
+        return call.out(_hybrid(q, k, v, comm, tp, op, ulysses_degree, layout, softmax_scale, bidirectional,
+                                cu_seqlens, timeout,
+                                call.keywords(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                              scale=scale, enable_gqa=enable_gqa), causal, window))
 
 
 def _hybrid(q, k, v, comm, tp, op, ulysses_degree, layout, softmax_scale, bidirectional, cu_seqlens, timeout,
@@ -322,10 +332,10 @@ def _hybrid(q, k, v, comm, tp, op, ulysses_degree, layout, softmax_scale, bidire
 
     lay = LAYOUTS.index(layout) if isinstance(layout, str) and layout in LAYOUTS else -1
     deg = int(U) if isinstance(U, (int, np.integer)) and not isinstance(U, bool) else -1
-    checks, win_extra = window_checks(window, tp, op, more=checks)
+    checks = window_checks(window, tp, op, more=checks)
     spec = validate(tp, q, k, v, causal=causal, softmax_scale=softmax_scale, op=op, cu_seqlens=cu_seqlens,
                     checks=checks, extra=(("ulysses_degree", deg), ("layout", lay),
-                                          ("bidirectional", int(bool(bidirectional)))) + win_extra, timeout=timeout,
+                                          ("bidirectional", int(bool(bidirectional)))), timeout=timeout,
                     sdpa=sdpa)
     causal = spec.causal
     U = int(U)

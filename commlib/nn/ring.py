@@ -29,7 +29,6 @@ backward.
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
 import dataclasses
 from dataclasses import dataclass
@@ -38,17 +37,21 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from commlib.collectives.agreement import agree_header
+from commlib.collectives.agreement import agree_call
 from commlib.collectives.attention.layout import LAYOUTS, sequence_positions
+from commlib.collectives.attention.ringcomm import RingComm
 from commlib.collectives.attention.schedule import RingSchedule, piece_positions, split_halves
+from commlib.collectives.attention.spec import MaskSpec, describe_with
 from commlib.collectives.attention.transport import transport_of
 from commlib.core.errors import InvalidArgument
-from commlib.core.seconds import restarted, time_left
+from commlib.core.seconds import restarted
 
-from ._check import (DEVICES, DTYPE_NAMES, DTYPES, agreement_timeout, autocast_inputs, autocast_off, check_qkv,
-                     cu_seqlens_of, grad_flags, no_double_backward, sdpa_keywords, softmax_scale_of, timeout_of)
+from ._check import (DEVICES, DTYPE_NAMES, DTYPES, agreement_timeout, autocast_inputs, autocast_off, call_problem,
+                     check_qkv, cu_seqlens_of, grad_flags, no_double_backward, sdpa_keywords, softmax_scale_of,
+                     timeout_of)
 from ._blocks import acc_dtype, block_backward, block_forward, merge, plan_block, plan_window_block
 from ._failure import bound, guarded, link_comm
+from ._front import front
 from ._wire import irecv_tensor, isend_tensor
 from .window import WindowAttention, effective_window, halo_pays, halo_plan, window_of
 
@@ -56,11 +59,9 @@ __all__ = ["ring_attention", "ring_attention_bidirectional"]
 
 _DTYPE_NAMES, _DEVICES = DTYPE_NAMES, DEVICES
 
-# Tags, as offsets in the block each call takes from its transport's allocator:
-# the K/V of stream s at s, the backward's travelling dk/dv of stream s at 2 + s.
-_TAG_KV = 0
-_TAG_DKV = 2
-_TAG_WIDTH = 4
+# Tags: each call takes a block of RingComm.WIDTH from its transport's allocator
+# (the K/V of stream s at s, the backward's travelling dk/dv of stream s at 2 + s).
+_TAG_WIDTH = RingComm.WIDTH
 
 
 @dataclass
@@ -87,31 +88,27 @@ class _Spec:
 
 
 # ------------------------------------------------------------------ validation
-_SIG_FIELDS = ("batch", "seq_local", "heads", "kv_heads", "head_dim", "dtype", "device", "causal", "layout",
-               "bidirectional", "softmax_scale", "cu_seqlens length", "cu_seqlens", "requires_grad",
-               "window left", "window right")
+_SIG_FIELDS = ("batch", "seq_local", "heads", "kv_heads", "head_dim", "dtype", "device", "layout", "bidirectional",
+               "softmax_scale", "requires_grad") + MaskSpec.FIELDS
 
 
-def _describe(name, value):
+def _describe_ring(name, value):
     if name == "dtype":
         return _DTYPE_NAMES[value] if 0 <= value < len(_DTYPE_NAMES) else value
     if name == "device":
         return _DEVICES[value] if 0 <= value < len(_DEVICES) else value
     if name == "layout":
         return repr(LAYOUTS[value]) if 0 <= value < len(LAYOUTS) else value
-    if name in ("causal", "bidirectional"):
+    if name == "bidirectional":
         return bool(value)
     if name == "softmax_scale":
         return float(np.int64(value).view(np.float64))
-    if name == "cu_seqlens length":
-        return "none" if value < 0 else f"{value} entries"
-    if name == "cu_seqlens":
-        return "none" if value == 0 else f"digest {value & 0xFFFFFFFF:08x}"
-    if name in ("window left", "window right"):
-        return "no window" if value == -2 else ("unbounded" if value == -1 else value)
     if name == "requires_grad":
         return "a gradient of q, k or v" if value else "no gradient (torch.no_grad or requires_grad=False)"
     return value
+
+
+_describe = describe_with(_describe_ring)
 
 
 def _disagreement(message, *, rank, op):
@@ -126,6 +123,7 @@ def _validate_local(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidi
     def bad(msg):
         return InvalidArgument(msg, rank=rank, op=op)
 
+    call_problem(sdpa, bad)
     bsz, L, h, hk, d = check_qkv(q, k, v, bad)
     causal, softmax_scale = sdpa_keywords(causal, softmax_scale, h, hk, bad, **sdpa)
     if layout not in LAYOUTS:
@@ -144,15 +142,10 @@ def _validate_local(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidi
 
 
 def _header(spec: _Spec, device_type: str) -> tuple:
-    if spec.cu_seqlens is None:
-        n_cu, digest = -1, 0
-    else:
-        n_cu = len(spec.cu_seqlens)
-        digest = int.from_bytes(hashlib.sha256(spec.cu_seqlens.tobytes()).digest()[:8], "little", signed=True)
     return (spec.batch, spec.seq_local, spec.heads, spec.kv_heads, spec.head_dim, DTYPES.index(spec.dtype),
-            _DEVICES.index(device_type), int(spec.causal), LAYOUTS.index(spec.layout), int(spec.bidirectional),
-            int(np.float64(spec.scale).view(np.int64)), n_cu, digest, int(spec.grad),
-            *(spec.window if spec.window is not None else (-2, -2)))
+            _DEVICES.index(device_type), LAYOUTS.index(spec.layout), int(spec.bidirectional),
+            int(np.float64(spec.scale).view(np.int64)), int(spec.grad),
+            *MaskSpec.of(spec.causal, spec.cu_seqlens, spec.window).header())
 
 
 def _validate(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op, sdpa,
@@ -165,16 +158,15 @@ def _validate(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectio
     try:
         spec = _validate_local(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op, sdpa,
                                window)
+        header = _header(spec, q.device.type)
     except InvalidArgument as exc:
-        problem = exc
-    # Two rounds of one small all-gather each (the same protocol on every rank,
-    # whatever its arguments): did any rank refuse, and do the headers agree.
-    # Both bounded by the call's timeout: a rank that never makes the call
-    # must not leave the others waiting forever.
-    wait = agreement_timeout(timeout)
-    agree_header(tp, (), op=op, local_error=problem, timeout=wait, native=False)
-    agree_header(tp, _header(spec, q.device.type), op=op, names=_SIG_FIELDS, describe=_describe,
-                 exc_type=_disagreement, timeout=wait, native=False)
+        problem, header = exc, None
+    # One round of one small all-gather (the same protocol on every rank,
+    # whatever its arguments): did any rank refuse, and do the headers agree;
+    # bounded by the call's timeout: a rank that never makes the call must not
+    # leave the others waiting forever.
+    agree_call(tp, header, op=op, names=_SIG_FIELDS, local_error=problem, timeout=agreement_timeout(timeout),
+               describe=_describe, exc_type=_disagreement)
     return spec
 
 
@@ -247,12 +239,10 @@ def _heads_major(buf):
     return buf[0].transpose(1, 2), buf[1].transpose(1, 2)
 
 
-def _post_kv(tp, plan, cur, nxt, tag):
-    reqs = []
-    for st in plan.sched.streams:
-        reqs.append(irecv_tensor(tp, nxt[st.index], plan.sched.recv_from(st), tag + st.index))
-        reqs.append(isend_tensor(tp, cur[st.index], plan.sched.send_to(st), tag + st.index))
-    return reqs
+def _ring_comm(tp, spec: _Spec, plan: _Plan) -> RingComm:
+    """The call's ring traffic (tensors on the wire through :mod:`._wire`)."""
+    return RingComm(tp, plan.sched, tp.tags.slot(_TAG_WIDTH), spec.timeout, spec.op, isend=isend_tensor,
+                    irecv=irecv_tensor)
 
 
 # ------------------------------------------------------------------ forward
@@ -283,20 +273,21 @@ def _forward(tp, spec: _Spec, plan: _Plan, q, k, v):
                 seen[p.q0:p.q1] = True
 
     P = spec.size
-    cur = nxt = None
+    cur = nxt = ring = None
     if P > 1:
-        tag = tp.tags.slot(_TAG_WIDTH) + _TAG_KV
+        ring = _ring_comm(tp, spec, plan)
         halves = plan.halves or (None,)
         cur = [_pack(k, v, idx) for idx in halves]
         nxt = [torch.empty_like(c) for c in cur]
     for rs, entry in zip(plan.sched.steps(), plan.steps):
-        reqs = _post_kv(tp, plan, cur, nxt, tag) if not rs.last else []  # before this step's compute
+        reqs = ring.post_kv(cur, nxt) if not rs.last else []  # before this step's compute
         for sidx, pieces in entry:
             if sidx is None:
                 fold(pieces, kh, vh)
             else:
                 fold(pieces, *_heads_major(cur[sidx]))
-        tp.waitall(reqs, time_left(spec.timeout), op=spec.op)
+        if reqs:
+            ring.wait(reqs)
         if not rs.last:
             cur, nxt = nxt, cur
     return out_acc.to(q.dtype), lse_acc
@@ -336,20 +327,15 @@ def _backward(tp, spec: _Spec, plan: _Plan, q, k, v, out, lse, dout):
             grads(pieces, kh, vh, own)
         dkv = own
     else:
-        tag0 = tp.tags.slot(_TAG_WIDTH)
-        tag_kv, tag_dkv = tag0 + _TAG_KV, tag0 + _TAG_DKV
+        ring = _ring_comm(tp, spec, plan)
         halves = plan.halves or (None,)
         streams = plan.sched.streams
         cur = [_pack(k, v, idx) for idx in halves]
         nxt = [torch.empty_like(c) for c in cur]
-        dkv_in = [None] * len(streams)      # (request, buffer) of the dk/dv arriving for this step
-        dkv_sends = [[] for _ in streams]   # sends in flight: their buffers stay untouched
         for rs, entry in zip(plan.sched.steps(), plan.steps):
-            reqs = _post_kv(tp, plan, cur, nxt, tag_kv) if not rs.last else []  # before this step's compute
-            incoming = []
+            reqs = ring.post_kv(cur, nxt) if not rs.last else []  # before this step's compute
             for st in streams:  # the dk/dv for the next step (at the last: our own, home)
-                buf = torch.empty_like(cur[st.index], dtype=cd)
-                incoming.append((irecv_tensor(tp, buf, plan.sched.recv_from(st), tag_dkv + st.index), buf))
+                ring.expect_dkv(st.index, torch.empty_like(cur[st.index], dtype=cd))
             if rs.step == 0:
                 grads(entry[0][1], kh, vh, own)
                 local = [own if idx is None else own.index_select(2, idx.to(q.device)) for idx in halves]
@@ -358,23 +344,12 @@ def _backward(tp, spec: _Spec, plan: _Plan, q, k, v, out, lse, dout):
                 for sidx, pieces in entry:
                     kb, vb = _heads_major(cur[sidx])
                     grads(pieces, kb, vb, local[sidx])
-            for st in streams:
-                i = st.index
-                if dkv_in[i] is not None:  # what the previous holders accumulated for this piece
-                    req, buf = dkv_in[i]
-                    tp.waitall([req], time_left(spec.timeout), op=spec.op)
-                    local[i] += buf
-                tp.waitall(dkv_sends[i], time_left(spec.timeout), op=spec.op)  # at most one dk/dv in flight per stream
-                dkv_sends[i] = [isend_tensor(tp, local[i], plan.sched.send_to(st), tag_dkv + i)]
-                dkv_in[i] = incoming[i]
-            tp.waitall(reqs, time_left(spec.timeout), op=spec.op)
+            for st in streams:  # add what the previous holders accumulated for each piece, pass it on
+                ring.pass_dkv(st.index, local[st.index])
+            ring.wait(reqs)
             if not rs.last:
                 cur, nxt = nxt, cur
-        home = []
-        for st in streams:  # our own pieces' dk/dv, back from their last holders
-            req, buf = dkv_in[st.index]
-            tp.waitall([req] + dkv_sends[st.index], time_left(spec.timeout), op=spec.op)
-            home.append(buf)
+        home = [ring.home_dkv(st.index) for st in streams]  # our own pieces' dk/dv, back from their last holders
         if plan.halves is None:
             dkv = home[0]
         else:
@@ -426,9 +401,9 @@ def _ring(q, k, v, comm, causal, layout, softmax_scale, cu_seqlens, bidirectiona
         return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), tp, spec, plan)
 
 
-def ring_attention(q, k, v, comm, causal=False, layout="contiguous", softmax_scale=None, *, cu_seqlens=None,
-                   window=None, bidirectional=False, timeout=None, attn_mask=None, dropout_p=0.0, is_causal=None,
-                   scale=None, enable_gqa=None):
+def ring_attention(q, k, v, comm=None, causal=False, layout=None, softmax_scale=None, *, cu_seqlens=None,
+                   window=None, bidirectional=False, qkv_format="bshd", timeout=None, attn_mask=None, dropout_p=0.0,
+                   is_causal=None, scale=None, enable_gqa=None):
     """Exact attention over a sequence sharded across ``comm``'s ranks, differentiable in ``q``, ``k``, ``v``.
 
     The global sequence has ``size * seq_local`` tokens (no padding: pad the
@@ -437,9 +412,14 @@ def ring_attention(q, k, v, comm, causal=False, layout="contiguous", softmax_sca
     ``sequence_positions(layout, r, size, seq_local)``
     (:mod:`commlib.collectives.attention.layout`).
 
+    Arguments come in one order, q, k, v, then the communicator (as
+    :func:`commlib.ring_attention` takes them); the communicator first
+    (``ring_attention(comm, q, k, v)``) works with a ``DeprecationWarning``.
+
     Args:
         q: this rank's queries, torch tensor ``(batch, seq_local, heads,
-            head_dim)``; float16, bfloat16, float32 or float64; CPU or CUDA.
+            head_dim)`` (``qkv_format="bhsd"``: ``(batch, heads, seq_local,
+            head_dim)``); float16, bfloat16, float32 or float64; CPU or CUDA.
             Non-contiguous tensors are accepted (copied with ``.contiguous()``).
         k: keys ``(batch, seq_local, kv_heads, head_dim)``, same dtype and
             device; ``heads % kv_heads == 0`` (grouped-query attention: K/V
@@ -447,10 +427,15 @@ def ring_attention(q, k, v, comm, causal=False, layout="contiguous", softmax_sca
         v: values, shaped like ``k``.
         comm: :class:`commlib.Communicator` (messages go over its collectives
             transport with tags of their own), a transport, or any object with
-            ``rank``, ``size``, ``isend``, ``irecv`` and ``waitall``.
+            ``rank``, ``size``, ``isend``, ``irecv`` and ``waitall``; or a
+            :class:`commlib.nn.Sharding`, which carries the layout (the
+            recommended path: the layout said once for sharding, attention
+            and unsharding).
         causal: a query sees only keys at positions up to its own.
         layout: ``"contiguous"``, ``"striped"`` or ``"zigzag"`` (even
-            ``seq_local``): how the sequence is spread over the ranks.
+            ``seq_local``): how the sequence is spread over the ranks; None
+            (default): the Sharding's, else ``"contiguous"``.  A tensor
+            :func:`commlib.nn.shard_sequence` cut in another layout is refused.
         softmax_scale: scores are ``softmax_scale * q k^T``; default
             ``head_dim ** -0.5``.
         cu_seqlens: optional document boundaries on the *global* sequence
@@ -474,6 +459,11 @@ def ring_attention(q, k, v, comm, causal=False, layout="contiguous", softmax_sca
             ``bidirectional`` changes nothing then.
         bidirectional: split every K/V shard in two halves that travel round
             the ring in opposite directions (:func:`ring_attention_bidirectional`).
+        qkv_format: ``"bshd"`` (default, ``(batch, seq, heads, head_dim)``)
+            or ``"bhsd"`` (SDPA's ``(batch, heads, seq, head_dim)``,
+            Transformer Engine's name): the order of q, k, v, of the output
+            and of the gradients (a transposed view in and out, no copy
+            beyond the call's own ``.contiguous()``).  The same on every rank.
         timeout: the deadline of the whole call, in seconds: the argument
             agreement and every exchange wait what is left of it, and past it
             the call raises ``CommTimeout`` naming the rank and the operation
@@ -495,14 +485,21 @@ def ring_attention(q, k, v, comm, causal=False, layout="contiguous", softmax_sca
     v in their own dtypes.
 
     Returns:
-        torch.Tensor: ``(batch, seq_local, heads, head_dim)`` in the input
-        dtype (under autocast: the autocast dtype, see above).  Block outputs and lse are merged in float32 (float64 for
+        torch.Tensor: ``(batch, seq_local, heads, head_dim)`` (``"bhsd"``:
+        ``(batch, heads, seq_local, head_dim)``) in the input dtype (under
+        autocast: the autocast dtype, see above).  Block outputs and lse are
+        merged in float32 (float64 for
         float64 inputs); the backward accumulates ``dq`` and the travelling
         ``dk``/``dv`` in the same dtype.
 
     Raises:
-        InvalidArgument: on every rank alike, before any K/V moves, when any
-            rank's arguments are bad (not 4-d torch tensors, mixed dtypes or
+        InvalidArgument: no communicator in its slot (nor, old order,
+            first): raised at once, naming the call.  On every rank alike,
+            before any K/V moves, when any
+            rank's arguments are bad (not 4-d torch tensors, an unknown
+            ``qkv_format`` or shapes that fit only the other one (GQA head
+            counts, ``cu_seqlens``), a ``layout`` that contradicts the
+            Sharding's or the one a shard was cut in, mixed dtypes or
             devices, unsupported dtype, ``heads % kv_heads != 0``, unknown
             layout, odd ``seq_local`` with zigzag, bad scale or timeout,
             an ``attn_mask``, a ``dropout_p`` other than 0, ``enable_gqa=False``
@@ -526,15 +523,17 @@ def ring_attention(q, k, v, comm, causal=False, layout="contiguous", softmax_sca
     error has ``recovered = True`` (see :mod:`commlib.nn`), and the
     next call on the shrunk ``comm`` runs over the survivors.
     """
-    return _ring(q, k, v, comm, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout,
-                 "ring_attention_bidirectional" if bidirectional else "ring_attention",
-                 dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                      enable_gqa=enable_gqa), window)
+    op = "ring_attention_bidirectional" if bidirectional is True else "ring_attention"
+    call = front(op, q, k, v, comm, layout, qkv_format, cu_seqlens=cu_seqlens)
+    return call.out(_ring(call.q, call.k, call.v, call.comm, causal, call.layout, softmax_scale, cu_seqlens,
+                          bidirectional, timeout, op,
+                          call.keywords(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                                        enable_gqa=enable_gqa), window))
 
 
-def ring_attention_bidirectional(q, k, v, comm, causal=False, layout="contiguous", softmax_scale=None, *,
-                                 cu_seqlens=None, window=None, timeout=None, attn_mask=None, dropout_p=0.0,
-                                 is_causal=None, scale=None, enable_gqa=None):
+def ring_attention_bidirectional(q, k, v, comm=None, causal=False, layout=None, softmax_scale=None, *,
+                                 cu_seqlens=None, window=None, qkv_format="bshd", timeout=None, attn_mask=None,
+                                 dropout_p=0.0, is_causal=None, scale=None, enable_gqa=None):
     """:func:`ring_attention` with ``bidirectional=True``.
 
     Every K/V shard is cut in two halves (layout-aware, see
@@ -544,9 +543,12 @@ def ring_attention_bidirectional(q, k, v, comm, causal=False, layout="contiguous
     number of steps and with the same block work per step (TokenRing's idea,
     Wang et al. 2024, arXiv:2412.20501).  Forward and backward, every layout,
     ``cu_seqlens``, ``window`` (a halo exchange, both ways already), GQA,
-    autocast and SDPA's keywords as in :func:`ring_attention`.
+    autocast, SDPA's keywords, a :class:`commlib.nn.Sharding` as ``comm``
+    and ``qkv_format`` as in :func:`ring_attention`.
     """
-    return _ring(q, k, v, comm, causal, layout, softmax_scale, cu_seqlens, True, timeout,
-                 "ring_attention_bidirectional",
-                 dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                      enable_gqa=enable_gqa), window)
+    op = "ring_attention_bidirectional"
+    call = front(op, q, k, v, comm, layout, qkv_format, cu_seqlens=cu_seqlens)
+    return call.out(_ring(call.q, call.k, call.v, call.comm, causal, call.layout, softmax_scale, cu_seqlens, True,
+                          timeout, op,
+                          call.keywords(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                                        enable_gqa=enable_gqa), window))

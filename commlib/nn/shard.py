@@ -1,4 +1,4 @@
-"""Between a global torch tensor and each rank's shard of its sequence.
+"""Between a global torch tensor and each rank's shard of its sequence; :class:`Sharding`, the layout said once.
 
 :func:`shard_sequence` cuts a global tensor (the same on every rank) into this
 rank's shard under one of the sequence layouts of
@@ -38,8 +38,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from commlib.collectives.agreement import agree_header
+from commlib.collectives.agreement import agree_call
 from commlib.collectives.attention.layout import LAYOUTS, local_seq_len, sequence_positions
+from commlib.collectives.attention.common import is_comm
 from commlib.collectives.attention.transport import transport_of
 from commlib.core.errors import InvalidArgument
 from commlib.core.seconds import restarted, time_left
@@ -48,12 +49,26 @@ from ._check import agreement_timeout, describe_grad, grad_flags, timeout_of
 from ._wire import all_to_all_tensors, irecv_tensor, isend_tensor
 from ._failure import bound, guarded, link_comm
 
-__all__ = ["shard_sequence", "unshard_sequence", "gather_order"]
+__all__ = ["Sharding", "shard_sequence", "unshard_sequence", "gather_order"]
 
 #: dtypes :func:`unshard_sequence` moves (their index is the header's code)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
            torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool)
 _MAX_NDIM = 8
+
+
+#: the attribute :func:`shard_sequence` sets on a shard: ``(layout, size)``,
+#: which the attention calls check against their layout (:mod:`._front`)
+SHARD_TAG = "_commlib_sharded"
+
+
+def tag_shard(t: torch.Tensor, layout: str, size: int) -> torch.Tensor:
+    """Mark ``t`` as a sequence shard in ``layout`` over ``size`` ranks; returns ``t``."""
+    try:
+        setattr(t, SHARD_TAG, (layout, int(size)))
+    except (AttributeError, RuntimeError):  # pragma: no cover - a tensor subclass without a __dict__
+        pass
+    return t
 
 
 def _check_layout(layout, rank, op):
@@ -89,18 +104,37 @@ def gather_order(layout: str, size: int, seq_local: int) -> np.ndarray:
     return np.argsort(pos, kind="stable")
 
 
-def shard_sequence(x: torch.Tensor, comm, layout: str = "contiguous", dim: int = 1, *, pad: bool = False):
+def _resolve(comm, layout, dim, op):
+    """A :class:`Sharding` passed as ``comm``: its communicator, layout and dim
+    (an explicit layout or dim that contradicts it is refused); else the
+    defaults ``"contiguous"`` and 1."""
+    if isinstance(comm, Sharding):
+        for name, given, own in (("layout", layout, comm.layout), ("dim", dim, comm.dim)):
+            if given is not None and given != own:
+                raise InvalidArgument(f"{name} {given!r} contradicts the Sharding's {name} {own!r}; leave it out "
+                                      "(the Sharding carries it)", rank=comm.rank, op=op)
+        return comm.comm, comm.layout, comm.dim
+    return comm, "contiguous" if layout is None else layout, 1 if dim is None else dim
+
+
+def shard_sequence(x: torch.Tensor, comm, layout: str | None = None, dim: int | None = None, *,
+                   pad: bool = False):
     """This rank's shard of a global tensor's sequence (no communication).
 
     Args:
         x: the global tensor, identical on every rank, sequence on ``dim``;
             any dtype and device.  Differentiable: the gradient of the shard
             flows back into ``x`` (zeros outside this rank's positions).
-        comm: a :class:`commlib.Communicator` (only ``rank`` and ``size`` are read).
-        layout: ``"contiguous"``, ``"striped"`` or ``"zigzag"``.
+        comm: a :class:`commlib.Communicator` (only ``rank`` and ``size`` are
+            read), or a :class:`Sharding` (its layout and dim are the call's).
+        layout: ``"contiguous"`` (default), ``"striped"`` or ``"zigzag"``.
         dim: the sequence dimension (default 1, as in ``(batch, seq, heads, head_dim)``).
         pad: zero-pad a sequence whose length the layout cannot divide (see
             the module notes); False refuses such lengths.
+
+    The shard remembers its layout: an attention call of :mod:`commlib.nn`
+    in another layout refuses it (a wrong result otherwise).  Saying the
+    layout once with :class:`commlib.nn.Sharding` avoids the mismatch.
 
     Returns:
         torch.Tensor: the contiguous shard, ``seq_local`` tokens on ``dim``
@@ -109,10 +143,12 @@ def shard_sequence(x: torch.Tensor, comm, layout: str = "contiguous", dim: int =
         :func:`commlib.collectives.attention.sequence_positions`.
 
     Raises:
-        InvalidArgument: ``x`` not a tensor, bad ``dim`` or layout, or a
+        InvalidArgument: ``x`` not a tensor, bad ``dim`` or layout (or one
+            that contradicts the Sharding's), or a
             length not divisible by ``P`` (``2P`` for zigzag) without ``pad``.
     """
     op = "shard_sequence"
+    comm, layout, dim = _resolve(comm, layout, dim, op)
     rank, size = int(comm.rank), int(comm.size)
     if not isinstance(x, torch.Tensor):
         raise InvalidArgument(f"x must be a torch.Tensor, got {type(x).__name__}", rank=rank, op=op)
@@ -131,9 +167,11 @@ def shard_sequence(x: torch.Tensor, comm, layout: str = "contiguous", dim: int =
         shape[dim] = L * size - n
         x = torch.cat([x, x.new_zeros(shape)], dim=dim)
     if layout == "contiguous":
-        return x.narrow(dim, rank * L, L).contiguous()
-    pos = torch.as_tensor(sequence_positions(layout, rank, size, L), device=x.device)
-    return x.index_select(dim, pos).contiguous()
+        part = x.narrow(dim, rank * L, L).contiguous()
+    else:
+        pos = torch.as_tensor(sequence_positions(layout, rank, size, L), device=x.device)
+        part = x.index_select(dim, pos).contiguous()
+    return tag_shard(part, layout, size)  # an attention call in another layout refuses it
 
 
 class _Unshard(torch.autograd.Function):
@@ -212,7 +250,7 @@ def _device_code(device: torch.device) -> int:
     return {"cpu": 0, "cuda": 1}.get(device.type, 2)
 
 
-def unshard_sequence(x_local: torch.Tensor, comm, layout: str = "contiguous", dim: int = 1,
+def unshard_sequence(x_local: torch.Tensor, comm, layout: str | None = None, dim: int | None = None,
                      seq_len: int | None = None, *, sum_grad: bool = False, timeout: float | None = None):
     """Gather every rank's sequence shard into the global tensor, on every rank.
 
@@ -225,9 +263,10 @@ def unshard_sequence(x_local: torch.Tensor, comm, layout: str = "contiguous", di
     Args:
         x_local: this rank's shard, ``seq_local`` tokens on ``dim``; same
             shape, dtype and device type on every rank (at most 8-d).
-        comm: the :class:`commlib.Communicator`.
-        layout: the layout the shards are in.
-        dim: the sequence dimension.
+        comm: the :class:`commlib.Communicator`, or a :class:`Sharding`
+            (its layout and dim are the call's).
+        layout: the layout the shards are in (default ``"contiguous"``).
+        dim: the sequence dimension (default 1).
         seq_len: the true global length (default ``P * seq_local``); shorter
             lengths drop the padding :func:`shard_sequence` added.
         sum_grad: backward sums every rank's gradient slice for this rank
@@ -250,6 +289,7 @@ def unshard_sequence(x_local: torch.Tensor, comm, layout: str = "contiguous", di
         CommError: a peer failed (``ProcessFailed``) or another transport error.
     """
     op = "unshard_sequence"
+    comm, layout, dim = _resolve(comm, layout, dim, op)
     timeout = bound(comm, timeout, op)  # the deadline of the whole call (by default a FT communicator's own)
     tp = transport_of(comm, timeout, op)
     link_comm(comm, tp)
@@ -290,8 +330,112 @@ def _unshard(x_local, tp, layout, dim, seq_len, sum_grad, timeout, op):
                   LAYOUTS.index(layout), n, int(bool(sum_grad)), grad)
     except InvalidArgument as exc:
         problem = exc
-    wait = agreement_timeout(timeout)
-    agree_header(tp, (), op=op, local_error=problem, timeout=wait, native=False)
-    agree_header(tp, header, op=op, names=_UNSHARD_FIELDS, describe=_describe_unshard, timeout=wait, native=False)
+    agree_call(tp, header, op=op, names=_UNSHARD_FIELDS, local_error=problem, timeout=agreement_timeout(timeout),
+               describe=_describe_unshard)
     tag0 = tp.tags.slot(2)
     return _Unshard.apply(x_local, tp, layout, d, n, bool(sum_grad), (tag0, tag0 + 1), timeout, op)
+
+
+class Sharding:
+    """A communicator with the sequence layout stated once: shard, attend, unshard in it.
+
+    Pass it wherever :mod:`commlib.nn` takes a communicator (the attention
+    functions, :class:`~commlib.nn.SequenceParallelAttention`): the call
+    runs in its layout, so the layout cannot be forgotten on one call and
+    given on another (which gives a wrong result without an error)::
+
+        sp = commlib.nn.Sharding(comm, "zigzag")
+        q, k, v = (sp.shard(x) for x in (Q, K, V))          # this rank's shards
+        out = commlib.nn.ring_attention(q, k, v, sp, causal=True)
+        full = sp.unshard(out)                              # the global output
+
+    Args:
+        comm: the :class:`commlib.Communicator` the sequence is sharded over.
+        layout: ``"contiguous"``, ``"striped"`` or ``"zigzag"``
+            (:mod:`commlib.collectives.attention.layout`).
+        dim: the sequence dimension of the tensors it shards and unshards
+            (default 1, as in ``(batch, seq, heads, head_dim)``; 2 for SDPA's
+            ``(batch, heads, seq, head_dim)``).
+
+    Attributes:
+        comm, layout, dim: as given; ``rank`` and ``size`` are the communicator's.
+
+    Raises:
+        InvalidArgument: ``comm`` not a communicator, an unknown layout, or
+            ``dim`` not an int.
+    """
+
+    def __init__(self, comm, layout: str, dim: int = 1):
+        op = "Sharding"
+        if isinstance(comm, Sharding):
+            comm = comm.comm
+        if not is_comm(comm):
+            raise InvalidArgument(f"comm must be a commlib.Communicator, got {type(comm).__name__}", op=op)
+        if not isinstance(layout, str) or layout not in LAYOUTS:
+            raise InvalidArgument(f"layout {layout!r} is not one of {LAYOUTS}", rank=comm.rank, op=op)
+        if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
+            raise InvalidArgument(f"dim must be an int, got {dim!r}", rank=comm.rank, op=op)
+        self.comm, self.layout, self.dim = comm, layout, int(dim)
+
+    @property
+    def rank(self) -> int:
+        return int(self.comm.rank)
+
+    @property
+    def size(self) -> int:
+        return int(self.comm.size)
+
+    def shard(self, x: torch.Tensor, *, pad: bool = False) -> torch.Tensor:
+        """This rank's shard of the global tensor ``x``.
+
+        :func:`shard_sequence` in this layout and dimension (no
+        communication; differentiable).
+
+        Args:
+            x: the global tensor, the same on every rank, the sequence on
+                :attr:`dim`; any dtype and device.
+            pad: zero-pad a length the layout cannot divide (see
+                :func:`shard_sequence`).
+
+        Returns:
+            torch.Tensor: ``seq_local`` tokens on :attr:`dim`, ascending
+            global positions (:meth:`positions`).
+
+        Raises:
+            InvalidArgument: as :func:`shard_sequence`.
+        """
+        return shard_sequence(x, self.comm, self.layout, self.dim, pad=pad)
+
+    def unshard(self, x_local: torch.Tensor, seq_len: int | None = None, *, sum_grad: bool = False,
+                timeout: float | None = None) -> torch.Tensor:
+        """The global tensor from every rank's shard, on every rank.
+
+        :func:`unshard_sequence` in this layout and dimension (an
+        all-gather over the communicator; differentiable).
+
+        Args:
+            x_local: this rank's shard, ``seq_local`` tokens on :attr:`dim`;
+                the same shape, dtype and device type on every rank.
+            seq_len: the true global length (default ``size * seq_local``).
+            sum_grad, timeout: as :func:`unshard_sequence`.
+
+        Returns:
+            torch.Tensor: ``seq_len`` tokens on :attr:`dim`, dtype and device of ``x_local``.
+
+        Raises:
+            InvalidArgument, CommTimeout, CommError: as :func:`unshard_sequence`.
+        """
+        return unshard_sequence(x_local, self.comm, self.layout, self.dim, seq_len, sum_grad=sum_grad,
+                                timeout=timeout)
+
+    def seq_local(self, seq_len: int) -> int:
+        """Tokens per rank (padding included) for a global length ``seq_len``."""
+        return local_seq_len(seq_len, self.size, self.layout)
+
+    def positions(self, seq_local: int) -> np.ndarray:
+        """int64 ``(seq_local,)``: the global positions of this rank's tokens
+        (for rotary embeddings; entries ``>= seq_len`` are padding)."""
+        return sequence_positions(self.layout, self.rank, self.size, int(seq_local))
+
+    def __repr__(self) -> str:
+        return f"Sharding(layout={self.layout!r}, dim={self.dim}, rank={self.rank}, size={self.size})"

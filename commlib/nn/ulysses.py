@@ -31,21 +31,23 @@ back); any other ``kv_heads`` is refused.
 """
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from commlib.collectives.agreement import agree_header
+from commlib.collectives.agreement import agree_call
 from commlib.collectives.attention.layout import LAYOUTS
+from commlib.collectives.attention.spec import MaskSpec, describe_with
 from commlib.collectives.attention.transport import transport_of
 from commlib.core.errors import InvalidArgument
 from commlib.core.seconds import restarted
 
 from ._check import (DTYPES, agreement_timeout, autocast_inputs, check_qkv, cu_seqlens_of, describe_grad,
-                     grad_flags, sdpa_keywords, softmax_scale_of, timeout_of)
+                     grad_flags, call_problem, sdpa_keywords, softmax_scale_of, timeout_of)
+from ._front import front
+from .shard import gather_order
 from ._failure import bound, guarded, link_comm
 from ._wire import all_to_all_tensors
 from .window import effective_window, window_dense_mask, window_of
@@ -159,32 +161,31 @@ class Spec:
     window: tuple | None = None   # the effective sliding window (commlib.nn.window.effective_window), or None
 
 
-_FIELDS = ("batch", "seq_local", "heads", "kv_heads", "head_dim", "dtype", "device", "causal", "softmax_scale",
-           "cu_seqlens", "requires_grad")
+_FIELDS = ("batch", "seq_local", "heads", "kv_heads", "head_dim", "dtype", "device", "softmax_scale",
+           "requires_grad") + MaskSpec.FIELDS
 
 
 def _device_code(device: torch.device) -> int:
     return {"cpu": 0, "cuda": 1}.get(device.type, 2)
 
 
-def _describe(name, value):
+def _describe_ulysses(name, value):
     if name == "dtype":
         return str(DTYPES[value]) if 0 <= value < len(DTYPES) else value
     if name == "device":
         return ("cpu", "cuda", "other")[value] if 0 <= value < 3 else value
-    if name in ("causal", "bidirectional"):
+    if name == "bidirectional":
         return bool(value)
     if name == "softmax_scale":
         return float(np.int64(value).view(np.float64))
-    if name == "cu_seqlens":
-        return "none" if value == -1 else f"crc32 {value:#010x}"
     if name == "layout":
         return repr(LAYOUTS[value]) if 0 <= value < len(LAYOUTS) else value
     if name == "requires_grad":
         return describe_grad(value)
-    if name in ("window left", "window right"):
-        return {-3: "a bad window", -2: "no window", -1: "unbounded"}.get(value, value)
     return value
+
+
+_describe = describe_with(_describe_ulysses)
 
 
 def _disagreement(message, *, rank, op):
@@ -202,9 +203,10 @@ def validate(tp, q, k, v, *, causal, softmax_scale, op, cu_seqlens=None, degree=
              extra=(), timeout=None, sdpa=None) -> Spec:
     """Check an attention call on torch tensors on every rank together.
 
-    Local checks first (any rank's problem becomes an :class:`InvalidArgument`
-    on every rank, in one agreement round), then one round that every rank
-    passed the same shapes, dtype, device type and options.
+    Local checks first, then one agreement round
+    (:func:`commlib.collectives.agreement.agree_call`): any rank's problem
+    becomes an :class:`InvalidArgument` on every rank, and so do ranks that
+    passed different shapes, dtype, device type or options.
 
     Args:
         tp: the transport of the call's communicator.
@@ -231,17 +233,15 @@ def validate(tp, q, k, v, *, causal, softmax_scale, op, cu_seqlens=None, degree=
                                sdpa=sdpa or {})
         if checks is not None:
             checks(spec)
-        cu = -1 if spec.cu_seqlens is None else zlib.crc32(np.asarray(spec.cu_seqlens, np.int64).tobytes())
         # which of q, k, v get a gradient: each has its own all-to-all in the backward
         header = (spec.batch, spec.seq_local, spec.heads, spec.kv_heads, spec.head_dim, DTYPES.index(q.dtype),
-                  _device_code(q.device), int(spec.causal), int(np.float64(spec.scale).view(np.int64)), cu,
-                  grad_flags(q, k, v)) + tuple(int(val) for _, val in extra)
+                  _device_code(q.device), int(np.float64(spec.scale).view(np.int64)), grad_flags(q, k, v),
+                  *MaskSpec.of(spec.causal, spec.cu_seqlens, spec.window).header(),
+                  *(int(val) for _, val in extra))
     except InvalidArgument as exc:
         problem = exc
-    wait = agreement_timeout(timeout)
-    agree_header(tp, (), op=op, local_error=problem, timeout=wait, native=False)
-    agree_header(tp, header, op=op, names=_FIELDS + tuple(name for name, _ in extra), describe=_describe,
-                 exc_type=_disagreement, timeout=wait, native=False)
+    agree_call(tp, header, op=op, names=_FIELDS + tuple(name for name, _ in extra), local_error=problem,
+               timeout=agreement_timeout(timeout), describe=_describe, exc_type=_disagreement)
     return spec
 
 
@@ -250,6 +250,7 @@ def _validate_local(q, k, v, *, causal, softmax_scale, rank, op, cu_seqlens, siz
     def bad(msg):
         return InvalidArgument(msg, rank=rank, op=op)
 
+    call_problem(sdpa, bad)
     bsz, L, h, hk, d = check_qkv(q, k, v, bad)
     causal, softmax_scale = sdpa_keywords(causal, softmax_scale, h, hk, bad, **sdpa)
     if degree is not None:
@@ -267,22 +268,23 @@ def _validate_local(q, k, v, *, causal, softmax_scale, rank, op, cu_seqlens, siz
 
 
 # ---------------------------------------------------------------- the call
-def ulysses_attention(q, k, v, comm, causal: bool = False, softmax_scale=None, *, cu_seqlens=None, window=None,
-                      timeout: float | None = None, attn_mask=None, dropout_p=0.0, is_causal=None, scale=None,
-                      enable_gqa=None):
+def ulysses_attention(q, k, v, comm=None, causal: bool = False, softmax_scale=None, *, cu_seqlens=None, window=None,
+                      layout=None, qkv_format="bshd", timeout: float | None = None, attn_mask=None, dropout_p=0.0,
+                      is_causal=None, scale=None, enable_gqa=None):
     """Exact sequence-parallel attention by all-to-all over heads (DeepSpeed-Ulysses).
 
     Args:
-        q: this rank's queries ``(batch, seq_local, heads, head_dim)``: tokens
-            ``[rank * seq_local, (rank + 1) * seq_local)`` of the global
-            sequence (contiguous shards,
-            ``commlib.nn.shard_sequence(x, comm, "contiguous")``); float16,
+        q: this rank's queries ``(batch, seq_local, heads, head_dim)``: its
+            ``layout`` shard of the global sequence (contiguous by default:
+            tokens ``[rank * seq_local, (rank + 1) * seq_local)``); float16,
             bfloat16, float32 or float64, CPU or CUDA.  Non-contiguous
             tensors are accepted (copied contiguous for the wire).
         k, v: ``(batch, seq_local, kv_heads, head_dim)``, dtype and device of
             ``q``; ``heads % kv_heads == 0``.
         comm: :class:`commlib.Communicator` (its collectives transport carries
-            the all-to-alls) or a transport.
+            the all-to-alls) or a transport, or a
+            :class:`commlib.nn.Sharding` (its layout is the call's).  The
+            communicator first works with a ``DeprecationWarning``.
         causal: mask key positions after the query's (global positions).
         softmax_scale: score scale (default ``head_dim ** -0.5``).
         cu_seqlens: optional int tensor or sequence of global document
@@ -298,6 +300,13 @@ def ulysses_attention(q, k, v, comm, causal: bool = False, softmax_scale=None, *
             still costs ``seq_len**2`` per head (the ring's halo exchange,
             :func:`commlib.nn.ring_attention` with ``window``, is the one
             whose bytes and work the window bounds).
+        layout: the shards' layout, ``"contiguous"``, ``"striped"`` or
+            ``"zigzag"`` (even ``seq_local``); None (default): the
+            Sharding's, else ``"contiguous"``.  Other layouts than
+            contiguous put the gathered tokens in natural order and back (an
+            index_select each way).
+        qkv_format: ``"bshd"`` (default) or ``"bhsd"`` (SDPA's order), as in
+            :func:`commlib.nn.ring_attention`.
         timeout: the deadline of the whole call, in seconds: the argument
             agreement and every exchange wait what is left of it, and past it
             the call raises ``CommTimeout`` naming the rank and the operation
@@ -321,8 +330,11 @@ def ulysses_attention(q, k, v, comm, causal: bool = False, softmax_scale=None, *
         is (``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)`` on the CPU).
 
     Raises:
-        InvalidArgument: on every rank alike, before any data moves: non-4-d
-            or non-tensor inputs, mixed dtypes or devices, unsupported dtype,
+        InvalidArgument: no communicator in its slot (at once, naming the
+            call).  On every rank alike, before any data moves: non-4-d
+            or non-tensor inputs, an unknown ``qkv_format`` or shapes that
+            fit only the other one, a bad layout or one that contradicts the
+            Sharding's or the shards', mixed dtypes or devices, unsupported dtype,
             ``heads`` not divisible by ``comm.size``, ``kv_heads`` neither
             divisible by nor dividing ``comm.size``, bad ``softmax_scale`` or
             ``cu_seqlens``, an ``attn_mask``, a ``dropout_p`` other than 0,
@@ -338,38 +350,47 @@ def ulysses_attention(q, k, v, comm, causal: bool = False, softmax_scale=None, *
     Failures: as :func:`commlib.nn.ring.ring_attention` (forward and backward).
     """
     op = "ulysses_attention"
+    call = front(op, q, k, v, comm, layout, qkv_format, cu_seqlens=cu_seqlens)
+    q, k, v, comm, layout = call.q, call.k, call.v, call.comm, call.layout
     timeout = bound(comm, timeout, op)  # the deadline of the whole call (by default a FT communicator's own)
     tp = transport_of(comm, timeout, op)
     link_comm(comm, tp)
     (q, k, v), ctx = autocast_inputs(q, k, v)  # autocast: SDPA's casts, before the dtype agreement
     with ctx, guarded(tp, comm):
-        checks, extra = window_checks(window, tp, op)
+        def layout_checks(spec):
+            if not isinstance(layout, str) or layout not in LAYOUTS:
+                raise InvalidArgument(f"layout {layout!r} is not one of {LAYOUTS}", rank=tp.rank, op=op)
+            if layout == "zigzag" and spec.seq_local % 2:
+                raise InvalidArgument(f"zigzag needs an even seq_local, got {spec.seq_local}", rank=tp.rank, op=op)
+
+        checks = window_checks(window, tp, op, more=layout_checks)
+        lay = LAYOUTS.index(layout) if isinstance(layout, str) and layout in LAYOUTS else -1
         spec = validate(tp, q, k, v, causal=causal, softmax_scale=softmax_scale, op=op, cu_seqlens=cu_seqlens,
-                        degree=tp.size, timeout=timeout, checks=checks, extra=extra,
-                        sdpa=dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                                  enable_gqa=enable_gqa))
-        return ulysses_forward(q, k, v, tp, spec, spec.causal, timeout, op)
+                        degree=tp.size, timeout=timeout, checks=checks, extra=(("layout", lay),),
+                        sdpa=call.keywords(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                           scale=scale, enable_gqa=enable_gqa))
+        order = None
+        if layout != "contiguous" and tp.size > 1:  # the gathered shards put in natural order, and back
+            perm = gather_order(layout, tp.size, spec.seq_local)
+            order = (torch.as_tensor(perm, device=q.device), torch.as_tensor(np.argsort(perm), device=q.device))
+        return call.out(ulysses_forward(q, k, v, tp, spec, spec.causal, timeout, op, order))
 
 
 def window_checks(window, tp, op, more=None):
-    """The ``checks`` and ``extra`` header fields of :func:`validate` for a
-    ``window`` argument: the window is checked on every rank
-    (:func:`commlib.nn.window.window_of`; a bad one is refused in the
-    agreement's first round), agreed across ranks as given, and its
-    effective value (:func:`commlib.nn.window.effective_window`) stored as
-    ``spec.window``; ``more(spec)`` runs after."""
-    try:
-        code = window_of(window, ValueError) or (-2, -2)
-    except ValueError:
-        code = (-3, -3)  # refused by checks() below
-
+    """The ``checks`` of :func:`validate` for a ``window`` argument: the
+    window is checked on every rank (:func:`commlib.nn.window.window_of`; a
+    bad one is refused in the agreement), its effective value
+    (:func:`commlib.nn.window.effective_window`) stored as ``spec.window``
+    and agreed with the other mask features
+    (:class:`commlib.collectives.attention.spec.MaskSpec`); ``more(spec)``
+    runs after."""
     def checks(spec):
         win = window_of(window, lambda msg: InvalidArgument(msg, rank=tp.rank, op=op))
         spec.window = effective_window(win, spec.causal, tp.size * spec.seq_local)
         if more is not None:
             more(spec)
 
-    return checks, (("window left", code[0]), ("window right", code[1]))
+    return checks
 
 
 def ulysses_forward(q, k, v, tp, spec, causal, timeout, op, order=None):

@@ -18,7 +18,7 @@ from mpi4py import MPI
 from commlib.collective_api import CollectiveMixin
 from commlib.collectives.agreement import agree_header, check_all
 from commlib.collectives.ft import ON_FAILURE, FaultTolerance
-from commlib.transports.mpi_process import PROCESS, ft_mode
+from commlib.transports.mpi_process import IDLE_FINALIZE_BOUND, PROCESS, ft_mode
 from commlib.core.config import config
 from commlib.core.errors import CommTimeout, InvalidArgument, ProcessFailed
 from commlib.core.seconds import check_timeout, timeout_problem
@@ -620,6 +620,9 @@ def init(comm: MPI.Comm | None = None, *, cuda_aware: bool | None = None, fault_
     if not fault_tolerant:
         return Communicator(transport=base)
     PROCESS.warn_tcp_rdma()  # once, under ULFM with the TCP BTL's RDMA put on (docs/FAULTS.md)
+    # no blocking call of a fault-tolerant job waits for ever, MPI_Finalize included: a
+    # rank that died after the last collective is seen by no survivor's recovery
+    PROCESS.bound_finalize(IDLE_FINALIZE_BOUND)
     tp = base.dup()
     tp.set_errors_return()
     c = Communicator(transport=tp)

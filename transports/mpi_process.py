@@ -220,7 +220,11 @@ def warn_tcp_rdma(stacklevel: int = 2) -> str | None:
     return msg
 
 
-_watchdog_installed = False
+#: the bound armed at exit, seconds (None: none registered yet); a later, shorter bound wins
+_finalize_bound: float | None = None
+#: the bound a fault-tolerant communicator arms at init, before any failure is seen:
+#: far above a healthy MPI_Finalize (well under a second), so only a hang meets it
+IDLE_FINALIZE_BOUND = 30.0
 
 
 def bound_finalize_at_exit(seconds: float | None = None) -> None:
@@ -229,20 +233,27 @@ def bound_finalize_at_exit(seconds: float | None = None) -> None:
     After a failure Open MPI 5's ``MPI_Finalize`` can spin forever in its PMIx
     fence waiting for the dead processes (open-mpi/ompi#11404, #9434; seen here
     in about one run in three with two failures), and without ULFM the finalize
-    of a broken job can hang too.  This registers an atexit handler that flushes
-    stdio and arms ``alarm(2)`` with the default SIGALRM action: mpi4py's
-    finalizer (which runs after every atexit handler) still runs and usually
-    completes at once; if it hangs, the kernel ends the process after
-    ``seconds`` (default ``COMMLIB_FINALIZE_TIMEOUT``, 3 s), so ``mpiexec``
-    returns within seconds.  ``seconds=0`` disables it.  Installed by the
-    fault-tolerant collectives after the first failure.
+    of a broken job can hang too.  This registers (once) an atexit handler that
+    flushes stdio and arms ``alarm(2)`` with the default SIGALRM action:
+    mpi4py's finalizer (which runs after every atexit handler) still runs and
+    usually completes at once; if it hangs, the kernel ends the process after
+    the bound, so ``mpiexec`` returns.  Called again, the shorter bound wins.
+    ``seconds`` (default ``COMMLIB_FINALIZE_TIMEOUT``, 3 s): ``0`` disables it
+    (and a ``COMMLIB_FINALIZE_TIMEOUT`` of 0 disables every bound).  A
+    fault-tolerant ``commlib.init`` arms :data:`IDLE_FINALIZE_BOUND` (a process
+    that died after the last collective, unseen by the survivors, would
+    otherwise hang their finalize for ever); the fault-tolerant collectives
+    arm the configured bound after the first failure.
     """
-    global _watchdog_installed
+    global _finalize_bound
     if seconds is None:
         seconds = config.finalize_timeout
-    if _watchdog_installed or seconds <= 0 or not hasattr(signal, "alarm"):
+    if seconds <= 0 or config.finalize_timeout <= 0 or not hasattr(signal, "alarm"):
         return
-    _watchdog_installed = True
+    first = _finalize_bound is None
+    _finalize_bound = seconds if first else min(_finalize_bound, seconds)
+    if not first:
+        return
 
     def _arm():
         try:
@@ -250,7 +261,7 @@ def bound_finalize_at_exit(seconds: float | None = None) -> None:
             sys.stderr.flush()
         finally:
             signal.signal(signal.SIGALRM, signal.SIG_DFL)
-            signal.alarm(max(1, math.ceil(seconds)))
+            signal.alarm(max(1, math.ceil(_finalize_bound)))
 
     atexit.register(_arm)
 
@@ -272,9 +283,9 @@ class MPIProcess:
         except Exception:  # noqa: BLE001
             return None
 
-    def bound_finalize(self) -> None:
-        """:func:`bound_finalize_at_exit` with the configured bound."""
-        bound_finalize_at_exit()
+    def bound_finalize(self, seconds: float | None = None) -> None:
+        """:func:`bound_finalize_at_exit` (default: the configured bound)."""
+        bound_finalize_at_exit(seconds)
 
     def warn_tcp_rdma(self) -> str | None:
         """:func:`warn_tcp_rdma`, pointing at the caller of ``commlib.init``, which calls it."""

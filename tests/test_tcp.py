@@ -169,18 +169,18 @@ def test_bruck_allgather_over_tcp(n):
 
 
 def test_request_completion_wakes_every_waiter_once_set():
-    """A request's completion flag (``tcp._Completion``, threading.Event's
+    """A request's completion flag (``tcp.Completion``, threading.Event's
     set/is_set/wait over one lock): unset, a bounded wait returns False after
     its timeout; once set, every waiter, blocked or later, returns True; set()
     calls racing each other (a frame done and a sender's failure) never raise."""
-    c = tcp._Completion()
+    c = tcp.Completion()
     t0 = time.monotonic()
     assert not c.wait(0.05) and not c.is_set()
     assert time.monotonic() - t0 >= 0.04
     # two set() calls that both read the flag unset before either writes it (a frame
     # done under the transport's lock, a sender's failure outside it): the second
     # release finds the lock open and must not raise
-    c = tcp._Completion()
+    c = tcp.Completion()
     c.set()
     c._flag = False  # the second caller's stale read of the flag
     c.set()
@@ -196,7 +196,7 @@ def test_request_completion_wakes_every_waiter_once_set():
 
 def _completion_races(rng):
     for _trial in range(200):
-        c = tcp._Completion()
+        c = tcp.Completion()
         got, errors = [], []
         go = threading.Barrier(7)
 

@@ -3,46 +3,29 @@
 This module is the wire of :mod:`commlib.elastic`.  It offers the transport
 contract of :mod:`commlib.transports.base` (``isend``/``irecv``/``send``/
 ``recv``/``sendrecv`` of contiguous arrays or :class:`~.base.Wire` bytes,
-``waitall(timeout)``, :class:`~.base.Request` handles), so the ring algorithms
-of :mod:`commlib.collectives` run over it unchanged.  The pieces the elastic
-layer builds on live beside it and are re-exported here (``tcp.NAME``): frames,
-connections and sockets in :mod:`commlib.transports.tcp_frames`; the
-authentication handshake, sealing, tickets, the secret and the listener in
-:mod:`commlib.transports.tcp_auth`.
+``waitall(timeout)``, :class:`~.base.Request` handles), so the collective
+algorithms of :mod:`commlib.collectives` run over it unchanged.  Beside it:
+frames, connections and sockets (:mod:`.tcp_frames`), the authentication
+handshake, sealing, tickets and the listener (:mod:`.tcp_auth`), re-exported
+here as ``tcp.NAME``; per-operation tags, aborts and the revoke
+(:mod:`.tcp_ops`); the request handle (:mod:`.tcp_request`).
 
-A receiver never holds more than :data:`UNEXPECTED_MAX` bytes of data that no
-receive was posted for, counting each buffered frame at its payload plus
-:data:`FRAME_COST` bytes (the bookkeeping a frame costs: its slot, array header,
-dictionary entries), and from one peer at most :data:`UNEXPECTED_FRAMES` such
-frames: the memory a peer can make this side hold is bounded by what it sends
-(payload bytes plus at most ``UNEXPECTED_FRAMES * FRAME_COST`` = 4 MiB).  A peer
-over either bound has its link closed and is reported through ``on_abuse``
-(:mod:`commlib.elastic` tells the master, which drops it).  Data frames of
-another epoch or of an aborted operation tag are read and dropped, so late
-bytes never land in a retry.
+Memory a peer can make this side hold: at most :data:`UNEXPECTED_MAX` bytes of
+data no receive was posted for (each buffered frame counted at its payload plus
+:data:`FRAME_COST`), and at most :data:`UNEXPECTED_FRAMES` such frames from one
+peer; a peer over either bound has its link closed and is reported through
+``on_abuse``.  Frames of another epoch or of an aborted tag are read and dropped.
 
 Striping: a message of ``L`` bytes to a peer with ``S`` connections is cut into
 ``k = max(ceil(L / FRAME_MAX), min(S, ceil(L / STRIPE_MIN)), 1)`` nearly equal
-frames; frame ``i`` travels on connection ``i % S``.  Sender and receiver
-compute the same cut from ``L`` and ``S``.
-
-Threads, not selectors: each connection has a receiver thread that reads frames
-straight into the posted receive buffer (``recv_into``, no copy) and a sender
-thread fed by a queue that writes header and payload with one ``sendmsg``;
-socket calls release the GIL, so the ``S`` streams of a pair move in parallel
-(how a :class:`~.tcp_frames.Connection` blocks: see :mod:`.tcp_frames`).  The
-caller's thread pays for every acquisition of the transport's lock that it finds
-taken by one of these threads (a sleep and a wake-up), so ``isend``, ``irecv``
-and each frame's completion in a worker thread take it once, and a request
-completes through one lock (:class:`_Completion`), not a ``threading.Event``.
-
-Early frames: a frame of at least :data:`POST_WAIT_MIN` bytes whose receive is
-not posted yet (a ring neighbour one step ahead) is left in the kernel's socket
-buffer until the receive is posted, then read straight into it; it is read into a
-private buffer (and copied on the post) only when another receive from that peer
-is posted and incomplete (the application may wait for bytes queued behind it),
-on a revoke, abort or close, or after :data:`POST_WAIT` seconds.  Frames are
-never unpickled or interpreted: payloads are raw bytes.
+frames, frame ``i`` on connection ``i % S`` (:func:`frame_bounds`, the same cut
+on both sides).  Each connection has a receiver thread reading frames straight
+into the posted buffer (``recv_into``) and a sender thread writing header and
+payload with one ``sendmsg``; socket calls release the GIL.  A frame of at least
+:data:`POST_WAIT_MIN` bytes whose receive is not posted yet stays in the
+kernel's socket buffer until it is (at most :data:`POST_WAIT` seconds, or until
+another receive from that peer waits behind it).  Payloads are raw bytes, never
+unpickled.  docs/ELASTIC.md has the wire format and the measurements.
 
 Counters (exact once the requests are complete): ``bytes_sent`` /
 ``bytes_received`` (payload), ``wire_bytes_sent`` / ``wire_bytes_received``
@@ -61,10 +44,11 @@ import numpy as np
 
 from commlib.core.errors import CommError, CommTimeout, InvalidArgument, MessageSizeMismatch, ProcessFailed
 from commlib.core.seconds import timeout_problem, wait_bound_ok
-
 from commlib.core.tags import TagAllocator
 
 from .base import Request, Transport, Wire, check_plain_dtype
+from .tcp_ops import FIRST_ROUND_TAG, OPERATION_TAGS, QUIESCE, OperationControl
+from .tcp_request import Completion, Slot, TCPRequest
 # re-exported: the frames, sockets and authentication of this transport live in
 # tcp_frames and tcp_auth; commlib.elastic and the tests reach them as tcp.NAME
 from .tcp_auth import (HANDSHAKE_TIMEOUT, PREAUTH_MAX, Listener, client_handshake, make_ticket, read_secret,
@@ -78,7 +62,8 @@ __all__ = [
     "PREAUTH_MAX", "CTRL_MAX", "FRAME_MAX", "UNEXPECTED_MAX", "UNEXPECTED_FRAMES", "FRAME_COST", "FrameError",
     "Connection", "client_handshake", "server_handshake", "make_ticket", "verify_ticket", "frame_bounds",
     "TCPTransport", "Listener", "pack_ctrl", "unpack_ctrl", "tune_socket", "parse_address", "read_secret",
-    "open_socket", "retry_delay", "HANDSHAKE_TIMEOUT", "FIRST_ROUND_TAG", "Overrun",
+    "open_socket", "retry_delay", "HANDSHAKE_TIMEOUT", "FIRST_ROUND_TAG", "OPERATION_TAGS", "Overrun", "Completion",
+    "TCPRequest",
 ]
 
 STRIPE_MIN = 64 << 10         #: a message is striped only in pieces of at least this
@@ -88,20 +73,10 @@ FRAME_COST = 1 << 10          #: bytes each buffered frame is counted at beyond 
 POST_WAIT = 0.5               #: seconds a receiver thread holds a frame that came before its receive was posted
 POST_WAIT_MIN = 64 << 10      #: frames of at least this many bytes are held (smaller ones are buffered at once)
 INLINE_MAX = 16 << 10         #: messages of at most this many bytes are written by the caller's thread when its connection is idle
-#: tags from here up carry a collective's first round (argument agreement, small
-#: payloads: :attr:`TCPTransport.first_round_tags`), counted apart from the data
-#: plane and sent as one frame each (never striped): a receive posted for another
-#: size fails at once with :class:`MessageSizeMismatch`, the link staying up
-FIRST_ROUND_TAG = 1 << 61
 #: bytes of a mismatched message's first frame kept on its :class:`MessageSizeMismatch`
 #: (``head``): a first round's message starts with its sender's header row, so the
 #: receiver can name the field that differs
 MISMATCH_HEAD = 256
-#: seconds a revoke waits for frames being read into posted buffers before it cuts their links
-QUIESCE = 1.0
-#: tags one operation numbered by :meth:`TCPTransport.begin_operation` owns (an
-#: elastic all-reduce takes at most 2 data tags and 1 first-round tag)
-OPERATION_TAGS = 16
 
 
 class Overrun(FrameError):
@@ -118,99 +93,6 @@ def frame_bounds(nbytes: int, streams: int) -> list[int]:
 
 
 # ------------------------------------------------------------- transport
-class _Slot:
-    """One message of one (source, tag): a posted receive and/or frames that came first."""
-
-    __slots__ = ("req", "view", "bounds", "frames", "arrived", "done")
-
-    def __init__(self):
-        self.req = None          # the TCPRequest once posted
-        self.view = None         # memoryview of the posted buffer (bytes)
-        self.bounds = None       # frame offsets once posted
-        self.frames = {}         # index -> bytes received before the post
-        self.arrived = set()     # frame indices seen
-        self.done = 0            # frames placed in view
-
-
-class _Completion:
-    """``threading.Event``'s ``set``/``is_set``/``wait`` for a request's one
-    completion, over a single lock held until it is set (an Event is a
-    Condition: its making, waiting and setting cost about 8 µs a request, this
-    about 1).  Never cleared.  ``set`` may race with itself (a frame done under
-    the transport's lock, a sender thread's failure outside it): the flag is
-    set first, and a second release of the lock is ignored."""
-
-    __slots__ = ("_flag", "_lock")
-
-    def __init__(self):
-        self._flag = False
-        self._lock = threading.Lock()
-        self._lock.acquire()
-
-    def is_set(self) -> bool:
-        return self._flag
-
-    def set(self) -> None:
-        if not self._flag:
-            self._flag = True
-            try:
-                self._lock.release()
-            except RuntimeError:  # released by a racing set(): already done
-                pass
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until set or ``timeout`` seconds pass; True when set."""
-        if self._flag:
-            return True
-        if self._lock.acquire(timeout=-1 if timeout is None else timeout):
-            try:
-                self._lock.release()  # open for every later waiter
-            except RuntimeError:  # a racing set() released it meanwhile
-                pass
-        return self._flag
-
-
-class TCPRequest(Request):
-    """A send or receive on a :class:`TCPTransport` (frames outstanding → done)."""
-
-    __slots__ = ("transport", "peer", "left", "error", "event", "kind", "on_complete", "_tag")
-
-    def __init__(self, transport, peer: int, left: int, kind: str):
-        self.transport, self.peer, self.left, self.kind = transport, peer, left, kind
-        self.error: BaseException | None = None
-        self.event = _Completion()
-        self.on_complete = None
-        if left == 0:
-            self.event.set()
-
-    def _frame_done(self) -> None:  # under the transport lock
-        self.left -= 1
-        if self.left <= 0:
-            self.event.set()
-
-    def _fail(self, exc: BaseException) -> None:
-        if not self.event.is_set():
-            self.error = exc
-            self.event.set()
-
-    def test(self) -> bool:
-        if not self.event.is_set():
-            t = self.transport
-            if t._failure is not None:
-                raise t._failure
-            return False
-        if self.error is not None:
-            raise self.error
-        if self.on_complete is not None:
-            fn, self.on_complete = self.on_complete, None
-            fn()
-        return True
-
-    def wait(self, timeout: float | None = None):
-        self.transport.waitall([self], timeout, op=f"{self.kind}.wait")
-        return None
-
-
 class _Link:
     """The ``S`` connections to one peer, with a sender thread per connection."""
 
@@ -268,7 +150,7 @@ class _Link:
                 c.close()
 
 
-class TCPTransport(Transport):
+class TCPTransport(OperationControl, Transport):
     """Point to point among the members of one elastic epoch, over TCP.
 
     Created by :mod:`commlib.elastic` for each membership epoch; links to peers
@@ -610,7 +492,7 @@ class TCPTransport(Transport):
                     slot = s
                     break
             if slot is None:
-                slot = _Slot()
+                slot = Slot()
                 dq.append(slot)
             streams = link.streams if link.streams else None
             req = TCPRequest(self, source, 1, "irecv")
@@ -624,7 +506,7 @@ class TCPTransport(Transport):
                 req._fail(self._peer_error(source, "irecv"))
         return req
 
-    def _post_locked(self, slot: _Slot, streams: int, key) -> None:
+    def _post_locked(self, slot: Slot, streams: int, key) -> None:
         slot.bounds = frame_bounds(len(slot.view), streams if key[1] < FIRST_ROUND_TAG else 1)
         n = len(slot.bounds) - 1
         slot.req.left = n
@@ -646,7 +528,7 @@ class TCPTransport(Transport):
         self._retire_locked(key)
         self._posted.notify_all()
 
-    def _mismatch_locked(self, slot: _Slot, key, head: bytes | None = None) -> None:
+    def _mismatch_locked(self, slot: Slot, key, head: bytes | None = None) -> None:
         """A message from ``key[0]`` does not fit the receive posted for it (its size
         differs): fail that receive with :class:`MessageSizeMismatch` (``head``: the
         first bytes of the message's first frame, when read) and drop the rest of
@@ -670,7 +552,7 @@ class TCPTransport(Transport):
         if dq is not None and not dq:
             del self._slots[key]
 
-    def _await_post_locked(self, link: _Link, src: int, tag: int, slot: _Slot) -> bool:
+    def _await_post_locked(self, link: _Link, src: int, tag: int, slot: Slot) -> bool:
         """A frame of ``slot`` arrived before its receive was posted: wait (the lock
         released) for the post, so the payload goes straight from the socket into the
         posted buffer instead of through a buffer and a copy (in a ring a peer one step
@@ -694,7 +576,7 @@ class TCPTransport(Transport):
             self._posted.wait(left)
         return tag in self._aborted or self._dead or self._stopping
 
-    def _other_posted_locked(self, src: int, slot: _Slot) -> bool:
+    def _other_posted_locked(self, src: int, slot: Slot) -> bool:
         """True when a receive from ``src`` other than ``slot`` is posted and not complete."""
         for (s, _t), dq in self._slots.items():
             if s == src:
@@ -733,7 +615,7 @@ class TCPTransport(Transport):
                                 slot = s
                                 break
                         if slot is None:
-                            slot = _Slot()
+                            slot = Slot()
                             dq.append(slot)
                         slot.arrived.add(chunk)
                         if slot.bounds is None and plain >= POST_WAIT_MIN:
@@ -876,6 +758,11 @@ class TCPTransport(Transport):
 
     # group ----------------------------------------------------------------
     @property
+    def failure(self) -> BaseException | None:
+        """The error every request fails with once the transport was revoked or closed, else None."""
+        return self._failure
+
+    @property
     def revoked(self) -> bool:
         """True once :meth:`revoke` or :meth:`close` ended this transport: every
         request fails from then on."""
@@ -883,127 +770,6 @@ class TCPTransport(Transport):
 
     def failed_ranks(self) -> tuple[int, ...]:
         return tuple(sorted(self._failed))
-
-    def begin_operation(self, seq: int) -> range:
-        """Number the tags of the group's operation ``seq`` from ``seq`` alone.
-
-        Both allocators (``tags`` and ``first_round_tags``) restart at the block of
-        :data:`OPERATION_TAGS` tags that belongs to operation ``seq``, so members
-        that took different paths through an earlier operation (calls that
-        differed, refused by the argument agreement after some member had already
-        sent a first data message) still give the next operation the same tags,
-        and no late frame of one operation can meet another.
-
-        Returns:
-            the operation's data tags (:meth:`operation_tags` gives them with the
-            first-round ones, what :meth:`abort_tags` drops when the operation is
-            abandoned).
-        """
-        data, first = self.operation_tags(seq)
-        if data.stop > FIRST_ROUND_TAG:
-            raise InvalidArgument(f"operation {seq} is past the tag space", rank=self._rank, op="begin_operation")
-        self.tags = TagAllocator(data.start, data.stop - 1)
-        self.first_round_tags = TagAllocator(first.start, first.stop - 1)
-        return data
-
-    def operation_tags(self, seq: int) -> tuple[range, range]:
-        """Operation ``seq``'s tags (:meth:`begin_operation`): its data tags and its
-        first-round tags, what :meth:`abort_tags` drops when the operation is refused."""
-        base = seq * OPERATION_TAGS
-        return range(base, base + OPERATION_TAGS), range(FIRST_ROUND_TAG + base,
-                                                         FIRST_ROUND_TAG + base + OPERATION_TAGS)
-
-    def _abort_error(self, tag: int) -> CommError:
-        error = self._aborted.get(tag)
-        return error(tag) if error is not None else CommError(f"operation tag {tag} aborted", rank=self._rank,
-                                                              op="irecv")
-
-    def abort_tag(self, tag: int) -> None:
-        """:meth:`abort_tags` of one tag."""
-        self.abort_tags((tag,))
-
-    def abort_tags(self, tags, error: Callable[[int], CommError] | None = None,
-                   wait: float = QUIESCE) -> None:
-        """Drop every later frame of the operations ``tags``, and unpost their receives.
-
-        Each posted receive of those tags fails (if not complete) with
-        ``error(tag)`` (default: :class:`CommError` "operation tag aborted"), frames
-        buffered for them are freed, their sends still held for a link not yet
-        attached fail likewise, no frame of theirs is placed in a buffer any
-        more, and, before this returns, no receiver thread is still reading one into
-        a posted buffer (it waits at most ``wait`` seconds for reads in flight, then
-        revokes the transport, which cuts those links): a caller may restore
-        the buffers those receives were posted into.  A receive of those tags
-        posted later fails at once with the same error.  Other tags' traffic goes
-        on (the transport stays usable, unlike :meth:`revoke`)."""
-        tags = set(tags)
-        with self._lock:
-            for t in tags:
-                self._aborted[t] = error
-            for key in [k for k in self._slots if k[1] in tags]:
-                for slot in self._slots.pop(key):
-                    for data in slot.frames.values():
-                        self._release_locked(key[0], len(data))
-                    slot.frames.clear()
-                    if slot.req is not None:
-                        slot.req._fail(self._abort_error(key[1]))
-            for link in self._links.values():
-                # sends held for an inbound link that is not attached yet (the lower
-                # rank dials; it may never, e.g. a member that gave the call up)
-                if link.early:
-                    held, link.early = link.early, []
-                    for item in held:
-                        if item[0]._tag in tags:
-                            item[0]._fail(self._abort_error(item[0]._tag))
-                        else:
-                            link.early.append(item)
-            self._posted.notify_all()
-            deadline = time.monotonic() + wait
-            while any(t in tags for t in self._inflight):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._posted.wait(left)
-            else:
-                return
-        self.revoke("a frame of an aborted operation was still being read")
-
-    def _quiesce_locked(self, seconds: float) -> bool:
-        """Place no more frames into posted buffers, and wait (the lock released) until
-        no receiver thread is reading one into them; False when ``seconds`` passed first."""
-        self._stopping = True
-        self._posted.notify_all()
-        deadline = time.monotonic() + seconds
-        while self._inflight:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            self._posted.wait(left)
-        return True
-
-    def revoke(self, reason: str = "operation aborted") -> None:
-        """Fail every pending and later request (an abort from the master).
-
-        Before any request fails, no receiver thread writes into a posted buffer any
-        more (frames arriving later are dropped, frames being read finish first, for
-        at most :data:`QUIESCE` seconds, after which their links are cut): a caller
-        woken by the failure may restore its buffers, and no late byte of this
-        transport lands in them."""
-        with self._lock:
-            if self._failure is None:
-                if not self._quiesce_locked(QUIESCE):
-                    for link in self._links.values():
-                        for c in link.conns:
-                            if c is not None:
-                                c.close()  # lock-free: aborts the reads in flight
-                    self._quiesce_locked(QUIESCE)
-                self._failure = ProcessFailed(f"{reason} (epoch {self.epoch})", failed=sorted(self._failed),
-                                              rank=self._rank, op="tcp")
-            for dq in self._slots.values():
-                for slot in dq:
-                    if slot.req is not None:
-                        slot.req._fail(self._failure)
-            self._posted.notify_all()
 
     def _count_rx(self, tag: int, payload: int, wire: int) -> None:
         """Count a received frame (the caller holds the lock)."""

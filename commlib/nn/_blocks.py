@@ -66,6 +66,10 @@ import torch
 from commlib.collectives.attention.window import visible_ranges  # the one definition of what a query sees
 
 __all__ = [
+    "mask_tensor",
+    "pack_kv",
+    "heads_major",
+    "PieceGrads",
     "acc_dtype",
     "block_forward",
     "block_backward",
@@ -634,3 +638,56 @@ def _tile_pieces(a, b, lo, hi):
     if maxhi > minhi:
         out += masked(minhi, maxhi)
     return out
+
+
+# ------------------------------------------------------- helpers of the ring and halo paths
+def mask_tensor(piece, device):
+    """A piece's boolean mask (numpy) as a tensor on ``device``, or None for a fused piece."""
+    return None if piece.mask is None else torch.from_numpy(piece.mask).to(device)
+
+
+def pack_kv(k, v, idx, dtype=None):
+    """K and V (``(B, L, Hkv, D)``) of the tokens ``idx`` (None: all) in one
+    contiguous ``(2, B, n, Hkv, D)`` buffer: one message per stream and step."""
+    if idx is None:
+        buf = torch.stack((k, v))
+    else:
+        idx = idx.to(k.device)
+        buf = torch.stack((k.index_select(1, idx), v.index_select(1, idx)))
+    return buf if dtype is None else buf.to(dtype)
+
+
+def heads_major(buf):
+    """``(2, B, n, Hkv, D)`` -> the ``(B, Hkv, n, D)`` views of K and V."""
+    return buf[0].transpose(1, 2), buf[1].transpose(1, 2)
+
+
+class PieceGrads:
+    """The backward of a call's pieces against K/V blocks: each piece's dq is
+    added into ``dqh`` (the heads-major view of the call's dq accumulator) and
+    its dk/dv into the ``(2, B, n, Hkv, D)`` buffer the caller passes (the own
+    shard's, or a partial going back to the rows' owner).
+
+    Args:
+        doh, qh, oh: dout, q, out, heads-major ``(B, H, L, D)``.
+        lse: ``(B, H, L)`` log-sum-exp of the forward.
+        scale: the softmax scale.
+        dqh: heads-major view of the dq accumulator (accumulation dtype).
+    """
+
+    __slots__ = ("doh", "qh", "oh", "lse", "scale", "dqh")
+
+    def __init__(self, doh, qh, oh, lse, scale, dqh):
+        self.doh, self.qh, self.oh, self.lse, self.scale, self.dqh = doh, qh, oh, lse, scale, dqh
+
+    def __call__(self, pieces, kb, vb, dkv) -> None:
+        dkh, dvh = heads_major(dkv)
+        doh, qh, oh, lse, dqh = self.doh, self.qh, self.oh, self.lse, self.dqh
+        for p in pieces:
+            rows, keys = slice(p.q0, p.q1), slice(p.k0, p.k1)
+            dq_p, dk_p, dv_p = block_backward(doh[:, :, rows], qh[:, :, rows], kb[:, :, keys], vb[:, :, keys],
+                                              oh[:, :, rows], lse[:, :, rows], self.scale, p.kind,
+                                              mask_tensor(p, qh.device))
+            dqh[:, :, rows] += dq_p
+            dkh[:, :, keys] += dk_p
+            dvh[:, :, keys] += dv_p

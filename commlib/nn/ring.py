@@ -49,7 +49,8 @@ from commlib.core.seconds import restarted
 from ._check import (DEVICES, DTYPE_NAMES, DTYPES, agreement_timeout, autocast_inputs, autocast_off, call_problem,
                      check_qkv, cu_seqlens_of, grad_flags, no_double_backward, sdpa_keywords, softmax_scale_of,
                      timeout_of)
-from ._blocks import acc_dtype, block_backward, block_forward, merge, plan_block, plan_window_block
+from ._blocks import (PieceGrads, acc_dtype, block_backward, block_forward, heads_major, mask_tensor, merge,
+                      pack_kv, plan_block, plan_window_block)
 from ._failure import bound, guarded, link_comm
 from ._front import front
 from ._wire import irecv_tensor, isend_tensor
@@ -219,26 +220,6 @@ def _plan_cached(P, r, L, layout, causal, bidirectional, cu, window=None) -> _Pl
     return _Plan(sched, None if halves is None else tuple(torch.from_numpy(h) for h in halves), steps, single)
 
 
-def _mask_tensor(piece, device):
-    return None if piece.mask is None else torch.from_numpy(piece.mask).to(device)
-
-
-def _pack(k, v, idx, dtype=None):
-    """K and V (``(B, L, Hkv, D)``) of the tokens ``idx`` (None: all) in one
-    contiguous ``(2, B, n, Hkv, D)`` buffer: one message per stream and step."""
-    if idx is None:
-        buf = torch.stack((k, v))
-    else:
-        idx = idx.to(k.device)
-        buf = torch.stack((k.index_select(1, idx), v.index_select(1, idx)))
-    return buf if dtype is None else buf.to(dtype)
-
-
-def _heads_major(buf):
-    """``(2, B, n, Hkv, D)`` -> the ``(B, Hkv, n, D)`` views of K and V."""
-    return buf[0].transpose(1, 2), buf[1].transpose(1, 2)
-
-
 def _ring_comm(tp, spec: _Spec, plan: _Plan) -> RingComm:
     """The call's ring traffic (tensors on the wire through :mod:`._wire`)."""
     return RingComm(tp, plan.sched, tp.tags.slot(_TAG_WIDTH), spec.timeout, spec.op, isend=isend_tensor,
@@ -263,7 +244,7 @@ def _forward(tp, spec: _Spec, plan: _Plan, q, k, v):
     def fold(pieces, kb, vb):
         for p in pieces:
             o, l = block_forward(qh[:, :, p.q0:p.q1], kb[:, :, p.k0:p.k1], vb[:, :, p.k0:p.k1], spec.scale, p.kind,
-                                 _mask_tensor(p, q.device))
+                                 mask_tensor(p, q.device))
             if not seen[p.q0:p.q1].any():  # first block these rows see: a copy, no merge
                 oh[:, :, p.q0:p.q1].copy_(o)
                 lse_acc[:, :, p.q0:p.q1].copy_(l)
@@ -277,7 +258,7 @@ def _forward(tp, spec: _Spec, plan: _Plan, q, k, v):
     if P > 1:
         ring = _ring_comm(tp, spec, plan)
         halves = plan.halves or (None,)
-        cur = [_pack(k, v, idx) for idx in halves]
+        cur = [pack_kv(k, v, idx) for idx in halves]
         nxt = [torch.empty_like(c) for c in cur]
     for rs, entry in zip(plan.sched.steps(), plan.steps):
         reqs = ring.post_kv(cur, nxt) if not rs.last else []  # before this step's compute
@@ -285,7 +266,7 @@ def _forward(tp, spec: _Spec, plan: _Plan, q, k, v):
             if sidx is None:
                 fold(pieces, kh, vh)
             else:
-                fold(pieces, *_heads_major(cur[sidx]))
+                fold(pieces, *heads_major(cur[sidx]))
         if reqs:
             ring.wait(reqs)
         if not rs.last:
@@ -308,17 +289,7 @@ def _backward(tp, spec: _Spec, plan: _Plan, q, k, v, out, lse, dout):
     dq_acc = torch.zeros(B, L, H, D, dtype=cd, device=q.device)
     dqh = dq_acc.transpose(1, 2)
 
-    def grads(pieces, kb, vb, dkv):
-        """Add the pieces' dq into dq_acc and their dk/dv into ``dkv`` ``(2, B, n, Hkv, D)``."""
-        dkh, dvh = _heads_major(dkv)
-        for p in pieces:
-            rows, keys = slice(p.q0, p.q1), slice(p.k0, p.k1)
-            dq_p, dk_p, dv_p = block_backward(doh[:, :, rows], qh[:, :, rows], kb[:, :, keys], vb[:, :, keys],
-                                              oh[:, :, rows], lse[:, :, rows], spec.scale, p.kind,
-                                              _mask_tensor(p, q.device))
-            dqh[:, :, rows] += dq_p
-            dkh[:, :, keys] += dk_p
-            dvh[:, :, keys] += dv_p
+    grads = PieceGrads(doh, qh, oh, lse, spec.scale, dqh)  # dq into dq_acc, dk/dv into the buffer passed
 
     P = spec.size
     own = torch.zeros(2, B, L, hk, D, dtype=cd, device=q.device)  # dk/dv of the own shard, step 0
@@ -330,7 +301,7 @@ def _backward(tp, spec: _Spec, plan: _Plan, q, k, v, out, lse, dout):
         ring = _ring_comm(tp, spec, plan)
         halves = plan.halves or (None,)
         streams = plan.sched.streams
-        cur = [_pack(k, v, idx) for idx in halves]
+        cur = [pack_kv(k, v, idx) for idx in halves]
         nxt = [torch.empty_like(c) for c in cur]
         for rs, entry in zip(plan.sched.steps(), plan.steps):
             reqs = ring.post_kv(cur, nxt) if not rs.last else []  # before this step's compute
@@ -342,7 +313,7 @@ def _backward(tp, spec: _Spec, plan: _Plan, q, k, v, out, lse, dout):
             else:
                 local = [torch.zeros_like(cur[sidx], dtype=cd) for sidx, _ in entry]
                 for sidx, pieces in entry:
-                    kb, vb = _heads_major(cur[sidx])
+                    kb, vb = heads_major(cur[sidx])
                     grads(pieces, kb, vb, local[sidx])
             for st in streams:  # add what the previous holders accumulated for each piece, pass it on
                 ring.pass_dkv(st.index, local[st.index])

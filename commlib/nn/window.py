@@ -64,7 +64,7 @@ from commlib.collectives.attention.window import effective_window, halo_rows, wi
 from commlib.core.errors import InvalidArgument
 from commlib.core.seconds import restarted, time_left
 
-from ._blocks import acc_dtype, block_backward, block_forward, merge, plan_window_block
+from ._blocks import PieceGrads, acc_dtype, block_forward, heads_major, mask_tensor, merge, pack_kv, plan_window_block
 from ._check import autocast_off, no_double_backward
 from ._failure import guarded
 from ._wire import irecv_tensor, isend_tensor
@@ -190,20 +190,6 @@ def _halo_pays(P, L, layout, causal, cu, window) -> bool:
     return most <= max(2 * L, (P - 1) * L // 2)
 
 
-def _mask_tensor(piece, device):
-    return None if piece.mask is None else torch.from_numpy(piece.mask).to(device)
-
-
-def _pack(k, v, idx):
-    """K and V rows ``idx`` of ``(B, L, Hkv, D)`` tensors as one contiguous ``(2, B, n, Hkv, D)`` message."""
-    idx = idx.to(k.device)
-    return torch.stack((k.index_select(1, idx), v.index_select(1, idx)))
-
-
-def _heads_major(buf):
-    return buf[0].transpose(1, 2), buf[1].transpose(1, 2)
-
-
 def _nbytes(t):
     return t.numel() * t.element_size()
 
@@ -236,7 +222,7 @@ def window_forward(tp, spec, plan: HaloPlan, q, k, v):
     def fold(pieces, kb, vb):
         for p in pieces:
             o, lse = block_forward(qh[:, :, p.q0:p.q1], kb[:, :, p.k0:p.k1], vb[:, :, p.k0:p.k1], spec.scale,
-                                   p.kind, _mask_tensor(p, q.device))
+                                   p.kind, mask_tensor(p, q.device))
             if not seen[p.q0:p.q1].any():
                 oh[:, :, p.q0:p.q1].copy_(o)
                 lse_acc[:, :, p.q0:p.q1].copy_(lse)
@@ -252,7 +238,7 @@ def window_forward(tp, spec, plan: HaloPlan, q, k, v):
             reqs.append(irecv_tensor(tp, buf, src, tag))
             bufs.append(buf)
         for dst, idx in plan.send:
-            msg = _pack(k, v, idx)
+            msg = pack_kv(k, v, idx)
             reqs.append(isend_tensor(tp, msg, dst, tag))
             msgs.append(msg)
             LINK_BYTES[("forward", spec.rank, dst)] += _nbytes(msg)
@@ -260,7 +246,7 @@ def window_forward(tp, spec, plan: HaloPlan, q, k, v):
     if reqs:
         tp.waitall(reqs, time_left(spec.timeout), op=spec.op)
     for (_, _, pieces), buf in zip(plan.recv, bufs):
-        fold(pieces, *_heads_major(buf))
+        fold(pieces, *heads_major(buf))
     return out_acc.to(q.dtype), lse_acc, bufs
 
 
@@ -279,16 +265,7 @@ def window_backward(tp, spec, plan: HaloPlan, q, k, v, out, lse, dout, bufs):
     dq_acc = torch.zeros(B, L, H, D, dtype=cd, device=q.device)
     dqh = dq_acc.transpose(1, 2)
 
-    def grads(pieces, kb, vb, dkv):
-        dkh, dvh = _heads_major(dkv)
-        for p in pieces:
-            rows, keys = slice(p.q0, p.q1), slice(p.k0, p.k1)
-            dq_p, dk_p, dv_p = block_backward(doh[:, :, rows], qh[:, :, rows], kb[:, :, keys], vb[:, :, keys],
-                                              oh[:, :, rows], lse[:, :, rows], spec.scale, p.kind,
-                                              _mask_tensor(p, q.device))
-            dqh[:, :, rows] += dq_p
-            dkh[:, :, keys] += dk_p
-            dvh[:, :, keys] += dv_p
+    grads = PieceGrads(doh, qh, oh, lse, spec.scale, dqh)
 
     own = torch.zeros(2, B, L, hk, D, dtype=cd, device=q.device)
     reqs, incoming, partials = [], [], []
@@ -301,7 +278,7 @@ def window_backward(tp, spec, plan: HaloPlan, q, k, v, out, lse, dout, bufs):
     grads(plan.own, kh, vh, own)
     for (src, n, pieces), kv in zip(plan.recv, bufs):
         part = torch.zeros(2, B, n, hk, D, dtype=cd, device=q.device)
-        grads(pieces, *_heads_major(kv), part)
+        grads(pieces, *heads_major(kv), part)
         reqs.append(isend_tensor(tp, part, src, tag))
         partials.append(part)
         LINK_BYTES[("backward", spec.rank, src)] += _nbytes(part)

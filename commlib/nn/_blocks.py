@@ -69,6 +69,7 @@ __all__ = [
     "mask_tensor",
     "pack_kv",
     "heads_major",
+    "PieceFold",
     "PieceGrads",
     "acc_dtype",
     "block_forward",
@@ -691,3 +692,41 @@ class PieceGrads:
             dqh[:, :, rows] += dq_p
             dkh[:, :, keys] += dk_p
             dvh[:, :, keys] += dv_p
+
+
+class PieceFold:
+    """The forward of a call's pieces against K/V blocks, folded into one
+    accumulator: the first block a query row sees is copied in, later ones
+    merged by their log-sum-exp (:func:`merge`).
+
+    Args:
+        q: ``(B, L, H, D)`` local queries.
+        scale: the softmax scale.
+
+    Attributes:
+        out: ``(B, L, H, D)`` accumulator (accumulation dtype).
+        lse: ``(B, H, L)`` log-sum-exp (accumulation dtype; ``-inf`` where no key was seen).
+    """
+
+    __slots__ = ("qh", "scale", "out", "oh", "lse", "seen")
+
+    def __init__(self, q, scale):
+        B, L, H, D = q.shape
+        cd = acc_dtype(q.dtype)
+        self.qh, self.scale = q.transpose(1, 2), scale
+        self.out = torch.zeros(B, L, H, D, dtype=cd, device=q.device)
+        self.oh = self.out.transpose(1, 2)
+        self.lse = torch.full((B, H, L), -math.inf, dtype=cd, device=q.device)
+        self.seen = np.zeros(L, dtype=bool)
+
+    def __call__(self, pieces, kb, vb) -> None:
+        qh, oh, lse_acc, seen = self.qh, self.oh, self.lse, self.seen
+        for p in pieces:
+            o, lse = block_forward(qh[:, :, p.q0:p.q1], kb[:, :, p.k0:p.k1], vb[:, :, p.k0:p.k1], self.scale,
+                                   p.kind, mask_tensor(p, qh.device))
+            if not seen[p.q0:p.q1].any():  # the first block these rows see: a copy, no merge
+                oh[:, :, p.q0:p.q1].copy_(o)
+                lse_acc[:, :, p.q0:p.q1].copy_(lse)
+            else:
+                merge(oh[:, :, p.q0:p.q1], lse_acc[:, :, p.q0:p.q1], o, lse)
+            seen[p.q0:p.q1] = True

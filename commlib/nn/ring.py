@@ -29,7 +29,6 @@ backward.
 from __future__ import annotations
 
 import functools
-import math
 import dataclasses
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -49,8 +48,7 @@ from commlib.core.seconds import restarted
 from ._check import (DEVICES, DTYPE_NAMES, DTYPES, agreement_timeout, autocast_inputs, autocast_off, call_problem,
                      check_qkv, cu_seqlens_of, grad_flags, no_double_backward, sdpa_keywords, softmax_scale_of,
                      timeout_of)
-from ._blocks import (PieceGrads, acc_dtype, block_backward, block_forward, heads_major, mask_tensor, merge,
-                      pack_kv, plan_block, plan_window_block)
+from ._blocks import (PieceFold, PieceGrads, acc_dtype, block_backward, block_forward, heads_major, pack_kv, plan_block, plan_window_block)
 from ._failure import bound, guarded, link_comm
 from ._front import front
 from ._wire import irecv_tensor, isend_tensor
@@ -234,24 +232,7 @@ def _forward(tp, spec: _Spec, plan: _Plan, q, k, v):
         piece = plan.steps[0][0][1][0]
         out, lse = block_forward(qh, kh, vh, spec.scale, piece.kind)
         return out.transpose(1, 2), lse
-    B, L, H, D = q.shape
-    cd = acc_dtype(q.dtype)
-    out_acc = torch.zeros(B, L, H, D, dtype=cd, device=q.device)
-    oh = out_acc.transpose(1, 2)
-    lse_acc = torch.full((B, H, L), -math.inf, dtype=cd, device=q.device)
-    seen = np.zeros(L, dtype=bool)
-
-    def fold(pieces, kb, vb):
-        for p in pieces:
-            o, l = block_forward(qh[:, :, p.q0:p.q1], kb[:, :, p.k0:p.k1], vb[:, :, p.k0:p.k1], spec.scale, p.kind,
-                                 mask_tensor(p, q.device))
-            if not seen[p.q0:p.q1].any():  # first block these rows see: a copy, no merge
-                oh[:, :, p.q0:p.q1].copy_(o)
-                lse_acc[:, :, p.q0:p.q1].copy_(l)
-                seen[p.q0:p.q1] = True
-            else:
-                merge(oh[:, :, p.q0:p.q1], lse_acc[:, :, p.q0:p.q1], o, l)
-                seen[p.q0:p.q1] = True
+    fold = PieceFold(q, spec.scale)
 
     P = spec.size
     cur = nxt = ring = None
@@ -271,7 +252,7 @@ def _forward(tp, spec: _Spec, plan: _Plan, q, k, v):
             ring.wait(reqs)
         if not rs.last:
             cur, nxt = nxt, cur
-    return out_acc.to(q.dtype), lse_acc
+    return fold.out.to(q.dtype), fold.lse
 
 
 # ------------------------------------------------------------------ backward

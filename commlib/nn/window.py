@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -64,7 +63,7 @@ from commlib.collectives.attention.window import effective_window, halo_rows, wi
 from commlib.core.errors import InvalidArgument
 from commlib.core.seconds import restarted, time_left
 
-from ._blocks import PieceGrads, acc_dtype, block_forward, heads_major, mask_tensor, merge, pack_kv, plan_window_block
+from ._blocks import PieceFold, PieceGrads, acc_dtype, heads_major, pack_kv, plan_window_block
 from ._check import autocast_off, no_double_backward
 from ._failure import guarded
 from ._wire import irecv_tensor, isend_tensor
@@ -212,23 +211,8 @@ def window_forward(tp, spec, plan: HaloPlan, q, k, v):
     """
     B, L, H, D = q.shape
     hk = k.shape[2]
-    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    cd = acc_dtype(q.dtype)
-    out_acc = torch.zeros(B, L, H, D, dtype=cd, device=q.device)
-    oh = out_acc.transpose(1, 2)
-    lse_acc = torch.full((B, H, L), -math.inf, dtype=cd, device=q.device)
-    seen = np.zeros(L, dtype=bool)
-
-    def fold(pieces, kb, vb):
-        for p in pieces:
-            o, lse = block_forward(qh[:, :, p.q0:p.q1], kb[:, :, p.k0:p.k1], vb[:, :, p.k0:p.k1], spec.scale,
-                                   p.kind, mask_tensor(p, q.device))
-            if not seen[p.q0:p.q1].any():
-                oh[:, :, p.q0:p.q1].copy_(o)
-                lse_acc[:, :, p.q0:p.q1].copy_(lse)
-            else:
-                merge(oh[:, :, p.q0:p.q1], lse_acc[:, :, p.q0:p.q1], o, lse)
-            seen[p.q0:p.q1] = True
+    kh, vh = k.transpose(1, 2), v.transpose(1, 2)
+    fold = PieceFold(q, spec.scale)
 
     reqs, bufs, msgs = [], [], []
     if spec.size > 1:
@@ -247,7 +231,7 @@ def window_forward(tp, spec, plan: HaloPlan, q, k, v):
         tp.waitall(reqs, time_left(spec.timeout), op=spec.op)
     for (_, _, pieces), buf in zip(plan.recv, bufs):
         fold(pieces, *heads_major(buf))
-    return out_acc.to(q.dtype), lse_acc, bufs
+    return fold.out.to(q.dtype), fold.lse, bufs
 
 
 def window_backward(tp, spec, plan: HaloPlan, q, k, v, out, lse, dout, bufs):

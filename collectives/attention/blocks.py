@@ -179,6 +179,25 @@ class ForwardAccumulator:
         self.m = xp.full(shape[:-1], -np.inf, dtype=dtype)
         self.l = xp.zeros(shape[:-1], dtype=dtype)
 
+    def update(self, i0: int, i1: int, s, vb) -> None:
+        """Fold one tile into rows ``i0:i1``: ``s`` its (scaled, masked with
+        ``-inf``) scores ``(B, Hkv, G, i1 - i0, nk)``, overwritten; ``vb`` the
+        tile's values ``(B, Hkv, nk, D)``."""
+        xp = self.xp
+        bsz, hk, g, lt, nk = s.shape
+        m_old = self.m[..., i0:i1]
+        m_new = xp.maximum(m_old, s.max(axis=-1))
+        m_safe = xp.where(xp.isneginf(m_new), 0, m_new)
+        alpha = xp.exp(m_old - m_safe)
+        s -= m_safe[..., None]
+        p = xp.exp(s, out=s)
+        self.l[..., i0:i1] = self.l[..., i0:i1] * alpha + p.sum(axis=-1)
+        pv = xp.matmul(p.reshape(bsz, hk, g * lt, nk), vb).reshape(bsz, hk, g, lt, vb.shape[-1])
+        acc = self.acc[..., i0:i1, :]
+        acc *= alpha[..., None]
+        acc += pv
+        self.m[..., i0:i1] = m_new
+
     def finalize(self):
         """Return ``(out, lse)`` heads-major: out ``(B, Hkv, G, L, D)``, lse
         ``(B, Hkv, G, L)``; rows with no visible key give out 0 and lse ``-inf``."""
@@ -212,18 +231,7 @@ def forward_block(qh, kh, vh, plan: TilePlan, qpos, kpos, state: ForwardAccumula
             mask = _tile_mask(qpos, kpos, i0, i1, a, b, xp)
             tail = s[..., a:]
             tail[...] = xp.where(mask, tail, -np.inf)
-        m_old = state.m[..., i0:i1]
-        m_new = xp.maximum(m_old, s.max(axis=-1))
-        m_safe = xp.where(xp.isneginf(m_new), 0, m_new)
-        alpha = xp.exp(m_old - m_safe)
-        s -= m_safe[..., None]
-        p = xp.exp(s, out=s)
-        state.l[..., i0:i1] = state.l[..., i0:i1] * alpha + p.sum(axis=-1)
-        pv = xp.matmul(p.reshape(bsz, hk, g * lt, b), vh[:, :, :b, :]).reshape(bsz, hk, g, lt, d)
-        acc = state.acc[..., i0:i1, :]
-        acc *= alpha[..., None]
-        acc += pv
-        state.m[..., i0:i1] = m_new
+        state.update(i0, i1, s, vh[:, :, :b, :])
 
 
 # ------------------------------------------------------------------- backward

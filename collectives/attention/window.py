@@ -238,18 +238,7 @@ def _forward_tiles(qh, kh, vh, tiles, state):
         q = qh[:, :, :, i0:i1, :].reshape(bsz, hk, g * lt, d)
         s = xp.matmul(q, kh[:, :, k0:k1, :].swapaxes(-1, -2)).reshape(bsz, hk, g, lt, nk)
         s[...] = xp.where(_tile_mask(lo, hi, k0, k1, xp), s, -np.inf)
-        m_old = state.m[..., i0:i1]
-        m_new = xp.maximum(m_old, s.max(axis=-1))
-        m_safe = xp.where(xp.isneginf(m_new), 0, m_new)
-        alpha = xp.exp(m_old - m_safe)
-        s -= m_safe[..., None]
-        p = xp.exp(s, out=s)
-        state.l[..., i0:i1] = state.l[..., i0:i1] * alpha + p.sum(axis=-1)
-        pv = xp.matmul(p.reshape(bsz, hk, g * lt, nk), vh[:, :, k0:k1, :]).reshape(bsz, hk, g, lt, d)
-        acc = state.acc[..., i0:i1, :]
-        acc *= alpha[..., None]
-        acc += pv
-        state.m[..., i0:i1] = m_new
+        state.update(i0, i1, s, vh[:, :, k0:k1, :])
 
 
 def _backward_tiles(qh, kh, vh, doh, lseh, dh, tiles, dqh, dkh, dvh, xp):

@@ -235,6 +235,20 @@ def forward_block(qh, kh, vh, plan: TilePlan, qpos, kpos, state: ForwardAccumula
 
 
 # ------------------------------------------------------------------- backward
+def backward_operands(q, out, lse, dout, kv_heads: int, scale: float, dtype, xp=np):
+    """The heads-major operands of a backward (FlashAttention-2): ``(qh, doh,
+    dh, lseh, dqh)`` with ``qh`` scaled by ``scale``, ``dh = rowsum(dout * out)``,
+    ``lseh`` ``(B, Hkv, G, L)`` and a zero dq accumulator shaped like ``qh``;
+    ``q``, ``out``, ``dout`` ``(B, L, H, D)``, ``lse`` ``(B, H, L)``."""
+    bsz, L, H = q.shape[0], q.shape[1], q.shape[2]
+    qh = to_heads_major(q, kv_heads, dtype, xp)
+    qh *= scale
+    doh = to_heads_major(dout, kv_heads, dtype, xp)
+    dh = (doh * to_heads_major(out, kv_heads, dtype, xp)).sum(axis=-1)
+    lseh = xp.ascontiguousarray(xp.asarray(lse).astype(dtype, copy=False).reshape(bsz, kv_heads, H // kv_heads, L))
+    return qh, doh, dh, lseh, xp.zeros_like(qh)
+
+
 def backward_block(qh, kh, vh, doh, lseh, dh, plan: TilePlan, qpos, kpos, dqh, dkh, dvh) -> None:
     """Gradients of one K/V block (FlashAttention-2 backward with the global lse).
 

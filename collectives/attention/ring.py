@@ -31,7 +31,8 @@ import numpy as np
 
 from commlib.core.seconds import call_deadline
 
-from .blocks import ForwardAccumulator, backward_block, forward_block, from_heads_major, tile_plan, to_heads_major
+from .blocks import (ForwardAccumulator, backward_block, backward_operands, forward_block, from_heads_major, tile_plan,
+                     to_heads_major)
 from .common import as_array_api, comm_last, in_format, validate
 from .layout import sequence_positions
 from .ringcomm import RingComm
@@ -246,16 +247,11 @@ def ring_attention_backward(q, k, v, out, lse, dout, comm=None, causal: bool = F
     xp, P, r = spec.xp, tp.size, tp.rank
     st = _new_stats(stats, "backward")
     t_start = time.perf_counter()
-    L, hk, g = spec.seq_local, spec.kv_heads, spec.group
+    L, hk = spec.seq_local, spec.kv_heads
     nbh = spec.batch * spec.heads
     cdt = spec.cdtype
     qpos = sequence_positions(layout, r, P, L)
-    qh = to_heads_major(q, hk, cdt, xp)
-    qh *= spec.scale
-    doh = to_heads_major(dout, hk, cdt, xp)
-    dh = (doh * to_heads_major(out, hk, cdt, xp)).sum(axis=-1)
-    lseh = xp.ascontiguousarray(xp.asarray(lse).astype(cdt, copy=False).reshape(spec.batch, hk, g, L))
-    dqh = xp.zeros_like(qh)
+    qh, doh, dh, lseh, dqh = backward_operands(q, out, lse, dout, hk, spec.scale, cdt, xp)
     dkv_shape = (2, spec.batch, hk, L, spec.head_dim)
     cur = _heads_major_kv(k, v, spec)
     nxt = xp.empty_like(cur) if P > 1 else None

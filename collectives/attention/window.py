@@ -38,7 +38,7 @@ import numpy as np
 
 from commlib.core.seconds import time_left
 
-from .blocks import ForwardAccumulator, from_heads_major, to_heads_major
+from .blocks import ForwardAccumulator, backward_operands, from_heads_major, to_heads_major
 from .layout import sequence_positions
 
 __all__ = ["window_of", "effective_window", "visible_ranges", "needed_rows", "HaloRows", "halo_rows",
@@ -342,15 +342,10 @@ def window_attention_backward(tp, spec, q, k, v, out, lse, dout, *, causal, layo
     :func:`window_attention`."""
     t0 = time.perf_counter()
     xp, P, r, L = spec.xp, tp.size, tp.rank, spec.seq_local
-    hk, g, cdt = spec.kv_heads, spec.group, spec.cdtype
+    hk, cdt = spec.kv_heads, spec.cdtype
     halo = halo_rows(P, r, L, layout, causal, None, window, spec.seq_len)
     qpos = sequence_positions(layout, r, P, L)
-    qh = to_heads_major(q, hk, cdt, xp)
-    qh *= spec.scale
-    doh = to_heads_major(dout, hk, cdt, xp)
-    dh = (doh * to_heads_major(out, hk, cdt, xp)).sum(axis=-1)
-    lseh = xp.ascontiguousarray(xp.asarray(lse).astype(cdt, copy=False).reshape(spec.batch, hk, g, L))
-    dqh = xp.zeros_like(qh)
+    qh, doh, dh, lseh, dqh = backward_operands(q, out, lse, dout, hk, spec.scale, cdt, xp)
     kv = _kv(k, v, spec)
     reqs, bufs, msgs = _exchange_kv(tp, spec, halo, kv, tag) if P > 1 else ([], [], [])
     back = []

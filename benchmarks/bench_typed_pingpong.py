@@ -4,7 +4,8 @@ the MPI datatype, and how often the strategy model picks the fastest strategy.
 For each (message size, contiguous block length) a vector type is sent from
 rank 0 to rank 1 and back.  Measured in the same run: mpi4py handing the MPI
 datatype to MPI (the baseline), commlib with each host strategy forced
-("mpi", "pack"), and commlib letting the model choose ("auto").  Printed:
+("mpi", "pack"), and commlib letting the model choose ("auto": ``comm.send``/``comm.recv``
+(datatype=), the calls a user writes).  Printed:
 one-way latency, the ratio baseline/auto (>1: commlib faster), and whether the
 model's pick was the measured fastest strategy (within 5%: ties count).
 
@@ -93,11 +94,18 @@ def main(argv=None):
 
         times = {"mpi4py": pingpong(comm, m_send, m_recv, args.repeat)}
         for strat in ("mpi", "pack", None):
-            def c_send(peer, s=strat):
-                typed_send(comm, buf, peer, t, 1, 0, strategy=s)
+            if strat is None:  # what a user writes: the public calls, the model choosing
+                def c_send(peer):
+                    comm.send(buf, peer, 0, datatype=t)
 
-            def c_recv(peer, s=strat):
-                typed_recv(comm, buf, peer, t, 1, 0, strategy=s)
+                def c_recv(peer):
+                    comm.recv(buf, peer, 0, datatype=t)
+            else:
+                def c_send(peer, s=strat):
+                    typed_send(comm, buf, peer, t, 1, 0, strategy=s)
+
+                def c_recv(peer, s=strat):
+                    typed_recv(comm, buf, peer, t, 1, 0, strategy=s)
 
             times[strat or "auto"] = pingpong(comm, c_send, c_recv, args.repeat)
         mt.Free()

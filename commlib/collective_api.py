@@ -124,6 +124,9 @@ class CollectiveMixin:
             user = new  # another failure: the next attempt notices and shrinks again
         self.transport = user
         self._coll_tp = new
+        # typed point to point's plans and strategy choices name ranks of the old group
+        self._typed_plans.clear()
+        self._strategy_memo.clear()
         new.fault_tolerant = True
         ft = self._ft
         if lost_world:

@@ -56,6 +56,7 @@ class Communicator(CollectiveMixin):
         self._coll_tp = None
         self._ft = None
         self._strategy_memo: dict = {}
+        self._typed_plans: dict = {}  # typed point to point's cached host plans (commlib.typed_p2p)
         self._worker = None
         self._mpi_types = _MPITypes()
 
@@ -412,6 +413,8 @@ class Communicator(CollectiveMixin):
     def _check_tag(self, tag: int, op: str, anywild: bool = False, peer=None) -> None:
         """A point-to-point call's ``tag`` (and that ``peer`` is not a bool: True
         would pass as rank 1); the peer's range is the transport's check."""
+        if type(tag) is int and 0 <= tag <= self.transport.tag_ub and type(peer) is int:
+            return  # the common case, decided in a few attribute reads (a typed send's hot path)
         problem = check_user_tag(tag, anywild=anywild, ub=self.transport.tag_ub)
         if problem:
             raise InvalidArgument(problem, rank=self.rank, op=op)

@@ -130,12 +130,16 @@ _PLANS_CAP = 1024  # plans per communicator (a program uses a handful of shapes)
 
 class _HostPlan:
     """The outcome of validating and choosing for one key: the commlib type,
-    its pack plan, the strategy, and the packed size in bytes."""
+    its pack plan, the strategy, and the packed size in bytes; and what else
+    the outcome depended on, checked at each use (the buffer's dtype and byte
+    size, the strategy argument, the forced strategy, the model generation)."""
 
-    __slots__ = ("t", "p", "s", "n")
+    __slots__ = ("t", "p", "s", "n", "dtype", "nbytes", "strategy", "forced", "generation")
 
-    def __init__(self, t, p, s):
+    def __init__(self, t, p, s, buf, strategy, forced):
         self.t, self.p, self.s, self.n = t, p, s, p.nbytes
+        self.dtype, self.nbytes, self.strategy, self.forced = buf.dtype, buf.nbytes, strategy, forced
+        self.generation = _strategy.generation
 
 
 def _host_plan(comm, buf, peer, datatype, count, strategy, op, receive):
@@ -149,15 +153,15 @@ def _host_plan(comm, buf, peer, datatype, count, strategy, op, receive):
     the handle's cached attribute, which ``MPI_Type_free`` deletes), and the
     plan is served only for the very type object it was made for (it holds a
     reference, so ``id`` is not reused while it lives).  Everything else the
-    general path's checks and choice read is in the key: count, the buffer's
-    dtype and byte size, peer, send/receive, the strategy argument, the forced
-    strategy as set, and the model generation.  A miss runs :func:`resolve` and
+    general path's checks and choice read is in the key (count, peer,
+    send/receive) or checked on the plan (the buffer's dtype and byte size,
+    the strategy argument, the forced strategy as set, the model generation).  A miss runs :func:`resolve` and
     the strategy choice (every check, every error) and caches only a successful outcome.
     """
-    if (type(buf) is not np.ndarray or type(count) is not int or type(peer) is not int
-            or not buf.flags.c_contiguous or not buf.nbytes or (receive and not buf.flags.writeable)):
+    if type(buf) is not np.ndarray or type(count) is not int or type(peer) is not int:
         return None
-    if not 0 <= peer < comm.transport.size and not (receive and peer == ANY_SOURCE):
+    flags = buf.flags
+    if not flags.c_contiguous or (receive and not flags.writeable) or not buf.nbytes:
         return None
     if type(datatype) is MPI.Datatype or not isinstance(datatype, _Datatype):
         try:
@@ -167,15 +171,17 @@ def _host_plan(comm, buf, peer, datatype, count, strategy, op, receive):
     else:
         t = datatype
     forced = config.datatype_strategy if strategy is None else None  # read at each call (config's contract)
-    key = (receive, id(t), count, buf.dtype, buf.nbytes, peer, strategy, forced, _strategy.generation)
-    plans = getattr(comm, "_typed_plans", None)
-    if plans is None:
-        plans = comm._typed_plans = {}
-    got = plans.get(key)
-    if got is not None and got.t is t:
-        return got
+    key = (id(t), count, peer, receive)  # ints: a cheap hash; the rest is checked on the plan
+    got = comm._typed_plans.get(key)
+    if (got is not None and got.t is t and got.nbytes == buf.nbytes and got.strategy == strategy
+            and got.forced == forced and got.generation == _strategy.generation
+            and (got.dtype is buf.dtype or got.dtype == buf.dtype)):
+        return got  # made for this peer, in range then (a shrink, which renumbers ranks, clears the plans)
+    if not 0 <= peer < comm.transport.size and not (receive and peer == ANY_SOURCE):
+        return None
+    plans = comm._typed_plans
     b, t2, p = resolve(comm, buf, t, count, op, receive)  # raises as the general path does
-    got = _HostPlan(t2, p, _choose(comm, b, t2, count, peer, strategy, forced))
+    got = _HostPlan(t2, p, _choose(comm, b, t2, count, peer, strategy, forced), buf, strategy, forced)
     if len(plans) >= _PLANS_CAP:
         plans.clear()
     plans[key] = got
@@ -382,8 +388,11 @@ def typed_send(comm, buf, dest, datatype, count=1, tag=0, strategy=None, timeout
         w = _send_wire(comm, buf, dest, datatype, count, strategy, "send")
         tp = None
     else:
-        w = _host_send_wire(comm, buf, pl, count)
         tp = _direct(comm, timeout)
+        if tp is not None and pl.s == "mpi":  # the hot path: MPI's own datatype engine, nothing staged
+            tp.send_checked((buf, count, comm._mpi_types.get(pl.t)), dest, tag)
+            return
+        w = _host_send_wire(comm, buf, pl, count)
     if tp is not None:  # the plan checked what MPITransport.send checks: its MPI step alone
         tp.send_checked(w, dest, tag)
     elif w is not None:
@@ -399,8 +408,11 @@ def typed_recv(comm, buf, source, datatype, count=1, tag=ANY_TAG, strategy=None,
         got = _recv_wire(comm, buf, source, datatype, count, strategy, "recv")
         tp = None
     else:
-        got = _host_recv_wire(comm, buf, pl, count, "recv")
         tp = _direct(comm, timeout)
+        if tp is not None and pl.s == "mpi":  # the hot path: MPI writes what arrives, no status to read
+            tp.recv_checked((buf, count, comm._mpi_types.get(pl.t)), source, tag, status=False)
+            return
+        got = _host_recv_wire(comm, buf, pl, count, "recv")
     if got is None:
         return
     if tp is not None:  # as for the send: MPITransport.recv's MPI step alone

@@ -396,8 +396,9 @@ class Transport(ABC):
         checks and staging here.  Default: :meth:`send`."""
         self.send(wire, dest, tag)
 
-    def recv_checked(self, wire: "Wire", source: int, tag: int = 0):
-        """:meth:`send_checked`'s receive; returns what :meth:`recv` returns."""
+    def recv_checked(self, wire: "Wire", source: int, tag: int = 0, *, status: bool = True):
+        """:meth:`send_checked`'s receive; returns what :meth:`recv` returns
+        (``status=False``: the caller needs no status, and may get None)."""
         return self.recv(wire, source, tag)
 
     #: a tag allocator of its own for first rounds (argument agreement), counted

@@ -252,19 +252,20 @@ class MPITransport(Transport):
         call with no timeout (else :meth:`send`)."""
         obj, count, dt = wire
         try:
-            self.comm.Send([obj, count, MPI.PACKED if dt == "packed" else dt], dest, tag)
+            self.comm.Send([obj, count, MPI.PACKED if type(dt) is str else dt], dest, tag)
         except MPI.Exception as exc:
             raise_classified(exc, (), self._rank, "send")
 
-    def recv_checked(self, wire: Wire, source: int, tag: int = 0) -> MPI.Status:
+    def recv_checked(self, wire: Wire, source: int, tag: int = 0, *, status: bool = True) -> MPI.Status | None:
         """:meth:`send_checked`'s receive, into a checked, writable host ``wire``;
-        returns the ``MPI.Status`` (a truncated message raises as :meth:`recv` does)."""
+        returns the ``MPI.Status`` (None with ``status=False``: ``MPI_STATUS_IGNORE``);
+        a truncated message raises as :meth:`recv` does."""
         obj, count, dt = wire
-        status = MPI.Status()
+        status = MPI.Status() if status else None
         try:
-            self.comm.Recv([obj, count, MPI.PACKED if dt == "packed" else dt], source, tag, status)
+            self.comm.Recv([obj, count, MPI.PACKED if type(dt) is str else dt], source, tag, status)
         except MPI.Exception as exc:
-            raise_completion_error(exc, (status,), self._rank, "recv")
+            raise_completion_error(exc, (status,) if status is not None else (), self._rank, "recv")
         return status
 
     def recv(self, buf, source: int, tag: int = 0, *, timeout: float | None = None) -> MPI.Status:

@@ -3,9 +3,9 @@
 :func:`decode` walks ``MPI_Type_get_envelope`` / ``MPI_Type_get_contents``
 (mpi4py's ``Datatype.decode()``) recursively into a :class:`Decoded` tree of
 plain values, freeing every inner handle that ``decode()`` returns (never a
-predefined one).  The tree holds no commlib types: :mod:`.types` builds them
-from it (:func:`commlib.datatypes.from_mpi`), so imports go one way, types ->
-mpi.  :func:`cached` / :func:`cache` keep the built type on the handle as an MPI
+predefined one).  The tree holds no commlib types: :mod:`.constructors` builds
+them from it (:func:`commlib.datatypes.from_mpi`), so imports go one way,
+constructors -> mpi.  :func:`cached` / :func:`cache` keep the built type on the handle as an MPI
 attribute (predefined handles in a dict), so later calls on the same handle
 cost one lookup and a freed-then-reused handle can never hit a stale entry.
 """

@@ -19,7 +19,7 @@ from commlib.core.seconds import Deadline
 from .recovery import ON_FAILURE, FaultTolerance, TimeoutPolicy, run
 from .snapshot import LazySnapshot  # noqa: F401 - re-exported: the runner and algorithms take one
 from .ulfm import UlfmPolicy, recover
-from .watchdog import FAILSTOP_EXIT_STATUS, _Watchdog  # noqa: F401 - re-exported (tests)
+from .watchdog import FAILSTOP_EXIT_STATUS, Watchdog  # noqa: F401 - re-exported (tests)
 
 __all__ = ["FaultTolerance", "run_collective", "recover", "policy_for", "ON_FAILURE", "LazySnapshot"]
 

@@ -47,7 +47,7 @@ from commlib.core.errors import CommError, CommTimeout, InvalidArgument, Process
 from commlib.core.seconds import Deadline
 
 from .recovery import FaultTolerance, Outcome, RecoveryPolicy
-from .watchdog import _Watch, watchdog
+from .watchdog import Watch, watchdog
 
 __all__ = ["UlfmPolicy", "recover"]
 
@@ -240,7 +240,7 @@ def recover(comm) -> tuple:
     wd = watchdog(ft.process)
     w = None
     if wd is not None:  # every step bounded: a wedged MPI fails this rank
-        w = _Watch(tp, "recover", comm.rank, time.monotonic())
+        w = Watch(tp, "recover", comm.rank, time.monotonic())
         wd.step(w, "revoke", config.ft_grace)
     try:
         tp.revoke()

@@ -1,6 +1,6 @@
 """The fault-tolerant calls' watchdog: every blocking step bounded, a wedged rank fails itself.
 
-NCCL's watchdog idea on ULFM's revoke: see :class:`_Watchdog`.  Used by the
+NCCL's watchdog idea on ULFM's revoke: see :class:`Watchdog`.  Used by the
 ULFM recovery policy (:mod:`commlib.collectives.ulfm`); it calls nothing but
 the transport's ``revoke()``.
 """
@@ -18,10 +18,10 @@ __all__ = ["FAILSTOP_EXIT_STATUS", "watchdog"]
 
 FAILSTOP_EXIT_STATUS = 70
 """Exit status of a rank the watchdog ends because MPI stopped making progress
-(``EX_SOFTWARE`` of sysexits.h); see :class:`_Watchdog` and docs/FAULTS.md."""
+(``EX_SOFTWARE`` of sysexits.h); see :class:`Watchdog` and docs/FAULTS.md."""
 
 
-class _Watch:
+class Watch:
     """One armed fault-tolerant call: the thread running it, its current
     blocking step and that step's deadlines (``time.monotonic()`` seconds).
 
@@ -31,7 +31,7 @@ class _Watch:
     spins (waiting for a peer the watchdog of which will fail it first);
     ``check``: when the watchdog next samples the thread's CPU time;
     ``pcheck``: when it next samples the whole process's CPU time (the steps
-    that wait for peers only: see :meth:`_Watchdog._process_check`), and
+    that wait for peers only: see :meth:`Watchdog._process_check`), and
     ``psamples`` those samples, ``(time, process CPU seconds)``.
     """
 
@@ -105,10 +105,10 @@ def _cpu(clock):
         return None
 
 
-class _Watchdog:
+class Watchdog:
     """Bounds every blocking step of the fault-tolerant calls of this process.
 
-    One daemon thread per process watches every armed call (:class:`_Watch`;
+    One daemon thread per process watches every armed call (:class:`Watch`;
     several threads may run fault-tolerant calls at once, e.g. a non-blocking
     collective's worker).  With ``T`` = ``timeout`` and ``G`` =
     ``COMMLIB_FT_GRACE``:
@@ -157,7 +157,7 @@ class _Watchdog:
 
     def __init__(self, exit: Callable[[str], None] | None = None):
         self._cv = threading.Condition()
-        self._watches: set[_Watch] = set()
+        self._watches: set[Watch] = set()
         self._wake: float | None = None  # when the thread wakes next
         self._idle = 60.0  # seconds the thread sleeps while nothing is armed
         self._thread: threading.Thread | None = None
@@ -172,11 +172,11 @@ class _Watchdog:
             self._cv.notify()
 
     def arm(self, tp, timeout: float, op: str = "collective", rank=None,
-            grace: float | None = None) -> _Watch:
+            grace: float | None = None) -> Watch:
         """Watch an attempt on transport ``tp`` by the calling thread: revoke
         after ``timeout`` seconds, hard bound ``timeout + grace``."""
         now = time.monotonic()
-        w = _Watch(tp, op, rank, now)
+        w = Watch(tp, op, rank, now)
         w.grace = config.ft_grace if grace is None else grace
         w.soft = now + timeout
         w.bound(now, timeout + w.grace, w.grace)
@@ -186,7 +186,7 @@ class _Watchdog:
             self._start_or_notify(w.soft)
         return w
 
-    def step(self, w: _Watch, step: str, hard: float | None, tp=None) -> bool:
+    def step(self, w: Watch, step: str, hard: float | None, tp=None) -> bool:
         """Move ``w`` to a new blocking step with only a hard bound of ``hard``
         seconds from now (None or 0: unbounded); re-adds a disarmed watch.
         The shrink also gets the process-idle test (:meth:`_process_check`)
@@ -206,7 +206,7 @@ class _Watchdog:
             self._start_or_notify(w.due())
             return w.fired
 
-    def disarm(self, w: _Watch) -> bool:
+    def disarm(self, w: Watch) -> bool:
         """Stop watching ``w``; True when its attempt's soft deadline passed
         (its communicator was revoked)."""
         with self._cv:
@@ -248,7 +248,7 @@ class _Watchdog:
                     if w.pcheck is not None and now >= w.pcheck and w in self._watches:
                         self._process_check(w, now)
 
-    def _check(self, w: _Watch, now: float) -> None:
+    def _check(self, w: Watch, now: float) -> None:
         cpu = _cpu(w.clock)
         revoking = w.revoking
         if now >= w.cap:
@@ -264,7 +264,7 @@ class _Watchdog:
             w.mark = (now, cpu)
             w.check = min(max(w.hard, now + w.grace), w.cap)
 
-    def _process_check(self, w: _Watch, now: float) -> None:
+    def _process_check(self, w: Watch, now: float) -> None:
         """The process-idle test of the shrink: sampled every
         half window (window ``W`` = ``G`` x :data:`_PROCESS_IDLE_WINDOW`), it
         fails the rank when all its threads together used under
@@ -293,7 +293,7 @@ class _Watchdog:
             return
         w.pcheck = now + window / 2
 
-    def _failstop(self, w: _Watch, now: float, why: str) -> None:
+    def _failstop(self, w: Watch, now: float, why: str) -> None:
         self._watches.discard(w)
         w.check = w.soft = w.pcheck = None
         world = "?" if _WORLD_RANK is None else _WORLD_RANK
@@ -325,10 +325,10 @@ def _revoke_quietly(tp, w=None) -> None:
 
 
 _WORLD_RANK = None  # COMM_WORLD rank, cached: the fail-stop path makes no MPI call
-_WATCHDOG: _Watchdog | None = None
+_WATCHDOG: Watchdog | None = None
 
 
-def watchdog(process) -> _Watchdog | None:
+def watchdog(process) -> Watchdog | None:
     """The process's watchdog, or None without ``MPI_THREAD_MULTIPLE`` or with
     ``COMMLIB_FT_WATCHDOG=0`` (then every wait is polled and bounded).
 
@@ -342,5 +342,5 @@ def watchdog(process) -> _Watchdog | None:
         if process is None or not config.ft_watchdog or not process.thread_multiple():
             return None
         _WORLD_RANK = process.world_rank()
-        _WATCHDOG = _Watchdog()
+        _WATCHDOG = Watchdog()
     return _WATCHDOG

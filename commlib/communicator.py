@@ -25,7 +25,7 @@ from commlib.core.seconds import check_timeout, timeout_problem
 from commlib.core.tags import check_user_tag
 from commlib.transports.base import Request, wait_all
 from commlib.transports.mpi import MPIRequest, MPITransport, dims_create
-from commlib.typed_p2p import _MPITypes, typed_irecv, typed_isend, typed_recv, typed_send, typed_sendrecv
+from commlib.typed_p2p import MPITypes, typed_irecv, typed_isend, typed_recv, typed_send, typed_sendrecv
 
 __all__ = ["Communicator", "CartCommunicator", "init", "compute_dims", "PROC_NULL", "ANY_SOURCE", "ANY_TAG"]
 
@@ -58,7 +58,7 @@ class Communicator(CollectiveMixin):
         self._strategy_memo: dict = {}
         self._typed_plans: dict = {}  # typed point to point's cached host plans (commlib.typed_p2p)
         self._worker = None
-        self._mpi_types = _MPITypes()
+        self._mpi_types = MPITypes()
 
     @property
     def mpi_comm(self) -> MPI.Comm:

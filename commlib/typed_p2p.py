@@ -79,7 +79,7 @@ def locality_of(comm, peer: int) -> str:
     return "intra" if peer in comm.transport.node_peers else "inter"
 
 
-class _MPITypes:
+class MPITypes:
     """Committed MPI types of commlib datatypes, per communicator, freed with it
     (not an ``lru_cache`` that keeps every committed type for ever)."""
 

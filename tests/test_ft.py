@@ -299,10 +299,10 @@ class _StubTransport:
 
 
 def _hooked_watchdog():
-    from commlib.collectives.ft import _Watchdog
+    from commlib.collectives.ft import Watchdog
 
     stops = []
-    return _Watchdog(exit=stops.append), stops
+    return Watchdog(exit=stops.append), stops
 
 
 @pytest.mark.timeout(30)
@@ -448,11 +448,11 @@ _FAILSTOP_SCRIPT = r"""
 import ctypes, sys, time
 import mpi4py
 mpi4py.rc.initialize = False
-from commlib.collectives.ft import _Watchdog
+from commlib.collectives.ft import Watchdog
 class Wedged:
     def revoke(self):
         time.sleep(3600)
-wd = _Watchdog()
+wd = Watchdog()
 wd.arm(Wedged(), 0.5, "allreduce", 4, grace=0.5)
 if sys.argv[1] == "c":
     ctypes.CDLL(None).sleep(60)  # stuck in a C call that released the GIL, as mpi4py's MPI calls do

@@ -8,6 +8,7 @@
   communicator-creation or ULFM call on an mpi4py object.
 """
 import importlib
+import importlib.util
 import os
 import re
 import shutil
@@ -212,3 +213,56 @@ def test_contract_scan_catches_a_leak():
     got = _contract_offenders([("x.py", code)], _contract_names())
     assert [g.split(": ")[1] for g in got] == [".comm (in f)", ".tcp_only_thing (in f)"], got
     assert TOPOLOGY_CALL.search("self.mpi_comm.Get_coords(3)") and not TOPOLOGY_CALL.search("tp.cart_shift(0, 1)")
+
+
+#: the largest source file of the package, lines (issue 41: one concern a file)
+MAX_LINES = 800
+
+
+def _private_imports(path: str) -> list[str]:
+    """``from M import _name`` of a private *name* of another module in ``path``
+    (a private submodule of a package, ``from . import _host``, is allowed: its
+    package is its scope)."""
+    import ast
+
+    tree = ast.parse(open(path).read(), path)
+    out = []
+    here = os.path.dirname(path)
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        for alias in node.names:
+            name = alias.name
+            if not name.startswith("_") or name.startswith("__"):
+                continue
+            if node.level:
+                pkg = here
+                for _ in range(node.level - 1):
+                    pkg = os.path.dirname(pkg)
+                pkg = os.path.join(pkg, *(node.module or "").split(".")) if node.module else pkg
+                if os.path.exists(os.path.join(pkg, name + ".py")) or os.path.isdir(os.path.join(pkg, name)):
+                    continue  # a private submodule of that package
+            else:
+                try:
+                    if importlib.util.find_spec(f"{node.module}.{name}") is not None:
+                        continue  # a private submodule, named absolutely
+                except (ImportError, ValueError):
+                    pass
+            out.append(f"{os.path.basename(path)}:{node.lineno}: from {'.' * node.level}{node.module or ''} "
+                       f"import {name}")
+    return out
+
+
+def test_files_and_private_names():
+    """No source file over MAX_LINES lines; no private name imported across modules."""
+    long = [f"{p} ({n} lines)" for _, p in _sources() if (n := sum(1 for _ in open(p))) > MAX_LINES]
+    assert not long, f"source files over {MAX_LINES} lines: {long}"
+    private = [hit for _, p in _sources() for hit in _private_imports(p)]
+    assert not private, f"private names imported across modules: {private}"
+
+
+def test_private_import_scan_catches_one(tmp_path):
+    bad = tmp_path / "m.py"
+    bad.write_text("from commlib.typed_p2p import _MPITypes\nfrom . import _helper\n")
+    (tmp_path / "_helper.py").write_text("")
+    assert _private_imports(str(bad)) == ["m.py:1: from commlib.typed_p2p import _MPITypes"]

@@ -55,7 +55,7 @@ from commlib.core.errors import (AuthenticationError, CommTimeout, EncryptionMis
                                  NoHandshakeSlot, SecretError, SilentPort)
 
 from .tcp_frames import (HEADER, K_BUSY, K_CHALLENGE, K_PROOF, K_RESPONSE, MAGIC, VERSION, Connection, FrameError,
-                         _send_all, pack_ctrl, parse_address, tune_socket, unpack_ctrl)
+                         send_all, pack_ctrl, parse_address, tune_socket, unpack_ctrl)
 
 __all__ = [
     "PREAUTH_MAX", "NONCE", "MAC", "KX", "HANDSHAKE_TIMEOUT", "MAX_PENDING", "PER_SOURCE", "read_secret",
@@ -372,7 +372,7 @@ def _finish(sock: socket.socket, hs: _ServerHandshake, deadline: float) -> Conne
         pass
     conn = Connection(sock)
     try:
-        _send_all(sock, hs.proof, deadline)
+        send_all(sock, hs.proof, deadline)
     except Exception:  # noqa: BLE001
         conn.close()
         return None
@@ -399,7 +399,7 @@ def server_handshake(sock: socket.socket, secret: bytes, *, timeout: float = HAN
     conn = Connection(sock)
     hs = _ServerHandshake(secret, encrypt)
     try:
-        _send_all(sock, hs.challenge, deadline)
+        send_all(sock, hs.challenge, deadline)
         from .tcp_frames import recv_exact  # noqa: PLC0415 - a helper of the frames module
         while not hs.feed(bytes(recv_exact(sock, hs.want(), deadline))):
             pass

@@ -178,7 +178,7 @@ def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> by
     return buf
 
 
-def _send_all(sock: socket.socket, data, deadline: float | None = None) -> None:
+def send_all(sock: socket.socket, data, deadline: float | None = None) -> None:
     """Write all of ``data`` (bytes-like) to ``sock``, waiting at most until
     ``deadline`` (None: a plain blocking ``sendall``; else ``MSG_DONTWAIT`` sends
     and bounded ``poll`` waits)."""
@@ -243,7 +243,7 @@ class Connection:
                 if self.tx is not None or n <= 65536:  # sealing (or a small frame): one buffer
                     mv = parts[0] if len(parts) == 1 else b"".join(parts)
                     data = self._frame_bytes(kind, mv, epoch, tag, chunk, stream)
-                    _send_all(self.sock, data, deadline)
+                    send_all(self.sock, data, deadline)
                     return len(data)
                 return self._send_parts_locked(kind, parts, n, epoch, tag, chunk, stream, deadline)
             except BaseException:
@@ -264,7 +264,7 @@ class Connection:
             if sent >= len(v):
                 sent -= len(v)
                 continue
-            _send_all(self.sock, v[sent:], deadline)
+            send_all(self.sock, v[sent:], deadline)
             sent = 0
         return HEADER.size + n
 
@@ -312,7 +312,7 @@ class Connection:
             if self.closed:
                 raise ConnectionError("connection closed")
             try:
-                _send_all(self.sock, data)
+                send_all(self.sock, data)
             except BaseException:
                 self._close_locked()
                 raise

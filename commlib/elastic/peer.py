@@ -439,13 +439,25 @@ class Peer(ElasticGroup, StateSync):
                     self._sweep_fetches_locked()  # parked fetch connections past their deadline
             time.sleep(HEARTBEAT_INTERVAL)
 
-    def _send(self, msg) -> None:
+    def _send(self, msg, timeout: float | None = None, op: str = "elastic") -> None:
+        """Send ``msg`` to the master, the write bounded by ``timeout`` seconds (a
+        call's: what is left of its deadline; None: the peer's ``timeout``).
+
+        Raises:
+            PeerClosed: this peer was closed.
+            CommTimeout: the write did not finish in time (a master that reads
+                nothing); the control connection is closed (the master is lost).
+            CommError: the connection failed."""
+        bound = self.timeout if timeout is None else max(timeout, 0.001)
         try:
-            self._conn.send_ctrl(msg, timeout=self.timeout)
+            self._conn.send_ctrl(msg, timeout=bound)
         except Exception as exc:  # noqa: BLE001
             if self._closed:
-                raise PeerClosed("this peer was closed (close() was called)", rank=self.rank, op="elastic") from None
-            raise CommError(f"lost the master ({type(exc).__name__})", rank=self.rank, op="elastic") from None
+                raise PeerClosed("this peer was closed (close() was called)", rank=self.rank, op=op) from None
+            if isinstance(exc, TimeoutError):
+                raise CommTimeout(f"the master took no message within {bound:.3g} s (it reads nothing): lost the "
+                                  "master", rank=self.rank, op=op) from None
+            raise CommError(f"lost the master ({type(exc).__name__})", rank=self.rank, op=op) from None
 
     def _call_given_up(self, s: int, kind: str, why: str, pid: int) -> None:
         """Record that member ``pid`` gave up call ``s`` (under ``_cv``); a wait
@@ -683,7 +695,7 @@ class Peer(ElasticGroup, StateSync):
         with self._cv:
             self._voted = None
         deadline = Deadline(timeout, op="update_topology")  # one bound for the whole call
-        self._send({"t": VOTE})
+        self._send({"t": VOTE}, deadline.left(), "update_topology")
         e = self._wait(lambda: self._voted, deadline.left(), "update_topology")
         self._wait(lambda: True if self._latest is not None and self._latest.epoch >= e else None, deadline.left(),
                    "update_topology")

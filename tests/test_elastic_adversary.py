@@ -422,6 +422,155 @@ def test_silent_port_named():
         srv.close()
 
 
+# ------------------------------------------- connect: one deadline for the whole call
+#: connect's timeout in the tests below, and the bound of issue 41: the call raises
+#: within timeout + 0.5 s whichever stage stalls
+CONNECT_TIMEOUT = 2.0
+CONNECT_BOUND = CONNECT_TIMEOUT + 0.5
+
+
+class StallingMaster:
+    """A fake master from plain sockets: each accepted connection is handed to
+    ``serve(sock, stop)`` on a thread of its own (``stop``: an Event set at
+    :meth:`close`, which a stall waits on)."""
+
+    def __init__(self, serve, backlog: int = 16):
+        self.srv = socket.socket()
+        self.srv.bind(("127.0.0.1", 0))
+        self.srv.listen(backlog)
+        self.address = f"127.0.0.1:{self.srv.getsockname()[1]}"
+        self.stop = threading.Event()
+        self.accepted, self.handshakes = [], []
+        threading.Thread(target=self._loop, args=(serve,), daemon=True).start()
+
+    def _loop(self, serve):
+        while not self.stop.is_set():
+            try:
+                s, _ = self.srv.accept()
+            except OSError:
+                return
+            self.accepted.append(s)
+            threading.Thread(target=serve, args=(self, s), daemon=True).start()
+
+    def handshake(self, s):
+        """The library's own server side of the authenticated handshake; the
+        connection is kept open (and never spoken to again)."""
+        conn = tcp_auth.server_handshake(s, SECRET, timeout=10)
+        assert conn is not None, "the fake master's handshake failed"
+        self.handshakes.append(conn)
+
+    def close(self):
+        self.stop.set()
+        for s in [self.srv, *self.accepted]:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+
+def _silent(master, s):
+    """Accepts (the kernel completed the connection) and never speaks."""
+
+
+def _no_welcome(master, s):
+    master.handshake(s)      # authenticated at once, then silence: no welcome
+
+
+def _slow_handshake_no_welcome(master, s):
+    master.stop.wait(CONNECT_TIMEOUT - 0.3)   # the stall under test: the challenge comes late
+    if not master.stop.is_set():
+        master.handshake(s)  # then no welcome: the welcome's wait gets what is left, no more
+
+
+def _busy_then_silent(master, s):
+    if len(master.accepted) <= 2:  # the first two connections: BUSY (connect retries), then silence
+        s.sendall(tcp.HEADER.pack(tcp.MAGIC, tcp.VERSION, tcp.K_BUSY, 0, 0, 0, 0, 0, 1) + b"\x01")
+        s.close()
+
+
+def _timed_connect(address, **kw):
+    """``(error, seconds)`` of a connect that must fail."""
+    t0 = time.monotonic()
+    with pytest.raises(commlib.CommError) as info:
+        el.connect(address, secret=SECRET, timeout=CONNECT_TIMEOUT, **kw)
+    return info.value, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("stage, serve, error, words, job", [
+    ("accepts, never speaks", _silent, el.SilentPort, "no challenge", None),
+    ("handshake, no welcome", _no_welcome, commlib.CommTimeout, "no welcome", None),
+    ("handshake, job, no welcome", _no_welcome, commlib.CommTimeout, "no welcome", b"job-1"),
+    ("slow handshake, no welcome", _slow_handshake_no_welcome, commlib.CommTimeout, "no welcome", None),
+    ("slow handshake, job, no welcome", _slow_handshake_no_welcome, commlib.CommTimeout, "no welcome", b"job-1"),
+    ("busy twice, then silent", _busy_then_silent, el.SilentPort, "no challenge", None),
+], ids=["silent", "no-welcome", "job-no-welcome", "late-handshake", "job-late-handshake", "busy-then-silent"])
+def test_connect_timeout_is_the_deadline_of_the_whole_call(stage, serve, error, words, job):
+    """Issue 41: connect's ``timeout`` bounds the whole call.  A fake master stalls
+    one stage (the challenge, the welcome after a prompt or a late handshake, with
+    and without a job, the retries after BUSY): connect(timeout=2) raises that
+    stage's error no earlier than the timeout and within timeout + 0.5 s (the
+    welcome's wait used to get at least 1 s of its own: 2.7 s after a late
+    handshake)."""
+    master = StallingMaster(serve)
+    try:
+        exc, dt = _timed_connect(master.address, job=job)
+        assert isinstance(exc, error) and words in str(exc), (stage, exc)
+        assert not isinstance(exc, el.AuthError), (stage, exc)
+        assert CONNECT_TIMEOUT - 0.05 <= dt <= CONNECT_BOUND, (stage, dt)
+        if serve in (_no_welcome, _slow_handshake_no_welcome):
+            assert len(master.handshakes) == 1, "the stall under test is the welcome's: the handshake must complete"
+        if serve is _busy_then_silent:
+            assert len(master.accepted) == 3, master.accepted  # retried past the two BUSY replies
+    finally:
+        master.close()
+
+
+def test_connect_to_a_flooded_backlog_times_out_within_the_bound():
+    """A listener whose accept queue is full (a flood of connections nobody
+    accepts): the kernel drops the SYNs, so the TCP connection itself never
+    completes.  connect(timeout=2) raises CommTimeout (a stall, not "cannot
+    reach") within timeout + 0.5 s."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(0)          # one connection fills the queue; nothing is ever accepted
+    addr = srv.getsockname()
+    fillers = [socket.create_connection(addr, timeout=5)]
+    for _ in range(4):     # and SYNs waiting their retransmission (their connects never complete)
+        c = socket.socket()
+        c.setblocking(False)
+        c.connect_ex(addr)
+        fillers.append(c)
+    try:
+        exc, dt = _timed_connect(f"127.0.0.1:{addr[1]}")
+        assert isinstance(exc, commlib.CommTimeout) and "cannot reach the master" in str(exc), exc
+        assert exc.op == "connect"
+        assert CONNECT_TIMEOUT - 0.05 <= dt <= CONNECT_BOUND, dt
+    finally:
+        for c in fillers:
+            c.close()
+        srv.close()
+
+
+def test_connect_to_a_master_whose_probe_stalls_times_out_within_the_bound():
+    """A real master whose probe of the joiner's data address stalls (``advertise``
+    names a port that accepts and never speaks; the master's probe_timeout is 10 s):
+    connect(timeout=2) raises CommTimeout naming the welcome within timeout + 0.5 s,
+    and the master admits nobody."""
+    master = el.Master(secret=SECRET, probe_timeout=10.0).start()
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        exc, dt = _timed_connect(master.address, advertise=f"127.0.0.1:{silent.getsockname()[1]}")
+        assert isinstance(exc, commlib.CommTimeout) and "no welcome" in str(exc), exc
+        assert CONNECT_TIMEOUT - 0.05 <= dt <= CONNECT_BOUND, dt
+        assert not master._peers
+    finally:
+        silent.close()
+        master.stop()
+
+
 def test_wrong_secret_and_use_after_close_named():
     master, peers = group(2)
     try:

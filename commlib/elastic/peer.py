@@ -132,8 +132,10 @@ class Peer(ElasticGroup, StateSync):
         # the master's probe of this peer's data address carries this token; the listener
         # answers it (and nothing else) until the master's welcome (_on_data_conn)
         self._probe_token: bytes | None = os.urandom(PROBE_TOKEN)
-        deadline = time.monotonic() + timeout
-        sock = self._reach_master(address, timeout)
+        # one deadline for the whole call: reaching the master, the handshake and its
+        # retries, the job, the welcome (the master's probe of the data address included)
+        deadline = Deadline(timeout, op="connect")
+        sock = self._reach_master(address, deadline)
         local = sock.getsockname()[0]
         self._listener = tcp.Listener(bind or f"{local}:0", secret, self._on_data_conn, encrypt=encrypt)
         data = advertise or (self._listener.address if bind is None or not bind.startswith("0.0.0.0")
@@ -148,20 +150,22 @@ class Peer(ElasticGroup, StateSync):
                 tries += 1
                 try:
                     self._conn = tcp.client_handshake(sock, secret, hello, encrypt=encrypt, name=who,
-                                                      timeout=max(0.05, min(deadline - time.monotonic(), 10.0)))
+                                                      timeout=max(deadline.left(), 0.001))
                     break
                 except NoHandshakeSlot:
                     # the master's listener is flooded: back off (with jitter) and try again
                     # within the timeout; then say so (not "wrong secret")
                     delay = tcp.retry_delay(tries)
-                    if time.monotonic() + delay + 0.05 >= deadline:
+                    if deadline.left() <= delay + 0.05:
                         raise
                     time.sleep(delay)
-                    sock = self._reach_master(address, max(0.05, deadline - time.monotonic()))
+                    sock = self._reach_master(address, deadline)
+            stage = "the job"
             try:
                 if job is not None:
-                    self._conn.send_ctrl({"t": JOB, "job": job}, timeout=max(0.05, deadline - time.monotonic()))
-                kind, _, msg = self._conn.read_ctrl(deadline=max(deadline, time.monotonic() + 1.0), limit=1 << 16)
+                    self._conn.send_ctrl({"t": JOB, "job": job}, timeout=max(deadline.left(), 0.001))
+                stage = "the welcome"
+                kind, _, msg = self._conn.read_ctrl(deadline=deadline.at, limit=1 << 16)
                 if kind == tcp.K_CTRL and isinstance(msg, dict) and msg.get("t") == REFUSED:
                     self._conn.close()
                     theirs = msg.get("job")
@@ -170,11 +174,14 @@ class Peer(ElasticGroup, StateSync):
                     raise self._refused(msg.get("why"), data, advertise, bind)
                 if kind != tcp.K_CTRL or not isinstance(msg, dict) or msg.get("t") != WELCOME:
                     raise tcp.FrameError("expected welcome")
-            except socket.timeout:
+            except TimeoutError:
                 self._conn.close()
-                raise CommTimeout(f"{who} authenticated this peer but sent no welcome within {timeout:g} s (it "
-                                  f"first dials this peer's data address {data}, for up to its probe_timeout: "
-                                  "can the master reach it?)", op="connect") from None
+                if stage == "the job":
+                    raise CommTimeout(f"{who} authenticated this peer but did not take its job= within connect's "
+                                      f"{timeout:g} s timeout: a stalled master", op="connect") from None
+                raise CommTimeout(f"{who} authenticated this peer but sent no welcome within connect's {timeout:g} s "
+                                  f"timeout (it first dials this peer's data address {data}, for up to its "
+                                  "probe_timeout: can the master reach it?)", op="connect") from None
             except (tcp.FrameError, OSError) as exc:
                 self._conn.close()
                 raise AuthError(f"{who} closed the connection after authenticating this peer "
@@ -256,11 +263,38 @@ class Peer(ElasticGroup, StateSync):
         return InvalidArgument(text, op="connect") if bind is not None else CommError(text, op="connect")
 
     @staticmethod
-    def _reach_master(address: str, timeout: float) -> socket.socket:
+    def _reach_master(address: str, deadline: Deadline) -> socket.socket:
+        """A TCP connection to the master at ``address`` within what is left of
+        connect's ``deadline`` (one bound over every address the name resolves to).
+
+        Raises:
+            CommTimeout: no connection within the deadline (a flooded listener whose
+                backlog drops the connection, a silent network).
+            CommError: the master cannot be reached (refused, unreachable, an
+                address that does not resolve)."""
         try:
-            return tcp.open_socket(address, timeout)
+            host, port = tcp.parse_address(address)
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except OSError as exc:
             raise CommError(f"cannot reach the master at {address}: {exc}", op="connect") from None
+        last: OSError | None = None
+        for family, kind, proto, _, sockaddr in infos:
+            left = deadline.left()
+            if left <= 0:
+                break
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.settimeout(left)
+                sock.connect(sockaddr)
+                return sock
+            except OSError as exc:
+                sock.close()
+                last = exc
+        if last is None or isinstance(last, socket.timeout):
+            raise CommTimeout(f"cannot reach the master at {address}: no connection within connect's "
+                              f"{deadline.timeout:g} s timeout (a flooded or stalled master, a network that "
+                              "drops the connection)", op="connect")
+        raise CommError(f"cannot reach the master at {address}: {last}", op="connect") from None
 
     # properties --------------------------------------------------------------
     @property
@@ -405,13 +439,25 @@ class Peer(ElasticGroup, StateSync):
                     self._sweep_fetches_locked()  # parked fetch connections past their deadline
             time.sleep(HEARTBEAT_INTERVAL)
 
-    def _send(self, msg) -> None:
+    def _send(self, msg, timeout: float | None = None, op: str = "elastic") -> None:
+        """Send ``msg`` to the master, the write bounded by ``timeout`` seconds (a
+        call's: what is left of its deadline; None: the peer's ``timeout``).
+
+        Raises:
+            PeerClosed: this peer was closed.
+            CommTimeout: the write did not finish in time (a master that reads
+                nothing); the control connection is closed (the master is lost).
+            CommError: the connection failed."""
+        bound = self.timeout if timeout is None else max(timeout, 0.001)
         try:
-            self._conn.send_ctrl(msg, timeout=self.timeout)
+            self._conn.send_ctrl(msg, timeout=bound)
         except Exception as exc:  # noqa: BLE001
             if self._closed:
-                raise PeerClosed("this peer was closed (close() was called)", rank=self.rank, op="elastic") from None
-            raise CommError(f"lost the master ({type(exc).__name__})", rank=self.rank, op="elastic") from None
+                raise PeerClosed("this peer was closed (close() was called)", rank=self.rank, op=op) from None
+            if isinstance(exc, TimeoutError):
+                raise CommTimeout(f"the master took no message within {bound:.3g} s (it reads nothing): lost the "
+                                  "master", rank=self.rank, op=op) from None
+            raise CommError(f"lost the master ({type(exc).__name__})", rank=self.rank, op=op) from None
 
     def _call_given_up(self, s: int, kind: str, why: str, pid: int) -> None:
         """Record that member ``pid`` gave up call ``s`` (under ``_cv``); a wait
@@ -649,7 +695,7 @@ class Peer(ElasticGroup, StateSync):
         with self._cv:
             self._voted = None
         deadline = Deadline(timeout, op="update_topology")  # one bound for the whole call
-        self._send({"t": VOTE})
+        self._send({"t": VOTE}, deadline.left(), "update_topology")
         e = self._wait(lambda: self._voted, deadline.left(), "update_topology")
         self._wait(lambda: True if self._latest is not None and self._latest.epoch >= e else None, deadline.left(),
                    "update_topology")
@@ -733,7 +779,13 @@ def connect(address: str, secret: bytes | str | None = None, secret_file: str | 
             peer whose data address is a loopback address (on one machine more
             connections gained nothing measurable and add threads competing for the
             same cores: docs/ELASTIC.md), :data:`AUTO_STREAMS` (4) to any other.
-        timeout: seconds any single wait may take.
+        timeout: the deadline of the whole call, in seconds (> 0, finite): reaching
+            the master, the handshake and its retries, the job and the master's
+            welcome (after its probe of this peer's data address) share it, so
+            ``connect`` raises within ``timeout`` (plus scheduling slack) whichever
+            stage stalls.  It is also the peer's default ``timeout`` of its calls
+            (each call's own deadline).  The name lookup of the master's host is
+            not bounded by it.
         encrypt: seal every frame with AES-GCM (the master and all peers must agree).
         bind: ``host:port`` for this peer's data listener (default: the interface
             that reaches the master, any port).
@@ -767,11 +819,13 @@ def connect(address: str, secret: bytes | str | None = None, secret_file: str | 
             dial this peer's ``advertise`` (or ``bind``) address: the message names
             it and why ("the master could not dial advertise='h:p' (connection
             refused: ...)").
-        CommError: the master cannot be reached; or (neither ``advertise`` nor
-            ``bind`` given) the master could not dial this peer's data address.
-        CommTimeout: the master authenticated this peer but sent no answer
-            within ``timeout`` (its probe of the data address may take up to
-            its ``probe_timeout``).
+        CommError: the master cannot be reached (refused, unreachable, its name
+            does not resolve); or (neither ``advertise`` nor ``bind`` given) the
+            master could not dial this peer's data address.
+        CommTimeout: no TCP connection to the master within ``timeout`` (a full
+            backlog, a network that drops it), or the master authenticated this
+            peer but took no job / sent no answer within ``timeout`` (its probe of
+            the data address may take up to its ``probe_timeout``).
     """
     try:
         key = tcp.read_secret(secret, secret_file)

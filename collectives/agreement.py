@@ -55,7 +55,7 @@ def encode_row(values: Sequence[int], *, local_error: CommError | None = None, p
 def agree(transport, values: Sequence[int], *, op: str, local_error: CommError | None = None,
           payload: np.ndarray | None = None, capacity: int = 0, timeout: float | None = None,
           names: Sequence[str] = _hdr.FIELDS, describe: Callable[[str, int], object] | None = None,
-          exc_type=InvalidArgument, native: bool = True) -> np.ndarray:
+          exc_type=InvalidArgument, native: bool = True, gather=None) -> np.ndarray:
     """Check that every rank passed the same header and none erred; carry a small payload.
 
     Args:
@@ -73,6 +73,10 @@ def agree(transport, values: Sequence[int], *, op: str, local_error: CommError |
             depend on the timeout.
         names, describe: field names and a value formatter for the message.
         exc_type: the error class raised on the other ranks.
+        gather: the group's kept all-gather of rows of this size
+            (:class:`~commlib.collectives.first_round.FirstRoundRows`): the
+            native all-gather when ``timeout`` is None runs there (None: a
+            fresh ``native_allgather``).
 
     Returns:
         np.ndarray: uint8, shape ``(size, capacity)``: every rank's payload bytes.
@@ -89,7 +93,9 @@ def agree(transport, values: Sequence[int], *, op: str, local_error: CommError |
         rows = row
     else:
         rows = np.empty(n * rb, np.uint8)
-        if timeout is None and native and transport.has_native("allgather"):
+        if timeout is None and native and gather is not None:
+            rows = gather(row)
+        elif timeout is None and native and transport.has_native("allgather"):
             transport.native_allgather(row, rows)
         else:
             allgather_bruck(transport, row, rows, timeout=timeout)

@@ -321,7 +321,7 @@ class CollectiveMixin:
             CommTimeout: ``timeout`` passed (naming the rank and the operation).
             ProcessFailed: fault-tolerant mode and the root failed (every survivor).
         """
-        return self._engine().execute("bcast", buf, algorithm=algorithm, root=root, timeout=timeout)
+        return (self._coll_engine or self._engine()).bcast(buf, root, algorithm, timeout)
 
     def alltoall(self, sendbuf, recvbuf=None, algorithm: str = "auto", *, timeout: float | None = None):
         """Every rank sends block ``j`` of ``sendbuf`` to rank ``j`` (``MPI_Alltoall``).
@@ -375,7 +375,7 @@ class CollectiveMixin:
             CommTimeout: ``timeout`` passed (naming the rank and the operation).
             ProcessFailed: fault-tolerant mode, see ``commlib.init``.
         """
-        self._engine().barrier(algorithm, timeout)
+        (self._coll_engine or self._engine()).barrier(algorithm, timeout)
 
     def agree_arguments(self, values, names, *, op: str, local_error: CommError | None = None,
                         describe: Callable[[str, int], object] | None = None,

@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("mpi4py")
 
 from commlib.collective_api import ALGORITHMS  # noqa: E402
-from commlib.collectives.engine import SPECS, Engine, HostAllreduce  # noqa: E402
+from commlib.collectives.engine import SPECS, Engine, FirstRoundRows  # noqa: E402
 from commlib.core.agreement import FIELDS  # noqa: E402
 from commlib.core.tags import TagAllocator  # noqa: E402
 
@@ -53,6 +53,7 @@ class _Mirror:
     returns what was sent); every row that goes out is recorded."""
 
     size, rank, cuda_aware, fault_tolerant = 2, 0, False, False
+    first_round_tags = None
 
     def __init__(self):
         self.sent, self.pending = [], {}
@@ -64,6 +65,9 @@ class _Mirror:
     def native_allgather(self, row, rows):
         self.sent.append(np.array(row, copy=True).tobytes())
         rows.reshape(2, -1)[...] = row
+
+    def allgather_plan(self, row, rows):
+        return lambda: self.native_allgather(row, rows)
 
     def sendrecv(self, sendbuf, dest, recvbuf, source, sendtag=0, recvtag=0):
         np.asarray(recvbuf).reshape(-1)[...] = np.asarray(sendbuf).reshape(-1)
@@ -101,7 +105,7 @@ def test_cached_plan_sends_the_general_paths_row(count, algorithm, op):
     comm = _Comm()
     eng = Engine(comm)
     fast = eng.allreduce(x.copy(), np.empty_like(x), op=op, algorithm=algorithm)
-    assert eng._host.plans or eng._host.large_plans  # the call ran from a cached plan
+    assert eng._host.plans  # the call ran from a cached plan
     general = np.empty_like(x).view(_Sub)
     eng.execute("allreduce", x.copy().view(_Sub), general, op, algorithm)
     first_fast, first_general = comm.transport.sent[0], comm.transport.sent[1]
@@ -109,13 +113,15 @@ def test_cached_plan_sends_the_general_paths_row(count, algorithm, op):
     assert fast.tobytes() == np.asarray(general).tobytes()
 
 
-def test_host_plan_capacity():
+def test_first_round_rows_are_the_general_paths_geometry():
+    """The kept rows hold agree()'s row: the header, then small_capacity bytes."""
+    from commlib.collectives.agreement import encode_row
     from commlib.collectives.one_round import small_capacity
 
-    tp = _Mirror()
-    assert HostAllreduce(tp).cap == small_capacity(2)
-    with pytest.raises(ValueError):
-        HostAllreduce(tp, small_capacity(2) + 8)
+    kept = FirstRoundRows(_Mirror())
+    assert kept.cap == small_capacity(2)
+    assert kept.row.size == encode_row([0] * len(FIELDS), capacity=small_capacity(2)).size
+    assert kept.rows.shape == (2, kept.row.size)
 
 
 def test_front_ends_are_thin():

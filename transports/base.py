@@ -35,6 +35,7 @@ Requests are one handle type, :class:`Request`, which also speaks
 """
 from __future__ import annotations
 
+import functools
 import time
 from abc import ABC, abstractmethod
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -471,6 +472,16 @@ class Transport(ABC):
         its native collectives cannot take that dtype (default: None, no native
         collectives)."""
         return None
+
+    def allgather_plan(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> Callable[[], None]:
+        """A reusable all-gather of two host arrays the caller keeps: each call of
+        the returned function all-gathers ``sendbuf``'s bytes into ``recvbuf`` (as
+        :meth:`native_allgather`).  Making it is a collective call: every member
+        makes its plan at the same point of its sequence of collectives, and then
+        runs it wherever every other member runs the same plan (MPI-4.0 §6.12:
+        persistent collectives match only persistent collectives).  Default:
+        :meth:`native_allgather` at each call."""
+        return functools.partial(self.native_allgather, sendbuf, recvbuf)
 
     def has_native(self, what: str) -> bool:
         """True when ``native_<what>`` is implemented."""

@@ -33,7 +33,7 @@ from commlib.core.seconds import timeout_problem, wait_bound_ok
 
 from .base import CompletedRequest, Request, Transport, Wire, check_plain_dtype
 from .failures import is_process_failure, mpi_failed_ranks, raise_classified, to_comm_error
-from .mpi_ops import dims_create, mpi_op, native_op, op_name
+from .mpi_ops import dims_create, free_plans, mpi_op, native_op, op_name, persistent_allgather, shrunk_node_peers
 from .mpi_request import ABANDONED, MPIRequest, cancel_receive, copy_up, raise_completion_error
 
 _BYTE = MPI.BYTE
@@ -74,6 +74,7 @@ class MPITransport(Transport):
         self.cuda_aware = _detect(cuda_aware)
         self._statuses: list = []  # reused by waitall
         self._raw_lists: dict = {}  # id(list of persistent requests) -> (list, its MPI.Request objects)
+        self._plans: list = []  # persistent collectives of allgather_plan, freed by close()
         ub = comm.Get_attr(MPI.TAG_UB)
         self.tag_ub = int(ub) if ub is not None else 32767
         super().__init__()
@@ -583,6 +584,12 @@ class MPITransport(Transport):
         self._native("allgather", self.comm.Allgather, [sendbuf.view(np.uint8), n, _BYTE],
                      [recvbuf.view(np.uint8), n, _BYTE])
 
+    def allgather_plan(self, sendbuf, recvbuf):
+        """:meth:`Transport.allgather_plan`: a persistent ``MPI_Allgather_init``
+        (:func:`~.mpi_ops.persistent_allgather`), freed by :meth:`close`."""
+        run = persistent_allgather(self.comm, sendbuf, recvbuf, self._rank, self._plans)
+        return run if run is not None else super().allgather_plan(sendbuf, recvbuf)
+
     def native_bcast(self, buf, root: int) -> None:
         """``MPI_Bcast`` of the bytes of a host array."""
         self._native("bcast", self.comm.Bcast, [buf.view(np.uint8), buf.nbytes, _BYTE], root)
@@ -778,17 +785,12 @@ class MPITransport(Transport):
         # duplicates still posted (idup timed out): MPI can neither cancel nor free
         # them; the handles are kept for ever rather than dropped
         ABANDONED.extend(x for pair in self.__dict__.pop("_idups", ()) for x in pair)
+        free_plans(self._plans)
         if self.comm not in (MPI.COMM_WORLD, MPI.COMM_SELF) and self.comm != MPI.COMM_NULL:
             try:
                 self.comm.Free()
             except MPI.Exception as exc:  # pragma: no cover
                 raise CommError(f"MPI_Comm_free failed: {exc}", rank=self._rank, op="close") from exc
-
-
-def shrunk_node_peers(node_peers, kept) -> frozenset:
-    """The node peers after a shrink: new rank ``i`` was rank ``kept[i]`` before
-    it, and is on this rank's node exactly when that rank was."""
-    return frozenset(i for i, old in enumerate(kept) if old in node_peers)
 
 
 _KEPT: list = []  # buffers of sends a bounded wait gave up on (MPI may still read them)

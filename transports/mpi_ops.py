@@ -1,6 +1,8 @@
-"""Reductions and grid shapes for the MPI transport: ``MPI.Op`` by name, the
-native collectives' op for a dtype, the reverse lookup registered with
-:func:`commlib.transports.base.register_op_names`, and ``MPI_Dims_create``."""
+"""Reductions, grid shapes and persistent collectives for the MPI transport:
+``MPI.Op`` by name, the native collectives' op for a dtype, the reverse lookup
+registered with :func:`commlib.transports.base.register_op_names``,
+``MPI_Dims_create``, the node map after a shrink, and the persistent all-gather
+of :meth:`~commlib.transports.mpi.MPITransport.allgather_plan`."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,9 +11,12 @@ from mpi4py.util.dtlib import to_numpy_dtype
 
 from commlib.core.errors import InvalidArgument
 
+from .failures import raise_classified
+
 from .base import register_op_names
 
-__all__ = ["mpi_op", "native_op", "op_name", "dims_create"]
+__all__ = ["mpi_op", "native_op", "op_name", "dims_create", "shrunk_node_peers", "persistent_allgather",
+           "free_plans"]
 
 
 _OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX,
@@ -83,3 +88,42 @@ def dims_create(nnodes: int, dims) -> tuple[int, ...]:
         return tuple(int(x) for x in MPI.Compute_dims(int(nnodes), d))
     except MPI.Exception as exc:
         raise InvalidArgument(f"{nnodes} ranks cannot fill dims {d}: {exc}", op="compute_dims") from None
+
+
+def shrunk_node_peers(node_peers, kept) -> frozenset:
+    """The node peers after a shrink: new rank ``i`` was rank ``kept[i]`` before
+    it, and is on this rank's node exactly when that rank was."""
+    return frozenset(i for i, old in enumerate(kept) if old in node_peers)
+
+
+def persistent_allgather(comm: MPI.Comm, sendbuf, recvbuf, rank: int, keep: list):
+    """A function that runs one ``MPI_Allgather_init`` request (MPI-4.0 §6.12,
+    persistent collectives) of ``sendbuf`` into ``recvbuf`` (host arrays) each
+    time it is called: ``Start`` then ``Wait``, an MPI error classified as
+    ``native_allgather``'s.  The request is appended to ``keep`` (for
+    :func:`free_plans`).  None where the library or mpi4py has no persistent
+    collectives (MPI before 4.0): every rank alike, the library being one."""
+    try:
+        req = comm.Allgather_init(sendbuf, recvbuf)
+    except (AttributeError, NotImplementedError, MPI.Exception):
+        return None
+    keep.append(req)
+    start, wait = req.Start, req.Wait
+
+    def run() -> None:
+        try:
+            start()
+            wait()
+        except MPI.Exception as exc:
+            raise_classified(exc, (), rank, "allgather")
+
+    return run
+
+
+def free_plans(requests: list) -> None:
+    """Free the (inactive) persistent requests of :func:`persistent_allgather`."""
+    while requests:
+        try:
+            requests.pop().Free()
+        except MPI.Exception:  # noqa: PERF203 - a revoked or failed communicator: nothing left to free
+            pass

@@ -23,7 +23,6 @@ from commlib.core.seconds import check_timeout
 from .blocks import SUPPORTED_DTYPES, compute_dtype, get_array_module
 from .layout import layout_of
 from .spec import FORMATS, AttnSpec, MaskSpec, agree_spec
-from .window import effective_window, window_of
 
 __all__ = ["AttnSpec", "validate", "is_comm", "comm_last", "FORMATS", "in_format"]
 
@@ -255,6 +254,6 @@ def _validate_local(transport, q, k, v, *, causal, layout, softmax_scale, seq_le
                 raise bad(f"{name} must be float32 or float64, got {xd}")
         elif xd != dt:
             raise bad(f"{name} has dtype {xd}, expected {dt}")
-    mask = MaskSpec.of(causal, None, effective_window(window_of(window, bad), bool(causal), n))
+    mask = MaskSpec.checked(causal, total=n, bad=bad, window=window)
     return AttnSpec(op, rank, size, bsz, L, h, hk, d, dname, scale, mask, layout, qkv_format, n,
                     (("tile", int(tile)),), timeout, xp, np.dtype(q.dtype), compute_dtype(q.dtype))

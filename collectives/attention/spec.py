@@ -27,6 +27,7 @@ from commlib.core.errors import InvalidArgument
 
 from ..agreement import agree_call
 from .layout import LAYOUTS, Layout, agreement_bound
+from .window import effective_window, window_of
 
 __all__ = ["MaskSpec", "AttnSpec", "FIELDS", "DTYPES", "FORMATS", "DEVICES", "describe", "describe_grad",
            "agree_spec"]
@@ -67,6 +68,16 @@ class MaskSpec:
         """From validated values (``cu_seqlens`` any int sequence or array)."""
         cu = None if cu_seqlens is None else tuple(int(c) for c in np.asarray(cu_seqlens).reshape(-1))
         return cls(bool(causal), cu, None if window is None else (int(window[0]), int(window[1])))
+
+    @classmethod
+    def checked(cls, causal, *, total: int, bad, cu_seqlens=None, window=None) -> "MaskSpec":
+        """The mask of a call's arguments: ``window`` checked
+        (:func:`.window.window_of`: what ``bad(message)`` builds is raised)
+        and reduced to its effective value over ``total`` tokens
+        (:func:`.window.effective_window`); ``causal`` a checked bool,
+        ``cu_seqlens`` checked boundaries or None.  Both layers' validations
+        call this, so a new mask feature's check lands here too."""
+        return cls.of(causal, cu_seqlens, effective_window(window_of(window, bad), bool(causal), int(total)))
 
     def header(self) -> tuple:
         """The fields of :attr:`FIELDS` as ints: ``cu_seqlens`` by its length

@@ -295,7 +295,7 @@ def window_attention(tp, spec, q, k, v, *, causal, layout, window, tile, tag, ti
     :func:`.ring.ring_attention` returns them.
 
     Args:
-        tp: the call's transport; spec: its :class:`.common.AttnSpec`;
+        tp: the call's transport; spec: its :class:`.spec.AttnSpec`;
         q, k, v: the local shards; causal, layout, tile: the call's options;
         window: the :func:`effective_window`, not None; tag: the first of
         the call's two tags; timeout: its deadline; op: its name in errors;

@@ -20,7 +20,6 @@ from commlib.collectives.attention.layout import agreement_bound as agreement_ti
 from commlib.collectives.attention.layout import layout_of
 from commlib.collectives.attention.spec import ANY_GRAD, DEVICES, AttnSpec, MaskSpec, agree_spec, describe_grad
 from commlib.collectives.attention.spec import DTYPES as DTYPE_NAMES
-from commlib.collectives.attention.window import effective_window, window_of
 from commlib.core.errors import InvalidArgument
 from commlib.core.seconds import Deadline, timeout_problem
 
@@ -297,7 +296,7 @@ def validate(tp, q, k, v, *, op: str, causal, softmax_scale, layout, qkv_format,
         scale = softmax_scale_of(softmax_scale, d, bad)
         timeout = timeout_of(timeout, bad)
         cu = cu_seqlens_of(cu_seqlens, size * L, bad)
-        mask = MaskSpec.of(causal, cu, effective_window(window_of(window, bad), bool(causal), size * L))
+        mask = MaskSpec.checked(causal, total=size * L, bad=bad, cu_seqlens=cu, window=window)
         flags = grad_flags(q, k, v)
         opts = (("device", device_code(q.device)), ("requires_grad", ANY_GRAD if grads == "any" and flags else flags))
         spec = AttnSpec(op, rank, size, bsz, L, h, hk, d, DTYPE_NAMES[DTYPES.index(q.dtype)], scale, mask, lay,

@@ -333,7 +333,8 @@ class Sharding:
             ``(batch, heads, seq, head_dim)``).
 
     Attributes:
-        comm, layout, dim: as given; ``rank`` and ``size`` are the communicator's.
+        comm, dim: as given; layout: its :class:`~commlib.collectives.attention.layout.Layout`
+            (compares equal to its name); ``rank`` and ``size`` are the communicator's.
 
     Raises:
         InvalidArgument: ``comm`` not a communicator, an unknown layout, or

@@ -68,6 +68,7 @@ import commlib  # light: commlib.init etc. load on first use, after the command 
 # so --layout's choices come from the library's own LAYOUTS at no cost
 from commlib.collectives.attention import (
     LAYOUTS,
+    layout_of,
     local_seq_len,
     ring_attention,
     ring_attention_backward,
@@ -413,7 +414,7 @@ def _ulysses_degree(args, P):
 
 def _torch_problem(args, P, torch):
     """Why this rank cannot run the torch backend as asked (None: it can)."""
-    multiple = 2 * P if args.layout == "zigzag" else P
+    multiple = layout_of(args.layout).unit(P)
     if args.seq % multiple:
         return (f"--backend torch needs --seq divisible by {multiple} ({'2P' if multiple != P else 'P'} for the "
                 f"{args.layout} layout at P={P}), got {args.seq}")
@@ -477,7 +478,7 @@ def _run_torch(args, comm):
         torch.set_num_threads(args.threads)
     device = _local_device(args, torch)
     fn = _nn_function(args.algo)
-    multiple = 2 * P if args.layout == "zigzag" else P
+    multiple = layout_of(args.layout).unit(P)
     L = args.seq // P
     assert args.seq % multiple == 0
     pos = sequence_positions(args.layout, rank, P, L)

@@ -330,6 +330,38 @@ def test_mask_disagreement_named_alike(world):
         commlib.ring_attention(qn, kn, vn, world, window=(1, 1) if r == 0 else (2, 1))
 
 
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_qkv_format_disagreement_refused_everywhere(world):
+    """qkv_format is in the agreed spec: one rank passing SDPA's (B, H, S, D) with qkv_format='bhsd' while the
+    others pass (B, S, H, D) with 'bshd' (shapes that agree once read) gets InvalidArgument on every rank, in
+    every variant of both layers, before any K/V moves."""
+    p, r = world.size, world.rank
+    if p == 1:
+        pytest.skip("needs 2+ ranks")
+    Q, K, V, DO = _global(p, kv_heads=p, seed=6)
+    pos = torch.from_numpy(sequence_positions("contiguous", r, p, Q.shape[1] // p))
+    q, k, v, do = (x[:, pos] for x in (Q, K, V, DO))
+    fmt = "bhsd" if r == 0 else "bshd"
+    if fmt == "bhsd":
+        q, k, v, do = (x.transpose(1, 2) for x in (q, k, v, do))
+    for op, f in _kinds(p).items():
+        with pytest.raises(InvalidArgument, match=r"disagree.*qkv_format differs.*'bshd' and 'bhsd'") as ei:
+            f(q, k, v, world, qkv_format=fmt, layout="contiguous", timeout=60)
+        assert "ring_attention" in str(ei.value) if op in ("ring", "bidirectional") else op in str(ei.value)
+    module = cnn.SequenceParallelAttention(world, "ring", layout="contiguous", qkv_format=fmt, timeout=60)
+    with pytest.raises(InvalidArgument, match="qkv_format"):
+        module(q, k, v)
+    qn, kn, vn, don = (np.ascontiguousarray(x.numpy()) for x in (q, k, v, do))
+    lse = np.zeros((1, Q.shape[2], Q.shape[1] // p))
+    for fwd, bwd in ((commlib.ring_attention, commlib.ring_attention_backward),
+                     (commlib.ulysses_attention, commlib.ulysses_attention_backward)):
+        with pytest.raises(InvalidArgument, match=rf"{fwd.__name__}: ranks disagree.*qkv_format"):
+            fwd(qn, kn, vn, world, qkv_format=fmt, timeout=60)
+        with pytest.raises(InvalidArgument, match=rf"{bwd.__name__}: ranks disagree.*qkv_format"):
+            bwd(qn, kn, vn, qn, lse, don, world, qkv_format=fmt, timeout=60)
+
+
 def test_numpy_call_refuses_a_sharding(selfcomm):
     """commlib.nn.Sharding carries a layout the numpy calls would ignore: refused, pointing to layout=."""
     q = np.zeros((1, 4, 2, 8))

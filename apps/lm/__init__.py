@@ -63,6 +63,8 @@ import os
 import sys
 
 import commlib  # light: the errors only until init is used
+# the attention package imports numpy only: the layouts at no cost
+from commlib.collectives.attention import LAYOUTS, layout_of
 
 from .._cli import OneLineParser, unwritable, world_rank, world_size
 
@@ -71,7 +73,6 @@ __all__ = ["ATTENTIONS", "LAYOUTS", "PHASES", "pad_unit", "plan_attention", "bui
 ATTENTIONS = ("ring", "bidirectional", "ulysses", "hybrid")
 #: where in a step ``--kill`` strikes
 PHASES = ("forward", "backward", "allreduce", "optimizer", "eval")
-LAYOUTS = ("contiguous", "striped", "zigzag")
 DTYPES = ("float32", "bfloat16")
 #: --verify's default tolerance on the largest relative loss difference, per --dtype
 VERIFY_TOL = {"float32": 1e-4, "bfloat16": 1e-2}
@@ -178,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def pad_unit(layout: str, size: int) -> int:
     """Tokens of a sharded sequence must be a multiple of this (``P``; zigzag ``2P``)."""
-    return 2 * size if layout == "zigzag" else size
+    return layout_of(layout).unit(size)
 
 
 def _degree_fits(d: int, size: int, heads: int, kv_heads: int) -> bool:

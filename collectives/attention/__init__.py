@@ -22,7 +22,8 @@ Shapes: q ``(batch, seq_local, heads, head_dim)``, k and v
 float32, float64 in float64.
 """
 from .blocks import attention_backward, attention_forward, compute_dtype, get_array_module, tile_plan
-from .layout import LAYOUTS, local_seq_len, sequence_positions, shard_sequence, unshard_sequence
+from .layout import (LAYOUTS, Layout, layout_of, local_seq_len, sequence_positions, shard_sequence,
+                     unshard_sequence)
 from .ring import ring_attention, ring_attention_backward, ring_plan_work
 from .ulysses import alltoall_pairwise, ulysses_attention, ulysses_attention_backward
 
@@ -36,6 +37,8 @@ __all__ = [
     "sequence_positions",
     "local_seq_len",
     "LAYOUTS",
+    "Layout",
+    "layout_of",
     "attention_forward",
     "attention_backward",
     "ring_plan_work",

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -21,31 +20,11 @@ from commlib.core.buffer import as_buffer, cupy_usable
 from commlib.core.errors import CommError, InvalidArgument
 from commlib.core.seconds import check_timeout
 
-from ..agreement import agree_call
 from .blocks import SUPPORTED_DTYPES, compute_dtype, get_array_module
-from .layout import LAYOUTS, agreement_bound, check_layout, local_seq_len
-from .spec import MaskSpec, describe_with
-from .window import effective_window, window_of
+from .layout import layout_of
+from .spec import FORMATS, AttnSpec, MaskSpec, agree_spec
 
 __all__ = ["AttnSpec", "validate", "is_comm", "comm_last", "FORMATS", "in_format"]
-
-
-@dataclass
-class AttnSpec:
-    """Validated dimensions of an attention call."""
-
-    batch: int
-    seq_local: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    group: int
-    seq_len: int
-    scale: float
-    dtype: np.dtype
-    cdtype: np.dtype
-    xp: object
-    window: tuple | None = None   # the effective sliding window (.window.effective_window), or None
 
 
 def is_comm(x) -> bool:
@@ -106,11 +85,6 @@ def comm_last(op: str, arrays: tuple, comm, *, stacklevel: int = 3, sharding: bo
 
 _NAMES = {3: ("q", "k", "v"), 6: ("q", "k", "v", "out", "lse", "dout")}
 
-#: the tensor orders the attention calls take (Transformer Engine's names):
-#: ``(batch, seq, heads, head_dim)`` and SDPA's ``(batch, heads, seq, head_dim)``
-FORMATS = ("bshd", "bhsd")
-
-
 def in_format(qkv_format, *arrays):
     """Swap the 4-d arrays' axes 1 and 2 (a view) when ``qkv_format`` is
     ``"bhsd"``: the calls' inputs to ``"bshd"`` and their results back; lse
@@ -132,37 +106,6 @@ def _dtype_name(x) -> str:
         return np.dtype(x.dtype).name
     except TypeError:  # pragma: no cover - exotic dtype objects
         return str(x.dtype)
-
-
-#: the header fields of an attention call, in wire order
-_SIG_FIELDS = ("batch", "seq_local", "heads", "kv_heads", "head_dim", "dtype", "layout", "seq_len", "tile",
-               "softmax_scale") + MaskSpec.FIELDS
-
-
-def _header(spec: AttnSpec, causal, layout, tile) -> tuple:
-    """``spec`` and the options as the ints of :data:`_SIG_FIELDS` (the scale by its float64 bits)."""
-    return (spec.batch, spec.seq_local, spec.heads, spec.kv_heads, spec.head_dim,
-            SUPPORTED_DTYPES.index(spec.dtype.name), LAYOUTS.index(layout), spec.seq_len, int(tile),
-            int(np.float64(spec.scale).view(np.int64)), *MaskSpec.of(causal, None, spec.window).header())
-
-
-def _describe_attention(name: str, value: int):
-    """A header field's value as the caller wrote it (the mask's: :class:`.spec.MaskSpec`)."""
-    if name == "dtype":
-        return SUPPORTED_DTYPES[value]
-    if name == "layout":
-        return repr(LAYOUTS[value])
-    if name == "softmax_scale":
-        return float(np.int64(value).view(np.float64))
-    return value
-
-
-_describe = describe_with(_describe_attention)
-
-
-def _disagreement(message: str, *, rank, op) -> InvalidArgument:
-    return InvalidArgument(f"ranks disagree on the call ({message}); every rank must pass the same shapes, "
-                           "dtype and options", rank=rank, op=op)
 
 
 def as_array_api(*arrays):
@@ -188,11 +131,13 @@ def as_array_api(*arrays):
 
 
 def validate(transport, q, k, v, *, causal, layout, softmax_scale, seq_len, tile, op, extra=None,
-             timeout=None, window=None, problem=None) -> AttnSpec:
-    """Check an attention call on every rank together and return its :class:`AttnSpec`.
+             timeout=None, window=None, problem=None, qkv_format="bshd") -> AttnSpec:
+    """Check an attention call on every rank together and return its :class:`.spec.AttnSpec`.
 
     Args:
         transport: the call's transport (:func:`.transport.transport_of`).
+        layout: a name of :data:`.layout.LAYOUTS` or a :class:`.layout.Layout`
+            (the spec holds the Layout).
         timeout: the call's ``timeout``: None or a finite number of seconds
             > 0 (0, a poll, would strand the other ranks mid-ring).  Checked
             here so that a bad value on one rank is refused on every rank
@@ -201,36 +146,35 @@ def validate(transport, q, k, v, *, causal, layout, softmax_scale, seq_len, tile
             :func:`.window.window_of`); the spec holds its effective value.
         problem: a message the caller found wrong before (an unknown
             ``qkv_format``), raised first, agreed like the others.
+        qkv_format: the caller's tensor order (agreed: ranks passing
+            different orders are refused).
 
     Raises:
         InvalidArgument: on every rank alike when any rank's arguments are bad
             (that rank names its problem, the others name that rank) or when
             the ranks' shapes, dtypes or options differ.
     """
-    found, problem, spec = problem, None, None
+    found, refused, spec = problem, None, None
     try:
         if found is not None:
             raise InvalidArgument(found, rank=transport.rank, op=op)
         spec = _validate_local(transport, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
-                               seq_len=seq_len, tile=tile, op=op, extra=extra)
-        spec.window = effective_window(window_of(window, lambda msg: InvalidArgument(msg, rank=transport.rank,
-                                                                                     op=op)),
-                                       bool(causal), spec.seq_len)
+                               seq_len=seq_len, tile=tile, op=op, extra=extra, window=window, timeout=timeout,
+                               qkv_format=qkv_format)
         check_timeout(timeout, op=op, rank=transport.rank)
-        header = _header(spec, causal, layout, tile)
     except InvalidArgument as exc:
-        problem, header = exc, None
-    # One round (collectives.agreement.agree_call): did any rank refuse, and do
-    # the headers agree, in attention's words; bounded by the call's timeout (a
-    # rank that never makes the call must not strand the others).
-    agree_call(transport, header, op=op, names=_SIG_FIELDS, local_error=problem, timeout=agreement_bound(timeout),
-               describe=_describe, exc_type=_disagreement)
-    return spec
+        refused = exc
+    # one round: did any rank refuse, and do the specs agree, in attention's words
+    return agree_spec(transport, spec, refused, op=op, options=_OPTIONS, timeout=timeout)
 
 
+#: the numpy/CuPy calls' own agreed options (:attr:`.spec.AttnSpec.options`)
+_OPTIONS = ("tile",)
 
-def _validate_local(transport, q, k, v, *, causal, layout, softmax_scale, seq_len, tile, op, extra=None) -> AttnSpec:
-    """Check this rank's arguments and return its :class:`AttnSpec`.
+
+def _validate_local(transport, q, k, v, *, causal, layout, softmax_scale, seq_len, tile, op, extra=None,
+                    window=None, timeout=None, qkv_format="bshd") -> AttnSpec:
+    """Check this rank's arguments and return its :class:`.spec.AttnSpec`.
 
     Args:
         extra: ``{name: (array, expected_shape, dtype or None)}`` for the
@@ -245,7 +189,7 @@ def _validate_local(transport, q, k, v, *, causal, layout, softmax_scale, seq_le
     def bad(msg):
         return InvalidArgument(msg, rank=rank, op=op)
 
-    check_layout(layout, rank=rank, op=op)
+    layout = layout_of(layout, rank=rank, op=op)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise bad(f"{name} must be a numpy or CuPy array, got {type(x).__name__}")
@@ -275,15 +219,15 @@ def _validate_local(transport, q, k, v, *, causal, layout, softmax_scale, seq_le
         raise bad(f"k/v shape {tuple(k.shape)} does not match q shape {tuple(q.shape)} in batch, seq_local or head_dim")
     if hk < 1 or h % hk:
         raise bad(f"heads {h} is not a multiple of kv_heads {hk}")
-    if layout == "zigzag" and L % 2:
-        raise bad(f"zigzag needs an even seq_local, got {L} (pad with shard_sequence)")
+    if layout.seq_local_problem(L):
+        raise bad(f"{layout.seq_local_problem(L)} (pad with shard_sequence)")
     n = size * L if seq_len is None else seq_len
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
         raise bad(f"seq_len must be a non-negative int, got {seq_len!r}")
     n = int(n)
-    if local_seq_len(n, size, layout) != L:
+    if layout.local_seq_len(n, size) != L:
         raise bad(f"seq_local {L} does not match seq_len {n} on {size} ranks with layout {layout!r} "
-                  f"(expected {local_seq_len(n, size, layout)}; shard with shard_sequence)")
+                  f"(expected {layout.local_seq_len(n, size)}; shard with shard_sequence)")
     if softmax_scale is None:
         scale = d ** -0.5 if d else 1.0
     else:
@@ -310,4 +254,6 @@ def _validate_local(transport, q, k, v, *, causal, layout, softmax_scale, seq_le
                 raise bad(f"{name} must be float32 or float64, got {xd}")
         elif xd != dt:
             raise bad(f"{name} has dtype {xd}, expected {dt}")
-    return AttnSpec(bsz, L, h, hk, d, h // hk, n, scale, np.dtype(q.dtype), compute_dtype(q.dtype), xp)
+    mask = MaskSpec.checked(causal, total=n, bad=bad, window=window)
+    return AttnSpec(op, rank, size, bsz, L, h, hk, d, dname, scale, mask, layout, qkv_format, n,
+                    (("tile", int(tile)),), timeout, xp, np.dtype(q.dtype), compute_dtype(q.dtype))

@@ -20,6 +20,8 @@ striped) or ``2 * ceil(seq_len / (2P))`` (zigzag).
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from commlib.core.errors import InvalidArgument
@@ -32,25 +34,196 @@ from .transport import transport_of
 
 __all__ = [
     "LAYOUTS",
-    "check_layout",
+    "Layout",
+    "Contiguous",
+    "Striped",
+    "Zigzag",
+    "layout_of",
     "local_seq_len",
     "sequence_positions",
     "shard_sequence",
     "unshard_sequence",
 ]
 
+
+class Layout:
+    """How a global sequence is spread over ``P`` ranks: one object per
+    layout, parsed once from its name (:func:`layout_of`), owning everything
+    that depends on it.
+
+    Every method is pure (no communication) and the same on every rank:
+
+    * :meth:`positions` / :meth:`all_positions`: the padded-global positions
+      of a rank's local rows (ascending), and of every rank's (what the
+      window's halo exchange computes its rows from, :mod:`.window`);
+    * :meth:`unit` / :meth:`local_seq_len` / :meth:`seq_local_problem`: the
+      lengths the layout can shard;
+    * :meth:`local_start` / :meth:`gather_order`: shard and unshard (a
+      slice, or a reorder of the rank-order concatenation of the shards);
+    * :meth:`halves` / :meth:`piece_positions`: the two halves of a shard the
+      bidirectional ring schedule sends round opposite ways;
+    * :attr:`strided_groups`: which ranks form a Ulysses group of the
+      hybrid's grid (``commlib.nn.hybrid``).
+
+    Layouts compare equal to (and hash as) their name, and their ``repr``
+    is their name's, so messages and sets written with names keep working.
+
+    Attributes:
+        name: ``"contiguous"``, ``"striped"`` or ``"zigzag"``.
+        code: its index in :data:`LAYOUTS` (the agreed header's value).
+    """
+
+    name = ""
+    #: the hybrid's Ulysses groups are strided (``g, g + R, ...``) rather than consecutive ranks
+    strided_groups = False
+    #: tokens a shard's length must be a multiple of
+    _rows_unit = 1
+
+    @property
+    def code(self) -> int:
+        return LAYOUTS.index(self.name)
+
+    def unit(self, size: int) -> int:
+        """A global length this layout shards without padding is a multiple of this."""
+        return self._rows_unit * int(size)
+
+    def local_seq_len(self, seq_len: int, size: int) -> int:
+        """Tokens per rank, padding included, for a global length ``seq_len``."""
+        return self._rows_unit * -(-int(seq_len) // self.unit(size))
+
+    def seq_local_problem(self, seq_local: int):
+        """A message when ``seq_local`` rows cannot be a shard of this layout, else None."""
+        return None
+
+    def positions(self, rank: int, size: int, seq_local: int) -> np.ndarray:
+        """Padded-global positions (int64, ascending) of rank ``rank``'s ``seq_local`` rows."""
+        raise NotImplementedError
+
+    def all_positions(self, size: int, seq_local: int) -> tuple:
+        """Every rank's :meth:`positions` (cached: read-only arrays)."""
+        return _all_positions(self, int(size), int(seq_local))
+
+    def local_start(self, rank: int, size: int, seq_local: int):
+        """Where rank ``rank``'s rows start when they are one slice of the
+        global sequence (shard by slicing), else None (shard by index)."""
+        return None
+
+    def gather_order(self, size: int, seq_local: int):
+        """Where each global token sits in the rank-order concatenation of
+        the shards (int64 ``(P * L,)``), or None when that concatenation is
+        the natural order already."""
+        return np.argsort(np.concatenate(self.all_positions(size, seq_local)), kind="stable")
+
+    def halves(self, seq_local: int) -> tuple:
+        """Local row indices of a shard's two halves (bidirectional ring):
+        ``[0, ceil(L/2))`` and the rest; two sorted int64 arrays partitioning
+        ``range(L)``."""
+        h = -(-int(seq_local) // 2)
+        return np.arange(0, h, dtype=np.int64), np.arange(h, int(seq_local), dtype=np.int64)
+
+    def piece_positions(self, owner: int, size: int, seq_local: int, half=None) -> np.ndarray:
+        """Global positions of ``owner``'s shard, or of one half of it (ascending int64)."""
+        pos = self.positions(owner, size, seq_local)
+        return pos if half is None else pos[self.halves(seq_local)[half]]
+
+    def __eq__(self, other):
+        if isinstance(other, Layout):
+            return other.name == self.name
+        return isinstance(other, str) and other == self.name
+
+    def __hash__(self):
+        return hash(self.name)
+
+    def __repr__(self):
+        return repr(self.name)
+
+    def __str__(self):
+        return self.name
+
+
+class Contiguous(Layout):
+    """Rank ``r`` holds ``[r * L, (r + 1) * L)`` (Ring Attention)."""
+
+    name = "contiguous"
+
+    def positions(self, rank, size, seq_local):
+        n = int(seq_local)
+        return np.arange(rank * n, (rank + 1) * n, dtype=np.int64)
+
+    def local_start(self, rank, size, seq_local):
+        return int(rank) * int(seq_local)
+
+    def gather_order(self, size, seq_local):
+        return None
+
+
+class Striped(Layout):
+    """Token ``t`` on rank ``t mod P`` (Striped Attention)."""
+
+    name = "striped"
+    strided_groups = True
+
+    def positions(self, rank, size, seq_local):
+        return rank + size * np.arange(int(seq_local), dtype=np.int64)
+
+
+class Zigzag(Layout):
+    """Chunks ``r`` and ``2P - 1 - r`` of ``2P`` (ring-flash-attention)."""
+
+    name = "zigzag"
+    _rows_unit = 2
+
+    def seq_local_problem(self, seq_local):
+        return f"zigzag needs an even seq_local, got {int(seq_local)}" if int(seq_local) % 2 else None
+
+    def positions(self, rank, size, seq_local):
+        n = int(seq_local)
+        if n % 2:
+            raise InvalidArgument(self.seq_local_problem(n), rank=rank, op="sequence_positions")
+        c = n // 2
+        return np.concatenate([
+            np.arange(rank * c, (rank + 1) * c, dtype=np.int64),
+            np.arange((2 * size - 1 - rank) * c, (2 * size - rank) * c, dtype=np.int64),
+        ])
+
+    def halves(self, seq_local):
+        """Each half takes the first (half 0) or second (half 1) half of *both*
+        chunks of ``c = L/2`` rows: ``[0, h) + [c, c + h)`` and the rest, with
+        ``h = ceil(c/2)`` (see :mod:`.schedule`)."""
+        n = int(seq_local)
+        c = n // 2
+        h = -(-c // 2)
+        first = np.concatenate([np.arange(0, h), np.arange(c, c + h)])
+        second = np.concatenate([np.arange(h, c), np.arange(c + h, n)])
+        return first.astype(np.int64), second.astype(np.int64)
+
+
 LAYOUTS = ("contiguous", "striped", "zigzag")
+_BY_NAME = {cls.name: cls() for cls in (Contiguous, Striped, Zigzag)}
 
 
-def check_layout(layout, *, rank=None, op="attention") -> str:
-    """Return ``layout`` if it is one of :data:`LAYOUTS`.
+@functools.lru_cache(maxsize=64)
+def _all_positions(layout: Layout, size: int, seq_local: int) -> tuple:
+    out = []
+    for r in range(size):
+        pos = layout.positions(r, size, seq_local)
+        pos.flags.writeable = False
+        out.append(pos)
+    return tuple(out)
+
+
+def layout_of(layout, *, rank=None, op="attention") -> Layout:
+    """The :class:`Layout` of ``layout`` (a name of :data:`LAYOUTS`, or a
+    :class:`Layout`, returned as it is).
 
     Raises:
-        InvalidArgument: unknown layout.
+        InvalidArgument: anything else, naming ``rank`` and ``op``.
     """
-    if layout not in LAYOUTS:
-        raise InvalidArgument(f"layout {layout!r} is not one of {LAYOUTS}", rank=rank, op=op)
-    return layout
+    if isinstance(layout, Layout):
+        return layout
+    if isinstance(layout, str) and layout in _BY_NAME:
+        return _BY_NAME[layout]
+    raise InvalidArgument(f"layout {layout!r} is not one of {LAYOUTS}", rank=rank, op=op)
 
 
 def refuse_torch(x, name: str, *, rank=None, op: str) -> None:
@@ -78,19 +251,16 @@ def agreement_bound(timeout):
     return timeout if type(timeout) is Deadline else float(timeout)
 
 
-def local_seq_len(seq_len: int, size: int, layout: str = "contiguous") -> int:
-    """Tokens per rank, padding included, for a global length ``seq_len``."""
-    check_layout(layout, op="local_seq_len")
-    if layout == "zigzag":
-        return 2 * (-(-int(seq_len) // (2 * size)))
-    return -(-int(seq_len) // size)
+def local_seq_len(seq_len: int, size: int, layout="contiguous") -> int:
+    """Tokens per rank, padding included, for a global length ``seq_len`` (:meth:`Layout.local_seq_len`)."""
+    return layout_of(layout, op="local_seq_len").local_seq_len(seq_len, size)
 
 
-def sequence_positions(layout: str, rank: int, size: int, seq_local: int) -> np.ndarray:
+def sequence_positions(layout, rank: int, size: int, seq_local: int) -> np.ndarray:
     """Padded-global positions of the ``seq_local`` tokens rank ``rank`` holds.
 
     Args:
-        layout: one of :data:`LAYOUTS`.
+        layout: one of :data:`LAYOUTS` (or a :class:`Layout`).
         rank: in ``[0, size)``.
         size: number of ranks ``P``.
         seq_local: tokens per rank ``L`` (even for zigzag).
@@ -101,19 +271,7 @@ def sequence_positions(layout: str, rank: int, size: int, seq_local: int) -> np.
     Raises:
         InvalidArgument: unknown layout, or an odd ``seq_local`` with zigzag.
     """
-    check_layout(layout, rank=rank, op="sequence_positions")
-    n = int(seq_local)
-    if layout == "contiguous":
-        return np.arange(rank * n, (rank + 1) * n, dtype=np.int64)
-    if layout == "striped":
-        return rank + size * np.arange(n, dtype=np.int64)
-    if n % 2:
-        raise InvalidArgument(f"zigzag needs an even seq_local, got {n}", rank=rank, op="sequence_positions")
-    c = n // 2
-    return np.concatenate([
-        np.arange(rank * c, (rank + 1) * c, dtype=np.int64),
-        np.arange((2 * size - 1 - rank) * c, (2 * size - rank) * c, dtype=np.int64),
-    ])
+    return layout_of(layout, rank=rank, op="sequence_positions").positions(rank, size, seq_local)
 
 
 def shard_sequence(x, comm, layout: str = "contiguous", *, axis: int = 1):
@@ -140,14 +298,14 @@ def shard_sequence(x, comm, layout: str = "contiguous", *, axis: int = 1):
     """
     op = "shard_sequence"
     refuse_torch(x, "x", rank=comm.rank, op=op)
-    check_layout(layout, rank=comm.rank, op=op)
+    layout = layout_of(layout, rank=comm.rank, op=op)
     if not -x.ndim <= axis < x.ndim:
         raise InvalidArgument(f"axis {axis} out of range for a {x.ndim}-d array", rank=comm.rank, op=op)
     xp = get_array_module(x)
     axis %= x.ndim
     n = x.shape[axis]
-    L = local_seq_len(n, comm.size, layout)
-    pos = sequence_positions(layout, comm.rank, comm.size, L)
+    L = layout.local_seq_len(n, comm.size)
+    pos = layout.positions(comm.rank, comm.size, L)
     valid = pos[pos < n]
     idx = [slice(None)] * x.ndim
     idx[axis] = xp.asarray(valid)
@@ -197,7 +355,7 @@ def unshard_sequence(x_local, comm, layout: str = "contiguous", seq_len: int | N
     rank, size = tp.rank, tp.size
     problem, header = None, ()
     try:
-        xp, axis, L, n = _unshard_local(x_local, rank, size, layout, seq_len, axis, timeout, op)
+        xp, axis, L, n, layout = _unshard_local(x_local, rank, size, layout, seq_len, axis, timeout, op)
         header = _unshard_header(x_local, axis, layout, n)
     except InvalidArgument as exc:
         problem = exc
@@ -220,7 +378,7 @@ def unshard_sequence(x_local, comm, layout: str = "contiguous", seq_len: int | N
     full = xp.empty(shape, dtype=mine.dtype)
     for r in range(size):
         idx = [slice(None)] * mine.ndim
-        idx[axis] = xp.asarray(sequence_positions(layout, r, size, L))
+        idx[axis] = xp.asarray(layout.positions(r, size, L))
         full[tuple(idx)] = parts[r]
     idx = [slice(None)] * mine.ndim
     idx[axis] = slice(0, n)
@@ -232,13 +390,13 @@ _UNSHARD_FIELDS = ("ndim", "axis", "layout", "seq_len", "dtype") + tuple(f"dim{i
 
 
 def _unshard_local(x_local, rank, size, layout, seq_len, axis, timeout, op):
-    """This rank's checks of an :func:`unshard_sequence` call: ``(xp, axis, seq_local, seq_len)``.
+    """This rank's checks of an :func:`unshard_sequence` call: ``(xp, axis, seq_local, seq_len, Layout)``.
 
     Raises:
         InvalidArgument: naming ``rank`` and ``op``.
     """
     refuse_torch(x_local, "x_local", rank=rank, op=op)
-    check_layout(layout, rank=rank, op=op)
+    layout = layout_of(layout, rank=rank, op=op)
     check_timeout(timeout, op=op, rank=rank)
     if not hasattr(x_local, "shape") or not hasattr(x_local, "dtype"):
         raise InvalidArgument(f"x_local must be a numpy or CuPy array, got {type(x_local).__name__}", rank=rank, op=op)
@@ -251,11 +409,11 @@ def _unshard_local(x_local, rank, size, layout, seq_len, axis, timeout, op):
                                 or seq_len < 0):
         raise InvalidArgument(f"seq_len must be a non-negative int, got {seq_len!r}", rank=rank, op=op)
     n = size * L if seq_len is None else int(seq_len)
-    if local_seq_len(n, size, layout) != L:
+    if layout.local_seq_len(n, size) != L:
         raise InvalidArgument(
             f"seq_local {L} does not match seq_len {n} on {size} ranks with layout {layout!r} "
-            f"(expected {local_seq_len(n, size, layout)})", rank=rank, op=op)
-    return xp, axis, L, n
+            f"(expected {layout.local_seq_len(n, size)})", rank=rank, op=op)
+    return xp, axis, L, n, layout
 
 
 def _unshard_header(x, axis, layout, n) -> tuple:
@@ -263,7 +421,7 @@ def _unshard_header(x, axis, layout, n) -> tuple:
     dims = [int(d) for d in x.shape[:7]] + [int(np.prod(x.shape[7:], dtype=np.int64))] if x.ndim > 7 else \
         [int(d) for d in x.shape] + [-1] * (8 - x.ndim)
     name = np.dtype(x.dtype).name.encode()[:8].ljust(8, b"\0")
-    return (x.ndim, axis, LAYOUTS.index(layout), n, int(np.frombuffer(name, np.int64)[0]), *dims)
+    return (x.ndim, axis, layout.code, n, int(np.frombuffer(name, np.int64)[0]), *dims)
 
 
 def _describe_unshard(name: str, value: int):

@@ -34,7 +34,7 @@ from commlib.core.seconds import call_deadline
 from .blocks import (ForwardAccumulator, backward_block, backward_operands, forward_block, from_heads_major, tile_plan,
                      to_heads_major)
 from .common import as_array_api, comm_last, in_format, validate
-from .layout import sequence_positions
+from .layout import layout_of
 from .ringcomm import RingComm
 from .schedule import RingSchedule
 from .transport import transport_of
@@ -52,7 +52,7 @@ def _heads_major_kv(k, v, spec):
     """K and V packed into one contiguous ``(2, B, Hkv, L, D)`` buffer in the
     input dtype: one message per ring step."""
     xp = spec.xp
-    kv = xp.empty((2, spec.batch, spec.kv_heads, spec.seq_local, spec.head_dim), dtype=spec.dtype)
+    kv = xp.empty((2, spec.batch, spec.kv_heads, spec.seq_local, spec.head_dim), dtype=spec.array_dtype)
     kv[0] = k.transpose(0, 2, 1, 3)
     kv[1] = v.transpose(0, 2, 1, 3)
     return kv
@@ -68,7 +68,7 @@ def ring_plan_work(size: int, seq_len: int, seq_local: int, layout: str, causal:
         slowest rank); the balance is that over ``work.sum() / size``.
     """
     work = np.zeros((size, size), dtype=np.int64)
-    pos = [sequence_positions(layout, r, size, seq_local) for r in range(size)]
+    pos = layout_of(layout, op="ring_plan_work").all_positions(size, seq_local)
     for r in range(size):
         for st in RingSchedule(size, r).steps():
             work[r, st.step] = tile_plan(pos[r], pos[st.owners[0]], seq_len, causal, tile).work
@@ -155,9 +155,10 @@ def ring_attention(q, k, v, comm=None, causal: bool = False, layout: str = "cont
     tag_kv = tp.tags.slot(_TAG_WIDTH)
     q, k, v = as_array_api(q, k, v)
     spec = validate(tp, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
-                    seq_len=seq_len, tile=tile, op=op, timeout=timeout, window=window, problem=fmt_problem)
+                    seq_len=seq_len, tile=tile, op=op, timeout=timeout, window=window, problem=fmt_problem,
+                    qkv_format=qkv_format)
     if spec.window is not None:
-        res = window_attention(tp, spec, q, k, v, causal=causal, layout=layout, window=spec.window, tile=tile,
+        res = window_attention(tp, spec, q, k, v, causal=causal, layout=spec.layout, window=spec.window, tile=tile,
                                tag=tag_kv, timeout=timeout, op=op, stats=stats)
         return in_format(qkv_format, *res)[0]
     xp, P, r = spec.xp, tp.size, tp.rank
@@ -165,7 +166,7 @@ def ring_attention(q, k, v, comm=None, causal: bool = False, layout: str = "cont
     t_start = time.perf_counter()
     L = spec.seq_local
     nbh = spec.batch * spec.heads
-    qpos = sequence_positions(layout, r, P, L)
+    qpos = spec.layout.positions(r, P, L)
     qh = to_heads_major(q, spec.kv_heads, spec.cdtype, xp)
     qh *= spec.scale
     state = ForwardAccumulator(qh.shape, spec.cdtype, xp)
@@ -178,7 +179,7 @@ def ring_attention(q, k, v, comm=None, causal: bool = False, layout: str = "cont
         # double buffering: post the next block before computing this one
         reqs = ring.post_kv([cur], [nxt]) if not ring_step.last else []
         t0 = time.perf_counter()
-        kpos = sequence_positions(layout, owner, P, L)
+        kpos = spec.layout.positions(owner, P, L)
         plan = tile_plan(qpos, kpos, spec.seq_len, causal, tile)
         if plan.tiles:
             forward_block(qh, cur[0].astype(spec.cdtype, copy=False), cur[1].astype(spec.cdtype, copy=False),
@@ -192,7 +193,7 @@ def ring_attention(q, k, v, comm=None, causal: bool = False, layout: str = "cont
         if not ring_step.last:
             cur, nxt = nxt, cur
     out, lse = state.finalize()
-    out = from_heads_major(out, spec.dtype, xp)
+    out = from_heads_major(out, spec.array_dtype, xp)
     lse = lse.reshape(spec.batch, spec.heads, L)
     if st is not None:
         st["total_s"] = time.perf_counter() - t_start
@@ -239,9 +240,9 @@ def ring_attention_backward(q, k, v, out, lse, dout, comm=None, causal: bool = F
                  "lse": (lse, (qshape[0], qshape[2], qshape[1]), None)}
     spec = validate(tp, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
                     seq_len=seq_len, tile=tile, op=op, extra=extra, timeout=timeout, window=window,
-                    problem=fmt_problem)
+                    problem=fmt_problem, qkv_format=qkv_format)
     if spec.window is not None:
-        res = window_attention_backward(tp, spec, q, k, v, out, lse, dout, causal=causal, layout=layout,
+        res = window_attention_backward(tp, spec, q, k, v, out, lse, dout, causal=causal, layout=spec.layout,
                                         window=spec.window, tile=tile, tag=tag0, timeout=timeout, op=op, stats=stats)
         return in_format(qkv_format, *res)[0]
     xp, P, r = spec.xp, tp.size, tp.rank
@@ -250,7 +251,7 @@ def ring_attention_backward(q, k, v, out, lse, dout, comm=None, causal: bool = F
     L, hk = spec.seq_local, spec.kv_heads
     nbh = spec.batch * spec.heads
     cdt = spec.cdtype
-    qpos = sequence_positions(layout, r, P, L)
+    qpos = spec.layout.positions(r, P, L)
     qh, doh, dh, lseh, dqh = backward_operands(q, out, lse, dout, hk, spec.scale, cdt, xp)
     dkv_shape = (2, spec.batch, hk, L, spec.head_dim)
     cur = _heads_major_kv(k, v, spec)
@@ -265,7 +266,7 @@ def ring_attention_backward(q, k, v, out, lse, dout, comm=None, causal: bool = F
         if P > 1:  # the dk/dv that will arrive for the next step (or, at the last, our own)
             ring.expect_dkv(0, xp.empty(dkv_shape, dtype=cdt))
         t0 = time.perf_counter()
-        kpos = sequence_positions(layout, owner, P, L)
+        kpos = spec.layout.positions(owner, P, L)
         plan = tile_plan(qpos, kpos, spec.seq_len, causal, tile)
         dkv = xp.zeros(dkv_shape, dtype=cdt)
         if plan.tiles:
@@ -284,9 +285,9 @@ def ring_attention_backward(q, k, v, out, lse, dout, comm=None, causal: bool = F
     if P > 1:  # our own block's dk/dv, back from its last holder
         dkv = ring.home_dkv(0)
     dqh *= spec.scale
-    dq = from_heads_major(dqh, spec.dtype, xp)
-    dk = xp.ascontiguousarray(dkv[0].transpose(0, 2, 1, 3).astype(spec.dtype, copy=False))
-    dv = xp.ascontiguousarray(dkv[1].transpose(0, 2, 1, 3).astype(spec.dtype, copy=False))
+    dq = from_heads_major(dqh, spec.array_dtype, xp)
+    dk = xp.ascontiguousarray(dkv[0].transpose(0, 2, 1, 3).astype(spec.array_dtype, copy=False))
+    dv = xp.ascontiguousarray(dkv[1].transpose(0, 2, 1, 3).astype(spec.array_dtype, copy=False))
     if st is not None:
         st["total_s"] = time.perf_counter() - t_start
     return in_format(qkv_format, dq, dk, dv)[0]

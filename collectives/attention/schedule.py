@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .layout import check_layout, sequence_positions
+from .layout import layout_of
 
 __all__ = ["Stream", "RingStep", "RingSchedule", "split_halves", "piece_positions", "ring_work"]
 
@@ -126,12 +126,9 @@ class RingSchedule:
             yield RingStep(s, tuple(self.owner(st, s) for st in self.streams), s == self.size - 1)
 
 
-def split_halves(layout: str, seq_local: int):
-    """Local token indices of the two halves of a shard (bidirectional ring).
-
-    Args:
-        layout: one of ``"contiguous"``, ``"striped"``, ``"zigzag"``.
-        seq_local: tokens per rank ``L`` (even for zigzag).
+def split_halves(layout, seq_local: int):
+    """Local token indices of the two halves of a shard (bidirectional ring):
+    :meth:`.layout.Layout.halves` of ``layout`` (a name or a :class:`.layout.Layout`).
 
     Returns:
         tuple: two sorted int64 numpy arrays partitioning ``range(L)``.
@@ -139,24 +136,12 @@ def split_halves(layout: str, seq_local: int):
         of ``c = L/2``): ``[0, h) + [c, c + h)`` and ``[h, c) + [c + h, L)``
         with ``h = ceil(c/2)``.  Positions stay ascending inside each half.
     """
-    check_layout(layout, op="split_halves")
-    n = int(seq_local)
-    if layout == "zigzag":
-        c = n // 2
-        h = -(-c // 2)
-        first = np.concatenate([np.arange(0, h), np.arange(c, c + h)])
-        second = np.concatenate([np.arange(h, c), np.arange(c + h, n)])
-        return first.astype(np.int64), second.astype(np.int64)
-    h = -(-n // 2)
-    return np.arange(0, h, dtype=np.int64), np.arange(h, n, dtype=np.int64)
+    return layout_of(layout, op="split_halves").halves(seq_local)
 
 
-def piece_positions(layout: str, owner: int, size: int, seq_local: int, half: int | None = None) -> np.ndarray:
+def piece_positions(layout, owner: int, size: int, seq_local: int, half: int | None = None) -> np.ndarray:
     """Global positions of ``owner``'s shard, or of one half of it (ascending int64)."""
-    pos = sequence_positions(layout, owner, size, seq_local)
-    if half is None:
-        return pos
-    return pos[split_halves(layout, seq_local)[half]]
+    return layout_of(layout, op="piece_positions").piece_positions(owner, size, seq_local, half)
 
 
 def ring_work(size: int, seq_local: int, layout: str, causal: bool, bidirectional: bool = False) -> np.ndarray:
@@ -170,14 +155,15 @@ def ring_work(size: int, seq_local: int, layout: str, causal: bool, bidirectiona
         numpy.ndarray: int64 ``(size, size)``: ``[rank, step]``.  The critical
         path is ``work.max(axis=0).sum()``.
     """
+    layout = layout_of(layout, op="ring_work")
     work = np.zeros((size, size), dtype=np.int64)
     for r in range(size):
         sched = RingSchedule(size, r, bidirectional)
-        qpos = sequence_positions(layout, r, size, seq_local)
+        qpos = layout.positions(r, size, seq_local)
         for st in sched.steps():
             streams = sched.streams if st.step else (Stream(0, None, +1),)
             for stream in streams:
-                kpos = piece_positions(layout, sched.owner(stream, st.step), size, seq_local, stream.half)
+                kpos = layout.piece_positions(sched.owner(stream, st.step), size, seq_local, stream.half)
                 if causal:
                     work[r, st.step] += int(np.searchsorted(kpos, qpos, side="right").sum())
                 else:

@@ -28,7 +28,6 @@ from commlib.core.seconds import call_deadline
 from ..alltoall_pairwise import alltoall_pairwise_parts
 from .blocks import attention_backward, attention_forward, tile_plan
 from .common import as_array_api, comm_last, in_format, validate
-from .layout import sequence_positions
 from .transport import transport_of
 
 __all__ = ["ulysses_attention", "ulysses_attention_backward", "alltoall_pairwise"]
@@ -106,9 +105,10 @@ def _check_heads(tp, spec, op):
 
 
 def _order(layout, P, L, xp):
-    """Permutation from rank-order gathered tokens to natural order, and back."""
-    pos = np.concatenate([sequence_positions(layout, s, P, L) for s in range(P)])
-    perm = np.argsort(pos, kind="stable")
+    """Permutation from rank-order gathered tokens to natural order, and back (:meth:`.layout.Layout.gather_order`)."""
+    perm = layout.gather_order(P, L)
+    if perm is None:
+        perm = np.arange(P * L, dtype=np.int64)
     inv = np.empty_like(perm)
     inv[perm] = np.arange(len(perm))
     return xp.asarray(perm), xp.asarray(inv)
@@ -151,11 +151,11 @@ def ulysses_attention(q, k, v, comm=None, causal: bool = False, layout: str = "c
     tp = transport_of(comm, timeout, op)
     q, k, v = as_array_api(q, k, v)
     spec = validate(tp, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
-                    seq_len=seq_len, tile=tile, op=op, timeout=timeout, problem=fmt_problem)
+                    seq_len=seq_len, tile=tile, op=op, timeout=timeout, problem=fmt_problem, qkv_format=qkv_format)
     _check_heads(tp, spec, op)
     xp, P, L = spec.xp, tp.size, spec.seq_local
     t0 = time.perf_counter()
-    perm, inv = _order(layout, P, L, xp)
+    perm, inv = _order(spec.layout, P, L, xp)
     qg = _seq_to_heads(tp, xp.ascontiguousarray(q), xp, timeout)[:, perm]
     kg = _seq_to_heads(tp, xp.ascontiguousarray(k), xp, timeout)[:, perm]
     vg = _seq_to_heads(tp, xp.ascontiguousarray(v), xp, timeout)[:, perm]
@@ -205,11 +205,12 @@ def ulysses_attention_backward(q, k, v, out, lse, dout, comm=None, causal: bool 
         extra = {"out": (out, qshape, qd), "dout": (dout, qshape, qd),
                  "lse": (lse, (qshape[0], qshape[2], qshape[1]), None)}
     spec = validate(tp, q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale,
-                    seq_len=seq_len, tile=tile, op=op, extra=extra, timeout=timeout, problem=fmt_problem)
+                    seq_len=seq_len, tile=tile, op=op, extra=extra, timeout=timeout, problem=fmt_problem,
+                    qkv_format=qkv_format)
     _check_heads(tp, spec, op)
     xp, P, L = spec.xp, tp.size, spec.seq_local
     t0 = time.perf_counter()
-    perm, inv = _order(layout, P, L, xp)
+    perm, inv = _order(spec.layout, P, L, xp)
     g = {}
     for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout)):
         g[name] = _seq_to_heads(tp, xp.ascontiguousarray(x), xp, timeout)[:, perm]

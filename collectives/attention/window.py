@@ -39,7 +39,7 @@ import numpy as np
 from commlib.core.seconds import time_left
 
 from .blocks import ForwardAccumulator, backward_operands, from_heads_major, to_heads_major
-from .layout import sequence_positions
+from .layout import layout_of
 
 __all__ = ["window_of", "effective_window", "visible_ranges", "needed_rows", "HaloRows", "halo_rows",
            "window_tiles", "window_attention", "window_attention_backward"]
@@ -180,14 +180,15 @@ def halo_rows(size: int, rank: int, seq_local: int, layout: str, causal: bool, c
             seq_len: None or the true length (padding beyond).
     """
     cu = None if cu_seqlens is None else tuple(int(x) for x in cu_seqlens)
-    return _halo_rows(int(size), int(rank), int(seq_local), layout, bool(causal), cu, tuple(window),
+    return _halo_rows(int(size), int(rank), int(seq_local), layout_of(layout, rank=rank, op="halo_rows"), bool(causal),
+                      cu, tuple(window),
                       None if seq_len is None else int(seq_len))
 
 
 @functools.lru_cache(maxsize=64)
 def _halo_rows(P, r, L, layout, causal, cu, window, seq_len) -> HaloRows:
     cu = None if cu is None else np.asarray(cu, dtype=np.int64)
-    pos = [sequence_positions(layout, s, P, L) for s in range(P)]
+    pos = layout.all_positions(P, L)
     recv, send = [], []
     for s in sorted(range(P), key=lambda s: (min((r - s) % P, (s - r) % P), s)):
         if s == r:
@@ -268,7 +269,7 @@ def _backward_tiles(qh, kh, vh, doh, lseh, dh, tiles, dqh, dkh, dvh, xp):
 def _kv(k, v, spec):
     """``(2, B, Hkv, L, D)`` K and V, input dtype, contiguous."""
     xp = spec.xp
-    kv = xp.empty((2, spec.batch, spec.kv_heads, spec.seq_local, spec.head_dim), dtype=spec.dtype)
+    kv = xp.empty((2, spec.batch, spec.kv_heads, spec.seq_local, spec.head_dim), dtype=spec.array_dtype)
     kv[0] = k.transpose(0, 2, 1, 3)
     kv[1] = v.transpose(0, 2, 1, 3)
     return kv
@@ -279,7 +280,7 @@ def _exchange_kv(tp, spec, halo, kv, tag):
     xp = spec.xp
     reqs, bufs, msgs = [], [], []
     for src, idx in halo.recv:  # every receive before any send
-        buf = xp.empty((2, spec.batch, spec.kv_heads, len(idx), spec.head_dim), dtype=spec.dtype)
+        buf = xp.empty((2, spec.batch, spec.kv_heads, len(idx), spec.head_dim), dtype=spec.array_dtype)
         reqs.append(tp.irecv(buf, src, tag))
         bufs.append(buf)
     for dst, idx in halo.send:
@@ -294,7 +295,7 @@ def window_attention(tp, spec, q, k, v, *, causal, layout, window, tile, tag, ti
     :func:`.ring.ring_attention` returns them.
 
     Args:
-        tp: the call's transport; spec: its :class:`.common.AttnSpec`;
+        tp: the call's transport; spec: its :class:`.spec.AttnSpec`;
         q, k, v: the local shards; causal, layout, tile: the call's options;
         window: the :func:`effective_window`, not None; tag: the first of
         the call's two tags; timeout: its deadline; op: its name in errors;
@@ -307,7 +308,7 @@ def window_attention(tp, spec, q, k, v, *, causal, layout, window, tile, tag, ti
     t0 = time.perf_counter()
     xp, P, r, L = spec.xp, tp.size, tp.rank, spec.seq_local
     halo = halo_rows(P, r, L, layout, causal, None, window, spec.seq_len)
-    qpos = sequence_positions(layout, r, P, L)
+    qpos = layout.positions(r, P, L)
     qh = to_heads_major(q, spec.kv_heads, spec.cdtype, xp)
     qh *= spec.scale
     state = ForwardAccumulator(qh.shape, spec.cdtype, xp)
@@ -319,7 +320,7 @@ def window_attention(tp, spec, q, k, v, *, causal, layout, window, tile, tag, ti
     _forward_tiles(qh, kv[0].astype(spec.cdtype, copy=False), kv[1].astype(spec.cdtype, copy=False), tiles, state)
     tp.waitall(reqs, time_left(timeout), op=op)
     for (src, idx), buf in zip(halo.recv, bufs):
-        kpos = sequence_positions(layout, src, P, L)[idx]
+        kpos = layout.positions(src, P, L)[idx]
         tiles, w = window_tiles(qpos, kpos, causal, None, window, tile, spec.seq_len)
         work += w
         _forward_tiles(qh, buf[0].astype(spec.cdtype, copy=False), buf[1].astype(spec.cdtype, copy=False), tiles,
@@ -330,7 +331,7 @@ def window_attention(tp, spec, q, k, v, *, causal, layout, window, tile, tag, ti
         stats.update(kind="forward", work=work * spec.batch * spec.heads,
                      recv_bytes=sum(int(b.nbytes) for b in bufs), sent_bytes=sum(int(m.nbytes) for m in msgs),
                      total_s=time.perf_counter() - t0)
-    return from_heads_major(out, spec.dtype, xp), lse.reshape(spec.batch, spec.heads, L)
+    return from_heads_major(out, spec.array_dtype, xp), lse.reshape(spec.batch, spec.heads, L)
 
 
 def window_attention_backward(tp, spec, q, k, v, out, lse, dout, *, causal, layout, window, tile, tag, timeout, op,
@@ -344,7 +345,7 @@ def window_attention_backward(tp, spec, q, k, v, out, lse, dout, *, causal, layo
     xp, P, r, L = spec.xp, tp.size, tp.rank, spec.seq_local
     hk, cdt = spec.kv_heads, spec.cdtype
     halo = halo_rows(P, r, L, layout, causal, None, window, spec.seq_len)
-    qpos = sequence_positions(layout, r, P, L)
+    qpos = layout.positions(r, P, L)
     qh, doh, dh, lseh, dqh = backward_operands(q, out, lse, dout, hk, spec.scale, cdt, xp)
     kv = _kv(k, v, spec)
     reqs, bufs, msgs = _exchange_kv(tp, spec, halo, kv, tag) if P > 1 else ([], [], [])
@@ -361,7 +362,7 @@ def window_attention_backward(tp, spec, q, k, v, out, lse, dout, *, causal, layo
     tp.waitall(reqs[:n_kv], time_left(timeout), op=op)  # the K/V rows we need
     parts = []
     for (src, idx), buf in zip(halo.recv, bufs):
-        kpos = sequence_positions(layout, src, P, L)[idx]
+        kpos = layout.positions(src, P, L)[idx]
         tiles, _ = window_tiles(qpos, kpos, causal, None, window, tile, spec.seq_len)
         part = xp.zeros((2, spec.batch, hk, len(idx), spec.head_dim), dtype=cdt)
         _backward_tiles(qh, buf[0].astype(cdt, copy=False), buf[1].astype(cdt, copy=False), doh, lseh, dh, tiles,
@@ -377,7 +378,7 @@ def window_attention_backward(tp, spec, q, k, v, out, lse, dout, *, causal, layo
         stats.update(kind="backward", recv_bytes=sum(int(b.nbytes) for b in bufs) + sum(int(b.nbytes) for _, b in back),
                      sent_bytes=sum(int(m.nbytes) for m in msgs) + sum(int(p.nbytes) for p in parts),
                      total_s=time.perf_counter() - t0)
-    dq = from_heads_major(dqh, spec.dtype, xp)
-    dk = xp.ascontiguousarray(dkv[0].transpose(0, 2, 1, 3).astype(spec.dtype, copy=False))
-    dv = xp.ascontiguousarray(dkv[1].transpose(0, 2, 1, 3).astype(spec.dtype, copy=False))
+    dq = from_heads_major(dqh, spec.array_dtype, xp)
+    dk = xp.ascontiguousarray(dkv[0].transpose(0, 2, 1, 3).astype(spec.array_dtype, copy=False))
+    dv = xp.ascontiguousarray(dkv[1].transpose(0, 2, 1, 3).astype(spec.array_dtype, copy=False))
     return dq, dk, dv

@@ -1,9 +1,12 @@
-"""Argument checks shared by the torch attention functions (one rank's view).
+"""Argument checks shared by the torch attention functions, and their one validation.
 
-Each function raises what ``bad(message)`` builds (an
+Each check raises what ``bad(message)`` builds (an
 :class:`~commlib.core.errors.InvalidArgument` naming the rank and the call);
-the callers then agree across ranks (:mod:`commlib.collectives.agreement`)
-before any byte moves, so a bad call fails on every rank alike.
+:func:`validate` runs them into the one attention spec
+(:class:`commlib.collectives.attention.spec.AttnSpec`) and agrees it across
+ranks in one round before any byte moves, so a bad call fails on every rank
+alike.  Every torch variant (ring, bidirectional, Ulysses, hybrid) validates
+through it.
 """
 from __future__ import annotations
 
@@ -14,15 +17,18 @@ import numpy as np
 import torch
 
 from commlib.collectives.attention.layout import agreement_bound as agreement_timeout  # noqa: F401
+from commlib.collectives.attention.layout import layout_of
+from commlib.collectives.attention.spec import ANY_GRAD, DEVICES, AttnSpec, MaskSpec, agree_spec, describe_grad
+from commlib.collectives.attention.spec import DTYPES as DTYPE_NAMES
+from commlib.core.errors import InvalidArgument
 from commlib.core.seconds import Deadline, timeout_problem
 
 __all__ = ["DTYPES", "DTYPE_NAMES", "DEVICES", "check_qkv", "softmax_scale_of", "cu_seqlens_of", "timeout_of",
            "agreement_timeout", "grad_flags", "describe_grad", "no_double_backward", "autocast_inputs",
-           "autocast_off", "sdpa_keywords", "call_problem"]
+           "autocast_off", "sdpa_keywords", "call_problem", "bool_option", "device_code", "validate"]
 
+#: the torch dtypes of :data:`commlib.collectives.attention.spec.DTYPES`, in its order
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
-DEVICES = ("cpu", "cuda")
 
 
 def check_qkv(q, k, v, bad) -> tuple[int, int, int, int, int]:
@@ -127,12 +133,6 @@ def grad_flags(*tensors) -> int:
     return sum(1 << i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.requires_grad)
 
 
-def describe_grad(value: int, names=("q", "k", "v")) -> str:
-    """A :func:`grad_flags` value in words, for the disagreement message."""
-    need = [n for i, n in enumerate(names) if value >> i & 1]
-    return "requires_grad on " + ", ".join(need) if need else "no gradient (torch.no_grad or requires_grad=False)"
-
-
 def no_double_backward(bad) -> None:
     """Refuse a backward run with ``create_graph=True`` (grad mode on inside
     the backward): the function's backward is not itself differentiable, and
@@ -234,3 +234,80 @@ def sdpa_keywords(causal, softmax_scale, heads: int, kv_heads: int, bad, *, attn
             raise bad(f"enable_gqa=False needs as many kv_heads as heads, got {kv_heads} and {heads}; "
                       "pass enable_gqa=True (or leave it out) for grouped-query attention")
     return causal, softmax_scale
+
+
+def bool_option(x) -> int:
+    """A bool option's header value: 0 or 1, -1 for anything else (for the checks to refuse)."""
+    return int(bool(x)) if isinstance(x, (bool, np.bool_)) else -1
+
+
+def device_code(device: torch.device) -> int:
+    """A device's code in an agreed header: its index in :data:`DEVICES`, else ``len(DEVICES)``."""
+    return DEVICES.index(device.type) if device.type in DEVICES else len(DEVICES)
+
+
+def validate(tp, q, k, v, *, op: str, causal, softmax_scale, layout, qkv_format, cu_seqlens, window, timeout,
+             sdpa: dict, grads: str = "each", options=(), checks=None) -> AttnSpec:
+    """Check a torch attention call on every rank together: its :class:`AttnSpec`.
+
+    This rank's checks first (the front's ``problem``, the tensors, SDPA's
+    keywords, layout, scale, timeout, ``cu_seqlens``, window, then
+    ``checks(spec)``), then one agreement round
+    (:func:`commlib.collectives.attention.spec.agree_spec`): any rank's
+    problem becomes an :class:`InvalidArgument` on every rank, and so do
+    ranks whose specs differ (shapes, dtype, layout, ``qkv_format``, scale,
+    mask, device, gradient flags, ``options``).  On one rank the local
+    checks are the whole validation.
+
+    Args:
+        tp: the transport of the call's communicator.
+        layout: a name or a :class:`~commlib.collectives.attention.layout.Layout`.
+        qkv_format: the caller's tensor order (agreed).
+        timeout: the call's deadline (:func:`commlib.nn._failure.bound`),
+            or None or a number of seconds, checked here (None or finite > 0).
+        sdpa: SDPA's keywords and the front's ``problem``
+            (:func:`sdpa_keywords`, :func:`call_problem`); the spec's
+            ``causal`` and ``scale`` are the resolved ones.
+        grads: ``"each"``: which of q, k, v get a gradient is agreed (each
+            has its own backward exchange); ``"any"``: only whether any does.
+        options: ``((name, int), ...)`` the variant's own agreed options (the
+            same names on every rank; a value the checks will refuse may be
+            anything).
+        checks: ``checks(spec, bad)``, the variant's own local checks.
+
+    Raises:
+        InvalidArgument: on every rank alike.
+    """
+    rank, size = tp.rank, tp.size
+    spec = problem = None
+
+    def bad(msg):
+        return InvalidArgument(msg, rank=rank, op=op)
+
+    try:
+        call_problem(sdpa, bad)
+        bsz, L, h, hk, d = check_qkv(q, k, v, bad)
+        causal, softmax_scale = sdpa_keywords(causal, softmax_scale, h, hk, bad, **sdpa)
+        lay = layout_of(layout, rank=rank, op=op)
+        if lay.seq_local_problem(L):
+            raise bad(f"{lay.seq_local_problem(L)} (shard with shard_sequence)")
+        if not isinstance(causal, (bool, np.bool_)):
+            raise bad(f"causal must be a bool, got {causal!r}")
+        scale = softmax_scale_of(softmax_scale, d, bad)
+        timeout = timeout_of(timeout, bad)
+        cu = cu_seqlens_of(cu_seqlens, size * L, bad)
+        mask = MaskSpec.checked(causal, total=size * L, bad=bad, cu_seqlens=cu, window=window)
+        flags = grad_flags(q, k, v)
+        opts = (("device", device_code(q.device)), ("requires_grad", ANY_GRAD if grads == "any" and flags else flags))
+        spec = AttnSpec(op, rank, size, bsz, L, h, hk, d, DTYPE_NAMES[DTYPES.index(q.dtype)], scale, mask, lay,
+                        qkv_format, size * L, opts + tuple((n, int(val)) for n, val in options), timeout)
+        if checks is not None:
+            checks(spec, bad)
+    except InvalidArgument as exc:
+        if size == 1:
+            raise
+        problem = exc
+    if size == 1:  # nobody to disagree with
+        return spec
+    return agree_spec(tp, spec, problem, op=op, options=("device", "requires_grad") + tuple(n for n, _ in options),
+                      timeout=timeout)

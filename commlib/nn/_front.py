@@ -27,13 +27,11 @@ from __future__ import annotations
 import torch
 
 from commlib.collectives.attention.common import comm_last
+from commlib.collectives.attention.spec import FORMATS
 
 from .shard import SHARD_TAG, Sharding
 
 __all__ = ["FORMATS", "Sharding", "Call", "front"]
-
-#: the tensor orders the attention calls take (Transformer Engine's names)
-FORMATS = ("bshd", "bhsd")
 
 
 class Call:

@@ -50,16 +50,15 @@ import weakref
 import numpy as np
 import torch
 
-from commlib.collectives.attention.layout import LAYOUTS, sequence_positions
+from commlib.collectives.attention.layout import layout_of
 from commlib.collectives.attention.transport import transport_of
-from commlib.core.errors import InvalidArgument, ProcessFailed
+from commlib.core.errors import ProcessFailed
 
 from .ring import ring_attention
-from ._check import autocast_inputs
 from ._front import front
 from ._failure import bound, guarded, link, link_comm
-from .ulysses import (document_mask, heads_to_seq, local_attention, seq_to_heads, spread_kv_heads, validate,
-                      window_checks)
+from ._check import autocast_inputs, bool_option, validate
+from .ulysses import check_degree, document_mask, heads_to_seq, local_attention, seq_to_heads, spread_kv_heads
 from .window import window_dense_mask
 
 __all__ = ["hybrid_attention", "grid"]
@@ -70,10 +69,6 @@ _GRIDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _GRIDS_BY_ID: dict = {}  # for transports that cannot be weakly referenced
 _OWNED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # communicator -> [its groups' transports]
 _RETIRED: list = []  # sub-communicators of a group that shrank: revoked, kept (never freed)
-
-
-def _strided(layout: str) -> bool:
-    return layout == "striped"
 
 
 def _coords(rank: int, size: int, degree: int, strided: bool) -> tuple[int, int]:
@@ -195,19 +190,20 @@ def _retire_pair(pair) -> None:
         _RETIRED.append(sub)
 
 
-def ring_order(layout: str, size: int, degree: int, seq_local: int, g: int, strided: bool):
+def ring_order(layout, size: int, degree: int, seq_local: int, g: int, strided: bool):
     """The permutation from a group's gathered tokens to ring rank ``g``'s layout order.
 
     Returns:
         numpy.ndarray: int64 ``perm`` of length ``degree * seq_local``:
-        ``gathered[perm]`` lists the positions
-        ``sequence_positions(layout, g, size // degree, degree * seq_local)``.
+        ``gathered[perm]`` lists the positions ``layout.positions(g, size //
+        degree, degree * seq_local)``.
     """
+    layout = layout_of(layout, op="hybrid_attention")
     R = size // degree
-    gathered = np.concatenate([sequence_positions(layout, _member(g, u, size, degree, strided), size, seq_local)
+    gathered = np.concatenate([layout.positions(_member(g, u, size, degree, strided), size, seq_local)
                                for u in range(degree)])
     perm = np.argsort(gathered, kind="stable")
-    want = sequence_positions(layout, g, R, degree * seq_local)
+    want = layout.positions(g, R, degree * seq_local)
     if not np.array_equal(gathered[perm], want):  # pragma: no cover - the layouts compose by construction
         raise AssertionError(f"layout {layout!r} does not compose over a {R}x{degree} grid")
     return perm
@@ -302,41 +298,29 @@ def hybrid_attention(q, k, v, comm=None, ulysses_degree: int | None = None, caus
         return call.out(_hybrid(q, k, v, comm, tp, op, ulysses_degree, layout, softmax_scale, bidirectional,
                                 cu_seqlens, timeout,
                                 call.keywords(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                                              scale=scale, enable_gqa=enable_gqa), causal, window))
+                                              scale=scale, enable_gqa=enable_gqa), causal, window, call.fmt))
 
 
 def _hybrid(q, k, v, comm, tp, op, ulysses_degree, layout, softmax_scale, bidirectional, cu_seqlens, timeout,
-            sdpa, causal, window=None):
+            sdpa, causal, window=None, fmt="bshd"):
     size, rank = tp.size, tp.rank
     U = ulysses_degree
 
-    def checks(spec):
-        def bad(msg):
-            return InvalidArgument(msg, rank=rank, op=op)
+    deg = int(U) if isinstance(U, (int, np.integer)) and not isinstance(U, bool) else -1
 
-        if not isinstance(layout, str) or layout not in LAYOUTS:
-            raise bad(f"layout {layout!r} is not one of {LAYOUTS}")
-        if isinstance(U, bool) or not isinstance(U, (int, np.integer)) or U < 1 or size % U:
+    def checks(spec, bad):
+        if deg < 1 or size % deg:
             raise bad(f"ulysses_degree must be a positive int dividing the {size} ranks, got {U!r}")
-        if spec.heads % U:
-            raise bad(f"heads ({spec.heads}) must be divisible by ulysses_degree ({U})")
-        if spec.kv_heads % U and U % spec.kv_heads:
-            raise bad(f"kv_heads ({spec.kv_heads}) must be divisible by ulysses_degree ({U}), or divide it "
-                      "(kv heads are then replicated)")
-        if layout == "zigzag" and spec.seq_local % 2:
-            raise bad(f"zigzag needs an even seq_local, got {spec.seq_local} (shard with shard_sequence)")
-        if not isinstance(bidirectional, (bool, np.bool_)):
+        check_degree(spec, deg, bad, "ulysses_degree")
+        if spec.option("bidirectional") < 0:
             raise bad(f"bidirectional must be a bool, got {bidirectional!r}")
         if 1 < U < size and not callable(getattr(comm, "split", None)):
             raise bad(f"comm ({type(comm).__name__}) has no split(color, key) to form the process grid")
 
-    lay = LAYOUTS.index(layout) if isinstance(layout, str) and layout in LAYOUTS else -1
-    deg = int(U) if isinstance(U, (int, np.integer)) and not isinstance(U, bool) else -1
-    checks = window_checks(window, tp, op, more=checks)
-    spec = validate(tp, q, k, v, causal=causal, softmax_scale=softmax_scale, op=op, cu_seqlens=cu_seqlens,
-                    checks=checks, extra=(("ulysses_degree", deg), ("layout", lay),
-                                          ("bidirectional", int(bool(bidirectional)))), timeout=timeout,
-                    sdpa=sdpa)
+    spec = validate(tp, q, k, v, op=op, causal=causal, softmax_scale=softmax_scale, layout=layout, qkv_format=fmt,
+                    cu_seqlens=cu_seqlens, window=window, timeout=timeout, sdpa=sdpa,
+                    options=(("ulysses_degree", deg), ("bidirectional", bool_option(bidirectional))), checks=checks)
+    layout = spec.layout
     causal = spec.causal
     U = int(U)
     R = size // U
@@ -344,7 +328,7 @@ def _hybrid(q, k, v, comm, tp, op, ulysses_degree, layout, softmax_scale, bidire
         return ring_attention(q, k, v, comm, causal=causal, layout=layout, softmax_scale=spec.scale,
                               cu_seqlens=spec.cu_seqlens, bidirectional=bool(bidirectional), timeout=timeout,
                               window=spec.window)
-    strided = _strided(layout)
+    strided = layout.strided_groups
     if R == 1:
         ucomm, rcomm = comm, None
     else:

@@ -27,7 +27,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from commlib.collectives.attention.layout import LAYOUTS
+from commlib.collectives.attention.layout import layout_of
+from commlib.collectives.attention.spec import FORMATS
 from commlib.core.errors import InvalidArgument
 
 from ._check import timeout_of
@@ -36,7 +37,6 @@ from .hybrid import hybrid_attention
 from .ring import ring_attention
 from .ulysses import ulysses_attention
 from .window import window_of
-from ._front import FORMATS
 from .shard import Sharding
 from commlib.collectives.attention.common import is_comm
 
@@ -108,8 +108,7 @@ class SequenceParallelAttention(torch.nn.Module):
 
         if not isinstance(kind, str) or kind not in KINDS:
             raise bad(f"kind {kind!r} is not one of {KINDS}")
-        if not isinstance(layout, str) or layout not in LAYOUTS:
-            raise bad(f"layout {layout!r} is not one of {LAYOUTS}")
+        layout = layout_of(layout, rank=rank, op=op)
         if not isinstance(causal, (bool, np.bool_)):
             raise bad(f"causal must be a bool, got {causal!r}")
         if ulysses_degree is not None and (isinstance(ulysses_degree, bool)

@@ -31,142 +31,29 @@ from __future__ import annotations
 import functools
 import dataclasses
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-from commlib.collectives.agreement import agree_call
-from commlib.collectives.attention.layout import LAYOUTS, sequence_positions
 from commlib.collectives.attention.ringcomm import RingComm
-from commlib.collectives.attention.schedule import RingSchedule, piece_positions, split_halves
-from commlib.collectives.attention.spec import MaskSpec, describe_with
+from commlib.collectives.attention.schedule import RingSchedule
+from commlib.collectives.attention.spec import AttnSpec
 from commlib.collectives.attention.transport import transport_of
 from commlib.core.errors import InvalidArgument
 from commlib.core.seconds import restarted
 
-from ._check import (DEVICES, DTYPE_NAMES, DTYPES, agreement_timeout, autocast_inputs, autocast_off, call_problem,
-                     check_qkv, cu_seqlens_of, grad_flags, no_double_backward, sdpa_keywords, softmax_scale_of,
-                     timeout_of)
-from ._blocks import (PieceFold, PieceGrads, acc_dtype, block_backward, block_forward, heads_major, pack_kv, plan_block, plan_window_block)
+from ._check import autocast_inputs, autocast_off, bool_option, no_double_backward, validate
+from ._blocks import PieceFold, PieceGrads, acc_dtype, block_backward, block_forward, heads_major, pack_kv, plan_block, plan_window_block
 from ._failure import bound, guarded, link_comm
 from ._front import front
 from ._wire import irecv_tensor, isend_tensor
-from .window import WindowAttention, effective_window, halo_pays, halo_plan, window_of
+from .window import WindowAttention, halo_pays, halo_plan
 
 __all__ = ["ring_attention", "ring_attention_bidirectional"]
-
-_DTYPE_NAMES, _DEVICES = DTYPE_NAMES, DEVICES
 
 # Tags: each call takes a block of RingComm.WIDTH from its transport's allocator
 # (the K/V of stream s at s, the backward's travelling dk/dv of stream s at 2 + s).
 _TAG_WIDTH = RingComm.WIDTH
-
-
-@dataclass
-class _Spec:
-    """A validated ring attention call."""
-
-    op: str
-    rank: int
-    size: int
-    batch: int
-    seq_local: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    scale: float
-    causal: bool
-    layout: str
-    bidirectional: bool
-    cu_seqlens: np.ndarray | None
-    timeout: object               # the call's Deadline (every wait waits what is left of it), or None
-    grad: bool = False            # a gradient flows back (the backward communicates on every rank)
-    window: tuple | None = None   # the effective (left, right) sliding window (.window.effective_window)
-
-
-# ------------------------------------------------------------------ validation
-_SIG_FIELDS = ("batch", "seq_local", "heads", "kv_heads", "head_dim", "dtype", "device", "layout", "bidirectional",
-               "softmax_scale", "requires_grad") + MaskSpec.FIELDS
-
-
-def _describe_ring(name, value):
-    if name == "dtype":
-        return _DTYPE_NAMES[value] if 0 <= value < len(_DTYPE_NAMES) else value
-    if name == "device":
-        return _DEVICES[value] if 0 <= value < len(_DEVICES) else value
-    if name == "layout":
-        return repr(LAYOUTS[value]) if 0 <= value < len(LAYOUTS) else value
-    if name == "bidirectional":
-        return bool(value)
-    if name == "softmax_scale":
-        return float(np.int64(value).view(np.float64))
-    if name == "requires_grad":
-        return "a gradient of q, k or v" if value else "no gradient (torch.no_grad or requires_grad=False)"
-    return value
-
-
-_describe = describe_with(_describe_ring)
-
-
-def _disagreement(message, *, rank, op):
-    return InvalidArgument(f"ranks disagree on the call ({message}); every rank must pass the same shapes, "
-                           "dtype, device, options and cu_seqlens", rank=rank, op=op)
-
-
-def _validate_local(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op, sdpa,
-                    window=None):
-    rank, size = tp.rank, tp.size
-
-    def bad(msg):
-        return InvalidArgument(msg, rank=rank, op=op)
-
-    call_problem(sdpa, bad)
-    bsz, L, h, hk, d = check_qkv(q, k, v, bad)
-    causal, softmax_scale = sdpa_keywords(causal, softmax_scale, h, hk, bad, **sdpa)
-    if layout not in LAYOUTS:
-        raise bad(f"layout {layout!r} is not one of {LAYOUTS}")
-    if layout == "zigzag" and L % 2:
-        raise bad(f"zigzag needs an even seq_local, got {L}")
-    for name, flag in (("causal", causal), ("bidirectional", bidirectional)):
-        if not isinstance(flag, (bool, np.bool_)):
-            raise bad(f"{name} must be a bool, got {flag!r}")
-    scale = softmax_scale_of(softmax_scale, d, bad)
-    timeout = timeout_of(timeout, bad)
-    cu = cu_seqlens_of(cu_seqlens, size * L, bad)
-    win = effective_window(window_of(window, bad), bool(causal), size * L)
-    return _Spec(op, rank, size, bsz, L, h, hk, d, q.dtype, scale, bool(causal), layout, bool(bidirectional),
-                 cu, timeout, grad_flags(q, k, v) != 0, win)
-
-
-def _header(spec: _Spec, device_type: str) -> tuple:
-    return (spec.batch, spec.seq_local, spec.heads, spec.kv_heads, spec.head_dim, DTYPES.index(spec.dtype),
-            _DEVICES.index(device_type), LAYOUTS.index(spec.layout), int(spec.bidirectional),
-            int(np.float64(spec.scale).view(np.int64)), int(spec.grad),
-            *MaskSpec.of(spec.causal, spec.cu_seqlens, spec.window).header())
-
-
-def _validate(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op, sdpa,
-              window=None) -> _Spec:
-    """Check the call on every rank together: raise the same InvalidArgument everywhere, before any K/V moves."""
-    problem, spec = None, None
-    if tp.size == 1:  # nobody to disagree with: the local checks are the whole validation
-        return _validate_local(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op, sdpa,
-                               window)
-    try:
-        spec = _validate_local(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op, sdpa,
-                               window)
-        header = _header(spec, q.device.type)
-    except InvalidArgument as exc:
-        problem, header = exc, None
-    # One round of one small all-gather (the same protocol on every rank,
-    # whatever its arguments): did any rank refuse, and do the headers agree;
-    # bounded by the call's timeout: a rank that never makes the call must not
-    # leave the others waiting forever.
-    agree_call(tp, header, op=op, names=_SIG_FIELDS, local_error=problem, timeout=agreement_timeout(timeout),
-               describe=_describe, exc_type=_disagreement)
-    return spec
 
 
 # ------------------------------------------------------------------ the plan
@@ -180,27 +67,25 @@ class _Plan:
     single: bool                  # one rank, one piece covering the whole block: one fused call
 
 
-def _plan(spec: _Spec) -> _Plan:
+def _plan(spec: AttnSpec) -> _Plan:
     """The call's plan, cached per (ranks, rank, seq_local, layout, causal,
-    bidirectional, cu_seqlens): a training loop repeats one call shape, and
-    building it costs host time that a GPU step waits for."""
-    cu = None if spec.cu_seqlens is None else tuple(int(x) for x in spec.cu_seqlens)
-    return _plan_cached(spec.size, spec.rank, spec.seq_local, spec.layout, spec.causal, spec.bidirectional, cu,
-                        spec.window)
+    bidirectional, cu_seqlens, window): a training loop repeats one call
+    shape, and building it costs host time that a GPU step waits for."""
+    return _plan_cached(spec.size, spec.rank, spec.seq_local, spec.layout, spec.causal,
+                        bool(spec.option("bidirectional")), spec.cu_seqlens, spec.window)
 
 
 @functools.lru_cache(maxsize=64)
 def _plan_cached(P, r, L, layout, causal, bidirectional, cu, window=None) -> _Plan:
-    spec = SimpleNamespace(size=P, rank=r, seq_local=L, layout=layout, causal=causal, bidirectional=bidirectional,
-                           cu_seqlens=None if cu is None else np.asarray(cu, dtype=np.int64))
-    sched = RingSchedule(P, r, spec.bidirectional and P > 1)
-    halves = split_halves(spec.layout, L) if sched.bidirectional else None
-    qpos = sequence_positions(spec.layout, r, P, L)
+    cu = None if cu is None else np.asarray(cu, dtype=np.int64)
+    sched = RingSchedule(P, r, bidirectional and P > 1)
+    halves = layout.halves(L) if sched.bidirectional else None
+    qpos = layout.positions(r, P, L)
 
     def block_plan(qp, kp):  # a window's band in tiles (blocks outside it: no piece), else full/causal pieces
         if window is not None:
-            return plan_window_block(qp, kp, spec.causal, spec.cu_seqlens, window)
-        return plan_block(qp, kp, spec.causal, spec.cu_seqlens)
+            return plan_window_block(qp, kp, causal, cu, window)
+        return plan_block(qp, kp, causal, cu)
 
     steps = []
     for rs in sched.steps():
@@ -209,7 +94,7 @@ def _plan_cached(P, r, L, layout, causal, bidirectional, cu, window=None) -> _Pl
             continue
         entry = []
         for stream, owner in zip(sched.streams, rs.owners):
-            kpos = piece_positions(spec.layout, owner, P, L, stream.half)
+            kpos = layout.piece_positions(owner, P, L, stream.half)
             entry.append((stream.index, block_plan(qpos, kpos)))
         steps.append(entry)
     pieces = steps[0][0][1]
@@ -218,14 +103,14 @@ def _plan_cached(P, r, L, layout, causal, bidirectional, cu, window=None) -> _Pl
     return _Plan(sched, None if halves is None else tuple(torch.from_numpy(h) for h in halves), steps, single)
 
 
-def _ring_comm(tp, spec: _Spec, plan: _Plan) -> RingComm:
+def _ring_comm(tp, spec: AttnSpec, plan: _Plan) -> RingComm:
     """The call's ring traffic (tensors on the wire through :mod:`._wire`)."""
     return RingComm(tp, plan.sched, tp.tags.slot(_TAG_WIDTH), spec.timeout, spec.op, isend=isend_tensor,
                     irecv=irecv_tensor)
 
 
 # ------------------------------------------------------------------ forward
-def _forward(tp, spec: _Spec, plan: _Plan, q, k, v):
+def _forward(tp, spec: AttnSpec, plan: _Plan, q, k, v):
     """The ring forward: ``(out (B, L, H, D) input dtype, lse (B, H, L) accumulation dtype)``."""
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if plan.single:
@@ -256,7 +141,7 @@ def _forward(tp, spec: _Spec, plan: _Plan, q, k, v):
 
 
 # ------------------------------------------------------------------ backward
-def _backward(tp, spec: _Spec, plan: _Plan, q, k, v, out, lse, dout):
+def _backward(tp, spec: AttnSpec, plan: _Plan, q, k, v, out, lse, dout):
     """The ring backward: ``(dq, dk, dv)`` shaped and typed like ``q``, ``k``, ``v``."""
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     oh, doh = out.transpose(1, 2), dout.transpose(1, 2)
@@ -335,14 +220,21 @@ class _RingAttention(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------ public
-def _ring(q, k, v, comm, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op, sdpa, window=None):
+def _checks(spec: AttnSpec, bad) -> None:
+    if spec.option("bidirectional") < 0:
+        raise bad("bidirectional must be a bool")
+
+
+def _ring(q, k, v, comm, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op, sdpa, window=None,
+          fmt="bshd"):
     timeout = bound(comm, timeout, op)  # the deadline of the whole call (by default a FT communicator's own)
     tp = transport_of(comm, timeout, op)
     link_comm(comm, tp)
     (q, k, v), ctx = autocast_inputs(q, k, v)  # autocast: SDPA's casts, before the dtype agreement
     with ctx, guarded(tp, comm):
-        spec = _validate(tp, q, k, v, causal, layout, softmax_scale, cu_seqlens, bidirectional, timeout, op, sdpa,
-                         window)
+        spec = validate(tp, q, k, v, op=op, causal=causal, softmax_scale=softmax_scale, layout=layout,
+                        qkv_format=fmt, cu_seqlens=cu_seqlens, window=window, timeout=timeout, sdpa=sdpa, grads="any",
+                        options=(("bidirectional", bool_option(bidirectional)),), checks=_checks)
         if spec.window is not None and halo_pays(spec.size, spec.seq_local, spec.layout, spec.causal,
                                                  spec.cu_seqlens, spec.window):
             # a halo exchange bounded by the window, not the ring
@@ -480,7 +372,7 @@ def ring_attention(q, k, v, comm=None, causal=False, layout=None, softmax_scale=
     return call.out(_ring(call.q, call.k, call.v, call.comm, causal, call.layout, softmax_scale, cu_seqlens,
                           bidirectional, timeout, op,
                           call.keywords(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                                        enable_gqa=enable_gqa), window))
+                                        enable_gqa=enable_gqa), window, call.fmt))
 
 
 def ring_attention_bidirectional(q, k, v, comm=None, causal=False, layout=None, softmax_scale=None, *,
@@ -503,4 +395,4 @@ def ring_attention_bidirectional(q, k, v, comm=None, causal=False, layout=None, 
     return call.out(_ring(call.q, call.k, call.v, call.comm, causal, call.layout, softmax_scale, cu_seqlens, True,
                           timeout, op,
                           call.keywords(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                                        enable_gqa=enable_gqa), window))
+                                        enable_gqa=enable_gqa), window, call.fmt))

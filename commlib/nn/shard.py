@@ -39,17 +39,19 @@ import numpy as np
 import torch
 
 from commlib.collectives.agreement import agree_call
-from commlib.collectives.attention.layout import LAYOUTS, local_seq_len, sequence_positions
+from commlib.collectives.attention.layout import LAYOUTS, layout_of
 from commlib.collectives.attention.common import is_comm
 from commlib.collectives.attention.transport import transport_of
 from commlib.core.errors import InvalidArgument
 from commlib.core.seconds import restarted, time_left
 
-from ._check import agreement_timeout, describe_grad, grad_flags, timeout_of
+from commlib.collectives.attention.spec import describe_grad
+
+from ._check import agreement_timeout, device_code, grad_flags, timeout_of
 from ._wire import all_to_all_tensors, irecv_tensor, isend_tensor
 from ._failure import bound, guarded, link_comm
 
-__all__ = ["Sharding", "shard_sequence", "unshard_sequence", "gather_order"]
+__all__ = ["Sharding", "shard_sequence", "unshard_sequence"]
 
 #: dtypes :func:`unshard_sequence` moves (their index is the header's code)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
@@ -71,37 +73,12 @@ def tag_shard(t: torch.Tensor, layout: str, size: int) -> torch.Tensor:
     return t
 
 
-def _check_layout(layout, rank, op):
-    if not isinstance(layout, str) or layout not in LAYOUTS:
-        raise InvalidArgument(f"layout {layout!r} is not one of {LAYOUTS}", rank=rank, op=op)
-
-
 def _check_dim(x, dim, rank, op) -> int:
     if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
         raise InvalidArgument(f"dim must be an int, got {dim!r}", rank=rank, op=op)
     if not -x.dim() <= dim < x.dim():
         raise InvalidArgument(f"dim {dim} out of range for a {x.dim()}-d tensor", rank=rank, op=op)
     return int(dim) % x.dim()
-
-
-def _divisor(layout: str, size: int) -> int:
-    return 2 * size if layout == "zigzag" else size
-
-
-def gather_order(layout: str, size: int, seq_local: int) -> np.ndarray:
-    """Where each global token sits when the ranks' shards are concatenated in rank order.
-
-    Args:
-        layout: one of the layouts.
-        size: number of ranks ``P``.
-        seq_local: tokens per rank ``L``.
-
-    Returns:
-        numpy.ndarray: int64 ``(P * L,)``; entry ``t`` is the index, in the
-        rank-order concatenation of the shards, of global position ``t``.
-    """
-    pos = np.concatenate([sequence_positions(layout, r, size, seq_local) for r in range(size)])
-    return np.argsort(pos, kind="stable")
 
 
 def _resolve(comm, layout, dim, op):
@@ -115,6 +92,15 @@ def _resolve(comm, layout, dim, op):
                                       "(the Sharding carries it)", rank=comm.rank, op=op)
         return comm.comm, comm.layout, comm.dim
     return comm, "contiguous" if layout is None else layout, 1 if dim is None else dim
+
+
+def _slice(x, layout, rank, size, L, dim):
+    """Rank ``rank``'s ``L`` rows of the (padded) global ``x`` on ``dim``, contiguous."""
+    start = layout.local_start(rank, size, L)
+    if start is not None:
+        return x.narrow(dim, start, L).contiguous()
+    pos = torch.as_tensor(layout.positions(rank, size, L), device=x.device)
+    return x.index_select(dim, pos).contiguous()
 
 
 def shard_sequence(x: torch.Tensor, comm, layout: str | None = None, dim: int | None = None, *,
@@ -152,25 +138,21 @@ def shard_sequence(x: torch.Tensor, comm, layout: str | None = None, dim: int | 
     rank, size = int(comm.rank), int(comm.size)
     if not isinstance(x, torch.Tensor):
         raise InvalidArgument(f"x must be a torch.Tensor, got {type(x).__name__}", rank=rank, op=op)
-    _check_layout(layout, rank, op)
+    layout = layout_of(layout, rank=rank, op=op)
     dim = _check_dim(x, dim, rank, op)
     n = int(x.shape[dim])
-    div = _divisor(layout, size)
+    div = layout.unit(size)
     if n % div and not pad:
         raise InvalidArgument(
             f"sequence length {n} is not divisible by {div} ({size} ranks, layout {layout!r}); pad it "
             "(pad=True zero-pads at the end: mask the padding in attention) or choose another length",
             rank=rank, op=op)
-    L = local_seq_len(n, size, layout)
+    L = layout.local_seq_len(n, size)
     if L * size > n:
         shape = list(x.shape)
         shape[dim] = L * size - n
         x = torch.cat([x, x.new_zeros(shape)], dim=dim)
-    if layout == "contiguous":
-        part = x.narrow(dim, rank * L, L).contiguous()
-    else:
-        pos = torch.as_tensor(sequence_positions(layout, rank, size, L), device=x.device)
-        part = x.index_select(dim, pos).contiguous()
+    part = _slice(x, layout, rank, size, L, dim)
     return tag_shard(part, layout, size)  # an attention call in another layout refuses it
 
 
@@ -195,9 +177,9 @@ class _Unshard(torch.autograd.Function):
         if reqs:
             tp.waitall(reqs, time_left(timeout), op=op)
         full = torch.cat(parts, dim=dim) if P > 1 else mine.clone()
-        if layout != "contiguous":
-            order = torch.as_tensor(gather_order(layout, P, L), device=x.device)
-            full = full.index_select(dim, order)
+        order = layout.gather_order(P, L)
+        if order is not None:  # the rank-order concatenation put in natural order
+            full = full.index_select(dim, torch.as_tensor(order, device=x.device))
         if seq_len < P * L:
             full = full.narrow(dim, 0, seq_len).contiguous()
         return full
@@ -213,10 +195,7 @@ class _Unshard(torch.autograd.Function):
             grad = torch.cat([grad, grad.new_zeros(shape)], dim=dim)
 
         def slice_of(s):
-            if layout == "contiguous":
-                return grad.narrow(dim, s * L, L).contiguous()
-            pos = torch.as_tensor(sequence_positions(layout, s, P, L), device=grad.device)
-            return grad.index_select(dim, pos).contiguous()
+            return _slice(grad, layout, s, P, L, dim)
 
         if not sum_grad or P == 1:
             return (slice_of(r),) + (None,) * 8
@@ -244,10 +223,6 @@ def _describe_unshard(name, value):
     if name == "requires_grad":
         return describe_grad(value, ("x_local",))
     return value
-
-
-def _device_code(device: torch.device) -> int:
-    return {"cpu": 0, "cuda": 1}.get(device.type, 2)
 
 
 def unshard_sequence(x_local: torch.Tensor, comm, layout: str | None = None, dim: int | None = None,
@@ -303,7 +278,7 @@ def _unshard(x_local, tp, layout, dim, seq_len, sum_grad, timeout, op):
     try:
         if not isinstance(x_local, torch.Tensor):
             raise InvalidArgument(f"x_local must be a torch.Tensor, got {type(x_local).__name__}", rank=rank, op=op)
-        _check_layout(layout, rank, op)
+        layout = layout_of(layout, rank=rank, op=op)
         d = _check_dim(x_local, dim, rank, op)
         if x_local.dim() > _MAX_NDIM:
             raise InvalidArgument(f"x_local has {x_local.dim()} dims; at most {_MAX_NDIM} are supported",
@@ -315,19 +290,19 @@ def _unshard(x_local, tp, layout, dim, seq_len, sum_grad, timeout, op):
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
             raise InvalidArgument(f"seq_len must be a non-negative int, got {seq_len!r}", rank=rank, op=op)
         n = int(n)
-        if layout == "zigzag" and L % 2:
-            raise InvalidArgument(f"zigzag shards have an even length, got {L}", rank=rank, op=op)
-        if local_seq_len(n, size, layout) != L:
+        if layout.seq_local_problem(L):
+            raise InvalidArgument(layout.seq_local_problem(L), rank=rank, op=op)
+        if layout.local_seq_len(n, size) != L:
             raise InvalidArgument(f"seq_local {L} does not match seq_len {n} on {size} ranks with layout "
-                                  f"{layout!r} (expected {local_seq_len(n, size, layout)})", rank=rank, op=op)
+                                  f"{layout!r} (expected {layout.local_seq_len(n, size)})", rank=rank, op=op)
         if not isinstance(sum_grad, (bool, np.bool_)):
             raise InvalidArgument(f"sum_grad must be a bool, got {sum_grad!r}", rank=rank, op=op)
         timeout_of(timeout, lambda msg: InvalidArgument(msg, rank=rank, op=op))
         shape = list(x_local.shape) + [-1] * (_MAX_NDIM - x_local.dim())
         # with sum_grad the backward is an all-to-all: every rank must have one
         grad = grad_flags(x_local) if sum_grad else 0
-        header = (x_local.dim(), d, *shape, _DTYPES.index(x_local.dtype), _device_code(x_local.device),
-                  LAYOUTS.index(layout), n, int(bool(sum_grad)), grad)
+        header = (x_local.dim(), d, *shape, _DTYPES.index(x_local.dtype), device_code(x_local.device),
+                  layout.code, n, int(bool(sum_grad)), grad)
     except InvalidArgument as exc:
         problem = exc
     agree_call(tp, header, op=op, names=_UNSHARD_FIELDS, local_error=problem, timeout=agreement_timeout(timeout),
@@ -358,7 +333,8 @@ class Sharding:
             ``(batch, heads, seq, head_dim)``).
 
     Attributes:
-        comm, layout, dim: as given; ``rank`` and ``size`` are the communicator's.
+        comm, dim: as given; layout: its :class:`~commlib.collectives.attention.layout.Layout`
+            (compares equal to its name); ``rank`` and ``size`` are the communicator's.
 
     Raises:
         InvalidArgument: ``comm`` not a communicator, an unknown layout, or
@@ -371,8 +347,7 @@ class Sharding:
             comm = comm.comm
         if not is_comm(comm):
             raise InvalidArgument(f"comm must be a commlib.Communicator, got {type(comm).__name__}", op=op)
-        if not isinstance(layout, str) or layout not in LAYOUTS:
-            raise InvalidArgument(f"layout {layout!r} is not one of {LAYOUTS}", rank=comm.rank, op=op)
+        layout = layout_of(layout, rank=comm.rank, op=op)
         if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
             raise InvalidArgument(f"dim must be an int, got {dim!r}", rank=comm.rank, op=op)
         self.comm, self.layout, self.dim = comm, layout, int(dim)
@@ -430,12 +405,12 @@ class Sharding:
 
     def seq_local(self, seq_len: int) -> int:
         """Tokens per rank (padding included) for a global length ``seq_len``."""
-        return local_seq_len(seq_len, self.size, self.layout)
+        return self.layout.local_seq_len(seq_len, self.size)
 
     def positions(self, seq_local: int) -> np.ndarray:
         """int64 ``(seq_local,)``: the global positions of this rank's tokens
         (for rotary embeddings; entries ``>= seq_len`` are padding)."""
-        return sequence_positions(self.layout, self.rank, self.size, int(seq_local))
+        return self.layout.positions(self.rank, self.size, int(seq_local))
 
     def __repr__(self) -> str:
         return f"Sharding(layout={self.layout!r}, dim={self.dim}, rank={self.rank}, size={self.size})"

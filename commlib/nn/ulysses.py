@@ -31,30 +31,20 @@ back); any other ``kv_heads`` is refused.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from commlib.collectives.agreement import agree_call
-from commlib.collectives.attention.layout import LAYOUTS
-from commlib.collectives.attention.spec import MaskSpec, describe_with
 from commlib.collectives.attention.transport import transport_of
-from commlib.core.errors import InvalidArgument
 from commlib.core.seconds import restarted
 
-from ._check import (DTYPES, agreement_timeout, autocast_inputs, check_qkv, cu_seqlens_of, describe_grad,
-                     grad_flags, call_problem, sdpa_keywords, softmax_scale_of, timeout_of)
+from ._check import autocast_inputs, validate
 from ._front import front
-from .shard import gather_order
 from ._failure import bound, guarded, link_comm
 from ._wire import all_to_all_tensors
-from .window import effective_window, window_dense_mask, window_of
+from .window import window_dense_mask
 
-__all__ = ["ulysses_attention", "window_checks"]
-
-#: dtypes the attention calls take, in header-code order
+__all__ = ["ulysses_attention", "check_degree"]
 
 
 # ------------------------------------------------------------------ all-to-all
@@ -146,125 +136,15 @@ def local_attention(q, k, v, causal, scale, mask=None):
 
 
 # ---------------------------------------------------------------- validation
-@dataclass
-class Spec:
-    """Validated dimensions of an attention call on torch tensors."""
-
-    batch: int
-    seq_local: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    scale: float
-    cu_seqlens: tuple | None
-    causal: bool = False
-    window: tuple | None = None   # the effective sliding window (commlib.nn.window.effective_window), or None
-
-
-_FIELDS = ("batch", "seq_local", "heads", "kv_heads", "head_dim", "dtype", "device", "softmax_scale",
-           "requires_grad") + MaskSpec.FIELDS
-
-
-def _device_code(device: torch.device) -> int:
-    return {"cpu": 0, "cuda": 1}.get(device.type, 2)
-
-
-def _describe_ulysses(name, value):
-    if name == "dtype":
-        return str(DTYPES[value]) if 0 <= value < len(DTYPES) else value
-    if name == "device":
-        return ("cpu", "cuda", "other")[value] if 0 <= value < 3 else value
-    if name == "bidirectional":
-        return bool(value)
-    if name == "softmax_scale":
-        return float(np.int64(value).view(np.float64))
-    if name == "layout":
-        return repr(LAYOUTS[value]) if 0 <= value < len(LAYOUTS) else value
-    if name == "requires_grad":
-        return describe_grad(value)
-    return value
-
-
-_describe = describe_with(_describe_ulysses)
-
-
-def _disagreement(message, *, rank, op):
-    return InvalidArgument(f"ranks disagree on the call ({message}); every rank must pass the same shapes, "
-                           "dtype and options", rank=rank, op=op)
-
-
-def check_cu_seqlens(cu_seqlens, seq_len, rank, op):
-    """``cu_seqlens`` as a tuple of ints ``0 = c_0 <= c_1 <= ... <= c_n = seq_len`` (None stays None)."""
-    arr = cu_seqlens_of(cu_seqlens, seq_len, lambda msg: InvalidArgument(msg, rank=rank, op=op))
-    return None if arr is None else tuple(int(c) for c in arr)
-
-
-def validate(tp, q, k, v, *, causal, softmax_scale, op, cu_seqlens=None, degree=None, checks=None,
-             extra=(), timeout=None, sdpa=None) -> Spec:
-    """Check an attention call on torch tensors on every rank together.
-
-    Local checks first, then one agreement round
-    (:func:`commlib.collectives.agreement.agree_call`): any rank's problem
-    becomes an :class:`InvalidArgument` on every rank, and so do ranks that
-    passed different shapes, dtype, device type or options.
-
-    Args:
-        tp: the transport of the call's communicator.
-        degree: the Ulysses degree (head counts must divide, or kv heads be
-            spread by :func:`spread_kv_heads`); None skips that check.
-        checks: ``checks(spec)``, more local checks raising InvalidArgument.
-        extra: ``((name, int), ...)`` more header fields (the same names on every rank).
-        timeout: the call's deadline (:func:`commlib.nn._failure.bound`),
-            or None or a number of seconds, checked here (None or finite > 0).
-        sdpa: SDPA's keywords the call was given (``attn_mask``,
-            ``dropout_p``, ``is_causal``, ``scale``, ``enable_gqa``), resolved
-            by :func:`commlib.nn._check.sdpa_keywords`; the returned spec's
-            ``causal`` and ``scale`` are the resolved ones.
-
-    Raises:
-        InvalidArgument: on every rank alike.
-    """
-    rank = tp.rank
-    problem, spec = None, None
-    header = None
-    try:
-        spec = _validate_local(q, k, v, causal=causal, softmax_scale=softmax_scale, rank=rank, op=op,
-                               cu_seqlens=cu_seqlens, size=tp.size, degree=degree, timeout=timeout,
-                               sdpa=sdpa or {})
-        if checks is not None:
-            checks(spec)
-        # which of q, k, v get a gradient: each has its own all-to-all in the backward
-        header = (spec.batch, spec.seq_local, spec.heads, spec.kv_heads, spec.head_dim, DTYPES.index(q.dtype),
-                  _device_code(q.device), int(np.float64(spec.scale).view(np.int64)), grad_flags(q, k, v),
-                  *MaskSpec.of(spec.causal, spec.cu_seqlens, spec.window).header(),
-                  *(int(val) for _, val in extra))
-    except InvalidArgument as exc:
-        problem = exc
-    agree_call(tp, header, op=op, names=_FIELDS + tuple(name for name, _ in extra), local_error=problem,
-               timeout=agreement_timeout(timeout), describe=_describe, exc_type=_disagreement)
-    return spec
-
-
-def _validate_local(q, k, v, *, causal, softmax_scale, rank, op, cu_seqlens, size, degree, timeout=None,
-                    sdpa) -> Spec:
-    def bad(msg):
-        return InvalidArgument(msg, rank=rank, op=op)
-
-    call_problem(sdpa, bad)
-    bsz, L, h, hk, d = check_qkv(q, k, v, bad)
-    causal, softmax_scale = sdpa_keywords(causal, softmax_scale, h, hk, bad, **sdpa)
-    if degree is not None:
-        if h % degree:
-            raise bad(f"heads ({h}) must be divisible by the Ulysses degree ({degree})")
-        if hk % degree and degree % hk:
-            raise bad(f"kv_heads ({hk}) must be divisible by the Ulysses degree ({degree}), or divide it "
-                      "(kv heads are then replicated)")
-    scale = softmax_scale_of(softmax_scale, d, bad)
-    if not isinstance(causal, (bool, np.bool_)):
-        raise bad(f"causal must be a bool, got {causal!r}")
-    timeout_of(timeout, bad)
-    cu = check_cu_seqlens(cu_seqlens, size * L, rank, op)
-    return Spec(bsz, L, h, hk, d, scale, cu, bool(causal))
+def check_degree(spec, degree: int, bad, name: str = "the Ulysses degree") -> None:
+    """Refuse head counts a Ulysses group of ``degree`` ranks cannot split:
+    ``heads`` must divide by it, ``kv_heads`` divide by it or divide it (kv
+    heads are then replicated, :func:`spread_kv_heads`)."""
+    if spec.heads % degree:
+        raise bad(f"heads ({spec.heads}) must be divisible by {name} ({degree})")
+    if spec.kv_heads % degree and degree % spec.kv_heads:
+        raise bad(f"kv_heads ({spec.kv_heads}) must be divisible by {name} ({degree}), or divide it "
+                  "(kv heads are then replicated)")
 
 
 # ---------------------------------------------------------------- the call
@@ -357,40 +237,16 @@ def ulysses_attention(q, k, v, comm=None, causal: bool = False, softmax_scale=No
     link_comm(comm, tp)
     (q, k, v), ctx = autocast_inputs(q, k, v)  # autocast: SDPA's casts, before the dtype agreement
     with ctx, guarded(tp, comm):
-        def layout_checks(spec):
-            if not isinstance(layout, str) or layout not in LAYOUTS:
-                raise InvalidArgument(f"layout {layout!r} is not one of {LAYOUTS}", rank=tp.rank, op=op)
-            if layout == "zigzag" and spec.seq_local % 2:
-                raise InvalidArgument(f"zigzag needs an even seq_local, got {spec.seq_local}", rank=tp.rank, op=op)
-
-        checks = window_checks(window, tp, op, more=layout_checks)
-        lay = LAYOUTS.index(layout) if isinstance(layout, str) and layout in LAYOUTS else -1
-        spec = validate(tp, q, k, v, causal=causal, softmax_scale=softmax_scale, op=op, cu_seqlens=cu_seqlens,
-                        degree=tp.size, timeout=timeout, checks=checks, extra=(("layout", lay),),
+        spec = validate(tp, q, k, v, op=op, causal=causal, softmax_scale=softmax_scale, layout=layout,
+                        qkv_format=call.fmt, cu_seqlens=cu_seqlens, window=window, timeout=timeout,
                         sdpa=call.keywords(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                                           scale=scale, enable_gqa=enable_gqa))
+                                           scale=scale, enable_gqa=enable_gqa),
+                        checks=lambda spec, bad: check_degree(spec, tp.size, bad))
         order = None
-        if layout != "contiguous" and tp.size > 1:  # the gathered shards put in natural order, and back
-            perm = gather_order(layout, tp.size, spec.seq_local)
+        perm = spec.layout.gather_order(tp.size, spec.seq_local) if tp.size > 1 else None
+        if perm is not None:  # the gathered shards put in natural order, and back
             order = (torch.as_tensor(perm, device=q.device), torch.as_tensor(np.argsort(perm), device=q.device))
         return call.out(ulysses_forward(q, k, v, tp, spec, spec.causal, timeout, op, order))
-
-
-def window_checks(window, tp, op, more=None):
-    """The ``checks`` of :func:`validate` for a ``window`` argument: the
-    window is checked on every rank (:func:`commlib.nn.window.window_of`; a
-    bad one is refused in the agreement), its effective value
-    (:func:`commlib.nn.window.effective_window`) stored as ``spec.window``
-    and agreed with the other mask features
-    (:class:`commlib.collectives.attention.spec.MaskSpec`); ``more(spec)``
-    runs after."""
-    def checks(spec):
-        win = window_of(window, lambda msg: InvalidArgument(msg, rank=tp.rank, op=op))
-        spec.window = effective_window(win, spec.causal, tp.size * spec.seq_local)
-        if more is not None:
-            more(spec)
-
-    return checks
 
 
 def ulysses_forward(q, k, v, tp, spec, causal, timeout, op, order=None):

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from commlib.collectives.attention.layout import sequence_positions
+from commlib.collectives.attention.layout import layout_of
 from commlib.collectives.attention.window import effective_window, halo_rows, window_of
 from commlib.core.errors import InvalidArgument
 from commlib.core.seconds import restarted, time_left
@@ -142,16 +142,17 @@ def halo_plan(size: int, rank: int, seq_local: int, layout: str, causal: bool, c
         the positions, so the sends and receives match.
     """
     cu = None if cu_seqlens is None else tuple(int(x) for x in cu_seqlens)
-    return _halo_plan(int(size), int(rank), int(seq_local), layout, bool(causal), cu, tuple(window))
+    return _halo_plan(int(size), int(rank), int(seq_local), layout_of(layout, rank=rank, op="halo_plan"), bool(causal),
+                      cu, tuple(window))
 
 
 @functools.lru_cache(maxsize=64)
 def _halo_plan(P, r, L, layout, causal, cu, window) -> HaloPlan:
     rows = halo_rows(P, r, L, layout, causal, cu, window)
     cu = None if cu is None else np.asarray(cu, dtype=np.int64)
-    qpos = sequence_positions(layout, r, P, L)
+    qpos = layout.positions(r, P, L)
     own = plan_window_block(qpos, qpos, causal, cu, window)
-    recv = [(s, len(idx), plan_window_block(qpos, sequence_positions(layout, s, P, L)[idx], causal, cu, window))
+    recv = [(s, len(idx), plan_window_block(qpos, layout.positions(s, P, L)[idx], causal, cu, window))
             for s, idx in rows.recv]
     send = [(t, torch.from_numpy(idx)) for t, idx in rows.send]
     return HaloPlan(own, recv, send)
@@ -180,7 +181,7 @@ def halo_pays(size: int, seq_local: int, layout: str, causal: bool, cu_seqlens, 
     if size == 1:
         return True
     cu = None if cu_seqlens is None else tuple(int(x) for x in cu_seqlens)
-    return _halo_pays(int(size), int(seq_local), layout, bool(causal), cu, tuple(window))
+    return _halo_pays(int(size), int(seq_local), layout_of(layout, op="halo_pays"), bool(causal), cu, tuple(window))
 
 
 @functools.lru_cache(maxsize=64)

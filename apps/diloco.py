@@ -504,7 +504,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--leave-after", type=int, default=None, metavar="K",
                    help="leave gracefully after K outer steps of this peer (churn)")
     p.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="seconds any single wait on the master or a peer may take (default 30)")
+                   help="the deadline in seconds of each whole call: connecting, and every update_topology, "
+                        "state sync and collective, retries included (the peer's timeout; default 30)")
     p.add_argument("--rejoin", type=int, default=3, metavar="N",
                    help="when the master drops this peer (or a wait times out), reconnect with the state it "
                         "holds, up to N times (default 3)")

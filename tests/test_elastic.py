@@ -723,11 +723,11 @@ def test_pair_abort_after_the_exchange_leaves_buf_untouched():
         send = gone._send
         reported = threading.Event()
 
-        def withhold_done(msg):
+        def withhold_done(msg, *args):
             if msg.get("t") == "done":
                 reported.set()  # the exchange is over on this side; the master never hears
                 return
-            send(msg)
+            send(msg, *args)
 
         gone._send = withhold_done
         xs = [np.random.default_rng(5 + r).standard_normal(200_003).astype(np.float32) for r in range(2)]
@@ -756,6 +756,39 @@ def test_pair_abort_after_the_exchange_leaves_buf_untouched():
         st = peers[0].stats
         assert st["aborts"] >= 1 and st["retries"] >= 1
         assert peers[0].size == 1
+    finally:
+        for p in peers:
+            p.close()
+        master.stop()
+
+
+def test_a_calls_messages_to_the_master_are_bounded_by_its_deadline():
+    """A call's ``timeout`` is the deadline of the whole call (issue 41, point 3):
+    every control message a call sends the master (a sync's digest, its
+    ``synced``, its refusal of a bad argument; a collective's report) is bounded
+    by what is left of that call's deadline (5 s here), never by the peer's
+    ``timeout`` (20 s), and names the call."""
+    master = el.Master(secret=SECRET).start()
+    peers = [el.connect(master.address, secret=SECRET, streams=1, timeout=20) for _ in range(2)]
+    sent = []
+    try:
+        form(peers, 2)
+        for p in peers:
+            def record(msg, timeout=None, op="elastic", send=p._send):
+                sent.append((msg["t"], timeout, op))
+                send(msg, timeout, op)
+            p._send = record
+        w = np.arange(1000, dtype=np.float32)
+        states = [{"w": w.copy()}, {"w": np.zeros(1000, np.float32)}]
+        res = run_peers(peers, lambda i, p: p.sync_shared_state(states[i], 7 - 7 * i, timeout=5))
+        assert res[1]["bytes_received"] == w.nbytes
+        run_peers(peers, lambda i, p: p.allreduce(np.ones(10, np.float32), "sum", timeout=5))
+        bad = run_outcomes(peers, lambda i, p: p.sync_shared_state({"w": w.copy()}, "x" if i == 0 else 7,
+                                                                   timeout=5))
+        assert all(isinstance(e, commlib.InvalidArgument) for _, e, _ in bad), bad
+        assert {t for t, _, _ in sent} == {"sync", "synced", "done"}, sent
+        assert all(b is not None and 0 < b <= 5 for _, b, _ in sent), sent
+        assert {op for _, _, op in sent} == {"sync_shared_state", "allreduce"}, sent
     finally:
         for p in peers:
             p.close()

@@ -24,7 +24,8 @@ Usage::
 The package: :mod:`~commlib.elastic.protocol` (message kinds, limits, the
 master's state machine and the threat model), :mod:`~commlib.elastic.master`
 (:class:`Master`), :mod:`~commlib.elastic.peer` (:class:`Peer`,
-:func:`connect`), :mod:`~commlib.elastic.group` (the peer as a group of the engine:
+:func:`connect`), :mod:`~commlib.elastic.join` (a peer's handshake with the master),
+:mod:`~commlib.elastic.group` (the peer as a group of the engine:
 its recovery policy and collectives), :mod:`~commlib.elastic.state_sync` (the peer's shared-state sync).  The quantized wire format is
 :class:`commlib.transports.quantize.QuantizingTransport`; the errors
 (:class:`PeerFailure`, :class:`AuthError`, :class:`SecretError`, :class:`EncryptionMismatch`,

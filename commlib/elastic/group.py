@@ -44,7 +44,7 @@ from commlib.collectives.recovery import RecoveryPolicy
 from commlib.core.errors import CommError, CommTimeout, InvalidArgument, PeerClosed, PeerFailure, ProcessFailed
 from commlib.core.seconds import Deadline
 
-from .protocol import DONE, FAIL, REFUSE, WHY_MAX
+from .protocol import DONE, FAIL, REFUSE, REPORT_FLOOR, WHY_MAX
 from .state_sync import one_thread
 
 __all__ = ["MasterPolicy", "ElasticGroup", "VERDICT_GRACE", "ANSWER_GRACE"]
@@ -162,11 +162,15 @@ class MasterPolicy(RecoveryPolicy):
         if s not in peer._dead_calls:
             agreed = outcome.error is not None and (outcome.badarg or getattr(outcome.error, "agreed", False))
             bad = outcome.failure is not None or (outcome.error is not None and not agreed)
+            # the report is bounded by what is left of the call, with a floor: an attempt
+            # that ran out of time still reports (the master decides for every member once
+            # each has; unsent, the others would wait out their deadlines for a verdict)
+            bound = max(self._left(), REPORT_FLOOR)
             if isinstance(outcome.error, NeighbourRefusal):
                 # this member alone saw that the calls differ: the master makes it every member's
-                peer._send({"t": REFUSE, "e": e, "s": s, "why": outcome.error.detail[:WHY_MAX]})
+                peer._send({"t": REFUSE, "e": e, "s": s, "why": outcome.error.detail[:WHY_MAX]}, bound, self.opname)
             else:
-                peer._send({"t": FAIL if bad else DONE, "e": e, "s": s})
+                peer._send({"t": FAIL if bad else DONE, "e": e, "s": s}, bound, self.opname)
             # the verdict follows the last member's report: bounded by what is left of
             # the call, plus the master's answer to a report sent at the very end (or
             # another member gives the call up)

@@ -1,9 +1,10 @@
-"""An elastic peer: joining (the authenticated handshake with the master, the
-probe of its data address), membership (the control connection's reader, the
-votes of :meth:`Peer.update_topology`, the topology adopted at each call), and
-the epoch's data transport (dialled with the master's tickets).  Its collectives
-are front ends of the collective engine under the master's verdict
-(:mod:`.group`); the shared-state sync is :mod:`.state_sync`."""
+"""An elastic peer: joining (its data listener, which answers the master's probe
+of its data address; the handshake with the master is :mod:`.join`), membership
+(the control connection's reader, the votes of :meth:`Peer.update_topology`, the
+topology adopted at each call), and the epoch's data transport (dialled with
+the master's tickets).  Its collectives are front ends of the collective engine
+under the master's verdict (:mod:`.group`); the shared-state sync is
+:mod:`.state_sync`."""
 from __future__ import annotations
 
 import functools
@@ -14,17 +15,16 @@ import socket
 import threading
 import time
 
-from commlib.core.errors import (AuthError, AuthenticationError, CommError, CommTimeout, EncryptionMismatch,
-                                 InvalidArgument, JobMismatch, NoHandshakeSlot, PeerClosed, PeerFailure,
-                                 ProcessFailed)
+from commlib.core.errors import (AuthError, AuthenticationError, CommError, CommTimeout, InvalidArgument,
+                                 NoHandshakeSlot, PeerClosed, PeerFailure, ProcessFailed)
 from commlib.core.seconds import Deadline, check_timeout
 from commlib.transports import tcp
 
 from .group import ElasticGroup
+from .join import handshake, reach_master
 from .state_sync import StateSync, one_thread
-from .protocol import (BYE, DROP, FETCH, GAVE_UP, GIVE_UP, JOB, PLAN, PROBE, REFUSED, RING,
-                       SYNC_END, TERM, TOPO, VOTE, VOTED, WELCOME, AUTO_STREAMS, HEARTBEAT_INTERVAL, JOB_MAX,
-                       PROBE_TOKEN, TRAFFIC, WHY_MAX, check_job, is_bytes, is_int)
+from .protocol import (BYE, DROP, FETCH, GAVE_UP, GIVE_UP, PLAN, PROBE, RING, SYNC_END, TERM, TOPO, VOTE, VOTED,
+                       AUTO_STREAMS, HEARTBEAT_INTERVAL, PROBE_TOKEN, TRAFFIC, WHY_MAX, check_job, is_bytes, is_int)
 
 __all__ = ["Peer", "connect"]
 
@@ -135,7 +135,7 @@ class Peer(ElasticGroup, StateSync):
         # one deadline for the whole call: reaching the master, the handshake and its
         # retries, the job, the welcome (the master's probe of the data address included)
         deadline = Deadline(timeout, op="connect")
-        sock = self._reach_master(address, deadline)
+        sock = reach_master(address, deadline)
         local = sock.getsockname()[0]
         self._listener = tcp.Listener(bind or f"{local}:0", secret, self._on_data_conn, encrypt=encrypt)
         data = advertise or (self._listener.address if bind is None or not bind.startswith("0.0.0.0")
@@ -143,56 +143,9 @@ class Peer(ElasticGroup, StateSync):
         hello = {"role": "peer", "data": data, "streams": self.streams, "probe": self._probe_token}
         if job is not None:
             hello["job"] = True  # the job itself follows the handshake: only a master that proved the secret reads it
-        who = f"the master at {address}"
-        tries = 0
         try:
-            while True:
-                tries += 1
-                try:
-                    self._conn = tcp.client_handshake(sock, secret, hello, encrypt=encrypt, name=who,
-                                                      timeout=max(deadline.left(), 0.001))
-                    break
-                except NoHandshakeSlot:
-                    # the master's listener is flooded: back off (with jitter) and try again
-                    # within the timeout; then say so (not "wrong secret")
-                    delay = tcp.retry_delay(tries)
-                    if deadline.left() <= delay + 0.05:
-                        raise
-                    time.sleep(delay)
-                    sock = self._reach_master(address, deadline)
-            stage = "the job"
-            try:
-                if job is not None:
-                    self._conn.send_ctrl({"t": JOB, "job": job}, timeout=max(deadline.left(), 0.001))
-                stage = "the welcome"
-                kind, _, msg = self._conn.read_ctrl(deadline=deadline.at, limit=1 << 16)
-                if kind == tcp.K_CTRL and isinstance(msg, dict) and msg.get("t") == REFUSED:
-                    self._conn.close()
-                    theirs = msg.get("job")
-                    if job is not None and isinstance(theirs, bytes) and 1 <= len(theirs) <= JOB_MAX:
-                        raise self._job_refused(job, theirs)
-                    raise self._refused(msg.get("why"), data, advertise, bind)
-                if kind != tcp.K_CTRL or not isinstance(msg, dict) or msg.get("t") != WELCOME:
-                    raise tcp.FrameError("expected welcome")
-            except TimeoutError:
-                self._conn.close()
-                if stage == "the job":
-                    raise CommTimeout(f"{who} authenticated this peer but did not take its job= within connect's "
-                                      f"{timeout:g} s timeout: a stalled master", op="connect") from None
-                raise CommTimeout(f"{who} authenticated this peer but sent no welcome within connect's {timeout:g} s "
-                                  f"timeout (it first dials this peer's data address {data}, for up to its "
-                                  "probe_timeout: can the master reach it?)", op="connect") from None
-            except (tcp.FrameError, OSError) as exc:
-                self._conn.close()
-                raise AuthError(f"{who} closed the connection after authenticating this peer "
-                                f"({type(exc).__name__}): it refused this peer's hello, or serves its maximum "
-                                "of peers", op="connect") from None
-        except (NoHandshakeSlot, EncryptionMismatch, CommTimeout, AuthError):
-            self._listener.close()
-            raise
-        except AuthenticationError as exc:
-            self._listener.close()
-            raise AuthError(exc.detail, op="connect") from None
+            self._conn, msg = handshake(sock, address, secret, hello, deadline, encrypt=encrypt, job=job, data=data,
+                                        advertise=advertise, bind=bind, listener=self._listener.address)
         except BaseException:
             self._listener.close()
             raise
@@ -232,69 +185,6 @@ class Peer(ElasticGroup, StateSync):
         self._traffic = dict.fromkeys(TRAFFIC, 0)  # of the ring transports of past epochs
         threading.Thread(target=self._reader, daemon=True, name="commlib-peer-rx").start()
         threading.Thread(target=self._heartbeat, daemon=True, name="commlib-peer-hb").start()
-
-    @staticmethod
-    def _job_refused(mine: bytes, theirs: bytes) -> JobMismatch:
-        """The error of a join the master refused because this peer's job ``mine``
-        differs from the job's ``theirs`` (both bytes; the first differing byte named)."""
-        at = next((i for i, (x, y) in enumerate(zip(mine, theirs)) if x != y), min(len(mine), len(theirs)))
-        return JobMismatch(
-            f"this peer's job= ({len(mine)} bytes) differs from the job the master serves ({len(theirs)} bytes; "
-            f"first difference at byte {at}), so it was not admitted and the job's peers saw nothing of it: "
-            "start it with the job's settings (the job's bytes are this error's .job)",
-            job=theirs, mine=mine, op="connect")
-
-    def _refused(self, why, data: str, advertise: str | None, bind: str | None) -> CommError:
-        """The error of a join the master refused (``refused``: its probe of this
-        peer's data address ``data`` failed, ``why``): :class:`InvalidArgument` when
-        the address came from ``advertise`` or ``bind``, else :class:`CommError`."""
-        why = why[:WHY_MAX] if isinstance(why, str) and why else "no reason given"
-        listener = self._listener.address
-        if advertise is not None:
-            return InvalidArgument(
-                f"the master could not dial advertise={advertise!r} ({why}); the other peers would fail to dial it "
-                f"too, so this peer was not admitted: advertise an address that reaches this peer's data listener "
-                f"({listener}), or start the master with probe_timeout=None if only the master cannot reach it",
-                op="connect")
-        what = f"bind={bind!r}" if bind is not None else "this peer's data address"
-        text = (f"the master could not dial {what} ({data}: {why}); the other peers would fail to dial it too, so "
-                "this peer was not admitted: pass bind= an interface the others reach, or advertise= the address "
-                "they dial (NAT, port forwarding)")
-        return InvalidArgument(text, op="connect") if bind is not None else CommError(text, op="connect")
-
-    @staticmethod
-    def _reach_master(address: str, deadline: Deadline) -> socket.socket:
-        """A TCP connection to the master at ``address`` within what is left of
-        connect's ``deadline`` (one bound over every address the name resolves to).
-
-        Raises:
-            CommTimeout: no connection within the deadline (a flooded listener whose
-                backlog drops the connection, a silent network).
-            CommError: the master cannot be reached (refused, unreachable, an
-                address that does not resolve)."""
-        try:
-            host, port = tcp.parse_address(address)
-            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except OSError as exc:
-            raise CommError(f"cannot reach the master at {address}: {exc}", op="connect") from None
-        last: OSError | None = None
-        for family, kind, proto, _, sockaddr in infos:
-            left = deadline.left()
-            if left <= 0:
-                break
-            sock = socket.socket(family, kind, proto)
-            try:
-                sock.settimeout(left)
-                sock.connect(sockaddr)
-                return sock
-            except OSError as exc:
-                sock.close()
-                last = exc
-        if last is None or isinstance(last, socket.timeout):
-            raise CommTimeout(f"cannot reach the master at {address}: no connection within connect's "
-                              f"{deadline.timeout:g} s timeout (a flooded or stalled master, a network that "
-                              "drops the connection)", op="connect")
-        raise CommError(f"cannot reach the master at {address}: {last}", op="connect") from None
 
     # properties --------------------------------------------------------------
     @property

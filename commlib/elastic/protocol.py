@@ -143,7 +143,7 @@ from commlib.core.errors import InvalidArgument
 __all__ = ["WELCOME", "REFUSED", "TOPO", "TERM", "VOTED", "PLAN", "SYNC_END", "VOTE", "DONE", "FAIL", "REFUSE",
            "SYNC", "SYNCED", "BYE", "DROP", "GIVE_UP", "GAVE_UP", "RING", "FETCH", "PROBE", "HEARTBEAT_INTERVAL",
            "JOB", "AUTO_STREAMS", "PAIR_EXCHANGE_MAX", "TICKET_TTL", "PROBE_TIMEOUT", "PROBE_TOKEN",
-           "MAX_PEERS", "FETCH_MAX", "FETCH_PARK", "FETCH_PARK_S", "TRAFFIC", "WHY_MAX", "JOB_MAX", "JOB_WAIT", "is_int", "is_bytes", "dbg",
+           "MAX_PEERS", "FETCH_MAX", "FETCH_PARK", "FETCH_PARK_S", "TRAFFIC", "WHY_MAX", "JOB_MAX", "JOB_WAIT", "REPORT_FLOOR", "is_int", "is_bytes", "dbg",
            "check_job"]
 
 # --- master -> peer
@@ -183,6 +183,12 @@ PROBE = "probe"        #: the master's probe of a joiner's data address (hello `
 
 #: seconds between a peer's heartbeats
 HEARTBEAT_INTERVAL = 0.25
+#: seconds a member's report to the master (a collective's ``done`` / ``fail`` /
+#: ``refuse``, a sync's ``synced`` or refusal) may still take when its call's deadline
+#: has (nearly) passed: the master decides for every member once each has reported,
+#: and a write that runs out of time closes the control connection (the master is
+#: lost); the report is a few bytes, which a master that reads at all takes at once
+REPORT_FLOOR = 0.25
 #: ring connections per pair of peers on different hosts with ``connect(streams=None)``
 #: (the default); a pair on loopback addresses uses one
 AUTO_STREAMS = 4

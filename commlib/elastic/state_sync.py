@@ -34,7 +34,7 @@ from commlib.core.seconds import Deadline
 from commlib.transports import tcp
 from commlib.transports.base import check_plain_dtype
 
-from .protocol import FETCH, FETCH_MAX, FETCH_PARK, FETCH_PARK_S, SYNC, SYNCED, WHY_MAX, is_int
+from .protocol import FETCH, FETCH_MAX, FETCH_PARK, FETCH_PARK_S, REPORT_FLOOR, SYNC, SYNCED, WHY_MAX, is_int
 
 __all__ = ["StateSync"]
 
@@ -91,9 +91,9 @@ class StateSync:
         topo = self._adopt()
         if topo is None or topo.rank is None:
             raise InvalidArgument("not a member: call update_topology() first", op="sync_shared_state")
-        timeout, hashes, meta, views = self._sync_arguments(state, revision, timeout, topo.rank)
-        deadline = Deadline(timeout, start=t0, op="sync_shared_state")  # one bound for the whole call
-        plan = self._sync_round(revision, hashes, meta, deadline.left(), topo.rank)
+        # one bound for the whole call: the digest, the plan, the transfers, the round's end
+        deadline, hashes, meta, views = self._sync_arguments(state, revision, timeout, topo.rank, t0)
+        plan = self._sync_round(revision, hashes, meta, deadline, topo.rank)
         rnd = int(plan["round"])
         result = {"revision": int(plan["rev"]), "bytes_received": 0, "donor": None}
         if plan["fetchers"] and self.id in [int(d) for d in plan["donors"]]:
@@ -102,22 +102,30 @@ class StateSync:
             try:
                 got, donor = self._fetch(plan, state, topo, deadline, own=hashes)
             finally:
-                self._send({"t": SYNCED})
+                # the master ends the round (the donors' service) once every fetcher said
+                # so: sent even when the fetch ran out of time (REPORT_FLOOR)
+                self._send({"t": SYNCED}, max(deadline.left(), REPORT_FLOOR), "sync_shared_state")
             self._wait(lambda: True if rnd in self._sync_ends else None, deadline.left(), "sync_shared_state")
             result.update(bytes_received=got, donor=donor)
         result["seconds"] = time.monotonic() - t0
         return result
 
-    def _sync_arguments(self, state, revision, timeout, rank) -> tuple:
-        """``(timeout, hashes, meta, views)`` of a sync call; this member's own bad
-        argument raises InvalidArgument here at once, and the round is refused on
-        every member (each raises naming it), not left to time out."""
+    def _sync_arguments(self, state, revision, timeout, rank, t0: float) -> tuple:
+        """``(deadline, hashes, meta, views)`` of a sync call started at ``t0``
+        (monotonic); this member's own bad argument raises InvalidArgument here at
+        once, and the round is refused on every member (each raises naming it), not
+        left to time out."""
+        deadline = None
         try:
-            timeout = self._call_timeout(timeout, "sync_shared_state")
-            return (timeout, *self._sync_submission(state, revision, rank))
+            deadline = Deadline(self._call_timeout(timeout, "sync_shared_state"), start=t0, op="sync_shared_state")
+            return (deadline, *self._sync_submission(state, revision, rank))
         except InvalidArgument as exc:
+            # the refusal goes out even past the call's deadline (REPORT_FLOOR): the other
+            # members' round ends with it; a bad timeout leaves no deadline: the peer's
+            bound = None if deadline is None else max(deadline.left(), REPORT_FLOOR)
             try:
-                self._send({"t": SYNC, "rev": 0, "hashes": {}, "meta": {}, "bad": str(exc)[:WHY_MAX]})
+                self._send({"t": SYNC, "rev": 0, "hashes": {}, "meta": {}, "bad": str(exc)[:WHY_MAX]}, bound,
+                           "sync_shared_state")
                 with self._cv:
                     self._refusals_owed += 1
             except CommError:
@@ -145,8 +153,9 @@ class StateSync:
                 return p
         return None
 
-    def _sync_round(self, revision, hashes, meta, timeout, rank) -> dict:
-        """Submit this member's state digest; returns the master's plan for the round.
+    def _sync_round(self, revision, hashes, meta, deadline: Deadline, rank) -> dict:
+        """Submit this member's state digest; returns the master's plan for the
+        round, both within what is left of the call's ``deadline``.
 
         Raises:
             InvalidArgument: the round was refused (a member's bad argument).
@@ -155,8 +164,9 @@ class StateSync:
         with self._cv:
             self._drop_owed_refusals_locked()
             rounds_before = set(self._plans)
-        self._send({"t": SYNC, "rev": int(revision), "hashes": hashes, "meta": meta})
-        plan = self._wait(lambda: self._next_plan_locked(rounds_before), timeout, "sync_shared_state")
+        self._send({"t": SYNC, "rev": int(revision), "hashes": hashes, "meta": meta}, deadline.left(),
+                   "sync_shared_state")
+        plan = self._wait(lambda: self._next_plan_locked(rounds_before), deadline.left(), "sync_shared_state")
         with self._cv:
             self._plans.pop(int(plan["round"]), None)
         if plan.get("refused") is not None:

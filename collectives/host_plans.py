@@ -4,7 +4,7 @@ The one hot path of the engine: an allreduce, a broadcast or a barrier of
 exact numpy arrays outside fault-tolerant mode and without a ``timeout``
 (:meth:`~.engine.Engine.allreduce`, ``bcast``, ``barrier``).  A plan is made
 once per call shape, keyed by the row of :data:`~.specs.SPECS` and the call's
-shape (``("allreduce", dtype, count, op)``, ``("bcast", dtype, count, root)``,
+shape (``("allreduce", dtype, count, op)``, ``("bcast", dtype, count, root, algorithm)``,
 ``("barrier", algorithm)``, and for a large allreduce ``("allreduce", dtype,
 count, op, algorithm)``), by the general path's own steps: the row's
 ``prepare`` and one-round test give the header (:func:`~.first_round.validate`)
@@ -36,6 +36,7 @@ from . import ops
 from .agreement import encode_row, judge
 from .allreduce_ring import allreduce_ring, ring_scratch
 from .barrier import barrier_dissemination
+from .bcast_binomial import bcast_binomial
 from .first_round import describe_field, validate
 from .one_round import apply_steps, ring_order_steps
 from .specs import SPECS, Call, valid_root
@@ -195,14 +196,18 @@ class HostPlans:
     # ---------------------------------------------------------------- bcast
     def bcast(self, buf: np.ndarray, root, algorithm: str = "auto") -> bool:
         """Broadcast exact numpy array ``buf`` from ``root`` from a plan; False when
-        the call does not qualify (not ``"auto"``, not C-contiguous, a read-only
-        ``buf`` off the root, larger than the one-round capacity, a bad argument:
-        the general path then runs it, and refuses a bad argument on every rank)."""
-        if algorithm != "auto" or type(root) is not int or not buf.flags.c_contiguous:
+        the call does not qualify (an algorithm other than ``"auto"`` or
+        ``"binomial"``, not C-contiguous, a read-only ``buf`` off the root, a bad
+        argument: the general path then runs it, and refuses a bad argument on
+        every rank).  A one-round call takes the root's payload from the
+        gathered rows; a larger one runs the first round (when
+        ``COMMLIB_CHECK_ARGS``) then the binomial tree on ``buf`` itself."""
+        if type(root) is not int or not buf.flags.c_contiguous or type(algorithm) is not str:
             return False
-        plan = self.plans.get(("bcast", buf.dtype, buf.size, root))
+        key = ("bcast", buf.dtype, buf.size, root, algorithm)
+        plan = self.plans.get(key)
         if plan is None:
-            plan = self._bcast_plan(buf, root)
+            plan = self._bcast_plan(buf, root, algorithm, key)
         if not plan:
             return False
         header, payload, theirs, mine = plan
@@ -211,6 +216,11 @@ class HostPlans:
             return True
         if not mine and not buf.flags.writeable:
             return False
+        if theirs is None:  # above the one-round capacity
+            if config.check_args:
+                self._first_round(plan, header, "bcast")
+            bcast_binomial(self.tp, buf if buf.ndim == 1 else buf.reshape(-1), root)
+            return True
         if k.current is not plan:
             k.row[:k.head] = header[0]
             k.current = plan
@@ -228,21 +238,27 @@ class HostPlans:
             (buf if buf.ndim == 1 else buf.reshape(-1))[...] = theirs
         return True
 
-    def _bcast_plan(self, buf: np.ndarray, root: int):
+    def _bcast_plan(self, buf: np.ndarray, root: int, algorithm: str, key):
         """``(header, payload view of the kept row, root's payload in the kept
-        rows as buf's dtype, whether this rank is the root)``; False when the
-        call is not a one-round call or an argument is bad."""
+        rows as buf's dtype, whether this rank is the root)``; for a call above
+        the one-round capacity that resolves to the binomial tree the same with
+        no payload views (None, None); False when the call does not qualify or
+        an argument is bad."""
         plan = False
-        if valid_root(root, self.tp.size):
-            made = self._encode(Call(SPECS["bcast"], self.engine, buf, root=root))
-            if made is not None and made[1].payload is not None:
-                header = made[0]
-                payload = theirs = None
-                if self.kept is not None:
-                    k, h, nb = self.kept, self.kept.head, buf.nbytes
-                    payload, theirs = memoryview(k.row[h:h + nb]), k.rows[root, h:h + nb].view(buf.dtype)
-                plan = (header, payload, theirs, root == self.tp.rank)
-        self._keep(("bcast", buf.dtype, buf.size, root), plan)
+        if valid_root(root, self.tp.size) and algorithm in ("auto", "binomial"):
+            made = self._encode(Call(SPECS["bcast"], self.engine, buf, root=root, algorithm=algorithm))
+            if made is not None:
+                header, c = made
+                mine = root == self.tp.rank
+                if c.payload is not None:
+                    payload = theirs = None
+                    if self.kept is not None:
+                        k, h, nb = self.kept, self.kept.head, buf.nbytes
+                        payload, theirs = memoryview(k.row[h:h + nb]), k.rows[root, h:h + nb].view(buf.dtype)
+                    plan = (header, payload, theirs, mine)
+                elif c.algo == "binomial":
+                    plan = (header, None, None, mine)
+        self._keep(key, plan)
         return plan
 
     # -------------------------------------------------------------- barrier

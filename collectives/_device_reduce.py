@@ -505,7 +505,7 @@ def reduce_scatter_ring_device(tp, work, op, bounds, *, kind: str, src=None, tim
             send = (local if s == 0 else work)[bounds[sc]:bounds[sc + 1]]
             tp.synchronize(send)  # the reduction that produced it finished before the wire reads it
             exchange(tp, send, right, dtmp[:b - a], left, tag, timeout)
-            combine(local[a:b], dtmp[:b - a], work[a:b], op, kind, stream)
+            combine(dtmp[:b - a], local[a:b], work[a:b], op, kind, stream)  # partial (op) own: ring_order
         record(kind, stream).synchronize()
         return
     seg = max(1, (SEGMENT_BYTES if segment_bytes is None else segment_bytes) // max(1, work.dtype.itemsize))
@@ -528,7 +528,7 @@ def reduce_scatter_ring_device(tp, work, op, bounds, *, kind: str, src=None, tim
         for (lo, hi), rq in zip(segs, recvs):
             waitall(tp, [rq], timeout)
             h2d(kind, tmp[lo - a:hi - a], dtmp[lo - a:hi - a], stream)
-            combine(local[lo:hi], dtmp[lo - a:hi - a], work[lo:hi], op, kind, stream)
+            combine(dtmp[lo - a:hi - a], local[lo:hi], work[lo:hi], op, kind, stream)  # partial (op) own
             d2h(kind, work[lo:hi], host[lo:hi], stream)
             if forward:  # the next step sends exactly this chunk: forward each segment as it is ready
                 record(kind, stream).synchronize()

@@ -29,8 +29,9 @@ import numpy as np
 from commlib.core.buffer import grown
 from commlib.core.seconds import deadline_of
 
-from ._common import chunk_bounds_list
+from ._common import chunk_bounds_list, exchange, next_tag
 from .allgather_ring import allgather_ring_inplace
+from .one_round import apply_steps, ring_order_steps
 from .ops import get_op
 from .reduce_scatter_ring import reduce_scatter_ring_inplace
 
@@ -77,6 +78,9 @@ def allreduce_ring(transport, buf: np.ndarray, op="sum", *, sendbuf: np.ndarray 
             buf[...] = sendbuf
         op.finalize(buf, 1)
         return
+    if n == 2 and head is None and save is None and 0 < buf.nbytes <= PAIR_BYTES:
+        _pair(transport, buf, op, timeout, sendbuf, tmp)
+        return
     bounds = _bounds(buf.size, n)
     reduce_scatter_ring_inplace(transport, buf, op, bounds, timeout=timeout, src=sendbuf, tmp=tmp,
                                 save=save if sendbuf is None else None, head=head)
@@ -86,12 +90,35 @@ def allreduce_ring(transport, buf: np.ndarray, op="sum", *, sendbuf: np.ndarray 
     allgather_ring_inplace(transport, buf, bounds, timeout=timeout)
 
 
+#: at 2 ranks, vectors up to this many bytes take one exchange (:func:`_pair`)
+#: instead of the ring's two steps: a 32 KiB allreduce at 2 ranks, 17.7 us as
+#: two steps, is latency-bound (one 32 KiB MPI_Sendrecv: 5.6 us, a 16 KiB one:
+#: 4.9 us); above, the ring reduces half the vector per rank where the pair
+#: exchange reduces all of it (benchmarks/bench_small.py, bench_allreduce.py)
+PAIR_BYTES = 256 * 1024
+
+
+def _pair(transport, buf: np.ndarray, op, timeout, sendbuf: np.ndarray | None, tmp: np.ndarray | None) -> None:
+    """The ring at 2 ranks in one step: each rank sends its whole vector and
+    receives the other's (the same bytes each way as the ring's two steps:
+    ``count`` elements), then combines both in the ring's order
+    (:func:`~.one_round.ring_order_steps`: chunk 0 as ``x1 op x0``, chunk 1 as
+    ``x0 op x1``), so every rank holds the ring's bits."""
+    mine = buf if sendbuf is None else sendbuf
+    theirs = tmp[:buf.size] if tmp is not None and tmp.size >= buf.size else np.empty_like(buf)
+    other = 1 - transport.rank
+    exchange(transport, mine, other, theirs, other, next_tag(transport), timeout)
+    parts = [mine, theirs] if transport.rank == 0 else [theirs, mine]
+    apply_steps(ring_order_steps(parts, buf.size, op), op.ufunc, buf)
+    op.finalize(buf, 2)
+
+
 def ring_scratch(keep: np.ndarray | None, work: np.ndarray, n: int):
     """``(keep, tmp)``: the ``tmp`` argument of :func:`allreduce_ring` in place
     over ``n`` ranks for ``work`` (``ceil(count / n) + 1`` elements of its
     dtype), a view of the caller's kept uint8 buffer ``keep``
     (:func:`commlib.core.buffer.grown`: replaced when too small)."""
-    need = (-(-work.size // n) + 1) * work.dtype.itemsize
+    need = ((work.size if n == 2 and work.nbytes <= PAIR_BYTES else -(-work.size // n)) + 1) * work.dtype.itemsize
     keep = grown(keep, need)
     return keep, keep[:need].view(work.dtype)
 

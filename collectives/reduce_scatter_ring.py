@@ -104,7 +104,7 @@ def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds, *,
             dst = work[a:b]
             rbuf = dst if direct else tmp[:b - a]
             sendrecv((local if s == 0 else work)[bounds[sc]:bounds[sc + 1]], right, rbuf, left, tag, tag)
-            ufunc(local[a:b], rbuf, out=dst)  # own contribution (op) partial from the left
+            ufunc(rbuf, local[a:b], out=dst)  # partial from the left (op) own contribution: ring_order
         return
     for s in range(n - 1):
         sc = (r - s - 1) % n
@@ -122,7 +122,7 @@ def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds, *,
             continue
         exchange(transport, (local if s == 0 else work)[bounds[sc]:bounds[sc + 1]], right, rbuf, left, tag,
                  timeout, overlap)
-        ufunc(local[a:b], rbuf, out=dst)  # own contribution (op) partial from the left
+        ufunc(rbuf, local[a:b], out=dst)  # partial from the left (op) own contribution: ring_order
 
 
 def _headed_step(transport, head, chunk, right: int, rbuf, left: int, tag: int, timeout, overlap, mine, dst,
@@ -149,7 +149,7 @@ def _headed_step(transport, head, chunk, right: int, rbuf, left: int, tag: int, 
     waitall(transport, data + sends, timeout)
     if head.recv_joined:
         rbuf = got[head.prefix:head.prefix + nbytes].view(dtype)
-    ufunc(mine, rbuf, out=dst)
+    ufunc(rbuf, mine, out=dst)  # partial (op) own: ring_order
 
 
 def _save_chunks(save, chunks) -> None:

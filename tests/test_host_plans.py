@@ -112,3 +112,45 @@ def test_bcast_read_only_off_root_refused_everywhere(comm):
     assert got.tolist() == list(range(8))
     with pytest.raises(InvalidArgument):
         comm.bcast(buf if comm.rank == 1 else np.arange(8, dtype=np.float64), 0)
+
+
+@pytest.mark.mpi(min_size=2, max_size=2)
+@pytest.mark.parametrize("op", ["sum", "max", "min", "prod", "avg"])
+@pytest.mark.parametrize("count", [1, 5, 4097])
+def test_two_rank_ring_in_one_exchange_gives_the_rings_bits(comm, seed, op, count, monkeypatch):
+    """At 2 ranks the ring of a vector up to allreduce_ring.PAIR_BYTES takes one
+    exchange and combines in the ring's order: the same bits as the two-step
+    ring (PAIR_BYTES 0), signed zeros and NaN payloads included, in place and
+    out of place."""
+    from commlib.collectives import allreduce_ring as ar
+
+    rng = np.random.default_rng([seed, comm.rank])
+    x = rng.standard_normal(count)
+    x[:: 3] = np.where(comm.rank, 0.0, -0.0)  # max/min of +0 and -0: order decides the sign
+    if count > 4 and op in ("max", "min"):
+        # NaN payloads: max/min combine in the ring's exact order; + and * at 2 ranks
+        # take one call (one_round.ring_order_steps), equal to the ring's up to the
+        # payload of a NaN made from two NaNs (every rank still alike)
+        x[1] = np.frombuffer(np.uint64(0x7FF8000000000001 + comm.rank).tobytes(), np.float64)[0]
+    tp = comm.collective_transport()
+    one, out = x.copy(), np.empty_like(x)
+    ar.allreduce_ring(tp, one, op)
+    ar.allreduce_ring(tp, out, op, sendbuf=x)
+    monkeypatch.setattr(ar, "PAIR_BYTES", 0)
+    two = x.copy()
+    ar.allreduce_ring(tp, two, op)
+    assert one.tobytes() == two.tobytes() == out.tobytes()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_one_round_and_ring_agree_on_signed_zeros(comm, seed, op):
+    """max/min of +0 and -0 depends on operand order (numpy returns the second
+    of two equal operands): the one round and the ring (host, any size) must
+    combine in the same order, the ring's (``ring_order``)."""
+    count = 96  # 768 B: one round under "auto"
+    rng = np.random.default_rng([seed, comm.rank])
+    x = np.where(rng.integers(0, 2, count) == 1, 0.0, -0.0)
+    small = comm.allreduce(x.copy(), op=op)
+    ring = comm.allreduce(x.copy(), op=op, algorithm="ring")
+    assert small.tobytes() == ring.tobytes()

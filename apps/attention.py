@@ -159,7 +159,7 @@ def parse_args(argv=None):
                    "(divides P; heads and kv-heads divisible by it); default 2 when P is even, else 1")
     p.add_argument("--layout", choices=LAYOUTS, default=None, help="which tokens each rank holds: "
                    "contiguous blocks, striped (token t on rank t mod P) or zigzag (chunks r and 2P-1-r); "
-                   "default zigzag (torch ulysses: contiguous, its only layout)")
+                   "default zigzag")
     p.add_argument("--causal", action="store_true", help="causal (autoregressive) mask")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="input dtype; float16/bfloat16/float32 "
                    "accumulate in float32, float64 in float64")
@@ -208,9 +208,7 @@ def parse_args(argv=None):
         if not 1 <= a.ulysses_degree <= MAX_INT:
             p.error(f"--ulysses-degree must be >= 1, got {a.ulysses_degree}")
     if a.layout is None:
-        a.layout = "contiguous" if (a.backend == "torch" and a.algo == "ulysses") else "zigzag"
-    elif a.backend == "torch" and a.algo == "ulysses" and a.layout != "contiguous":
-        p.error(f"--layout {a.layout}: torch's Ulysses attention takes the contiguous layout only")
+        a.layout = "zigzag"
     if a.json is not None:
         problem = unwritable(a.json)
         if problem:
@@ -487,9 +485,7 @@ def _run_torch(args, comm):
     v = _torch_synth(args, 2, pos, args.kv_heads, device).requires_grad_(args.backward)
     do = _torch_synth(args, 3, pos, args.heads, device) if args.backward else None
     scale = args.head_dim ** -0.5
-    kw = dict(causal=args.causal, softmax_scale=scale, timeout=args.timeout)
-    if args.algo in ("ring", "bidirectional", "hybrid"):
-        kw["layout"] = args.layout
+    kw = dict(causal=args.causal, softmax_scale=scale, timeout=args.timeout, layout=args.layout)
     if args.algo == "hybrid":
         kw["ulysses_degree"] = _ulysses_degree(args, P)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

@@ -56,7 +56,7 @@ BAD_CLI = [
     ["--backend", "jax"], ["--device", "tpu"], ["--device", "cuda"], ["--algo", "bidirectional"],
     ["--attention", "hybrid"], ["--algo", "ring", "--ulysses-degree", "2"],
     ["--backend", "torch", "--algo", "hybrid", "--ulysses-degree", "0"],
-    ["--backend", "torch", "--algo", "ulysses", "--layout", "zigzag"], ["--backend", "torch", "--threads", "0"],
+    ["--backend", "torch", "--threads", "0"],
 ]
 
 

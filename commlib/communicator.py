@@ -115,10 +115,11 @@ class Communicator(CollectiveMixin):
                 or the datatype is unusable; nothing is sent.
         """
         self._check_tag(tag, "send", peer=dest)
-        timeout = self._call_timeout(timeout, "send")
-        if datatype is not None:
-            typed_send(self, buf, dest, datatype, count, tag, timeout=timeout)
+        if datatype is not None:  # typed_send takes p2p_timeout for None
+            typed_send(self, buf, dest, datatype, count, tag,
+                       timeout=None if timeout is None else self._call_timeout(timeout, "send"))
             return
+        timeout = self._call_timeout(timeout, "send")
         self.transport.send(buf, dest, tag, timeout=timeout)
 
     def recv(self, buf, source: int = ANY_SOURCE, tag: int = ANY_TAG, *, datatype=None, count: int = 1,
@@ -131,10 +132,11 @@ class Communicator(CollectiveMixin):
             MPI.Status (without ``datatype``): source, tag and byte count.
         """
         self._check_tag(tag, "recv", anywild=True, peer=source)
-        timeout = self._call_timeout(timeout, "recv")
-        if datatype is not None:
-            typed_recv(self, buf, source, datatype, count, tag, timeout=timeout)
+        if datatype is not None:  # typed_recv takes p2p_timeout for None
+            typed_recv(self, buf, source, datatype, count, tag,
+                       timeout=None if timeout is None else self._call_timeout(timeout, "recv"))
             return None
+        timeout = self._call_timeout(timeout, "recv")
         return self.transport.recv(buf, source, tag, timeout=timeout)
 
     def isend(self, buf, dest: int, tag: int = 0, *, datatype=None, count: int = 1) -> Request:

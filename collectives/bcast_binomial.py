@@ -65,6 +65,14 @@ def bcast_binomial(transport, buf: np.ndarray, root: int = 0, *, segment_bytes: 
     seg = max(1, segment_bytes // item) if segment_bytes and segment_bytes > 0 else buf.size
     starts = list(range(0, buf.size, seg))
     tag = next_tag(transport)
+    if timeout is None and len(starts) == 1:  # one unbounded segment: blocking calls, no request objects
+        if parent is not None:
+            transport.recv(buf, parent, tag)
+        if len(children) == 1:
+            transport.send(buf, children[0], tag)
+        elif children:
+            waitall(transport, [transport.isend(buf, c, tag) for c in children], None)
+        return
     rreqs = []
     if parent is not None:
         rreqs = [transport.irecv(buf[s:s + seg], parent, tag) for s in starts]

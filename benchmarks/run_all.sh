@@ -16,6 +16,7 @@ M() { local n=$1; shift; run "$MPIEXEC" --oversubscribe -n "$n" "$PY" "$@"; }
 
 run "$PY" benchmarks/bench_pack.py --json "$OUT/pack.json" --plot "$OUT/pack.png"
 M 2 benchmarks/bench_typed_pingpong.py --json "$OUT/pingpong.json" --plot "$OUT/pingpong.png"
+M 2 benchmarks/bench_small.py --json "$OUT/small_p2.json"
 for n in 2 4; do
   M "$n" benchmarks/bench_heat.py --json "$OUT/heat_p$n.json"
   M "$n" benchmarks/bench_halo.py --json "$OUT/halo_p$n.json"

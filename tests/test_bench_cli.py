@@ -43,6 +43,8 @@ CASES = [
     ("bench_typed_pingpong.py", ["--blocks", "12"], "--blocks: must be a multiple of 8"),
     ("bench_typed_pingpong.py", ["--sizes", "8", "--blocks", "16"], "nothing to measure"),
     ("bench_typed_pingpong.py", ["--json", "/nonexistent/x.json"], "--json: cannot write a file at"),
+    ("bench_small.py", ["--iters", "0"], "--iters: must be 1.."),
+    ("bench_small.py", ["--min-bytes", "64", "--max-bytes", "8"], "--min-bytes 64 is above --max-bytes 8"),
 ]
 
 

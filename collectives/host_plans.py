@@ -137,18 +137,7 @@ class HostPlans:
             if out is not sendbuf:
                 out[...] = sendbuf
             return
-        if k.current is not plan:
-            k.row[:k.head] = header[0]
-            k.current = plan
-        try:
-            payload[:] = sendbuf.data.cast("B")
-        except (ValueError, TypeError):  # dtypes without a buffer format (bfloat16), 0-d arrays
-            np.frombuffer(payload, np.uint8)[...] = sendbuf.reshape(-1).view(np.uint8)
-        k.gather()
-        hb = header[1]
-        for h in k.heads:
-            if h.tobytes() != hb:  # tobytes: faster than comparing views
-                self._judge(header, "allreduce")
+        self._first_round(plan, header, "allreduce", payload, sendbuf)
         flat = out if out.ndim == 1 else out.reshape(-1)
         if two is not None:
             ufunc(two[0], two[1], out=flat)
@@ -221,19 +210,7 @@ class HostPlans:
                 self._first_round(plan, header, "bcast")
             bcast_binomial(self.tp, buf if buf.ndim == 1 else buf.reshape(-1), root)
             return True
-        if k.current is not plan:
-            k.row[:k.head] = header[0]
-            k.current = plan
-        if mine:
-            try:
-                payload[:] = buf.data.cast("B")
-            except (ValueError, TypeError):  # dtypes without a buffer format (bfloat16), 0-d arrays
-                np.frombuffer(payload, np.uint8)[...] = buf.reshape(-1).view(np.uint8)
-        k.gather()
-        hb = header[1]
-        for h in k.heads:
-            if h.tobytes() != hb:
-                self._judge(header, "bcast")
+        self._first_round(plan, header, "bcast", payload, buf if mine else None)
         if not mine:
             (buf if buf.ndim == 1 else buf.reshape(-1))[...] = theirs
         return True
@@ -309,18 +286,24 @@ class HostPlans:
             self.plans.pop(next(iter(self.plans)))
         self.plans[key] = plan
 
-    def _first_round(self, plan, header, opname: str) -> None:
-        """The first round of a call without payload: all-gather every rank's row
-        (``header``); a header that differs from this rank's (another call, or a
-        rank that erred) makes :func:`~.agreement.judge` raise, on every rank alike."""
+    def _first_round(self, plan, header, opname: str, payload=None, arr: np.ndarray | None = None) -> None:
+        """The first round: all-gather every rank's row (``header``, then, when
+        ``arr`` is given, its bytes copied into ``payload``, the kept row's
+        payload view); a header that differs from this rank's (another call, or
+        a rank that erred) makes :func:`~.agreement.judge` raise, on every rank alike."""
         k = self.kept
         if k.current is not plan:
             k.row[:k.head] = header[0]
             k.current = plan
+        if arr is not None:
+            try:
+                payload[:] = arr.data.cast("B")
+            except (ValueError, TypeError):  # dtypes without a buffer format (bfloat16), 0-d arrays
+                np.frombuffer(payload, np.uint8)[...] = arr.reshape(-1).view(np.uint8)
         k.gather()
         hb = header[1]
         for h in k.heads:
-            if h.tobytes() != hb:
+            if h.tobytes() != hb:  # tobytes: faster than comparing views
                 self._judge(header, opname)
 
     def _judge(self, header, opname: str) -> None:

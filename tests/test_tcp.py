@@ -870,3 +870,32 @@ def _catch(fn):
     except BaseException as exc:  # noqa: BLE001
         return exc
     return None
+
+
+def test_send_frame_bounds_the_wait_for_another_writer():
+    """A send with a timeout counts the wait for the connection's lock (held by
+    another writer: the heartbeat's ping to a master that reads nothing) against
+    it: TimeoutError within the bound, nothing written, the connection left open
+    and usable once the other writer is done."""
+    ls = socket.socket()
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(1)
+    a = socket.create_connection(ls.getsockname(), timeout=10)
+    b = ls.accept()[0]
+    ls.close()
+    ca, cb = tcp.Connection(a), tcp.Connection(b)
+    try:
+        ca.lock.acquire()  # another writer, stuck
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="another write held the connection"):
+            ca.send_ctrl({"t": "late"}, timeout=1.0)
+        dt = time.monotonic() - t0
+        assert 1.0 <= dt <= 1.5, dt
+        assert not ca.closed
+        ca.lock.release()
+        ca.send_ctrl({"t": "on time"}, timeout=5.0)
+        kind, _, msg = cb.read_ctrl(deadline=time.monotonic() + 10)
+        assert kind == tcp.K_CTRL and msg == {"t": "on time"}  # the timed-out frame never went out
+    finally:
+        ca.close()
+        cb.close()

@@ -223,12 +223,15 @@ class Connection:
         """Write one frame (the payload sealed when the connection is encrypted).
 
         Args:
-            timeout: seconds the write may block (None: unbounded).
+            timeout: seconds the call may block, the wait for another writer of
+                this connection included (None: unbounded).
 
         Returns:
             bytes written: the 28-byte header, the payload and, sealed, its 16-byte tag.
 
         Raises:
+            TimeoutError: ``timeout`` passed, waiting for another writer (the
+                connection stays open) or writing (it is then closed).
             ConnectionError / OSError: the connection failed (it is then closed).
         """
         # a tuple is a gather: the parts of one payload
@@ -236,7 +239,12 @@ class Connection:
                  for p in (payload if isinstance(payload, tuple) else (payload,))]
         n = sum(len(p) for p in parts)
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self.lock:
+        # the wait for another writer (the heartbeat's ping to a master that reads
+        # nothing holds the lock for up to its own bound) counts against the timeout
+        # too: nothing of this frame is written then, so the connection stays open
+        if not self.lock.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(f"another write held the connection for the whole timeout of {timeout:g} s")
+        try:
             if self.closed:
                 raise ConnectionError("connection closed")
             try:
@@ -249,6 +257,8 @@ class Connection:
             except BaseException:
                 self._close_locked()
                 raise
+        finally:
+            self.lock.release()
 
     def _send_parts_locked(self, kind: int, parts: list, n: int, epoch: int, tag: int, chunk: int, stream: int,
                            deadline) -> int:

@@ -322,6 +322,10 @@ class Peer(ElasticGroup, StateSync):
         while not self._closed and self._lost is None:
             try:
                 self._conn.send_frame(tcp.K_PING, b"", timeout=5.0)
+            except TimeoutError:
+                if self._conn.closed:  # the write itself timed out: the connection is gone
+                    return
+                continue  # another write held the connection for 5 s: ping when it is done
             except Exception:  # noqa: BLE001
                 return
             if self._fetch_parked:
@@ -336,7 +340,8 @@ class Peer(ElasticGroup, StateSync):
         Raises:
             PeerClosed: this peer was closed.
             CommTimeout: the write did not finish in time (a master that reads
-                nothing); the control connection is closed (the master is lost).
+                nothing; the control connection is then closed, the master lost),
+                or another write held the connection all that time (it stays open).
             CommError: the connection failed."""
         bound = self.timeout if timeout is None else max(timeout, 0.001)
         try:

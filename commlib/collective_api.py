@@ -127,6 +127,8 @@ class CollectiveMixin:
         # typed point to point's plans and strategy choices name ranks of the old group
         self._typed_plans.clear()
         self._strategy_memo.clear()
+        for last in self._typed_last:
+            last.clear()
         new.fault_tolerant = True
         ft = self._ft
         if lost_world:

@@ -43,9 +43,13 @@ def _exchange(comm, mode, src, dst, dt, count, strategy=None, tag=5):
         req = typed_p2p.typed_irecv(comm, dst, left, dt, count, tag, strategy=strategy)
         typed_p2p.typed_send(comm, src, right, dt, count, tag, strategy=strategy)
         req.wait(60)
-    elif mode == "comm":  # the Communicator's own methods
+    elif mode == "comm":  # the Communicator's own methods (a repeated send: typed_p2p.fast_send)
         req = comm.irecv(dst, left, tag, datatype=dt, count=count)
         comm.send(src, right, tag, datatype=dt, count=count)
+        req.wait(60)
+    elif mode == "comm-recv":  # the Communicator's blocking receive (a repeated one: typed_p2p.fast_recv)
+        req = comm.isend(src, right, tag, datatype=dt, count=count)
+        comm.recv(dst, left, tag, datatype=dt, count=count)
         req.wait(60)
     else:
         typed_p2p.typed_sendrecv(comm, src, right, dst, left, tag, tag, sendtype=dt, sendcount=count,
@@ -56,7 +60,7 @@ def _bits(a):
     return np.ascontiguousarray(a).view(np.uint8).tobytes()
 
 
-MODES = ["recv", "send", "comm", "sendrecv"]
+MODES = ["recv", "send", "comm", "comm-recv", "sendrecv"]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -167,6 +171,45 @@ def test_refusals_after_a_cached_plan():
     comm.barrier()
 
 
+def test_public_refusals_after_a_repeated_call():
+    """After the same comm.send / comm.recv ran twice (the second from the
+    last-call fast path, typed_p2p.fast_send/fast_recv), a call that differs in
+    one protected way is refused as the first call would be, before anything is
+    posted, and a call that differs harmlessly gives MPI's bytes."""
+    comm = commlib.init()
+    right, left = _ring(comm)
+    t = dts.Vector(4, 1, 2, np.float64)
+    mt = t.to_mpi()
+    src, dst = np.arange(16.0) + 100 * comm.rank, np.zeros(16)
+    for _ in range(3):
+        _exchange(comm, "comm", src, dst, t, 1)
+        _exchange(comm, "comm-recv", src, dst, t, 1)
+    ro = np.zeros(16)
+    ro.flags.writeable = False
+    with pytest.raises(BufferError, match="read-only"):
+        comm.recv(ro, left, 5, datatype=t)
+    assert not ro.any()
+    with pytest.raises(DatatypeError, match="count"):
+        comm.send(src, right, 5, datatype=t, count=True)
+    with pytest.raises(DatatypeError, match="count"):
+        comm.recv(dst, left, 5, datatype=t, count=True)
+    with pytest.raises(InvalidArgument):
+        comm.send(src, True, 5, datatype=t)
+    with pytest.raises(InvalidArgument):
+        comm.send(src, right, -3, datatype=t)
+    with pytest.raises(DatatypeError, match="touch bytes"):  # short buffer, same dtype
+        comm.send(np.zeros(6), right, 5, datatype=t)
+    with pytest.raises(DatatypeError, match="contiguous"):  # same dtype and size, strided
+        comm.send(np.zeros(32)[::2], right, 5, datatype=t)
+    # same size, another dtype: valid, MPI's bytes
+    for mode in ("comm", "comm-recv"):
+        s32, d32 = (np.arange(32, dtype=np.float32) + comm.rank), np.full(32, -1, np.float32)
+        _exchange(comm, mode, s32, d32, t, 1)
+        assert _bits(d32) == _bits(_oracle(comm, s32, np.full(32, -1, np.float32), mt, 1))
+    mt.Free()
+    comm.barrier()
+
+
 @pytest.mark.parametrize("count", [0, 1, 2, 3])
 @pytest.mark.parametrize("mode", MODES)
 def test_count_changes(mode, count):
@@ -181,7 +224,7 @@ def test_count_changes(mode, count):
     mt.Free()
 
 
-@pytest.mark.parametrize("mode", ["recv", "send", "sendrecv"])
+@pytest.mark.parametrize("mode", ["recv", "send", "sendrecv", "comm", "comm-recv"])
 def test_strategy_changes_are_followed(mode, monkeypatch):
     """The strategy argument, COMMLIB_DATATYPE_STRATEGY, config.forced_strategy
     and a new model each change the path taken (pack called or not) at once,
@@ -203,9 +246,12 @@ def test_strategy_changes_are_followed(mode, monkeypatch):
         assert _bits(dst) == _bits(_oracle(comm, src, np.full(16, -3.0), mt, 1))
         return bool(packs)
 
-    assert not run("mpi") and not run("mpi")
-    assert run("pack") and run("pack")
-    assert not run("mpi")
+    if not mode.startswith("comm"):  # the public calls take no strategy argument
+        assert not run("mpi") and not run("mpi")
+        assert run("pack") and run("pack")
+        assert not run("mpi")
+    else:  # a repeated call, from the last-call fast path, then each change below
+        assert not run() and not run() and not run()
     monkeypatch.setenv("COMMLIB_DATATYPE_STRATEGY", "pack")
     assert run() and run()
     monkeypatch.setenv("COMMLIB_DATATYPE_STRATEGY", " MPI ")

@@ -508,6 +508,17 @@ def fuzz_cluster():
     master.stop()
 
 
+def _connection_pair():
+    """Two ends of one loopback TCP connection, as plain (unauthenticated) :class:`tcp.Connection`s."""
+    ls = socket.socket()
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(1)
+    a = socket.create_connection(ls.getsockname(), timeout=10)
+    b = ls.accept()[0]
+    ls.close()
+    return tcp.Connection(a), tcp.Connection(b)
+
+
 def test_fuzz_leaves_honest_peers_working(fuzz_cluster):
     master, peers = fuzz_cluster
     tracemalloc.start()
@@ -539,13 +550,7 @@ def test_connection_reader_survives_a_writer_with_timeouts():
     thread may fail: a reader whose socket is switched to non-blocking mode under
     it by the writer's timeout fails with EAGAIN (BlockingIOError), which once tore
     down healthy connections at random (about 1 bench run in 4)."""
-    ls = socket.socket()
-    ls.bind(("127.0.0.1", 0))
-    ls.listen(1)
-    a = socket.create_connection(ls.getsockname(), timeout=10)
-    b = ls.accept()[0]
-    ls.close()
-    ca, cb = tcp.Connection(a), tcp.Connection(b)
+    ca, cb = _connection_pair()
     count, errors, got = 4000, [], []
     stop = threading.Event()
 
@@ -877,13 +882,7 @@ def test_send_frame_bounds_the_wait_for_another_writer():
     another writer: the heartbeat's ping to a master that reads nothing) against
     it: TimeoutError within the bound, nothing written, the connection left open
     and usable once the other writer is done."""
-    ls = socket.socket()
-    ls.bind(("127.0.0.1", 0))
-    ls.listen(1)
-    a = socket.create_connection(ls.getsockname(), timeout=10)
-    b = ls.accept()[0]
-    ls.close()
-    ca, cb = tcp.Connection(a), tcp.Connection(b)
+    ca, cb = _connection_pair()
     try:
         ca.lock.acquire()  # another writer, stuck
         t0 = time.monotonic()

@@ -246,6 +246,21 @@ def test_barrier_holds_every_peer_until_the_last_entered(n):
         _close(master, peers)
 
 
+def _call_with_timeout_2(p, name, buf):
+    """Peer ``p``'s call ``name`` on ``buf`` with ``timeout=2`` (bcast from member 2)."""
+    if name == "allreduce":
+        return p.allreduce(buf, "sum", timeout=2)
+    if name == "bcast":
+        return p.bcast(buf, root=2, timeout=2)
+    if name == "barrier":
+        return p.barrier(timeout=2)
+    if name == "update_topology":
+        return p.update_topology(timeout=2)
+    if name == "sync_shared_state":
+        return p.sync_shared_state({"w": buf}, 1, timeout=2)
+    return p.allgather(buf, timeout=2)
+
+
 @pytest.mark.parametrize("call", ["allreduce-64B", "allreduce-1MiB", "allgather", "bcast", "barrier",
                                   "update_topology", "sync_shared_state"])
 def test_timeout_2_against_a_stalled_member_raises_within_2_5_s(call):
@@ -262,17 +277,7 @@ def test_timeout_2_against_a_stalled_member_raises_within_2_5_s(call):
         name = call.split("-")[0]
 
         def fn(i, p):
-            if name == "allreduce":
-                return p.allreduce(bufs[i], "sum", timeout=2)
-            if name == "bcast":
-                return p.bcast(bufs[i], root=2, timeout=2)
-            if name == "barrier":
-                return p.barrier(timeout=2)
-            if name == "update_topology":
-                return p.update_topology(timeout=2)
-            if name == "sync_shared_state":
-                return p.sync_shared_state({"w": bufs[i]}, 1, timeout=2)
-            return p.allgather(bufs[i], timeout=2)
+            return _call_with_timeout_2(p, name, bufs[i])
 
         out = _outcomes(peers[:2], fn)
         for i, (r, exc, dt) in enumerate(out):
@@ -310,11 +315,7 @@ def test_a_member_stalled_before_its_report_holds_no_one_past_timeout_plus_0_5_s
         name = call.split("-")[0]
 
         def fn(i, p):
-            if name == "allreduce":
-                return p.allreduce(bufs[i], "sum", timeout=2)
-            if name == "barrier":
-                return p.barrier(timeout=2)
-            return p.allgather(bufs[i], timeout=2)
+            return _call_with_timeout_2(p, name, bufs[i])
 
         threads_out = {}
         stalled = threading.Thread(target=lambda: threads_out.setdefault(

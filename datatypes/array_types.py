@@ -26,10 +26,6 @@ __all__ = [
 ]
 
 
-def _err(msg: str, op: str):
-    return DatatypeError(msg, op=op)
-
-
 def _order(order, op):
     if isinstance(order, str):
         o = order.upper()
@@ -42,7 +38,7 @@ def _order(order, op):
             return "C"
         if order == MPI.ORDER_FORTRAN:
             return "F"
-    raise _err(f"order must be 'C' or 'F' (or MPI.ORDER_C/ORDER_FORTRAN), got {order!r}", op)
+    raise DatatypeError(f"order must be 'C' or 'F' (or MPI.ORDER_C/ORDER_FORTRAN), got {order!r}", op=op)
 
 
 def _array_type(self, sizes, base, idx_lists, order):
@@ -106,14 +102,15 @@ class Subarray(Datatype):
         self.order = _order(order, op)
         n = len(self.sizes)
         if n == 0 or len(self.subsizes) != n or len(self.starts) != n:
-            raise _err(f"sizes, subsizes and starts need one entry per dimension (>= 1), got "
-                       f"{self.sizes}, {self.subsizes}, {self.starts}", op)
+            raise DatatypeError(f"sizes, subsizes and starts need one entry per dimension (>= 1), got "
+                       f"{self.sizes}, {self.subsizes}, {self.starts}", op=op)
         for d in range(n):
             if self.sizes[d] < 1 or self.subsizes[d] < 1 or self.subsizes[d] > self.sizes[d]:
-                raise _err(f"dimension {d}: need 1 <= subsizes <= sizes, got {self.subsizes[d]} of {self.sizes[d]}", op)
+                raise DatatypeError(f"dimension {d}: need 1 <= subsizes <= sizes, got {self.subsizes[d]} of "
+                                    f"{self.sizes[d]}", op=op)
             if self.starts[d] < 0 or self.starts[d] + self.subsizes[d] > self.sizes[d]:
-                raise _err(f"dimension {d}: start {self.starts[d]} + subsize {self.subsizes[d]} "
-                           f"exceeds size {self.sizes[d]}", op)
+                raise DatatypeError(f"dimension {d}: start {self.starts[d]} + subsize {self.subsizes[d]} "
+                           f"exceeds size {self.sizes[d]}", op=op)
         idx = [range(s, s + c) for s, c in zip(self.starts, self.subsizes)]
         _array_type(self, self.sizes, self.base, idx, self.order)
 
@@ -148,7 +145,7 @@ def _distrib(x, op):
         m = {MPI.DISTRIBUTE_BLOCK: "block", MPI.DISTRIBUTE_CYCLIC: "cyclic", MPI.DISTRIBUTE_NONE: "none"}
         if x in m:
             return m[x]
-    raise _err(f"distribution must be 'block', 'cyclic' or 'none' (or MPI.DISTRIBUTE_*), got {x!r}", op)
+    raise DatatypeError(f"distribution must be 'block', 'cyclic' or 'none' (or MPI.DISTRIBUTE_*), got {x!r}", op=op)
 
 
 class Darray(Datatype):
@@ -189,11 +186,11 @@ class Darray(Datatype):
         self.order = _order(order, op)
         n = len(self.gsizes)
         if not (len(self.distribs) == len(self.dargs) == len(self.psizes) == n) or n == 0:
-            raise _err("gsizes, distribs, dargs and psizes need one entry per dimension", op)
+            raise DatatypeError("gsizes, distribs, dargs and psizes need one entry per dimension", op=op)
         if math.prod(self.psizes) != self.nprocs:
-            raise _err(f"prod(psizes)={math.prod(self.psizes)} != size={self.nprocs}", op)
+            raise DatatypeError(f"prod(psizes)={math.prod(self.psizes)} != size={self.nprocs}", op=op)
         if not 0 <= self.rank < self.nprocs:
-            raise _err(f"rank {self.rank} out of range for size {self.nprocs}", op)
+            raise DatatypeError(f"rank {self.rank} out of range for size {self.nprocs}", op=op)
         coords = []
         r = self.rank
         for p in reversed(self.psizes):  # row-major process grid
@@ -206,17 +203,17 @@ class Darray(Datatype):
             dist = self.distribs[d]
             if dist == "none":
                 if p != 1:
-                    raise _err(f"dimension {d}: DISTRIBUTE_NONE needs psizes[{d}] == 1", op)
+                    raise DatatypeError(f"dimension {d}: DISTRIBUTE_NONE needs psizes[{d}] == 1", op=op)
                 idx.append(range(g))
             elif dist == "block":
                 b = -(-g // p) if k == DISTRIBUTE_DFLT_DARG else k
                 if b <= 0 or b * p < g:
-                    raise _err(f"dimension {d}: block size {b} x {p} processes does not cover {g}", op)
+                    raise DatatypeError(f"dimension {d}: block size {b} x {p} processes does not cover {g}", op=op)
                 idx.append(range(min(c * b, g), min((c + 1) * b, g)))
             else:
                 b = 1 if k == DISTRIBUTE_DFLT_DARG else k
                 if b <= 0:
-                    raise _err(f"dimension {d}: cyclic block size must be > 0", op)
+                    raise DatatypeError(f"dimension {d}: cyclic block size must be > 0", op=op)
                 idx.append([i for i in range(g) if (i // b) % p == c])
         self._idx = idx
         _array_type(self, self.gsizes, self.base, idx, self.order)

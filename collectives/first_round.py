@@ -109,9 +109,10 @@ class FirstRoundRows:
 
     Every first round of an engine collective on one transport has the same
     row: ``HEAD_BYTES`` of header, then :func:`~.one_round.small_capacity`
-    payload bytes.  Made at a group's first unbounded first round, the same
-    call on every rank (the calls of a group are collective and in the same
-    order; ``timeout`` None on one rank is None on all, as the API asks), its
+    payload bytes.  Its all-gather is planned at the group's first unbounded
+    first round, the same call on every rank (the calls of a group are
+    collective and in the same order; ``timeout`` None on one rank is None on
+    all, as the API asks), and that
     :meth:`~commlib.transports.base.Transport.allgather_plan` runs every later
     one, from :func:`first_round` (through :func:`~.agreement.agree`) and from
     the host plans alike: an MPI persistent collective matches only itself.
@@ -121,7 +122,7 @@ class FirstRoundRows:
         row: uint8, ``head + cap`` bytes: this rank's row.
         rows: uint8, shape ``(size, head + cap)``: the gathered rows.
         heads: each rank's header in ``rows``, as memoryviews.
-        gather: the all-gather of ``row`` into ``rows``.
+        gather: the all-gather of ``row`` into ``rows`` (its plan made at the first call).
         current: the host plan whose header ``row`` holds (None: another's).
     """
 
@@ -135,8 +136,16 @@ class FirstRoundRows:
         self.rows = np.zeros((n, rb), np.uint8)
         mv = memoryview(self.rows).cast("B")
         self.heads = [mv[i * rb:i * rb + self.head] for i in range(n)]
-        self.gather = tp.allgather_plan(self.row, self.rows)
+        self.gather = self._first_gather
         self.current = None
+
+    def _first_gather(self) -> None:
+        """The first all-gather: the plan is made here (a collective call), at the
+        group's first first round that uses these rows, the same call on every rank
+        (not when the rows are made: a rank may make them and then, with
+        ``COMMLIB_CHECK_ARGS=0``, run calls without a first round)."""
+        self.gather = self.tp.allgather_plan(self.row, self.rows)
+        self.gather()
 
     def __call__(self, row: np.ndarray) -> np.ndarray:
         """:func:`~.agreement.agree`'s all-gather of ``row`` (this geometry): a

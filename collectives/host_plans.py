@@ -88,8 +88,29 @@ class HostPlans:
             plan = self.plans.get(("allreduce", sendbuf.dtype, sendbuf.size, op))
             if plan is None:
                 plan = self._allreduce_plan(sendbuf, op, out)
-            if plan:
-                self._small(plan, sendbuf, out)
+            if plan:  # one round: _first_round and the combination, inlined (the hot path)
+                header, payload, ufunc, two, steps, mean = plan
+                k = self.kept
+                if k is None:  # one rank
+                    if out is not sendbuf:
+                        out[...] = sendbuf
+                    return out
+                if k.current is not plan:
+                    k.row[:k.head] = header[0]
+                    k.current = plan
+                payload[...] = sendbuf if sendbuf.ndim == 1 else sendbuf.reshape(-1)
+                k.gather()
+                hb = header[1]
+                for h in k.heads:
+                    if h.tobytes() != hb:  # tobytes: faster than comparing views
+                        self._judge(header, "allreduce")
+                flat = out if out.ndim == 1 else out.reshape(-1)
+                if two is not None:
+                    ufunc(two[0], two[1], flat)  # out positional: faster than out=
+                else:
+                    apply_steps(steps, ufunc, flat)
+                if mean is not None:
+                    mean.finalize(flat, self.tp.size)
                 return out
             if plan is None:
                 return None
@@ -122,29 +143,12 @@ class HostPlans:
             if self.kept is not None:
                 k, h = self.kept, self.kept.head
                 parts = [k.rows[i, h:h + nb].view(dtype) for i in range(self.tp.size)]
-                payload, steps = memoryview(k.row[h:h + nb]), ring_order_steps(parts, count, c.o)
+                payload, steps = k.row[h:h + nb].view(dtype), ring_order_steps(parts, count, c.o)
                 if len(steps) == 1 and len(steps[0][2]) == 2 and steps[0][1] - steps[0][0] == count:
                     two = steps[0][2]  # 2 ranks, a commutative op: one ufunc call (ring_order_steps)
             plan = (header, payload, c.o.ufunc, two, steps, c.o if c.o.mean else None)
         self._keep(("allreduce", sendbuf.dtype, sendbuf.size, op), plan)
         return plan
-
-    def _small(self, plan, sendbuf: np.ndarray, out: np.ndarray) -> None:
-        """A one-round allreduce: the first round, then the ring-order combination into ``out``."""
-        header, payload, ufunc, two, steps, mean = plan
-        k = self.kept
-        if k is None:  # one rank
-            if out is not sendbuf:
-                out[...] = sendbuf
-            return
-        self._first_round(plan, header, "allreduce", payload, sendbuf)
-        flat = out if out.ndim == 1 else out.reshape(-1)
-        if two is not None:
-            ufunc(two[0], two[1], out=flat)
-        else:
-            apply_steps(steps, ufunc, flat)
-        if mean is not None:
-            mean.finalize(flat, self.tp.size)
 
     def _large_plan(self, sendbuf: np.ndarray, op, algorithm: str, out: np.ndarray):
         """``(header, Op, algorithm function)`` for a call (result into ``out``)
@@ -231,7 +235,7 @@ class HostPlans:
                     payload = theirs = None
                     if self.kept is not None:
                         k, h, nb = self.kept, self.kept.head, buf.nbytes
-                        payload, theirs = memoryview(k.row[h:h + nb]), k.rows[root, h:h + nb].view(buf.dtype)
+                        payload, theirs = k.row[h:h + nb].view(buf.dtype), k.rows[root, h:h + nb].view(buf.dtype)
                     plan = (header, payload, theirs, mine)
                 elif c.algo == "binomial":
                     plan = (header, None, None, mine)
@@ -295,11 +299,8 @@ class HostPlans:
         if k.current is not plan:
             k.row[:k.head] = header[0]
             k.current = plan
-        if arr is not None:
-            try:
-                payload[:] = arr.data.cast("B")
-            except (ValueError, TypeError):  # dtypes without a buffer format (bfloat16), 0-d arrays
-                np.frombuffer(payload, np.uint8)[...] = arr.reshape(-1).view(np.uint8)
+        if arr is not None:  # a copy of the same dtype: the bytes as they are
+            payload[...] = arr if arr.ndim == 1 else arr.reshape(-1)
         k.gather()
         hb = header[1]
         for h in k.heads:

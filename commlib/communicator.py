@@ -25,7 +25,7 @@ from commlib.core.seconds import check_timeout, timeout_problem
 from commlib.core.tags import check_user_tag
 from commlib.transports.base import Request, wait_all
 from commlib.transports.mpi import MPIRequest, MPITransport, dims_create
-from commlib.typed_p2p import MPITypes, fast_recv, fast_send, typed_irecv, typed_isend, typed_recv, typed_send, typed_sendrecv
+from commlib.typed_p2p import MPITypes, fast_p2p, typed_irecv, typed_isend, typed_recv, typed_send, typed_sendrecv
 
 __all__ = ["Communicator", "CartCommunicator", "init", "compute_dims", "PROC_NULL", "ANY_SOURCE", "ANY_TAG"]
 
@@ -57,7 +57,7 @@ class Communicator(CollectiveMixin):
         self._ft = None
         self._strategy_memo: dict = {}
         self._typed_plans: dict = {}  # typed point to point's cached host plans (commlib.typed_p2p)
-        self._typed_last: tuple = ({}, {})  # its last blocking send / receive per peer (typed_p2p.fast_send)
+        self._typed_last: tuple = ({}, {})  # its last blocking send / receive per peer (typed_p2p.fast_p2p)
         self._worker = None
         self._mpi_types = MPITypes()
 
@@ -115,8 +115,9 @@ class Communicator(CollectiveMixin):
             DatatypeError: ``count`` elements of ``datatype`` do not fit ``buf``,
                 or the datatype is unusable; nothing is sent.
         """
-        self._check_tag(tag, "send", peer=dest)
-        if datatype is not None and timeout is None and fast_send(self, buf, dest, datatype, count, tag):
+        if not (type(tag) is int and 0 <= tag <= self.transport.tag_ub and type(dest) is int):
+            self._check_tag(tag, "send", peer=dest)  # the common case passes without a call (the typed hot path)
+        if datatype is not None and timeout is None and fast_p2p(self, 0, buf, dest, datatype, count, tag):
             return  # the same typed send as the last one to dest
         if datatype is not None:  # typed_send takes p2p_timeout for None
             typed_send(self, buf, dest, datatype, count, tag,
@@ -134,8 +135,9 @@ class Communicator(CollectiveMixin):
         Returns:
             MPI.Status (without ``datatype``): source, tag and byte count.
         """
-        self._check_tag(tag, "recv", anywild=True, peer=source)
-        if datatype is not None and timeout is None and fast_recv(self, buf, source, datatype, count, tag):
+        if not (type(tag) is int and 0 <= tag <= self.transport.tag_ub and type(source) is int):
+            self._check_tag(tag, "recv", anywild=True, peer=source)
+        if datatype is not None and timeout is None and fast_p2p(self, 1, buf, source, datatype, count, tag):
             return None  # the same typed receive as the last one from source
         if datatype is not None:  # typed_recv takes p2p_timeout for None
             typed_recv(self, buf, source, datatype, count, tag,

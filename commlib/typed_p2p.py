@@ -31,7 +31,7 @@ from commlib.datatypes.strategy import default_model
 from commlib.transports.base import CompletedRequest, Request, Wire, check_plain_dtype
 from commlib.transports.mpi import ANY_SOURCE, ANY_TAG, PROC_NULL, MPITransport
 
-__all__ = ["typed_send", "typed_recv", "fast_send", "fast_recv", "typed_isend", "typed_irecv", "typed_sendrecv", "locality_of", "resolve"]
+__all__ = ["typed_send", "typed_recv", "fast_p2p", "typed_isend", "typed_irecv", "typed_sendrecv", "locality_of", "resolve"]
 
 
 def resolve(comm, buf, datatype, count, op, receive: bool = False):
@@ -379,45 +379,33 @@ def _host_unpack(comm, wire, t, buf, count, nbytes, s, op):
         _unpack_received(wire, t, as_buffer(buf, op=op, rank=comm.rank), count, nbytes, s)
 
 
-def _last_call(comm, which: int, buf, peer, datatype, count):
-    """The last blocking typed call's ``(plan, count, MPI type, transport)`` to
-    or from ``peer`` when this call is the same again (``which``: 0 send, 1
-    receive): the same commlib type object and count (ints), a C-contiguous
-    numpy ``buf`` of the same dtype and size (writeable for a receive), the
-    same plain transport, forced strategy and model generation, and its MPI
-    type still committed; else None.  What the plan's checks and choice read,
-    checked again, in a fraction of :func:`_host_plan`'s time."""
+def fast_p2p(comm, which: int, buf, peer, datatype, count, tag) -> bool:
+    """A blocking typed call that repeats the last one to or from ``peer``
+    (``which``: 0 :func:`typed_send`, 1 :func:`typed_recv`; strategy "mpi", no
+    timeout, a plain MPI transport), made from that call's plan: one
+    ``MPI_Send`` or ``MPI_Recv`` with the datatype, and True; False when it is
+    not the same call (nothing sent or received).
+
+    The same call: the same commlib type object and count (ints), a
+    C-contiguous numpy ``buf`` of the same dtype and size (writeable for a
+    receive), the same plain transport, forced strategy and model generation,
+    and its MPI type still committed: what the plan's checks and choice read,
+    checked again in one frame, a fraction of :func:`_host_plan`'s time."""
     m = comm._typed_last[which].get(peer)
     if m is None:
-        return None
+        return False
     pl, mcount, mt, tp = m
     if (pl.t is not datatype or type(count) is not int or count != mcount or type(buf) is not np.ndarray
             or buf.dtype is not pl.dtype or buf.nbytes != pl.nbytes or tp is not comm.transport):
-        return None
+        return False
     flags = buf.flags
     if (not flags.c_contiguous or (which and not flags.writeable) or pl.generation != _strategy.generation
             or pl.forced != config.datatype_strategy or comm._mpi_types.types.get(pl.t) is not mt):
-        return None
-    return m
-
-
-def fast_send(comm, buf, dest, datatype, count, tag) -> bool:
-    """:func:`typed_send` of the same call as the last one to ``dest`` (strategy
-    "mpi", no timeout, a plain MPI transport; see :func:`_last_call`): one
-    ``MPI_Send`` with the datatype, and True; False when it is not (nothing sent)."""
-    m = _last_call(comm, 0, buf, dest, datatype, count)
-    if m is None:
         return False
-    m[3].send_checked((buf, count, m[2]), dest, tag)
-    return True
-
-
-def fast_recv(comm, buf, source, datatype, count, tag) -> bool:
-    """:func:`typed_recv`'s counterpart of :func:`fast_send`."""
-    m = _last_call(comm, 1, buf, source, datatype, count)
-    if m is None:
-        return False
-    m[3].recv_checked((buf, count, m[2]), source, tag, status=False)
+    if which:
+        tp.recv_checked((buf, count, mt), peer, tag, status=False)
+    else:
+        tp.send_checked((buf, count, mt), peer, tag)
     return True
 
 
@@ -435,7 +423,7 @@ def typed_send(comm, buf, dest, datatype, count=1, tag=0, strategy=None, timeout
             mt = comm._mpi_types.get(pl.t)
             tp.send_checked((buf, count, mt), dest, tag)
             if strategy is None and pl.t is datatype:
-                comm._typed_last[0][dest] = (pl, count, mt, tp)  # fast_send's, next time
+                comm._typed_last[0][dest] = (pl, count, mt, tp)  # fast_p2p's, next time
             return
         w = _host_send_wire(comm, buf, pl, count)
     if tp is not None:  # the plan checked what MPITransport.send checks: its MPI step alone
@@ -458,7 +446,7 @@ def typed_recv(comm, buf, source, datatype, count=1, tag=ANY_TAG, strategy=None,
             mt = comm._mpi_types.get(pl.t)
             tp.recv_checked((buf, count, mt), source, tag, status=False)
             if strategy is None and pl.t is datatype:
-                comm._typed_last[1][source] = (pl, count, mt, tp)  # fast_recv's, next time
+                comm._typed_last[1][source] = (pl, count, mt, tp)  # fast_p2p's, next time
             return
         got = _host_recv_wire(comm, buf, pl, count, "recv")
     if got is None:

@@ -43,11 +43,11 @@ def _exchange(comm, mode, src, dst, dt, count, strategy=None, tag=5):
         req = typed_p2p.typed_irecv(comm, dst, left, dt, count, tag, strategy=strategy)
         typed_p2p.typed_send(comm, src, right, dt, count, tag, strategy=strategy)
         req.wait(60)
-    elif mode == "comm":  # the Communicator's own methods (a repeated send: typed_p2p.fast_send)
+    elif mode == "comm":  # the Communicator's own methods (a repeated send: typed_p2p.fast_p2p)
         req = comm.irecv(dst, left, tag, datatype=dt, count=count)
         comm.send(src, right, tag, datatype=dt, count=count)
         req.wait(60)
-    elif mode == "comm-recv":  # the Communicator's blocking receive (a repeated one: typed_p2p.fast_recv)
+    elif mode == "comm-recv":  # the Communicator's blocking receive (a repeated one: typed_p2p.fast_p2p)
         req = comm.isend(src, right, tag, datatype=dt, count=count)
         comm.recv(dst, left, tag, datatype=dt, count=count)
         req.wait(60)
@@ -173,7 +173,7 @@ def test_refusals_after_a_cached_plan():
 
 def test_public_refusals_after_a_repeated_call():
     """After the same comm.send / comm.recv ran twice (the second from the
-    last-call fast path, typed_p2p.fast_send/fast_recv), a call that differs in
+    last-call fast path, typed_p2p.fast_p2p), a call that differs in
     one protected way is refused as the first call would be, before anything is
     posted, and a call that differs harmlessly gives MPI's bytes."""
     comm = commlib.init()

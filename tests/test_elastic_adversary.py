@@ -552,6 +552,57 @@ def test_connect_to_a_flooded_backlog_times_out_within_the_bound():
         srv.close()
 
 
+@pytest.fixture
+def stalled_dns(monkeypatch):
+    """``socket.getaddrinfo`` of any name (not an address literal) stalls, as
+    with a DNS server that never answers, until the test ends (which releases
+    the lookup threads left behind)."""
+    real, release = socket.getaddrinfo, threading.Event()
+    looked_up = []
+
+    def getaddrinfo(host, *args, flags=0, **kw):
+        if flags & socket.AI_NUMERICHOST or host in ("127.0.0.1", "::1", "0.0.0.0"):
+            return real(host, *args, flags=flags, **kw)
+        looked_up.append(host)
+        release.wait(60)
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    yield looked_up
+    release.set()
+
+
+@pytest.mark.parametrize("where", ["master", "advertise", "dial"])
+def test_a_stalled_name_lookup_is_bounded_by_the_timeout(stalled_dns, where):
+    """A name whose lookup stalls (a DNS server that never answers): connect's
+    timeout bounds the lookup of the master's name and of ``advertise``
+    (CommTimeout naming the lookup, within timeout + 0.5 s), and the dial of a
+    peer's or joiner's data address (``tcp.open_socket``, the master's probe
+    and the members' dials) raises TimeoutError within its timeout + 0.5 s.
+    Before, the resolver's own retries held each for as long as they took."""
+    t0 = time.monotonic()
+    if where == "dial":
+        with pytest.raises(TimeoutError):
+            tcp.open_socket("peer.stalled.invalid:5000", CONNECT_TIMEOUT)
+        dt = time.monotonic() - t0
+    else:
+        master = el.Master(secret=SECRET).start() if where == "advertise" else None
+        try:
+            if master is None:
+                exc, dt = _timed_connect("master.stalled.invalid:5000")
+            else:
+                exc, dt = _timed_connect(master.address, advertise="peer.stalled.invalid:5000")
+            assert isinstance(exc, commlib.CommTimeout) and "name lookup" in str(exc), exc
+            assert exc.op == "connect"
+            if master is not None:
+                assert not master._peers
+        finally:
+            if master is not None:
+                master.stop()
+    assert stalled_dns, "the lookup under test never ran"
+    assert CONNECT_TIMEOUT - 0.05 <= dt <= CONNECT_BOUND, dt
+
+
 def test_connect_to_a_master_whose_probe_stalls_times_out_within_the_bound():
     """A real master whose probe of the joiner's data address stalls (``advertise``
     names a port that accepts and never speaks; the master's probe_timeout is 10 s):

@@ -1,7 +1,7 @@
 """Frames and sockets of the TCP transport: the frame header, kinds and caps,
 :class:`FrameError`, and :class:`Connection`, which writes and reads the frames
 of one socket; with the socket helpers (:func:`parse_address`,
-:func:`open_socket`, :func:`tune_socket`) and the msgpack control bodies
+:func:`resolve`, :func:`open_socket`, :func:`tune_socket`) and the msgpack control bodies
 (:func:`pack_ctrl`, :func:`unpack_ctrl`).
 
 :mod:`commlib.transports.tcp_auth` authenticates a :class:`Connection` (and may
@@ -54,7 +54,7 @@ __all__ = [
     "HEADER", "MAGIC", "VERSION", "K_CHALLENGE", "K_RESPONSE", "K_PROOF", "K_CTRL", "K_DATA", "K_PING", "K_BUSY",
     "F_SEALED",
     "CTRL_MAX", "FRAME_MAX", "SOCK_BUF", "GCM_TAG", "FrameError", "Connection", "pack_ctrl", "unpack_ctrl",
-    "tune_socket", "parse_address", "open_socket",
+    "tune_socket", "parse_address", "resolve", "open_socket",
 ]
 
 HEADER = struct.Struct("!2sBBHIQIHI")
@@ -90,13 +90,67 @@ def parse_address(addr: str) -> tuple[str, int]:
     return host, p
 
 
-def open_socket(address: str, timeout: float) -> socket.socket:
-    """A TCP connection to ``"host:port"`` (not yet authenticated: pass it to :func:`client_handshake`).
+def resolve(host: str, port: int, timeout: float | None) -> list:
+    """``socket.getaddrinfo(host, port, type=SOCK_STREAM)`` within ``timeout``
+    seconds (None: the resolver's own bound).  An address literal needs no
+    lookup; a name is looked up on a daemon thread (the resolver has no bound of
+    its own to pass: a stalled DNS server holds ``getaddrinfo`` for its retries,
+    tens of seconds), which a caller past ``timeout`` leaves behind to finish.
 
     Raises:
-        OSError: unreachable or refused.
+        TimeoutError: the lookup did not finish within ``timeout``.
+        OSError: the name does not resolve (``socket.gaierror``).
     """
-    return socket.create_connection(parse_address(address), timeout=timeout)
+    try:  # an address literal: no lookup, no thread
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+    except socket.gaierror:
+        pass
+    if timeout is None:
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    got: list = []
+    done = threading.Event()
+
+    def lookup() -> None:
+        try:
+            got.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+        except OSError as exc:
+            got.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=lookup, name="commlib-resolve", daemon=True).start()
+    if not done.wait(max(0.0, timeout)):
+        raise TimeoutError(f"the name lookup of {host!r} did not finish within {timeout:g} s")
+    if isinstance(got[0], OSError):
+        raise got[0]
+    return got[0]
+
+
+def open_socket(address: str, timeout: float) -> socket.socket:
+    """A TCP connection to ``"host:port"`` (not yet authenticated: pass it to
+    :func:`client_handshake`) within ``timeout`` seconds in all: the name's
+    lookup (:func:`resolve`) and the connects to each address it gives.  The
+    socket keeps a timeout of what was left (as ``socket.create_connection``).
+
+    Raises:
+        TimeoutError: nothing answered within ``timeout`` (the lookup included).
+        OSError: unreachable, refused, or a name that does not resolve.
+    """
+    deadline = time.monotonic() + timeout
+    last: OSError | None = None
+    for family, kind, proto, _, sockaddr in resolve(*parse_address(address), timeout):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(left)
+            sock.connect(sockaddr)
+            return sock
+        except OSError as exc:
+            sock.close()
+            last = exc
+    raise last if last is not None else TimeoutError(f"no connection to {address} within {timeout:g} s")
 
 
 def tune_socket(sock: socket.socket) -> None:

@@ -20,16 +20,19 @@ __all__ = ["reach_master", "handshake", "job_refused", "probe_refused"]
 
 def reach_master(address: str, deadline: Deadline) -> socket.socket:
     """A TCP connection to the master at ``address`` within what is left of
-    connect's ``deadline`` (one bound over every address the name resolves to).
+    connect's ``deadline`` (one bound over the name's lookup and every address
+    it resolves to).
 
     Raises:
         CommTimeout: no connection within the deadline (a flooded listener whose
-            backlog drops the connection, a silent network).
+            backlog drops the connection, a silent network, a stalled name lookup).
         CommError: the master cannot be reached (refused, unreachable, an
             address that does not resolve)."""
     try:
-        host, port = tcp.parse_address(address)
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        infos = tcp.resolve(*tcp.parse_address(address), deadline.left())
+    except TimeoutError:
+        raise CommTimeout(f"cannot reach the master at {address}: the name lookup did not finish within "
+                          f"connect's {deadline.timeout:g} s timeout (a stalled DNS server)", op="connect") from None
     except OSError as exc:
         raise CommError(f"cannot reach the master at {address}: {exc}", op="connect") from None
     last: OSError | None = None

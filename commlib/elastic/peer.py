@@ -11,7 +11,6 @@ import functools
 import hmac
 import ipaddress
 import os
-import socket
 import threading
 import time
 
@@ -115,13 +114,19 @@ class Peer(ElasticGroup, StateSync):
         self._auto_streams = streams is None
         self.streams = AUTO_STREAMS if streams is None else int(streams)
         timeout = _finite_seconds(timeout, "connect")
+        # one deadline for the whole call: the name lookups, reaching the master, the handshake
+        # and its retries, the job, the welcome (the master's probe of the data address included)
+        deadline = Deadline(timeout, op="connect")
         if advertise is not None:
             host, port = tcp.parse_address(advertise)
             if port == 0:
                 raise InvalidArgument(f"advertise={advertise!r} has port 0: name the port other peers dial",
                                       op="connect")
             try:
-                socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                tcp.resolve(host, port, deadline.left())
+            except TimeoutError:
+                raise CommTimeout(f"advertise={advertise!r}: its name lookup did not finish within connect's "
+                                  f"{timeout:g} s timeout (a stalled DNS server)", op="connect") from None
             except OSError as exc:
                 # the other members would dial it and fail, every epoch, for as long as
                 # this peer stays: refused here instead
@@ -132,9 +137,6 @@ class Peer(ElasticGroup, StateSync):
         # the master's probe of this peer's data address carries this token; the listener
         # answers it (and nothing else) until the master's welcome (_on_data_conn)
         self._probe_token: bytes | None = os.urandom(PROBE_TOKEN)
-        # one deadline for the whole call: reaching the master, the handshake and its
-        # retries, the job, the welcome (the master's probe of the data address included)
-        deadline = Deadline(timeout, op="connect")
         sock = reach_master(address, deadline)
         local = sock.getsockname()[0]
         self._listener = tcp.Listener(bind or f"{local}:0", secret, self._on_data_conn, encrypt=encrypt)

@@ -54,15 +54,15 @@ from .tcp_request import Completion, Slot, TCPRequest
 from .tcp_auth import (HANDSHAKE_TIMEOUT, PREAUTH_MAX, Listener, client_handshake, make_ticket, read_secret,
                        retry_delay, server_handshake, verify_ticket)
 from .tcp_frames import (CTRL_MAX, FRAME_MAX, GCM_TAG, HEADER, K_BUSY, K_CHALLENGE, K_CTRL, K_DATA, K_PING, K_PROOF,
-                         K_RESPONSE, MAGIC, VERSION, Connection, FrameError, open_socket, pack_ctrl, parse_address,
-                         resolve, tune_socket, unpack_ctrl)
+                         K_RESPONSE, MAGIC, VERSION, Connection, FrameError, connect_first, open_socket, pack_ctrl,
+                         parse_address, resolve, tune_socket, unpack_ctrl)
 
 __all__ = [
     "HEADER", "MAGIC", "VERSION", "K_CHALLENGE", "K_RESPONSE", "K_PROOF", "K_CTRL", "K_DATA", "K_PING", "K_BUSY",
     "PREAUTH_MAX", "CTRL_MAX", "FRAME_MAX", "UNEXPECTED_MAX", "UNEXPECTED_FRAMES", "FRAME_COST", "FrameError",
     "Connection", "client_handshake", "server_handshake", "make_ticket", "verify_ticket", "frame_bounds",
     "TCPTransport", "Listener", "pack_ctrl", "unpack_ctrl", "tune_socket", "parse_address", "read_secret",
-    "open_socket", "resolve", "retry_delay", "HANDSHAKE_TIMEOUT", "FIRST_ROUND_TAG", "OPERATION_TAGS", "Overrun", "Completion",
+    "open_socket", "resolve", "connect_first", "retry_delay", "HANDSHAKE_TIMEOUT", "FIRST_ROUND_TAG", "OPERATION_TAGS", "Overrun", "Completion",
     "TCPRequest",
 ]
 

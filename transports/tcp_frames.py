@@ -54,7 +54,7 @@ __all__ = [
     "HEADER", "MAGIC", "VERSION", "K_CHALLENGE", "K_RESPONSE", "K_PROOF", "K_CTRL", "K_DATA", "K_PING", "K_BUSY",
     "F_SEALED",
     "CTRL_MAX", "FRAME_MAX", "SOCK_BUF", "GCM_TAG", "FrameError", "Connection", "pack_ctrl", "unpack_ctrl",
-    "tune_socket", "parse_address", "resolve", "open_socket",
+    "tune_socket", "parse_address", "resolve", "open_socket", "connect_first",
 ]
 
 HEADER = struct.Struct("!2sBBHIQIHI")
@@ -137,20 +137,36 @@ def open_socket(address: str, timeout: float) -> socket.socket:
         OSError: unreachable, refused, or a name that does not resolve.
     """
     deadline = time.monotonic() + timeout
+    sock = connect_first(resolve(*parse_address(address), timeout), lambda: deadline - time.monotonic())
+    if sock is None:
+        raise TimeoutError(f"no connection to {address} within {timeout:g} s")
+    return sock
+
+
+def connect_first(infos: list, left) -> socket.socket | None:
+    """A socket connected to the first address of ``infos`` (from :func:`resolve`)
+    that accepts, each connect bounded by ``left()`` (the seconds left of the
+    caller's deadline); None when the deadline passed before any answered.
+
+    Raises:
+        OSError: the last address's error (refused, unreachable, its connect timed out).
+    """
     last: OSError | None = None
-    for family, kind, proto, _, sockaddr in resolve(*parse_address(address), timeout):
-        left = deadline - time.monotonic()
-        if left <= 0:
+    for family, kind, proto, _, sockaddr in infos:
+        t = left()
+        if t <= 0:
             break
         sock = socket.socket(family, kind, proto)
         try:
-            sock.settimeout(left)
+            sock.settimeout(t)
             sock.connect(sockaddr)
             return sock
         except OSError as exc:
             sock.close()
             last = exc
-    raise last if last is not None else TimeoutError(f"no connection to {address} within {timeout:g} s")
+    if last is not None:
+        raise last
+    return None
 
 
 def tune_socket(sock: socket.socket) -> None:

@@ -35,24 +35,17 @@ def reach_master(address: str, deadline: Deadline) -> socket.socket:
                           f"connect's {deadline.timeout:g} s timeout (a stalled DNS server)", op="connect") from None
     except OSError as exc:
         raise CommError(f"cannot reach the master at {address}: {exc}", op="connect") from None
-    last: OSError | None = None
-    for family, kind, proto, _, sockaddr in infos:
-        left = deadline.left()
-        if left <= 0:
-            break
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.settimeout(left)
-            sock.connect(sockaddr)
-            return sock
-        except OSError as exc:
-            sock.close()
-            last = exc
-    if last is None or isinstance(last, socket.timeout):
+    try:
+        sock = tcp.connect_first(infos, deadline.left)
+    except socket.timeout:
+        sock = None
+    except OSError as exc:
+        raise CommError(f"cannot reach the master at {address}: {exc}", op="connect") from None
+    if sock is None:
         raise CommTimeout(f"cannot reach the master at {address}: no connection within connect's "
                           f"{deadline.timeout:g} s timeout (a flooded or stalled master, a network that "
                           "drops the connection)", op="connect")
-    raise CommError(f"cannot reach the master at {address}: {last}", op="connect") from None
+    return sock
 
 
 def job_refused(mine: bytes, theirs: bytes) -> JobMismatch:

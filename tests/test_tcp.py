@@ -542,6 +542,98 @@ def test_fuzz_leaves_honest_peers_working(fuzz_cluster):
     assert len(master.members) == 2
 
 
+def _tcp_pair():
+    """A connected loopback TCP pair, tuned as the transport's sockets are."""
+    ls = socket.socket()
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(1)
+    a = socket.create_connection(ls.getsockname())
+    b, _ = ls.accept()
+    ls.close()
+    for s in (a, b):
+        tcp.tune_socket(s)
+    return a, b
+
+
+def _blocked_in_kernel(th) -> bool:
+    """True when thread ``th`` sleeps in a system call other than a lock's (Linux /proc)."""
+    with open(f"/proc/self/task/{th.native_id}/wchan") as fh:
+        wchan = fh.read().strip()
+    return wchan not in ("", "0") and "futex" not in wchan
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for the reader's state")
+def test_large_read_completes_when_its_rest_is_below_the_low_water_mark():
+    """A read of more than RCVLOWAT bytes (the data path's, unbounded) waits under a
+    low-water mark.  Its first piece (below the mark) is there when it starts and
+    the rest (below the mark too) comes once it sleeps: it completes with every
+    byte (a recv sleeping under the mark copies the first piece, then waits for a
+    mark's worth of *new* data, and hangs), and the socket's mark is 1 again
+    after (the next frame's 28-byte header wakes its reader at once)."""
+    from commlib.transports import tcp_frames
+
+    seed = 7
+    print("seed", seed)
+    n = tcp_frames.RCVLOWAT + (300 << 10)
+    data = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+    a, b = _tcp_pair()
+    try:
+        for first in (600 << 10, 1 << 10, n - 1000):
+            a.sendall(data[:first])
+            wait_until(lambda: _queued(b) == first, what="the first piece in the receive queue")
+            out = {}
+            th = threading.Thread(target=lambda: out.update(got=tcp_frames.recv_exact(b, n)), daemon=True)
+            th.start()
+            wait_until(lambda: _blocked_in_kernel(th), what="the reader waiting for the rest")
+            a.sendall(data[first:])
+            th.join(30)
+            assert not th.is_alive(), f"the read of {n} bytes did not complete (first piece {first})"
+            assert bytes(out["got"]) == data
+            assert b.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def _queued(sock) -> int:
+    """Bytes in ``sock``'s receive queue (FIONREAD)."""
+    import fcntl
+    import struct
+    import termios
+
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+
+
+def test_large_read_ends_when_its_connection_closes():
+    """A large read waiting for the rest of its bytes ends with an error when the
+    connection closes (the peer's side, or this side's Connection.close from
+    another thread): it never waits on."""
+    from commlib.transports import tcp_frames
+
+    n = 2 * tcp_frames.RCVLOWAT
+    for closer in ("peer", "shutdown"):
+        a, b = _tcp_pair()
+        errors = []
+
+        def read():
+            try:
+                tcp_frames.recv_exact(b, n)
+            except (ConnectionError, OSError) as exc:
+                errors.append(exc)
+
+        th = threading.Thread(target=read, daemon=True)
+        th.start()
+        a.sendall(b"x" * (n // 3))
+        if closer == "peer":
+            a.close()
+        else:
+            b.shutdown(socket.SHUT_RDWR)
+        th.join(30)
+        assert not th.is_alive() and len(errors) == 1, closer
+        a.close()
+        b.close()
+
+
 def test_connection_reader_survives_a_writer_with_timeouts():
     """One connection, two threads on one side: a reader with no deadline and a
     writer sending with a timeout (as the master's and the peers' control

@@ -564,21 +564,22 @@ def _blocked_in_kernel(th) -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for the reader's state")
 def test_large_read_completes_when_its_rest_is_below_the_low_water_mark():
-    """A read of more than RCVLOWAT bytes (the data path's, unbounded) waits under a
-    low-water mark.  Its first piece (below the mark) is there when it starts and
-    the rest (below the mark too) comes once it sleeps: it completes with every
-    byte (a recv sleeping under the mark copies the first piece, then waits for a
-    mark's worth of *new* data, and hangs), and the socket's mark is 1 again
-    after (the next frame's 28-byte header wakes its reader at once)."""
+    """A read of more than RCVLOWAT_MIN bytes (the data path's, unbounded) waits
+    under a low-water mark of at most RCVLOWAT bytes.  A first piece is in the
+    receive queue when it starts (below the mark, or all but the last 1000 bytes)
+    and the rest comes once it sleeps: it completes with every byte (a recv
+    sleeping under the mark copies the first piece, then waits for a mark's worth
+    of *new* data, and hangs), and the socket's mark is 1 again after (the next
+    frame's 28-byte header wakes its reader at once)."""
     from commlib.transports import tcp_frames
 
     seed = 7
     print("seed", seed)
-    n = tcp_frames.RCVLOWAT + (300 << 10)
+    n = tcp_frames.RCVLOWAT_MIN + (300 << 10)
     data = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
     a, b = _tcp_pair()
     try:
-        for first in (600 << 10, 1 << 10, n - 1000):
+        for first in (tcp_frames.RCVLOWAT - (400 << 10), 1 << 10, n - 1000):
             a.sendall(data[:first])
             wait_until(lambda: _queued(b) == first, what="the first piece in the receive queue")
             out = {}
@@ -610,7 +611,7 @@ def test_large_read_ends_when_its_connection_closes():
     another thread): it never waits on."""
     from commlib.transports import tcp_frames
 
-    n = 2 * tcp_frames.RCVLOWAT
+    n = 2 * tcp_frames.RCVLOWAT_MIN
     for closer in ("peer", "shutdown"):
         a, b = _tcp_pair()
         errors = []

@@ -221,17 +221,20 @@ def _wait_io(sock: socket.socket, events: int, deadline: float) -> None:
     poller.poll(int(left * 1000) + 1)  # the caller retries its call, then waits again or times out
 
 
-#: an unbounded read of more than this many bytes sleeps until this much (or the
-#: rest of the read) has arrived, then takes all that is there (``SO_RCVLOWAT``
-#: and ``poll``): a wake-up per MiB instead of one per arriving segment, 7-21%
-#: less CPU for a 16-64 MiB elastic all-reduce at 3-4 peers on loopback
-#: (docs/ELASTIC.md); the kernel caps the mark at half the receive buffer
+#: an unbounded read of more than :data:`RCVLOWAT_MIN` bytes sleeps until this many
+#: (or the rest of the read) have arrived, then takes all that is there
+#: (``SO_RCVLOWAT`` and ``poll``): a wake-up per MiB instead of one per arriving
+#: segment, 7-21% less CPU for a 16-64 MiB elastic all-reduce at 3-4 peers on
+#: loopback (docs/ELASTIC.md); the kernel caps the mark at half the receive buffer
 RCVLOWAT = 1 << 20
+#: reads up to this many bytes take the plain path (at 1.3 MiB the mark's extra
+#: system calls cost about what the wake-ups it saves do)
+RCVLOWAT_MIN = 2 << 20
 _SO_RCVLOWAT = getattr(socket, "SO_RCVLOWAT", None)
 
 
 def _recv_large_into(sock: socket.socket, mv: memoryview) -> bool:
-    """Fill ``mv`` (more than :data:`RCVLOWAT` bytes) from ``sock``, unbounded.
+    """Fill ``mv`` (more than :data:`RCVLOWAT_MIN` bytes) from ``sock``, unbounded.
 
     Each wait is a ``poll`` with the socket's low-water mark at what is left of
     the read, capped at :data:`RCVLOWAT` (never more: the sender may write
@@ -284,10 +287,10 @@ def _recv_exact_into(sock: socket.socket, mv: memoryview, deadline: float | None
 
     The socket stays in blocking mode: without a deadline each ``recv`` blocks in
     the kernel (one system call per wake-up on the data path; more than
-    :data:`RCVLOWAT` bytes: :func:`_recv_large_into`); with one, each
+    :data:`RCVLOWAT_MIN` bytes: :func:`_recv_large_into`); with one, each
     ``recv`` is ``MSG_DONTWAIT`` and the waits are ``poll`` calls bounded by it."""
     got, n = 0, len(mv)
-    if deadline is None and n > RCVLOWAT and _SO_RCVLOWAT is not None and _recv_large_into(sock, mv):
+    if deadline is None and n > RCVLOWAT_MIN and _SO_RCVLOWAT is not None and _recv_large_into(sock, mv):
         return
     flags = 0 if deadline is None else _DONTWAIT
     while got < n:

@@ -106,7 +106,7 @@ class HostPlans:
                         self._judge(header, "allreduce")
                 flat = out if out.ndim == 1 else out.reshape(-1)
                 if two is not None:
-                    ufunc(two[0], two[1], flat)  # out positional: faster than out=
+                    ufunc(two[0], two[1], out=flat)  # out= (positional is deprecated for np.maximum/minimum)
                 else:
                     apply_steps(steps, ufunc, flat)
                 if mean is not None:

@@ -21,7 +21,7 @@ from mpi4py import MPI
 from commlib.core.config import config
 from commlib.core.errors import DatatypeError
 from commlib.datatypes.strategy import DEVICE_STRATEGIES, HOST_STRATEGIES
-from commlib.datatypes.types import Vector
+from commlib.datatypes import Vector
 
 __all__ = ["calibrate", "probe_type"]
 

@@ -25,9 +25,9 @@ Example::
 """
 from .canonical import Blocks, StridedBlock
 from .pack import Packer, pack, plan_for, unpack
-from .types import (
+from .array_types import Darray, Subarray
+from .constructors import (
     Contiguous,
-    Darray,
     Datatype,
     Hindexed,
     HindexedBlock,
@@ -37,7 +37,6 @@ from .types import (
     Named,
     Resized,
     Struct,
-    Subarray,
     Vector,
     as_datatype,
     from_mpi,

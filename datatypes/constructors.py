@@ -8,7 +8,7 @@ its canonical layout (:meth:`Datatype.canonical`, cached) and how to build the
 equivalent committed ``MPI.Datatype`` (:meth:`Datatype.to_mpi`).  Here too:
 :class:`Named` (a numpy dtype), the vector, indexed, struct and resized
 constructors, :func:`as_datatype` and :func:`from_mpi`.  The array constructors
-(``Subarray``, ``Darray``) are in :mod:`.array_types`; :mod:`.types` gathers
+(``Subarray``, ``Darray``) are in :mod:`.array_types`; the package gathers
 both.
 
 Why :func:`from_mpi` is here and finds constructors by name: every constructor

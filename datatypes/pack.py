@@ -23,7 +23,7 @@ from commlib.core.buffer import as_buffer
 from commlib.core.errors import BufferError, DatatypeError, InvalidArgument
 
 from . import canonical as _c
-from .types import Datatype, as_datatype
+from .constructors import Datatype, as_datatype
 
 __all__ = ["pack", "unpack", "plan_for", "Packer"]
 

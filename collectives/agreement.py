@@ -91,11 +91,11 @@ def agree(transport, values: Sequence[int], *, op: str, local_error: CommError |
     rb = row.size
     if n == 1:
         rows = row
+    elif timeout is None and native and gather is not None:
+        rows = gather(row)  # the kept all-gather gives its own copy of the rows
     else:
         rows = np.empty(n * rb, np.uint8)
-        if timeout is None and native and gather is not None:
-            rows = gather(row)
-        elif timeout is None and native and transport.has_native("allgather"):
+        if timeout is None and native and transport.has_native("allgather"):
             transport.native_allgather(row, rows)
         else:
             allgather_bruck(transport, row, rows, timeout=timeout)

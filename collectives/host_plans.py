@@ -22,8 +22,8 @@ carry a payload nobody reads: the plan leaves it as it was).
 
 On a 2-core machine the general path's per-call staging and bookkeeping took
 ~30 us a call, 15% of a 1 MiB ring at 2 ranks and 70-90% of a 2-32 KiB
-recursive doubling; a planned 8-byte allreduce costs the all-gather and about
-a microsecond of Python (benchmarks/bench_allreduce.py, docs/BENCHMARKS.md).
+recursive doubling; a planned 8-byte allreduce at 2 ranks costs the all-gather
+(0.74 us) and about 1.3 us of Python (benchmarks/bench_small.py, docs/BENCHMARKS.md).
 """
 from __future__ import annotations
 

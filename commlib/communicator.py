@@ -247,6 +247,35 @@ class Communicator(CollectiveMixin):
             raise CommTimeout(f"the peers did not call split ({exc.detail})", rank=self.rank, op="split") from exc
         return self._fault_tolerant_child(Communicator, self.transport.split(color, key), None, "split")
 
+    def create_group(self, ranks: Sequence[int], tag: int = 0) -> "Communicator":
+        """A communicator over ``ranks`` of this one (``MPI_Comm_create_group``,
+        MPI-3.0 §6.4.2), collective over those ranks only: ranks outside the
+        group do not call it (what ``torch.distributed.new_group`` needs).
+
+        Args:
+            ranks: distinct ranks of this communicator, the same list on every
+                member; ``ranks[i]`` becomes rank ``i`` of the new communicator.
+            tag: tells apart groups created concurrently from the same
+                communicator (``>= 0``).
+
+        A fault-tolerant communicator's group is fault tolerant too, as in
+        :meth:`dup`.
+
+        Raises:
+            InvalidArgument: ``ranks`` empty, repeated, out of range, or without
+                this rank (raised on this rank before anything moves).
+        """
+        rs = [int(r) for r in ranks]
+        if (not rs or len(set(rs)) != len(rs) or any(not 0 <= r < self.size for r in rs)
+                or self.rank not in rs or not (type(tag) is int and tag >= 0)):
+            raise InvalidArgument(f"create_group needs distinct ranks of [0, {self.size}) holding rank {self.rank} "
+                                  f"and a tag >= 0, got ranks={list(ranks)} tag={tag!r}", rank=self.rank,
+                                  op="create_group")
+        tp = self.transport.create_group(rs, tag)
+        if self._ft is None:
+            return Communicator(transport=tp)
+        return self._fault_tolerant_child(Communicator, tp, None, "create_group")
+
     def _fault_tolerant_child(self, cls, user, coll, op):
         """A fault-tolerant communicator of class ``cls`` over transport ``user``
         (made by a collective call of every rank of this fault-tolerant one),

@@ -668,6 +668,24 @@ class MPITransport(Transport):
             raise_classified(exc, (), self._rank, "split")
         return MPITransport(c, cuda_aware=self.cuda_aware)
 
+    def create_group(self, ranks, tag: int = 0) -> "MPITransport":
+        """A transport over ``MPI_Comm_create_group`` of ``ranks`` of this group
+        (MPI-3.0 §6.4.2): collective over those ranks only, in their order
+        (``ranks[i]`` becomes rank ``i``); every member passes the same ``ranks``
+        and ``tag``, and ranks outside do not take part."""
+        g = self.comm.Get_group()
+        try:
+            sub = g.Incl([int(r) for r in ranks])
+            try:
+                c = self.comm.Create_group(sub, int(tag))
+            finally:
+                sub.Free()
+        except MPI.Exception as exc:
+            raise_classified(exc, (), self._rank, "create_group")
+        finally:
+            g.Free()
+        return MPITransport(c, cuda_aware=self.cuda_aware)
+
     def create_cart(self, dims, periods, reorder: bool = False) -> "MPITransport":
         """A transport over ``MPI_Cart_create`` (collective); its ``comm`` is an ``MPI.Cartcomm``."""
         try:

@@ -77,6 +77,7 @@ failure in its own traffic instead calls :func:`revoke` (this layer's
 transports of ``comm``) before ``comm.recover()``.
 """
 from ._failure import revoke
+from .distributed import ProcessGroupCommlib, communicator_of, init_process_group, reinit_process_group
 from .hybrid import hybrid_attention
 from .shard import Sharding
 from .module import SequenceParallelAttention
@@ -94,4 +95,8 @@ __all__ = [
     "SequenceParallelAttention",
     "Sharding",
     "revoke",
+    "ProcessGroupCommlib",
+    "init_process_group",
+    "reinit_process_group",
+    "communicator_of",
 ]

@@ -1,0 +1,742 @@
+"""commlib as a ``torch.distributed`` backend: ``init_process_group("commlib")``.
+
+Importing :mod:`commlib.nn` registers the backend ``"commlib"``
+(``torch.distributed.Backend.register_backend``, CPU and CUDA tensors): a
+Python :class:`torch.distributed.ProcessGroup` whose every collective is one
+call of commlib's collective engine (the same algorithms, argument agreement
+and recovery as :class:`commlib.Communicator`), so torch's own
+``DistributedDataParallel``, FSDP2's ``fully_shard``, ``DeviceMesh``, the
+functional collectives and the object collectives run over it unchanged.
+
+Three ways in:
+
+* under ``mpiexec`` or ``srun`` (an MPI job, nothing else set):
+  :func:`init_process_group` takes rank and size from MPI
+  (``commlib.nn.init_process_group()``, or pass your own communicator:
+  ``init_process_group(commlib.init(fault_tolerant=True))``);
+* ``torch.distributed.init_process_group("commlib", ...)`` with any of torch's
+  init methods (``env://`` as ``torchrun`` sets it, ``tcp://``, ``file://``,
+  ``store=``): inside an MPI job whose size and rank match, the group runs on
+  MPI; otherwise (``torchrun``) on commlib's TCP transport
+  (:class:`commlib.tcp_comm.TCPCommunicator`), the members finding each other
+  through torch's store;
+* ``dist.new_group(ranks)`` and ``init_device_mesh("cpu", (dp, cp))`` make
+  sub-groups: ``MPI_Comm_create_group`` of the members under MPI, a TCP group
+  of their own under torchrun.
+
+Semantics:
+
+* dtypes float16, bfloat16, float32, float64, int8/16/32/64, uint8, bool;
+  ``ReduceOp`` SUM, AVG (floating types), PRODUCT, MIN, MAX, BAND, BOR, BXOR
+  (integers and bool), PREMUL_SUM (the factor applied to each rank's input,
+  then SUM).
+* Bad calls: ranks that pass different sizes, dtypes or ops, or call
+  different collectives, get :class:`commlib.InvalidArgument` (a
+  ``RuntimeError`` and ``ValueError``) on every rank, naming the rank and the
+  call, before any payload byte moves; the process is not aborted.
+* ``timeout``: given to ``init_process_group``, the deadline of every call
+  (seconds; commlib's meaning: the whole call), past which it raises
+  :class:`commlib.CommTimeout`.  torch's default (30 minutes, when you give
+  none) leaves calls unbounded on a communicator that is not fault tolerant
+  (MPI's semantics) and bounded by the communicator's own ``timeout`` on a
+  fault-tolerant one.
+* ``async_op=True`` returns a ``Work`` run by the group's worker thread
+  (calls complete in the order they were made; the thread releases the GIL
+  while it waits on the network, so DDP's bucket all-reduces overlap the
+  backward pass); ``async_op=False`` runs the call in the caller's thread
+  when the worker is idle.  ``wait()`` raises the call's error;
+  ``get_future()`` completes with the output tensors.
+* Tensors that are not contiguous are copied to a contiguous buffer and the
+  result copied back (the right answer, one copy more); CUDA tensors are
+  staged through host memory (the result copied back on the tensor's device).
+* Fault tolerance: on a communicator from ``commlib.init(fault_tolerant=True)``
+  under ULFM, a rank that dies inside a call makes the survivors shrink the
+  communicator and raise :class:`commlib.ProcessFailed` (``recovered=True``);
+  the process group, whose rank and size torch fixed, is then stale:
+  :func:`reinit_process_group` (what :class:`commlib.ResilientRunner`'s
+  re-shard callback calls) destroys it and makes a new one over the shrunk
+  communicator.
+"""
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import queue
+import threading
+import weakref
+import zlib
+
+import ml_dtypes
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+
+from commlib.core.errors import InvalidArgument
+
+__all__ = ["ProcessGroupCommlib", "init_process_group", "reinit_process_group", "communicator_of", "BACKEND"]
+
+#: the backend's name in ``torch.distributed``
+BACKEND = "commlib"
+
+_ROP = dist.ReduceOp.RedOpType
+_OPS = {_ROP.SUM: "sum", _ROP.AVG: "avg", _ROP.PRODUCT: "prod", _ROP.MIN: "min", _ROP.MAX: "max",
+        _ROP.BAND: "band", _ROP.BOR: "bor", _ROP.BXOR: "bxor"}
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_NUMPY = {torch.float16: np.float16, torch.bfloat16: ml_dtypes.bfloat16, torch.float32: np.float32,
+          torch.float64: np.float64, torch.int8: np.int8, torch.uint8: np.uint8, torch.int16: np.int16,
+          torch.int32: np.int32, torch.int64: np.int64, torch.bool: np.bool_}
+#: torch's default process-group timeout: given by torch when the user gave none
+_TORCH_DEFAULT = datetime.timedelta(minutes=30)
+
+# the communicator the next default group is made over (init_process_group hands it to the creator)
+_NEXT = threading.local()
+
+
+# ------------------------------------------------------------------ tensors
+def _np(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of CPU contiguous tensor ``t`` (bfloat16 as ml_dtypes.bfloat16)."""
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+class _Host:
+    """A host, contiguous stand-in for tensor ``t`` (``t`` itself when it already is one).
+
+    ``array`` is the numpy view the engine works on; :meth:`back` copies the
+    result into ``t`` when it is a stand-in (a non-contiguous or CUDA tensor)."""
+
+    __slots__ = ("t", "h", "array")
+
+    def __init__(self, t: torch.Tensor, rank: int, op: str, load: bool = True):
+        if t.dtype not in _NUMPY:
+            raise InvalidArgument(f"dtype {t.dtype} is not supported (one of {sorted(map(str, _NUMPY))})",
+                                  rank=rank, op=op)
+        self.t = t
+        if t.device.type == "cpu" and t.is_contiguous():
+            self.h = t
+        elif load:
+            self.h = t.detach().to("cpu", memory_format=torch.contiguous_format).contiguous()
+        else:
+            self.h = torch.empty(t.shape, dtype=t.dtype)
+        self.array = _np(self.h).reshape(-1)
+
+    def back(self) -> None:
+        if self.h is not self.t:
+            with torch.no_grad():
+                self.t.copy_(self.h)
+
+
+def _op_name(reduce_op, dtype, rank: int, opname: str):
+    """(commlib op name, PREMUL_SUM factor or None) of a torch ``ReduceOp``."""
+    kind = reduce_op.op if isinstance(reduce_op, dist.ReduceOp) else reduce_op
+    if kind == _ROP.PREMUL_SUM:
+        factor = reduce_op.__getstate__()[1]
+        if isinstance(factor, torch.Tensor):
+            factor = factor.item()
+        return "sum", float(factor)
+    name = _OPS.get(kind)
+    if name is None:
+        raise InvalidArgument(f"reduce op {reduce_op} is not supported", rank=rank, op=opname)
+    if name == "avg" and dtype not in _FLOATS:
+        raise InvalidArgument(f"ReduceOp.AVG needs a floating dtype, got {dtype}", rank=rank, op=opname)
+    return name, None
+
+
+# ------------------------------------------------------------------ works
+def _done(result) -> dist.Work:
+    fut = torch.futures.Future()
+    fut.set_result(result)
+    return _create_work_from_future(fut)
+
+
+class _Worker:
+    """One thread per group that runs its calls in the order they were made."""
+
+    def __init__(self, name: str):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending = 0
+        self._lock = threading.Lock()
+        self.running = threading.Lock()  # held while a call of the group runs (worker or caller)
+        self._thread = None
+        self._name = name
+
+    def idle(self) -> bool:
+        return self._pending == 0
+
+    def submit(self, fn) -> torch.futures.Future:
+        fut = torch.futures.Future()
+        with self._lock:
+            self._pending += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, daemon=True, name=self._name)
+                self._thread.start()
+        self._q.put((fn, fut))
+        return fut
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """End the thread once the calls queued before are done (waits at most ``timeout`` seconds)."""
+        th = self._thread
+        if th is not None and th.is_alive():
+            self._q.put(None)
+            th.join(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fn, fut = item
+            try:
+                with self.running:
+                    result = fn()
+            except BaseException as exc:  # noqa: BLE001 - delivered by Work.wait() / the future
+                with self._lock:
+                    self._pending -= 1
+                fut.set_exception(exc)
+            else:
+                with self._lock:
+                    self._pending -= 1
+                fut.set_result(result)
+
+
+class _P2PWaiter:
+    """Completes point-to-point works: waits their requests in a thread of its own,
+    so a receive posted by ``irecv`` progresses while the caller runs on."""
+
+    def __init__(self):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = None
+
+    def add(self, req, tensors, after=None) -> torch.futures.Future:
+        fut = torch.futures.Future()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, daemon=True, name="commlib-torch-p2p")
+            self._thread.start()
+        self._q.put((req, tensors, after, fut))
+        return fut
+
+    stop = _Worker.stop
+
+    def _loop(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            req, tensors, after, fut = item
+            try:
+                req.wait()
+                if after is not None:
+                    after()
+            except BaseException as exc:  # noqa: BLE001 - delivered by Work.wait()
+                fut.set_exception(exc)
+            else:
+                fut.set_result(tensors)
+
+
+# ------------------------------------------------------------------ the group
+class ProcessGroupCommlib(dist.ProcessGroup):
+    """A ``torch.distributed`` process group over a commlib communicator.
+
+    Made by ``torch.distributed.init_process_group("commlib")`` /
+    ``new_group`` (or :func:`init_process_group`); users rarely construct it.
+
+    Args:
+        comm: a :class:`commlib.Communicator` (MPI) or
+            :class:`commlib.tcp_comm.TCPCommunicator` (TCP); its rank and size
+            are the group's.
+        timeout: the deadline of every call in seconds, or None (the
+            communicator's default: unbounded, or its fault-tolerant timeout).
+
+    Attributes:
+        comm: the communicator (``comm.mpi_comm`` for mpi4py code on MPI).
+    """
+
+    def __init__(self, comm, timeout: float | None = None):
+        super().__init__(comm.rank, comm.size)
+        self.comm = comm
+        self.timeout = timeout
+        self._worker = _Worker(f"commlib-torch-{comm.rank}")
+        self._p2p = _P2PWaiter()
+        _GROUPS.add(self)
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return BACKEND
+
+    @property
+    def name(self) -> str:  # noqa: D401
+        return BACKEND
+
+    def __repr__(self) -> str:
+        return f"<ProcessGroupCommlib rank={self.rank()} size={self.size()} over {self.comm!r}>"
+
+    # -- running a call ----------------------------------------------------
+    def _run(self, fn, result, opts) -> dist.Work:
+        """Run ``fn()`` (which fills the output tensors) now in this thread when the
+        call is synchronous and the worker idle, else on the worker; the work's
+        future completes with ``result``."""
+        def call():
+            fn()
+            return result
+
+        if not getattr(opts, "asyncOp", True) and self._worker.idle():
+            with self._worker.running:
+                call()
+            return _done(result)
+        return _create_work_from_future(self._worker.submit(call))
+
+    def _host(self, t, op, load=True) -> _Host:
+        return _Host(t, self.comm.rank, op, load)
+
+    # -- all-reduce ----------------------------------------------------------
+    def allreduce(self, tensors, opts=None):
+        opts = dist.AllreduceOptions() if opts is None else opts
+        return self._allreduce(list(tensors), opts, "all_reduce")
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        opts = dist.AllreduceCoalescedOptions() if opts is None else opts
+        return self._allreduce(list(tensors), opts, "all_reduce_coalesced")
+
+    def _allreduce(self, tensors, opts, opname):
+        comm, timeout = self.comm, self.timeout
+        op = opts.reduceOp
+
+        def fn():
+            for t in tensors:
+                name, factor = _op_name(op, t.dtype, comm.rank, opname)
+                h = self._host(t, opname)
+                if factor is not None:
+                    h.h.mul_(factor)
+                comm.allreduce(h.array, op=name, timeout=timeout)
+                h.back()
+        return self._run(fn, tensors, opts)
+
+    # -- broadcast -------------------------------------------------------------
+    def broadcast(self, tensors, opts=None):
+        opts = dist.BroadcastOptions() if opts is None else opts
+        tensors, comm, timeout, root = list(tensors), self.comm, self.timeout, opts.rootRank
+
+        def fn():
+            for t in tensors:
+                h = self._host(t, "broadcast")
+                comm.bcast(h.array, root=root, timeout=timeout)
+                h.back()
+        return self._run(fn, tensors, opts)
+
+    # -- all-gather ------------------------------------------------------------
+    def allgather(self, output_lists, inputs, opts=None):
+        opts = dist.AllgatherOptions() if opts is None else opts
+        comm, timeout = self.comm, self.timeout
+        output_lists, inputs = [list(o) for o in output_lists], list(inputs)
+
+        def fn():
+            for outs, t in zip(output_lists, inputs):
+                self._check_list(outs, t, "all_gather")
+                h = self._host(t, "all_gather")
+                gathered = comm.allgather(h.array, timeout=timeout)
+                with torch.no_grad():
+                    for r, o in enumerate(outs):
+                        o.copy_(torch.from_numpy(_bits(gathered[r])).view(t.dtype).view(o.shape))
+        return self._run(fn, output_lists, opts)
+
+    allgather_coalesced = allgather
+
+    def _allgather_base(self, output, input, opts=None):  # noqa: A002 - torch's name
+        opts = dist.AllgatherOptions() if opts is None else opts
+        return self._gather_into([output], [input], opts, "all_gather_into_tensor")
+
+    def all_gather_single(self, output, input, opts=None):  # noqa: A002
+        return self._allgather_base(output, input, opts)
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        opts = dist.AllgatherOptions() if opts is None else opts
+        return self._gather_into(list(outputs), list(inputs), opts, "all_gather_into_tensor_coalesced")
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def _gather_into(self, outputs, inputs, opts, opname):
+        comm, timeout = self.comm, self.timeout
+
+        def fn():
+            for o, t in zip(outputs, inputs):
+                if o.numel() != t.numel() * comm.size or o.dtype != t.dtype:
+                    raise InvalidArgument(f"output of {o.numel()} {o.dtype} for {comm.size} ranks of "
+                                          f"{t.numel()} {t.dtype}", rank=comm.rank, op=opname)
+                h, ho = self._host(t, opname), self._host(o, opname, load=False)
+                comm.allgather(h.array, ho.array, timeout=timeout)
+                ho.back()
+        return self._run(fn, outputs, opts)
+
+    def _check_list(self, outs, t, opname):
+        if len(outs) != self.comm.size or any(o.numel() != t.numel() or o.dtype != t.dtype for o in outs):
+            raise InvalidArgument(f"needs {self.comm.size} output tensors of {t.numel()} {t.dtype}, got "
+                                  f"{[(o.numel(), str(o.dtype)) for o in outs]}", rank=self.comm.rank, op=opname)
+
+    # -- reduce-scatter --------------------------------------------------------
+    def reduce_scatter(self, outputs, input_lists, opts=None):
+        opts = dist.ReduceScatterOptions() if opts is None else opts
+        outputs, input_lists = list(outputs), [list(i) for i in input_lists]
+
+        def flat():
+            for o, ins in zip(outputs, input_lists):
+                self._check_list(ins, o, "reduce_scatter")
+        return self._reduce_scatter(outputs, input_lists, opts, "reduce_scatter", flat)
+
+    def _reduce_scatter_base(self, output, input, opts=None):  # noqa: A002
+        opts = dist.ReduceScatterOptions() if opts is None else opts
+        return self._reduce_scatter([output], [input], opts, "reduce_scatter_tensor")
+
+    def reduce_scatter_single(self, output, input, opts=None):  # noqa: A002
+        return self._reduce_scatter_base(output, input, opts)
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        opts = dist.ReduceScatterOptions() if opts is None else opts
+        return self._reduce_scatter(list(outputs), list(inputs), opts, "reduce_scatter_tensor_coalesced")
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def _reduce_scatter(self, outputs, inputs, opts, opname, check=None):
+        comm, timeout, op = self.comm, self.timeout, opts.reduceOp
+
+        def fn():
+            if check is not None:
+                check()
+            for o, t in zip(outputs, inputs):
+                if isinstance(t, list):  # reduce_scatter's list: one tensor per rank, concatenated
+                    t = torch.cat([x.detach().to("cpu").reshape(-1) for x in t])
+                    h = _Host(t, comm.rank, opname)
+                else:
+                    if t.numel() != o.numel() * comm.size or o.dtype != t.dtype:
+                        raise InvalidArgument(f"input of {t.numel()} {t.dtype} for {comm.size} ranks' outputs of "
+                                              f"{o.numel()} {o.dtype}", rank=comm.rank, op=opname)
+                    h = self._host(t, opname)
+                    if h.h is t:  # the engine reads the input only, but PREMUL_SUM scales it
+                        h = _Host(t.clone(), comm.rank, opname) if _needs_scaling(op) else h
+                name, factor = _op_name(op, o.dtype, comm.rank, opname)
+                if factor is not None:
+                    h.h.mul_(factor)
+                ho = self._host(o, opname, load=False)
+                comm.reduce_scatter(h.array, ho.array, op=name, timeout=timeout)
+                ho.back()
+        return self._run(fn, outputs, opts)
+
+    # -- all-to-all ------------------------------------------------------------
+    def alltoall(self, outputs, inputs, opts=None):
+        opts = dist.AllToAllOptions() if opts is None else opts
+        outputs, inputs = list(outputs), list(inputs)
+        comm = self.comm
+
+        def fn():
+            self._alltoallv([x.detach().to("cpu").reshape(-1) for x in inputs], outputs, "all_to_all")
+        return self._run(fn, outputs, opts)
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # noqa: A002
+        opts = dist.AllToAllOptions() if opts is None else opts
+        comm = self.comm
+
+        def fn():
+            n = comm.size
+            ins = _split(input, input_split_sizes, n, comm.rank, "all_to_all_single", "input")
+            outs = _split(output, output_split_sizes, n, comm.rank, "all_to_all_single", "output")
+            self._alltoallv([x.detach().to("cpu").reshape(-1) for x in ins], outs, "all_to_all_single")
+        return self._run(fn, [output], opts)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # noqa: A002
+        return self.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
+
+    def _alltoallv(self, ins, outs, opname):
+        """All-to-all of ``ins[j]`` (to rank j) into ``outs[i]`` (from rank i), any sizes.
+
+        The ranks first agree on every send and receive count (one all-gather
+        of ``2 * size`` integers), so counts that do not match raise
+        :class:`InvalidArgument` on every rank before any payload moves; the
+        blocks then travel padded to the largest in one all-to-all."""
+        comm, n, timeout = self.comm, self.comm.size, self.timeout
+        problem = None
+        if len(ins) != n or len(outs) != n:
+            problem = f"needs {n} input and output tensors, got {len(ins)} and {len(outs)}"
+        elif len({x.dtype for x in ins} | {o.dtype for o in outs}) != 1:
+            problem = f"mixed dtypes {sorted({str(x.dtype) for x in [*ins, *outs]})}"
+        dtype = outs[0].dtype if outs else torch.float32
+        if problem is None and dtype not in _NUMPY:
+            problem = f"dtype {dtype} is not supported"
+        counts = np.array([x.numel() for x in ins] + [o.numel() for o in outs], np.int64) \
+            if problem is None else np.full(2 * n, -1, np.int64)
+        table = comm.allgather(counts, timeout=timeout).reshape(n, 2, n)  # [rank, send/recv, peer]
+        bad = [r for r in range(n) if table[r, 0, 0] < 0]
+        if problem is not None:
+            raise InvalidArgument(problem, rank=comm.rank, op=opname)
+        if bad:
+            raise InvalidArgument(f"rank(s) {bad} passed bad arguments", rank=comm.rank, op=opname)
+        wrong = [(i, j) for i in range(n) for j in range(n) if table[i, 0, j] != table[j, 1, i]]
+        if wrong:
+            i, j = wrong[0]
+            raise InvalidArgument(f"rank {i} sends {table[i, 0, j]} elements to rank {j}, which expects "
+                                  f"{table[j, 1, i]} ({len(wrong)} pair(s) differ)", rank=comm.rank, op=opname)
+        m = int(table[:, 0, :].max()) if n else 0
+        send = torch.zeros((n, max(m, 1)), dtype=dtype)
+        for j, x in enumerate(ins):
+            send[j, :x.numel()] = x
+        recv = torch.empty_like(send)
+        comm.alltoall(_np(send).reshape(-1), _np(recv).reshape(-1), timeout=timeout)
+        with torch.no_grad():
+            for i, o in enumerate(outs):
+                o.copy_(recv[i, :o.numel()].view(o.shape))
+
+    # -- rooted collectives ----------------------------------------------------
+    def reduce(self, tensors, opts=None):
+        opts = dist.ReduceOptions() if opts is None else opts
+        tensors, comm, timeout, root, op = list(tensors), self.comm, self.timeout, opts.rootRank, opts.reduceOp
+
+        def fn():
+            for t in tensors:
+                name, factor = _op_name(op, t.dtype, comm.rank, "reduce")
+                h = _Host(t.detach().to("cpu").clone(), comm.rank, "reduce")
+                if factor is not None:
+                    h.h.mul_(factor)
+                comm.allreduce(h.array, op=name, timeout=timeout)  # every rank agrees; the root keeps it
+                if comm.rank == root:
+                    with torch.no_grad():
+                        t.copy_(h.h)
+        return self._run(fn, tensors, opts)
+
+    def gather(self, output_lists, inputs, opts=None):
+        opts = dist.GatherOptions() if opts is None else opts
+        output_lists, inputs = [list(o) for o in output_lists], list(inputs)
+        comm, timeout, root = self.comm, self.timeout, opts.rootRank
+
+        def fn():
+            for i, t in enumerate(inputs):
+                outs = output_lists[i] if output_lists else []
+                if comm.rank == root:
+                    self._check_list(outs, t, "gather")
+                h = self._host(t, "gather")
+                gathered = comm.allgather(h.array, timeout=timeout)
+                if comm.rank == root:
+                    with torch.no_grad():
+                        for r, o in enumerate(outs):
+                            o.copy_(torch.from_numpy(_bits(gathered[r])).view(t.dtype).view(o.shape))
+        return self._run(fn, output_lists, opts)
+
+    def scatter(self, outputs, input_lists, opts=None):
+        opts = dist.ScatterOptions() if opts is None else opts
+        outputs, input_lists = list(outputs), [list(i) for i in input_lists]
+        comm, timeout, root = self.comm, self.timeout, opts.rootRank
+
+        def fn():
+            for k, o in enumerate(outputs):
+                if comm.rank == root:
+                    ins = input_lists[k]
+                    self._check_list(ins, o, "scatter")
+                    full = torch.cat([x.detach().to("cpu").reshape(-1) for x in ins])
+                else:
+                    full = torch.empty(o.numel() * comm.size, dtype=o.dtype)
+                h = _Host(full, comm.rank, "scatter")
+                comm.bcast(h.array, root=root, timeout=timeout)
+                with torch.no_grad():
+                    o.copy_(full[comm.rank * o.numel():(comm.rank + 1) * o.numel()].view(o.shape))
+        return self._run(fn, outputs, opts)
+
+    def barrier(self, opts=None):
+        opts = dist.BarrierOptions() if opts is None else opts
+        comm, timeout = self.comm, self.timeout
+        return self._run(lambda: comm.barrier(timeout=timeout), [], opts)
+
+    # -- point to point --------------------------------------------------------
+    def send(self, tensors, dst: int, tag: int):
+        t = tensors[0]
+        h = self._host(t, "send")
+        req = self.comm.transport.isend(h.array, dst, _p2p_tag(tag))
+        return _create_work_from_future(self._p2p.add(req, list(tensors)))
+
+    def recv(self, tensors, src: int, tag: int):
+        t = tensors[0]
+        h = self._host(t, "recv", load=False)
+        req = self.comm.transport.irecv(h.array, src, _p2p_tag(tag))
+        return _create_work_from_future(self._p2p.add(req, list(tensors), h.back))
+
+    # -- life ----------------------------------------------------------------
+    def shutdown(self) -> None:
+        """End the group's threads (the communicator stays the caller's)."""
+        self._worker.stop()
+        self._p2p.stop()
+
+
+def _needs_scaling(op) -> bool:
+    kind = op.op if isinstance(op, dist.ReduceOp) else op
+    return kind == _ROP.PREMUL_SUM
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    """``a`` as a numpy array torch can wrap (bfloat16 bits as int16)."""
+    a = np.ascontiguousarray(a)
+    return a.view(np.int16) if a.dtype == ml_dtypes.bfloat16 else a
+
+
+def _split(t, sizes, n, rank, opname, what):
+    sizes = list(sizes) if sizes else []
+    if not sizes:
+        if t.shape[0] % n if t.dim() else True:
+            raise InvalidArgument(f"{what} of first dimension {tuple(t.shape)[:1]} does not split evenly over "
+                                  f"{n} ranks", rank=rank, op=opname)
+        sizes = [t.shape[0] // n] * n
+    if len(sizes) != n or any(s < 0 for s in sizes) or sum(sizes) != (t.shape[0] if t.dim() else 0):
+        raise InvalidArgument(f"{what} split sizes {sizes} do not cover the first dimension of "
+                              f"{tuple(t.shape)} in {n} parts", rank=rank, op=opname)
+    return list(torch.split(t, sizes, dim=0))
+
+
+def _p2p_tag(tag: int) -> int:
+    return int(tag) & 0x3FFFFFFF
+
+
+# ------------------------------------------------------------------ creation
+def _timeout_seconds(timeout) -> float | None:
+    if timeout is None or timeout == _TORCH_DEFAULT:
+        return None
+    return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+
+
+def _mpi_launched() -> bool:
+    """True in a process started by an MPI launcher (mpiexec, srun with PMI/PMIx)."""
+    return any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK",
+                                         "MPI_LOCALNRANKS", "HYDRA_CONTROL_FD"))
+
+
+_WORLD = None  # the MPI world communicator the backend made (one per process)
+
+
+def _mpi_world():
+    global _WORLD
+    if _WORLD is None:
+        from commlib.communicator import init  # noqa: PLC0415 - loads MPI only for an MPI job
+
+        _WORLD = init()
+    return _WORLD
+
+
+def _create(dist_opts, backend_opts):
+    """torch's creator of a ``"commlib"`` process group (the extended API)."""
+    store, rank, size = dist_opts.store, dist_opts.group_rank, dist_opts.group_size
+    timeout = _timeout_seconds(dist_opts.timeout)
+    members = list(dist_opts.global_ranks_in_group or [])
+    comm = getattr(_NEXT, "comm", None)
+    if comm is not None and not members:  # the default group over the communicator init_process_group got
+        _NEXT.comm = None
+    elif not members:  # the default group, made by torch's own init_process_group
+        comm = _default_comm(store, rank, size, timeout)
+    else:
+        comm = _sub_comm(store, rank, size, members, dist_opts.group_id, timeout)
+    if (comm.rank, comm.size) != (rank, size):
+        raise InvalidArgument(f"torch gave rank {rank} of {size} but the communicator is rank {comm.rank} of "
+                              f"{comm.size}", rank=comm.rank, op="init_process_group")
+    return ProcessGroupCommlib(comm, timeout)
+
+
+def _default_comm(store, rank, size, timeout):
+    if _mpi_launched():
+        world = _mpi_world()
+        if world.size == size:
+            return world
+    from commlib.tcp_comm import TCPCommunicator  # noqa: PLC0415 - torchrun: no MPI
+
+    return TCPCommunicator.from_store(store, rank, size, timeout=timeout)
+
+
+def _sub_comm(store, rank, size, members, group_id, timeout):
+    default = dist.distributed_c10d._get_default_group()
+    parent = default.comm if isinstance(default, ProcessGroupCommlib) else None
+    if parent is not None and hasattr(parent, "create_group"):
+        return parent.create_group(members, tag=zlib.crc32(str(group_id).encode()) & 0x7FFF)
+    from commlib.tcp_comm import TCPCommunicator  # noqa: PLC0415
+
+    return TCPCommunicator.from_store(store, rank, size, timeout=timeout)
+
+
+def communicator_of(group=None):
+    """The commlib communicator under a ``"commlib"`` process group (default: the default group).
+
+    Raises:
+        InvalidArgument: the group is not a ``"commlib"`` one.
+    """
+    pg = dist.distributed_c10d._get_default_group() if group is None else group
+    if not isinstance(pg, ProcessGroupCommlib):
+        raise InvalidArgument(f"{pg!r} is not a commlib process group", op="communicator_of")
+    return pg.comm
+
+
+def init_process_group(comm=None, *, timeout: float | datetime.timedelta | None = None) -> ProcessGroupCommlib:
+    """Start ``torch.distributed`` on commlib under an MPI launch (``mpiexec``, ``srun``).
+
+    Rank and size come from the communicator; no ``MASTER_ADDR``, store or
+    environment variable is needed (the store torch keeps is a local
+    ``HashStore``: the commlib group never uses it).
+
+    Args:
+        comm: the :class:`commlib.Communicator` to run over (default:
+            ``commlib.init()`` over ``MPI.COMM_WORLD``); e.g.
+            ``commlib.init(fault_tolerant=True)`` for a group that survives a
+            dead rank under ULFM.
+        timeout: the deadline of every call, seconds (or a ``timedelta``);
+            None: the communicator's own (unbounded, or its fault-tolerant
+            ``timeout``).
+
+    Returns:
+        The default process group (``torch.distributed.group.WORLD``).
+
+    Raises:
+        InvalidArgument: torch.distributed is already initialized.
+    """
+    if dist.is_initialized():
+        raise InvalidArgument("torch.distributed is already initialized (destroy_process_group() first)",
+                              op="init_process_group")
+    comm = _mpi_world() if comm is None else comm
+    seconds = _timeout_seconds(timeout)
+    _NEXT.comm = comm
+    try:
+        dist.init_process_group(BACKEND, store=dist.HashStore(), rank=comm.rank, world_size=comm.size,
+                                timeout=datetime.timedelta(seconds=seconds) if seconds is not None else None)
+    finally:
+        _NEXT.comm = None
+    return dist.distributed_c10d._get_default_group()
+
+
+def reinit_process_group(comm=None, *, timeout=None) -> ProcessGroupCommlib:
+    """Replace the default process group by one over ``comm`` (default: the
+    current group's communicator, e.g. after it shrank past a dead rank).
+
+    torch fixes a group's rank and size when it is made; after a fault-tolerant
+    communicator shrank, call this on every survivor (and rebuild what holds
+    the old group, such as a ``DistributedDataParallel`` wrapper) before the
+    next call.
+    """
+    if comm is None:
+        comm = communicator_of()
+    if timeout is None and dist.is_initialized():
+        pg = dist.distributed_c10d._get_default_group()
+        timeout = getattr(pg, "timeout", None)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return init_process_group(comm, timeout=timeout)
+
+
+#: live groups, whose threads are ended before the interpreter shuts down (a daemon
+#: thread still inside torch's C++ code then aborts the process)
+_GROUPS: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for pg in list(_GROUPS):
+        pg.shutdown()
+
+
+def _register() -> None:
+    if BACKEND.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
+
+
+_register()

@@ -1,59 +1,191 @@
-"""Heat solver throughput per backend against a bandwidth roofline measured on
-the solver's own working set.
+"""The heat solver against the solver an mpi4py user would write, and against
+the copy-bandwidth roofline of the same arrays, all in one run.
 
-FTCS reads one value of ``u`` and writes one of ``un`` per lattice update when
-the stencil's neighbours hit in the nearer caches: 16 bytes per update, the
-traffic of a STREAM copy.  So the roofline is ``copy_bandwidth / 16`` updates
-per second per rank, and the copy must run over the same working set as the
-solver: here every rank copies between two float64 arrays of its padded block
-shape (the two fields ``u`` and ``un``, ghost cells included), back and forth
-as the solver swaps them, all ranks at once (they share the memory system).
-Which level of the memory hierarchy that measures depends on the working set:
-when every rank's two fields together fit in the last-level cache (read from
-``/sys``), the roofline is *cache* bandwidth and is labelled so; otherwise it
-is DRAM bandwidth.  A copy of 64 MiB arrays (DRAM on any current CPU) is
-printed beside it for reference.  The roofline is the best of two measurements,
-before and after the solver runs (it is a limit: noise only lowers it), and the
-minimum over ranks; the ratio printed is the solver's MLUPS per rank over it.
+Three things are timed per grid, in alternating order, ``--trials`` times:
 
-    mpiexec -n 2 python benchmarks/bench_heat.py --grid 96 --steps 100 --json heat_bench.json
+* **commlib**: ``commlib.apps.heat.solve`` (numba backend, the command line's
+  defaults: halo exchange overlapped with the interior update).
+* **hand-written**: the solver a user writes with mpi4py and numba alone
+  (:func:`hand_solve`): ``MPI.Compute_dims``, a Cartesian communicator, each
+  face copied with ``np.ascontiguousarray`` and sent with ``Sendrecv`` (one
+  call per face, dimension by dimension), then one numba loop-nest kernel per
+  step over the whole block; no overlap.  Its kernel does the same arithmetic
+  in the same order as commlib's, so both must end with the same field, bit
+  for bit: the run checks that (``same field``), so the two solve the same
+  problem.
+* **roofline**: a numba copy between two float64 arrays of each rank's padded
+  block shape (the solver's ``u`` and ``un``, back and forth as the solver
+  swaps them), every rank at once.  FTCS reads one value and writes one per
+  update when the stencil's neighbours hit in the nearer caches: 16 bytes, the
+  traffic of that copy, so ``copies x cells / seconds`` is the most updates
+  per second this machine can do on these arrays in one sweep per step.  It
+  is a limit: the best trial counts.
+
+Rates are MLUPS (million lattice-site updates per second, all ranks
+together; seconds: the slowest rank's).  Ratios are paired per trial
+(``commlib / hand-written`` of the same trial) and printed as their range.
+The working set of every rank on the node is compared with the last-level
+cache size from ``/sys`` and labelled ``cache`` or ``DRAM``.
+
+    mpiexec -n 2 python -P benchmarks/bench_heat.py --json heat_p2.json --plot heat_p2.png
+    mpiexec -n 1 python -P benchmarks/bench_heat.py --grids 96x96x96 --steps 200 --trials 5
 """
 from __future__ import annotations
 
 import argparse
 import os
 import socket
+import statistics
 import sys
+import time
 import zlib
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _util import OneLineParser, best_of, int_in, writable_file, write_json  # noqa: E402
+from _util import OneLineParser, int_in, shape_arg, writable_file, write_json  # noqa: E402
 
-import commlib  # noqa: E402
-from commlib.apps import heat  # noqa: E402
-
-BYTES_PER_UPDATE = 16  # read u, write un
+DEFAULT_GRIDS = ("96x96x96", "192x192x192", "944x944", "2656x2656")
+UPDATES_PER_RUN = 1.6e8  # --steps auto: about this many lattice updates per timed run
 
 
-def copy_bandwidth(comm, shape, min_bytes=512 << 20, repeat=5):
-    """Bytes per second one rank moves copying between two float64 arrays of
-    ``shape`` (a -> b, b -> a, ...; 2 x nbytes per copy) while every rank does
-    the same; repeated so one trial moves at least ``min_bytes``."""
-    a = np.ones(shape)
+# ---------------------------------------------------------------- baseline
+_KERNELS = {}
+
+
+def _hand_kernel(d):
+    """The user's numba kernel: one loop nest over the owned cells of the
+    padded field ``u`` into ``un`` (FTCS, ``c[i] = alpha dt / dx_i^2``)."""
+    if d in _KERNELS:
+        return _KERNELS[d]
+    import numba  # noqa: PLC0415
+
+    if d == 2:
+        @numba.njit(nogil=True)
+        def step(u, un, c0, c1):
+            for i in range(1, u.shape[0] - 1):
+                for j in range(1, u.shape[1] - 1):
+                    ctr = u[i, j]
+                    un[i, j] = ctr + (c0 * (u[i - 1, j] - 2.0 * ctr + u[i + 1, j])
+                                      + c1 * (u[i, j - 1] - 2.0 * ctr + u[i, j + 1]))
+    else:
+        @numba.njit(nogil=True)
+        def step(u, un, c0, c1, c2):
+            for i in range(1, u.shape[0] - 1):
+                for j in range(1, u.shape[1] - 1):
+                    for k in range(1, u.shape[2] - 1):
+                        ctr = u[i, j, k]
+                        un[i, j, k] = ctr + ((c0 * (u[i - 1, j, k] - 2.0 * ctr + u[i + 1, j, k])
+                                              + c1 * (u[i, j - 1, k] - 2.0 * ctr + u[i, j + 1, k]))
+                                             + c2 * (u[i, j, k - 1] - 2.0 * ctr + u[i, j, k + 1]))
+    _KERNELS[d] = step
+    return step
+
+
+def hand_solve(comm, grid, steps, alpha=1.0, cfl=0.5):
+    """The heat solver written with mpi4py and numba alone (no commlib).
+
+    Args:
+        comm: an ``mpi4py.MPI.Comm``.
+        grid: global interior points per dimension (2 or 3 ints).
+        steps: time steps; alpha, cfl: as ``commlib.apps.heat.solve``'s.
+
+    Returns:
+        ``(seconds, local)``: the time loop's wall time on this rank (after a
+        barrier; the kernel is compiled before it) and the owned block (a
+        float64 array).
+    """
+    from mpi4py import MPI  # noqa: PLC0415
+
+    d = len(grid)
+    dims = MPI.Compute_dims(comm.Get_size(), d)
+    cart = comm.Create_cart(dims, periods=[False] * d, reorder=False)
+    coords = cart.Get_coords(cart.Get_rank())
+    shape, offset = [], []
+    for n, p, q in zip(grid, dims, coords):
+        base, rem = divmod(n, p)
+        shape.append(base + (q < rem))
+        offset.append(q * base + min(q, rem))
+    dx = [1.0 / (n + 1) for n in grid]
+    dt = cfl / (2.0 * alpha * sum(1.0 / h ** 2 for h in dx))
+    c = [alpha * dt / h ** 2 for h in dx]
+    u = np.zeros([m + 2 for m in shape])
+    init = np.ones(shape)
+    for i, (n, o, m) in enumerate(zip(grid, offset, shape)):
+        s = [1] * d
+        s[i] = m
+        x = (np.arange(o, o + m) + 1.0) / (n + 1)  # the grid point's coordinate
+        init = init * np.sin(np.pi * x).reshape(s)
+    inner = tuple(slice(1, m + 1) for m in shape)
+    u[inner] = init
+    un = u.copy()
+    kernel = _hand_kernel(d)
+
+    def face(dim, index):  # the owned or ghost plane `index` of dimension dim, other dims owned only
+        return tuple(index if k == dim else slice(1, m + 1) for k, m in enumerate(shape))
+
+    # (send face, receive ghost, dest, source) per direction: low owned face to the lower
+    # neighbour, ghost filled from the upper one; and the other way round
+    moves = []
+    for dim in range(d):
+        low, high = cart.Shift(dim, 1)
+        moves.append((face(dim, 1), face(dim, shape[dim] + 1), low, high))
+        moves.append((face(dim, shape[dim]), face(dim, 0), high, low))
+    recv = {dim: np.empty([m for k, m in enumerate(shape) if k != dim]) for dim in range(d)}
+
+    def exchange(u):
+        for k, (send, ghost, dest, source) in enumerate(moves):
+            buf = recv[k // 2]
+            cart.Sendrecv(np.ascontiguousarray(u[send]), dest=dest, recvbuf=buf, source=source)
+            if source != MPI.PROC_NULL:
+                u[ghost] = buf
+
+    exchange(u)
+    kernel(u, un, *c)  # compile and warm up
+    un[...] = u
+    cart.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        exchange(u)
+        kernel(u, un, *c)
+        u, un = un, u
+    wall = time.perf_counter() - t0
+    cart.Free()
+    return wall, u[inner].copy()
+
+
+# ---------------------------------------------------------------- roofline
+_COPY = []
+
+
+def _copy_kernel():
+    if not _COPY:
+        import numba  # noqa: PLC0415
+
+        @numba.njit(nogil=True)
+        def copy(a, b, times):
+            x, y = a.reshape(-1), b.reshape(-1)
+            for t in range(times):
+                src, dst = (x, y) if t % 2 == 0 else (y, x)
+                for i in range(src.size):
+                    dst[i] = src[i]
+
+        _COPY.append(copy)
+    return _COPY[0]
+
+
+def copy_seconds(comm, padded, copies):
+    """Seconds (this rank's) of ``copies`` numba copies between two float64
+    arrays of ``padded`` shape (a -> b, b -> a, ...), every rank starting
+    together after a barrier."""
+    a = np.ones(padded)
     b = np.zeros_like(a)  # touched: no first-touch page faults in the timing
-    moved = 2 * a.nbytes
-    pairs = max(1, -(-min_bytes // (2 * moved)))
-
-    def run():
-        for _ in range(pairs):
-            np.copyto(b, a)
-            np.copyto(a, b)
-
-    run()  # warm the caches / TLB as the solver's warm-up does
-    t = best_of(run, repeat=repeat, barrier=comm.barrier)
-    return 2 * pairs * moved / t
+    copy = _copy_kernel()
+    copy(a, b, 2)
+    comm.Barrier()
+    t0 = time.perf_counter()
+    copy(a, b, copies)
+    return time.perf_counter() - t0
 
 
 def last_level_cache_bytes():
@@ -76,64 +208,143 @@ def last_level_cache_bytes():
     return best
 
 
-def main(argv=None):
-    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dims", type=int, default=3, choices=(2, 3), help="2-D or 3-D grid (default 3)")
-    p.add_argument("--grid", type=int_in(1, 1 << 16, "points"), default=96,
-                   help="interior points per dimension (default 96)")
-    p.add_argument("--steps", type=int_in(1, 10 ** 7, "steps"), default=100, help="time steps timed (default 100)")
-    p.add_argument("--backends", nargs="+", default=["numpy", "numba"], choices=heat.BACKENDS,
-                   help="backends timed, each after a 2-step warm-up (default: numpy numba)")
-    p.add_argument("--json", metavar="PATH", type=writable_file, help="write the rows to this JSON file")
-    args = p.parse_args(argv)
-    comm = commlib.init()
-    grid = [args.grid] * args.dims
+# -------------------------------------------------------------------- run
+def _span(xs):
+    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "trials": xs}
 
-    # this rank's block (owned cells) -> the padded shape of u and un
-    _, local = heat.solve(comm, grid, steps=1, backend="numpy")
+
+def bench_grid(comm, mpicomm, grid, steps, trials, overlap):
+    """One grid: ``trials`` alternating timings of commlib, the hand-written
+    solver and the roofline copy; returns the row (rank 0's numbers are the
+    job's: every rate is over all ranks, with the slowest rank's seconds)."""
+    from commlib.apps import heat  # noqa: PLC0415
+    from mpi4py import MPI  # noqa: PLC0415
+
+    cells = int(np.prod(grid))
+    res, local = heat.solve(comm, grid, steps=2, overlap=overlap)  # compile, warm up
     padded = tuple(n + 2 for n in local.shape)
-    ws = 2 * int(np.prod(padded)) * 8  # bytes of u + un on this rank
-    host = np.array([zlib.crc32(socket.gethostname().encode())], dtype=np.int64)
-    hosts = comm.allgather(host).reshape(-1)
-    wss = comm.allgather(np.array([ws], dtype=np.int64)).reshape(-1)
-    node_ws = int(wss[hosts == host[0]].sum())  # the working set of every rank on this node
-    llc = last_level_cache_bytes()
-    in_cache = llc is not None and node_ws <= llc
-    level = ("last-level cache" if in_cache else "DRAM") if llc is not None else "unknown level"
+    hand_solve(mpicomm, grid, 2)
+    copy_seconds(mpicomm, padded, 2)
+    padded_cells = mpicomm.allreduce(int(np.prod(padded)))
 
-    bw_before = copy_bandwidth(comm, padded)
-    rows = []
-    for backend in args.backends:
-        heat.solve(comm, grid, steps=2, backend=backend)  # warm-up (JIT, caches)
-        res, _ = heat.solve(comm, grid, steps=args.steps, backend=backend)
-        rows.append({"backend": backend, "mlups": res.mlups, "mlups_per_rank": res.mlups / comm.size,
-                     "comm_fraction": res.comm_fraction})
-    bw_after = copy_bandwidth(comm, padded)
-    bw = float(comm.allreduce(np.array([max(bw_before, bw_after)]), op="min")[0])
-    dram = float(comm.allreduce(np.array([copy_bandwidth(comm, (64 << 20) // 8)]), op="min")[0])
-    roof = bw / BYTES_PER_UPDATE / 1e6  # MLUPS per rank
+    def slowest(seconds):
+        return mpicomm.allreduce(seconds, op=MPI.MAX)
+
+    ours, hand, roof, same = [], [], [], True
+    for t in range(trials):
+        order = ("commlib", "hand", "roof") if t % 2 == 0 else ("roof", "hand", "commlib")
+        for what in order:
+            if what == "commlib":
+                res, mine = heat.solve(comm, grid, steps=steps, overlap=overlap)
+                ours.append(cells * steps / res.wall_s / 1e6)
+            elif what == "hand":
+                wall, theirs = hand_solve(mpicomm, grid, steps)
+                hand.append(cells * steps / slowest(wall) / 1e6)
+            else:
+                roof.append(padded_cells * steps / slowest(copy_seconds(mpicomm, padded, steps)) / 1e6)
+        same = same and bool(np.array_equal(mine, theirs))
+    same = mpicomm.allreduce(same, op=MPI.LAND)
+    ws = 2 * int(np.prod(padded)) * 8
+    host = zlib.crc32(socket.gethostname().encode())
+    pairs = mpicomm.allgather((host, ws))
+    node_ws = sum(w for h, w in pairs if h == host)
+    llc = last_level_cache_bytes()
+    level = "unknown" if llc is None else ("cache" if node_ws <= llc else "DRAM")
+    best_roof = max(roof)
+    return {
+        "grid": list(grid), "steps": steps, "ranks": mpicomm.Get_size(), "dims": res.dims,
+        "working_set_bytes_per_node": node_ws, "last_level_cache_bytes": llc, "roofline_level": level,
+        "commlib_mlups": _span(ours), "hand_mlups": _span(hand), "roofline_mlups": _span(roof),
+        "commlib_over_hand": _span([a / b for a, b in zip(ours, hand)]),
+        "hand_over_roofline": _span([b / best_roof for b in hand]),
+        "commlib_over_roofline": _span([a / best_roof for a in ours]),
+        "commlib_comm_fraction": res.comm_fraction, "same_field": same,
+    }
+
+
+def print_rows(rows, ranks):
+    print(f"# heat, numba backend, {ranks} rank(s); MLUPS of all ranks, min-max over trials; "
+          "ratios paired per trial; roofline: the best copy trial")
+    head = (f"{'grid':>12} {'steps':>5} {'level':>6} {'commlib':>11} {'hand-written':>12} {'roofline':>11} "
+            f"{'ours/hand':>11} {'ours/roof':>11} {'hand/roof':>11} {'same':>5}")
+    print(head)
     for r in rows:
-        r["roofline_mlups_per_rank"] = roof
-        r["fraction_of_roofline"] = r["mlups_per_rank"] / roof
+        def rng(s, fmt="{:.0f}"):
+            return f"{fmt.format(s['min'])}-{fmt.format(s['max'])}"
+        print(f"{'x'.join(map(str, r['grid'])):>12} {r['steps']:>5} {r['roofline_level']:>6} "
+              f"{rng(r['commlib_mlups']):>11} {rng(r['hand_mlups']):>12} {rng(r['roofline_mlups']):>11} "
+              f"{rng(r['commlib_over_hand'], '{:.2f}'):>11} {rng(r['commlib_over_roofline'], '{:.2f}'):>11} "
+              f"{rng(r['hand_over_roofline'], '{:.2f}'):>11} {'yes' if r['same_field'] else 'NO':>5}")
+
+
+def plot_rows(rows, ranks, path):
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, ax = plt.subplots(figsize=(1.9 * len(rows) + 2.5, 4))
+    width = 0.27
+    for k, (key, label) in enumerate((("commlib_mlups", "commlib"), ("hand_mlups", "hand-written mpi4py + numba"),
+                                      ("roofline_mlups", "copy roofline"))):
+        xs = [i + (k - 1) * width for i in range(len(rows))]
+        med = [r[key]["median"] for r in rows]
+        err = [[m - r[key]["min"] for m, r in zip(med, rows)], [r[key]["max"] - m for m, r in zip(med, rows)]]
+        ax.bar(xs, med, width, yerr=err, capsize=3, label=label)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([f"{'x'.join(map(str, r['grid']))}\n({r['roofline_level']})" for r in rows])
+    ax.set_ylabel("MLUPS (all ranks)")
+    ax.set_title(f"heat solver, numba, {ranks} rank(s)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def build_parser():
+    p = OneLineParser(prog="bench_heat.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--grids", nargs="+", type=shape_arg(3, 2, 1 << 16), metavar="SHAPE",
+                   default=[shape_arg(3, 2, 1 << 16)(g) for g in DEFAULT_GRIDS],
+                   help="global grids, 2-D or 3-D, written NxM or NxMxK (default: "
+                        f"{' '.join(DEFAULT_GRIDS)}: about the points of 96^3 and 192^3 in 3-D and 2-D)")
+    p.add_argument("--steps", type=int_in(1, 10 ** 7, "steps"), default=None,
+                   help=f"time steps per timed run (default: about {UPDATES_PER_RUN:.2g} updates per run, "
+                        "at least 10 steps)")
+    p.add_argument("--trials", type=int_in(1, 1000, "trials"), default=3,
+                   help="timed runs of each of the three, alternating (default 3)")
+    p.add_argument("--no-overlap", action="store_true", help="run commlib's solver without overlap")
+    p.add_argument("--json", metavar="PATH", type=writable_file, help="write the rows to this JSON file")
+    p.add_argument("--plot", metavar="PATH", type=writable_file, help="write a bar chart (PNG) of the rows")
+    return p
+
+
+def main(argv=None):
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.plot:
+        import importlib.util  # noqa: PLC0415
+
+        if importlib.util.find_spec("matplotlib") is None:
+            p.error("--plot needs matplotlib (pip install matplotlib)")
+    import commlib  # noqa: PLC0415
+    from mpi4py import MPI  # noqa: PLC0415
+
+    comm = commlib.init()
+    mpicomm = MPI.COMM_WORLD
+    for g in args.grids:
+        if int(np.prod(g)) < comm.size or min(g) < 2:
+            p.error(f"--grids {'x'.join(map(str, g))}: too small for {comm.size} rank(s)")
+    rows = []
+    for g in args.grids:
+        steps = args.steps or max(10, round(UPDATES_PER_RUN / int(np.prod(g))))
+        rows.append(bench_grid(comm, mpicomm, list(g), steps, args.trials, not args.no_overlap))
     if comm.rank == 0:
-        mib = 1 << 20
-        print(f"# heat {args.dims}-D grid {args.grid}^{args.dims}, {comm.size} ranks, {args.steps} steps")
-        print(f"# working set: u + un {'x'.join(map(str, padded))} float64 = {ws / mib:.1f} MiB on rank 0, "
-              f"{node_ws / mib:.1f} MiB on its node; last-level cache "
-              f"{f'{llc / mib:.0f} MiB' if llc else 'unknown'} -> {level}")
-        print(f"# roofline: {level} copy bandwidth at that working set, all ranks copying: {bw / 1e9:.2f} GB/s "
-              f"per rank -> {roof:.1f} MLUPS/rank ({BYTES_PER_UPDATE} B per update)")
-        print(f"# (reference: DRAM copy of 64 MiB arrays, all ranks copying: {dram / 1e9:.2f} GB/s per rank -> "
-              f"{dram / BYTES_PER_UPDATE / 1e6:.1f} MLUPS/rank)")
-        print(f"{'backend':<8} {'MLUPS':>9} {'per rank':>9} {'roofline':>9} {'ratio':>7} {'comm':>6}")
-        for r in rows:
-            print(f"{r['backend']:<8} {r['mlups']:9.1f} {r['mlups_per_rank']:9.1f} {r['roofline_mlups_per_rank']:9.1f} "
-                  f"{r['fraction_of_roofline']:7.2f} {r['comm_fraction']:6.1%}")
-        write_json(args.json, {"ranks": comm.size, "grid": grid, "steps": args.steps,
-                               "working_set_bytes_per_rank": ws, "working_set_bytes_per_node": node_ws,
-                               "last_level_cache_bytes": llc, "roofline_level": level,
-                               "copy_bandwidth_Bps": bw, "dram_copy_bandwidth_Bps": dram, "rows": rows})
+        print_rows(rows, comm.size)
+        write_json(args.json, {"ranks": comm.size, "host": socket.gethostname(), "rows": rows})
+        if args.plot:
+            plot_rows(rows, comm.size, args.plot)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -113,13 +113,24 @@ def _env_secret() -> bytes | None:
     return v.encode() if v else None
 
 
+#: what ``algorithm="mpi"`` becomes on a TCP communicator: a name no collective has
+_NO_MPI = "mpi (a TCPCommunicator has no MPI library: use 'auto' or a commlib algorithm)"
+
+
 class _BoundedEngine(Engine):
     """The collective engine of a :class:`TCPCommunicator`: a call given no
     ``timeout`` gets the communicator's as its deadline, so every call is
     bounded (the engine's plans of unbounded small calls, which need a native
-    all-gather, are never taken)."""
+    all-gather, are never taken); ``algorithm="mpi"`` is an argument error."""
 
     __slots__ = ()
+
+    def execute(self, opname: str, sendbuf=None, recvbuf=None, op="sum", algorithm: str = "auto", root=None, **kw):
+        # no native collectives here: "mpi" is refused as an unknown algorithm, in the first round (a
+        # rank that names it raises InvalidArgument, and so does every other rank of the call)
+        if isinstance(algorithm, str) and algorithm == "mpi":
+            algorithm = _NO_MPI
+        return super().execute(opname, sendbuf, recvbuf, op, algorithm, root, **kw)
 
     def deadline(self, opname: str, timeout):
         return super().deadline(opname, self.comm.timeout if timeout is None else timeout)

@@ -257,6 +257,11 @@ def test_allgather_bcast_alltoall_barrier(group, n):
                 out[f"bc{root}{k}"] = c.bcast(buf, root=root)
         out["a2a"] = c.alltoall(data(r, (n, 4), np.int64, 4))
         out["a2a_big"] = c.alltoall(data(r, (n * 20000,), BF16, 5))
+        out["ag_ring"] = c.allgather(data(r, (5,), np.int32, 6), algorithm="ring")
+        out["bc_binomial"] = c.bcast(data(0, (9,), np.uint16, 7) if r == 0 else np.zeros(9, np.uint16),
+                                     algorithm="binomial")
+        out["a2a_pairwise"] = c.alltoall(data(r, (n, 3), np.float32, 8), algorithm="pairwise")
+        c.barrier(algorithm="dissemination")
         entered[r].set()
         c.barrier()
         out["all_entered"] = all(e.is_set() for e in entered)
@@ -274,6 +279,10 @@ def test_allgather_bcast_alltoall_barrier(group, n):
         np.testing.assert_array_equal(o["a2a"], np.stack([data(q, (n, 4), np.int64, 4)[r] for q in range(n)]))
         np.testing.assert_array_equal(o["a2a_big"],
                                       np.stack([data(q, (n, 20000), BF16, 5)[r] for q in range(n)]))
+        np.testing.assert_array_equal(o["ag_ring"], np.stack([data(q, (5,), np.int32, 6) for q in range(n)]))
+        np.testing.assert_array_equal(o["bc_binomial"], data(0, (9,), np.uint16, 7))
+        np.testing.assert_array_equal(o["a2a_pairwise"],
+                                      np.stack([data(q, (n, 3), np.float32, 8)[r] for q in range(n)]))
         assert o["all_entered"], f"rank {r} left the barrier before every rank entered it"
 
 
@@ -327,7 +336,26 @@ MISMATCHES = {
     "own-op": lambda c, r, n: c.allreduce(np.ones(6, np.int32), op="avg" if r == n - 1 else "sum"),
     "own-readonly": lambda c, r, n: c.allreduce(np.ones(3000) if r != n - 1 else np.broadcast_to(1.0, (3000,))),
     "alltoall-count": lambda c, r, n: c.alltoall(np.ones(n * 4 + (r == n - 1))),
+    "algorithm": lambda c, r, n: c.allgather(np.ones(8), algorithm="bruck" if r == n - 1 else "ring"),
+    "one-names-mpi": lambda c, r, n: c.bcast(np.ones(8), algorithm="mpi" if r == n - 1 else "auto"),
 }
+
+
+@pytest.mark.parametrize("name", ["allreduce", "reduce_scatter", "allgather", "bcast", "alltoall", "barrier"])
+def test_algorithm_mpi_is_refused_on_every_rank(group, name):
+    """No MPI library here: algorithm="mpi" is an InvalidArgument (on every rank), and the next call works."""
+    n = 2
+    comms = group(n, timeout=10)
+    x = np.ones(4 * n)
+    calls = {"allreduce": lambda c: c.allreduce(x.copy(), algorithm="mpi"),
+             "reduce_scatter": lambda c: c.reduce_scatter(x, algorithm="mpi"),
+             "allgather": lambda c: c.allgather(x, algorithm="mpi"),
+             "bcast": lambda c: c.bcast(x.copy(), algorithm="mpi"),
+             "alltoall": lambda c: c.alltoall(x, algorithm="mpi"),
+             "barrier": lambda c: c.barrier(algorithm="mpi")}
+    _, err = run(n, lambda r: calls[name](comms[r]))
+    assert all(isinstance(e, commlib.InvalidArgument) and "mpi" in str(e) for e in err), err
+    assert [float(v.sum()) for v in ok(n, lambda r: comms[r].allreduce(np.ones(3)))] == [6.0, 6.0]
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])

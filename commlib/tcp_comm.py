@@ -15,12 +15,11 @@ its deadline.
 Importing this module loads no MPI (neither ``mpi4py`` nor
 :mod:`commlib.transports.mpi`).
 
-Example (every rank)::
+Example (every rank; ``store`` e.g. the ``torch.distributed.TCPStore`` that
+``torchrun``'s ``MASTER_ADDR``/``MASTER_PORT`` name)::
 
-    import torch.distributed as dist
     from commlib.tcp_comm import TCPCommunicator
 
-    store = dist.TCPStore(master_addr, master_port, world_size, rank == 0)
     comm = TCPCommunicator.from_store(store, rank, world_size, timeout=60)
     comm.allreduce(grads)             # in place, bounded by 60 s
     comm.close()

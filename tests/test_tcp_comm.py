@@ -11,8 +11,11 @@ exact in float16/bfloat16 and avg is one rounding of the exact mean.
 Bad calls: arguments that differ across ranks, or one rank's own bad argument,
 raise InvalidArgument on every rank and the next call works; a closed peer, a
 peer that skips a call and a wrong secret make the others raise within the
-call's timeout.  tests/run.sh runs this file with mpi4py unimportable.
+call's timeout.  numba device arrays (the CUDA simulator without a GPU) run in
+two rank processes meeting through a file store.  tests/run.sh runs this file
+with mpi4py unimportable.
 """
+import json
 import os
 import subprocess
 import sys
@@ -555,3 +558,73 @@ print("ok")
     r = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=50, env=env,
                        cwd=REPO)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+
+
+DEVICE_RANK = r'''
+import json, os, sys, time
+import numpy as np
+from numba import cuda
+from commlib.tcp_comm import TCPCommunicator
+
+class DirStore:  # torch's FileStore in miniature: one file per key
+    def __init__(self, d):
+        self.d = d
+    def set(self, k, v):
+        p = os.path.join(self.d, k.replace("/", "_"))
+        with open(p + ".tmp", "wb") as f:
+            f.write(v)
+        os.replace(p + ".tmp", p)
+    def get(self, k):
+        p, t = os.path.join(self.d, k.replace("/", "_")), time.monotonic() + 30
+        while not os.path.exists(p):
+            assert time.monotonic() < t, k
+            time.sleep(0.01)
+        with open(p, "rb") as f:
+            return f.read()
+
+d, r, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+x = np.random.default_rng([int(sys.argv[4]), r]).integers(-8, 9, 3001).astype(np.float32)
+with TCPCommunicator.from_store(DirStore(d), r, n, timeout=30) as c:
+    ring = cuda.to_device(x)
+    c.allreduce(ring)                               # the ring, reduced on the device
+    small = cuda.to_device(x[:5].astype(np.float64))
+    c.allreduce(small, op="max")                    # one round, staged
+    g = c.allgather(cuda.to_device(x[:4]))
+    rs = c.reduce_scatter(cuda.to_device(x[:7]))
+    b = cuda.to_device(x[:6] if r == 1 else np.zeros(6, np.float32))
+    c.bcast(b, root=1)
+    kinds = sorted({type(a).__name__ for a in (g, rs)})
+    print(json.dumps({"ring": ring.copy_to_host().tolist(), "small": small.copy_to_host().tolist(),
+                      "g": g.copy_to_host().tolist(), "rs": rs.copy_to_host().tolist(),
+                      "b": b.copy_to_host().tolist(), "kinds": kinds}))
+'''
+
+
+def test_device_arrays_staged_through_host(tmp_path):
+    """numba device arrays (the CUDA simulator without a GPU; ranks are processes,
+    as the simulator's kernels cannot run on two threads at once): the ring on the
+    device, one-round and staged calls, results of the input's kind."""
+    pytest.importorskip("numba")
+    n, seed = 2, test_seed()
+    procs = [subprocess.Popen([sys.executable, "-P", "-c", DEVICE_RANK, str(tmp_path), str(r), str(n), str(seed)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+             for r in range(n)]
+    outs = []
+    try:
+        for p in procs:
+            out, errs = p.communicate(timeout=50)
+            assert p.returncode == 0, errs[-3000:]
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    xs = [np.random.default_rng([seed, r]).integers(-8, 9, 3001).astype(np.float64) for r in range(n)]
+    total = np.sum(xs, axis=0)
+    for r, o in enumerate(outs):
+        assert o["ring"] == total.tolist()
+        assert o["small"] == np.max([x[:5] for x in xs], axis=0).tolist()
+        assert o["g"] == [x[:4].tolist() for x in xs]
+        assert o["rs"] == np.array_split(total[:7], n)[r].tolist()
+        assert o["b"] == xs[1][:6].tolist()
+        assert o["kinds"] and all("CUDA" in k or "Device" in k for k in o["kinds"]), o["kinds"]

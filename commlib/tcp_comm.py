@@ -310,7 +310,8 @@ class TCPCommunicator(CollectiveMixin):
                                     timeout=timeout)
             group.transports = (user, coll)
             put(f"{prefix}/addr/{rank}", address.encode())
-            addrs = [address if r == rank else get(f"{prefix}/addr/{r}").decode("utf-8", "replace") for r in range(size)]
+            addrs = [address if r == rank else get(f"{prefix}/addr/{r}").decode("utf-8", "replace")
+                     for r in range(size)]
             for r, a in enumerate(addrs):
                 tcp.parse_address(a)  # a malformed entry is refused here, not at the first call
             group.addrs = addrs

@@ -134,52 +134,81 @@ _numba_kernels: dict = {}
 
 
 def _get_numba(d):
+    """The numba kernels of a ``d``-dimensional field (compiled on first call):
+
+    * ``boxes(u, un, c, boxes)``: the FTCS update of every box of ``boxes``
+      (int64, ``(n, 2, d)``: ``lo`` then ``hi`` per box, padded coordinates,
+      ``lo >= 1`` and ``hi <= shape - 1``) from ``u`` into ``un``, in one call;
+    * ``steps(a, b, c, boxes, n)``: ``n`` steps over ``boxes`` with no
+      exchange between them, ``a -> b``, ``b -> a``, ...: the whole run of a
+      rank with no neighbour in one call.
+
+    One loop nest per box indexes the fields directly (``u[i, j, l]``) with
+    unsigned indices: numba then emits no negative-index wraparound, and the
+    innermost loop vectorizes like a loop over the array's own shape (row
+    views per ``(i, j)``, the former shape, ran 5-10% slower).  The arithmetic
+    per cell is the numpy kernel's, in the same order.
+    """
     if d in _numba_kernels:
         return _numba_kernels[d]
     import numba  # noqa: PLC0415
 
-    # Unsigned indices: numba emits no negative-index wraparound for them, so
-    # the innermost loop over 1-D row views vectorizes (about 6x faster).
     if d == 1:
-        @numba.njit(cache=True, nogil=True)
-        def k(u, un, c, lo, hi):
+        @numba.njit(cache=True, nogil=True, inline="always")
+        def box(u, un, c, lo, hi):
             one = np.uint64(1)
             c0 = c[0]
             for i in range(np.uint64(lo[0]), np.uint64(hi[0])):
                 ctr = u[i]
                 un[i] = ctr + c0 * (u[i - one] - 2.0 * ctr + u[i + one])
     elif d == 2:
-        @numba.njit(cache=True, nogil=True)
-        def k(u, un, c, lo, hi):
+        @numba.njit(cache=True, nogil=True, inline="always")
+        def box(u, un, c, lo, hi):
             one = np.uint64(1)
             c0, c1 = c[0], c[1]
             for i in range(np.uint64(lo[0]), np.uint64(hi[0])):
-                um, uc, up, out = u[i - one], u[i], u[i + one], un[i]
                 for j in range(np.uint64(lo[1]), np.uint64(hi[1])):
-                    ctr = uc[j]
-                    out[j] = ctr + (c0 * (um[j] - 2.0 * ctr + up[j])
-                                    + c1 * (uc[j - one] - 2.0 * ctr + uc[j + one]))
+                    ctr = u[i, j]
+                    un[i, j] = ctr + (c0 * (u[i - one, j] - 2.0 * ctr + u[i + one, j])
+                                      + c1 * (u[i, j - one] - 2.0 * ctr + u[i, j + one]))
     else:
-        @numba.njit(cache=True, nogil=True)
-        def k(u, un, c, lo, hi):
+        @numba.njit(cache=True, nogil=True, inline="always")
+        def box(u, un, c, lo, hi):
             one = np.uint64(1)
             c0, c1, c2 = c[0], c[1], c[2]
             for i in range(np.uint64(lo[0]), np.uint64(hi[0])):
                 for j in range(np.uint64(lo[1]), np.uint64(hi[1])):
-                    um, up = u[i - one, j], u[i + one, j]
-                    us, un_ = u[i, j - one], u[i, j + one]
-                    uc, out = u[i, j], un[i, j]
                     for l in range(np.uint64(lo[2]), np.uint64(hi[2])):  # noqa: E741
-                        ctr = uc[l]
-                        out[l] = ctr + ((c0 * (um[l] - 2.0 * ctr + up[l])
-                                         + c1 * (us[l] - 2.0 * ctr + un_[l]))
-                                        + c2 * (uc[l - one] - 2.0 * ctr + uc[l + one]))
-    _numba_kernels[d] = k
-    return k
+                        ctr = u[i, j, l]
+                        un[i, j, l] = ctr + ((c0 * (u[i - one, j, l] - 2.0 * ctr + u[i + one, j, l])
+                                              + c1 * (u[i, j - one, l] - 2.0 * ctr + u[i, j + one, l]))
+                                             + c2 * (u[i, j, l - one] - 2.0 * ctr + u[i, j, l + one]))
+
+    @numba.njit(cache=True, nogil=True)
+    def boxes(u, un, c, bx):
+        for k in range(bx.shape[0]):
+            box(u, un, c, bx[k, 0], bx[k, 1])
+
+    @numba.njit(cache=True, nogil=True)
+    def steps(a, b, c, bx, n):
+        for s in range(n):
+            for k in range(bx.shape[0]):
+                if s % 2 == 0:
+                    box(a, b, c, bx[k, 0], bx[k, 1])
+                else:
+                    box(b, a, c, bx[k, 0], bx[k, 1])
+
+    _numba_kernels[d] = got = {"boxes": boxes, "steps": steps}
+    return got
+
+
+def _box_array(boxes) -> np.ndarray:
+    """``[(lo, hi), ...]`` as the int64 ``(n, 2, d)`` array the numba kernels take."""
+    return np.asarray([[lo, hi] for lo, hi in boxes], dtype=np.int64).reshape(len(boxes), 2, -1)
 
 
 def _numba_update(u, un, c, lo, hi):
-    _get_numba(u.ndim)(u, un, c, np.asarray(lo, np.int64), np.asarray(hi, np.int64))
+    _get_numba(u.ndim)["boxes"](u, un, c, _box_array([(lo, hi)]))
 
 
 _UPDATES = {"numpy": numpy_update, "numba": _numba_update}  # host backends
@@ -328,18 +357,30 @@ def _noop(parity):
     return None
 
 
+#: the interior update is cut into this many slabs along the first axis; the
+#: solver polls the halo exchange between them, so MPI moves the messages
+#: (a rendezvous needs both sides to enter MPI) while the interior is updated
+INNER_SLABS = 4
+
+
 def region_updates(backend, fields, c, shape, width, sides, chunk=None):
     """Three callables of the step parity ``p`` (each updates from
     ``fields[p]`` into ``fields[1 - p]``), built once per solve:
 
-    * ``run_all``: every owned cell (one device launch);
-    * ``run_inner``: the cells whose stencil reads no exchanged ghost cell
-      (one launch; a no-op when that box is empty);
-    * ``run_shell``: the other owned cells (device: ONE launch over the owned
-      box that skips the interior; host: one call per face).
+    * ``run_all(p, n=1)``: every owned cell, ``n`` steps in a row with no
+      exchange between them (step ``k`` reads ``fields[(p + k) & 1]``; the
+      numba backend takes all of them in one call, a device backend one
+      launch each);
+    * ``run_inner(p, poll=None)``: the cells whose stencil reads no exchanged
+      ghost cell (a no-op when that box is empty); on the host in
+      :data:`INNER_SLABS` slabs along the first axis with ``poll()`` called
+      between them when given (device: one launch, ``poll`` unused);
+    * ``run_shell(p)``: the other owned cells (device: ONE launch over the
+      owned box that skips the interior; numba: one call for every face).
 
     Device launches are configured here (kernel specialized and bound to its
-    grid, arguments for both parities prepared), so a step allocates nothing.
+    grid, arguments for both parities prepared), and the numba backend's boxes
+    are built once, so a step allocates nothing.
     """
     full_lo = tuple(width)
     full_hi = tuple(w + n for n, w in zip(shape, width))
@@ -357,22 +398,61 @@ def region_updates(backend, fields, c, shape, width, sides, chunk=None):
                 return _noop
             return kernels.Launch(a, b, c, lo, hi, skip, *geo).launch
 
-        return (region(full_lo, full_hi), region(inner_lo, inner_hi),
-                region(full_lo, full_hi, (inner_lo, inner_hi)))
+        one_all, one_inner = region(full_lo, full_hi), region(inner_lo, inner_hi)
 
-    update = _UPDATES[backend]
+        def run_all(p, n=1):
+            for k in range(n):
+                one_all((p + k) & 1)
+
+        def run_inner(p, poll=None):
+            one_inner(p)
+
+        return run_all, run_inner, region(full_lo, full_hi, (inner_lo, inner_hi))
+
     shell = shell_regions(shape, width, sides)
     pairs = (fields, fields[::-1])
+    has_inner = all(h > l for l, h in zip(inner_lo, inner_hi))
+    cuts = sorted({inner_lo[0] + (inner_hi[0] - inner_lo[0]) * k // INNER_SLABS for k in range(INNER_SLABS + 1)})
+    slabs = [((a,) + tuple(inner_lo[1:]), (b,) + tuple(inner_hi[1:])) for a, b in zip(cuts, cuts[1:])]
+    if backend == "numpy":
+        def run_all(p, n=1):
+            for k in range(n):
+                numpy_update(*pairs[(p + k) & 1], c, full_lo, full_hi)
 
-    def run_all(p):
-        update(*pairs[p], c, full_lo, full_hi)
+        def run_inner(p, poll=None):
+            if has_inner:
+                for k, (lo, hi) in enumerate(slabs):
+                    if k and poll is not None:
+                        poll()
+                    numpy_update(*pairs[p], c, lo, hi)
 
-    def run_inner(p):
-        if all(h > l for l, h in zip(inner_lo, inner_hi)):
-            update(*pairs[p], c, inner_lo, inner_hi)
+        def run_shell(p):
+            for lo, hi in shell:
+                numpy_update(*pairs[p], c, lo, hi)
+
+        return run_all, run_inner, run_shell
+
+    kern = _get_numba(len(shape))
+    boxes, many = kern["boxes"], kern["steps"]
+    whole = _box_array([(full_lo, full_hi)])
+    parts = [_box_array([box]) for box in slabs] if has_inner else []
+    faces = _box_array(shell) if shell else None
+    args = [(*pairs[p], c) for p in (0, 1)]
+
+    def run_all(p, n=1):
+        if n == 1:
+            boxes(*args[p], whole)
+        else:
+            many(*args[p], whole, n)
+
+    def run_inner(p, poll=None):
+        for k, box in enumerate(parts):
+            if k and poll is not None:
+                poll()
+            boxes(*args[p], box)
 
     def run_shell(p):
-        for lo, hi in shell:
-            update(*pairs[p], c, lo, hi)
+        if faces is not None:
+            boxes(*args[p], faces)
 
     return run_all, run_inner, run_shell

@@ -517,6 +517,10 @@ class Transport(ABC):
         """A transport over the members with the same ``color``, ordered by ``key`` (collective)."""
         raise self.unsupported("split")
 
+    def create_group(self, ranks, tag: int = 0) -> "Transport":
+        """A transport over ``ranks`` of this group, in that order (collective over them only)."""
+        raise self.unsupported("create_group")
+
     def create_cart(self, dims, periods, reorder: bool = False) -> "Transport":
         """A transport over a Cartesian grid of this group (collective)."""
         raise self.unsupported("a Cartesian topology")

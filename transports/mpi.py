@@ -35,6 +35,7 @@ from .base import CompletedRequest, Request, Transport, Wire, check_plain_dtype
 from .failures import is_process_failure, mpi_failed_ranks, raise_classified, to_comm_error
 from .mpi_ops import dims_create, free_plans, mpi_op, native_op, op_name, persistent_allgather, shrunk_node_peers
 from .mpi_request import ABANDONED, MPIRequest, cancel_receive, copy_up, raise_completion_error
+from .mpi_topo import Topology
 
 _BYTE = MPI.BYTE
 _U8 = np.dtype(np.uint8)  # builtin dtypes are singletons: `is` is the cheap test
@@ -43,7 +44,7 @@ PROC_NULL, ANY_SOURCE, ANY_TAG = MPI.PROC_NULL, MPI.ANY_SOURCE, MPI.ANY_TAG
 __all__ = ["MPITransport", "MPIRequest", "PROC_NULL", "ANY_SOURCE", "ANY_TAG", "mpi_op", "op_name", "dims_create"]
 
 
-class MPITransport(Transport):
+class MPITransport(Topology, Transport):
     """The transport contract over an ``MPI.Comm``.
 
     Creating one is collective over ``comm`` (it learns which ranks share this
@@ -667,50 +668,6 @@ class MPITransport(Transport):
         except MPI.Exception as exc:
             raise_classified(exc, (), self._rank, "split")
         return MPITransport(c, cuda_aware=self.cuda_aware)
-
-    def create_group(self, ranks, tag: int = 0) -> "MPITransport":
-        """A transport over ``MPI_Comm_create_group`` of ``ranks`` of this group
-        (MPI-3.0 §6.4.2): collective over those ranks only, in their order
-        (``ranks[i]`` becomes rank ``i``); every member passes the same ``ranks``
-        and ``tag``, and ranks outside do not take part."""
-        g = self.comm.Get_group()
-        try:
-            sub = g.Incl([int(r) for r in ranks])
-            try:
-                c = self.comm.Create_group(sub, int(tag))
-            finally:
-                sub.Free()
-        except MPI.Exception as exc:
-            raise_classified(exc, (), self._rank, "create_group")
-        finally:
-            g.Free()
-        return MPITransport(c, cuda_aware=self.cuda_aware)
-
-    def create_cart(self, dims, periods, reorder: bool = False) -> "MPITransport":
-        """A transport over ``MPI_Cart_create`` (collective); its ``comm`` is an ``MPI.Cartcomm``."""
-        try:
-            c = self.comm.Create_cart(list(dims), list(periods), reorder=reorder)
-        except MPI.Exception as exc:
-            raise_classified(exc, (), self._rank, "cart_create")
-        return MPITransport(c, cuda_aware=self.cuda_aware)
-
-    def cart_topo(self):
-        """``(dims, periods, coords)`` of this rank (``MPI_Cart_get``)."""
-        dims, periods, coords = self.comm.Get_topo()
-        return tuple(int(d) for d in dims), tuple(bool(p) for p in periods), tuple(int(c) for c in coords)
-
-    def cart_rank(self, coords) -> int:
-        """``MPI_Cart_rank`` of in-range ``coords``."""
-        return int(self.comm.Get_cart_rank([int(c) for c in coords]))
-
-    def cart_coords(self, rank: int) -> tuple[int, ...]:
-        """``MPI_Cart_coords`` of ``rank``."""
-        return tuple(int(c) for c in self.comm.Get_coords(int(rank)))
-
-    def cart_shift(self, direction: int, disp: int = 1) -> tuple[int, int]:
-        """``MPI_Cart_shift``: ``(source, dest)``, ``PROC_NULL`` off a non-periodic edge."""
-        src, dst = self.comm.Shift(int(direction), int(disp))
-        return int(src), int(dst)
 
     def set_errors_return(self) -> None:
         """Errors on this communicator come back as exceptions (``MPI_ERRORS_RETURN``)."""

@@ -63,6 +63,7 @@ import atexit
 import datetime
 import os
 import queue
+import socket
 import threading
 import weakref
 import zlib
@@ -71,7 +72,6 @@ import ml_dtypes
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 
 from commlib.core.errors import InvalidArgument
 
@@ -147,10 +147,45 @@ def _op_name(reduce_op, dtype, rank: int, opname: str):
 
 
 # ------------------------------------------------------------------ works
+class _Work(dist.Work):
+    """A ``Work`` over a ``torch.futures.Future``: ``wait()`` raises the call's
+    error, ``get_future()`` completes with the output tensors (as gloo's)."""
+
+    def __init__(self, fut: torch.futures.Future):
+        super().__init__()
+        self._fut = fut
+
+    def wait(self, timeout=None) -> bool:
+        self._fut.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._fut
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+    def is_success(self) -> bool:
+        if not self._fut.done():
+            return False
+        try:
+            self._fut.value()
+        except Exception:  # noqa: BLE001 - the question is whether it failed
+            return False
+        return True
+
+    def exception(self):
+        try:
+            self._fut.value()
+        except Exception as exc:  # noqa: BLE001
+            return exc
+        return None
+
+
 def _done(result) -> dist.Work:
     fut = torch.futures.Future()
     fut.set_result(result)
-    return _create_work_from_future(fut)
+    return _Work(fut)
 
 
 class _Worker:
@@ -270,6 +305,25 @@ class ProcessGroupCommlib(dist.ProcessGroup):
     def name(self) -> str:  # noqa: D401
         return BACKEND
 
+    # torch names a group through its backends; a Python group keeps the name itself
+    _name = _desc = None
+
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._desc = desc
+
+    @property
+    def group_name(self) -> str:
+        if self._name is None:
+            raise RuntimeError("ProcessGroup name not set")
+        return self._name
+
+    @property
+    def group_desc(self) -> str:
+        return self._desc if self._desc is not None else "undefined"
+
     def __repr__(self) -> str:
         return f"<ProcessGroupCommlib rank={self.rank()} size={self.size()} over {self.comm!r}>"
 
@@ -286,7 +340,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
             with self._worker.running:
                 call()
             return _done(result)
-        return _create_work_from_future(self._worker.submit(call))
+        return _Work(self._worker.submit(call))
 
     def _host(self, t, op, load=True) -> _Host:
         return _Host(t, self.comm.rank, op, load)
@@ -550,13 +604,13 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         t = tensors[0]
         h = self._host(t, "send")
         req = self.comm.transport.isend(h.array, dst, _p2p_tag(tag))
-        return _create_work_from_future(self._p2p.add(req, list(tensors)))
+        return _Work(self._p2p.add(req, list(tensors)))
 
     def recv(self, tensors, src: int, tag: int):
         t = tensors[0]
         h = self._host(t, "recv", load=False)
         req = self.comm.transport.irecv(h.array, src, _p2p_tag(tag))
-        return _create_work_from_future(self._p2p.add(req, list(tensors), h.back))
+        return _Work(self._p2p.add(req, list(tensors), h.back))
 
     # -- life ----------------------------------------------------------------
     def shutdown(self) -> None:
@@ -672,8 +726,10 @@ def init_process_group(comm=None, *, timeout: float | datetime.timedelta | None 
     """Start ``torch.distributed`` on commlib under an MPI launch (``mpiexec``, ``srun``).
 
     Rank and size come from the communicator; no ``MASTER_ADDR``, store or
-    environment variable is needed (the store torch keeps is a local
-    ``HashStore``: the commlib group never uses it).
+    environment variable is needed: rank 0 serves torch's ``TCPStore`` on a
+    free port and tells the others over the communicator (the commlib group
+    never uses the store; torch does, for groups of other backends made
+    beside it and for its own barriers).
 
     Args:
         comm: the :class:`commlib.Communicator` to run over (default:
@@ -695,13 +751,38 @@ def init_process_group(comm=None, *, timeout: float | datetime.timedelta | None 
                               op="init_process_group")
     comm = _mpi_world() if comm is None else comm
     seconds = _timeout_seconds(timeout)
+    store = _store_over(comm, seconds)
     _NEXT.comm = comm
     try:
-        dist.init_process_group(BACKEND, store=dist.HashStore(), rank=comm.rank, world_size=comm.size,
+        dist.init_process_group(BACKEND, store=store, rank=comm.rank, world_size=comm.size,
                                 timeout=datetime.timedelta(seconds=seconds) if seconds is not None else None)
     finally:
         _NEXT.comm = None
     return dist.distributed_c10d._get_default_group()
+
+
+def _store_over(comm, seconds):
+    """A ``TCPStore`` served by rank 0 of ``comm``, its address broadcast over ``comm``.
+
+    The commlib group never uses it; torch does for groups of other backends
+    made beside it (``new_group(backend="gloo")``) and for its own barriers."""
+    if comm.size == 1:
+        return dist.HashStore()
+    wait = datetime.timedelta(seconds=seconds if seconds is not None else 300)
+    addr = np.zeros(264, np.uint8)  # [port (8 bytes), host name (up to 256 bytes)]
+    server = None
+    if comm.rank == 0:
+        name = socket.gethostname()
+        server = dist.TCPStore(name, 0, comm.size, is_master=True, timeout=wait, wait_for_workers=False)
+        host = name.encode()[:256]
+        addr[:8] = np.frombuffer(int(server.port).to_bytes(8, "little"), np.uint8)
+        addr[8:8 + len(host)] = np.frombuffer(host, np.uint8)
+    comm.bcast(addr, root=0)
+    if server is not None:
+        return server
+    port = int.from_bytes(addr[:8].tobytes(), "little")
+    host = addr[8:].tobytes().rstrip(b"\0").decode()
+    return dist.TCPStore(host, port, comm.size, is_master=False, timeout=wait)
 
 
 def reinit_process_group(comm=None, *, timeout=None) -> ProcessGroupCommlib:

@@ -62,214 +62,31 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
-import queue
 import socket
 import threading
 import weakref
 import zlib
 
-import ml_dtypes
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from commlib.core.errors import InvalidArgument
 
+from .torch_works import (NUMPY_DTYPES, HostTensor, P2PWaiter, Work, Worker, bits_view, done,
+                          needs_scaling, numpy_view, p2p_tag, reduce_op, split_sizes)
+
 __all__ = ["ProcessGroupCommlib", "init_process_group", "reinit_process_group", "communicator_of", "BACKEND"]
 
 #: the backend's name in ``torch.distributed``
 BACKEND = "commlib"
 
-_ROP = dist.ReduceOp.RedOpType
-_OPS = {_ROP.SUM: "sum", _ROP.AVG: "avg", _ROP.PRODUCT: "prod", _ROP.MIN: "min", _ROP.MAX: "max",
-        _ROP.BAND: "band", _ROP.BOR: "bor", _ROP.BXOR: "bxor"}
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_NUMPY = {torch.float16: np.float16, torch.bfloat16: ml_dtypes.bfloat16, torch.float32: np.float32,
-          torch.float64: np.float64, torch.int8: np.int8, torch.uint8: np.uint8, torch.int16: np.int16,
-          torch.int32: np.int32, torch.int64: np.int64, torch.bool: np.bool_}
+
 #: torch's default process-group timeout: given by torch when the user gave none
 _TORCH_DEFAULT = datetime.timedelta(minutes=30)
 
 # the communicator the next default group is made over (init_process_group hands it to the creator)
 _NEXT = threading.local()
-
-
-# ------------------------------------------------------------------ tensors
-def _np(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of CPU contiguous tensor ``t`` (bfloat16 as ml_dtypes.bfloat16)."""
-    t = t.detach()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
-
-
-class _Host:
-    """A host, contiguous stand-in for tensor ``t`` (``t`` itself when it already is one).
-
-    ``array`` is the numpy view the engine works on; :meth:`back` copies the
-    result into ``t`` when it is a stand-in (a non-contiguous or CUDA tensor)."""
-
-    __slots__ = ("t", "h", "array")
-
-    def __init__(self, t: torch.Tensor, rank: int, op: str, load: bool = True):
-        if t.dtype not in _NUMPY:
-            raise InvalidArgument(f"dtype {t.dtype} is not supported (one of {sorted(map(str, _NUMPY))})",
-                                  rank=rank, op=op)
-        self.t = t
-        if t.device.type == "cpu" and t.is_contiguous():
-            self.h = t
-        elif load:
-            self.h = t.detach().to("cpu", memory_format=torch.contiguous_format).contiguous()
-        else:
-            self.h = torch.empty(t.shape, dtype=t.dtype)
-        self.array = _np(self.h).reshape(-1)
-
-    def back(self) -> None:
-        if self.h is not self.t:
-            with torch.no_grad():
-                self.t.copy_(self.h)
-
-
-def _op_name(reduce_op, dtype, rank: int, opname: str):
-    """(commlib op name, PREMUL_SUM factor or None) of a torch ``ReduceOp``."""
-    kind = reduce_op.op if isinstance(reduce_op, dist.ReduceOp) else reduce_op
-    if kind == _ROP.PREMUL_SUM:
-        factor = reduce_op.__getstate__()[1]
-        if isinstance(factor, torch.Tensor):
-            factor = factor.item()
-        return "sum", float(factor)
-    name = _OPS.get(kind)
-    if name is None:
-        raise InvalidArgument(f"reduce op {reduce_op} is not supported", rank=rank, op=opname)
-    if name == "avg" and dtype not in _FLOATS:
-        raise InvalidArgument(f"ReduceOp.AVG needs a floating dtype, got {dtype}", rank=rank, op=opname)
-    return name, None
-
-
-# ------------------------------------------------------------------ works
-class _Work(dist.Work):
-    """A ``Work`` over a ``torch.futures.Future``: ``wait()`` raises the call's
-    error, ``get_future()`` completes with the output tensors (as gloo's)."""
-
-    def __init__(self, fut: torch.futures.Future):
-        super().__init__()
-        self._fut = fut
-
-    def wait(self, timeout=None) -> bool:
-        self._fut.wait()
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        return self._fut
-
-    def is_completed(self) -> bool:
-        return self._fut.done()
-
-    def is_success(self) -> bool:
-        if not self._fut.done():
-            return False
-        try:
-            self._fut.value()
-        except Exception:  # noqa: BLE001 - the question is whether it failed
-            return False
-        return True
-
-    def exception(self):
-        try:
-            self._fut.value()
-        except Exception as exc:  # noqa: BLE001
-            return exc
-        return None
-
-
-def _done(result) -> dist.Work:
-    fut = torch.futures.Future()
-    fut.set_result(result)
-    return _Work(fut)
-
-
-class _Worker:
-    """One thread per group that runs its calls in the order they were made."""
-
-    def __init__(self, name: str):
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending = 0
-        self._lock = threading.Lock()
-        self.running = threading.Lock()  # held while a call of the group runs (worker or caller)
-        self._thread = None
-        self._name = name
-
-    def idle(self) -> bool:
-        return self._pending == 0
-
-    def submit(self, fn) -> torch.futures.Future:
-        fut = torch.futures.Future()
-        with self._lock:
-            self._pending += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, daemon=True, name=self._name)
-                self._thread.start()
-        self._q.put((fn, fut))
-        return fut
-
-    def stop(self, timeout: float = 5.0) -> None:
-        """End the thread once the calls queued before are done (waits at most ``timeout`` seconds)."""
-        th = self._thread
-        if th is not None and th.is_alive():
-            self._q.put(None)
-            th.join(timeout)
-
-    def _loop(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            fn, fut = item
-            try:
-                with self.running:
-                    result = fn()
-            except BaseException as exc:  # noqa: BLE001 - delivered by Work.wait() / the future
-                with self._lock:
-                    self._pending -= 1
-                fut.set_exception(exc)
-            else:
-                with self._lock:
-                    self._pending -= 1
-                fut.set_result(result)
-
-
-class _P2PWaiter:
-    """Completes point-to-point works: waits their requests in a thread of its own,
-    so a receive posted by ``irecv`` progresses while the caller runs on."""
-
-    def __init__(self):
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = None
-
-    def add(self, req, tensors, after=None) -> torch.futures.Future:
-        fut = torch.futures.Future()
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, daemon=True, name="commlib-torch-p2p")
-            self._thread.start()
-        self._q.put((req, tensors, after, fut))
-        return fut
-
-    stop = _Worker.stop
-
-    def _loop(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            req, tensors, after, fut = item
-            try:
-                req.wait()
-                if after is not None:
-                    after()
-            except BaseException as exc:  # noqa: BLE001 - delivered by Work.wait()
-                fut.set_exception(exc)
-            else:
-                fut.set_result(tensors)
 
 
 # ------------------------------------------------------------------ the group
@@ -294,8 +111,8 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         super().__init__(comm.rank, comm.size)
         self.comm = comm
         self.timeout = timeout
-        self._worker = _Worker(f"commlib-torch-{comm.rank}")
-        self._p2p = _P2PWaiter()
+        self._worker = Worker(f"commlib-torch-{comm.rank}")
+        self._p2p = P2PWaiter()
         _GROUPS.add(self)
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
@@ -339,11 +156,11 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         if not getattr(opts, "asyncOp", True) and self._worker.idle():
             with self._worker.running:
                 call()
-            return _done(result)
-        return _Work(self._worker.submit(call))
+            return done(result)
+        return Work(self._worker.submit(call))
 
-    def _host(self, t, op, load=True) -> _Host:
-        return _Host(t, self.comm.rank, op, load)
+    def _host(self, t, op, load=True) -> HostTensor:
+        return HostTensor(t, self.comm.rank, op, load)
 
     # -- all-reduce ----------------------------------------------------------
     def allreduce(self, tensors, opts=None):
@@ -360,7 +177,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
 
         def fn():
             for t in tensors:
-                name, factor = _op_name(op, t.dtype, comm.rank, opname)
+                name, factor = reduce_op(op, t.dtype, comm.rank, opname)
                 h = self._host(t, opname)
                 if factor is not None:
                     h.h.mul_(factor)
@@ -393,7 +210,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
                 gathered = comm.allgather(h.array, timeout=timeout)
                 with torch.no_grad():
                     for r, o in enumerate(outs):
-                        o.copy_(torch.from_numpy(_bits(gathered[r])).view(t.dtype).view(o.shape))
+                        o.copy_(torch.from_numpy(bits_view(gathered[r])).view(t.dtype).view(o.shape))
         return self._run(fn, output_lists, opts)
 
     allgather_coalesced = allgather
@@ -461,15 +278,15 @@ class ProcessGroupCommlib(dist.ProcessGroup):
             for o, t in zip(outputs, inputs):
                 if isinstance(t, list):  # reduce_scatter's list: one tensor per rank, concatenated
                     t = torch.cat([x.detach().to("cpu").reshape(-1) for x in t])
-                    h = _Host(t, comm.rank, opname)
+                    h = HostTensor(t, comm.rank, opname)
                 else:
                     if t.numel() != o.numel() * comm.size or o.dtype != t.dtype:
                         raise InvalidArgument(f"input of {t.numel()} {t.dtype} for {comm.size} ranks' outputs of "
                                               f"{o.numel()} {o.dtype}", rank=comm.rank, op=opname)
                     h = self._host(t, opname)
                     if h.h is t:  # the engine reads the input only, but PREMUL_SUM scales it
-                        h = _Host(t.clone(), comm.rank, opname) if _needs_scaling(op) else h
-                name, factor = _op_name(op, o.dtype, comm.rank, opname)
+                        h = HostTensor(t.clone(), comm.rank, opname) if needs_scaling(op) else h
+                name, factor = reduce_op(op, o.dtype, comm.rank, opname)
                 if factor is not None:
                     h.h.mul_(factor)
                 ho = self._host(o, opname, load=False)
@@ -481,7 +298,6 @@ class ProcessGroupCommlib(dist.ProcessGroup):
     def alltoall(self, outputs, inputs, opts=None):
         opts = dist.AllToAllOptions() if opts is None else opts
         outputs, inputs = list(outputs), list(inputs)
-        comm = self.comm
 
         def fn():
             self._alltoallv([x.detach().to("cpu").reshape(-1) for x in inputs], outputs, "all_to_all")
@@ -493,8 +309,8 @@ class ProcessGroupCommlib(dist.ProcessGroup):
 
         def fn():
             n = comm.size
-            ins = _split(input, input_split_sizes, n, comm.rank, "all_to_all_single", "input")
-            outs = _split(output, output_split_sizes, n, comm.rank, "all_to_all_single", "output")
+            ins = split_sizes(input, input_split_sizes, n, comm.rank, "all_to_all_single", "input")
+            outs = split_sizes(output, output_split_sizes, n, comm.rank, "all_to_all_single", "output")
             self._alltoallv([x.detach().to("cpu").reshape(-1) for x in ins], outs, "all_to_all_single")
         return self._run(fn, [output], opts)
 
@@ -515,7 +331,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         elif len({x.dtype for x in ins} | {o.dtype for o in outs}) != 1:
             problem = f"mixed dtypes {sorted({str(x.dtype) for x in [*ins, *outs]})}"
         dtype = outs[0].dtype if outs else torch.float32
-        if problem is None and dtype not in _NUMPY:
+        if problem is None and dtype not in NUMPY_DTYPES:
             problem = f"dtype {dtype} is not supported"
         counts = np.array([x.numel() for x in ins] + [o.numel() for o in outs], np.int64) \
             if problem is None else np.full(2 * n, -1, np.int64)
@@ -535,7 +351,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         for j, x in enumerate(ins):
             send[j, :x.numel()] = x
         recv = torch.empty_like(send)
-        comm.alltoall(_np(send).reshape(-1), _np(recv).reshape(-1), timeout=timeout)
+        comm.alltoall(numpy_view(send).reshape(-1), numpy_view(recv).reshape(-1), timeout=timeout)
         with torch.no_grad():
             for i, o in enumerate(outs):
                 o.copy_(recv[i, :o.numel()].view(o.shape))
@@ -547,8 +363,8 @@ class ProcessGroupCommlib(dist.ProcessGroup):
 
         def fn():
             for t in tensors:
-                name, factor = _op_name(op, t.dtype, comm.rank, "reduce")
-                h = _Host(t.detach().to("cpu").clone(), comm.rank, "reduce")
+                name, factor = reduce_op(op, t.dtype, comm.rank, "reduce")
+                h = HostTensor(t.detach().to("cpu").clone(), comm.rank, "reduce")
                 if factor is not None:
                     h.h.mul_(factor)
                 comm.allreduce(h.array, op=name, timeout=timeout)  # every rank agrees; the root keeps it
@@ -572,7 +388,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
                 if comm.rank == root:
                     with torch.no_grad():
                         for r, o in enumerate(outs):
-                            o.copy_(torch.from_numpy(_bits(gathered[r])).view(t.dtype).view(o.shape))
+                            o.copy_(torch.from_numpy(bits_view(gathered[r])).view(t.dtype).view(o.shape))
         return self._run(fn, output_lists, opts)
 
     def scatter(self, outputs, input_lists, opts=None):
@@ -588,7 +404,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
                     full = torch.cat([x.detach().to("cpu").reshape(-1) for x in ins])
                 else:
                     full = torch.empty(o.numel() * comm.size, dtype=o.dtype)
-                h = _Host(full, comm.rank, "scatter")
+                h = HostTensor(full, comm.rank, "scatter")
                 comm.bcast(h.array, root=root, timeout=timeout)
                 with torch.no_grad():
                     o.copy_(full[comm.rank * o.numel():(comm.rank + 1) * o.numel()].view(o.shape))
@@ -603,48 +419,20 @@ class ProcessGroupCommlib(dist.ProcessGroup):
     def send(self, tensors, dst: int, tag: int):
         t = tensors[0]
         h = self._host(t, "send")
-        req = self.comm.transport.isend(h.array, dst, _p2p_tag(tag))
-        return _Work(self._p2p.add(req, list(tensors)))
+        req = self.comm.transport.isend(h.array, dst, p2p_tag(tag))
+        return Work(self._p2p.add(req, list(tensors)))
 
     def recv(self, tensors, src: int, tag: int):
         t = tensors[0]
         h = self._host(t, "recv", load=False)
-        req = self.comm.transport.irecv(h.array, src, _p2p_tag(tag))
-        return _Work(self._p2p.add(req, list(tensors), h.back))
+        req = self.comm.transport.irecv(h.array, src, p2p_tag(tag))
+        return Work(self._p2p.add(req, list(tensors), h.back))
 
     # -- life ----------------------------------------------------------------
     def shutdown(self) -> None:
         """End the group's threads (the communicator stays the caller's)."""
         self._worker.stop()
         self._p2p.stop()
-
-
-def _needs_scaling(op) -> bool:
-    kind = op.op if isinstance(op, dist.ReduceOp) else op
-    return kind == _ROP.PREMUL_SUM
-
-
-def _bits(a: np.ndarray) -> np.ndarray:
-    """``a`` as a numpy array torch can wrap (bfloat16 bits as int16)."""
-    a = np.ascontiguousarray(a)
-    return a.view(np.int16) if a.dtype == ml_dtypes.bfloat16 else a
-
-
-def _split(t, sizes, n, rank, opname, what):
-    sizes = list(sizes) if sizes else []
-    if not sizes:
-        if t.shape[0] % n if t.dim() else True:
-            raise InvalidArgument(f"{what} of first dimension {tuple(t.shape)[:1]} does not split evenly over "
-                                  f"{n} ranks", rank=rank, op=opname)
-        sizes = [t.shape[0] // n] * n
-    if len(sizes) != n or any(s < 0 for s in sizes) or sum(sizes) != (t.shape[0] if t.dim() else 0):
-        raise InvalidArgument(f"{what} split sizes {sizes} do not cover the first dimension of "
-                              f"{tuple(t.shape)} in {n} parts", rank=rank, op=opname)
-    return list(torch.split(t, sizes, dim=0))
-
-
-def _p2p_tag(tag: int) -> int:
-    return int(tag) & 0x3FFFFFFF
 
 
 # ------------------------------------------------------------------ creation

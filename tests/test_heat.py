@@ -572,3 +572,36 @@ def test_mpi_cupy_backend_matches_one_rank_numpy(grid, overlap):
     if comm.rank == 0:
         _, host = heat.solve(commlib.init(MPI.COMM_SELF), grid, steps=3, backend="numpy")
         assert np.array_equal(full, host)
+
+
+# ------------------------------------------------------- temporal blocking
+@pytest.mark.parametrize("grid,steps", [((13, 11), 7), ((13, 11), 8), ((9, 7, 8), 5), ((9, 7, 8), 6), ((12,), 9)])
+def test_time_block_two_matches_numpy_one_rank(grid, steps):
+    comm = commlib.init(MPI.COMM_SELF)
+    res, got = heat.solve(comm, grid, steps=steps, backend="numba", time_block=2)
+    _, ref = heat.solve(comm, grid, steps=steps, backend="numpy")
+    assert res.steps == steps
+    assert np.array_equal(got, ref)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("grid,steps", [((14, 11), 7), ((9, 8, 7), 6), ((9, 8, 7), 5)])
+def test_mpi_time_block_two_matches_one_rank_numpy(grid, steps):
+    comm = commlib.init()
+    _, local = heat.solve(comm, grid, steps=steps, backend="numba", time_block=2)
+    full = heat.gather_field(comm, list(grid), local)
+    if comm.rank == 0:
+        _, ref = heat.solve(commlib.init(MPI.COMM_SELF), grid, steps=steps, backend="numpy")
+        assert np.array_equal(full, ref), f"{comm.size} ranks with time_block=2 differ from 1 rank"
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"time_block": 3}, "time_block must be 1 or 2"),
+    ({"time_block": 2.0}, "time_block must be 1 or 2"),
+    ({"time_block": 2, "backend": "numpy"}, "runs the numba backend"),
+])
+def test_time_block_refusals(kwargs, words):
+    comm = commlib.init(MPI.COMM_SELF)
+    with pytest.raises(InvalidArgument, match=words):
+        heat.solve(comm, (9, 8), steps=4, **{"backend": "numba", **kwargs})

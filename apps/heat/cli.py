@@ -78,6 +78,8 @@ def check_args(parser: argparse.ArgumentParser, args, size: int | None = None) -
             err(f"{name} must be a finite number > 0, got {v}")
     if not (math.isfinite(args.cfl) and 0 < args.cfl <= 1):
         err(f"--cfl must be in (0, 1] (a fraction of the FTCS stability limit), got {args.cfl}")
+    if args.time_block == 2 and (args.backend != "numba" or args.fault_tolerant):
+        err("--time-block 2 runs the numba backend without --fault-tolerant")
     if args.checkpoint_every < 1:
         err(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
     need = _bytes_per_rank(grid, size, args.fault_tolerant)
@@ -167,6 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(needs CuPy and a GPU; bit-identical to numpy). Device kernels: coalesced thread blocks "
                         "marching along the first axis, one launch per region (default numba)")
     p.add_argument("--no-overlap", action="store_true", help="exchange halos before updating (no overlap)")
+    p.add_argument("--time-block", type=int, choices=(1, 2), default=1,
+                   help="steps per sweep over the block and per halo exchange: 2 is temporal blocking (numba "
+                        "backend: halos 2 cells wide, both steps in one wavefront sweep, no overlap; the same field "
+                        "bit for bit); default 1")
     p.add_argument("--json", metavar="PATH", help="write the summary as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of the mid-plane")
     p.add_argument("--verify", action="store_true",
@@ -277,7 +283,7 @@ def _main(argv=None) -> int:
             progress = progress_bar(f"heat {len(grid)}-D {args.backend} x{comm.size}")
         res, local = heat.solve(comm, grid, steps=args.steps, alpha=args.alpha, backend=args.backend,
                                 cfl=args.cfl, t_final=args.t_final, progress=progress,
-                                overlap=not args.no_overlap)
+                                overlap=not args.no_overlap, time_block=args.time_block)
     full = None
     if args.verify or args.plot:
         full = gather_field(comm, grid, local)

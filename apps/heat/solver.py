@@ -34,7 +34,7 @@ import commlib  # light: commlib's names load on first use
 from commlib import InvalidArgument
 
 from .model import (BACKENDS, DEVICE_BACKENDS, region_updates, synchronizer, to_backend, field_to_host, block_of,
-                    exact_solution, neighbour_sides, time_step)
+                    exact_solution, neighbour_sides, time_step, two_step_update)
 
 
 def load_solver():
@@ -226,6 +226,10 @@ class _Block:
         self.exchange = any(low or high for low, high in self.sides)  # False at 1 rank: no halo call at all
         self.run_all, self.run_inner, self.run_shell = region_updates(backend, self.fields, c, shape, halo.width,
                                                                        self.sides)
+        # temporal blocking (two steps per sweep and per exchange): numba, a halo of width >= 2 with corners
+        self.run_two = None
+        if backend == "numba" and min(halo.width) >= 2 and halo.corners:
+            self.run_two = two_step_update(self.fields, c, shape, halo.width, self.sides)
         self.sync = synchronizer(backend)
 
     def owned(self, parity):
@@ -243,7 +247,7 @@ class _Timers:
 
 
 # --------------------------------------------------------------- time loop
-def run_steps(comm, blk, start, stop, overlap, timers, before_step=None, progress=None):
+def run_steps(comm, blk, start, stop, overlap, timers, before_step=None, progress=None, time_block=1):
     """Take the steps ``[start, stop)`` on ``blk``: the one time loop of both drivers.
 
     First every kernel the loop uses is compiled and warmed up (numba
@@ -275,6 +279,9 @@ def run_steps(comm, blk, start, stop, overlap, timers, before_step=None, progres
         before_step: None or a callable of the step index.
         progress: None or ``progress(total, initial)`` returning a bar (its
             ``update(1)`` after each step, ``close()`` at the end).
+        time_block: 1, or 2 for temporal blocking (``blk.run_two`` set, no
+            ``before_step``): one exchange per two steps, then both steps in
+            one wavefront sweep (no overlap); an odd last step is a plain one.
 
     Returns:
         float: seconds of the steps (wall clock on this rank, device work
@@ -293,6 +300,8 @@ def run_steps(comm, blk, start, stop, overlap, timers, before_step=None, progres
         halo.exchange(fields[p0])
     run_all(p0)
     run_all(p0, 0)  # compiles the many-steps kernel (zero steps: no cell written)
+    if time_block == 2:
+        blk.run_two(p0, 0)
     if exchange and overlap:
         run_inner(p0)
         run_shell(p0)
@@ -303,7 +312,9 @@ def run_steps(comm, blk, start, stop, overlap, timers, before_step=None, progres
     try:
         comm.barrier()
         t0 = clock()
-        if not exchange and before_step is None:  # no neighbour: the steps in one call (bar: in chunks)
+        if time_block == 2:
+            t_comm = _two_step_loop(blk, start, stop, bar)
+        elif not exchange and before_step is None:  # no neighbour: the steps in one call (bar: in chunks)
             chunk = stop - start if bar is None else max(1, (stop - start) // 100)
             s = start
             while s < stop:
@@ -344,6 +355,33 @@ def run_steps(comm, blk, start, stop, overlap, timers, before_step=None, progres
     return wall
 
 
+def _two_step_loop(blk, start, stop, bar):
+    """:func:`run_steps`' loop with temporal blocking; returns the seconds in halo calls."""
+    fields, halo, exchange, clock = blk.fields, blk.halo, blk.exchange, time.perf_counter
+    t_comm, s = 0.0, start
+    while s < stop:
+        n = stop - s
+        if exchange:  # one exchange per two steps
+            pairs = min(1, n // 2)
+        else:  # no neighbour: every pair in one call (with a bar: in about 100 chunks)
+            pairs = n // 2 if bar is None else min(n // 2, max(1, (stop - start) // 200))
+        if exchange:
+            a = clock()
+            halo.exchange(fields[s & 1])
+            t_comm += clock() - a
+        if pairs:
+            blk.run_two(s & 1, pairs)
+            s += 2 * pairs
+            if bar is not None:
+                bar.update(2 * pairs)
+        else:  # an odd last step
+            blk.run_all(s & 1)
+            s += 1
+            if bar is not None:
+                bar.update(1)
+    return t_comm
+
+
 def _summary(comm, grid, blk, local, backend, steps, alpha, dt, dx, wall, timers, extra=None):
     """The HeatResult of a run that ended with ``local`` (this rank's owned
     block): two reductions over ``comm`` (every rank calls it)."""
@@ -366,7 +404,7 @@ def _summary(comm, grid, blk, local, backend, steps, alpha, dt, dx, wall, timers
 
 # ------------------------------------------------------------------ drivers
 def solve(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final=None,
-          progress=None, overlap=True):
+          progress=None, overlap=True, time_block=1):
     """Run the solver on ``comm``.
 
     Args:
@@ -391,6 +429,12 @@ def solve(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final=No
             side needs no exchange and no shell; a rank with no neighbour at
             all (one rank) updates its block in one call and never calls the
             halo exchange.
+        time_block: 1 (one sweep over the block per step), or 2: temporal
+            blocking, numba backend only: halos two cells wide (with corners)
+            exchanged once per two steps, and both steps in one wavefront
+            sweep over the block (the second step's plane follows the first's
+            while its inputs are in cache); no overlap.  The field is the
+            same bit for bit.
 
     Returns:
         (HeatResult, local_field): the summary (same on every rank) and this
@@ -401,18 +445,28 @@ def solve(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final=No
             integer; ``steps`` not a positive integer (without ``t_final``);
             ``t_final``, ``cfl`` or ``alpha`` not finite and in range; a
             ``progress`` that is not callable, or more ranks along a
-            dimension than points; raised on every rank before any halo
-            message moves.  Also (on each rank that lacks it) the cupy
+            dimension than points; ``time_block`` not 1 or 2, or 2 with
+            another backend than numba; raised on every rank before any halo
+            message moves.  With ``time_block=2``, a block thinner than 2
+            cells along a dimension with neighbours (the halo exchange's
+            InvalidArgument, on every rank).  Also (on each rank that lacks it) the cupy
             backend without CuPy or without a GPU.
     """
     op = "heat.solve"
-    grid = _check_args(comm, grid, backend, cfl, alpha, progress, op, steps, t_final)
+    problem = None
+    if time_block not in (1, 2) or not _is_int(time_block):
+        problem = InvalidArgument(f"time_block must be 1 or 2, got {time_block!r}", rank=comm.rank, op=op)
+    elif time_block == 2 and backend != "numba":
+        problem = InvalidArgument(f"time_block=2 (temporal blocking) runs the numba backend, not {backend!r}",
+                                  rank=comm.rank, op=op)
+    grid = _check_args(comm, grid, backend, cfl, alpha, progress, op, steps, t_final, local_error=problem)
     dx, dt, steps, c = time_step(grid, alpha, cfl, steps, t_final)
     cart, shape, offset = _setup(comm, grid, op)
-    halo = _halo_exchange()(cart, shape, width=1, corners=False, dtype=np.float64)
+    wide = time_block == 2
+    halo = _halo_exchange()(cart, shape, width=2 if wide else 1, corners=wide, dtype=np.float64)
     blk = _Block(cart, halo, shape, offset, grid, alpha, backend, c)
     timers = _Timers()
-    wall = run_steps(comm, blk, 0, steps, overlap, timers, progress=progress)
+    wall = run_steps(comm, blk, 0, steps, overlap, timers, progress=progress, time_block=time_block)
     halo.free()
     local = blk.owned(steps & 1)
     res = _summary(comm, grid, blk, local, backend, steps, alpha, dt, dx, wall, timers)

@@ -13,6 +13,9 @@ Three things are timed per grid, in alternating order, ``--trials`` times:
   in the same order as commlib's, so both must end with the same field, bit
   for bit: the run checks that (``same field``), so the two solve the same
   problem.
+* **commlib, temporal blocking** (``--time-block``): the same solver with
+  ``time_block=2`` (two steps per sweep over the block and per halo exchange),
+  in a table of its own: it is not bound by the one-sweep roofline.
 * **roofline**: a numba copy between two float64 arrays of each rank's padded
   block shape (the solver's ``u`` and ``un``, back and forth as the solver
   swaps them), every rank at once.  FTCS reads one value and writes one per
@@ -213,7 +216,7 @@ def _span(xs):
     return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "trials": xs}
 
 
-def bench_grid(comm, mpicomm, grid, steps, trials, overlap):
+def bench_grid(comm, mpicomm, grid, steps, trials, overlap, time_block=False):
     """One grid: ``trials`` alternating timings of commlib, the hand-written
     solver and the roofline copy; returns the row (rank 0's numbers are the
     job's: every rate is over all ranks, with the slowest rank's seconds)."""
@@ -224,25 +227,30 @@ def bench_grid(comm, mpicomm, grid, steps, trials, overlap):
     res, local = heat.solve(comm, grid, steps=2, overlap=overlap)  # compile, warm up
     padded = tuple(n + 2 for n in local.shape)
     hand_solve(mpicomm, grid, 2)
+    if time_block:
+        heat.solve(comm, grid, steps=2, time_block=2)
     copy_seconds(mpicomm, padded, 2)
     padded_cells = mpicomm.allreduce(int(np.prod(padded)))
 
     def slowest(seconds):
         return mpicomm.allreduce(seconds, op=MPI.MAX)
 
-    ours, hand, roof, same = [], [], [], True
+    ours, hand, roof, blocked, same = [], [], [], [], True
+    names = ("commlib", "hand", "roof") + (("blocked",) if time_block else ())
     for t in range(trials):
-        order = ("commlib", "hand", "roof") if t % 2 == 0 else ("roof", "hand", "commlib")
-        for what in order:
+        for what in names if t % 2 == 0 else names[::-1]:
             if what == "commlib":
                 res, mine = heat.solve(comm, grid, steps=steps, overlap=overlap)
                 ours.append(cells * steps / res.wall_s / 1e6)
+            elif what == "blocked":
+                res2, two = heat.solve(comm, grid, steps=steps, time_block=2)
+                blocked.append(cells * steps / res2.wall_s / 1e6)
             elif what == "hand":
                 wall, theirs = hand_solve(mpicomm, grid, steps)
                 hand.append(cells * steps / slowest(wall) / 1e6)
             else:
                 roof.append(padded_cells * steps / slowest(copy_seconds(mpicomm, padded, steps)) / 1e6)
-        same = same and bool(np.array_equal(mine, theirs))
+        same = same and bool(np.array_equal(mine, theirs)) and (not time_block or bool(np.array_equal(mine, two)))
     same = mpicomm.allreduce(same, op=MPI.LAND)
     ws = 2 * int(np.prod(padded)) * 8
     host = zlib.crc32(socket.gethostname().encode())
@@ -251,7 +259,12 @@ def bench_grid(comm, mpicomm, grid, steps, trials, overlap):
     llc = last_level_cache_bytes()
     level = "unknown" if llc is None else ("cache" if node_ws <= llc else "DRAM")
     best_roof = max(roof)
-    return {
+    extra = {}
+    if time_block:
+        extra = {"time_block2_mlups": _span(blocked),
+                 "time_block2_over_hand": _span([a / b for a, b in zip(blocked, hand)]),
+                 "time_block2_over_roofline": _span([a / best_roof for a in blocked])}
+    return {**extra, 
         "grid": list(grid), "steps": steps, "ranks": mpicomm.Get_size(), "dims": res.dims,
         "working_set_bytes_per_node": node_ws, "last_level_cache_bytes": llc, "roofline_level": level,
         "commlib_mlups": _span(ours), "hand_mlups": _span(hand), "roofline_mlups": _span(roof),
@@ -268,13 +281,21 @@ def print_rows(rows, ranks):
     head = (f"{'grid':>12} {'steps':>5} {'level':>6} {'commlib':>11} {'hand-written':>12} {'roofline':>11} "
             f"{'ours/hand':>11} {'ours/roof':>11} {'hand/roof':>11} {'same':>5}")
     print(head)
+
+    def rng(s, fmt="{:.0f}"):
+        return f"{fmt.format(s['min'])}-{fmt.format(s['max'])}"
+
     for r in rows:
-        def rng(s, fmt="{:.0f}"):
-            return f"{fmt.format(s['min'])}-{fmt.format(s['max'])}"
         print(f"{'x'.join(map(str, r['grid'])):>12} {r['steps']:>5} {r['roofline_level']:>6} "
               f"{rng(r['commlib_mlups']):>11} {rng(r['hand_mlups']):>12} {rng(r['roofline_mlups']):>11} "
               f"{rng(r['commlib_over_hand'], '{:.2f}'):>11} {rng(r['commlib_over_roofline'], '{:.2f}'):>11} "
               f"{rng(r['hand_over_roofline'], '{:.2f}'):>11} {'yes' if r['same_field'] else 'NO':>5}")
+    if any("time_block2_mlups" in r for r in rows):
+        print("# temporal blocking (--time-block 2: two steps per sweep and per exchange), same trials")
+        print(f"{'grid':>12} {'blocked':>11} {'blocked/hand':>12} {'blocked/roof':>12}")
+        for r in rows:
+            print(f"{'x'.join(map(str, r['grid'])):>12} {rng(r['time_block2_mlups']):>11} "
+                  f"{rng(r['time_block2_over_hand'], '{:.2f}'):>12} {rng(r['time_block2_over_roofline'], '{:.2f}'):>12}")
 
 
 def plot_rows(rows, ranks, path):
@@ -313,6 +334,9 @@ def build_parser():
     p.add_argument("--trials", type=int_in(1, 1000, "trials"), default=3,
                    help="timed runs of each of the three, alternating (default 3)")
     p.add_argument("--no-overlap", action="store_true", help="run commlib's solver without overlap")
+    p.add_argument("--time-block", action="store_true",
+                   help="also time commlib's solver with temporal blocking (time_block=2: two steps per sweep and "
+                        "per halo exchange), reported in a table of its own")
     p.add_argument("--json", metavar="PATH", type=writable_file, help="write the rows to this JSON file")
     p.add_argument("--plot", metavar="PATH", type=writable_file, help="write a bar chart (PNG) of the rows")
     return p
@@ -337,7 +361,7 @@ def main(argv=None):
     rows = []
     for g in args.grids:
         steps = args.steps or max(10, round(UPDATES_PER_RUN / int(np.prod(g))))
-        rows.append(bench_grid(comm, mpicomm, list(g), steps, args.trials, not args.no_overlap))
+        rows.append(bench_grid(comm, mpicomm, list(g), steps, args.trials, not args.no_overlap, args.time_block))
     if comm.rank == 0:
         print_rows(rows, comm.size)
         write_json(args.json, {"ranks": comm.size, "host": socket.gethostname(), "rows": rows})

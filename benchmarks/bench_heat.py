@@ -358,13 +358,18 @@ def main(argv=None):
     for g in args.grids:
         if int(np.prod(g)) < comm.size or min(g) < 2:
             p.error(f"--grids {'x'.join(map(str, g))}: too small for {comm.size} rank(s)")
+    load_before = os.getloadavg()
     rows = []
     for g in args.grids:
         steps = args.steps or max(10, round(UPDATES_PER_RUN / int(np.prod(g))))
         rows.append(bench_grid(comm, mpicomm, list(g), steps, args.trials, not args.no_overlap, args.time_block))
     if comm.rank == 0:
+        load = (load_before[0], os.getloadavg()[0])
         print_rows(rows, comm.size)
-        write_json(args.json, {"ranks": comm.size, "host": socket.gethostname(), "rows": rows})
+        print(f"# load average (1 min) before / after: {load[0]:.2f} / {load[1]:.2f} on {os.cpu_count()} CPUs "
+              f"(this job's {comm.size} rank(s) included after)")
+        write_json(args.json, {"ranks": comm.size, "host": socket.gethostname(), "cpus": os.cpu_count(),
+                               "loadavg_before_after": load, "rows": rows})
         if args.plot:
             plot_rows(rows, comm.size, args.plot)
     return 0

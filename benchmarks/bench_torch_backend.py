@@ -341,11 +341,13 @@ def profile_small(rank, n, launcher, calls=2000):
     pg = dist.group.WORLD
     t = torch.zeros(2, dtype=torch.float32)
     a = t.numpy()
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.SUM
+    sync, async_ = dist.AllreduceOptions(), dist.AllreduceOptions()
+    sync.reduceOp = async_.reduceOp = dist.ReduceOp.SUM
+    sync.asyncOp, async_.asyncOp = False, True  # dist.all_reduce's; DDP's (torch's default options)
     layers = {
+        "async: ProcessGroup.allreduce+wait": lambda: pg.allreduce([t], async_).wait(),
         "dist.all_reduce": lambda: dist.all_reduce(t),
-        "ProcessGroup.allreduce + wait": lambda: pg.allreduce([t], opts).wait(),
+        "ProcessGroup.allreduce + wait": lambda: pg.allreduce([t], sync).wait(),
         "communicator allreduce (numpy)": lambda: comm.allreduce(a, op="sum"),
     }
     mpi_comm = getattr(comm, "mpi_comm", None)
@@ -387,7 +389,7 @@ def profile_small(rank, n, launcher, calls=2000):
               "the slowest rank's):", flush=True)
         for i, k in enumerate(names):
             below = f"  (+{(res[k] - res[names[i + 1]]) * 1e6:.1f} us over the layer below)" \
-                if i + 1 < len(names) else ""
+                if 0 < i < len(names) - 1 else "  (asyncOp=True, as DDP calls it: the worker thread)" if i == 0 else ""
             print(f"  {k:<32} {res[k] * 1e6:8.1f} us{below}")
         print(f"\nrank 0's cProfile of {calls} dist.all_reduce calls of 8 B (by own time):")
         print(text)

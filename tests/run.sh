@@ -49,7 +49,7 @@ TIMED=${COMMLIB_TIMED_TESTS-"tests/test_ft.py tests/test_ft_heat.py tests/test_f
 # MPI on the elastic path fails CI and the suite takes no longer.
 NO_MPI=${COMMLIB_NO_MPI_TESTS-"tests/test_elastic_no_mpi.py tests/test_elastic.py tests/test_elastic_job.py tests/test_elastic_engine.py
   tests/test_elastic_adversary.py tests/test_elastic_churn.py tests/test_elastic_collectives.py tests/test_tcp.py tests/test_diloco.py
-  tests/test_tcp_comm.py"}
+  tests/test_tcp_comm.py tests/test_torch_backend_torchrun.py"}
 NO_MPI_TIMED="tests/test_elastic_engine.py tests/test_elastic_adversary.py tests/test_elastic_churn.py tests/test_elastic_collectives.py"
 WORKERS=${COMMLIB_TEST_WORKERS:-2}
 # The plain-CPU stage runs one worker more than the machine has cores, with work

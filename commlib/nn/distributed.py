@@ -70,6 +70,7 @@ import zlib
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import (AllToAllOptions, AllgatherOptions, AllreduceCoalescedOptions, AllreduceOptions, BarrierOptions, BroadcastOptions, GatherOptions, ReduceOptions, ReduceScatterOptions, ScatterOptions)
 
 from commlib.core.errors import InvalidArgument
 
@@ -164,11 +165,11 @@ class ProcessGroupCommlib(dist.ProcessGroup):
 
     # -- all-reduce ----------------------------------------------------------
     def allreduce(self, tensors, opts=None):
-        opts = dist.AllreduceOptions() if opts is None else opts
+        opts = AllreduceOptions() if opts is None else opts
         return self._allreduce(list(tensors), opts, "all_reduce")
 
     def allreduce_coalesced(self, tensors, opts=None):
-        opts = dist.AllreduceCoalescedOptions() if opts is None else opts
+        opts = AllreduceCoalescedOptions() if opts is None else opts
         return self._allreduce(list(tensors), opts, "all_reduce_coalesced")
 
     def _allreduce(self, tensors, opts, opname):
@@ -187,7 +188,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
 
     # -- broadcast -------------------------------------------------------------
     def broadcast(self, tensors, opts=None):
-        opts = dist.BroadcastOptions() if opts is None else opts
+        opts = BroadcastOptions() if opts is None else opts
         tensors, comm, timeout, root = list(tensors), self.comm, self.timeout, opts.rootRank
 
         def fn():
@@ -199,7 +200,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
 
     # -- all-gather ------------------------------------------------------------
     def allgather(self, output_lists, inputs, opts=None):
-        opts = dist.AllgatherOptions() if opts is None else opts
+        opts = AllgatherOptions() if opts is None else opts
         comm, timeout = self.comm, self.timeout
         output_lists, inputs = [list(o) for o in output_lists], list(inputs)
 
@@ -216,14 +217,14 @@ class ProcessGroupCommlib(dist.ProcessGroup):
     allgather_coalesced = allgather
 
     def _allgather_base(self, output, input, opts=None):  # noqa: A002 - torch's name
-        opts = dist.AllgatherOptions() if opts is None else opts
+        opts = AllgatherOptions() if opts is None else opts
         return self._gather_into([output], [input], opts, "all_gather_into_tensor")
 
     def all_gather_single(self, output, input, opts=None):  # noqa: A002
         return self._allgather_base(output, input, opts)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        opts = dist.AllgatherOptions() if opts is None else opts
+        opts = AllgatherOptions() if opts is None else opts
         return self._gather_into(list(outputs), list(inputs), opts, "all_gather_into_tensor_coalesced")
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
@@ -248,7 +249,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
 
     # -- reduce-scatter --------------------------------------------------------
     def reduce_scatter(self, outputs, input_lists, opts=None):
-        opts = dist.ReduceScatterOptions() if opts is None else opts
+        opts = ReduceScatterOptions() if opts is None else opts
         outputs, input_lists = list(outputs), [list(i) for i in input_lists]
 
         def flat():
@@ -257,14 +258,14 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         return self._reduce_scatter(outputs, input_lists, opts, "reduce_scatter", flat)
 
     def _reduce_scatter_base(self, output, input, opts=None):  # noqa: A002
-        opts = dist.ReduceScatterOptions() if opts is None else opts
+        opts = ReduceScatterOptions() if opts is None else opts
         return self._reduce_scatter([output], [input], opts, "reduce_scatter_tensor")
 
     def reduce_scatter_single(self, output, input, opts=None):  # noqa: A002
         return self._reduce_scatter_base(output, input, opts)
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
-        opts = dist.ReduceScatterOptions() if opts is None else opts
+        opts = ReduceScatterOptions() if opts is None else opts
         return self._reduce_scatter(list(outputs), list(inputs), opts, "reduce_scatter_tensor_coalesced")
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
@@ -296,7 +297,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
 
     # -- all-to-all ------------------------------------------------------------
     def alltoall(self, outputs, inputs, opts=None):
-        opts = dist.AllToAllOptions() if opts is None else opts
+        opts = AllToAllOptions() if opts is None else opts
         outputs, inputs = list(outputs), list(inputs)
 
         def fn():
@@ -304,7 +305,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         return self._run(fn, outputs, opts)
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # noqa: A002
-        opts = dist.AllToAllOptions() if opts is None else opts
+        opts = AllToAllOptions() if opts is None else opts
         comm = self.comm
 
         def fn():
@@ -358,7 +359,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
 
     # -- rooted collectives ----------------------------------------------------
     def reduce(self, tensors, opts=None):
-        opts = dist.ReduceOptions() if opts is None else opts
+        opts = ReduceOptions() if opts is None else opts
         tensors, comm, timeout, root, op = list(tensors), self.comm, self.timeout, opts.rootRank, opts.reduceOp
 
         def fn():
@@ -374,7 +375,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         return self._run(fn, tensors, opts)
 
     def gather(self, output_lists, inputs, opts=None):
-        opts = dist.GatherOptions() if opts is None else opts
+        opts = GatherOptions() if opts is None else opts
         output_lists, inputs = [list(o) for o in output_lists], list(inputs)
         comm, timeout, root = self.comm, self.timeout, opts.rootRank
 
@@ -392,7 +393,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         return self._run(fn, output_lists, opts)
 
     def scatter(self, outputs, input_lists, opts=None):
-        opts = dist.ScatterOptions() if opts is None else opts
+        opts = ScatterOptions() if opts is None else opts
         outputs, input_lists = list(outputs), [list(i) for i in input_lists]
         comm, timeout, root = self.comm, self.timeout, opts.rootRank
 
@@ -411,7 +412,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         return self._run(fn, outputs, opts)
 
     def barrier(self, opts=None):
-        opts = dist.BarrierOptions() if opts is None else opts
+        opts = BarrierOptions() if opts is None else opts
         comm, timeout = self.comm, self.timeout
         return self._run(lambda: comm.barrier(timeout=timeout), [], opts)
 
@@ -471,6 +472,9 @@ def _create(dist_opts, backend_opts):
     elif not members:  # the default group, made by torch's own init_process_group
         comm = _default_comm(store, rank, size, timeout)
     else:
+        default = dist.distributed_c10d._get_default_group()
+        if timeout is None and isinstance(default, ProcessGroupCommlib):
+            timeout = default.timeout  # a sub-group given no timeout of its own keeps the job's
         comm = _sub_comm(store, rank, size, members, dist_opts.group_id, timeout)
     if (comm.rank, comm.size) != (rank, size):
         raise InvalidArgument(f"torch gave rank {rank} of {size} but the communicator is rank {comm.rank} of "

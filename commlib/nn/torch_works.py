@@ -64,7 +64,7 @@ class HostTensor:
 
 def reduce_op(reduce_op, dtype, rank: int, opname: str):
     """(commlib op name, PREMUL_SUM factor or None) of a torch ``ReduceOp``."""
-    kind = reduce_op.op if isinstance(reduce_op, dist.ReduceOp) else reduce_op
+    kind = getattr(reduce_op, "op", reduce_op)
     if kind == _ROP.PREMUL_SUM:
         factor = reduce_op.__getstate__()[1]
         if isinstance(factor, torch.Tensor):
@@ -205,7 +205,7 @@ class P2PWaiter:
 
 
 def needs_scaling(op) -> bool:
-    kind = op.op if isinstance(op, dist.ReduceOp) else op
+    kind = getattr(op, "op", op)
     return kind == _ROP.PREMUL_SUM
 
 

@@ -67,6 +67,13 @@ from .core.errors import CommError, CommTimeout, InvalidArgument, ProcessFailed
 __all__ = ["Failure", "ResilientRunner", "StateLost"]
 
 
+class _Unseen(ProcessFailed):
+    """A failure the communicator recovered (it shrank) while the step ran,
+    found when the step returned: the step is redone."""
+
+    recovered = True
+
+
 class StateLost(ProcessFailed):
     """The state a failure should go back to was lost with the failed ranks
     (e.g. a block and its buddy copy both): raised by a ``load`` or
@@ -212,6 +219,11 @@ class ResilientRunner:
                 comm = self.comm
                 if self.commit and comm.size > 1:
                     comm.barrier()  # commlib's fault-tolerant barrier: the commit
+                lost = set(comm.failed_ranks) - self._lost
+                if lost:  # a call the step did not wait on (e.g. on a worker thread) recovered a failure
+                    raise _Unseen(f"COMM_WORLD rank(s) {sorted(lost)} failed inside the step (recovered by "
+                                  "a call whose error the step did not see)", failed=tuple(sorted(lost)),
+                                  rank=comm.rank, op="ResilientRunner.run")
             except StateLost:
                 self._bound_finalize()
                 raise

@@ -72,9 +72,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import (AllToAllOptions, AllgatherOptions, AllreduceCoalescedOptions, AllreduceOptions, BarrierOptions, BroadcastOptions, GatherOptions, ReduceOptions, ReduceScatterOptions, ScatterOptions)
 
-from commlib.core.errors import InvalidArgument
+from commlib.core.errors import CommTimeout, InvalidArgument, ProcessFailed
 
-from .torch_works import (NUMPY_DTYPES, HostTensor, P2PWaiter, Work, Worker, bits_view, done,
+from .torch_works import (NUMPY_DTYPES, HostTensor, P2PWaiter, Worker, bits_view, done,
                           needs_scaling, numpy_view, p2p_tag, reduce_op, split_sizes)
 
 __all__ = ["ProcessGroupCommlib", "init_process_group", "reinit_process_group", "communicator_of", "BACKEND"]
@@ -149,16 +149,29 @@ class ProcessGroupCommlib(dist.ProcessGroup):
     def _run(self, fn, result, opts) -> dist.Work:
         """Run ``fn()`` (which fills the output tensors) now in this thread when the
         call is synchronous and the worker idle, else on the worker; the work's
-        future completes with ``result``."""
-        def call():
-            fn()
-            return result
+        future completes with ``result``.
 
+        A process failure or timeout (on the worker or here) breaks the group:
+        every later call raises that error at once, before anything moves, until
+        :func:`reinit_process_group` replaces the group."""
+        if self._broken is not None:
+            raise self._broken
         if not getattr(opts, "asyncOp", True) and self._worker.idle():
             with self._worker.running:
-                call()
+                try:
+                    fn()
+                except (ProcessFailed, CommTimeout) as exc:
+                    self._broken = exc
+                    raise
             return done(result)
-        return Work(self._worker.submit(call))
+        return self._worker.submit(fn, result, self._failed)
+
+    #: the failure that broke the group (see :meth:`_run`)
+    _broken = None
+
+    def _failed(self, exc) -> None:
+        if isinstance(exc, (ProcessFailed, CommTimeout)):
+            self._broken = exc
 
     def _host(self, t, op, load=True) -> HostTensor:
         return HostTensor(t, self.comm.rank, op, load)
@@ -420,14 +433,18 @@ class ProcessGroupCommlib(dist.ProcessGroup):
     def send(self, tensors, dst: int, tag: int):
         t = tensors[0]
         h = self._host(t, "send")
+        if self._broken is not None:
+            raise self._broken
         req = self.comm.transport.isend(h.array, dst, p2p_tag(tag))
-        return Work(self._p2p.add(req, list(tensors)))
+        return self._p2p.add(req, list(tensors))
 
     def recv(self, tensors, src: int, tag: int):
         t = tensors[0]
         h = self._host(t, "recv", load=False)
+        if self._broken is not None:
+            raise self._broken
         req = self.comm.transport.irecv(h.array, src, p2p_tag(tag))
-        return Work(self._p2p.add(req, list(tensors), h.back))
+        return self._p2p.add(req, list(tensors), h.back)
 
     # -- life ----------------------------------------------------------------
     def shutdown(self) -> None:
@@ -584,15 +601,16 @@ def reinit_process_group(comm=None, *, timeout=None) -> ProcessGroupCommlib:
     torch fixes a group's rank and size when it is made; after a fault-tolerant
     communicator shrank, call this on every survivor (and rebuild what holds
     the old group, such as a ``DistributedDataParallel`` wrapper) before the
-    next call.
+    next call.  Starts the group when there is none yet (as :func:`init_process_group`).
     """
     if comm is None:
         comm = communicator_of()
-    if timeout is None and dist.is_initialized():
+    if not dist.is_initialized():
+        return init_process_group(comm, timeout=timeout)
+    if timeout is None:
         pg = dist.distributed_c10d._get_default_group()
         timeout = getattr(pg, "timeout", None)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    dist.destroy_process_group()
     return init_process_group(comm, timeout=timeout)
 
 

@@ -80,15 +80,24 @@ def reduce_op(reduce_op, dtype, rank: int, opname: str):
 
 # ------------------------------------------------------------------ works
 class Work(dist.Work):
-    """A ``Work`` over a ``torch.futures.Future``: ``wait()`` raises the call's
-    error, ``get_future()`` completes with the output tensors (as gloo's)."""
+    """A ``Work`` over a ``torch.futures.Future`` that completes with the call's
+    output tensors: ``wait()`` raises the call's error, if it failed.
 
-    def __init__(self, fut: torch.futures.Future):
+    A failed call's future completes too (with the output tensors as they
+    are): torch's C++ consumers of a Python group's future (DDP's reducer)
+    crash on a future that holds an error.  The error comes from ``wait()``,
+    ``exception()`` and ``is_success()``, and the group raises it again on its
+    next call (:class:`~commlib.nn.distributed.ProcessGroupCommlib`)."""
+
+    def __init__(self, fut: torch.futures.Future, error: list | None = None):
         super().__init__()
         self._fut = fut
+        self._error = error if error is not None else []
 
     def wait(self, timeout=None) -> bool:
         self._fut.wait()
+        if self._error:
+            raise self._error[0]
         return True
 
     def get_future(self) -> torch.futures.Future:
@@ -98,26 +107,27 @@ class Work(dist.Work):
         return self._fut.done()
 
     def is_success(self) -> bool:
-        if not self._fut.done():
-            return False
-        try:
-            self._fut.value()
-        except Exception:  # noqa: BLE001 - the question is whether it failed
-            return False
-        return True
+        return self._fut.done() and not self._error
 
     def exception(self):
-        try:
-            self._fut.value()
-        except Exception as exc:  # noqa: BLE001
-            return exc
-        return None
+        return self._error[0] if self._error else None
 
 
 def done(result) -> dist.Work:
     fut = torch.futures.Future()
     fut.set_result(result)
     return Work(fut)
+
+
+def _finish(fut, error: list, call, result, on_error=None) -> None:
+    """Run ``call()``; complete ``fut`` with ``result`` whatever happens, keeping an error in ``error``."""
+    try:
+        call()
+    except BaseException as exc:  # noqa: BLE001 - delivered by Work.wait()
+        error.append(exc)
+        if on_error is not None:
+            on_error(exc)
+    fut.set_result(result)
 
 
 class Worker:
@@ -134,15 +144,16 @@ class Worker:
     def idle(self) -> bool:
         return self._pending == 0
 
-    def submit(self, fn) -> torch.futures.Future:
-        fut = torch.futures.Future()
+    def submit(self, fn, result, on_error=None) -> Work:
+        """Queue ``fn()``; the work completes with ``result`` (see :class:`Work` for errors)."""
+        fut, error = torch.futures.Future(), []
         with self._lock:
             self._pending += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, daemon=True, name=self._name)
                 self._thread.start()
-        self._q.put((fn, fut))
-        return fut
+        self._q.put((fn, fut, error, result, on_error))
+        return Work(fut, error)
 
     def stop(self, timeout: float = 5.0) -> None:
         """End the thread once the calls queued before are done (waits at most ``timeout`` seconds)."""
@@ -156,18 +167,13 @@ class Worker:
             item = self._q.get()
             if item is None:
                 return
-            fn, fut = item
-            try:
-                with self.running:
-                    result = fn()
-            except BaseException as exc:  # noqa: BLE001 - delivered by Work.wait() / the future
-                with self._lock:
-                    self._pending -= 1
-                fut.set_exception(exc)
-            else:
-                with self._lock:
-                    self._pending -= 1
-                fut.set_result(result)
+            fn, fut, error, result, on_error = item
+            with self.running:
+                try:
+                    _finish(fut, error, fn, result, on_error)
+                finally:
+                    with self._lock:
+                        self._pending -= 1
 
 
 class P2PWaiter:
@@ -178,13 +184,14 @@ class P2PWaiter:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = None
 
-    def add(self, req, tensors, after=None) -> torch.futures.Future:
-        fut = torch.futures.Future()
+    def add(self, req, tensors, after=None) -> Work:
+        """A work that completes with ``tensors`` once ``req`` has (then ``after()`` runs)."""
+        fut, error = torch.futures.Future(), []
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, daemon=True, name="commlib-torch-p2p")
             self._thread.start()
-        self._q.put((req, tensors, after, fut))
-        return fut
+        self._q.put((req, tensors, after, fut, error))
+        return Work(fut, error)
 
     stop = Worker.stop
 
@@ -193,15 +200,13 @@ class P2PWaiter:
             item = self._q.get()
             if item is None:
                 return
-            req, tensors, after, fut = item
-            try:
+            req, tensors, after, fut, error = item
+
+            def call(req=req, after=after):
                 req.wait()
                 if after is not None:
                     after()
-            except BaseException as exc:  # noqa: BLE001 - delivered by Work.wait()
-                fut.set_exception(exc)
-            else:
-                fut.set_result(tensors)
+            _finish(fut, error, call, tensors)
 
 
 def needs_scaling(op) -> bool:

@@ -384,12 +384,6 @@ def _noop(parity):
     return None
 
 
-#: the interior update is cut into this many slabs along the first axis; the
-#: solver polls the halo exchange between them, so MPI moves the messages
-#: (a rendezvous needs both sides to enter MPI) while the interior is updated
-INNER_SLABS = 4
-
-
 def region_updates(backend, fields, c, shape, width, sides, chunk=None):
     """Three callables of the step parity ``p`` (each updates from
     ``fields[p]`` into ``fields[1 - p]``), built once per solve:
@@ -398,10 +392,8 @@ def region_updates(backend, fields, c, shape, width, sides, chunk=None):
       exchange between them (step ``k`` reads ``fields[(p + k) & 1]``; the
       numba backend takes all of them in one call, a device backend one
       launch each);
-    * ``run_inner(p, poll=None)``: the cells whose stencil reads no exchanged
-      ghost cell (a no-op when that box is empty); on the host in
-      :data:`INNER_SLABS` slabs along the first axis with ``poll()`` called
-      between them when given (device: one launch, ``poll`` unused);
+    * ``run_inner(p)``: the cells whose stencil reads no exchanged ghost cell
+      (one call or launch; a no-op when that box is empty);
     * ``run_shell(p)``: the other owned cells (device: ONE launch over the
       owned box that skips the interior; numba: one call for every face).
 
@@ -425,33 +417,25 @@ def region_updates(backend, fields, c, shape, width, sides, chunk=None):
                 return _noop
             return kernels.Launch(a, b, c, lo, hi, skip, *geo).launch
 
-        one_all, one_inner = region(full_lo, full_hi), region(inner_lo, inner_hi)
+        one_all = region(full_lo, full_hi)
 
         def run_all(p, n=1):
             for k in range(n):
                 one_all((p + k) & 1)
 
-        def run_inner(p, poll=None):
-            one_inner(p)
-
-        return run_all, run_inner, region(full_lo, full_hi, (inner_lo, inner_hi))
+        return run_all, region(inner_lo, inner_hi), region(full_lo, full_hi, (inner_lo, inner_hi))
 
     shell = shell_regions(shape, width, sides)
     pairs = (fields, fields[::-1])
     has_inner = all(h > l for l, h in zip(inner_lo, inner_hi))
-    cuts = sorted({inner_lo[0] + (inner_hi[0] - inner_lo[0]) * k // INNER_SLABS for k in range(INNER_SLABS + 1)})
-    slabs = [((a,) + tuple(inner_lo[1:]), (b,) + tuple(inner_hi[1:])) for a, b in zip(cuts, cuts[1:])]
     if backend == "numpy":
         def run_all(p, n=1):
             for k in range(n):
                 numpy_update(*pairs[(p + k) & 1], c, full_lo, full_hi)
 
-        def run_inner(p, poll=None):
+        def run_inner(p):
             if has_inner:
-                for k, (lo, hi) in enumerate(slabs):
-                    if k and poll is not None:
-                        poll()
-                    numpy_update(*pairs[p], c, lo, hi)
+                numpy_update(*pairs[p], c, inner_lo, inner_hi)
 
         def run_shell(p):
             for lo, hi in shell:
@@ -462,7 +446,7 @@ def region_updates(backend, fields, c, shape, width, sides, chunk=None):
     kern = _get_numba(len(shape))
     boxes, many = kern["boxes"], kern["steps"]
     whole = _box_array([(full_lo, full_hi)])
-    parts = [_box_array([box]) for box in slabs] if has_inner else []
+    inner = _box_array([(inner_lo, inner_hi)]) if has_inner else None
     faces = _box_array(shell) if shell else None
     args = [(*pairs[p], c) for p in (0, 1)]
 
@@ -472,11 +456,9 @@ def region_updates(backend, fields, c, shape, width, sides, chunk=None):
         else:
             many(*args[p], whole, n)
 
-    def run_inner(p, poll=None):
-        for k, box in enumerate(parts):
-            if k and poll is not None:
-                poll()
-            boxes(*args[p], box)
+    def run_inner(p):
+        if inner is not None:
+            boxes(*args[p], inner)
 
     def run_shell(p):
         if faces is not None:

@@ -264,10 +264,9 @@ def run_steps(comm, blk, start, stop, overlap, timers, before_step=None, progres
     Otherwise per step ``s`` (parity ``p = s & 1``): ``before_step(s)`` when
     given (the fault-tolerant driver's checkpoints and kills), then without a
     neighbour the whole block in one update; with overlap the exchange of
-    ``fields[p]`` starts, the interior is updated in slabs with the exchange
-    polled between them (so its messages move while the interior is
-    updated), the exchange completes and the shell is updated; without
-    overlap the exchange, then the whole block.
+    ``fields[p]`` starts, the interior is updated, the exchange completes
+    and the shell is updated; without overlap the exchange, then the whole
+    block.
     Seconds inside halo calls go to ``timers.comm_s``.
 
     Args:
@@ -334,7 +333,7 @@ def run_steps(comm, blk, start, stop, overlap, timers, before_step=None, progres
                     a = clock()
                     req = halo.start(fields[p])
                     t_comm += clock() - a
-                    run_inner(p, req.test)  # polled between slabs: the messages move meanwhile
+                    run_inner(p)
                     a = clock()
                     req.wait()
                     t_comm += clock() - a

@@ -26,9 +26,11 @@ Three things are timed per grid, in alternating order, ``--trials`` times:
 
 Rates are MLUPS (million lattice-site updates per second, all ranks
 together; seconds: the slowest rank's).  Ratios are paired per trial
-(``commlib / hand-written`` of the same trial) and printed as their range.
-The working set of every rank on the node is compared with the last-level
-cache size from ``/sys`` and labelled ``cache`` or ``DRAM``.
+(``commlib / hand-written`` of the same trial) and printed as their median
+and range.  The working set of every rank on the node (``u`` + ``un``) is
+printed beside the last-level cache size from ``/sys``; the JSON labels each
+grid ``cache`` or ``DRAM`` by that size (a virtual machine may report its
+host's cache: the copy rate says which level the arrays really live in).
 
     mpiexec -n 2 python -P benchmarks/bench_heat.py --json heat_p2.json --plot heat_p2.png
     mpiexec -n 1 python -P benchmarks/bench_heat.py --grids 96x96x96 --steps 200 --trials 5
@@ -276,26 +278,31 @@ def bench_grid(comm, mpicomm, grid, steps, trials, overlap, time_block=False):
 
 
 def print_rows(rows, ranks):
-    print(f"# heat, numba backend, {ranks} rank(s); MLUPS of all ranks, min-max over trials; "
-          "ratios paired per trial; roofline: the best copy trial")
-    head = (f"{'grid':>12} {'steps':>5} {'level':>6} {'commlib':>11} {'hand-written':>12} {'roofline':>11} "
-            f"{'ours/hand':>11} {'ours/roof':>11} {'hand/roof':>11} {'same':>5}")
-    print(head)
+    print(f"# heat, numba backend, {ranks} rank(s); MLUPS of all ranks, min-max over trials; ratios paired per "
+          "trial, median [min-max]; roofline: the best copy trial; MiB: u + un of every rank on the node")
 
-    def rng(s, fmt="{:.0f}"):
-        return f"{fmt.format(s['min'])}-{fmt.format(s['max'])}"
+    def rng(s):
+        return f"{s['min']:.0f}-{s['max']:.0f}"
 
+    def ratio(s):
+        return f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]"
+
+    print(f"{'grid':>12} {'steps':>5} {'MiB':>5} {'commlib':>10} {'hand':>10} {'roofline':>10} "
+          f"{'commlib/hand':>18} {'commlib/roof':>18} {'hand/roof':>18} {'same':>4}")
     for r in rows:
-        print(f"{'x'.join(map(str, r['grid'])):>12} {r['steps']:>5} {r['roofline_level']:>6} "
-              f"{rng(r['commlib_mlups']):>11} {rng(r['hand_mlups']):>12} {rng(r['roofline_mlups']):>11} "
-              f"{rng(r['commlib_over_hand'], '{:.2f}'):>11} {rng(r['commlib_over_roofline'], '{:.2f}'):>11} "
-              f"{rng(r['hand_over_roofline'], '{:.2f}'):>11} {'yes' if r['same_field'] else 'NO':>5}")
+        print(f"{'x'.join(map(str, r['grid'])):>12} {r['steps']:>5} {r['working_set_bytes_per_node'] / 2 ** 20:5.0f} "
+              f"{rng(r['commlib_mlups']):>10} {rng(r['hand_mlups']):>10} {rng(r['roofline_mlups']):>10} "
+              f"{ratio(r['commlib_over_hand']):>18} {ratio(r['commlib_over_roofline']):>18} "
+              f"{ratio(r['hand_over_roofline']):>18} {'yes' if r['same_field'] else 'NO':>4}")
     if any("time_block2_mlups" in r for r in rows):
-        print("# temporal blocking (--time-block 2: two steps per sweep and per exchange), same trials")
-        print(f"{'grid':>12} {'blocked':>11} {'blocked/hand':>12} {'blocked/roof':>12}")
+        print("# temporal blocking (time_block=2: two steps per sweep and per exchange), same trials")
+        print(f"{'grid':>12} {'blocked':>10} {'blocked/hand':>18} {'blocked/roof':>18}")
         for r in rows:
-            print(f"{'x'.join(map(str, r['grid'])):>12} {rng(r['time_block2_mlups']):>11} "
-                  f"{rng(r['time_block2_over_hand'], '{:.2f}'):>12} {rng(r['time_block2_over_roofline'], '{:.2f}'):>12}")
+            print(f"{'x'.join(map(str, r['grid'])):>12} {rng(r['time_block2_mlups']):>10} "
+                  f"{ratio(r['time_block2_over_hand']):>18} {ratio(r['time_block2_over_roofline']):>18}")
+    llc = rows[0]["last_level_cache_bytes"] if rows else None
+    if llc:
+        print(f"# last-level cache (/sys): {llc / 2 ** 20:.0f} MiB")
 
 
 def plot_rows(rows, ranks, path):

@@ -3,9 +3,10 @@
 Serial: ``pytest tests/test_lm_app.py`` (command line, data, the --verify path
 against the single-process oracle); MPI:
 ``mpiexec -n N python -P -m pytest --with-mpi -m mpi tests/test_lm_app.py``
-(N ranks train with each attention kind and must give the losses of the
-single-process oracle, plain torch attention on whole sequences, within 1e-5
-relative, over 20 float32 steps).
+(N ranks train with each attention kind, and with ``--dp 2``'s (dp, cp) mesh
+at 2 and 4 ranks, and must give the losses of the single-process oracle,
+plain torch attention on whole sequences, within 1e-5 relative, over 20
+float32 steps).
 """
 from __future__ import annotations
 
@@ -88,6 +89,7 @@ BAD_CLI = [
     ["--kill", "x"], ["--kill", "1"], ["--kill", "1:0"], ["--kill", "1:99"], ["--kill", "-1:2"],
     ["--kill", "1:2:sideways"], ["--kill", "0:3:eval", "--eval-every", "10"], ["--checkpoint-every", "5"],
     ["--window", "0"], ["--window", "4", "--window-every", "0"], ["--window-every", "2"],
+    ["--dp", "0"], ["--dp", "x"],
 ]
 #: values refused for a given rank count (the launcher's, before MPI is up)
 BAD_FOR_SIZE = [
@@ -95,6 +97,10 @@ BAD_FOR_SIZE = [
     (4, ["--attention", "ulysses", "--heads", "6", "--kv-heads", "3", "--d-model", "48"]),
     (4, ["--attention", "hybrid", "--ulysses-degree", "3"]),
     (4, ["--attention", "hybrid", "--ulysses-degree", "4", "--heads", "2", "--kv-heads", "2"]),
+    (4, ["--dp", "3", "--batch", "6"]),  # 3 does not divide 4 ranks
+    (1, ["--dp", "2"]),
+    (4, ["--dp", "4", "--batch", "2"]),  # a data-parallel group without a sequence
+    (4, ["--dp", "2", "--attention", "ulysses", "--heads", "6", "--kv-heads", "3", "--d-model", "48"]),  # cp = 2
 ]
 
 
@@ -113,8 +119,11 @@ def test_cli_refuses_bad_values_before_running(size, argv, capsys, monkeypatch):
 
 
 @pytest.mark.timeout(60)
-def test_cli_process_exits_2_with_one_line():
-    res = subprocess.run([sys.executable, "-P", "-m", "commlib.apps.lm", "--heads", "4", "--kv-heads", "3"],
+@pytest.mark.parametrize("argv", [["--heads", "4", "--kv-heads", "3"], ["--dp", "2"]], ids=" ".join)
+def test_cli_process_exits_2_with_one_line(argv):
+    """A value refused before anything runs (``--dp 2`` at one rank: the rank count checked
+    after MPI is up): exit status 2, one line on stderr."""
+    res = subprocess.run([sys.executable, "-P", "-m", "commlib.apps.lm", *argv],
                          capture_output=True, text=True, timeout=60, env=_clean_env())
     assert res.returncode == 2, res.stderr
     assert res.stderr.count("\n") == 1 and res.stderr.startswith("lm: error: "), res.stderr
@@ -232,6 +241,32 @@ def test_ranks_train_like_one_rank(one_rank_losses, kind, layout, sizes):
     diff_val = max(abs(val[s] - ref_val[s]) / ref_val[s] for s in ref_val)
     print(f"{kind}/{layout} P={P}: max rel loss diff vs the single-process oracle: train {diff:.2e}, val {diff_val:.2e}; "
           f"final train {train[-1]:.5f}")
+    assert len(train) == 20 and diff <= 1e-5 and diff_val <= 1e-5
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(300)
+def test_data_parallel_mesh_trains_like_one_rank(one_rank_losses):
+    """``--dp 2``: a (2, P/2) mesh, each data-parallel group one of the batch's two sequences
+    (at 4 ranks sharded over the 2 ranks of its cp group, at 2 ranks whole: cp = 1), DDP over
+    the commlib backend summing the gradients over every rank: the losses of the single-process
+    oracle within 1e-5, and the parameters bit-identical on every rank."""
+    comm = commlib.init()
+    P = comm.size
+    if P not in (2, 4):
+        pytest.skip("--dp 2 runs on 2 and 4 ranks")
+    rep = app.run(app.parse_args(TINY + ["--dp", "2"], size=P), comm)
+    if comm.rank != 0:
+        assert rep is None
+        return
+    assert rep["mesh"] == rep["mesh_final"] == {"dp": 2, "cp": P // 2}
+    assert rep["sequence"]["tokens_per_rank"] == 48 // (P // 2)  # one 48-token sequence per dp group
+    assert rep["parameters_identical_across_ranks"]
+    train, val = _losses(rep)
+    ref_train, ref_val = one_rank_losses
+    diff = max(abs(a - b) / b for a, b in zip(train, ref_train))
+    diff_val = max(abs(val[s] - ref_val[s]) / ref_val[s] for s in ref_val)
+    print(f"--dp 2 P={P}: max rel loss diff vs the single-process oracle: train {diff:.2e}, val {diff_val:.2e}")
     assert len(train) == 20 and diff <= 1e-5 and diff_val <= 1e-5
 
 

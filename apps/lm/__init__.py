@@ -20,10 +20,21 @@ One training step on ``P`` ranks:
    the one collective step; positions are the tokens' global positions;
 3. loss: the sum of this rank's token cross-entropies divided by the global
    token count ``batch * seq_len``, so the ranks' losses add up to the mean;
-4. backward (the attention backward communicates too), then one
-   ``Communicator.allreduce`` (sum) of all parameter gradients flattened into
-   one float32 buffer: the parameters are replicated and stay bit-identical;
+4. backward (the attention backward communicates too), during which torch's
+   ``DistributedDataParallel``, over commlib's ``torch.distributed`` backend
+   (``"commlib"``), sums the parameter gradients over every rank in buckets:
+   the parameters are replicated and stay bit-identical;
 5. clip the global gradient norm, AdamW (linear warmup, then cosine decay).
+
+``--dp N`` adds data parallelism: the ranks form a ``(dp, cp)`` mesh
+(``torch.distributed.device_mesh.init_device_mesh``, ``cp = P / N``); data-parallel
+group ``d`` takes its share of the global batch's rows (the same global batch
+at every ``N``), packs them as above and shards that sequence over the ``cp``
+ranks of its group (the attention runs on the cp group's commlib
+communicator).  Every rank's loss is still divided by the global token count,
+so the gradient of the global mean loss is the sum of all ranks' gradients
+over cp and dp alike, which DDP takes on the flattened dp x cp group (as
+torchtitan reduces over ``dp_cp`` with context parallelism).
 
 ``--window W`` makes layers local (every layer, or layers ``0, K, 2K, ...``
 with ``--window-every K``, as Gemma 2 alternates local and global layers): a
@@ -49,6 +60,7 @@ Examples::
 
     mpiexec -n 2 python -P -m commlib.apps.lm
     mpiexec -n 4 python -P -m commlib.apps.lm --attention ulysses --heads 8 --kv-heads 4 --verify
+    mpiexec -n 4 python -P -m commlib.apps.lm --dp 2 --verify
     mpiexec -n 4 python -P -m commlib.apps.lm --attention hybrid --ulysses-degree 2 --json lm.json --plot lm.png
     mpiexec -n 4 python -P -m commlib.apps.lm --layout contiguous --seq-len 1024 --window 128 --window-every 2 --verify
     mpiexec -n 8 python -P -m commlib.apps.lm --device cuda --dtype bfloat16 --seq-len 16384 --d-model 512 \\
@@ -100,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
            "(chunks r and 2P-1-r of 2P, balanced under the causal mask) (default zigzag; ulysses: contiguous)")
     a("--ulysses-degree", type=int, default=None, metavar="U",
       help="hybrid: ranks per Ulysses group (divides the rank count, --heads and --kv-heads) (default 2)")
+    a("--dp", type=int, default=1, metavar="N",
+      help="data parallelism: the ranks form a (dp, cp) mesh, cp = ranks / N; the global batch is split over the "
+           "N data-parallel groups, each sequence sharded over the cp ranks of its group (the attention's ranks), "
+           "and torch's DistributedDataParallel on the commlib backend sums the gradients over the mesh; N "
+           "divides the rank count and is at most --batch (default 1: every rank shares each sequence)")
     a("--steps", type=int, default=40, help="training steps (default 40)")
     a("--seq-len", type=int, default=256,
       help="tokens per training sequence (the context each rank holds 1/P of); any length at any rank count: "
@@ -241,14 +258,16 @@ def check_sizes(parser, a, size: int) -> None:
     """The checks that depend on the job's rank count ``size`` (``parser.error``:
     one line on stderr, exit status 2, on every rank alike)."""
     err = parser.error
-    P = size
+    if size % a.dp:
+        err(f"--dp {a.dp} does not divide the rank count {size}")
     for rank, step, phase in a.kill:
-        if rank >= P:
-            err(f"--kill {rank}:{step}:{phase}: rank {rank} is not a rank of this {P}-rank job")
+        if rank >= size:
+            err(f"--kill {rank}:{step}:{phase}: rank {rank} is not a rank of this {size}-rank job")
+    P = size // a.dp  # the ranks sharing each sequence (cp)
     if a.attention in ("ulysses", "hybrid"):
-        u, what = (P, "the rank count") if a.attention == "ulysses" else (a.ulysses_degree, "--ulysses-degree")
+        u, what = (P, "the cp rank count") if a.attention == "ulysses" else (a.ulysses_degree, "--ulysses-degree")
         if P % u:
-            err(f"hybrid: --ulysses-degree {u} does not divide the rank count {P}")
+            err(f"hybrid: --ulysses-degree {u} does not divide the cp rank count {P}")
         if a.heads % u:
             err(f"{a.attention}: --heads {a.heads} is not divisible by {what} {u}")
         if a.kv_heads % u and u % a.kv_heads:
@@ -269,7 +288,7 @@ def parse_args(argv=None, size: int | None = None):
     p = build_parser()
     a = p.parse_args(argv)
     err = p.error
-    for name in ("steps", "seq_len", "batch", "d_model", "heads", "layers", "eval_every", "eval_batches"):
+    for name in ("dp", "steps", "seq_len", "batch", "d_model", "heads", "layers", "eval_every", "eval_batches"):
         v = getattr(a, name)
         if not 1 <= v <= MAX_INT:
             err(f"--{name.replace('_', '-')} must be in [1, {MAX_INT}], got {v}")
@@ -283,6 +302,8 @@ def parse_args(argv=None, size: int | None = None):
         err(f"rotary embeddings need an even head dimension; --d-model / --heads is {a.d_model // a.heads}")
     if a.seq_len < 2:
         err(f"--seq-len must be >= 2, got {a.seq_len}")
+    if a.dp > a.batch:
+        err(f"--dp {a.dp} exceeds --batch {a.batch}: every data-parallel group needs a sequence")
     if a.batch * a.seq_len > 1 << 40:
         err(f"--batch x --seq-len is {a.batch * a.seq_len} tokens, too many")
     if not (math.isfinite(a.lr) and a.lr > 0):

@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 import commlib
 from commlib.nn import SequenceParallelAttention, shard_sequence
@@ -84,26 +85,34 @@ class Shard:
 
     Args:
         args: the parsed command line.
-        comm: the communicator (the ranks sharing each sequence).
+        comm: the communicator of the ranks sharing each sequence (the
+            mesh's cp group).
         device: where the tensors go.
         kill: ``kill(phase)`` called at the start of the first attention of
             a forward (``"forward"``) and when autograd's backward reaches
             its output (``"backward"``): fault injection, or None.
+        rows: ``(first, end)``: the rows of the global batch this rank's
+            data-parallel group trains on (default: all of them).
     """
 
-    def __init__(self, args, comm, device, kill=None):
+    def __init__(self, args, comm, device, kill=None, rows=None):
         self.args, self.device, self.kill = args, device, kill
-        self.B, self.L = args.batch, args.seq_len
         self.doc_mask = not args.no_doc_mask
-        self.n_real = self.B * self.L if self.doc_mask else self.L  # length of the sharded sequence
         self.note = None
-        self.build(comm)
+        self.build(comm, rows)
 
-    def build(self, comm) -> None:
-        """(Re-)shard over ``comm``'s ranks (after a failure: the survivors), in the same layout."""
+    def build(self, comm, rows=None) -> None:
+        """(Re-)shard over ``comm``'s ranks (after a failure: the survivors), in the same layout.
+
+        ``rows``: the ``(first, end)`` rows of the global batch this rank's
+        sequences come from (its data-parallel group's part; default all)."""
         from . import pad_unit, plan_attention  # noqa: PLC0415
 
         a = self.args
+        self.rows = (0, a.batch) if rows is None else (int(rows[0]), int(rows[1]))
+        self.B, self.L = self.rows[1] - self.rows[0], a.seq_len
+        self.n_real = self.B * self.L if self.doc_mask else self.L  # length of the sharded sequence
+        self.size = comm.size
         unit = pad_unit(a.layout, comm.size)
         self.n = -(-self.n_real // unit) * unit
         self.pad = self.n - self.n_real
@@ -126,6 +135,7 @@ class Shard:
         ``(B, n/P)``, positions ``(n/P,)``, and ``attn(q, k, v)`` (with the
         fault-injection hooks when ``train``), or with ``--window`` the list
         of one such call per layer (local or global)."""
+        tokens = tokens[self.rows[0]:self.rows[1]]
         x, y = tokens[:, :-1], tokens[:, 1:]
         idx, pad, L = self.index, self.pad, self.L
         if self.doc_mask:
@@ -169,40 +179,121 @@ class Shard:
         return t(inp), t(tgt), t(pos), call
 
 
-class GradAllreduce:
-    """Sum the parameter gradients over the ranks: one flat float32 host buffer,
-    one ``Communicator.allreduce`` (bit-identical on every rank), copied back.
+def plan_mesh(size: int, dp: int, batch: int):
+    """The ``(dp, cp)`` mesh of ``size`` ranks for an asked ``dp``: ``dp`` when it divides
+    ``size`` (and is at most ``batch``: every data-parallel group gets a row), else the
+    largest such divisor below it (after a failure, the survivors' mesh)."""
+    d = max(x for x in range(1, min(dp, size, batch) + 1) if size % x == 0)
+    return d, size // d
 
-    GPU gradients are staged through host memory (the gradients are small next
-    to the activations of a long context)."""
 
-    def __init__(self, params, comm):
-        self.params, self.communicator = list(params), comm
-        self.numel = sum(p.numel() for p in self.params)
-        self.host = np.zeros(self.numel, dtype=np.float32)
-        self.flat = torch.from_numpy(self.host)
+def _batch_rows(batch: int, dp: int, d: int):
+    """``(first, end)``: data-parallel group ``d``'s rows of a ``batch``-row global
+    batch split over ``dp`` groups (``numpy.array_split``'s sizes: they differ by at most one)."""
+    q, r = divmod(batch, dp)
+    first = d * q + min(d, r)
+    return first, first + q + (1 if d < r else 0)
 
-    def __call__(self) -> None:
-        if self.communicator.size == 1:
-            return
-        o = 0
-        for p in self.params:
-            n = p.numel()
-            if p.grad is None:
-                self.flat[o:o + n].zero_()
-            else:
-                self.flat[o:o + n].copy_(p.grad.reshape(-1))
-            o += n
-        self.communicator.allreduce(self.host)
-        o = 0
-        for p in self.params:
-            n = p.numel()
-            g = self.flat[o:o + n].view_as(p).to(p.device)
-            if p.grad is None:
-                p.grad = g.clone()
-            else:
-                p.grad.copy_(g)
-            o += n
+
+def _sum_hook(state, bucket):
+    """DDP communication hook: one ``all_reduce`` (SUM) of the bucket over the
+    data-parallel group, no division (the losses are already divided by the
+    global token count: the sum is the gradient of the global mean loss)."""
+    state.before()
+    work = dist.all_reduce(bucket.buffer(), group=state.group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+class Parallel:
+    """The ``(dp, cp)`` mesh of the ranks, its process groups, and DDP.
+
+    ``torch.distributed`` runs over commlib (the ``"commlib"`` backend on
+    ``comm``); ``init_device_mesh(device, (dp, cp))`` (rank ``r`` at
+    ``(r // cp, r % cp)``) gives the cp group, whose commlib communicator
+    (``commlib.nn.communicator_of``) the attention shards each sequence over,
+    and this rank's dp coordinate, which picks its data-parallel group's rows
+    of the global batch.
+
+    Gradients: every rank's loss is the sum of its tokens' cross-entropies over
+    the global token count ``N``, so the gradient of the global mean loss is
+    the *sum* of every rank's gradient, over cp (the parts of a sequence) and
+    over dp (the parts of the batch) alike: the parameters are replicated
+    across the whole mesh.  So ``DistributedDataParallel`` runs on the
+    flattened dp x cp group (the default group: every rank), as torchtitan
+    reduces over its ``dp_cp`` mesh when context parallelism is on, with a
+    SUM communication hook (:func:`_sum_hook`): one bucketed all-reduce per
+    step, overlapping the backward pass, and the same sum the app took by
+    hand before.
+
+    Args:
+        args: the parsed command line (``--dp``, ``--batch``).
+        model: the replicated module (DDP wraps it; it stays the module the
+            optimizer, the snapshots and the evaluation use).
+        device: the ranks' device.
+        before_allreduce: called when DDP hands a step's first bucket to the
+            backend (fault injection), or None.
+
+    Attributes:
+        ddp: the ``DistributedDataParallel`` wrapper (forward of a training step).
+        dp, cp: the mesh's shape; ``cp_comm``: the cp group's communicator;
+        rows: ``(first, end)`` rows of the global batch of this rank's dp group.
+        note: one line when :meth:`build` re-planned the mesh, else None.
+    """
+
+    def __init__(self, args, model, device, before_allreduce=None):
+        self.args, self.model, self.device = args, model, device
+        self._before = before_allreduce
+        self._first = False
+        self.own = False  # this run started torch.distributed (and ends it)
+        self.group = self.ddp = self.mesh = self.cp_comm = None
+        self.dp = self.cp = None
+        self.rows = (0, args.batch)
+        self.note = None
+
+    def before(self) -> None:
+        if self._first:
+            self._first = False
+            if self._before is not None:
+                self._before()
+
+    def start_step(self) -> None:
+        """Arm the before-all-reduce call for the step's first bucket."""
+        self._first = True
+
+    def build(self, comm) -> None:
+        """(Re)build the process group over ``comm`` (after a failure: the survivors), the mesh and DDP."""
+        import commlib.nn  # noqa: PLC0415 - registers the "commlib" backend
+        from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+
+        a = self.args
+        if self.group is None and not dist.is_initialized():
+            commlib.nn.init_process_group(comm)
+            self.own = True
+        elif self.group is None:
+            if commlib.nn.communicator_of() is not comm:
+                raise commlib.InvalidArgument("torch.distributed is already initialized over another "
+                                              "communicator", rank=comm.rank, op="lm")
+        else:
+            commlib.nn.reinit_process_group(comm)
+        self.group = dist.group.WORLD
+        dp, cp = plan_mesh(comm.size, a.dp, a.batch)
+        self.note = None if self.dp is None or (dp, cp) == (self.dp, self.cp) else (
+            f"mesh re-planned for {comm.size} ranks: dp x cp {self.dp} x {self.cp} -> {dp} x {cp}")
+        self.dp, self.cp = dp, cp
+        self.mesh = init_device_mesh(self.device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
+        self.cp_comm = commlib.nn.communicator_of(self.mesh.get_group("cp"))
+        self.rows = _batch_rows(a.batch, dp, self.mesh.get_local_rank("dp"))
+        dev = [self.device] if self.device.type == "cuda" else None
+        # the parameters are identical on every rank (the same seed, or the same snapshot)
+        self.ddp = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=dev, process_group=self.group)
+        self.ddp.register_comm_hook(self, _sum_hook)
+
+    def close(self) -> None:
+        """End torch.distributed when this run started it."""
+        self.ddp = self.mesh = None
+        if self.own and dist.is_initialized():
+            dist.destroy_process_group()
+        self.own = False
 
 
 # ------------------------------------------------------------------ the run
@@ -354,7 +445,6 @@ def run(args, comm=None):
     stream = TokenStream(root, train_files, seed=args.seed)
     val_batches = _val_batches(args, root, val_files)
     model, opt = _new_model(args, device)
-    sync = GradAllreduce(model.parameters(), comm)
     where = {"step": 0, "phase": "forward"}  # this rank's place in the step, for the failure report
 
     def kill(phase):
@@ -364,25 +454,43 @@ def run(args, comm=None):
                   f"at t={time.time():.6f}", file=sys.stderr, flush=True)
             _kill_self()
 
-    shard = Shard(args, comm, device, kill=kill)
+    par = Parallel(args, model, device, before_allreduce=lambda: kill("allreduce"))
+    try:
+        par.build(comm)
+        return _run(args, comm, device, model, opt, par, kill, where, files, train_files, val_files, root, stream,
+                    val_batches, P0, threads, N)
+    finally:
+        par.close()
+
+
+def _run(args, comm, device, model, opt, par, kill, where, files, train_files, val_files, root, stream, val_batches,
+         P0, threads, N):
+    mesh0 = (par.dp, par.cp)
+    shard = Shard(args, par.cp_comm, device, kill=kill, rows=par.rows)
     evals = set(_eval_points(args))
     training = _Training(model, opt)
     notes = []
+    runner = None
 
     def reshard(comm):
-        shard.build(comm)
-        if shard.note:
-            notes.append(shard.note)
-            if comm.rank == 0:
-                print(f"lm: {shard.note}", file=sys.stderr, flush=True)
+        par.build(comm)
+        shard.build(par.cp_comm, par.rows)
+        runner.forget_revocable()
+        runner.revoke_on_failure(par.cp_comm)
+        for note in (par.note, shard.note):
+            if note:
+                notes.append(note)
+                if comm.rank == 0:
+                    print(f"lm: {note}", file=sys.stderr, flush=True)
 
     runner = commlib.ResilientRunner(comm, save=training.save, load=training.load, reshard=reshard,
                                      commit=False)  # every step ends with a fault-tolerant all-reduce
+    runner.revoke_on_failure(par.cp_comm)
 
     def local_loss(tokens, train=False):
         inp, tgt, pos, attn = shard.split(tokens, train)
         with _autocast(args, device):
-            logits = model(inp, pos, attn)
+            logits = (par.ddp if train else model)(inp, pos, attn)
         return loss_sum(logits, tgt)
 
     def global_mean(local_sum: float, count: int) -> float:
@@ -404,9 +512,8 @@ def run(args, comm=None):
         opt.zero_grad(set_to_none=False)
         s = local_loss(tokens, train=True)
         where["phase"] = "backward"
-        (s / N).backward()
-        kill("allreduce")
-        sync()
+        par.start_step()
+        (s / N).backward()  # DDP sums the gradients over the mesh meanwhile (kill "allreduce": in its hook)
         kill("optimizer")
         _update(args, model, opt, step)
         if device.type == "cuda":
@@ -498,8 +605,11 @@ def run(args, comm=None):
         fault_tolerant=comm.fault_tolerant, failures=failures, notes=notes, resumed_from_step=start or None,
         attention_final=dict(kind=shard.kind, ulysses_degree=getattr(shard.attention, "ulysses_degree", None)),
         sequence=dict(packed=shard.doc_mask, sequences=1 if shard.doc_mask else args.batch,
-                      sharded_length=shard.n, padding=shard.pad, tokens_per_rank=shard.n // P * (
-                          1 if shard.doc_mask else args.batch), tokens_per_step=N),
+                      sharded_length=shard.n, padding=shard.pad, tokens_per_rank=shard.n // par.cp * (
+                          1 if shard.doc_mask else shard.B), tokens_per_step=N),
+        mesh=dict(dp=mesh0[0], cp=mesh0[1]), mesh_final=dict(dp=par.dp, cp=par.cp),
+        data_parallel="torch DistributedDataParallel over the commlib backend, on the dp x cp group (every rank), "
+                      "gradients summed",
         data=dict(root=root, files=len(files), train_files=len(train_files), val_files=len(val_files),
                   digest=corpus_digest(files), train_documents_read=stream.documents,
                   val_tokens=N * len(val_batches)),
@@ -704,6 +814,11 @@ def print_report(rep) -> None:
     print(f"  {c['steps']} steps: train loss {rep['steps'][0]['train_loss']:.4f} -> {rep['final_train_loss']:.4f}, "
           f"val loss {rep['final_val_loss']:.4f}")
     print(f"  {rep['tokens_per_s']:.0f} tokens/s (median step {rep['step_time_s'] * 1e3:.1f} ms, slowest rank)")
+    m, mf = rep.get("mesh"), rep.get("mesh_final")
+    if m is not None:
+        final = f" -> {mf['dp']} x {mf['cp']}" if mf != m else ""
+        print(f"  mesh dp x cp {m['dp']} x {m['cp']}{final}: the batch split over dp, each sequence over cp; DDP "
+              f"(commlib backend) sums the gradients over all {rep.get('ranks_final', rep['ranks'])} rank(s)")
     if not rep["parameters_identical_across_ranks"]:
         print("  WARNING: the ranks' parameters differ")
     for f in rep.get("failures", []):

@@ -74,7 +74,7 @@ from torch.distributed.distributed_c10d import (AllToAllOptions, AllgatherOption
 
 from commlib.core.errors import CommTimeout, InvalidArgument, ProcessFailed
 
-from .torch_works import (NUMPY_DTYPES, HostTensor, P2PWaiter, Worker, bits_view, done,
+from .torch_works import (FAST_DTYPES, FAST_OPS, NUMPY_DTYPES, HostTensor, P2PWaiter, Worker, bits_view, done,
                           needs_scaling, numpy_view, p2p_tag, reduce_op, split_sizes)
 
 __all__ = ["ProcessGroupCommlib", "init_process_group", "reinit_process_group", "communicator_of", "BACKEND"]
@@ -112,6 +112,7 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         super().__init__(comm.rank, comm.size)
         self.comm = comm
         self.timeout = timeout
+        self._done = done([])  # what a synchronous call returns (torch only waits on it)
         self._worker = Worker(f"commlib-torch-{comm.rank}")
         self._p2p = P2PWaiter()
         _GROUPS.add(self)
@@ -179,6 +180,18 @@ class ProcessGroupCommlib(dist.ProcessGroup):
     # -- all-reduce ----------------------------------------------------------
     def allreduce(self, tensors, opts=None):
         opts = AllreduceOptions() if opts is None else opts
+        if len(tensors) == 1 and not opts.asyncOp and self._broken is None and self._worker.idle():
+            # the hot path (dist.all_reduce of one CPU tensor, synchronous): no closure, no future
+            t = tensors[0]
+            name = FAST_OPS.get(getattr(opts.reduceOp, "op", None))
+            if name is not None and t.device.type == "cpu" and t.dtype in FAST_DTYPES and t.is_contiguous():
+                with self._worker.running:
+                    try:
+                        self.comm.allreduce(t.detach().numpy().reshape(-1), op=name, timeout=self.timeout)
+                    except (ProcessFailed, CommTimeout) as exc:
+                        self._broken = exc
+                        raise
+                return self._done
         return self._allreduce(list(tensors), opts, "all_reduce")
 
     def allreduce_coalesced(self, tensors, opts=None):

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from commlib.core.errors import InvalidArgument
 
-__all__ = ["NUMPY_DTYPES", "FLOAT_DTYPES", "numpy_view", "bits_view", "HostTensor", "reduce_op", "needs_scaling",
+__all__ = ["FAST_DTYPES", "FAST_OPS", "NUMPY_DTYPES", "FLOAT_DTYPES", "numpy_view", "bits_view", "HostTensor", "reduce_op", "needs_scaling",
            "Work", "done", "Worker", "P2PWaiter", "split_sizes", "p2p_tag"]
 
 _ROP = dist.ReduceOp.RedOpType
@@ -25,6 +25,10 @@ NUMPY_DTYPES = {torch.float16: np.float16, torch.bfloat16: ml_dtypes.bfloat16, t
                 torch.float64: np.float64, torch.int8: np.int8, torch.uint8: np.uint8, torch.int16: np.int16,
                 torch.int32: np.int32, torch.int64: np.int64, torch.bool: np.bool_}
 
+
+#: the dtypes and ops of the synchronous all-reduce's hot path (numpy views, ops that need no check)
+FAST_DTYPES = frozenset((torch.float16, torch.float32, torch.float64, torch.int32, torch.int64))
+FAST_OPS = {_ROP.SUM: "sum", _ROP.MIN: "min", _ROP.MAX: "max", _ROP.PRODUCT: "prod"}
 
 # ------------------------------------------------------------------ tensors
 def numpy_view(t: torch.Tensor) -> np.ndarray:

@@ -50,6 +50,10 @@ accepted (an ``attn_mask`` tensor or a nonzero ``dropout_p`` is refused).
   remembers its layout and an attention call in another layout refuses it.
 * :class:`SequenceParallelAttention`: a ``torch.nn.Module`` a model swaps in for
   its attention call.
+* the ``torch.distributed`` backend ``"commlib"`` (:mod:`commlib.nn.distributed`,
+  registered by importing this package): :func:`init_process_group` under
+  ``mpiexec``/``srun``, ``torch.distributed.init_process_group("commlib")`` under
+  ``torchrun``; DDP, FSDP2 and ``DeviceMesh`` run on commlib's collectives.
 
 Bad arguments raise :class:`commlib.InvalidArgument` on every rank before any
 byte moves; ``timeout`` is the deadline of the whole call (seconds; on a

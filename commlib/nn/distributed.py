@@ -185,9 +185,10 @@ class ProcessGroupCommlib(dist.ProcessGroup):
             t = tensors[0]
             name = FAST_OPS.get(getattr(opts.reduceOp, "op", None))
             if name is not None and t.device.type == "cpu" and t.dtype in FAST_DTYPES and t.is_contiguous():
+                comm = self.comm
                 with self._worker.running:
                     try:
-                        self.comm.allreduce(t.detach().numpy().reshape(-1), op=name, timeout=self.timeout)
+                        comm.allreduce(t.detach().numpy().reshape(-1), op=name, timeout=self.timeout)
                     except (ProcessFailed, CommTimeout) as exc:
                         self._broken = exc
                         raise

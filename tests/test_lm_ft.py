@@ -146,6 +146,38 @@ def test_ulysses_degree_replanned_after_a_kill(attention):
     _assert_losses(rep, argv, f"{attention} kill {kill}")
 
 
+@pytest.mark.timeout(300)
+def test_data_parallel_mesh_replanned_after_kills():
+    """``--dp 2`` at 4 ranks (a 2 x 2 mesh, DDP on the commlib backend) loses one rank inside DDP's
+    bucket all-reduce and another in an attention forward (random victims, rank 0 among the
+    candidates, random steps; seeded): the survivors re-plan the mesh (2 x 2 -> 1 x 3 -> 2 x 1),
+    rebuild the process group, the mesh and DDP, re-shard and redo the step, say so, and finish with
+    the oracle's losses (the global batch is the same whatever the mesh)."""
+    rng = random.Random(f"{SEED}-dp")
+    victims = rng.sample(range(4), 2)
+    kills = [(victims[0], rng.randrange(1, 4), "allreduce"), (victims[1], rng.randrange(4, 7), "forward")]
+    argv = TINY + ["--dp", "2"]
+    rep, text = _lm(4, argv + ["--fault-tolerant"] + [x for r, st, ph in kills for x in ("--kill", f"{r}:{st}:{ph}")])
+    _check_failures(rep, kills, text)
+    assert rep["mesh"] == {"dp": 2, "cp": 2} and rep["mesh_final"] == {"dp": 2, "cp": 1}, (rep["mesh_final"], SEED)
+    assert [n for n in rep["notes"] if "mesh re-planned" in n] == [
+        "mesh re-planned for 3 ranks: dp x cp 2 x 2 -> 1 x 3", "mesh re-planned for 2 ranks: dp x cp 1 x 3 -> 2 x 1"]
+    assert "mesh re-planned" in text
+    _assert_losses(rep, TINY, f"--dp 2 kills {kills}")
+
+
+def test_mesh_plan_fits_the_ranks():
+    """The mesh re-plan itself: the asked dp when it divides the ranks (and the batch has a row
+    for each group), else the largest divisor below it."""
+    from commlib.apps.lm.train import plan_mesh  # noqa: PLC0415
+
+    assert plan_mesh(4, 2, 8) == (2, 2)
+    assert plan_mesh(3, 2, 8) == (1, 3)
+    assert plan_mesh(6, 4, 8) == (3, 2)
+    assert plan_mesh(8, 4, 2) == (2, 4)
+    assert plan_mesh(5, 1, 8) == (1, 5)
+
+
 def test_replan_keeps_a_degree_that_fits():
     """The re-plan itself: the largest Ulysses degree that divides the ranks and heads."""
     assert app.plan_attention("hybrid", 4, 8, 8, 4)[:2] == ("hybrid", 4)

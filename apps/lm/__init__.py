@@ -172,8 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
            "differences compound, and are reported)")
     a("--fault-tolerant", action="store_true",
       help="survive dead ranks (ULFM: mpiexec --with-ft ulfm ..., see the README): the survivors keep the "
-           "parameters and optimizer state of the last completed step, re-shard every sequence over themselves "
-           "and redo the step (commlib.ResilientRunner); without ULFM every wait is bounded and a failure ends "
+           "parameters and optimizer state of the last completed step, re-plan the (dp, cp) mesh for their count "
+           "(the asked --dp, or the largest divisor of the survivors below it; the report says so), rebuild the "
+           "process group, the mesh and DDP, re-shard the batch and every sequence over themselves and redo the "
+           "step (commlib.ResilientRunner); without ULFM every wait is bounded and a failure ends "
            "the run with the resume command of the last --checkpoint")
     a("--kill", action="append", default=[], metavar="RANK:STEP[:PHASE]",
       help="fault injection (repeatable): COMM_WORLD rank RANK dies at once (os._exit(137), no cleanup) in step STEP (1-based) at PHASE, "

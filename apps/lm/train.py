@@ -201,6 +201,7 @@ def _sum_hook(state, bucket):
     global token count: the sum is the gradient of the global mean loss)."""
     state.before()
     work = dist.all_reduce(bucket.buffer(), group=state.group, async_op=True)
+    state.works.append(work)
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
@@ -244,6 +245,7 @@ class Parallel:
         self.args, self.model, self.device = args, model, device
         self._before = before_allreduce
         self._first = False
+        self.works = []
         self.own = False  # this run started torch.distributed (and ends it)
         self.group = self.ddp = self.mesh = self.cp_comm = None
         self.dp = self.cp = None
@@ -259,6 +261,20 @@ class Parallel:
     def start_step(self) -> None:
         """Arm the before-all-reduce call for the step's first bucket."""
         self._first = True
+        self.works = []
+
+    def wait(self) -> None:
+        """After the backward: raise the failure of a bucket's all-reduce, if one failed.
+
+        The all-reduces run on the process group's worker thread; one that lost a
+        rank completes its future (DDP's reducer would crash on an error in it)
+        and raises the failure (``commlib.ProcessFailed``, the communicator
+        already shrunk) from its ``Work.wait()``, which this calls.  So every
+        survivor learns of the failure before its next call on the world
+        communicator, whichever thread saw it."""
+        works, self.works = self.works, []
+        for w in works:
+            w.wait()
 
     def build(self, comm) -> None:
         """(Re)build the process group over ``comm`` (after a failure: the survivors), the mesh and DDP."""
@@ -412,15 +428,21 @@ class _Training:
 
 
 def run(args, comm=None):
-    """Train as ``args`` (:func:`commlib.apps.lm.parse_args`) say, sequence-parallel over ``comm``.
+    """Train as ``args`` (:func:`commlib.apps.lm.parse_args`) say on ``comm``'s
+    ranks: a ``(--dp, P / --dp)`` mesh (:class:`Parallel`), data-parallel
+    over dp, sequence-parallel over cp.  ``torch.distributed`` is started
+    over ``comm`` (the ``"commlib"`` backend) unless it already runs over it,
+    and ended on return when this call started it.
 
     With ``--fault-tolerant`` on a ULFM communicator each step runs under
     :class:`commlib.ResilientRunner`: a rank dying anywhere in it (attention
-    forward or backward, the gradient all-reduce, the optimizer step,
+    forward or backward, DDP's bucket all-reduce, the optimizer step,
     evaluation) makes the survivors shrink, go back to the parameters and
-    optimizer state of the last completed step, re-shard the sequences over
-    themselves (same layout; the attention re-planned when its Ulysses degree
-    no longer fits) and redo the step with the same tokens.
+    optimizer state of the last completed step, re-plan the mesh
+    (:func:`plan_mesh`), rebuild the process group, the mesh and DDP,
+    re-shard the batch and the sequences over themselves (same layout; the
+    attention re-planned when its Ulysses degree no longer fits) and redo the
+    step with the same tokens.
 
     Returns:
         dict on the lowest surviving rank (the report: configuration, per-step
@@ -470,22 +492,21 @@ def _run(args, comm, device, model, opt, par, kill, where, files, train_files, v
     evals = set(_eval_points(args))
     training = _Training(model, opt)
     notes = []
-    runner = None
 
     def reshard(comm):
         par.build(comm)
         shard.build(par.cp_comm, par.rows)
-        runner.forget_revocable()
-        runner.revoke_on_failure(par.cp_comm)
         for note in (par.note, shard.note):
             if note:
                 notes.append(note)
                 if comm.rank == 0:
                     print(f"lm: {note}", file=sys.stderr, flush=True)
 
+    # the cp group's communicator is not registered for revocation: the attention revokes its own
+    # transports when it sees a failure, and revoking the old cp communicator after the world shrank
+    # made the next MPI_Comm_create_group on the shrunk world (the new mesh) fail as revoked
     runner = commlib.ResilientRunner(comm, save=training.save, load=training.load, reshard=reshard,
                                      commit=False)  # every step ends with a fault-tolerant all-reduce
-    runner.revoke_on_failure(par.cp_comm)
 
     def local_loss(tokens, train=False):
         inp, tgt, pos, attn = shard.split(tokens, train)
@@ -514,6 +535,7 @@ def _run(args, comm, device, model, opt, par, kill, where, files, train_files, v
         where["phase"] = "backward"
         par.start_step()
         (s / N).backward()  # DDP sums the gradients over the mesh meanwhile (kill "allreduce": in its hook)
+        par.wait()
         kill("optimizer")
         _update(args, model, opt, step)
         if device.type == "cuda":

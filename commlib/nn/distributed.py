@@ -165,7 +165,11 @@ class ProcessGroupCommlib(dist.ProcessGroup):
                     self._broken = exc
                     raise
             return done(result)
-        return self._worker.submit(fn, result, self._failed)
+        def guarded():  # a call queued behind the one that failed does not run on the shrunk communicator
+            if self._broken is not None:
+                raise self._broken
+            fn()
+        return self._worker.submit(guarded, result, self._failed)
 
     #: the failure that broke the group (see :meth:`_run`)
     _broken = None

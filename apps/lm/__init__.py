@@ -425,7 +425,7 @@ def main(argv=None) -> int:
         # not recovered (no ULFM, or a state lost): every survivor says so in one line and exits
         # (MPI_Finalize bounded: it can wait for ever for the dead rank)
         comm.ft.bound_finalize()
-        from .train import failure_line  # noqa: PLC0415
+        from .report import failure_line  # noqa: PLC0415
 
         print(failure_line(args, comm, exc), file=sys.stderr, flush=True)
         return 1
@@ -442,7 +442,7 @@ def main(argv=None) -> int:
         comm.abort(3)
     if rep is None:
         return 0
-    from .train import print_report, write_outputs  # noqa: PLC0415
+    from .report import print_report, write_outputs  # noqa: PLC0415
 
     if not args.quiet:
         print_report(rep)

@@ -31,8 +31,8 @@ from .checkpoint import CheckpointError, load_checkpoint, rng_state, save_checkp
     set_rng_state, training_config
 from .data import BOS, VOCAB, TokenStream, corpus_digest, cu_seqlens, flat_positions, split_files, stdlib_files, \
     stdlib_root
-from .report import failure_rows
 from .model import TransformerLM, dense_attention, document_mask, local_layers, loss_sum, window_mask
+from .report import failure_rows
 
 __all__ = ["run", "oracle_losses"]
 

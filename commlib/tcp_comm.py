@@ -37,7 +37,7 @@ import time
 from commlib.collective_api import CollectiveMixin
 from commlib.collectives.engine import Engine
 from commlib.core.config import config
-from commlib.core.errors import CommError, CommTimeout, InvalidArgument, NoHandshakeSlot, ProcessFailed
+from commlib.core.errors import CommError, InvalidArgument, ProcessFailed
 from commlib.core.seconds import check_timeout
 from commlib.transports import tcp
 
@@ -460,29 +460,15 @@ class _Wiring:
             hello = {"g": self.gid, "src": self.rank, "dst": peer, "ch": ch, "stream": stream,
                      "streams": self.streams_to(peer)}
             left_max = min(self.timeout, DIAL_MAX)
-            deadline = time.monotonic() + left_max
-            tries, last = 0, None
-            while True:
-                tries += 1
-                left = max(0.05, deadline - time.monotonic())
-                try:
-                    s = tcp.open_socket(addr, left)
-                except ConnectionRefusedError:
-                    raise ProcessFailed(f"{who} refused the connection: its process is gone or closed",
-                                        failed=[peer], rank=self.rank, op="connect") from None
-                except OSError as exc:  # a connect timeout, an unreachable network: not reached (yet)
-                    last = exc
-                else:
-                    try:
-                        return tcp.client_handshake(s, self.key, hello, timeout=left, encrypt=self.encrypt,
-                                                    name=who)
-                    except (NoHandshakeSlot, CommTimeout) as exc:  # busy or silent: retried
-                        last = exc
-                delay = tcp.retry_delay(tries)
-                if time.monotonic() + delay >= deadline:
-                    raise ProcessFailed(f"cannot connect to {who}: {tries} tries in {left_max:g} s, last: "
-                                        f"{type(last).__name__}: {last}", failed=[peer], rank=self.rank,
-                                        op="connect")
-                time.sleep(delay)
+
+            def refused():
+                return ProcessFailed(f"{who} refused the connection: its process is gone or closed",
+                                     failed=[peer], rank=self.rank, op="connect")
+
+            def gave_up(tries, last):
+                return ProcessFailed(f"cannot connect to {who}: {tries} tries in {left_max:g} s, last: "
+                                     f"{type(last).__name__}: {last}", failed=[peer], rank=self.rank, op="connect")
+            return tcp.dial(addr, self.key, hello, time.monotonic() + left_max, encrypt=self.encrypt, who=who,
+                            refused=refused, gave_up=gave_up)
 
         return connect

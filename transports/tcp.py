@@ -51,7 +51,7 @@ from .tcp_ops import FIRST_ROUND_TAG, OPERATION_TAGS, QUIESCE, OperationControl
 from .tcp_request import Completion, Slot, TCPRequest
 # re-exported: the frames, sockets and authentication of this transport live in
 # tcp_frames and tcp_auth; commlib.elastic and the tests reach them as tcp.NAME
-from .tcp_auth import (HANDSHAKE_TIMEOUT, PREAUTH_MAX, Listener, client_handshake, make_ticket, read_secret,
+from .tcp_auth import (HANDSHAKE_TIMEOUT, PREAUTH_MAX, Listener, client_handshake, dial, make_ticket, read_secret,
                        retry_delay, server_handshake, verify_ticket)
 from .tcp_frames import (CTRL_MAX, FRAME_MAX, GCM_TAG, HEADER, K_BUSY, K_CHALLENGE, K_CTRL, K_DATA, K_PING, K_PROOF,
                          K_RESPONSE, MAGIC, VERSION, Connection, FrameError, connect_first, open_socket, pack_ctrl,
@@ -62,7 +62,7 @@ __all__ = [
     "PREAUTH_MAX", "CTRL_MAX", "FRAME_MAX", "UNEXPECTED_MAX", "UNEXPECTED_FRAMES", "FRAME_COST", "FrameError",
     "Connection", "client_handshake", "server_handshake", "make_ticket", "verify_ticket", "frame_bounds",
     "TCPTransport", "Listener", "pack_ctrl", "unpack_ctrl", "tune_socket", "parse_address", "read_secret",
-    "open_socket", "resolve", "connect_first", "retry_delay", "HANDSHAKE_TIMEOUT", "FIRST_ROUND_TAG", "OPERATION_TAGS", "Overrun", "Completion",
+    "open_socket", "resolve", "connect_first", "retry_delay", "dial", "HANDSHAKE_TIMEOUT", "FIRST_ROUND_TAG", "OPERATION_TAGS", "Overrun", "Completion",
     "TCPRequest",
 ]
 

@@ -55,11 +55,11 @@ from commlib.core.errors import (AuthenticationError, CommTimeout, EncryptionMis
                                  NoHandshakeSlot, SecretError, SilentPort)
 
 from .tcp_frames import (HEADER, K_BUSY, K_CHALLENGE, K_PROOF, K_RESPONSE, MAGIC, VERSION, Connection, FrameError,
-                         send_all, pack_ctrl, parse_address, tune_socket, unpack_ctrl)
+                         open_socket, send_all, pack_ctrl, parse_address, tune_socket, unpack_ctrl)
 
 __all__ = [
     "PREAUTH_MAX", "NONCE", "MAC", "KX", "HANDSHAKE_TIMEOUT", "MAX_PENDING", "PER_SOURCE", "read_secret",
-    "client_handshake", "server_handshake", "make_ticket", "verify_ticket", "retry_delay", "Listener",
+    "client_handshake", "server_handshake", "make_ticket", "verify_ticket", "retry_delay", "dial", "Listener",
 ]
 
 PREAUTH_MAX = 4096            #: bytes of a frame before authentication
@@ -183,6 +183,39 @@ def retry_delay(attempt: int, base: float = 0.05, cap: float = 1.0) -> float:
     exponential backoff with full jitter (uniform in ``[0, min(cap, base * 2**attempt)]``),
     so many peers retrying at once spread out instead of arriving together."""
     return random.uniform(0.0, min(cap, base * (2 ** min(attempt, 16))))
+
+
+def dial(addr: str, secret: bytes, hello: dict, deadline: float, *, encrypt: bool, who: str,
+         refused: Callable[[], BaseException], gave_up: Callable[[int, BaseException | None], BaseException],
+         check: Callable[[], None] | None = None) -> Connection:
+    """An authenticated connection to ``addr``, retried until ``deadline`` (``time.monotonic()``).
+
+    A port not listening yet, a busy listener (no handshake slot) or a silent
+    one is retried after :func:`retry_delay`; a refused connection raises
+    ``refused()`` at once (the process is gone), and running out of time raises
+    ``gave_up(tries, last_error)``.  ``check()`` runs before each retry and may
+    raise to give up early."""
+    tries, last = 0, None
+    while True:
+        tries += 1
+        left = max(0.05, deadline - time.monotonic())
+        try:
+            s = open_socket(addr, left)
+        except ConnectionRefusedError:
+            raise refused() from None
+        except OSError as exc:  # a connect timeout, an unreachable network: not reached (yet)
+            last = exc
+        else:
+            try:
+                return client_handshake(s, secret, hello, timeout=left, encrypt=encrypt, name=who)
+            except (NoHandshakeSlot, CommTimeout) as exc:  # busy or silent (SilentPort): not a death
+                last = exc
+        if check is not None:
+            check()
+        delay = retry_delay(tries)
+        if time.monotonic() + delay >= deadline:
+            raise gave_up(tries, last)
+        time.sleep(delay)
 
 
 def _busy_queued(sock: socket.socket) -> bool:

@@ -15,7 +15,7 @@ import threading
 import time
 
 from commlib.core.errors import (AuthError, AuthenticationError, CommError, CommTimeout, InvalidArgument,
-                                 NoHandshakeSlot, PeerClosed, PeerFailure, ProcessFailed)
+                                 PeerClosed, PeerFailure, ProcessFailed)
 from commlib.core.seconds import Deadline, check_timeout
 from commlib.transports import tcp
 
@@ -504,32 +504,22 @@ class Peer(ElasticGroup, StateSync):
                  "streams": self._streams_to(addr) if purpose == RING else self.streams,
                  "exp": float(exp), "tkt": tickets[stream], "purpose": purpose, "r": rnd}
         who = f"peer {dst} at {addr}"
-        deadline = time.monotonic() + timeout
-        tries, last = 0, None
-        while True:
-            tries += 1
-            left = max(0.05, deadline - time.monotonic())
-            try:
-                s = tcp.open_socket(addr, left)
-            except ConnectionRefusedError:
-                raise ProcessFailed(f"{who} refused the connection: its process is gone", failed=[],
-                                    rank=topo.rank, op="elastic") from None
-            except OSError as exc:  # a connect timeout, an unreachable network: cannot connect (yet)
-                last = exc
-            else:
-                try:
-                    return tcp.client_handshake(s, self.secret, hello, timeout=left, encrypt=self.encrypt, name=who)
-                except (NoHandshakeSlot, CommTimeout) as exc:  # busy or silent (SilentPort): not a death
-                    last = exc
+
+        def refused():
+            return ProcessFailed(f"{who} refused the connection: its process is gone", failed=[],
+                                 rank=topo.rank, op="elastic")
+
+        def check():
             if self._closed or (purpose == RING and self._latest is not None and self._latest.epoch > topo.epoch):
                 raise ProcessFailed(f"gave up connecting to {who}: epoch {topo.epoch} is over", failed=[],
                                     rank=topo.rank, op="elastic")
-            delay = tcp.retry_delay(tries)
-            if time.monotonic() + delay >= deadline:
-                raise ProcessFailed(f"cannot connect to {who} (alive as far as this peer knows): {tries} tries in "
-                                    f"{timeout:g} s, last: {type(last).__name__}: {last}", failed=[],
-                                    rank=topo.rank, op="elastic")
-            time.sleep(delay)
+
+        def gave_up(tries, last):
+            return ProcessFailed(f"cannot connect to {who} (alive as far as this peer knows): {tries} tries in "
+                                 f"{timeout:g} s, last: {type(last).__name__}: {last}", failed=[],
+                                 rank=topo.rank, op="elastic")
+        return tcp.dial(addr, self.secret, hello, time.monotonic() + timeout, encrypt=self.encrypt, who=who,
+                        refused=refused, gave_up=gave_up, check=check)
 
     def _streams_to(self, addr: str) -> int:
         """Ring connections to the peer whose data address is ``addr``: ``streams`` as

@@ -18,7 +18,7 @@ from mpi4py import MPI
 from commlib.collective_api import CollectiveMixin
 from commlib.collectives.agreement import agree_header, check_all
 from commlib.collectives.ft import ON_FAILURE, FaultTolerance
-from commlib.transports.mpi_process import IDLE_FINALIZE_BOUND, PROCESS, ft_mode
+from commlib.transports.mpi_process import IDLE_FINALIZE_BOUND, PROCESS, check_slurm_singleton, ft_mode
 from commlib.core.config import config
 from commlib.core.errors import CommTimeout, InvalidArgument, ProcessFailed
 from commlib.core.seconds import check_timeout, timeout_problem
@@ -635,6 +635,7 @@ def init(comm: MPI.Comm | None = None, *, cuda_aware: bool | None = None, fault_
     """
     if not MPI.Is_initialized():  # mpi4py.rc.initialize = False, and nobody has yet
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
+    check_slurm_singleton()  # srun without the right --mpi=: every task a world of 1 (COMMLIB_SLURM_SINGLETON)
     # Every rank checks its own arguments, then the ranks agree (one all-gather of
     # an error flag) so that a bad argument on one rank raises on every rank
     # before any communicator is duplicated: no rank is left waiting in a dup.

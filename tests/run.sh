@@ -41,7 +41,7 @@ status=0
 # hypothesis against MPI's own packing) and run in $SERIAL_WORKERS pytest-xdist workers.
 TIMED=${COMMLIB_TIMED_TESTS-"tests/test_ft.py tests/test_ft_heat.py tests/test_ft_kill.py
   tests/test_cli_refusal.py tests/test_ft_first_collective.py tests/test_nn_ft.py tests/test_lm_ft.py
-  tests/test_lm_resume.py tests/test_resilient_example.py"}
+  tests/test_lm_resume.py tests/test_resilient_example.py tests/test_slurm.py"}
 # The elastic layer, its TCP transport and the DiLoCo app run with no MPI: these
 # files run (the timing-driven ones one test at a time) with mpi4py made
 # unimportable (tests/no_mpi first on PYTHONPATH: "import mpi4py" raises there,

@@ -28,7 +28,8 @@ from commlib.core.config import config
 from commlib.core.device import mpi_library_path, ulfm_available
 
 __all__ = ["ft_mode", "ft_mode_info", "tcp_rdma_info", "tcp_flags_text", "warn_tcp_rdma", "TCP_FLAGS_WITHOUT_PUT",
-           "bound_finalize_at_exit", "MPIProcess", "PROCESS"]
+           "bound_finalize_at_exit", "slurm_srun_mpi", "slurm_singleton", "check_slurm_singleton", "MPIProcess",
+           "PROCESS"]
 
 #: Open MPI's TCP BTL flags without RDMA (its default is
 #: ``send,put,inplace,need-ack,need-csum,hetero-rdma``): large messages go as
@@ -217,6 +218,76 @@ def warn_tcp_rdma(stacklevel: int = 2) -> str | None:
            f" a rank's death can wedge a healthy one, which the watchdog then fail-stops; launch with"
            f" `--mca btl_tcp_flags {TCP_FLAGS_WITHOUT_PUT}` (docs/FAULTS.md)")
     warnings.warn(msg, RuntimeWarning, stacklevel=stacklevel + 1)
+    return msg
+
+
+def slurm_srun_mpi(lib: str | None = None) -> str:
+    """The ``srun --mpi=`` value that gives this MPI library (``lib``: its
+    ``MPI_Get_library_version``, default this process's) one world: ``pmix`` for
+    Open MPI, ``pmi2`` for MPICH and its derivatives; ``pmix or pmi2`` for others."""
+    lib = MPI.Get_library_version() if lib is None else lib
+    if "Open MPI" in lib:
+        return "pmix"
+    if any(name in lib for name in ("MPICH", "MVAPICH", "Intel(R) MPI", "Cray MPI")):
+        return "pmi2"
+    return "pmix or pmi2 (srun --mpi=list)"
+
+
+def _env_count(name: str) -> int | None:
+    try:
+        return int(os.environ[name])
+    except (KeyError, ValueError):
+        return None
+
+
+def slurm_singleton(world_size: int | None = None) -> str | None:
+    """The line to say when this process is an MPI singleton inside a Slurm step of several tasks,
+    else None.
+
+    ``srun`` with the wrong ``--mpi=`` (or ``--mpi=none``) starts every task as its own MPI
+    world of size 1, and each runs the whole job alone, exiting 0.  The step's task count is
+    ``SLURM_STEP_NUM_TASKS`` (``SLURM_NTASKS`` inside a step that lacks it); a batch script's own
+    process (no step) and a launcher that asked for one rank (``mpiexec -n 1``:
+    ``OMPI_COMM_WORLD_SIZE`` or hydra's ``PMI_SIZE`` is 1) are not singletons by mistake.
+    """
+    size = MPI.COMM_WORLD.Get_size() if world_size is None else world_size
+    if size != 1:
+        return None
+    tasks = _env_count("SLURM_STEP_NUM_TASKS")
+    if tasks is None and os.environ.get("SLURM_STEP_ID"):
+        tasks = _env_count("SLURM_NTASKS")
+    if tasks is None or tasks <= 1:
+        return None
+    if any(_env_count(v) == 1 for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")):
+        return None
+    lib = MPI.Get_library_version().splitlines()[0].strip()
+    return (f"commlib: MPI world size 1 in a Slurm step of {tasks} tasks: every task runs alone; "
+            f"launch with srun --mpi={slurm_srun_mpi(lib)} for this MPI ({lib.split(',')[0]})")
+
+
+_checked_slurm = False
+
+
+def check_slurm_singleton(stacklevel: int = 2) -> str | None:
+    """``COMMLIB_SLURM_SINGLETON`` (``warn``, the default: a ``RuntimeWarning`` once per process, on
+    the step's task 0; ``error``: raise :class:`~commlib.InvalidArgument` with the line on every
+    task, which the job scripts set; ``off``) about :func:`slurm_singleton`.  ``commlib.init`` calls
+    it; returns the line (None: not a singleton in a step of several tasks, or already warned)."""
+    global _checked_slurm
+    mode = config.slurm_singleton
+    if mode == "off" or (_checked_slurm and mode != "error"):
+        return None
+    _checked_slurm = True
+    msg = slurm_singleton()
+    if msg is None:
+        return None
+    if mode == "error":
+        from commlib.core.errors import InvalidArgument  # noqa: PLC0415
+
+        raise InvalidArgument(msg.removeprefix("commlib: ") + " (COMMLIB_SLURM_SINGLETON=error)",
+                              rank=_env_count("SLURM_PROCID"), op="init")
+    if _env_count("SLURM_PROCID") in (None, 0):
+        warnings.warn(msg, RuntimeWarning, stacklevel=stacklevel + 1)
     return msg
 
 

@@ -41,6 +41,10 @@ variable                        default    meaning
 ``COMMLIB_ELASTIC_DEBUG``       (off)      any value: trace the elastic master's and peers'
                                            protocol (joins, votes, refused syncs, why a
                                            connection ended) on stderr
+``COMMLIB_SLURM_SINGLETON``     ``warn``   MPI world size 1 inside a Slurm step of several tasks
+                                           (``srun`` without the ``--mpi=`` this MPI needs):
+                                           ``warn`` (once, naming it), ``error`` (``commlib.init``
+                                           raises; the job scripts set it) or ``off``
 ``NUMBA_ENABLE_CUDASIM``        ``0``      numba's own variable, read here too: ``1`` runs device
                                            kernels in numba's CUDA simulator (CI without a GPU)
 ==============================  =========  =====================================================
@@ -133,6 +137,7 @@ class Config:
     model: str = field(default_factory=lambda: os.environ.get("COMMLIB_MODEL", "").strip())
     small_bytes: int = field(default_factory=lambda: int(os.environ.get("COMMLIB_SMALL_BYTES", "1024")))
     device_kernels: str = field(default_factory=lambda: _env_str("COMMLIB_DEVICE_KERNELS", "auto"))
+    slurm_singleton: str = field(default_factory=lambda: _env_str("COMMLIB_SLURM_SINGLETON", "warn"))
     elastic_debug: bool = field(default_factory=lambda: bool(os.environ.get("COMMLIB_ELASTIC_DEBUG")))
     elastic_serve_rate: float = field(
         default_factory=lambda: float(os.environ.get("COMMLIB_ELASTIC_SERVE_RATE", "0") or 0))

@@ -28,9 +28,10 @@ __all__ = ["OneLineParser", "device_kernel_check", "info", "launcher_rank", "mai
 #: environment variables with this process's rank and the job's size, set by
 #: the launchers (Open MPI's mpiexec/prterun, MPICH's and Intel MPI's hydra,
 #: MVAPICH), in the order they are read; PMIx direct launch (srun --mpi=pmix)
-#: names the rank only
-RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
-SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+#: names the rank only, so Slurm's task rank and step task count come last
+#: (an srun task; a batch script's own process has no step count)
+RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
+SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
 
 
 def env_int(names) -> int | None:

@@ -7,6 +7,9 @@ the app's ``--json``: the world size it reports and its check, not only the exit
 Skipped, with one line, where Slurm cannot run: not root, the packages cannot be installed, or the
 daemons do not start. The singleton guard's tests (commlib's warning when a Slurm step of several
 tasks gives it an MPI world of 1) need no Slurm and always run.
+
+The jobs are all submitted at once when the cluster is up (the module's ``jobs`` fixture) and each
+test waits for its own: most of a job's time is Python and MPI starting up, which overlaps.
 """
 from __future__ import annotations
 
@@ -17,8 +20,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 
 import pytest
+
+try:
+    import torch  # noqa: F401  (the LM app's jobs need it; imported here only to know)
+    HAVE_TORCH = True
+except ImportError:
+    HAVE_TORCH = False
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTCLUSTER = os.path.join(REPO, "jobs", "slurm", "testcluster.sh")
@@ -46,7 +56,7 @@ def _mpi_library() -> str:
 
 # ------------------------------------------------------------------ the singleton guard (no Slurm)
 def _init_at_one_rank(**env):
-    """``commlib.init()`` in a process of its own, MPI world size 1, with ``env`` set."""
+    """``commlib.init()`` twice in a process of its own, MPI world size 1, with ``env`` set."""
     return subprocess.run([PY, "-P", "-c", "import commlib; commlib.init(); commlib.init(); print('init done')"],
                           capture_output=True, text=True, env=_clean_env(**env), timeout=60)
 
@@ -61,17 +71,6 @@ def test_singleton_in_a_slurm_step_warns_once_naming_the_srun_mpi_value():
     assert "world size 1 in a Slurm step of 4 tasks" in lines[0] and f"srun --mpi={want}" in lines[0], lines
 
 
-@pytest.mark.parametrize("env", [
-    {"SLURM_STEP_NUM_TASKS": "1", "SLURM_NTASKS": "4"},  # a one-task step of a bigger job
-    {"SLURM_NTASKS": "4"},  # the batch script's own process (no step)
-    {"SLURM_STEP_NUM_TASKS": "4", "OMPI_COMM_WORLD_SIZE": "1"},  # mpiexec -n 1 inside the step: asked for
-    {"SLURM_STEP_NUM_TASKS": "4", "COMMLIB_SLURM_SINGLETON": "off"},
-], ids=["one-task-step", "batch-script", "mpiexec-n1", "off"])
-def test_no_warning_where_a_world_of_one_is_meant(env):
-    r = _init_at_one_rank(**env)
-    assert r.returncode == 0 and "init done" in r.stdout and "Warning" not in r.stderr, r.stderr
-
-
 def test_singleton_error_mode_raises_on_every_task():
     """COMMLIB_SLURM_SINGLETON=error (the job scripts set it): init raises InvalidArgument, naming the fix,
     on task 3 too (the warning itself is said on task 0 only)."""
@@ -79,6 +78,28 @@ def test_singleton_error_mode_raises_on_every_task():
     assert r.returncode != 0 and "init done" not in r.stdout
     assert "InvalidArgument: rank 3: init: MPI world size 1 in a Slurm step of 4 tasks" in r.stderr, r.stderr
     assert "srun --mpi=" in r.stderr.splitlines()[-1]
+
+
+@pytest.mark.parametrize("env,found", [
+    ({"SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2"}, True),
+    ({"SLURM_STEP_ID": "0", "SLURM_NTASKS": "3"}, True),  # a step without SLURM_STEP_NUM_TASKS
+    ({"SLURM_STEP_NUM_TASKS": "1", "SLURM_NTASKS": "4"}, False),  # a one-task step of a bigger job
+    ({"SLURM_NTASKS": "4"}, False),  # the batch script's own process (no step)
+    ({"SLURM_STEP_NUM_TASKS": "4", "OMPI_COMM_WORLD_SIZE": "1"}, False),  # mpiexec -n 1 inside a step: asked for
+    ({"SLURM_STEP_NUM_TASKS": "4", "PMI_SIZE": "1"}, False),  # hydra's mpiexec -n 1
+    ({}, False),
+], ids=["step", "step-old-slurm", "one-task-step", "batch-script", "mpiexec-n1", "hydra-n1", "no-slurm"])
+def test_which_worlds_of_one_are_singletons_by_mistake(env, found, monkeypatch):
+    from commlib.transports.mpi_process import slurm_singleton  # noqa: PLC0415 (imports mpi4py.MPI)
+
+    for k in list(os.environ):
+        if k.startswith(("SLURM_", "OMPI_COMM_WORLD", "PMI_", "PMIX_")):
+            monkeypatch.delenv(k)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    msg = slurm_singleton(world_size=1)
+    assert (msg is not None) == found, msg
+    assert slurm_singleton(world_size=2) is None
 
 
 def test_srun_mpi_value_by_library():
@@ -125,68 +146,141 @@ def slurm():
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _run(cmd, slurm, cwd, timeout=240, **env):
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=str(cwd), env={**slurm["env"], **env},
-                       timeout=timeout, stdin=subprocess.DEVNULL)
-    print("+", " ".join(cmd), "\n", r.stdout, r.stderr, sep="")
-    return r
-
-
+# ------------------------------------------------------------------ the jobs
 def _srun(slurm, *args, nodes=2, tasks=2):
     return ["srun", f"--mpi={slurm['mpi']}", f"--nodes={nodes}", f"--ntasks={tasks}", "--time=5", *args]
 
 
-def test_srun_heat_on_two_nodes(slurm, tmp_path):
+# the job scripts as a user runs them on CPUs: GPUs off, the settings through their variables
+CPU_JOB = ("--gpus-per-task=0", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1")
+# the LM app, small: a 1-layer model on 2 x 64 tokens, 3 steps, every loss checked against one process
+LM_SMALL = ("--seq-len", "64", "--batch", "2", "--d-model", "32", "--heads", "2", "--layers", "1", "--steps", "3",
+            "--eval-every", "3", "--threads", "1")
+
+
+def _launches(slurm):
+    """name -> (command line, extra environment) of every job this module runs."""
+    mpi = slurm["mpi"]
+    heat_job = {"GRID": "16", "STEPS": "5", "BACKEND": "numpy", "PYTHON": PY}
+    out = {
+        # the heat app, one task on each node
+        "srun_heat": (_srun(slurm, PY, "-P", "-m", "commlib.apps.heat", "--dims", "2", "--grid", "32", "--steps",
+                            "10", "--backend", "numpy", "--verify", "--no-progress", "--json", "heat.json"), {}),
+        # the attention app (ring, zigzag), 2 tasks on one node
+        "srun_attention": (_srun(slurm, PY, "-P", "-m", "commlib.apps.attention", "--seq", "256", "--heads", "2",
+                                 "--check", "--quiet", "--json", "attn.json", nodes=1), {}),
+        "sbatch_heat": (["sbatch", "--wait", "--time=5", *CPU_JOB, HEAT_SBATCH],
+                        {**heat_job, "EXTRA": "--verify", "SRUN_MPI": mpi}),
+        # srun --mpi=none: every task an MPI world of its own
+        "sbatch_heat_singletons": (["sbatch", "--wait", "--time=5", *CPU_JOB, HEAT_SBATCH],
+                                   {**heat_job, "SRUN_MPI": "none"}),
+    }
+    if HAVE_TORCH:
+        out["srun_lm"] = (_srun(slurm, PY, "-P", "-m", "commlib.apps.lm", *LM_SMALL, "--dp", "2", "--verify",
+                                "--no-progress", "--json", "lm.json", nodes=1), {})
+        out["sbatch_lm"] = (["sbatch", "--wait", "--time=5", *CPU_JOB, LM_SBATCH],
+                            {"DEVICE": "cpu", "SEQ_LEN": "64", "BATCH": "2", "D_MODEL": "32", "HEADS": "2",
+                             "KV_HEADS": "2", "LAYERS": "1", "STEPS": "3", "THREADS": "1", "PYTHON": PY,
+                             "EXTRA": "--verify --eval-every 3", "SRUN_MPI": mpi})
+    return out
+
+
+@dataclass
+class Job:
+    name: str
+    cmd: list
+    folder: object  # pathlib.Path: the submission folder (the apps' --json, the job's output file)
+    proc: subprocess.Popen
+
+    def wait(self, timeout=400):
+        """(exit status, stdout, stderr, job id or None, the sbatch job's output file's text)."""
+        rc = self.proc.wait(timeout=timeout)
+        stdout = (self.folder / "launch.stdout").read_text()
+        stderr = (self.folder / "launch.stderr").read_text()
+        m = re.search(r"Submitted batch job (\d+)", stdout)
+        job = m.group(1) if m else None
+        outs = list(self.folder.glob(f"*-{job}.out")) if job else []
+        text = outs[0].read_text() if outs else ""
+        print("+", " ".join(self.cmd), "\n", stdout, stderr, text, sep="")
+        return rc, stdout, stderr, job, text
+
+
+@pytest.fixture(scope="module")
+def jobs(slurm, tmp_path_factory):
+    """Every job of :func:`_launches`, started now, side by side: name -> :class:`Job`."""
+    started = {}
+    for name, (cmd, env) in _launches(slurm).items():
+        folder = tmp_path_factory.mktemp(name)
+        with open(folder / "launch.stdout", "w") as out, open(folder / "launch.stderr", "w") as err:
+            proc = subprocess.Popen(cmd, cwd=str(folder), env={**slurm["env"], **env}, stdout=out, stderr=err,
+                                    stdin=subprocess.DEVNULL, text=True)
+        started[name] = Job(name, cmd, folder, proc)
+    try:
+        yield started
+    finally:
+        for j in started.values():
+            if j.proc.poll() is None:
+                j.proc.kill()
+                j.proc.wait()
+
+
+def test_srun_heat_on_two_nodes(jobs):
     """srun of the heat app, one task on each node: one MPI world of 2, bit-identical to one rank."""
-    r = _run(_srun(slurm, PY, "-P", "-m", "commlib.apps.heat", "--dims", "2", "--grid", "32", "--steps", "10",
-                   "--backend", "numpy", "--verify", "--no-progress", "--json", "heat.json"), slurm, tmp_path)
-    assert r.returncode == 0, r.stderr
-    res = json.loads((tmp_path / "heat.json").read_text())
+    j = jobs["srun_heat"]
+    rc, out, err, _, _ = j.wait()
+    assert rc == 0, err
+    res = json.loads((j.folder / "heat.json").read_text())
     assert res["ranks"] == 2 and res["verified"] is True, res
-    assert "on 2 rank(s)" in r.stdout and "bit-identical" in r.stdout
-    assert "world size 1" not in r.stderr
+    assert "on 2 rank(s)" in out and "bit-identical" in out
+    assert "world size 1" not in err
 
 
-def test_srun_attention(slurm, tmp_path):
-    """srun of the attention app (ring, zigzag) over 2 tasks on one node: its dense check passes."""
-    r = _run(_srun(slurm, PY, "-P", "-m", "commlib.apps.attention", "--seq", "256", "--heads", "2", "--check",
-                   "--quiet", "--json", "attn.json", nodes=1), slurm, tmp_path)
-    assert r.returncode == 0, r.stderr
-    res = json.loads((tmp_path / "attn.json").read_text())
+def test_srun_attention(jobs):
+    """srun of the attention app over 2 tasks on one node: its dense check passes."""
+    j = jobs["srun_attention"]
+    rc, _, err, _, _ = j.wait()
+    assert rc == 0, err
+    res = json.loads((j.folder / "attn.json").read_text())
     assert res["ranks"] == 2 and res["seq_local"] == 128 and res["check"]["passed"] is True, res
 
 
-def _sbatch(slurm, script, tmp_path, *options, **env):
-    """``sbatch --wait`` of ``script`` from ``tmp_path``: (its result, its job id, its output file's text)."""
-    r = _run(["sbatch", "--wait", "--time=5", *options, script], slurm, tmp_path, **env)
-    m = re.search(r"Submitted batch job (\d+)", r.stdout)
-    assert m, (r.stdout, r.stderr)
-    job = m.group(1)
-    outs = list(tmp_path.glob(f"*-{job}.out"))
-    out = outs[0].read_text() if outs else ""
-    print(out)
-    return r, job, out
-
-
-# the job scripts as a user runs them on CPUs: GPUs off, the settings through their variables
-CPU_JOB = ("--gpus-per-task=0", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1")
-
-
-def test_sbatch_heat_script(slurm, tmp_path):
-    r, job, out = _sbatch(slurm, HEAT_SBATCH, tmp_path, *CPU_JOB, GRID="16", STEPS="5", BACKEND="numpy",
-                          PYTHON=PY, EXTRA="--verify", SRUN_MPI=slurm["mpi"])
-    assert r.returncode == 0, out
-    res = json.loads((tmp_path / f"heat-{job}.json").read_text())
+def test_sbatch_heat_script(jobs, slurm):
+    j = jobs["sbatch_heat"]
+    rc, _, err, job, out = j.wait()
+    assert rc == 0 and job, (err, out)
+    res = json.loads((j.folder / f"heat-{job}.json").read_text())
     assert res["ranks"] == 2 and res["grid"] == [16, 16, 16] and res["steps"] == 5 and res["verified"] is True, res
     assert f"job {job} on 2 node(s), 2 tasks" in out and f"srun --mpi={slurm['mpi']}" in out
     assert "world_size" in out  # the provenance step's commlib info
 
 
-def test_sbatch_heat_script_refuses_a_launch_of_singletons(slurm, tmp_path):
+def test_sbatch_heat_script_refuses_a_launch_of_singletons(jobs, slurm):
     """srun --mpi=none starts each task as an MPI world of 1: the script fails, naming the fix."""
-    r, job, out = _sbatch(slurm, HEAT_SBATCH, tmp_path, *CPU_JOB, GRID="16", STEPS="5", BACKEND="numpy",
-                          PYTHON=PY, SRUN_MPI="none")
-    assert r.returncode != 0, out
+    j = jobs["sbatch_heat_singletons"]
+    rc, _, err, job, out = j.wait()
+    assert rc != 0 and job, (err, out)
     assert f"srun --mpi={slurm['mpi']}" in out and "world size 1 in a Slurm step of 2 tasks" in out, out
     assert "heat.sbatch: error: the heat step failed" in out
-    assert not (tmp_path / f"heat-{job}.json").exists()
+    assert not (j.folder / f"heat-{job}.json").exists()
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed (the LM app needs it)")
+def test_srun_lm_data_parallel(jobs):
+    """srun of the LM app with --dp 2 over 2 tasks: mesh 2 x 1, losses equal to one process's."""
+    j = jobs["srun_lm"]
+    rc, _, err, _, _ = j.wait()
+    assert rc == 0, err
+    res = json.loads((j.folder / "lm.json").read_text())
+    assert res["ranks"] == 2 and res["mesh"] == {"dp": 2, "cp": 1} and res["verify"]["passed"] is True, res
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed (the LM app needs it)")
+def test_sbatch_lm_script(jobs):
+    """lm.sbatch on CPUs, one task on each node: the context sharded over both (cp 2), losses checked."""
+    j = jobs["sbatch_lm"]
+    rc, _, err, job, out = j.wait()
+    assert rc == 0 and job, (err, out)
+    res = json.loads((j.folder / f"lm-{job}.json").read_text())
+    assert res["ranks"] == 2 and res["mesh"] == {"dp": 1, "cp": 2} and res["verify"]["passed"] is True, res
+    assert len(res["steps"]) == 3 and (j.folder / f"lm-{job}.png").exists()
+    assert f"job {job} on 2 node(s), 2 tasks" in out

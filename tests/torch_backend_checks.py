@@ -284,6 +284,13 @@ def check_mismatch(seed):
         "op": lambda: dist.all_reduce(torch.ones(4), op=R.MAX if r == 0 else R.SUM),
         "collective": lambda: (dist.broadcast(torch.ones(4), src=0) if r == 0 else dist.all_reduce(torch.ones(4))),
         "gather size": lambda: ALL_GATHER_SINGLE(torch.empty(n * (2 + (r == 0))), torch.ones(2 + (r == 0))),
+        # one rank's own bad arguments (found before the call): the others raise too, naming it
+        "one rank's output size": lambda: ALL_GATHER_SINGLE(torch.empty(n * 2 + (r == n - 1)), torch.ones(2)),
+        "one rank's AVG of integers": lambda: dist.all_reduce(torch.ones(4, dtype=torch.int64),
+                                                              op=R.AVG if r == 0 else R.SUM),
+        "one rank's reduce_scatter input": lambda: REDUCE_SCATTER_SINGLE(torch.empty(2), torch.ones(2 * n + (r == 0))),
+        "one rank's broadcast dtype": lambda: dist.broadcast(torch.ones(3, dtype=torch.complex64 if r == 0
+                                                                        else torch.float32), src=n - 1),
     }
     for name, call in cases.items():
         try:

@@ -60,6 +60,7 @@ Semantics:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import os
 import socket
@@ -85,6 +86,9 @@ BACKEND = "commlib"
 
 #: torch's default process-group timeout: given by torch when the user gave none
 _TORCH_DEFAULT = datetime.timedelta(minutes=30)
+
+#: the algorithm a rank that refuses its own arguments names in the engine's first round
+_REFUSED = "(refused: see the error on that rank)"
 
 # the communicator the next default group is made over (init_process_group hands it to the creator)
 _NEXT = threading.local()
@@ -178,6 +182,27 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         if isinstance(exc, (ProcessFailed, CommTimeout)):
             self._broken = exc
 
+    @contextlib.contextmanager
+    def _refusing(self, kind: str, root: int = 0):
+        """Checks of this rank's arguments inside: an :class:`InvalidArgument` they
+        raise still takes this rank through the engine's first round of ``kind``
+        (with an algorithm no rank accepts), so that every other rank raises
+        :class:`InvalidArgument` naming this one, before any payload moves,
+        instead of waiting for it; this rank raises its own error."""
+        try:
+            yield
+        except InvalidArgument:
+            comm, z = self.comm, np.zeros(max(1, self.comm.size), np.uint8)
+            call = {"allreduce": lambda: comm.allreduce(z[:1], algorithm=_REFUSED, timeout=self.timeout),
+                    "bcast": lambda: comm.bcast(z[:1], root=root, algorithm=_REFUSED, timeout=self.timeout),
+                    "allgather": lambda: comm.allgather(z[:1], algorithm=_REFUSED, timeout=self.timeout),
+                    "reduce_scatter": lambda: comm.reduce_scatter(z, algorithm=_REFUSED, timeout=self.timeout)}
+            try:
+                call[kind]()
+            except InvalidArgument:
+                pass
+            raise
+
     def _host(self, t, op, load=True) -> HostTensor:
         return HostTensor(t, self.comm.rank, op, load)
 
@@ -209,8 +234,9 @@ class ProcessGroupCommlib(dist.ProcessGroup):
 
         def fn():
             for t in tensors:
-                name, factor = reduce_op(op, t.dtype, comm.rank, opname)
-                h = self._host(t, opname)
+                with self._refusing("allreduce"):
+                    name, factor = reduce_op(op, t.dtype, comm.rank, opname)
+                    h = self._host(t, opname)
                 if factor is not None:
                     h.h.mul_(factor)
                 comm.allreduce(h.array, op=name, timeout=timeout)
@@ -224,7 +250,8 @@ class ProcessGroupCommlib(dist.ProcessGroup):
 
         def fn():
             for t in tensors:
-                h = self._host(t, "broadcast")
+                with self._refusing("bcast", root):
+                    h = self._host(t, "broadcast")
                 comm.bcast(h.array, root=root, timeout=timeout)
                 h.back()
         return self._run(fn, tensors, opts)
@@ -237,8 +264,9 @@ class ProcessGroupCommlib(dist.ProcessGroup):
 
         def fn():
             for outs, t in zip(output_lists, inputs):
-                self._check_list(outs, t, "all_gather")
-                h = self._host(t, "all_gather")
+                with self._refusing("allgather"):
+                    self._check_list(outs, t, "all_gather")
+                    h = self._host(t, "all_gather")
                 gathered = comm.allgather(h.array, timeout=timeout)
                 with torch.no_grad():
                     for r, o in enumerate(outs):
@@ -265,10 +293,11 @@ class ProcessGroupCommlib(dist.ProcessGroup):
 
         def fn():
             for o, t in zip(outputs, inputs):
-                if o.numel() != t.numel() * comm.size or o.dtype != t.dtype:
-                    raise InvalidArgument(f"output of {o.numel()} {o.dtype} for {comm.size} ranks of "
-                                          f"{t.numel()} {t.dtype}", rank=comm.rank, op=opname)
-                h, ho = self._host(t, opname), self._host(o, opname, load=False)
+                with self._refusing("allgather"):
+                    if o.numel() != t.numel() * comm.size or o.dtype != t.dtype:
+                        raise InvalidArgument(f"output of {o.numel()} {o.dtype} for {comm.size} ranks of "
+                                              f"{t.numel()} {t.dtype}", rank=comm.rank, op=opname)
+                    h, ho = self._host(t, opname), self._host(o, opname, load=False)
                 comm.allgather(h.array, ho.array, timeout=timeout)
                 ho.back()
         return self._run(fn, outputs, opts)
@@ -306,25 +335,31 @@ class ProcessGroupCommlib(dist.ProcessGroup):
 
         def fn():
             if check is not None:
-                check()
+                with self._refusing("reduce_scatter"):
+                    check()
             for o, t in zip(outputs, inputs):
-                if isinstance(t, list):  # reduce_scatter's list: one tensor per rank, concatenated
-                    t = torch.cat([x.detach().to("cpu").reshape(-1) for x in t])
-                    h = HostTensor(t, comm.rank, opname)
-                else:
-                    if t.numel() != o.numel() * comm.size or o.dtype != t.dtype:
-                        raise InvalidArgument(f"input of {t.numel()} {t.dtype} for {comm.size} ranks' outputs of "
-                                              f"{o.numel()} {o.dtype}", rank=comm.rank, op=opname)
-                    h = self._host(t, opname)
-                    if h.h is t:  # the engine reads the input only, but PREMUL_SUM scales it
-                        h = HostTensor(t.clone(), comm.rank, opname) if needs_scaling(op) else h
-                name, factor = reduce_op(op, o.dtype, comm.rank, opname)
+                with self._refusing("reduce_scatter"):
+                    h, name, factor, ho = self._scatter_args(o, t, op, opname)
                 if factor is not None:
                     h.h.mul_(factor)
-                ho = self._host(o, opname, load=False)
                 comm.reduce_scatter(h.array, ho.array, op=name, timeout=timeout)
                 ho.back()
         return self._run(fn, outputs, opts)
+
+    def _scatter_args(self, o, t, op, opname):
+        """(input stand-in, op name, PREMUL_SUM factor, output stand-in) of one reduce-scatter."""
+        comm = self.comm
+        if isinstance(t, list):  # reduce_scatter's list: one tensor per rank, concatenated
+            h = HostTensor(torch.cat([x.detach().to("cpu").reshape(-1) for x in t]), comm.rank, opname)
+        else:
+            if t.numel() != o.numel() * comm.size or o.dtype != t.dtype:
+                raise InvalidArgument(f"input of {t.numel()} {t.dtype} for {comm.size} ranks' outputs of "
+                                      f"{o.numel()} {o.dtype}", rank=comm.rank, op=opname)
+            h = self._host(t, opname)
+            if h.h is t and needs_scaling(op):  # the engine only reads the input, but PREMUL_SUM scales it
+                h = HostTensor(t.clone(), comm.rank, opname)
+        name, factor = reduce_op(op, o.dtype, comm.rank, opname)
+        return h, name, factor, self._host(o, opname, load=False)
 
     # -- all-to-all ------------------------------------------------------------
     def alltoall(self, outputs, inputs, opts=None):
@@ -395,8 +430,9 @@ class ProcessGroupCommlib(dist.ProcessGroup):
 
         def fn():
             for t in tensors:
-                name, factor = reduce_op(op, t.dtype, comm.rank, "reduce")
-                h = HostTensor(t.detach().to("cpu").clone(), comm.rank, "reduce")
+                with self._refusing("allreduce"):
+                    name, factor = reduce_op(op, t.dtype, comm.rank, "reduce")
+                    h = HostTensor(t.detach().to("cpu").clone(), comm.rank, "reduce")
                 if factor is not None:
                     h.h.mul_(factor)
                 comm.allreduce(h.array, op=name, timeout=timeout)  # every rank agrees; the root keeps it
@@ -413,9 +449,10 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         def fn():
             for i, t in enumerate(inputs):
                 outs = output_lists[i] if output_lists else []
-                if comm.rank == root:
-                    self._check_list(outs, t, "gather")
-                h = self._host(t, "gather")
+                with self._refusing("allgather"):
+                    if comm.rank == root:
+                        self._check_list(outs, t, "gather")
+                    h = self._host(t, "gather")
                 gathered = comm.allgather(h.array, timeout=timeout)
                 if comm.rank == root:
                     with torch.no_grad():
@@ -430,13 +467,14 @@ class ProcessGroupCommlib(dist.ProcessGroup):
 
         def fn():
             for k, o in enumerate(outputs):
-                if comm.rank == root:
-                    ins = input_lists[k]
-                    self._check_list(ins, o, "scatter")
-                    full = torch.cat([x.detach().to("cpu").reshape(-1) for x in ins])
-                else:
-                    full = torch.empty(o.numel() * comm.size, dtype=o.dtype)
-                h = HostTensor(full, comm.rank, "scatter")
+                with self._refusing("bcast", root):
+                    if comm.rank == root:
+                        ins = input_lists[k]
+                        self._check_list(ins, o, "scatter")
+                        full = torch.cat([x.detach().to("cpu").reshape(-1) for x in ins])
+                    else:
+                        full = torch.empty(o.numel() * comm.size, dtype=o.dtype)
+                    h = HostTensor(full, comm.rank, "scatter")
                 comm.bcast(h.array, root=root, timeout=timeout)
                 with torch.no_grad():
                     o.copy_(full[comm.rank * o.numel():(comm.rank + 1) * o.numel()].view(o.shape))

@@ -234,13 +234,6 @@ def _box_array(boxes) -> np.ndarray:
     return np.asarray([[lo, hi] for lo, hi in boxes], dtype=np.int64).reshape(len(boxes), 2, -1)
 
 
-def _numba_update(u, un, c, lo, hi):
-    _get_numba(u.ndim)["boxes"](u, un, c, _box_array([(lo, hi)]))
-
-
-_UPDATES = {"numpy": numpy_update, "numba": _numba_update}  # host backends
-
-
 # -------------------------------------------------------------- halo layout
 def neighbour_sides(dims, coords) -> tuple[tuple[bool, bool], ...]:
     """Per dimension, ``(has a lower neighbour, has an upper neighbour)`` of the

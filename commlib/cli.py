@@ -192,6 +192,43 @@ def device_kernel_check(timeout: float = KERNEL_CHECK_TIMEOUT) -> str:
     return f"unavailable ({_one_line(why)})"
 
 
+def _pmi_in_use() -> str:
+    """Which process-management interface started this process, from the environment it left."""
+    env = os.environ
+    if env.get("PMIX_NAMESPACE"):
+        return f"PMIx (namespace {env['PMIX_NAMESPACE']})"
+    if env.get("PMI_FD") or env.get("PMI_PORT"):
+        return "PMI-1/PMI-2 (" + ("PMI_FD" if env.get("PMI_FD") else "PMI_PORT") + ")"
+    return "none (MPI starts as a singleton)"
+
+
+def slurm_rows() -> dict:
+    """``commlib info``'s Slurm rows, none outside a Slurm job: the job, the step and this task, the
+    PMI in use, and the line :func:`~commlib.transports.mpi_process.slurm_singleton` says when the
+    step's tasks each got an MPI world of 1 (MPI is initialized here)."""
+    env = os.environ
+    if not env.get("SLURM_JOB_ID"):
+        return {}
+    from commlib.transports.mpi_process import slurm_singleton  # noqa: PLC0415
+
+    rows = {"slurm_job": f"{env['SLURM_JOB_ID']} on {env.get('SLURM_JOB_NUM_NODES', '?')} node(s)"}
+    if env.get("SLURM_STEP_ID"):  # (inside a step SLURM_NTASKS is the step's count, not the job's)
+        rows["slurm_step"] = (f"{env['SLURM_STEP_ID']}: {env.get('SLURM_STEP_NUM_TASKS', '?')} task(s) on "
+                              f"{env.get('SLURM_STEP_NUM_NODES', '?')} node(s); this is task "
+                              f"{env.get('SLURM_PROCID', '?')} on {env.get('SLURMD_NODENAME', '?')}")
+    else:
+        rows["slurm_job"] += f", {env.get('SLURM_NTASKS', '?')} task(s)"
+        rows["slurm_step"] = "none (the batch script's own process)"
+    rows["pmi"] = _pmi_in_use()
+    try:
+        msg = slurm_singleton()
+    except Exception as exc:  # noqa: BLE001 - info must print whatever is broken
+        msg = f"unknown ({exc})"
+    if msg:
+        rows["slurm_singleton"] = msg.removeprefix("commlib: ")
+    return rows
+
+
 def info(kernel_check: bool = True, kernel_timeout: float = KERNEL_CHECK_TIMEOUT) -> dict:
     """Collect the provenance record (a JSON-serializable dict).
 
@@ -225,6 +262,7 @@ def info(kernel_check: bool = True, kernel_timeout: float = KERNEL_CHECK_TIMEOUT
         rec["world_size"] = MPI.COMM_WORLD.Get_size()
     except Exception as exc:  # pragma: no cover - broken MPI installs
         rec["mpi_library"] = f"unavailable ({exc})"
+    rec.update(slurm_rows())
     rec["ulfm"] = device.ulfm_available()
     try:
         ft = ft_mode_info()

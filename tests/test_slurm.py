@@ -13,6 +13,7 @@ test waits for its own: most of a job's time is Python and MPI starting up, whic
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -24,11 +25,7 @@ from dataclasses import dataclass
 
 import pytest
 
-try:
-    import torch  # noqa: F401  (the LM app's jobs need it; imported here only to know)
-    HAVE_TORCH = True
-except ImportError:
-    HAVE_TORCH = False
+HAVE_TORCH = importlib.util.find_spec("torch") is not None  # the LM app's jobs need it
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTCLUSTER = os.path.join(REPO, "jobs", "slurm", "testcluster.sh")
@@ -205,11 +202,22 @@ class Job:
         return rc, stdout, stderr, job, text
 
 
+#: the job each test waits for
+TEST_JOB = {"test_srun_heat_on_two_nodes": "srun_heat", "test_srun_attention": "srun_attention",
+            "test_sbatch_heat_script": "sbatch_heat",
+            "test_sbatch_heat_script_refuses_a_launch_of_singletons": "sbatch_heat_singletons",
+            "test_srun_lm_data_parallel": "srun_lm", "test_sbatch_lm_script": "sbatch_lm"}
+
+
 @pytest.fixture(scope="module")
-def jobs(slurm, tmp_path_factory):
-    """Every job of :func:`_launches`, started now, side by side: name -> :class:`Job`."""
+def jobs(slurm, tmp_path_factory, request):
+    """The jobs of :func:`_launches` that this run's tests wait for, started now, side by side:
+    name -> :class:`Job`."""
+    wanted = {TEST_JOB.get(item.originalname) for item in request.session.items}
     started = {}
     for name, (cmd, env) in _launches(slurm).items():
+        if name not in wanted:
+            continue
         folder = tmp_path_factory.mktemp(name)
         with open(folder / "launch.stdout", "w") as out, open(folder / "launch.stderr", "w") as err:
             proc = subprocess.Popen(cmd, cwd=str(folder), env={**slurm["env"], **env}, stdout=out, stderr=err,
@@ -251,7 +259,10 @@ def test_sbatch_heat_script(jobs, slurm):
     res = json.loads((j.folder / f"heat-{job}.json").read_text())
     assert res["ranks"] == 2 and res["grid"] == [16, 16, 16] and res["steps"] == 5 and res["verified"] is True, res
     assert f"job {job} on 2 node(s), 2 tasks" in out and f"srun --mpi={slurm['mpi']}" in out
-    assert "world_size" in out  # the provenance step's commlib info
+    # the provenance step's commlib info: its Slurm rows
+    assert re.search(rf"^slurm_job +{job} on 2 node\(s\)$", out, re.M), out
+    assert re.search(r"^slurm_step +\d+: 1 task\(s\) on 1 node\(s\); this is task 0 on c1$", out, re.M), out
+    assert re.search(r"^pmi +(PMIx \(namespace|PMI-1/PMI-2)", out, re.M) and "slurm_singleton" not in out, out
 
 
 def test_sbatch_heat_script_refuses_a_launch_of_singletons(jobs, slurm):

@@ -116,11 +116,27 @@ EOF
 # a recorded PID is ours while its command line still names our config (not a reused PID)
 ours() { [ -r "/proc/$1/cmdline" ] && tr '\0' ' ' <"/proc/$1/cmdline" | grep -qF -- " $DIR/slurm"; }
 
+# the step daemons of this cluster's jobs (their SLURM_CONF is one of ours), and the tasks under them
+stepds() {
+  local p
+  for p in /proc/[0-9]*; do
+    [ "$(cat "$p/comm" 2>/dev/null)" = slurmstepd ] &&
+      { tr '\0' '\n' <"$p/environ"; } 2>/dev/null | grep -q "^SLURM_CONF=$DIR/slurm" && echo "${p#/proc/}"
+  done
+  return 0
+}
+tree() { local c; for c in $(pgrep -P "$1" || true); do tree "$c"; done; echo "$1"; }
+
 stop() {
   [ -f "$DIR/pids" ] || return 0
-  local name pid alive t
-  if [ -x "$(command -v scancel)" ] && [ -f "$CONF" ]; then
+  local name pid alive t left
+  if [ -x "$(command -v scancel)" ] && [ -f "$CONF" ] && [ -n "$(SLURM_CONF=$CONF timeout 5 squeue -h 2>/dev/null)" ]; then
+    say "cancelling the jobs still queued or running"
     SLURM_CONF=$CONF timeout 5 scancel --full --quiet --user=root 2>/dev/null || true
+    for t in $(seq 1 50); do  # their steps end (up to KillWait) before the daemons go
+      [ -z "$(stepds)" ] && break
+      sleep 0.2
+    done
   fi
   # slurmd first (its steps end with it), then slurmctld
   for name in slurmd slurmctld; do
@@ -135,6 +151,11 @@ stop() {
     [ "$t" = 50 ] && { say "killing$alive (still up after 5 s)"; for p in $alive; do kill -KILL "${p##*:}" 2>/dev/null || true; done; }
     sleep 0.1
   done
+  left=$(stepds)
+  if [ -n "$left" ]; then
+    say "killing the steps left behind: slurmstepd PID(s)" $left "and their tasks"
+    for pid in $left; do kill -KILL $(tree "$pid") 2>/dev/null || true; done
+  fi
   rm -f "$DIR/pids"
   if [ -f "$DIR/watch.pid" ]; then
     pid=$(cat "$DIR/watch.pid")

@@ -159,7 +159,7 @@ class Worker:
         self._q.put((fn, fut, error, result, on_error))
         return Work(fut, error)
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = 1.0) -> None:
         """End the thread once the calls queued before are done (waits at most ``timeout`` seconds)."""
         th = self._thread
         if th is not None and th.is_alive():

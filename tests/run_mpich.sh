@@ -30,6 +30,11 @@ stage "MPICH: serial collectives and bounded-error fault tests" timeout 900 "$PY
 # the resume on another rank count gives the uninterrupted run's losses (hydra -disable-auto-cleanup)
 stage "MPICH: LM checkpoint, kill, resume (no ULFM)" timeout 600 "$PY" -P -m pytest -q -rfEs --color=no -p no:cacheprovider \
   --timeout=300 tests/test_lm_resume.py -k "without_ulfm" || status=1
+# real Slurm jobs with this MPI (srun --mpi=pmi2, heat.sbatch): a cluster on this host, skipped where
+# Slurm cannot run (tests/test_slurm.py); the LM jobs and the singleton checks run in tests/run.sh only
+stage "MPICH: Slurm jobs (srun --mpi=pmi2, sbatch)" timeout 600 "$PY" -P -m pytest -q -rfEs --color=no \
+  -p no:cacheprovider --timeout=300 tests/test_slurm.py -k "srun_heat or srun_attention or test_sbatch_heat_script" ||
+  status=1
 for n in ${RANKS:-2 3}; do
   stage "MPICH: MPI tests on $n rank(s)" timeout 600 "$VENV/bin/mpiexec" -n "$n" "$PY" -P -m pytest -q -rfEs --color=no \
     -p no:cacheprovider --with-mpi -m mpi --timeout=300 --timeout-method=thread \

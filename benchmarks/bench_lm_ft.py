@@ -116,11 +116,13 @@ def plans(a, eval_steps):
     return out
 
 
-def _oracle(model):
+def _oracle(model, size: int):
+    """The single-process losses of the model the jobs train (``size``: the jobs' rank
+    count, which options such as ``--dp`` are checked against; the oracle runs alone)."""
     from commlib.apps import lm as app  # noqa: PLC0415
     from commlib.apps.lm.train import oracle_losses  # noqa: PLC0415
 
-    args = app.parse_args(list(model), size=1)
+    args = app.parse_args(list(model), size=size)
     train, val = oracle_losses(args)
     return train, {s + 1: v for s, v in val.items()}
 
@@ -136,7 +138,7 @@ def _max_rel(rep, oracle):
 def soak(a, model, fixed=None):
     eval_steps = {s for s in range(1, a.steps + 1) if s % a.eval_every == 0 or s == a.steps}
     todo = fixed or plans(a, eval_steps)
-    oracle = _oracle(model) if fixed is None else None
+    oracle = _oracle(model, a.np) if fixed is None else None
     rows = []
     try:
         from tqdm import tqdm  # noqa: PLC0415

@@ -1,8 +1,8 @@
 """The README's resilient training loop (the block after ``<!-- resilient-example -->``: torch's DDP on
 the ``"commlib"`` backend under :class:`commlib.ResilientRunner`), run as written under ``mpiexec
---with-ft ulfm`` at 4 ranks with ranks SIGKILLed in every phase of a step: at its start, inside the
-backward pass while DDP's bucket all-reduces run (a gradient hook of the first layer), and before the
-loss all-reduce; victims (rank 0 among them) and steps from a printed seed.  The survivors must finish
+--with-ft ulfm`` at 4 ranks with ranks SIGKILLed in every phase of a step (one job with one kill, one with two): at its start,
+inside the backward pass while DDP's bucket all-reduces run (a gradient hook of the first layer), and
+before the loss all-reduce; victims (rank 0 among them) and steps from a printed seed.  The survivors must finish
 the 10 steps with the parameters of the same script run by one process without failures (float64,
 within 1e-10) and report the failures.  Also :class:`commlib.ResilientRunner`'s argument checks and
 its behaviour off ULFM (re-raise)."""
@@ -83,11 +83,12 @@ def test_readme_example_survives_kills(tmp_path):
     ref, size, failures = _run(tmp_path, [], 0)
     assert size == 1 and failures == "[]"
     rng = random.Random(SEED)
-    # one kill in each phase (rank 0 the victim of one of them), the last job with a second kill (4 -> 3 -> 2)
-    zero = rng.randrange(len(PHASES))
-    plans = [[(0 if i == zero else rng.randrange(1, 4), rng.randrange(1, 11), p)] for i, p in enumerate(PHASES)]
-    other = rng.choice([v for v in range(4) if v != plans[-1][0][0]])
-    plans[-1].append((other, rng.randrange(1, 11), rng.choice(PHASES)))
+    # two jobs: one kill, then two kills (4 -> 3 -> 2); between them every phase once, rank 0 a victim
+    phases = rng.sample(PHASES, len(PHASES))
+    victims = [0, *rng.sample(range(1, 4), 2)]
+    rng.shuffle(victims)
+    kills = [(v, rng.randrange(1, 11), p) for v, p in zip(victims, phases)]
+    plans = [kills[:1], kills[1:]]
     for kills in plans:
         params, size, failures = _run(tmp_path, kills, 4)
         assert size == 4 - len(kills), (SEED, kills, failures)

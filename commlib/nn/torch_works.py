@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import ml_dtypes
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from commlib.core.errors import InvalidArgument
+from commlib.core.errors import CommTimeout, InvalidArgument
 
 __all__ = ["FAST_DTYPES", "FAST_OPS", "NUMPY_DTYPES", "FLOAT_DTYPES", "numpy_view", "bits_view", "HostTensor", "reduce_op", "needs_scaling",
            "Work", "done", "Worker", "P2PWaiter", "split_sizes", "p2p_tag"]
@@ -99,6 +100,20 @@ class Work(dist.Work):
         self._error = error if error is not None else []
 
     def wait(self, timeout=None) -> bool:
+        """Wait for the call; ``timeout`` (a ``timedelta`` or seconds; None or 0:
+        no bound, torch's ``kNoTimeout``) bounds this wait only.
+
+        Raises:
+            CommTimeout: the call did not complete within ``timeout``.
+            CommError: the call's own error.
+        """
+        seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else (timeout or 0)
+        if seconds > 0 and not self._fut.done():
+            deadline = time.monotonic() + seconds
+            while not self._fut.done():
+                if time.monotonic() >= deadline:
+                    raise CommTimeout(f"the call did not complete within {seconds:g} s", op="Work.wait")
+                time.sleep(min(1e-3, max(0.0, deadline - time.monotonic())))
         self._fut.wait()
         if self._error:
             raise self._error[0]

@@ -194,20 +194,43 @@ def test_bad_checkpoint_refused_on_every_rank(kind, extra, word, checkpoint_dir,
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("case", ["missing", "file", "empty-resume", "occupied"])
+@pytest.mark.parametrize("case", ["missing-resume", "under-a-file", "file", "empty-resume", "occupied"])
 def test_bad_checkpoint_folder_refused_before_running(case, checkpoint_dir, tmp_path, capsys, monkeypatch):
-    """A missing folder, a file where a folder should be, --resume from an empty folder, or
-    --checkpoint into a folder holding another run's checkpoints: one line, exit 2, nothing run."""
+    """--resume from a missing or empty folder, --checkpoint where no folder can be made (under a
+    file) or at a file, or into a folder holding another run's checkpoints: one line, exit 2,
+    nothing run."""
     monkeypatch.setattr(app, "run", lambda *a, **k: pytest.fail("ran despite a bad folder"))
     monkeypatch.setattr(app, "world_size", lambda: 2)
     monkeypatch.setattr(app, "world_rank", lambda: 0)
     monkeypatch.setattr("commlib.apps._cli.world_rank", lambda: 0)
     f = tmp_path / "plain-file"
     f.write_text("x")
-    argv = {"missing": ["--checkpoint", str(tmp_path / "nope")], "file": ["--checkpoint", str(f)],
+    argv = {"missing-resume": ["--resume", str(tmp_path / "nope")], "under-a-file": ["--checkpoint", str(f / "sub")],
+            "file": ["--checkpoint", str(f)],
             "empty-resume": ["--resume", str(tmp_path)], "occupied": ["--checkpoint", str(checkpoint_dir)]}[case]
     before = _digest(checkpoint_dir)
     assert app.main(TINY + argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("lm: error: "), err
     assert _digest(checkpoint_dir) == before
+
+
+@pytest.mark.timeout(60)
+def test_missing_checkpoint_folder_is_made(tmp_path):
+    d = tmp_path / "runs" / "lm"
+    app.parse_args(TINY + ["--checkpoint", str(d)], size=1)
+    assert d.is_dir() and not any(d.iterdir())
+
+
+@pytest.mark.timeout(120)
+def test_resume_of_a_finished_run_reports_and_exits_0(checkpoint_dir, tmp_path):
+    """--resume of a checkpoint at the run's last step: the finished run's report, exit 0."""
+    out = tmp_path / "r.json"
+    before = _digest(checkpoint_dir)
+    res = subprocess.run([sys.executable, "-P", "-m", "commlib.apps.lm", *TINY, "--resume", str(checkpoint_dir),
+                          "--json", str(out)], capture_output=True, text=True, timeout=100, env=_singleton_env())
+    assert res.returncode == 0, res.stderr[-2000:]
+    rep = json.loads(out.read_text())
+    assert rep["resumed_from_step"] == 6 and rep["tokens_per_s"] is None and len(rep["steps"]) == 6
+    assert _digest(checkpoint_dir) == before
+

@@ -183,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
            "autograd reaches it; eval: an evaluation step only)")
     a("--checkpoint", metavar="DIR",
       help="write checkpoints (model, optimizer, data position, RNG; atomic: temporary file, checksum, rename) "
-           "into DIR, an existing writable folder (the lowest rank writes)")
+           "into DIR, a writable folder, made if missing (the lowest rank writes)")
     a("--checkpoint-every", type=int, default=None, metavar="N",
       help="steps between checkpoints (default 10 with --checkpoint); the last step is always written")
     a("--resume", metavar="DIR",
@@ -363,6 +363,11 @@ def parse_args(argv=None, size: int | None = None):
             err(f"--checkpoint-every must be in [1, {MAX_INT}], got {a.checkpoint_every}")
     from .checkpoint import check_checkpoint_dir, latest_checkpoint  # noqa: PLC0415  (light: no torch)
 
+    if a.checkpoint:  # a missing folder is made, as torch's and Lightning's checkpoint tools do
+        try:
+            os.makedirs(a.checkpoint, exist_ok=True)
+        except OSError as exc:
+            err(f"--checkpoint {a.checkpoint}: cannot create the folder ({exc.strerror or exc})")
     for opt, d, write in (("--checkpoint", a.checkpoint, True), ("--resume", a.resume, False)):
         if d is not None:
             problem = check_checkpoint_dir(d, for_write=write)

@@ -39,7 +39,10 @@ def print_report(rep) -> None:
           f"{rep['data']['val_files']} held-out files of the standard library")
     print(f"  {c['steps']} steps: train loss {rep['steps'][0]['train_loss']:.4f} -> {rep['final_train_loss']:.4f}, "
           f"val loss {rep['final_val_loss']:.4f}")
-    print(f"  {rep['tokens_per_s']:.0f} tokens/s (median step {rep['step_time_s'] * 1e3:.1f} ms, slowest rank)")
+    if rep["tokens_per_s"] is None:
+        print(f"  resumed from step {rep.get('resumed_from_step')}, the run's last: no step left to run")
+    else:
+        print(f"  {rep['tokens_per_s']:.0f} tokens/s (median step {rep['step_time_s'] * 1e3:.1f} ms, slowest rank)")
     m, mf = rep.get("mesh"), rep.get("mesh_final")
     if m is not None:
         final = f" -> {mf['dp']} x {mf['cp']}" if mf != m else ""

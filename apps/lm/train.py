@@ -601,7 +601,8 @@ def _run(args, comm, device, model, opt, par, kill, where, files, train_files, v
         bar.close()
     per_rank = comm.allgather(mine)  # (P, steps, 2): the survivors
     digests = comm.allgather(_parameter_digest(model))  # (P, 4): every rank's parameters, hashed
-    peak_per_rank = np.nanmax(per_rank[:, start:, 1], axis=1)
+    ran_any = start < args.steps  # False: --resume of a checkpoint at the last step (the finished run's report)
+    peak_per_rank = np.nanmax(per_rank[:, start:, 1], axis=1) if ran_any else np.full(len(per_rank), np.nan)
     failures = failure_rows(args, runner.failures)
 
     verify = None
@@ -640,8 +641,8 @@ def _run(args, comm, device, model, opt, par, kill, where, files, train_files, v
         steps=rows,
         final_train_loss=train_loss[-1],
         final_val_loss=val_loss[max(val_loss)],
-        tokens_per_s=float(N / np.median(timed)),
-        step_time_s=float(np.median(timed)),
+        tokens_per_s=float(N / np.median(timed)) if ran_any else None,
+        step_time_s=float(np.median(timed)) if ran_any else None,
         peak_memory_bytes_per_rank=[int(b) for b in np.nan_to_num(peak_per_rank)],
     )
     if verify is not None:

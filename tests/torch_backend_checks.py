@@ -289,6 +289,8 @@ def check_mismatch(seed):
         "one rank's AVG of integers": lambda: dist.all_reduce(torch.ones(4, dtype=torch.int64),
                                                               op=R.AVG if r == 0 else R.SUM),
         "one rank's reduce_scatter input": lambda: REDUCE_SCATTER_SINGLE(torch.empty(2), torch.ones(2 * n + (r == 0))),
+        "one rank's all_to_all_single splits": lambda: dist.all_to_all_single(
+            torch.empty(2 * n), torch.ones(2 * n), input_split_sizes=[2] * n if r else [1] * n),
         "one rank's broadcast dtype": lambda: dist.broadcast(torch.ones(3, dtype=torch.complex64 if r == 0
                                                                         else torch.float32), src=n - 1),
     }

@@ -124,8 +124,8 @@ class ProcessGroupCommlib(dist.ProcessGroup):
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND
 
-    @property
-    def name(self) -> str:  # noqa: D401
+    def name(self) -> str:
+        """The backend's name (a method, as on torch's own groups)."""
         return BACKEND
 
     # torch names a group through its backends; a Python group keeps the name itself
@@ -375,16 +375,19 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         comm = self.comm
 
         def fn():
-            n = comm.size
-            ins = split_sizes(input, input_split_sizes, n, comm.rank, "all_to_all_single", "input")
-            outs = split_sizes(output, output_split_sizes, n, comm.rank, "all_to_all_single", "output")
-            self._alltoallv([x.detach().to("cpu").reshape(-1) for x in ins], outs, "all_to_all_single")
+            n, problem = comm.size, None
+            try:
+                ins = split_sizes(input, input_split_sizes, n, comm.rank, "all_to_all_single", "input")
+                outs = split_sizes(output, output_split_sizes, n, comm.rank, "all_to_all_single", "output")
+            except InvalidArgument as exc:  # refused in the count agreement, so the other ranks raise too
+                ins, outs, problem = [], [], exc.detail
+            self._alltoallv([x.detach().to("cpu").reshape(-1) for x in ins], outs, "all_to_all_single", problem)
         return self._run(fn, [output], opts)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # noqa: A002
         return self.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
 
-    def _alltoallv(self, ins, outs, opname):
+    def _alltoallv(self, ins, outs, opname, problem=None):
         """All-to-all of ``ins[j]`` (to rank j) into ``outs[i]`` (from rank i), any sizes.
 
         The ranks first agree on every send and receive count (one all-gather
@@ -392,10 +395,9 @@ class ProcessGroupCommlib(dist.ProcessGroup):
         :class:`InvalidArgument` on every rank before any payload moves; the
         blocks then travel padded to the largest in one all-to-all."""
         comm, n, timeout = self.comm, self.comm.size, self.timeout
-        problem = None
-        if len(ins) != n or len(outs) != n:
+        if problem is None and (len(ins) != n or len(outs) != n):
             problem = f"needs {n} input and output tensors, got {len(ins)} and {len(outs)}"
-        elif len({x.dtype for x in ins} | {o.dtype for o in outs}) != 1:
+        if problem is None and len({x.dtype for x in ins} | {o.dtype for o in outs}) != 1:
             problem = f"mixed dtypes {sorted({str(x.dtype) for x in [*ins, *outs]})}"
         dtype = outs[0].dtype if outs else torch.float32
         if problem is None and dtype not in NUMPY_DTYPES:

@@ -12,13 +12,16 @@ allgather copies the same reduced bits to every rank, so the result is
 bit-identical on all ranks.
 
 Each step is one ``transport.sendrecv`` of a whole chunk; out of place the
-partial is received straight into the chunk it is reduced into.  Cutting steps
-into pipelined segments (NCCL's and Open MPI's segmented ring) was measured and
-left out: over Open MPI's shared-memory transport the receiver copies each
-message itself (CMA single copy, inside its own MPI calls), so a segment's
-transfer cannot overlap the reduction of the previous one on the same core,
-and every segment adds a request and a wait from Python (at 2 and 4 ranks on
-2 cores, 1-16 MiB: 10-50% slower with 64-512 KiB segments).
+partial is received straight into the chunk it is reduced into.  Pipelined
+segments (NCCL's and Open MPI's segmented ring) do not overlap transfer and
+reduction here: over Open MPI's shared-memory transport the receiver copies
+each message itself (CMA single copy, inside its own MPI calls), on the same
+core, and every segment adds a request and a wait from Python (at 2 and 4 ranks
+on 2 cores, 1-16 MiB: 10-50% slower with 64-512 KiB segments).  Only in place,
+for chunks above :data:`.reduce_scatter_ring.SEGMENT_BYTES` (4 MiB), does the
+reduce-scatter exchange segments, each received into the same cache-sized slice
+of the scratch: the partial then never goes out to memory (64-128 MiB at 2
+ranks: 8-10% faster).
 """
 from __future__ import annotations
 

@@ -97,6 +97,9 @@ def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds, *,
     ufunc = op.ufunc
     if timeout is None and save is None and head is None:  # exchange()'s unbounded step, without its call per step
         sendrecv = transport.sendrecv
+        if not direct and maxlen * work.itemsize > SEGMENT_BYTES:
+            _segmented(sendrecv, work, local, bounds, tmp, ufunc, n, r, tag)
+            return
         for s in range(n - 1):
             sc = (r - s - 1) % n
             rc = (sc - 1) % n
@@ -123,6 +126,37 @@ def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds, *,
         exchange(transport, (local if s == 0 else work)[bounds[sc]:bounds[sc + 1]], right, rbuf, left, tag,
                  timeout, overlap)
         ufunc(rbuf, local[a:b], out=dst)  # partial from the left (op) own contribution: ring_order
+
+
+#: in place, a chunk larger than this many bytes is exchanged in segments of
+#: about this size, each received into the same slice of the scratch and combined
+#: at once: the partial then stays in cache instead of going out to memory and
+#: back (at 64 MiB over 2 ranks, a 32 MiB scratch written by the transfer and
+#: read by the reduction).  Below it, whole chunks: a segment costs a call.
+SEGMENT_BYTES = 4 << 20
+
+
+def _segmented(sendrecv, work, local, bounds, tmp, ufunc, n: int, r: int, tag: int) -> None:
+    """The unbounded in-place steps of :func:`reduce_scatter_ring_inplace` with
+    each chunk cut into ``k`` segments (the same ``k`` on every rank, from the
+    largest chunk; segment ``j`` of a chunk depends on that chunk's length only,
+    so a sender's and its receiver's segments match).  Same elements combined
+    in the same order: the same bits as whole chunks."""
+    seg = max(1, SEGMENT_BYTES // work.itemsize)
+    k = -(-max(bounds[i + 1] - bounds[i] for i in range(n)) // seg)
+    for s in range(n - 1):
+        sc = (r - s - 1) % n
+        rc = (sc - 1) % n
+        a, b = bounds[rc], bounds[rc + 1]
+        sa = bounds[sc]
+        out = local if s == 0 else work
+        ls, lr = bounds[sc + 1] - sa, b - a
+        for j in range(k):
+            s0, s1 = sa + j * ls // k, sa + (j + 1) * ls // k
+            r0, r1 = a + j * lr // k, a + (j + 1) * lr // k
+            rbuf = tmp[:r1 - r0]
+            sendrecv(out[s0:s1], (r + 1) % n, rbuf, (r - 1) % n, tag, tag)
+            ufunc(rbuf, local[r0:r1], out=work[r0:r1])
 
 
 def _headed_step(transport, head, chunk, right: int, rbuf, left: int, tag: int, timeout, overlap, mine, dst,

@@ -514,3 +514,19 @@ def test_bfloat16_has_no_mpi_path(comm):
 
 def test_recvbuf_mismatch(comm):
     _raises_everywhere(comm, lambda: comm.allreduce(np.ones(4), np.ones(5)), "does not match")
+
+
+@pytest.mark.parametrize("count", [1000, 4099, 65537])
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float64)])
+def test_segmented_ring_in_place_gives_the_ring_order(comm, monkeypatch, count, dtype):
+    """A large in-place ring exchanges each chunk in segments (the partial stays in
+    cache); with the segment size cut to a few elements, every count here is cut
+    into several uneven segments, and the bits must still be the ring order's."""
+    from commlib.collectives import reduce_scatter_ring  # noqa: PLC0415
+    monkeypatch.setattr(reduce_scatter_ring, "SEGMENT_BYTES", 7 * dtype.itemsize)
+    seed = 31 + count
+    inputs = [_data(dtype, count, r, seed) for r in range(comm.size)]
+    x = inputs[comm.rank].copy()
+    comm.allreduce(x, op="sum", algorithm="ring")
+    want = ring_oracle(inputs, "sum")
+    assert x.tobytes() == want.tobytes(), f"rank {comm.rank}: {int((x != want).sum())} of {count} elements differ"

@@ -129,6 +129,7 @@ class Op:
 _CHECKED: set = set()
 
 
+#: the reduction operators by name (``op="sum"`` etc.): each an :class:`Op`
 OPS: dict[str, Op] = {
     "sum": Op("sum", 1, np.add),
     "prod": Op("prod", 2, np.multiply),

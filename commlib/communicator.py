@@ -29,8 +29,11 @@ from commlib.typed_p2p import MPITypes, fast_p2p, typed_irecv, typed_isend, type
 
 __all__ = ["Communicator", "CartCommunicator", "init", "compute_dims", "PROC_NULL", "ANY_SOURCE", "ANY_TAG"]
 
+#: the null rank (MPI's ``MPI_PROC_NULL``): a send to it or a receive from it completes at once
 PROC_NULL = MPI.PROC_NULL
+#: a receive's ``source`` that matches a message from any rank (``MPI_ANY_SOURCE``)
 ANY_SOURCE = MPI.ANY_SOURCE
+#: a receive's ``tag`` that matches any tag (``MPI_ANY_TAG``)
 ANY_TAG = MPI.ANY_TAG
 
 
@@ -44,8 +47,8 @@ class Communicator(CollectiveMixin):
             :func:`commlib.core.device.cuda_aware`).
 
     Attributes:
-        mpi_comm: the underlying ``MPI.Comm`` for interoperating with mpi4py code.
-        transport: the point-to-point transport collectives run on.
+        transport: the point-to-point transport collectives run on (see also
+            :attr:`mpi_comm`, the underlying ``MPI.Comm``).
     """
 
     def __init__(self, comm: MPI.Comm | None = None, *, cuda_aware: bool | None = None,

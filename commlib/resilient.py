@@ -200,7 +200,7 @@ class ResilientRunner:
         Raises:
             ProcessFailed, CommTimeout: not recoverable (see the class).
             StateLost: raised by ``load`` or ``reshard``.
-            Any other exception ``fn`` raises, unchanged (a bug is not a failure).
+            Exception: any other exception ``fn`` raises, unchanged (a bug is not a failure).
         """
         if not self._have_snapshot:
             self.checkpoint()

@@ -198,6 +198,7 @@ class Zigzag(Layout):
         return first.astype(np.int64), second.astype(np.int64)
 
 
+#: the sequence layouts every ring variant and ``shard_sequence`` accept
 LAYOUTS = ("contiguous", "striped", "zigzag")
 _BY_NAME = {cls.name: cls() for cls in (Contiguous, Striped, Zigzag)}
 

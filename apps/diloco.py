@@ -352,8 +352,10 @@ def _run(peer, *, outer_steps: int = 30, inner_steps: int = 20, batch: int = 32,
                            "donor": info.get("donor"), "sync_s": info.get("seconds"),
                            "time_s": time.perf_counter() - t0})
             if log:
-                log(f"epoch {peer.epoch}: rank {peer.rank}/{peer.size}, step {int(state['step'][0])}, "
-                    f"synced {got} B from {info.get('donor')}")
+                donor = info.get("donor")
+                sync = (f"fetched the shared state ({got} B) from peer id {donor}" if donor is not None
+                        else "shared state identical on every peer (nothing fetched)")
+                log(f"epoch {peer.epoch}: rank {peer.rank}/{peer.size}, step {int(state['step'][0])}, {sync}")
             last_epoch = peer.epoch
         t = int(state["step"][0])
         if bar is not None:
@@ -635,7 +637,10 @@ def _main(args, leave, log) -> int:
                   file=sys.stderr)
             return 1
         except (commlib.CommError, OSError, TimeoutError) as exc:
-            print(f"diloco: error: cannot reach the master at {args.master}: {exc}", file=sys.stderr)
+            what = getattr(exc, "detail", None) or str(exc)  # connect's own errors already name the master
+            if not what.startswith("cannot reach the master"):
+                what = f"cannot reach the master at {args.master}: {what}"
+            print(f"diloco: error: {what}", file=sys.stderr)
             return 1
         try:
             report = run(peer, outer_steps=args.outer_steps, inner_steps=args.inner_steps, batch=args.batch,

@@ -592,3 +592,45 @@ def test_ctrl_c_leaves_at_a_step_boundary_and_writes_the_report(tmp_path):
     assert "Traceback" not in text and "Ctrl-C: leaving at the next step boundary" in text, text[-3000:]
     rep = json.loads((tmp_path / "p.json").read_text())
     assert not rep["finished"] and 3 <= rep["own_outer_steps"] < 5000
+
+
+def test_the_membership_log_says_what_the_state_sync_did():
+    """The log line of a membership change names the donor and the bytes when the
+    state was fetched, and says the state was already identical when nothing moved
+    (not "synced 0 B from None")."""
+    g, lines, errors = FakeGroup(join_at=2), {"a": [], "joiner": []}, []
+
+    def peer_main(name, start_at=None):
+        try:
+            if start_at is not None:
+                g.wait_for_outer_step(start_at)
+            p = g.connect()
+            diloco.run(p, outer_steps=4, inner_steps=2, seed=1, log=lines[name].append)
+            p.close()
+        except Exception as exc:  # noqa: BLE001
+            errors.append((name, repr(exc)))
+
+    ths = [threading.Thread(target=peer_main, args=("a",)),
+           threading.Thread(target=peer_main, args=("joiner",), kwargs={"start_at": 2})]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join(120)
+    assert not errors, errors
+    epochs = [m for m in lines["a"] + lines["joiner"] if m.startswith("epoch ")]
+    assert epochs and not [m for m in epochs if "None" in m or "synced 0 B" in m], epochs
+    assert any("shared state identical on every peer (nothing fetched)" in m for m in lines["a"]), lines["a"]
+    fetched = [m for m in lines["joiner"] if "fetched the shared state (" in m]
+    assert fetched and " B) from peer " in fetched[0], lines["joiner"]
+
+
+def test_an_unreachable_master_is_named_once(tmp_path, capsys):
+    """connect's own error already names the master: the CLI's line says it once."""
+    sec = tmp_path / "s"
+    sec.write_bytes(b"x" * 32)
+    master = f"127.0.0.1:{_free_port()}"  # nothing listens there
+    assert diloco.main(["--master", master, "--secret-file", str(sec), "--no-progress", "--timeout", "5",
+                        "--rejoin", "0"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("cannot reach the master") == 1 and err.count(master) == 1, err
+    assert err.startswith(f"diloco: error: cannot reach the master at {master}: "), err

@@ -354,7 +354,7 @@ def _run(peer, *, outer_steps: int = 30, inner_steps: int = 20, batch: int = 32,
             if log:
                 donor = info.get("donor")
                 sync = (f"fetched the shared state ({got} B) from peer id {donor}" if donor is not None
-                        else "shared state identical on every peer (nothing fetched)")
+                        else "shared state already current here (nothing fetched)")
                 log(f"epoch {peer.epoch}: rank {peer.rank}/{peer.size}, step {int(state['step'][0])}, {sync}")
             last_epoch = peer.epoch
         t = int(state["step"][0])

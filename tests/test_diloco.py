@@ -596,8 +596,8 @@ def test_ctrl_c_leaves_at_a_step_boundary_and_writes_the_report(tmp_path):
 
 def test_the_membership_log_says_what_the_state_sync_did():
     """The log line of a membership change names the donor and the bytes when the
-    state was fetched, and says the state was already identical when nothing moved
-    (not "synced 0 B from None")."""
+    state was fetched, and says this peer's state was already current when it fetched nothing
+    (not "synced 0 B from None"): a donor, too, fetched nothing."""
     g, lines, errors = FakeGroup(join_at=2), {"a": [], "joiner": []}, []
 
     def peer_main(name, start_at=None):
@@ -619,7 +619,7 @@ def test_the_membership_log_says_what_the_state_sync_did():
     assert not errors, errors
     epochs = [m for m in lines["a"] + lines["joiner"] if m.startswith("epoch ")]
     assert epochs and not [m for m in epochs if "None" in m or "synced 0 B" in m], epochs
-    assert any("shared state identical on every peer (nothing fetched)" in m for m in lines["a"]), lines["a"]
+    assert any("shared state already current here (nothing fetched)" in m for m in lines["a"]), lines["a"]
     fetched = [m for m in lines["joiner"] if "fetched the shared state (" in m]
     assert fetched and " B) from peer " in fetched[0], lines["joiner"]
 

@@ -198,7 +198,7 @@ class Communicator(CollectiveMixin):
             InvalidArgument: ``timeout`` is NaN, infinite, negative, a bool or
                 not a number (nothing is waited for; the requests stay valid).
             CommTimeout: ``timeout`` passed first.
-            ProcessFailed / CommError: a request failed (classified, naming the rank).
+            ProcessFailed, CommError: a request failed (classified, naming the rank).
         """
         timeout = check_timeout(timeout, op="waitall", rank=self.rank, zero=True)
         if all(isinstance(r, MPIRequest) for r in requests):

@@ -1,0 +1,218 @@
+"""The performance page's tables, made from the benchmarks' JSON.
+
+Two commands:
+
+    python -P docs/make_tables.py run [AREA ...]   # run each area's benchmark, save docs/results/AREA.json
+    python -P docs/make_tables.py tables           # write docs/results/AREA.md from those files
+    python -P docs/make_tables.py check            # exit 1 if a table differs from its JSON
+
+``run`` wraps the benchmark's own ``--json`` output with the command line, the
+date (UTC) and the machine (CPU model, cores, Python, MPI library, load average
+at the start), so every figure on the page says where it came from. ``tables``
+writes one Markdown table per area; the performance page includes them.
+Only ``run`` starts MPI jobs; ``tables`` and ``check`` read files.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "docs" / "results"
+MPIEXEC = "mpiexec --allow-run-as-root --oversubscribe"
+FT = ("mpiexec --allow-run-as-root --oversubscribe --with-ft ulfm --mca btl tcp,self "
+      "--mca btl_tcp_flags send,inplace,need-ack,need-csum --prtemca state_base_error_non_zero_exit 0")
+
+#: area -> the command that measures it ({json}: the file it writes)
+AREAS = {
+    "allreduce": f"{MPIEXEC} -n 2 python -P benchmarks/bench_allreduce.py --min-bytes 8 --max-bytes 16777216 "
+                 "--variants auto,ring --trials 3 --json {{json}}",
+    "small": f"{MPIEXEC} -n 2 python -P benchmarks/bench_small.py --iters 2000 --trials 3 --json {{json}}",
+    "halo": f"{MPIEXEC} -n 2 python -P benchmarks/bench_halo.py --json {{json}}",
+    "halo3d": f"{MPIEXEC} -n 2 python -P benchmarks/bench_halo3d.py --sizes 16 32 --json {{json}}",
+    "pack": "python -P benchmarks/bench_pack.py --quick --dims 1 2 --no-progress --json {json}",
+    "pingpong": f"{MPIEXEC} -n 2 python -P benchmarks/bench_typed_pingpong.py --sizes 256 4096 65536 "
+                "--blocks 8 512 --repeat 2000 --no-progress --json {{json}}",
+    "heat": f"{MPIEXEC} -n 2 python -P benchmarks/bench_heat.py --trials 3 --json {{json}}",
+    "attention": f"{MPIEXEC} -n 2 python -P benchmarks/bench_attention.py --seq 4096 --json {{json}}",
+    "ft_recovery": "python -P benchmarks/bench_ft.py recovery --runs 10 --json {json}",
+    "torch_backend": f"{MPIEXEC} -n 2 python -P benchmarks/bench_torch_backend.py --quick --json {{json}}",
+}
+
+
+def _machine():
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        from mpi4py import MPI  # noqa: PLC0415
+        mpi = MPI.Get_library_version().split("\n")[0].strip("\x00 ").split(",")[0]
+    except Exception:  # noqa: BLE001 - the page says "unknown" rather than failing
+        mpi = "unknown"
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "mpi": mpi,
+            "load_1min": round(os.getloadavg()[0], 1)}
+
+
+def run(areas):
+    """Run each area's benchmark and save its JSON, wrapped with command, date and machine."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    status = 0
+    for area in areas:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "out.json"
+            cmd = AREAS[area].format(json=out)
+            machine = _machine()
+            date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+            print(f"== {area}: {cmd}", flush=True)
+            env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+            rc = subprocess.run(shlex.split(cmd), cwd=ROOT, env=env, check=False).returncode
+            if rc != 0 or not out.exists():
+                print(f"!! {area} failed (exit {rc}); docs/results/{area}.json left as it was", flush=True)
+                status = 1
+                continue
+            record = {"area": area, "command": AREAS[area].format(json=f"{area}.json"), "date": date,
+                      "machine": machine, "result": json.loads(out.read_text())}
+            (RESULTS / f"{area}.json").write_text(json.dumps(record, indent=1) + "\n")
+    return status
+
+
+# ---------------------------------------------------------------- formatting
+
+def _size(n):
+    for unit, k in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= k:
+            v = n / k
+            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.1f} {unit}"
+    return f"{n} B"
+
+
+def _x(v):
+    return "–" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{v:.2f}x"
+
+
+def _table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+FORMATTERS = {}
+
+
+def formatter(area):
+    def deco(fn):
+        FORMATTERS[area] = fn
+        return fn
+    return deco
+
+
+def _us(seconds):
+    return f"{seconds * 1e6:.1f}"
+
+
+@formatter("allreduce")
+def _allreduce(r):
+    variants = [k for k in ("auto", "ring", "recursive_doubling") if k in r["rows"][0]]
+    head = ["bytes", "MPI.Allreduce µs"] + [f"`{v}` µs (MPI time / commlib time)" for v in variants]
+    rows = []
+    for row in r["rows"]:
+        cells = [_size(row["bytes"]), f"{row['MPI.Allreduce']['time_us']:.1f}"]
+        cells += [f"{row[v]['time_us']:.1f} ({_x(row[v].get('ratio_vs_mpi'))})" for v in variants]
+        rows.append(cells)
+    return (f"{r['ranks']} ranks, {r['mpi']}; one call's time, best of the trials; above 1 x is faster "
+            f"than MPI.\n\n" + _table(head, rows))
+
+
+@formatter("pack")
+def _pack(r):
+    head = ["block", "strided dims", "commlib pack GB/s", "MPI_Pack GB/s", "memcpy GB/s",
+            "pack / MPI_Pack", "unpack / MPI_Unpack"]
+    rows = [[_size(x["block"]), x["dims"], f"{x['gbps']['pack_commlib']:.2f}", f"{x['gbps']['pack_mpi']:.2f}",
+             f"{x['gbps']['memcpy']:.2f}", _x(x["pack_vs_mpi"]), _x(x["unpack_vs_mpi"])] for x in r["rows"]]
+    s = r["summary"]
+    return (f"{_size(r['total'])} packed per shape, host arrays. Geometric mean, pack against "
+            f"`MPI.Datatype.Pack`: {_x(s['pack_vs_mpi_geomean'])} over every shape, "
+            f"{_x(s['pack_vs_mpi_geomean_ge64B'])} for blocks of 64 B and more.\n\n" + _table(head, rows))
+
+
+@formatter("pingpong")
+def _pingpong(r):
+    head = ["message", "block", "mpi4py `Send`/`Recv` µs", "commlib `auto` µs", "mpi4py time / commlib time",
+            "model's pick", "fastest"]
+    rows = [[_size(x["bytes"]), _size(x["block"]), _us(x["seconds"]["mpi4py"]), _us(x["seconds"]["auto"]),
+             _x(x["seconds"]["mpi4py"] / x["seconds"]["auto"]), x["model_pick"], x["fastest"]] for x in r["rows"]]
+    return (f"One-way time of a non-contiguous message (a vector of blocks), both sides with the same "
+            f"datatype. The strategy model picked the fastest strategy in "
+            f"{r['model_accuracy']:.0%} of the cases.\n\n" + _table(head, rows))
+
+
+@formatter("ft_recovery")
+def _ft_recovery(r):
+    k, d = r["kill_to_result_s"], r["detect_to_result_s"]
+    head = ["ranks", "jobs", "kill to result, median ms", "p90 ms", "max ms", "detection to result, median ms"]
+    rows = [[r["ranks"], r["runs"], f"{k['median'] * 1e3:.0f}", f"{k['p90'] * 1e3:.0f}", f"{k['max'] * 1e3:.0f}",
+             f"{d['median'] * 1e3:.0f}"]]
+    return ("A rank is killed at a random point of a 1 MiB ring all-reduce under ULFM; the time from "
+            "the kill to the survivors' verified result.\n\n" + _table(head, rows))
+
+
+def render(record):
+    """The Markdown for one area: its table, then the command, machine and date."""
+    body = FORMATTERS[record["area"]](record["result"])
+    m = record["machine"]
+    where = (f"{m['cores']}-core {m['cpu']}, Python {m['python']}, {m['mpi']}, "
+             f"load {m['load_1min']} at the start; {record['date']}")
+    return f"{body}\n\nMeasured with `{record['command']}` on {where}.\n"
+
+
+def tables():
+    """{area: markdown} for every docs/results/AREA.json."""
+    out = {}
+    for path in sorted(RESULTS.glob("*.json")):
+        record = json.loads(path.read_text())
+        if record.get("area") in FORMATTERS:
+            out[record["area"]] = render(record)
+    return out
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cmd = argv.pop(0) if argv else "tables"
+    if cmd == "run":
+        bad = [a for a in argv if a not in AREAS]
+        if bad:
+            print(f"unknown area(s) {bad}; areas: {' '.join(AREAS)}", file=sys.stderr)
+            return 2
+        return run(argv or list(AREAS))
+    if cmd in ("tables", "check"):
+        stale = []
+        for area, text in tables().items():
+            path = RESULTS / f"{area}.md"
+            if cmd == "check":
+                if not path.exists() or path.read_text() != text:
+                    stale.append(path.name)
+            else:
+                path.write_text(text)
+        if stale:
+            print(f"out of date: {' '.join(stale)}; run python -P docs/make_tables.py tables", file=sys.stderr)
+            return 1
+        return 0
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -597,7 +597,8 @@ class _Plan:
             for _, (a, _b) in self.checks:
                 devmem.to_host_async(self.wire, host, a, a + _H)
             devmem.stream_synchronize()
-        bad, mismatch = [], None
+        # one clause per offender and reason, however many of its messages (directions) said it
+        aborted, heard, unmatched, mismatch = {}, set(), {}, None  # (origin, why) -> relaying ranks; rank -> clauses
         for nb, (a, b) in self.checks:
             h = host[a:a + _H].view(np.int64)
             want = (_OK, nb.rank, self.nfields, self.halo._dcode, b - a - _H)
@@ -608,17 +609,26 @@ class _Plan:
                 self.halo._taint(bool(h[_FAR]))
                 origin = int(h[_ORIGIN])
                 why = _REASONS.get(int(h[_REASON]), "its fields were invalid")
-                who = f"rank {nb.rank}" if origin == nb.rank else f"rank {nb.rank} (told by rank {origin})"
-                bad.append((origin, f"{who} aborted the exchange: {why}"))
-            elif got[_STATUS] == _OK:
-                diff = [f"{name} {g} (here {w})" for name, g, w in
-                        zip(("sender", "fields", "dtype code", "bytes"), got[1:], want[1:]) if g != w]
-                bad.append((nb.rank, f"rank {nb.rank}'s message does not match this plan: " + ", ".join(diff)))
-                mismatch = nb.rank if mismatch is None else mismatch
+                relays = aborted.setdefault((origin, why), set())
+                if origin != nb.rank:
+                    relays.add(nb.rank)
+                else:
+                    heard.add(origin)
             else:
-                bad.append((nb.rank, f"rank {nb.rank}'s message has no valid header"))
+                if got[_STATUS] == _OK:
+                    what = ", ".join(f"{name} {g} (here {w})" for name, g, w in
+                                     zip(("sender", "fields", "dtype code", "bytes"), got[1:], want[1:]) if g != w)
+                else:
+                    what = "no valid header"
+                unmatched.setdefault(nb.rank, {})[what] = None
                 mismatch = nb.rank if mismatch is None else mismatch
             h[_STATUS] = 0  # a later short message cannot pass for this one
+        # "told by": the offender is not this rank's neighbour, its abort came relayed
+        bad = [(origin, f"rank {origin} aborted the exchange: {why}"
+                + (f" (told by {_ranks(relays)})" if relays and origin not in heard else ""))
+               for (origin, why), relays in aborted.items()]
+        bad += [(r, f"rank {r}'s message does not match this plan: " + "; ".join(clauses))
+                for r, clauses in unmatched.items()]
         if bad:
             err = InvalidArgument("; ".join(m for _, m in bad) + "; no ghost cell was written",
                                   rank=self.halo.rank, op=_EXCHANGE)
@@ -731,6 +741,12 @@ class HaloRequest(Request):
 
 _KEPT: list = []  # the transports and plans of aborted exchanges (see HaloExchange.free)
 _SLICE = 0.05  # seconds a wait runs before looking for an abort notice
+
+
+def _ranks(ranks) -> str:
+    """``"rank 3"``, ``"ranks 1, 3"``."""
+    rs = sorted(ranks)
+    return f"rank {rs[0]}" if len(rs) == 1 else "ranks " + ", ".join(map(str, rs))
 
 
 def _as_raised_by(exc: CommError, op: str, rank: int) -> CommError:

@@ -228,3 +228,33 @@ def test_halo_read_only_field_on_one_rank_fails_everywhere(how):
     finally:
         halo.free()
         cart.free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_halo_misuse_is_said_once_per_offender():
+    """The last rank passes a read-only field; it neighbours every other rank in
+    several directions (a periodic 2-D grid with corners: at 2 ranks, six of
+    rank 0's eight messages come from it).  Every other rank's error says it
+    once, one clause naming it, however many of its messages aborted."""
+    comm = commlib.init()
+    cart = comm.cart_create(dims=[0, 0], periods=[True, True])
+    halo = HaloExchange(cart, (4, 4), width=1)
+    if comm.size > 4:
+        pytest.skip("every rank neighbours the offender only up to 4 ranks (2x2)")
+    last = comm.size - 1
+    try:
+        f = halo.allocate(fill=SENTINEL)
+        if comm.rank == last:
+            f.flags.writeable = False
+        with pytest.raises(InvalidArgument) as ei:
+            halo.exchange(f, timeout=30)
+        msg = str(ei.value)
+        if comm.rank != last:
+            assert msg.count("aborted the exchange") == 1 and msg.count(f"rank {last}") == 1, msg
+            assert msg == (f"rank {cart.rank}: HaloExchange.exchange: rank {last} aborted the exchange: a field is "
+                           "read-only; no ghost cell was written"), msg
+            assert ei.value.offenders == (last,)
+    finally:
+        halo.free()
+        cart.free()

@@ -7,7 +7,7 @@ import sys
 
 from .checkpoint import latest_checkpoint
 
-__all__ = ["print_report", "plot_losses", "write_outputs", "failure_rows", "failure_line"]
+__all__ = ["print_report", "window_line", "plot_losses", "write_outputs", "failure_rows", "failure_line"]
 
 
 def _fmt_bytes(n: float) -> str:
@@ -28,10 +28,7 @@ def print_report(rep) -> None:
     print(f"  model: {rep['parameters']:,} parameters, d_model {c['d_model']}, {c['layers']} layers, heads "
           f"{c['heads']}/{c['kv_heads']}, {c['pos']} positions")
     if c.get("window") is not None:
-        every = c.get("window_every") or 1
-        which = "every layer" if every == 1 else f"layers 0, {every}, {2 * every}, ..."
-        print(f"  sliding-window attention: {c['window']} tokens (window_size ({c['window'] - 1}, 0), causal) in "
-              f"{which}; global attention in the others")
+        print(window_line(c))
     sq = rep["sequence"]
     print(f"  tokens per step {sq['tokens_per_step']} ({c['batch']} x {c['seq_len']}"
           f"{', packed with document masking' if sq['packed'] else ', no document masking'}), "
@@ -52,7 +49,7 @@ def print_report(rep) -> None:
         print("  WARNING: the ranks' parameters differ")
     for f in rep.get("failures", []):
         print(f"  failure: COMM_WORLD rank {f['world_rank']} lost in step {f['step']} ({f['phase']}); recovered in "
-              f"{f['recovery_s']:.2f} s, the step redone on {f['ranks_after']} ranks")
+              f"{f['recovery_s']:.2f} s, the step redone on {f['ranks_after']} rank{'s' * (f['ranks_after'] != 1)}")
     for note in rep.get("notes", []):
         print(f"  note: {note}")
     print(f"  peak memory per rank ({rep['memory_kind']}): "
@@ -67,6 +64,22 @@ def print_report(rep) -> None:
         else:
             print(f"  single-process check: largest relative loss difference {v['max_rel_diff']:.2e} "
                   f"(train {v['max_rel_diff_train']:.2e}, val {v['max_rel_diff_val']:.2e}), {verdict}")
+
+
+def window_line(c) -> str:
+    """The report's line on ``--window`` (``c``: the report's ``config``): the
+    window, which layers are local and, when the window is as long as the
+    sequence or longer, that it masks nothing (those layers attend globally)."""
+    w, every, layers, n = c["window"], c.get("window_every") or 1, c["layers"], c["seq_len"]
+    local = list(range(0, layers, every))
+    which = ("every layer" if len(local) == layers else
+             f"layer{'s' * (len(local) > 1)} {', '.join(map(str, local[:4]))}{', ...' * (len(local) > 4)}")
+    rest = layers - len(local)
+    others = "" if not rest else f"; global attention in the other layer{'s' * (rest > 1)}"
+    if w >= n:  # every key of a causal row is inside the window
+        return (f"  sliding-window attention: the window ({w} tokens) covers the whole {n}-token sequence, so it "
+                f"masks nothing: every layer attends globally (causal)")
+    return f"  sliding-window attention: {w} tokens (window_size ({w - 1}, 0), causal) in {which}{others}"
 
 
 def plot_losses(rep, path: str) -> None:

@@ -1,0 +1,55 @@
+"""The lines the apps print, in their own words: what a new user reads must not
+contradict itself or the numbers beside it (a window longer than the sequence,
+"1 ranks").  No MPI: the report is a function of the run's report dict."""
+import pytest
+
+pytest.importorskip("numpy")
+
+from commlib.apps.lm.report import print_report, window_line  # noqa: E402
+
+
+def _rep(**config):
+    """A finished LM run's report, as small as print_report reads it."""
+    c = dict(attention="ring", layout="zigzag", ulysses_degree=None, dtype="float32", d_model=64, layers=2,
+             heads=4, kv_heads=2, pos="rope", batch=4, seq_len=256, steps=6, window=None, window_every=None)
+    c.update(config)
+    return dict(config=c, ranks=3, ranks_final=2, device="cpu", threads_per_rank=1, parameters=1000,
+                sequence=dict(tokens_per_step=1024, packed=True, tokens_per_rank=512),
+                data=dict(train_files=10, val_files=2), steps=[dict(step=1, train_loss=5.0, val_loss=None)],
+                final_train_loss=4.0, final_val_loss=4.1, tokens_per_s=100.0, step_time_s=0.1,
+                parameters_identical_across_ranks=True, memory_kind="max RSS", peak_memory_bytes_per_rank=[1, 1],
+                failures=[], notes=[])
+
+
+@pytest.mark.parametrize("layers,every", [(2, 1), (2, 2), (1, 3), (12, 5)])
+def test_a_window_over_the_whole_sequence_says_it_masks_nothing(layers, every):
+    """--window 1000 on a 256-token sequence: the line says the window covers the
+    sequence (every layer then attends globally), with no "in the others"."""
+    line = window_line(dict(window=1000, window_every=every, layers=layers, seq_len=256))
+    assert line == ("  sliding-window attention: the window (1000 tokens) covers the whole 256-token sequence, "
+                    "so it masks nothing: every layer attends globally (causal)"), line
+    assert window_line(dict(window=256, window_every=1, layers=2, seq_len=256)).count("covers the whole") == 1
+
+
+@pytest.mark.parametrize("layers,every,which", [
+    (2, 1, "in every layer"),
+    (1, 2, "in every layer"),  # the one layer is layer 0: local
+    (2, 2, "in layer 0; global attention in the other layer"),
+    (3, 2, "in layers 0, 2; global attention in the other layer"),
+    (4, 5, "in layer 0; global attention in the other layers"),
+    (12, 2, "in layers 0, 2, 4, 6, ...; global attention in the other layers"),
+])
+def test_the_window_line_names_the_local_layers_that_exist(layers, every, which):
+    line = window_line(dict(window=7, window_every=every, layers=layers, seq_len=48))
+    assert line == f"  sliding-window attention: 7 tokens (window_size (6, 0), causal) {which}", line
+
+
+def test_print_report_carries_the_window_line_and_counts_ranks(capsys):
+    rep = _rep(window=1000, window_every=1)
+    rep["failures"] = [dict(world_rank=1, step=3, phase="backward", recovery_s=0.07, ranks_after=1),
+                       dict(world_rank=2, step=4, phase="forward", recovery_s=0.05, ranks_after=2)]
+    print_report(rep)
+    out = capsys.readouterr().out
+    assert "covers the whole 256-token sequence" in out and "in the others" not in out, out
+    assert "the step redone on 1 rank\n" in out and "the step redone on 2 ranks\n" in out, out
+    assert "1 ranks" not in out, out

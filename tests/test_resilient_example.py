@@ -1,4 +1,5 @@
-"""The README's resilient training loop (the block after ``<!-- resilient-example -->``: torch's DDP on
+"""The fault-tolerance guide's resilient training loop (``docs/guides/fault-tolerance.md``, the block
+after ``<!-- resilient-example -->``: torch's DDP on
 the ``"commlib"`` backend under :class:`commlib.ResilientRunner`), run as written under ``mpiexec
 --with-ft ulfm`` at 4 ranks with ranks SIGKILLed in every phase of a step (one job with one kill, one with two): at its start,
 inside the backward pass while DDP's bucket all-reduces run (a gradient hook of the first layer), and
@@ -48,7 +49,7 @@ if comm.rank == 0:
 
 
 def _example() -> str:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "guides" / "fault-tolerance.md").read_text()
     block = text.split("<!-- resilient-example -->", 1)[1]
     return block.split("```python\n", 1)[1].split("```", 1)[0]
 
@@ -70,7 +71,7 @@ def _run(tmp_path, kills, n):
     env.setdefault("COMMLIB_FINALIZE_TIMEOUT", FINALIZE_TIMEOUT)
     rc, text = run_job(cmd, env, 150, started=lambda t: "loss " in t)
     if rc is None:
-        pytest.fail(f"the README example did not finish in 150 s (seed {SEED}, kills {kills})")
+        pytest.fail(f"the guide's example did not finish in 150 s (seed {SEED}, kills {kills})")
     m = re.search(r"loss ([0-9.]+) on (\d+) ranks; failures: (.*)", text)
     assert m, f"seed {SEED}, kills {kills}:\n{text[-3000:]}"
     return torch.load(params), int(m.group(2)), m.group(3)

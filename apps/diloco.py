@@ -668,8 +668,8 @@ def _main(args, leave, log) -> int:
         except TimeoutError as exc:  # --min-peers never came: not a reason to train with fewer
             print(f"diloco: error: {exc}", file=sys.stderr)
             return 1
-        finally:
-            peer.close()
+        finally:  # a finished job releases its flags at the master (the next job may differ)
+            peer.close(finished=bool(report and report.get("finished")))
         time.sleep(0.5)
     report["rejoins"] = attempt
     fa = report["final_accuracy"]

@@ -137,6 +137,52 @@ def test_same_job_admitted_none_makes_no_claim_and_the_job_outlives_its_members(
         _close(master, peers)
 
 
+def _sync(peers, value, revision):
+    """Every member syncs a state of ``value`` at ``revision``; returns the states."""
+    states = [{"w": np.full(256, value, np.float32)} for _ in peers]
+    run_peers(peers, lambda i, p: p.sync_shared_state(states[i], revision), timeout=30)
+    return states
+
+
+@pytest.mark.parametrize("given", [None, JOB], ids=["job-from-the-joiners", "Master(job=JOB)"])
+def test_two_jobs_in_a_row_on_one_master(given):
+    """A job runs to its end (a sync at revision 3, steps) and its members leave with
+    close(finished=True): the master releases the job.  The next job, under the same
+    master, with a fresh state at revision 0 (and, when the joiners fixed the first
+    job's description, other flags), is admitted, forms, syncs and steps.  A job given
+    to Master(job=...) is kept: another job is still refused at the door."""
+    master = el.Master(secret=SECRET, job=given).start()
+    peers = []
+    try:
+        peers = [el.connect(master.address, secret=SECRET, streams=1, timeout=20, job=JOB) for _ in range(2)]
+        _form(peers)
+        _sync(peers, 1.0, 3)
+        for k in range(2):
+            _step(peers, k)
+        assert master.job == JOB and master.revision == 3
+        for p in peers:
+            p.close(finished=True)
+        peers = []
+        deadline = time.monotonic() + 20
+        while master.stats["jobs_finished"] < 1:
+            assert time.monotonic() < deadline, "the master did not see the job finish"
+            time.sleep(0.02)
+        assert master.job == given and master.revision is None
+        nxt = OTHER if given is None else JOB
+        if given is not None:
+            with pytest.raises(JobMismatch):
+                el.connect(master.address, secret=SECRET, timeout=5, job=OTHER)
+        peers = [el.connect(master.address, secret=SECRET, streams=1, timeout=20, job=nxt) for _ in range(2)]
+        _form(peers)
+        states = _sync(peers, 2.0, 0)  # a new history: not refused as the old job's lost state
+        assert all(np.all(s["w"] == 2.0) for s in states) and master.revision == 0
+        for k in range(2):
+            _step(peers, k)
+        assert master.job == nxt and master.stats["job_refusals"] == (0 if given is None else 1)
+    finally:
+        _close(master, peers)
+
+
 def test_job_given_up_front_and_two_joiners_of_different_jobs_at_once():
     """Master(job=JOB): the first joiner, with OTHER, is refused.  On a master with no job, two
     joiners of different jobs connecting at once: exactly one is admitted, and its bytes are

@@ -33,6 +33,7 @@ class _MPeer:
         self.id, self.conn, self.data, self.streams, self.key = pid, conn, data, streams, key
         self.state = "pending"
         self.waiting = False          # a pending peer waiting in update_topology
+        self.finished = False         # left with close(finished=True): the job is done
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
 
     def send(self, msg) -> None:
@@ -65,7 +66,12 @@ class Master:
             :class:`~commlib.core.errors.JobMismatch` carrying these bytes); the
             members see nothing of it.  None (default): the first peer admitted
             with a job fixes it.  Peers with ``job=None`` are admitted either way.
-            Kept for the master's lifetime, also when every member has left.
+            Given here, it is kept for the master's lifetime.  Fixed by a joiner,
+            it is kept while the job runs, also when every member has left or died;
+            a job that finished releases it: when the last member leaves with
+            ``close(finished=True)``, the master forgets the job's description and
+            its state's revision, and the next job (other flags, a fresh state) is
+            admitted under the same master.
 
     Raises:
         InvalidArgument: ``probe_timeout`` is not None nor a finite number of seconds > 0;
@@ -76,13 +82,14 @@ class Master:
         stats: counters; ``probes`` (joiners' data addresses probed),
             ``probe_refusals`` (joiners refused because the probe failed) and
             ``job_refusals`` (joiners refused because their job differs) among them.
-        job: the job's description (bytes), or None while no peer with a job was admitted.
+        job: the job's description (bytes), or None while no peer with a job was admitted
+            (and again once a job that a joiner fixed has finished).
     """
 
     def __init__(self, bind: str = "127.0.0.1:0", secret: bytes | str | None = None, secret_file: str | None = None,
                  *, heartbeat_timeout: float = 2.0, abort_grace: float = 0.3, form_wait: float = 0.25,
                  encrypt: bool = False, probe_timeout: float | None = PROBE_TIMEOUT, job: bytes | None = None):
-        self.job = check_job(job, "Master")
+        self.job = self._job_given = check_job(job, "Master")
         if probe_timeout is not None:
             try:
                 ok = not isinstance(probe_timeout, bool) and math.isfinite(float(probe_timeout)) and probe_timeout > 0
@@ -130,7 +137,7 @@ class Master:
         self._stopped = threading.Event()
         self.stats = {"epochs": 0, "aborts": 0, "completes": 0, "deaths": 0, "refused": 0, "stalls": 0,
                       "lost_syncs": 0, "dropped": 0, "given_up": 0, "probes": 0, "probe_refusals": 0,
-                      "job_refusals": 0}
+                      "job_refusals": 0, "jobs_finished": 0}
 
     # lifecycle ---------------------------------------------------------------
     def start(self) -> "Master":
@@ -427,13 +434,26 @@ class Master:
             self._voters.discard(pid)
             self._sync.pop(pid, None)
             if was_member and pid in self.members:
-                self._new_epoch(self._live(self.members), "death")
+                self._new_epoch(self._live(self.members), "finished" if p.finished else "death")
+                if not self.members and p.finished:
+                    self._job_finished(pid)
             self._check_vote()
             self._check_sync()
             self._check_fetch()
             # forget the dead once nothing refers to them
             if not any(pid in m for m in self._epoch_members.values()):
                 self._peers.pop(pid, None)
+
+    def _job_finished(self, pid: int) -> None:
+        """The last member left saying the job is done: forget the job's state
+        (no orphan: the next group starts a new history) and the description a
+        joiner fixed, so that the next job is admitted."""
+        dbg(f"master: job finished (peer {pid}, the last member, left with finished=True): its state "
+            f"(revision {self.revision}) and description released")
+        self._orphan = None
+        self.revision, self.hashes = None, None
+        self.job = self._job_given
+        self.stats["jobs_finished"] += 1
 
     def _new_epoch(self, members: list[int], why: str) -> None:
         """Make epoch + 1 with ``members`` (ring order: join order); abort what
@@ -620,6 +640,7 @@ class Master:
                     self._terminate(tag, False, why)
                     self._prune()
             elif t == BYE:
+                p.finished = msg.get("finished") is True  # close(finished=True): the job is done
                 raise tcp.FrameError("bye")
             else:
                 raise tcp.FrameError("unknown message")

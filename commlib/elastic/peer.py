@@ -618,15 +618,23 @@ class Peer(ElasticGroup, StateSync):
             raise PeerClosed("this peer was closed (close() was called): connect() again to rejoin",
                              rank=self.rank, op=op)
 
-    def close(self) -> None:
+    def close(self, finished: bool = False) -> None:
         """Leave: say goodbye to the master and close every connection.  Any later
         call on this peer raises :class:`~commlib.core.errors.PeerClosed` (the
-        all-reduce: :class:`~commlib.core.errors.CommError` "this peer was closed")."""
+        all-reduce: :class:`~commlib.core.errors.CommError` "this peer was closed").
+
+        Args:
+            finished: this peer leaves because the job is done (its last step
+                taken).  When the last member leaves so, the master releases the
+                job: its description (unless the master was started with one)
+                and its state, so that the next job may run under the same master.
+                Default False: a peer leaving a job that goes on (or may be
+                resumed by peers holding its state)."""
         if self._closed:
             return
         self._closed = True
         try:
-            self._conn.send_ctrl({"t": BYE}, timeout=2.0)
+            self._conn.send_ctrl({"t": BYE, "finished": True} if finished else {"t": BYE}, timeout=2.0)
         except Exception:  # noqa: BLE001
             pass
         self._conn.close()

@@ -137,10 +137,10 @@ class ResilientRunner:
         failures: list of :class:`Failure`, in order.
         completed: steps committed so far.
 
-    Raises (from :meth:`run`):
+    Raises:
         InvalidArgument: bad arguments (on every rank alike).
-        ProcessFailed, CommTimeout: a failure that cannot be recovered (no
-            ULFM, or more than ``max_retries`` redos of one step).
+        ProcessFailed, CommTimeout: from :meth:`run`, a failure that cannot be
+            recovered (no ULFM, or more than ``max_retries`` redos of one step).
     """
 
     def __init__(self, comm, *, save: Callable[[], Any] | None = None,

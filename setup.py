@@ -70,6 +70,8 @@ def _cuda_extra():
 
 # the test runner and its plugins (the "test" extra adds what the whole suite needs)
 TEST_MPI = ["pytest>=7", "pytest-mpi>=0.6", "pytest-timeout>=2.1", "pytest-xdist>=3.2", "hypothesis>=6"]
+# the documentation site (docs/README.md): Sphinx, Markdown pages, the theme
+DOCS = ["sphinx>=8.1", "myst-parser>=4", "furo>=2024.8.6", "sphinx-copybutton>=0.5"]
 
 
 def _packages():
@@ -124,7 +126,9 @@ setup(
         # the suite tests the apps too (tests/test_diloco.py runs DiLoCo on real data)
         # what tests/run_mpich.sh's second venv needs (no torch, no apps)
         "test-mpi": TEST_MPI,
-        "test": [*TEST_MPI, "import-linter>=2.1", "scikit-learn>=1.3",
+        "docs": DOCS,
+        # the suite builds the documentation site too (tests/test_docs.py)
+        "test": [*TEST_MPI, *DOCS, "import-linter>=2.1", "scikit-learn>=1.3",
                  # the torch layer's tests (CPU). Pinned on 3.11 to the CPU build kept on the
                  # development and CI machines (any other version pulls GBs of CUDA wheels);
                  # left out on 3.12+ (CI's second leg), where its tests skip.

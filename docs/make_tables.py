@@ -31,17 +31,17 @@ MPIEXEC = "mpiexec --allow-run-as-root --oversubscribe"
 FT = ("mpiexec --allow-run-as-root --oversubscribe --with-ft ulfm --mca btl tcp,self "
       "--mca btl_tcp_flags send,inplace,need-ack,need-csum --prtemca state_base_error_non_zero_exit 0")
 
-#: area -> the command that measures it ({json}: the file it writes)
+#: area -> the command that measures it ({json}: the file it writes; {plot}: its PNG, where it makes one)
 AREAS = {
     "allreduce": f"{MPIEXEC} -n 2 python -P benchmarks/bench_allreduce.py --min-bytes 8 --max-bytes 16777216 "
-                 "--variants auto,ring --trials 3 --json {{json}}",
+                 "--variants auto,ring --trials 3 --json {{json}} --plot {{plot}}",
     "small": f"{MPIEXEC} -n 2 python -P benchmarks/bench_small.py --iters 2000 --trials 3 --json {{json}}",
     "halo": f"{MPIEXEC} -n 2 python -P benchmarks/bench_halo.py --json {{json}}",
-    "halo3d": f"{MPIEXEC} -n 2 python -P benchmarks/bench_halo3d.py --sizes 16 32 --json {{json}}",
-    "pack": "python -P benchmarks/bench_pack.py --quick --dims 1 2 --no-progress --json {json}",
+    "halo3d": f"{MPIEXEC} -n 2 python -P benchmarks/bench_halo3d.py --sizes 16 32 64 --json {{json}} --plot {{plot}}",
+    "pack": "python -P benchmarks/bench_pack.py --quick --dims 1 2 --no-progress --json {json} --plot {plot}",
     "pingpong": f"{MPIEXEC} -n 2 python -P benchmarks/bench_typed_pingpong.py --sizes 256 4096 65536 "
-                "--blocks 8 512 --repeat 2000 --no-progress --json {{json}}",
-    "heat": f"{MPIEXEC} -n 2 python -P benchmarks/bench_heat.py --trials 3 --json {{json}}",
+                "--blocks 8 512 --repeat 2000 --no-progress --json {{json}} --plot {{plot}}",
+    "heat": f"{MPIEXEC} -n 2 python -P benchmarks/bench_heat.py --trials 3 --json {{json}} --plot {{plot}}",
     "attention": f"{MPIEXEC} -n 2 python -P benchmarks/bench_attention.py --seq 4096 --json {{json}}",
     "ft_recovery": "python -P benchmarks/bench_ft.py recovery --runs 10 --json {json}",
     "torch_backend": f"{MPIEXEC} -n 2 python -P benchmarks/bench_torch_backend.py --quick --json {{json}}",
@@ -72,8 +72,8 @@ def run(areas):
     status = 0
     for area in areas:
         with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "out.json"
-            cmd = AREAS[area].format(json=out)
+            out, plot = Path(tmp) / "out.json", Path(tmp) / "out.png"
+            cmd = AREAS[area].format(json=out, plot=plot)
             machine = _machine()
             date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
             print(f"== {area}: {cmd}", flush=True)
@@ -83,9 +83,11 @@ def run(areas):
                 print(f"!! {area} failed (exit {rc}); docs/results/{area}.json left as it was", flush=True)
                 status = 1
                 continue
-            record = {"area": area, "command": AREAS[area].format(json=f"{area}.json"), "date": date,
-                      "machine": machine, "result": json.loads(out.read_text())}
+            record = {"area": area, "command": AREAS[area].format(json=f"{area}.json", plot=f"{area}.png"),
+                      "date": date, "machine": machine, "result": json.loads(out.read_text())}
             (RESULTS / f"{area}.json").write_text(json.dumps(record, indent=1) + "\n")
+            if plot.exists():
+                (RESULTS / f"{area}.png").write_bytes(plot.read_bytes())
     return status
 
 
@@ -167,6 +169,78 @@ def _ft_recovery(r):
              f"{d['median'] * 1e3:.0f}"]]
     return ("A rank is killed at a random point of a 1 MiB ring all-reduce under ULFM; the time from "
             "the kill to the survivors' verified result.\n\n" + _table(head, rows))
+
+
+@formatter("small")
+def _small(r):
+    head = ["call", "bytes", "MPI µs", "commlib µs", "MPI time / commlib time"]
+    rows = [[f"`{x['call']}`", _size(x["bytes"]) if x.get("bytes") is not None else "–", _us(x["mpi_s"]),
+             _us(x["commlib_s"]), _x(x["ratio"])] for x in r["rows"]]
+    return (f"Small calls at {r['ranks']} ranks against mpi4py's own (`Allreduce`, `Bcast`, `Barrier`), "
+            "the argument agreement on; best of the trials.\n\n" + _table(head, rows))
+
+
+@formatter("halo")
+def _halo(r):
+    head = ["local block", "process grid", "commlib µs", "mpi4py µs", "mpi4py time / commlib time", "same result"]
+    rows = [["×".join(map(str, x["local_shape"])), "×".join(map(str, x["dims"])), _us(x["commlib_s"]),
+             _us(x["mpi4py_s"]), _x(x["speedup"]), "yes" if x["results_equal"] else "**no**"] for x in r["rows"]]
+    return (f"One halo exchange (width {r['width']}, {r['fields']} field, faces, edges and corners) against "
+            "the plain mpi4py way: `Sendrecv` of `numpy.ascontiguousarray` faces.\n\n" + _table(head, rows))
+
+
+@formatter("halo3d")
+def _halo3d(r):
+    head = ["local cube", "neighbours", "halo bytes", "commlib µs", "MPI subarray types µs", "MPI time / commlib time"]
+    rows = [[f"{x['local']}³", x["neighbours"], _size(x["halo_bytes"]), _us(x["commlib_s"]),
+             _us(x["mpi4py_subarray_s"]), _x(x["speedup"])] for x in r["rows"]]
+    return (f"A 26-neighbour exchange of radius {r['radius']} on {r['fields']} fields at {r['ranks']} ranks "
+            "against the same exchange with MPI subarray datatypes (TEMPI's benchmark).\n\n" + _table(head, rows))
+
+
+@formatter("attention")
+def _attention(r):
+    head = ["layout", "time s", "critical-path work / contiguous", "measured time / contiguous", "parallel efficiency"]
+    base = r["layouts"]["contiguous"]
+    rows = []
+    for name, x in r["layouts"].items():
+        rows.append([name, f"{x['time_s']:.3f}", _x(base["critical_path_work"] / x["critical_path_work"]),
+                     _x(base["time_s"] / x["time_s"]), f"{r['parallel_efficiency'][name]:.2f}"])
+    rows.append(["ulysses", f"{r['ulysses_time_s']:.3f}", "–", _x(base["time_s"] / r["ulysses_time_s"]),
+                 f"{r['parallel_efficiency']['ulysses']:.2f}"])
+    m = r["memory"]
+    return (f"Causal ring attention (numpy), sequence {r['seq']}, {r['heads']} heads of {r['head_dim']}, "
+            f"{r['dtype']}, {'forward and backward' if r['backward'] else 'forward'}, {r['ranks']} ranks; "
+            f"one rank alone takes {r['single_rank_time_s']:.3f} s. Peak memory per rank is "
+            f"{m['per_rank_vs_single']:.2f} of one rank's (ideal {m['ideal_per_rank_vs_single']:.2f}).\n\n"
+            + _table(head, rows))
+
+
+@formatter("heat")
+def _heat(r):
+    head = ["grid", "steps", "commlib MLUPS", "hand-written mpi4py MLUPS", "copy roofline MLUPS",
+            "commlib / hand-written", "commlib / roofline", "time in communication"]
+    rows = [["×".join(map(str, x["grid"])), x["steps"], f"{x['commlib_mlups']['median']:.0f}",
+             f"{x['hand_mlups']['median']:.0f}", f"{x['roofline_mlups']['median']:.0f}",
+             _x(x["commlib_over_hand"]["median"]), f"{x['commlib_over_roofline']['median']:.2f}",
+             f"{x['commlib_comm_fraction']:.0%}"] for x in r["rows"]]
+    return (f"The heat solver (numba backend) at {r['ranks']} ranks against the solver an mpi4py user writes "
+            "(a Cartesian communicator, faces sent with `Sendrecv`, one numba kernel per step) and against "
+            "the copy-bandwidth roofline of the same arrays, in the same job; medians of paired trials.\n\n"
+            + _table(head, rows))
+
+
+@formatter("torch_backend")
+def _torch_backend(r):
+    head = ["bytes", "commlib µs", "gloo µs", "gloo time / commlib time"]
+    rows = [[_size(x["bytes"]), f"{x['commlib']['time_us']:.0f}", f"{x['gloo']['time_us']:.0f}", _x(x["ratio"])]
+            for x in r["rows"]]
+    d = r["ddp"]
+    return (f"`dist.all_reduce` on the `\"commlib\"` backend against gloo in one job ({r['launcher']}, "
+            f"{r['ranks']} ranks, torch {r['torch']}). A DDP step ({d['layers']} layers of {d['width']}, "
+            f"batch {d['batch_per_rank']} per rank): {d['commlib']['steps_per_s']:.1f} steps/s on commlib, "
+            f"{d['gloo']['steps_per_s']:.1f} on gloo ({_x(d['ratio'])}), the same parameters "
+            f"(largest difference {d['max_param_diff']:g}).\n\n" + _table(head, rows))
 
 
 def render(record):

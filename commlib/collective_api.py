@@ -198,12 +198,17 @@ class CollectiveMixin:
     def allreduce(self, sendbuf, recvbuf=None, op="sum", algorithm: str = "auto", *, timeout: float | None = None):
         """Combine ``sendbuf`` element-wise over all ranks; every rank gets the result.
 
+        **In place by default**: ``comm.allreduce(x)`` overwrites ``x`` with the
+        result and returns ``x`` itself.  mpi4py's lowercase ``allreduce(x)``
+        returns a new object and leaves ``x`` as it was; here pass ``recvbuf``
+        (or ``x.copy()``) to keep the input.
+
         Args:
             sendbuf: contiguous array (numpy, CuPy, numba device), any shape,
                 ``count`` elements of float16, bfloat16, float32, float64, an
                 integer dtype or bool; same count and dtype on every rank.
-            recvbuf: array of the same shape/dtype for the result; None reduces
-                in place into ``sendbuf``.
+            recvbuf: array of the same shape/dtype for the result; None (the
+                default) reduces in place into ``sendbuf``.
             op: ``"sum"``, ``"prod"``, ``"min"``, ``"max"``, ``"avg"`` (floats),
                 ``"band"``, ``"bor"``, ``"bxor"`` (integers), or an ``MPI.Op``.
             algorithm: ``"ring"`` (Patarasuk & Yuan 2009), ``"recursive_doubling"``

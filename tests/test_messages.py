@@ -53,3 +53,21 @@ def test_print_report_carries_the_window_line_and_counts_ranks(capsys):
     assert "covers the whole 256-token sequence" in out and "in the others" not in out, out
     assert "the step redone on 1 rank\n" in out and "the step redone on 2 ranks\n" in out, out
     assert "1 ranks" not in out, out
+
+
+def test_allreduce_says_it_reduces_in_place_unlike_mpi4py():
+    """``comm.allreduce(x)`` overwrites and returns ``x`` (mpi4py's lowercase
+    returns a new object): the docstring says so first thing, and it does."""
+    import numpy as np  # noqa: PLC0415
+    from mpi4py import MPI  # noqa: PLC0415
+
+    import commlib  # noqa: PLC0415
+
+    doc = commlib.Communicator.allreduce.__doc__
+    head = doc[:doc.index("Args:")]
+    assert "In place by default" in head and "mpi4py" in head and "x.copy()" in head, head
+    comm = commlib.init(MPI.COMM_SELF)
+    x = np.arange(4.0)
+    assert comm.allreduce(x) is x
+    y = np.empty_like(x)
+    assert comm.allreduce(x.copy(), y) is y

@@ -12,7 +12,19 @@ import sys
 from commlib.cli import RANK_VARS, SIZE_VARS, env_int, unwritable  # noqa: F401 (light: no MPI)
 from commlib.cli import OneLineParser as _BaseParser
 
-__all__ = ["OneLineParser", "world_rank", "world_size", "unwritable"]
+__all__ = ["OneLineParser", "world_rank", "world_size", "unwritable", "EXIT_REQUEUE", "STOP_SIGNALS", "ULFM_LAUNCH",
+           "StopSignals"]
+
+#: the exit status of a run that stopped on SIGUSR1 or SIGTERM after writing its checkpoint
+#: (sysexits.h's EX_TEMPFAIL: try again later); the job scripts requeue the job on it
+EXIT_REQUEUE = 75
+#: the signals that ask a run with a checkpoint folder to checkpoint and stop: SIGUSR1 (``sbatch
+#: --signal=B:USR1@SECONDS``, forwarded by the job script; ``scancel --signal=USR1``) and SIGTERM (what
+#: Slurm sends at a preemption, a time limit or ``scancel``, and ``mpiexec`` on its own SIGTERM)
+STOP_SIGNALS = ("SIGUSR1", "SIGTERM")
+#: Open MPI's launch line that survives a rank's death (ULFM), the TCP BTL without RDMA put
+ULFM_LAUNCH = ("mpiexec --with-ft ulfm --mca btl tcp,self --mca btl_tcp_flags send,inplace,need-ack,need-csum "
+               "--prtemca state_base_error_non_zero_exit 0")
 
 
 class OneLineParser(_BaseParser):
@@ -64,3 +76,51 @@ def world_size() -> int | None:
     if world is not None:
         return world.Get_size()
     return env_int(SIZE_VARS)
+
+
+class StopSignals:
+    """SIGUSR1 and SIGTERM (:data:`STOP_SIGNALS`) ask a run to stop at a step boundary.
+
+    The handler only records the first signal; the run asks :meth:`agreed`
+    at the end of each step, a collective, so every rank stops after the same
+    step (the signal reaches the ranks at different moments), writes its
+    checkpoint and exits :data:`EXIT_REQUEUE`.  Install it early (before the
+    imports that take seconds): until then the signals end the process.
+    """
+
+    def __init__(self):
+        self.received = 0
+        self._old = {}
+
+    def install(self) -> "StopSignals":
+        import signal  # noqa: PLC0415
+
+        for name in STOP_SIGNALS:
+            sig = getattr(signal, name, None)
+            if sig is not None:
+                self._old[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def _on_signal(self, signum, frame) -> None:
+        if not self.received:
+            self.received = int(signum)
+
+    def restore(self) -> None:
+        """Give the signals back their handlers from before :meth:`install`."""
+        import signal  # noqa: PLC0415
+
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old = {}
+
+    def agreed(self, comm) -> str | None:
+        """The name of the signal (``"SIGUSR1"``) when any rank of ``comm`` received one, else None;
+        the same on every rank (collective: one all-reduce of one number)."""
+        import signal  # noqa: PLC0415
+
+        import numpy as np  # noqa: PLC0415
+
+        buf = np.array([self.received], dtype=np.int64)
+        if comm.size > 1:
+            comm.allreduce(buf, op="max")
+        return signal.Signals(int(buf[0])).name if buf[0] else None

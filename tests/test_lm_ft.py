@@ -123,6 +123,7 @@ def test_two_kills_each_phase(phases):
     rep, text = _lm(4, argv + ["--fault-tolerant"])
     _check_failures(rep, kills, text)
     assert rep["ranks_final"] == 2
+    assert "no ULFM" not in text  # the ULFM launch: no warning
     _assert_losses(rep, TINY, f"kills {kills}")
     _assert_same_as_plain(rep, TINY, f"kills {kills}")
 

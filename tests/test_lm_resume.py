@@ -19,6 +19,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -98,6 +99,9 @@ def test_checkpoint_kill_resume_on_other_rank_counts(tmp_path):
         assert rc == 0, (SEED, n, err[-3000:])
         rep = json.loads(js.read_text())
         assert rep["resumed_from_step"] == saved and rep["ranks"] == n
+        assert {k: rep["resumed"][k] for k in ("from_step", "ranks_then", "ranks_now")} == dict(
+            from_step=saved, ranks_then=4, ranks_now=n), rep["resumed"]
+        assert rep["resumed"]["extension"] is None
         _assert_oracle(rep, oracle, f"resumed on {n} ranks from step {saved} (victim {victim} in step {step})")
         assert json.loads((d / "latest.json").read_text())["checkpoints"][-1]["step"] == 6
 
@@ -164,6 +168,7 @@ def _corrupt(kind, folder):
 
 BAD = [
     ("other-config", ["--d-model", "16"], "d_model"),
+    ("extended-and-other", ["--steps", "9", "--warmup", "3"], "warmup"),  # only --steps may grow
     ("truncated", [], "truncated"),
     ("flipped", [], "sha"),
 ]
@@ -234,3 +239,66 @@ def test_resume_of_a_finished_run_reports_and_exits_0(checkpoint_dir, tmp_path):
     assert rep["resumed_from_step"] == 6 and rep["tokens_per_s"] is None and len(rep["steps"]) == 6
     assert _digest(checkpoint_dir) == before
 
+
+
+def _singleton(args, timeout=100):
+    res = subprocess.run([sys.executable, "-P", "-m", "commlib.apps.lm", *args], capture_output=True, text=True,
+                         timeout=timeout, env=_singleton_env())
+    return res.returncode, res.stdout, res.stderr
+
+
+def _lr_of_tiny(step0: int) -> float:
+    """TINY's learning rate at 0-based step ``step0`` of a 6-step run extended: --lr 3e-3, warmup 10
+    (longer than the 6 steps: the rate rises by 3e-4 a step), then kept at step 6's rate."""
+    return 3e-3 * (min(step0, 5) + 1) / 10
+
+
+@pytest.mark.timeout(150)
+def test_resume_extends_the_run_and_says_how_the_schedule_goes_on(checkpoint_dir, tmp_path):
+    """--resume with --steps 9 from a 6-step checkpoint (1 process): one line on how the schedule
+    continues, the report's resumed block, the learning rates of every step, and the losses of a
+    single-process training of 9 steps on that schedule (the first 6 equal to the 6-step run's)."""
+    d = tmp_path / "ck"
+    shutil.copytree(checkpoint_dir, d)
+    out = tmp_path / "r.json"
+    argv = [a for a in TINY]
+    argv[argv.index("--steps") + 1] = "9"
+    rc, _, err = _singleton(argv + ["--checkpoint", str(d), "--resume", str(d), "--json", str(out)])
+    assert rc == 0, err[-2000:]
+    said = [ln for ln in err.splitlines() if "run extended from 6 to 9 steps" in ln]
+    assert len(said) == 1 and "steps 7-9 run at its last rate, 0.0018" in said[0], err[-2000:]
+    rep = json.loads(out.read_text())
+    r = rep["resumed"]
+    assert (r["from_step"], r["ranks_then"], r["ranks_now"], r["steps_then"], r["schedule_steps"]) == (6, 1, 1, 6, 6)
+    assert [s["lr"] for s in rep["steps"]] == pytest.approx([_lr_of_tiny(s) for s in range(9)], rel=1e-12)
+    ref = app.parse_args(argv, size=1)
+    ref.schedule_steps = 6  # the oracle trains 9 steps on the first run's schedule
+    from commlib.apps.lm.train import oracle_losses  # noqa: PLC0415
+
+    o_train, o_val = oracle_losses(ref)
+    _assert_oracle(rep, (o_train, {s + 1: v for s, v in o_val.items()}), "extended from 6 to 9 steps")
+    assert o_train[:6] == pytest.approx(_oracle()[0], rel=1e-12)
+    m = json.loads((d / "latest.json").read_text())
+    assert m["checkpoints"][-1]["step"] == 9 and m["config"]["steps"] == 9 and m["config"]["schedule_steps"] == 6
+
+
+@pytest.mark.timeout(60)
+def test_resume_may_not_shorten_the_run(checkpoint_dir, capsys, monkeypatch):
+    monkeypatch.setattr(app, "run", lambda *a, **k: pytest.fail("ran a shortened run"))
+    monkeypatch.setattr("commlib.apps._cli.world_rank", lambda: 0)
+    argv = [a for a in TINY]
+    argv[argv.index("--steps") + 1] = "5"
+    assert app.main(argv + ["--resume", str(checkpoint_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--steps 5: the checkpoint's run has 6 steps" in err, err
+
+
+@pytest.mark.timeout(100)
+def test_fault_tolerant_without_ulfm_warns_once_naming_the_launch_line():
+    """--fault-tolerant in a launch without ULFM (here a process of its own): one warning line at the
+    start naming Open MPI's ULFM launch line; the run itself finishes."""
+    rc, _, err = _singleton(TINY[:1] + ["2"] + TINY[2:] + ["--fault-tolerant"])
+    assert rc == 0, err[-2000:]
+    lines = [ln for ln in err.splitlines() if "--fault-tolerant, but this launch has no ULFM" in ln]
+    assert len(lines) == 1, err[-2000:]
+    assert "mpiexec --with-ft ulfm --mca btl tcp,self --mca btl_tcp_flags send,inplace,need-ack,need-csum" in lines[0]

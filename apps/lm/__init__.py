@@ -78,9 +78,10 @@ import commlib  # light: the errors only until init is used
 # the attention package imports numpy only: the layouts at no cost
 from commlib.collectives.attention import LAYOUTS, layout_of
 
-from .._cli import OneLineParser, unwritable, world_rank, world_size
+from .._cli import EXIT_REQUEUE, ULFM_LAUNCH, OneLineParser, StopSignals, unwritable, world_rank, world_size
 
-__all__ = ["ATTENTIONS", "LAYOUTS", "PHASES", "pad_unit", "plan_attention", "build_parser", "parse_args", "check_sizes", "run", "main"]
+__all__ = ["ATTENTIONS", "LAYOUTS", "PHASES", "lr_at", "pad_unit", "plan_attention", "build_parser", "parse_args",
+           "check_sizes", "run", "main"]
 
 ATTENTIONS = ("ring", "bidirectional", "ulysses", "hybrid")
 #: where in a step ``--kill`` strikes
@@ -188,12 +189,28 @@ def build_parser() -> argparse.ArgumentParser:
       help="steps between checkpoints (default 10 with --checkpoint); the last step is always written")
     a("--resume", metavar="DIR",
       help="continue from the newest checkpoint in DIR, on any rank count, with the losses an uninterrupted "
-           "run has (the same model options as the run that wrote it)")
+           "run has (the same model options as the run that wrote it; a larger --steps extends the run: the "
+           "learning-rate schedule of the first run is kept and the added steps run at its last rate, --lr / 10 once "
+           "the warmup is over)")
     a("--json", metavar="PATH", help="write the configuration and the per-step figures as JSON (rank 0)")
     a("--plot", metavar="PATH", help="PNG of the training and validation loss curves (rank 0)")
     a("--no-progress", action="store_true", help="no progress bar")
     a("--quiet", action="store_true", help="no progress bar and no text report")
     return p
+
+
+def lr_at(args, step: int) -> float:
+    """Learning rate of step ``step`` (0-based): linear warmup over ``--warmup``
+    steps, then cosine decay from ``--lr`` to ``--lr / 10`` at the last step of
+    the schedule, ``args.schedule_steps`` (``--steps``; the first run's steps
+    when a resume extended the run); the steps after it keep the schedule's
+    last rate (``--lr / 10`` when the warmup ended before it)."""
+    span = getattr(args, "schedule_steps", None) or args.steps
+    step = min(step, span - 1)
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    frac = min(1.0, (step - args.warmup) / max(1, span - 1 - args.warmup))
+    return args.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * frac)))
 
 
 def pad_unit(layout: str, size: int) -> int:
@@ -361,7 +378,7 @@ def parse_args(argv=None, size: int | None = None):
             a.checkpoint_every = 10
         if not 1 <= a.checkpoint_every <= MAX_INT:
             err(f"--checkpoint-every must be in [1, {MAX_INT}], got {a.checkpoint_every}")
-    from .checkpoint import check_checkpoint_dir, latest_checkpoint  # noqa: PLC0415  (light: no torch)
+    from .checkpoint import check_checkpoint_dir, latest_checkpoint, saved_config  # noqa: PLC0415  (no torch)
 
     if a.checkpoint:  # a missing folder is made, as torch's and Lightning's checkpoint tools do
         try:
@@ -379,27 +396,55 @@ def parse_args(argv=None, size: int | None = None):
         if have is not None:  # nothing overwritten: a fresh run would replace that run's checkpoints
             err(f"--checkpoint {a.checkpoint}: holds a checkpoint of step {have[0]}; continue it with "
                 f"--resume {a.checkpoint}, or name an empty folder")
+    _check_extension(p, a, saved_config(a.resume) if a.resume is not None else None)
     check_sizes(p, a, size if size is not None else (world_size() or 1))
     a._parser = p
     return a
 
 
-def run(args, comm=None):
+def _check_extension(parser, a, saved) -> None:
+    """``--resume`` with ``--steps``: the run may be extended, not shortened.
+
+    Sets ``a.schedule_steps`` (the steps the learning-rate schedule spans: the
+    first run's, kept by every resume) and ``a.extension`` (None, or the one
+    line saying how the schedule continues when ``--steps`` grew)."""
+    a.schedule_steps, a.extension, a.steps_then = a.steps, None, None
+    if not saved or type(saved.get("steps")) is not int:
+        return
+    was = a.steps_then = saved["steps"]
+    span = saved.get("schedule_steps", was)
+    if a.steps < was:
+        parser.error(f"--steps {a.steps}: the checkpoint's run has {was} steps; --resume may extend a run "
+                     "(a larger --steps), not shorten it")
+    a.schedule_steps = span
+    if a.steps > was:
+        last = lr_at(a, span - 1)
+        how = (f"warmup {a.warmup}, cosine decay to {last:g} (--lr / 10) at step {span}" if a.warmup < span else
+               f"warmup of {a.warmup} steps, longer than the schedule: {last:g} at step {span}")
+        a.extension = (f"run extended from {was} to {a.steps} steps: the learning-rate schedule of the first "
+                       f"{span} steps is kept ({how}); steps {span + 1}-{a.steps} run at its last rate, {last:g}")
+
+
+def run(args, comm=None, stop=None):
     """Train as ``args`` say on ``comm`` (default: ``commlib.init()``); returns
     the report dict on rank 0, None elsewhere.  See :func:`.train.run`."""
     from .train import run as _run  # noqa: PLC0415  (torch loads here)
 
-    return _run(args, comm)
+    return _run(args, comm, stop)
 
 
 def main(argv=None) -> int:
     """The command line; returns the exit status (2: a refused value, one line
     on stderr from rank 0; 1: ``--verify`` failed; 130: interrupted by Ctrl-C,
-    one line on stderr)."""
+    one line on stderr; 75, ``EXIT_REQUEUE``: with ``--checkpoint``, SIGUSR1 or
+    SIGTERM stopped the run after a step and its checkpoint, one line on stderr)."""
     try:
         args = parse_args(argv)
     except SystemExit as exc:  # --help (0) or a refusal (2)
         return exc.code if isinstance(exc.code, int) else 2
+    # with a checkpoint folder, SIGUSR1/SIGTERM (a time limit or preemption coming) end the run
+    # after the current step with its checkpoint: caught from here on, before torch loads
+    stop = StopSignals().install() if args.checkpoint is not None else None
     if args.device == "cuda":
         import torch  # noqa: PLC0415
 
@@ -412,14 +457,18 @@ def main(argv=None) -> int:
     # checkpoint) runs on a fault-tolerant communicator: ULFM survives failures, elsewhere every
     # wait is bounded by COMMLIB_TIMEOUT; on_failure="raise": a collective that lost a rank raises
     # on every survivor (its sum would miss a shard's gradient) and the step is redone
+    from .resume import Stopped  # noqa: PLC0415  (no torch)
+
     ft = args.fault_tolerant or args.checkpoint is not None
     comm = commlib.init(fault_tolerant=True, on_failure="raise") if ft else commlib.init()
     try:
         check_sizes(args._parser, args, comm.size)  # a launcher that did not name the size
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 2
+    if comm.rank == 0:
+        _start_lines(args, comm)
     try:
-        rep = run(args, comm)
+        rep = run(args, comm, stop)
     except commlib.InvalidArgument as exc:  # raised on every rank alike: a clean exit
         if comm.rank == 0:
             print(f"lm: error: {' '.join(str(exc).split())}", file=sys.stderr)
@@ -434,6 +483,11 @@ def main(argv=None) -> int:
 
         print(failure_line(args, comm, exc), file=sys.stderr, flush=True)
         return 1
+    except Stopped as exc:  # every rank alike, the checkpoint written
+        if comm.rank == 0:
+            print(f"lm: {exc}; exit {EXIT_REQUEUE} (continue with --resume {exc.checkpoint}, on any rank count)",
+                  file=sys.stderr, flush=True)
+        return EXIT_REQUEUE
     except KeyboardInterrupt:  # Ctrl-C: one line, no traceback; 130 as a shell reports SIGINT
         print(f"lm: interrupted (rank {comm.rank})", file=sys.stderr, flush=True)
         if comm.size > 1:  # the other ranks may be waiting on this one
@@ -454,6 +508,18 @@ def main(argv=None) -> int:
     write_outputs(rep, args)
     ver = rep.get("verify")
     return 1 if ver is not None and not ver["passed"] else 0
+
+
+def _start_lines(args, comm) -> None:
+    """Rank 0's lines at the start (stderr): --fault-tolerant without ULFM; what a stop signal does."""
+    if args.fault_tolerant and comm.fault_tolerant != "ulfm":
+        print(f"lm: warning: --fault-tolerant, but this launch has no ULFM ({comm.fault_tolerant} mode): a rank's "
+              "death ends the run within COMMLIB_TIMEOUT on every survivor (they name the last --checkpoint); to "
+              f"survive it, launch the Open MPI wheel's {ULFM_LAUNCH} -n N python -P -m commlib.apps.lm ...",
+              file=sys.stderr, flush=True)
+    if args.checkpoint is not None and not args.quiet:
+        print(f"lm: on SIGUSR1 or SIGTERM the run checkpoints into {args.checkpoint} after its current step and "
+              f"exits {EXIT_REQUEUE}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":  # pragma: no cover - python -m runs __main__.py

@@ -60,7 +60,7 @@ import commlib
 from .data import VOCAB
 
 __all__ = ["CheckpointError", "MANIFEST", "CONFIG_KEYS", "save_checkpoint", "load_checkpoint",
-           "check_checkpoint_dir", "latest_checkpoint", "training_config", "rng_state", "set_rng_state"]
+           "check_checkpoint_dir", "latest_checkpoint", "saved_config", "training_config", "rng_state", "set_rng_state"]
 
 #: the manifest's name in a checkpoint directory
 MANIFEST = "latest.json"
@@ -86,9 +86,13 @@ def training_config(args, corpus: str) -> dict:
     parsed command line ``args``, the vocabulary, the corpus digest ``corpus``
     (:func:`.data.corpus_digest` of the files) and the Python version (its
     standard library is the data), and ``--window``/``--window-every`` when a
-    window is set.  Attention kind, layout, rank count, device
+    window is set, and ``schedule_steps`` when the learning-rate schedule
+    spans other steps than ``steps`` (a run extended by a resume).  Attention kind, layout, rank count, device
     and threads are left out: a run resumes under any of them."""
     cfg = {k: getattr(args, k) for k in CONFIG_KEYS}
+    span = getattr(args, "schedule_steps", None)
+    if span is not None and span != args.steps:  # an extended run: the schedule's span, when it differs
+        cfg["schedule_steps"] = span
     if getattr(args, "window", None) is not None:  # only when set: checkpoints of global attention still match
         cfg.update(window=args.window, window_every=args.window_every)
     cfg.update(vocab=VOCAB, corpus=corpus, python=platform.python_version())
@@ -104,12 +108,12 @@ def _plain_config(config) -> dict:
         raise TypeError(f"config must hold JSON values only: {exc}") from None
 
 
-def _config_diff(saved: dict, now: dict) -> list[str]:
+def _config_diff(saved: dict, now: dict, ignore=()) -> list[str]:
     def show(v):
         return "absent" if v is _MISSING else json.dumps(v)
 
     out = []
-    for k in sorted(set(saved) | set(now)):
+    for k in sorted((set(saved) | set(now)) - set(ignore)):
         a, b = saved.get(k, _MISSING), now.get(k, _MISSING)
         if a is _MISSING or b is _MISSING or a != b:
             out.append(f"{k} {show(a)} in the checkpoint, {show(b)} in this run")
@@ -228,7 +232,8 @@ def _read_manifest(directory: str) -> dict | None:
     return m
 
 
-def check_checkpoint_dir(directory: str, *, for_write: bool, config: dict | None = None) -> str | None:
+def check_checkpoint_dir(directory: str, *, for_write: bool, config: dict | None = None,
+                         ignore=()) -> str | None:
     """What stops ``directory`` serving as a checkpoint directory, in one line,
     or None.  Cheap: no checkpoint file is read (the manifest is).
 
@@ -239,6 +244,8 @@ def check_checkpoint_dir(directory: str, *, for_write: bool, config: dict | None
             too); False for ``--resume`` (it must hold a checkpoint).
         config: when given, a manifest of another configuration is a problem
             too (for writing: the run would replace another run's checkpoints).
+        ignore: configuration keys left out of that comparison (``("steps",)``:
+            a resumed run that extends ``--steps``).
     """
     if not directory:
         return "empty checkpoint directory name"
@@ -260,10 +267,20 @@ def check_checkpoint_dir(directory: str, *, for_write: bool, config: dict | None
     if m is None:
         return None if for_write else f"no checkpoint in {directory} (no {MANIFEST})"
     if config is not None:
-        diff = _config_diff(m["config"], _plain_config(config))
+        diff = _config_diff(m["config"], _plain_config(config), ignore)
         if diff:
             return f"checkpoint directory {directory} holds a checkpoint of another configuration: " + "; ".join(diff)
     return None
+
+
+def saved_config(directory: str) -> dict | None:
+    """The configuration the manifest of ``directory`` holds (the newest
+    checkpoint's run), unverified; None when there is none or it cannot be read."""
+    try:
+        m = _read_manifest(directory)
+    except CheckpointError:
+        return None
+    return None if m is None else m["config"]
 
 
 def latest_checkpoint(directory: str) -> tuple[int, str] | None:
@@ -280,7 +297,7 @@ def latest_checkpoint(directory: str) -> tuple[int, str] | None:
 
 
 # ------------------------------------------------------------------ save / load
-def save_checkpoint(directory: str, step: int, state: dict, config: dict, *, keep: int = 2) -> str:
+def save_checkpoint(directory: str, step: int, state: dict, config: dict, *, keep: int = 2, ignore=()) -> str:
     """Write a checkpoint of ``step`` completed steps atomically; call it on one rank.
 
     Args:
@@ -294,6 +311,9 @@ def save_checkpoint(directory: str, step: int, state: dict, config: dict, *, kee
         config: a dict of JSON values that a resume must match
             (:func:`training_config`).
         keep: how many checkpoints to keep (the newest ones), >= 1.
+        ignore: configuration keys that may differ from the directory's
+            (``("steps",)``: a resumed run that extends ``--steps``); the
+            manifest then holds ``config``.
 
     Returns:
         str: the new checkpoint file's path.
@@ -313,7 +333,7 @@ def save_checkpoint(directory: str, step: int, state: dict, config: dict, *, kee
         raise TypeError(f"state must be a dict, got {type(state).__qualname__}")
     cfg = _plain_config(config)
     _check_state(state, "state")
-    problem = check_checkpoint_dir(directory, for_write=True, config=cfg)
+    problem = check_checkpoint_dir(directory, for_write=True, config=cfg, ignore=ignore)
     if problem:
         raise CheckpointError(problem + "; nothing written")
     import torch  # noqa: PLC0415
@@ -367,7 +387,7 @@ def save_checkpoint(directory: str, step: int, state: dict, config: dict, *, kee
 
 
 def load_checkpoint(directory: str, config: dict, *, step: int | None = None,
-                    map_location="cpu") -> tuple[int, dict]:
+                    map_location="cpu", ignore=()) -> tuple[int, dict]:
     """Read the newest checkpoint (or the kept one of ``step``) of ``directory``.
 
     Args:
@@ -375,6 +395,8 @@ def load_checkpoint(directory: str, config: dict, *, step: int | None = None,
         config: the run's configuration; it must equal the one saved.
         step: None for the newest checkpoint, else the step of a kept one.
         map_location: where the tensors go (``torch.load``'s argument).
+        ignore: configuration keys that may differ (``("steps",)``: a resume
+            that extends the run).
 
     Returns:
         (step, state): the completed steps and the ``state`` dict saved.
@@ -424,7 +446,7 @@ def load_checkpoint(directory: str, config: dict, *, step: int | None = None,
     if (not isinstance(payload, dict) or payload.get("format") != FORMAT or payload.get("step") != entry["step"]
             or not isinstance(payload.get("config"), dict) or not isinstance(payload.get("state"), dict)):
         raise CheckpointError(f"checkpoint {path} is not a checkpoint of this app (or not of step {entry['step']})")
-    diff = _config_diff(payload["config"], cfg)
+    diff = _config_diff(payload["config"], cfg, ignore)
     if diff:
         raise CheckpointError(f"checkpoint {path} is of another configuration: " + "; ".join(diff))
     return payload["step"], payload["state"]

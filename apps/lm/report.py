@@ -36,6 +36,13 @@ def print_report(rep) -> None:
           f"{rep['data']['val_files']} held-out files of the standard library")
     print(f"  {c['steps']} steps: train loss {rep['steps'][0]['train_loss']:.4f} -> {rep['final_train_loss']:.4f}, "
           f"val loss {rep['final_val_loss']:.4f}")
+    r = rep.get("resumed")
+    if r:
+        then = f"written on {r['ranks_then']} rank(s)" if r.get("ranks_then") else "its rank count not recorded"
+        left = (f"; steps {r['from_step'] + 1}-{c['steps']} trained in this run" if r["from_step"] < c["steps"]
+                else "")
+        print(f"  resumed from the checkpoint of step {r['from_step']} in {r['checkpoint']} ({then}), now on "
+              f"{r['ranks_now']} rank(s){left}")
     if rep["tokens_per_s"] is None:
         print(f"  resumed from step {rep.get('resumed_from_step')}, the run's last: no step left to run")
     else:

@@ -27,12 +27,13 @@ import torch.distributed as dist
 import commlib
 from commlib.nn import SequenceParallelAttention, shard_sequence
 
-from .checkpoint import CheckpointError, load_checkpoint, rng_state, save_checkpoint, \
-    set_rng_state, training_config
+from .checkpoint import CheckpointError, rng_state, save_checkpoint, training_config
 from .data import BOS, VOCAB, TokenStream, corpus_digest, cu_seqlens, flat_positions, split_files, stdlib_files, \
     stdlib_root
 from .model import TransformerLM, dense_attention, document_mask, local_layers, loss_sum, window_mask
 from .report import failure_rows
+from .resume import EXTENDABLE, Stopped, agree_or_raise, resume_training
+from . import lr_at  # noqa: E402 - the package is loaded by now (this module loads from it)
 
 __all__ = ["run", "oracle_losses"]
 
@@ -333,16 +334,6 @@ def _new_model(args, device):
     return model, opt
 
 
-def lr_at(args, step: int) -> float:
-    """Learning rate of step ``step`` (0-based): linear warmup over ``--warmup``
-    steps, then cosine decay from ``--lr`` to ``--lr / 10`` at the last step."""
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    span = max(1, args.steps - 1 - args.warmup)
-    frac = min(1.0, (step - args.warmup) / span)
-    return args.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * frac)))
-
-
 def _update(args, model, opt, step: int) -> None:
     """Clip the global gradient norm (identical gradients on every rank: the
     same factor everywhere), set the step's learning rate, take the AdamW step."""
@@ -426,7 +417,7 @@ class _Training:
                 dst.copy_(src)
 
 
-def run(args, comm=None):
+def run(args, comm=None, stop=None):
     """Train as ``args`` (:func:`commlib.apps.lm.parse_args`) say on ``comm``'s
     ranks: a ``(--dp, P / --dp)`` mesh (:class:`Parallel`), data-parallel
     over dp, sequence-parallel over cp.  ``torch.distributed`` is started
@@ -443,15 +434,20 @@ def run(args, comm=None):
     attention re-planned when its Ulysses degree no longer fits) and redo the
     step with the same tokens.
 
+    ``stop``: a :class:`commlib.apps._cli.StopSignals` (with ``--checkpoint``):
+    after each step the ranks agree whether one received SIGUSR1 or SIGTERM;
+    if so they checkpoint that step and raise :class:`.resume.Stopped`.
+
     Returns:
         dict on the lowest surviving rank (the report: configuration, per-step
-        figures, summary, ``failures``, and ``verify`` with ``--verify``);
-        None on the other ranks.
+        figures, summary, ``failures``, ``resumed``, and ``verify`` with
+        ``--verify``); None on the other ranks.
 
     Raises:
         commlib.InvalidArgument: from the attention layer, on every rank alike.
         commlib.ProcessFailed, commlib.CommTimeout: a failure not recovered
             (no ULFM, or no fault tolerance asked for).
+        Stopped: on every rank, a stop signal ended the run (checkpoint written).
     """
     comm = comm or commlib.init()
     threads = args.threads
@@ -479,13 +475,13 @@ def run(args, comm=None):
     try:
         par.build(comm)
         return _run(args, comm, device, model, opt, par, kill, where, files, train_files, val_files, root, stream,
-                    val_batches, P0, threads, N)
+                    val_batches, P0, threads, N, stop)
     finally:
         par.close()
 
 
 def _run(args, comm, device, model, opt, par, kill, where, files, train_files, val_files, root, stream, val_batches,
-         P0, threads, N):
+         P0, threads, N, stop):
     mesh0 = (par.dp, par.cp)
     shard = Shard(args, par.cp_comm, device, kill=kill, rows=par.rows)
     evals = set(_eval_points(args))
@@ -550,10 +546,17 @@ def _run(args, comm, device, model, opt, par, kill, where, files, train_files, v
     train_loss, val_loss = [], {}
     mine = np.full((args.steps, 2), np.nan)  # per step: seconds, peak bytes on this rank (NaN: not run here)
     cfg = training_config(args, corpus_digest(files))
-    start = 0
+    start, resumed = 0, None
     if args.resume is not None:
-        start, train_loss, val_loss = _resume(args, comm, cfg, model, opt, stream)
+        start, train_loss, val_loss, ranks_then = resume_training(args, comm, cfg, model, opt, stream)
         runner.checkpoint()  # the resumed state is what a failure goes back to
+        resumed = dict(from_step=start, checkpoint=args.resume, ranks_then=ranks_then, ranks_now=P0,
+                       steps_then=getattr(args, "steps_then", None), schedule_steps=args.schedule_steps,
+                       extension=args.extension)
+        if args.extension:
+            notes.append(args.extension)
+            if comm.rank == 0:
+                print(f"lm: {args.extension}", file=sys.stderr, flush=True)
 
     def save(step, loss, val):
         """Checkpoint after step ``step`` (0-based) on the lowest rank; every rank learns the outcome."""
@@ -563,12 +566,12 @@ def _run(args, comm, device, model, opt, par, kill, where, files, train_files, v
             if val is not None:
                 vl[step] = val
             state = dict(model=model.state_dict(), optimizer=opt.state_dict(), data=stream.state_dict(),
-                         rng=rng_state(), train_loss=train_loss + [loss], val_loss=vl)
+                         rng=rng_state(), train_loss=train_loss + [loss], val_loss=vl, ranks=comm.size)
             try:
-                save_checkpoint(args.checkpoint, step + 1, state, cfg)
+                save_checkpoint(args.checkpoint, step + 1, state, cfg, ignore=EXTENDABLE)
             except CheckpointError as exc:
                 problem = exc
-        _agree_or_raise(comm, problem, "checkpoint")
+        agree_or_raise(comm, problem, "checkpoint")
 
     bar = range(start, args.steps)
     if comm.rank == 0 and not args.no_progress:
@@ -582,11 +585,15 @@ def _run(args, comm, device, model, opt, par, kill, where, files, train_files, v
 
         def step_and_checkpoint(step, tokens):
             loss, val, seconds = train_step(step, tokens)
-            if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step == args.steps - 1):
+            # a stop signal on any rank: every rank stops after this step (agreed in the step: a
+            # failure in the agreement redoes the step, and the survivors agree again)
+            signalled = stop.agreed(comm) if stop is not None and step < args.steps - 1 else None
+            if args.checkpoint and ((step + 1) % args.checkpoint_every == 0 or step == args.steps - 1
+                                    or signalled):
                 save(step, loss, val)  # in the step: a failure here redoes the step, then saves it
-            return loss, val, seconds
+            return loss, val, seconds, signalled
 
-        loss, val, seconds = runner.run(step_and_checkpoint, step, tokens)
+        loss, val, seconds, signalled = runner.run(step_and_checkpoint, step, tokens)
         mine[step] = seconds, _peak_memory(device)
         train_loss.append(loss)
         if val is not None:
@@ -597,6 +604,10 @@ def _run(args, comm, device, model, opt, par, kill, where, files, train_files, v
                 post["val"] = f"{val:.4f}"
                 bar.write(f"step {step + 1}: train {loss:.4f}  val {val:.4f}")
             bar.set_postfix(post)
+        if signalled:
+            if hasattr(bar, "close"):
+                bar.close()
+            raise Stopped(signalled, step + 1, args.steps, args.checkpoint)
     if hasattr(bar, "close"):
         bar.close()
     per_rank = comm.allgather(mine)  # (P, steps, 2): the survivors
@@ -615,7 +626,7 @@ def _run(args, comm, device, model, opt, par, kill, where, files, train_files, v
     step_time = per_rank[:, :, 0].max(axis=0)  # the slowest rank (NaN: steps before a --resume)
     ran = step_time[start:]
     timed = ran[1:] if ran.size > 1 else ran
-    rows = [dict(step=s + 1, train_loss=train_loss[s], val_loss=val_loss.get(s),
+    rows = [dict(step=s + 1, train_loss=train_loss[s], val_loss=val_loss.get(s), lr=lr_at(args, s),
                  time_s=_num(step_time[s]), tokens_per_s=_num(N / step_time[s]),
                  peak_memory_bytes=_num(per_rank[:, s, 1].max(), int))
             for s in range(args.steps)]
@@ -625,6 +636,7 @@ def _run(args, comm, device, model, opt, par, kill, where, files, train_files, v
         device=str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
         torch=torch.__version__, python=platform.python_version(),
         fault_tolerant=comm.fault_tolerant, failures=failures, notes=notes, resumed_from_step=start or None,
+        resumed=resumed,
         attention_final=dict(kind=shard.kind, ulysses_degree=getattr(shard.attention, "ulysses_degree", None)),
         sequence=dict(packed=shard.doc_mask, sequences=1 if shard.doc_mask else args.batch,
                       sharded_length=shard.n, padding=shard.pad, tokens_per_rank=shard.n // par.cp * (
@@ -653,36 +665,6 @@ def _run(args, comm, device, model, opt, par, kill, where, files, train_files, v
 def _num(x, kind=float):
     """A JSON number, or None for NaN (a step run before a --resume)."""
     return None if not np.isfinite(x) else kind(x)
-
-
-def _agree_or_raise(comm, problem, what):
-    """Every rank raises when one had ``problem`` (an exception, or None): one
-    all-reduce, so no rank is left waiting on the one that failed."""
-    bad = np.array([1.0 if problem is not None else 0.0])
-    if comm.size > 1:
-        comm.allreduce(bad)
-    if bad[0] > 0:
-        if problem is not None:
-            raise problem
-        raise CheckpointError(f"{what}: {int(bad[0])} rank(s) failed (the lowest rank says why)", rank=comm.rank,
-                              op=f"lm {what}")
-
-
-def _resume(args, comm, cfg, model, opt, stream):
-    """Load ``--resume``'s newest checkpoint on every rank (all or none: a
-    rank that cannot read it makes every rank raise); returns
-    ``(completed steps, train losses, {step: val loss})``."""
-    problem = st = None
-    try:
-        start, st = load_checkpoint(args.resume, cfg, map_location=next(model.parameters()).device)
-    except CheckpointError as exc:
-        problem = exc
-    _agree_or_raise(comm, problem, "resume")
-    model.load_state_dict(st["model"])
-    opt.load_state_dict(st["optimizer"])
-    stream.load_state_dict(st["data"])
-    set_rng_state(st["rng"])
-    return start, list(st["train_loss"]), {int(k): v for k, v in st["val_loss"].items()}
 
 
 # ------------------------------------------------------------------ the oracle

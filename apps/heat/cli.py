@@ -19,8 +19,9 @@ from dataclasses import asdict
 
 import commlib  # light: commlib's names load on first use
 
-from .._cli import OneLineParser, unwritable, world_size
+from .._cli import EXIT_REQUEUE, OneLineParser, StopSignals, unwritable, world_size
 from .model import BACKENDS, time_step
+from .restart import FILE, check_resume, describe, read_checkpoint, write_checkpoint
 from .solver import load_solver, gather_field, matches_one_rank
 
 #: limits of the command line (a grid side, all grid points, steps)
@@ -111,6 +112,7 @@ def check_args(parser: argparse.ArgumentParser, args, size: int | None = None) -
     if kill and len(kill) >= size:
         err(f"--kill kills every rank of the job ({size}): none would be left to finish the run")
     args.kill_list = kill
+    _check_restart(parser, args, grid, steps, time_step(grid, args.alpha, args.cfl, args.steps, args.t_final)[1])
     for opt, path in (("--json", args.json), ("--plot", args.plot)):
         if path is not None:
             problem = unwritable(path)
@@ -122,6 +124,32 @@ def check_args(parser: argparse.ArgumentParser, args, size: int | None = None) -
         if importlib.util.find_spec("matplotlib") is None:
             err("--plot needs matplotlib (pip install matplotlib)")
     return grid
+
+
+def _check_restart(parser, args, grid, steps, dt) -> None:
+    """``--checkpoint`` (a folder, made if missing, that takes a file) and ``--resume`` (a checkpoint
+    of this very run: grid, steps, alpha, cfl, dt); sets ``args.start``: None or ``(step, field, meta)``."""
+    err = parser.error
+    args.start = None
+    if (args.checkpoint or args.resume) and (args.fault_tolerant or args.time_block == 2):
+        err("--checkpoint and --resume run without --fault-tolerant and with --time-block 1")
+    if args.checkpoint:
+        try:
+            os.makedirs(args.checkpoint, exist_ok=True)
+        except OSError as exc:
+            err(f"--checkpoint {args.checkpoint}: cannot create the folder ({exc.strerror or exc})")
+        problem = unwritable(os.path.join(args.checkpoint, FILE))
+        if problem:
+            err(f"--checkpoint {args.checkpoint}: {problem}")
+    if args.resume:
+        try:
+            meta, field_ = read_checkpoint(args.resume)
+        except ValueError as exc:
+            err(f"--resume {args.resume}: {exc}")
+        problem = check_resume(meta, describe(grid, steps, args.alpha, args.cfl, dt))
+        if problem:
+            err(f"--resume {args.resume}: {problem}")
+        args.start = (int(meta["step"]), field_, meta)
 
 
 def _bytes_per_rank(grid, size: int, fault_tolerant: bool) -> float:
@@ -186,6 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="steps between buddy checkpoints in --fault-tolerant mode (default 20)")
     p.add_argument("--kill", action="append", default=[], metavar="RANK:STEP",
                    help="fault injection: COMM_WORLD rank RANK SIGKILLs itself before step STEP (repeatable)")
+    p.add_argument("--checkpoint", metavar="DIR",
+                   help=f"on SIGUSR1 or SIGTERM (a time limit or a preemption coming) every rank finishes its step, "
+                        f"the ranks agree on the step (one all-reduce per step), rank 0 writes the field into "
+                        f"DIR/{FILE} and the run exits {EXIT_REQUEUE}; the field of the last step is written too. "
+                        "DIR is made if missing")
+    p.add_argument("--resume", metavar="DIR",
+                   help=f"continue the run whose checkpoint DIR/{FILE} holds (the same --grid, --steps or --t-final, "
+                        "--alpha, --cfl), on any rank count, to the field an uninterrupted run has, bit for bit")
     return p
 
 
@@ -238,6 +274,10 @@ def print_summary(res, grid) -> None:
         print(f"  single-process check: {'bit-identical' if res.verified else 'MISMATCH'}")
     elif res.extra.get("verify_skipped"):
         print(f"  single-process check: nothing compared ({res.extra['verify_skipped']})")
+    r = res.extra.get("resumed")
+    if r:
+        print(f"  resumed from the checkpoint of step {r['from_step']} in {r['checkpoint']} (written on "
+              f"{r['ranks_then']} rank(s)), now on {r['ranks_now']} rank(s)")
     if res.extra.get("fault_tolerant"):
         print(f"  fault tolerant: lost COMM_WORLD ranks {res.extra['failed']}, {res.extra['recoveries']} "
               f"recovery(ies), recovery times {[round(x, 3) for x in res.extra['recovery_s']]} s")
@@ -245,8 +285,10 @@ def print_summary(res, grid) -> None:
 
 def main(argv=None) -> int:
     """The command line (``argv``: the arguments, default ``sys.argv[1:]``);
-    returns the exit status: 0, 1 when ``--verify`` found a mismatch, 2 for a
-    refused value or argument error (reported in one line on stderr by rank 0;
+    returns the exit status: 0, 1 when ``--verify`` found a mismatch (or the
+    checkpoint could not be written), 75 (``EXIT_REQUEUE``) when, with
+    ``--checkpoint``, SIGUSR1 or SIGTERM stopped the run after a step and its
+    checkpoint, 2 for a refused value or argument error (reported in one line on stderr by rank 0;
     also an InvalidArgument or other ``commlib.CommError`` the solver raises).
     ``--help`` prints the options and returns 0."""
     try:
@@ -264,6 +306,8 @@ def _main(argv=None) -> int:
     # parse and check first: nothing so far has imported mpi4py.MPI, numba or CuPy
     parser = build_parser()
     args = parser.parse_args(argv)
+    # with a checkpoint folder, SIGUSR1/SIGTERM stop the run at a step boundary: caught from here on
+    signals = StopSignals().install() if args.checkpoint else None
     size = world_size()
     grid = check_args(parser, args, size or 1)
     load_solver()
@@ -272,6 +316,17 @@ def _main(argv=None) -> int:
         grid = check_args(parser, args, comm.size)
     heat = _api()
     start_size = comm.size
+    stop, stopped = None, []
+    if signals is not None:
+        if comm.rank == 0:
+            print(f"heat: on SIGUSR1 or SIGTERM the run writes {os.path.join(args.checkpoint, FILE)} after its "
+                  f"current step and exits {EXIT_REQUEUE}", file=sys.stderr, flush=True)
+
+        def stop(step):
+            name = signals.agreed(comm)
+            if name:
+                stopped.append(name)
+            return bool(name)
     if args.fault_tolerant:
         kill = args.kill_list
         res, local = heat.solve_ft(comm, grid, steps=args.steps, alpha=args.alpha, backend=args.backend,
@@ -281,12 +336,26 @@ def _main(argv=None) -> int:
         progress = None
         if not args.no_progress and comm.rank == 0:
             progress = progress_bar(f"heat {len(grid)}-D {args.backend} x{comm.size}")
+        kw = {} if args.start is None and stop is None else dict(start=args.start and args.start[:2], stop=stop)
         res, local = heat.solve(comm, grid, steps=args.steps, alpha=args.alpha, backend=args.backend,
                                 cfl=args.cfl, t_final=args.t_final, progress=progress,
-                                overlap=not args.no_overlap, time_block=args.time_block)
+                                overlap=not args.no_overlap, time_block=args.time_block, **kw)
+    if args.start is not None:
+        res.extra["resumed"] = dict(from_step=args.start[0], checkpoint=args.resume, ranks_then=args.start[2]["ranks"],
+                                    ranks_now=comm.size)
     full = None
-    if args.verify or args.plot:
+    if args.verify or args.plot or args.checkpoint:
         full = gather_field(comm, grid, local)
+    if args.checkpoint:
+        status = _write(comm, args, grid, res, full)
+        if status is not None:
+            return status
+        if stopped:
+            if comm.rank == 0:
+                print(f"heat: {stopped[0]}: stopped after step {res.steps} of {res.extra['steps_total']}; "
+                      f"checkpoint in {os.path.join(args.checkpoint, FILE)}; exit {EXIT_REQUEUE} (continue with "
+                      f"--resume {args.checkpoint}, on any rank count)", file=sys.stderr, flush=True)
+            return EXIT_REQUEUE
     if args.verify and start_size == 1:
         # the run is the single-process run: a rerun would compare it with itself
         res.extra["verify_skipped"] = "1 rank: this run is the single-process run; launch 2 or more ranks to check"
@@ -302,3 +371,22 @@ def _main(argv=None) -> int:
             plot_midplane(full, args.plot, f"u at t={res.t_final:.3g} ({res.ranks} ranks)")
             print(f"  plot: {args.plot}")
     return 0 if res.verified in (None, True) else 1
+
+
+def _write(comm, args, grid, res, full):
+    """Rank 0 writes the checkpoint of ``res.steps`` steps; every rank learns the outcome
+    (None, or the exit status 1 after one line on stderr)."""
+    import numpy as np  # noqa: PLC0415
+
+    steps = time_step(grid, args.alpha, args.cfl, args.steps, args.t_final)[2]
+    res.extra["steps_total"] = steps
+    ok = np.ones(1, dtype=np.int32)
+    if comm.rank == 0:
+        try:
+            res.extra["checkpoint"] = write_checkpoint(args.checkpoint, res.steps, full,
+                                                       describe(grid, steps, args.alpha, args.cfl, res.dt), comm.size)
+        except OSError as exc:
+            print(f"heat: error: cannot write the checkpoint in {args.checkpoint}: {exc.strerror or exc}",
+                  file=sys.stderr, flush=True)
+            ok[0] = 0
+    return None if comm.bcast(ok, root=0)[0] else 1

@@ -402,8 +402,16 @@ def _summary(comm, grid, blk, local, backend, steps, alpha, dt, dx, wall, timers
 
 
 # ------------------------------------------------------------------ drivers
+class _Stop(Exception):
+    """:func:`solve`'s ``stop`` said yes before step ``step``."""
+
+    def __init__(self, step: int):
+        super().__init__(step)
+        self.step = step
+
+
 def solve(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final=None,
-          progress=None, overlap=True, time_block=1):
+          progress=None, overlap=True, time_block=1, start=None, stop=None):
     """Run the solver on ``comm``.
 
     Args:
@@ -434,6 +442,13 @@ def solve(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final=No
             sweep over the block (the second step's plane follows the first's
             while its inputs are in cache); no overlap.  The field is the
             same bit for bit.
+        start: None, or ``(step, field)``: continue a run from its field
+            after ``step`` steps (a float64 array of shape ``grid``, every rank
+            alike: a checkpoint); the steps ``step .. steps - 1`` are taken.
+        stop: None, or ``stop(step) -> bool``, called before every step after
+            the first (time_block 1), collective and alike on every rank (the
+            command line's agreement on a stop signal): True ends the run
+            there, the result's ``steps`` saying how many were taken.
 
     Returns:
         (HeatResult, local_field): the summary (same on every rank) and this
@@ -463,12 +478,26 @@ def solve(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final=No
     cart, shape, offset = _setup(comm, grid, op)
     wide = time_block == 2
     halo = _halo_exchange()(cart, shape, width=2 if wide else 1, corners=wide, dtype=np.float64)
-    blk = _Block(cart, halo, shape, offset, grid, alpha, backend, c)
+    first = 0 if start is None else int(start[0])
+    blk = _Block(cart, halo, shape, offset, grid, alpha, backend, c, start=None if start is None else start[1])
     timers = _Timers()
-    wall = run_steps(comm, blk, 0, steps, overlap, timers, progress=progress, time_block=time_block)
+    before = None
+    if stop is not None:
+        def before(s):
+            if s > first and stop(s):
+                raise _Stop(s)
+    done, t0 = steps, time.perf_counter()
+    try:
+        wall = run_steps(comm, blk, first, steps, overlap, timers, before_step=before, progress=progress,
+                         time_block=time_block)
+    except _Stop as exc:  # every rank alike: stop() agreed
+        done, wall = exc.step, time.perf_counter() - t0
     halo.free()
-    local = blk.owned(steps & 1)
-    res = _summary(comm, grid, blk, local, backend, steps, alpha, dt, dx, wall, timers)
+    local = blk.owned(done & 1)
+    res = _summary(comm, grid, blk, local, backend, done, alpha, dt, dx, wall, timers)
+    if first:  # the updates of this run only
+        res.mlups = math.prod(grid) * (done - first) / res.wall_s / 1e6 if res.wall_s > 0 else float("nan")
+        res.glups = res.mlups / 1e3
     cart.free()
     return res, local
 

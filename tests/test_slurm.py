@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from waiting import wait_until  # noqa: E402 - tests/waiting.py
+
 HAVE_TORCH = importlib.util.find_spec("torch") is not None  # the LM app's jobs need it
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -172,6 +174,14 @@ def _launches(slurm):
         "sbatch_heat_singletons": (["sbatch", "--wait", "--time=5", *CPU_JOB, HEAT_SBATCH],
                                    {**heat_job, "SRUN_MPI": "none"}),
     }
+    if mpi == "pmix":  # Open MPI. ULFM=1: Open MPI's mpiexec --with-ft ulfm inside the allocation
+        ft = {"ULFM": "1", "MPIEXEC": os.path.join(os.path.dirname(PY), "mpiexec"), "OMPI_ALLOW_RUN_AS_ROOT": "1",
+              "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "SRUN_MPI": mpi}
+        out["sbatch_heat_ft"] = (["sbatch", "--wait", "--time=5", *CPU_JOB, HEAT_SBATCH],
+                                 {**HEAT_REQUEUE, "STEPS": "60", **ft, "EXTRA": "--kill 1:25 --checkpoint-every 10"})
+        if HAVE_TORCH:
+            out["sbatch_lm_ft"] = (["sbatch", "--wait", "--time=5", *CPU_JOB, LM_SBATCH],
+                                   {**LM_REQUEUE, "STEPS": "6", **ft, "EXTRA": "--eval-every 4 --kill 1:3:backward"})
     if HAVE_TORCH:
         out["srun_lm"] = (_srun(slurm, PY, "-P", "-m", "commlib.apps.lm", *LM_SMALL, "--dp", "2", "--verify",
                                 "--no-progress", "--json", "lm.json", nodes=1), {})
@@ -207,6 +217,9 @@ TEST_JOB = {"test_srun_heat_on_two_nodes": "srun_heat", "test_srun_attention": "
             "test_sbatch_heat_script": "sbatch_heat",
             "test_sbatch_heat_script_refuses_a_launch_of_singletons": "sbatch_heat_singletons",
             "test_srun_lm_data_parallel": "srun_lm", "test_sbatch_lm_script": "sbatch_lm"}
+#: tests that wait for several jobs: their names (parametrized: the job's name from the parameter)
+TEST_JOBS = {"test_sbatch_fault_tolerant_job_finishes_on_the_survivor":
+             lambda item: f"sbatch_{item.callspec.params['app']}_ft"}
 
 
 @pytest.fixture(scope="module")
@@ -214,6 +227,8 @@ def jobs(slurm, tmp_path_factory, request):
     """The jobs of :func:`_launches` that this run's tests wait for, started now, side by side:
     name -> :class:`Job`."""
     wanted = {TEST_JOB.get(item.originalname) for item in request.session.items}
+    wanted |= {TEST_JOBS[item.originalname](item) for item in request.session.items
+               if item.originalname in TEST_JOBS}
     started = {}
     for name, (cmd, env) in _launches(slurm).items():
         if name not in wanted:
@@ -295,3 +310,162 @@ def test_sbatch_lm_script(jobs):
     assert res["ranks"] == 2 and res["mesh"] == {"dp": 1, "cp": 2} and res["verify"]["passed"] is True, res
     assert len(res["steps"]) == 3 and (j.folder / f"lm-{job}.png").exists()
     assert f"job {job} on 2 node(s), 2 tasks" in out
+
+
+# ------------------------------------------------------------------ preemption, requeue, failures
+def _job_state(slurm, job) -> dict:
+    """``scontrol show job``'s fields of ``job`` ({} once Slurm has forgotten it)."""
+    r = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, env=slurm["env"],
+                       timeout=30)
+    return dict(kv.split("=", 1) for kv in r.stdout.split() if "=" in kv) if r.returncode == 0 else {}
+
+
+def _ctld_log(slurm, job) -> str:
+    """slurmctld's lines about ``job`` (for a failure's message)."""
+    try:
+        with open(os.path.join(slurm["dir"], "log", "slurmctld.log"), errors="replace") as fh:
+            return "".join(x for x in fh if re.search(rf"JobId={job}\b", x))[-3000:]
+    except OSError:
+        return ""
+
+
+def _submit(slurm, folder, script, env) -> str:
+    # a long time limit: the scripts' own --signal=B:USR1@T would come at once under --time=5
+    r = subprocess.run(["sbatch", "--parsable", "--time=30", "--signal=B:USR1@10", *CPU_JOB, script],
+                       capture_output=True, text=True,
+                       cwd=str(folder), env={**slurm["env"], **env}, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip().split(";")[0]
+
+
+#: the states a job ends in
+FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+         "PREEMPTED")
+
+
+def _ended(slurm, job):
+    """The state ``job`` ended in ("GONE" once Slurm has forgotten it), or None while it is not over."""
+    st = _job_state(slurm, job).get("JobState", "GONE")
+    return st if st in FINAL + ("GONE",) else None
+
+
+def _ftcs_oracle(grid, steps):
+    """The heat field after ``steps`` FTCS steps from sin(pi x) sin(pi y) sin(pi z) (alpha 1, cfl 0.5):
+    plain numpy on the whole grid, the app's per-cell order of operations (bit-comparable)."""
+    import numpy as np  # noqa: PLC0415
+
+    from commlib.apps.heat import time_step  # noqa: PLC0415  (dt and the coefficients)
+
+    _, _, n, c = time_step(grid, 1.0, 0.5, steps, None)
+    x = [np.sin(np.pi * (np.arange(1, m + 1) / (m + 1))) for m in grid]  # x_k = (k + 1) / (n + 1)
+    u = np.zeros([m + 2 for m in grid])
+    u[1:-1, 1:-1, 1:-1] = x[0][:, None, None] * x[1][None, :, None] * x[2][None, None, :]
+    inner = (slice(1, -1),) * 3
+    for _ in range(n):
+        centre, acc = u[inner], None
+        for i in range(3):
+            lo, hi = list(inner), list(inner)
+            lo[i], hi[i] = slice(0, -2), slice(2, None)
+            term = c[i] * (u[tuple(lo)] - 2.0 * centre + u[tuple(hi)])
+            acc = term if acc is None else acc + term
+        un = u.copy()
+        un[inner] = centre + acc
+        u = un
+    return u[inner]
+
+
+HEAT_REQUEUE = {"GRID": "12", "STEPS": "300", "BACKEND": "numpy", "PYTHON": PY}
+LM_REQUEUE = {"DEVICE": "cpu", "SEQ_LEN": "64", "BATCH": "2", "D_MODEL": "32", "HEADS": "2", "KV_HEADS": "2",
+              "LAYERS": "1", "STEPS": "12", "THREADS": "1", "PYTHON": PY, "EXTRA": "--eval-every 4"}
+LM_REQUEUE_ARGV = ["--seq-len", "64", "--batch", "2", "--d-model", "32", "--heads", "2", "--kv-heads", "2",
+                   "--layers", "1", "--steps", "12", "--eval-every", "4"]
+
+
+def test_sbatch_jobs_stop_on_usr1_requeue_and_resume_on_one_node(slurm, tmp_path):
+    """heat.sbatch and lm.sbatch, 2 nodes x 1 task: once each app says it stops on a signal, the test
+    sends SIGUSR1 to the batch script (what --signal=B:USR1@T does); the step checkpoints and exits 75,
+    the script requeues the job; the test gives the requeued job one node (and lifts Slurm's
+    requeue delay); it resumes on 1 task and ends with the heat field of plain FTCS steps bit for bit
+    and the LM losses of a single-process training."""
+    import numpy as np  # noqa: PLC0415
+
+    from lm_oracle import assert_losses, oracle  # noqa: PLC0415 - tests/lm_oracle.py
+
+    mpi = {"SRUN_MPI": slurm["mpi"]}
+    runs = {"heat": (HEAT_SBATCH, {**HEAT_REQUEUE, **mpi}, "heat: on SIGUSR1")}
+    if HAVE_TORCH:
+        runs["lm"] = (LM_SBATCH, {**LM_REQUEUE, **mpi}, "lm: on SIGUSR1")
+    jobs = {}
+    for app, (script, env, _) in runs.items():
+        (tmp_path / app).mkdir()
+        jobs[app] = _submit(slurm, tmp_path / app, script, env)
+
+    def log(app):
+        p = tmp_path / app / f"{app}-{jobs[app]}.out"
+        return p.read_text(errors="replace") if p.exists() else ""
+
+    for app, (_, _, ready) in runs.items():  # the app caught the signals: send one
+        wait_until(lambda: ready in log(app), 120, f"{app}: the stop-signal line")
+        subprocess.run(["scancel", "--signal=USR1", "--batch", jobs[app]], env=slurm["env"], check=True, timeout=30)
+    for app in runs:  # requeued: one node this time, in 2 s (not Slurm's 2 min; in the second of the requeue
+        # the job's old credential is still revoked and the start fails)
+        wait_until(lambda: _job_state(slurm, jobs[app]).get("Restarts") == "1" and
+                   _job_state(slurm, jobs[app]).get("JobState") == "PENDING", 120, f"{app}: requeued\n{log(app)}")
+        subprocess.run(["scontrol", "update", f"JobId={jobs[app]}", "NumNodes=1", "NumTasks=1", "StartTime=now+2"],
+                       env=slurm["env"], check=True, timeout=30)
+    for app in runs:
+        state = wait_until(lambda: _ended(slurm, jobs[app]), 180, f"{app}: the end")
+        assert state in ("COMPLETED", "GONE"), (state, log(app)[-3000:], _ctld_log(slurm, jobs[app]))
+        text = log(app)
+        print(text)
+        stopped = re.search(rf"{app}: SIGUSR1: stopped after step (\d+) of (\d+)", text)
+        assert stopped and f"requeueing job {jobs[app]}" in text, text
+        assert "on 1 node(s), 1 tasks" in text and "resumes from" in text, text
+        step = int(stopped.group(1))
+        res = json.loads((tmp_path / app / f"{app}-{jobs[app]}.json").read_text())
+        if app == "heat":
+            assert res["ranks"] == 1 and res["extra"]["resumed"]["from_step"] == step, res
+            assert res["extra"]["resumed"]["ranks_then"] == 2
+            with np.load(tmp_path / app / f"heat-{jobs[app]}.ckpt" / "heat.npz") as z:
+                field, meta = z["field"], json.loads(str(z["meta"]))
+            assert meta["step"] == res["steps"] == 300
+            assert np.array_equal(field, _ftcs_oracle([12] * 3, 300)), "the resumed field differs from FTCS's"
+        else:
+            r = res["resumed"]
+            assert res["ranks"] == 1 and (r["from_step"], r["ranks_then"], r["ranks_now"]) == (step, 2, 1), r
+            assert_losses(res, oracle(LM_REQUEUE_ARGV), 1e-4, "lm resumed after SIGUSR1 and a requeue")
+
+
+@pytest.mark.parametrize("app", ["heat", "lm"])
+def test_sbatch_fault_tolerant_job_finishes_on_the_survivor(app, jobs):
+    """ULFM=1: the job script launches mpiexec --with-ft ulfm inside the allocation (2 nodes x 1 task)
+    and a task dies (--kill): the job completes on the survivor, says so, and its result equals a
+    failure-free one (heat: plain FTCS steps' error against the exact solution, bit for bit; LM: a
+    single-process training's losses)."""
+    if app == "lm" and not HAVE_TORCH:
+        pytest.skip("torch not installed (the LM app needs it)")
+    if f"sbatch_{app}_ft" not in jobs:
+        pytest.skip("ULFM under sbatch: Open MPI's mpiexec --with-ft ulfm (this Python has MPICH)")
+    import numpy as np  # noqa: PLC0415
+
+    from lm_oracle import assert_losses, oracle  # noqa: PLC0415
+
+    j = jobs[f"sbatch_{app}_ft"]
+    rc, _, err, job, text = j.wait()
+    assert rc == 0 and job, (err, text[-3000:])
+    res = json.loads((j.folder / f"{app}-{job}.json").read_text())
+    if app == "heat":
+        from commlib.apps.heat import exact_solution, time_step  # noqa: PLC0415
+
+        assert res["ranks"] == 1 and res["extra"]["failed"] == [1], res
+        assert "lost COMM_WORLD ranks [1]" in text
+        grid = [12] * 3
+        ex = exact_solution(grid, [0, 0, 0], grid, 60 * time_step(grid, 1.0, 0.5, 60, None)[1], 1.0)
+        want = float(np.max(np.abs(_ftcs_oracle(grid, 60) - ex)))
+        assert res["max_error"] == want, (res["max_error"], want)
+    else:
+        assert res["ranks"] == 2 and res["ranks_final"] == 1, res
+        assert [(f["world_rank"], f["step"]) for f in res["failures"]] == [(1, 3)], res["failures"]
+        assert "failure: COMM_WORLD rank 1 lost in step 3" in text
+        argv = [a if a != "12" else "6" for a in LM_REQUEUE_ARGV]
+        assert_losses(res, oracle(argv), 1e-4, "lm under sbatch with a task killed")

@@ -34,13 +34,13 @@ FT = ("mpiexec --allow-run-as-root --oversubscribe --with-ft ulfm --mca btl tcp,
 #: area -> the command that measures it ({json}: the file it writes; {plot}: its PNG, where it makes one)
 AREAS = {
     "allreduce": f"{MPIEXEC} -n 2 python -P benchmarks/bench_allreduce.py --min-bytes 8 --max-bytes 16777216 "
-                 "--variants auto,ring --trials 3 --json {{json}} --plot {{plot}}",
+                 "--variants auto,ring --trials 3 --json {json} --plot {plot}",
     "small": f"{MPIEXEC} -n 2 python -P benchmarks/bench_small.py --iters 2000 --trials 3 --json {{json}}",
     "halo": f"{MPIEXEC} -n 2 python -P benchmarks/bench_halo.py --json {{json}}",
     "halo3d": f"{MPIEXEC} -n 2 python -P benchmarks/bench_halo3d.py --sizes 16 32 64 --json {{json}} --plot {{plot}}",
     "pack": "python -P benchmarks/bench_pack.py --quick --dims 1 2 --no-progress --json {json} --plot {plot}",
     "pingpong": f"{MPIEXEC} -n 2 python -P benchmarks/bench_typed_pingpong.py --sizes 256 4096 65536 "
-                "--blocks 8 512 --repeat 2000 --no-progress --json {{json}} --plot {{plot}}",
+                "--blocks 8 512 --repeat 2000 --no-progress --json {json} --plot {plot}",
     "heat": f"{MPIEXEC} -n 2 python -P benchmarks/bench_heat.py --trials 3 --json {{json}} --plot {{plot}}",
     "attention": f"{MPIEXEC} -n 2 python -P benchmarks/bench_attention.py --seq 4096 --json {{json}}",
     "ft_recovery": "python -P benchmarks/bench_ft.py recovery --runs 10 --json {json}",
@@ -80,7 +80,8 @@ def run(areas):
             env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
             rc = subprocess.run(shlex.split(cmd), cwd=ROOT, env=env, check=False).returncode
             if rc != 0 or not out.exists():
-                print(f"!! {area} failed (exit {rc}); docs/results/{area}.json left as it was", flush=True)
+                why = f"exit {rc}" if rc else "no JSON written"
+                print(f"!! {area} failed ({why}); docs/results/{area}.json left as it was", flush=True)
                 status = 1
                 continue
             record = {"area": area, "command": AREAS[area].format(json=f"{area}.json", plot=f"{area}.png"),
@@ -249,7 +250,13 @@ def render(record):
     m = record["machine"]
     where = (f"{m['cores']}-core {m['cpu']}, Python {m['python']}, {m['mpi']}, "
              f"load {m['load_1min']} at the start; {record['date']}")
-    return f"{body}\n\nMeasured with `{record['command']}` on {where}.\n"
+    text = f"{body}\n\nMeasured with `{record['command']}` on {where}.\n"
+    if m["load_1min"] > m["cores"]:
+        text += (f"\n:::{{warning}}\nThe machine was busy with other jobs (load {m['load_1min']} on {m['cores']} cores): "
+                 "MPI's polling waits and the baseline's share the cores with them, so these figures are noisy, "
+                 "small-message latencies most. Rerun on a quiet machine: "
+                 f"`python -P docs/make_tables.py run {record['area']}`, then `tables`.\n:::\n")
+    return text
 
 
 def tables():

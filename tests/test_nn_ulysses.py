@@ -376,7 +376,7 @@ def test_bad_input_raises_on_every_rank(world):
     _all_raise(world, lambda: unshard_sequence(q, world, "spiral", timeout=30), "layout")
     _all_raise(world, lambda: unshard_sequence(q, world, dim=7, timeout=30), "dim")
     _all_raise(world, lambda: unshard_sequence(q, world, seq_len=2 * p + 5, timeout=30), "seq_len")
-    _all_raise(world, lambda: shard_sequence(torch.zeros(1, 2 * p + 1), world, "zigzag"), "divisible")
+    _all_raise(world, lambda: shard_sequence(torch.zeros(1, 2 * p + 1), world, "zigzag", pad=False), "divisible")
     # the calls still work
     qr, kr, _, _ = make_inputs(9, 1, 2 * p, 2 * p, p, 4)
     qr, kr = shard_sequence(qr, world), shard_sequence(kr, world)
@@ -415,10 +415,10 @@ def test_module_refuses_bad_construction(selfcomm):
 
 
 @pytest.mark.timeout(30)
-def test_serial_shard_refuses_and_pads(selfcomm):
+def test_serial_shard_pads_and_refuses_without_pad(selfcomm):
     x = torch.arange(5.0).reshape(1, 5)
     with pytest.raises(InvalidArgument, match="divisible"):
-        shard_sequence(x, selfcomm, "zigzag")
-    part = shard_sequence(x, selfcomm, "zigzag", pad=True)
+        shard_sequence(x, selfcomm, "zigzag", pad=False)
+    part = shard_sequence(x, selfcomm, "zigzag")  # pads by default, as commlib.shard_sequence
     assert part.tolist() == [[0.0, 1.0, 2.0, 3.0, 4.0, 0.0]]
     assert torch.equal(unshard_sequence(part, selfcomm, "zigzag", seq_len=5), x)

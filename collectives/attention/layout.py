@@ -275,18 +275,22 @@ def sequence_positions(layout, rank: int, size: int, seq_local: int) -> np.ndarr
     return layout_of(layout, rank=rank, op="sequence_positions").positions(rank, size, seq_local)
 
 
-def shard_sequence(x, comm, layout: str = "contiguous", *, axis: int = 1):
+def shard_sequence(x, comm, layout: str = "contiguous", *, axis: int = 1, pad: bool = True):
     """This rank's shard of a global array (no communication).
 
-    The sequence axis is zero-padded at its end to ``P * seq_local`` tokens
-    (see :func:`local_seq_len`); pass the true ``seq_len`` to the attention
-    call so padding is masked.
+    A length the layout cannot divide (``P``; ``2P`` for zigzag) is
+    zero-padded at the sequence's global end to ``P * seq_local`` tokens (see
+    :func:`local_seq_len`), as :func:`commlib.nn.shard_sequence` does: pass
+    the true ``seq_len`` to the attention call so the padding is masked, and
+    to :func:`unshard_sequence` to drop it.
 
     Args:
         x: global array (numpy or CuPy), identical on every rank, sequence on ``axis``.
         comm: the :class:`commlib.Communicator` (only ``rank`` and ``size`` are used).
         layout: one of :data:`LAYOUTS`.
         axis: the sequence axis (default 1, as in ``(batch, seq, heads, head_dim)``).
+        pad: zero-pad a length the layout cannot divide (default); False
+            refuses it.
 
     Returns:
         tuple: ``(x_local, positions)``: the contiguous shard with ``seq_local``
@@ -295,7 +299,8 @@ def shard_sequence(x, comm, layout: str = "contiguous", *, axis: int = 1):
 
     Raises:
         InvalidArgument: a torch tensor (use :func:`commlib.nn.shard_sequence`,
-            which keeps autograd), unknown layout or ``axis`` out of range.
+            which keeps autograd), unknown layout, ``axis`` out of range, or
+            with ``pad=False`` a length the layout cannot divide.
     """
     op = "shard_sequence"
     refuse_torch(x, "x", rank=comm.rank, op=op)
@@ -305,6 +310,10 @@ def shard_sequence(x, comm, layout: str = "contiguous", *, axis: int = 1):
     xp = get_array_module(x)
     axis %= x.ndim
     n = x.shape[axis]
+    if not pad and n % layout.unit(comm.size):
+        raise InvalidArgument(f"sequence length {n} is not divisible by {layout.unit(comm.size)} ({comm.size} ranks, "
+                              f"layout {layout!r}) and pad=False; pad=True (the default) zero-pads it at the end "
+                              "(mask the padding in attention), or choose another length", rank=comm.rank, op=op)
     L = layout.local_seq_len(n, comm.size)
     pos = layout.positions(comm.rank, comm.size, L)
     valid = pos[pos < n]

@@ -83,8 +83,22 @@ def _shape_problem(q, k, v, fmt, size, cu_seqlens):
     return None
 
 
+def _unmasked_padding(k, v, size: int, sdim: int):
+    """The problem of a non-causal call without ``cu_seqlens`` given shards that
+    :func:`~.shard.shard_sequence` zero-padded (a zero key takes softmax weight), else None."""
+    for name, t in (("k", k), ("v", v)):
+        tag = getattr(t, SHARD_TAG, None) if isinstance(t, torch.Tensor) else None
+        if tag is not None and len(tag) > 2 and tag[2] is not None and tag[1] == size:
+            n, padded = tag[2], size * int(t.shape[sdim]) if t.dim() > sdim else "its padded length"
+            return (f"{name} is a shard of a {n}-token sequence that commlib.nn.shard_sequence zero-padded to "
+                    f"{padded} tokens, and this non-causal call would attend to the padding: pass "
+                    f"cu_seqlens=[0, ..., {n}, {padded}] (the padding a document of its own), or causal=True "
+                    "(the padding follows every real token)")
+    return None
+
+
 def front(op: str, q, k, v, comm, layout, qkv_format, *, default_layout: str = "contiguous",
-          cu_seqlens=None) -> Call:
+          cu_seqlens=None, causal=None) -> Call:
     """Resolve a public call's communicator, layout and tensor format (see the module notes).
 
     Args:
@@ -93,7 +107,10 @@ def front(op: str, q, k, v, comm, layout, qkv_format, *, default_layout: str = "
         layout: the call's ``layout`` (None: the :class:`Sharding`'s, else
             ``default_layout``).
         qkv_format: ``"bshd"`` or ``"bhsd"``.
-        cu_seqlens: the call's ``cu_seqlens`` (only for a format hint).
+        cu_seqlens: the call's ``cu_seqlens`` (for a format hint, and whether
+            the padding of a padded shard is masked).
+        causal: the call's ``causal`` (``True``: a padded shard's padding,
+            after every real token, is masked already).
 
     Returns:
         Call: the tensors viewed as ``"bshd"`` and the rest of the call.
@@ -134,6 +151,8 @@ def front(op: str, q, k, v, comm, layout, qkv_format, *, default_layout: str = "
                            f"runs in layout {layout!r}: pass layout={tag[0]!r}, or shard and call through one "
                            f"commlib.nn.Sharding(comm, {tag[0]!r}), which carries the layout")
                 break
+    if problem is None and causal is not True and cu_seqlens is None:
+        problem = _unmasked_padding(k, v, size, 1 if fmt == "bshd" else 2)
     if fmt == "bhsd":
         q, k, v = (t.transpose(1, 2) if isinstance(t, torch.Tensor) and t.dim() == 4 else t for t in (q, k, v))
     if problem is None:

@@ -288,7 +288,8 @@ def hybrid_attention(q, k, v, comm=None, ulysses_degree: int | None = None, caus
     then divide the new size).
     """
     op = "hybrid_attention"
-    call = front(op, q, k, v, comm, layout, qkv_format, default_layout="zigzag", cu_seqlens=cu_seqlens)
+    call = front(op, q, k, v, comm, layout, qkv_format, default_layout="zigzag", cu_seqlens=cu_seqlens,
+                 causal=causal is True or is_causal is True)
     q, k, v, comm, layout = call.q, call.k, call.v, call.comm, call.layout
     timeout = bound(comm, timeout, op)  # the deadline of the whole call (by default a FT communicator's own)
     tp = transport_of(comm, timeout, op)

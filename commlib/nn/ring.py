@@ -368,7 +368,8 @@ def ring_attention(q, k, v, comm=None, causal=False, layout=None, softmax_scale=
     next call on the shrunk ``comm`` runs over the survivors.
     """
     op = "ring_attention_bidirectional" if bidirectional is True else "ring_attention"
-    call = front(op, q, k, v, comm, layout, qkv_format, cu_seqlens=cu_seqlens)
+    call = front(op, q, k, v, comm, layout, qkv_format, cu_seqlens=cu_seqlens,
+                 causal=causal is True or is_causal is True)
     return call.out(_ring(call.q, call.k, call.v, call.comm, causal, call.layout, softmax_scale, cu_seqlens,
                           bidirectional, timeout, op,
                           call.keywords(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
@@ -391,7 +392,8 @@ def ring_attention_bidirectional(q, k, v, comm=None, causal=False, layout=None, 
     and ``qkv_format`` as in :func:`ring_attention`.
     """
     op = "ring_attention_bidirectional"
-    call = front(op, q, k, v, comm, layout, qkv_format, cu_seqlens=cu_seqlens)
+    call = front(op, q, k, v, comm, layout, qkv_format, cu_seqlens=cu_seqlens,
+                 causal=causal is True or is_causal is True)
     return call.out(_ring(call.q, call.k, call.v, call.comm, causal, call.layout, softmax_scale, cu_seqlens, True,
                           timeout, op,
                           call.keywords(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,

@@ -23,15 +23,17 @@ every rank holds the same global ``x``.  Two uses are common:
   ``0 .. P-1`` on every rank).  With a replicated loss this gives ``P`` times
   the gradient.
 
-Global lengths.  The layouts need ``seq_len`` divisible by ``P`` (contiguous,
-striped) or ``2P`` (zigzag).  :func:`shard_sequence` refuses other lengths
-unless ``pad=True``, because zero padding is not masked by
-:func:`~commlib.nn.ulysses.ulysses_attention` or plain ring attention: a
-zero key still takes softmax weight.  With ``pad=True`` the sequence is
-zero-padded at its global end to ``P * seq_local`` tokens; mask the padding
-yourself (for example ring attention with ``cu_seqlens`` ending in
-``[..., seq_len, padded_len]`` puts the padding in a document of its own) and
-drop it with ``unshard_sequence(..., seq_len=seq_len)``.
+Global lengths.  The layouts need a length divisible by ``P`` (contiguous,
+striped) or ``2P`` (zigzag).  :func:`shard_sequence` zero-pads any other
+length at its global end to ``P * seq_local`` tokens, as the numpy
+:func:`commlib.shard_sequence` does (``pad=False`` refuses such lengths
+instead).  The padding comes after every real token, so causal attention
+never lets a real token see it; non-causal attention must mask it:
+``cu_seqlens`` ending in ``[..., seq_len, padded_len]`` puts it in a
+document of its own.  An attention call given a padded shard of
+:func:`shard_sequence` (``k``, ``v``) that is neither causal nor given
+``cu_seqlens`` refuses it, naming both ways.  ``unshard_sequence(...,
+seq_len=seq_len)`` drops the padding again.
 """
 from __future__ import annotations
 
@@ -64,10 +66,12 @@ _MAX_NDIM = 8
 SHARD_TAG = "_commlib_sharded"
 
 
-def tag_shard(t: torch.Tensor, layout: str, size: int) -> torch.Tensor:
-    """Mark ``t`` as a sequence shard in ``layout`` over ``size`` ranks; returns ``t``."""
+def tag_shard(t: torch.Tensor, layout: str, size: int, seq_len: int | None = None) -> torch.Tensor:
+    """Mark ``t`` as a sequence shard in ``layout`` over ``size`` ranks (of a
+    ``seq_len``-token sequence zero-padded to ``size * seq_local``; None: no
+    padding); returns ``t``."""
     try:
-        setattr(t, SHARD_TAG, (layout, int(size)))
+        setattr(t, SHARD_TAG, (layout, int(size), seq_len))
     except (AttributeError, RuntimeError):  # pragma: no cover - a tensor subclass without a __dict__
         pass
     return t
@@ -104,7 +108,7 @@ def _slice(x, layout, rank, size, L, dim):
 
 
 def shard_sequence(x: torch.Tensor, comm, layout: str | None = None, dim: int | None = None, *,
-                   pad: bool = False):
+                   pad: bool = True):
     """This rank's shard of a global tensor's sequence (no communication).
 
     Args:
@@ -115,8 +119,12 @@ def shard_sequence(x: torch.Tensor, comm, layout: str | None = None, dim: int | 
             read), or a :class:`Sharding` (its layout and dim are the call's).
         layout: ``"contiguous"`` (default), ``"striped"`` or ``"zigzag"``.
         dim: the sequence dimension (default 1, as in ``(batch, seq, heads, head_dim)``).
-        pad: zero-pad a sequence whose length the layout cannot divide (see
-            the module notes); False refuses such lengths.
+        pad: a length the layout cannot divide (``P``; ``2P`` for zigzag)
+            is zero-padded at the sequence's global end to ``P * seq_local``
+            tokens (default, as the numpy :func:`commlib.shard_sequence`);
+            mask the padding in non-causal attention (``cu_seqlens``, see the
+            module notes) and drop it with ``unshard_sequence(...,
+            seq_len=seq_len)``.  False refuses such lengths.
 
     The shard remembers its layout: an attention call of :mod:`commlib.nn`
     in another layout refuses it (a wrong result otherwise).  Saying the
@@ -130,8 +138,8 @@ def shard_sequence(x: torch.Tensor, comm, layout: str | None = None, dim: int | 
 
     Raises:
         InvalidArgument: ``x`` not a tensor, bad ``dim`` or layout (or one
-            that contradicts the Sharding's), or a
-            length not divisible by ``P`` (``2P`` for zigzag) without ``pad``.
+            that contradicts the Sharding's), or with ``pad=False`` a
+            length not divisible by ``P`` (``2P`` for zigzag).
     """
     op = "shard_sequence"
     comm, layout, dim = _resolve(comm, layout, dim, op)
@@ -144,8 +152,9 @@ def shard_sequence(x: torch.Tensor, comm, layout: str | None = None, dim: int | 
     div = layout.unit(size)
     if n % div and not pad:
         raise InvalidArgument(
-            f"sequence length {n} is not divisible by {div} ({size} ranks, layout {layout!r}); pad it "
-            "(pad=True zero-pads at the end: mask the padding in attention) or choose another length",
+            f"sequence length {n} is not divisible by {div} ({size} ranks, layout {layout!r}) and pad=False; "
+            "pad=True (the default) zero-pads it at the end (mask the padding in attention), or choose "
+            "another length",
             rank=rank, op=op)
     L = layout.local_seq_len(n, size)
     if L * size > n:
@@ -153,7 +162,8 @@ def shard_sequence(x: torch.Tensor, comm, layout: str | None = None, dim: int | 
         shape[dim] = L * size - n
         x = torch.cat([x, x.new_zeros(shape)], dim=dim)
     part = _slice(x, layout, rank, size, L, dim)
-    return tag_shard(part, layout, size)  # an attention call in another layout refuses it
+    # an attention call in another layout refuses it, and a non-causal one without cu_seqlens its padding
+    return tag_shard(part, layout, size, n if L * size > n else None)
 
 
 class _Unshard(torch.autograd.Function):
@@ -360,7 +370,7 @@ class Sharding:
     def size(self) -> int:
         return int(self.comm.size)
 
-    def shard(self, x: torch.Tensor, *, pad: bool = False) -> torch.Tensor:
+    def shard(self, x: torch.Tensor, *, pad: bool = True) -> torch.Tensor:
         """This rank's shard of the global tensor ``x``.
 
         :func:`shard_sequence` in this layout and dimension (no
@@ -369,8 +379,8 @@ class Sharding:
         Args:
             x: the global tensor, the same on every rank, the sequence on
                 :attr:`dim`; any dtype and device.
-            pad: zero-pad a length the layout cannot divide (see
-                :func:`shard_sequence`).
+            pad: zero-pad a length the layout cannot divide (default; see
+                :func:`shard_sequence`); False refuses it.
 
         Returns:
             torch.Tensor: ``seq_local`` tokens on :attr:`dim`, ascending

@@ -230,7 +230,8 @@ def ulysses_attention(q, k, v, comm=None, causal: bool = False, softmax_scale=No
     Failures: as :func:`commlib.nn.ring.ring_attention` (forward and backward).
     """
     op = "ulysses_attention"
-    call = front(op, q, k, v, comm, layout, qkv_format, cu_seqlens=cu_seqlens)
+    call = front(op, q, k, v, comm, layout, qkv_format, cu_seqlens=cu_seqlens,
+                 causal=causal is True or is_causal is True)
     q, k, v, comm, layout = call.q, call.k, call.v, call.comm, call.layout
     timeout = bound(comm, timeout, op)  # the deadline of the whole call (by default a FT communicator's own)
     tp = transport_of(comm, timeout, op)

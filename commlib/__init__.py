@@ -1,5 +1,8 @@
 """commlib: a CUDA-aware communication layer for Python HPC codes.
 
+The user API: ``init``, the communicators, buffers, the resilient-step runner,
+the error hierarchy and the numpy/CuPy sequence-parallel attention.
+
 Quick start::
 
     import commlib
@@ -7,7 +10,7 @@ Quick start::
     cart = comm.cart_create(dims=None, periods=(True, False))
     halo = commlib.collectives.HaloExchange(cart, (64, 64), width=1)
 
-See docs/ARCHITECTURE.md for the layers: ``commlib.transports`` (moving bytes),
+The layers (docs/architecture.md): ``commlib.transports`` (moving bytes),
 ``commlib.datatypes`` (non-contiguous layouts and pack kernels),
 ``commlib.collectives`` (algorithms, halo exchange, attention), ``commlib.apps``.
 """

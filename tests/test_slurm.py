@@ -386,7 +386,8 @@ def test_sbatch_jobs_stop_on_usr1_requeue_and_resume_on_one_node(slurm, tmp_path
     sends SIGUSR1 to the batch script (what --signal=B:USR1@T does); the step checkpoints and exits 75,
     the script requeues the job; the test gives the requeued job one node (and lifts Slurm's
     requeue delay); it resumes on 1 task and ends with the heat field of plain FTCS steps bit for bit
-    and the LM losses of a single-process training."""
+    and the LM losses of a single-process training. A third job, cancelled (scancel: SIGTERM),
+    checkpoints too and stays cancelled."""
     import numpy as np  # noqa: PLC0415
 
     from lm_oracle import assert_losses, oracle  # noqa: PLC0415 - tests/lm_oracle.py
@@ -399,6 +400,10 @@ def test_sbatch_jobs_stop_on_usr1_requeue_and_resume_on_one_node(slurm, tmp_path
     for app, (script, env, _) in runs.items():
         (tmp_path / app).mkdir()
         jobs[app] = _submit(slurm, tmp_path / app, script, env)
+    # beside them, a heat job cancelled by its user (scancel: SIGTERM): it checkpoints, stays cancelled
+    (tmp_path / "cancel").mkdir()
+    cancel = _submit(slurm, tmp_path / "cancel", HEAT_SBATCH, {**HEAT_REQUEUE, **mpi})
+    cancel_log = tmp_path / "cancel" / f"heat-{cancel}.out"
 
     def log(app):
         p = tmp_path / app / f"{app}-{jobs[app]}.out"
@@ -407,6 +412,8 @@ def test_sbatch_jobs_stop_on_usr1_requeue_and_resume_on_one_node(slurm, tmp_path
     for app, (_, _, ready) in runs.items():  # the app caught the signals: send one
         wait_until(lambda: ready in log(app), 120, f"{app}: the stop-signal line")
         subprocess.run(["scancel", "--signal=USR1", "--batch", jobs[app]], env=slurm["env"], check=True, timeout=30)
+    wait_until(lambda: cancel_log.exists() and "heat: on SIGUSR1" in cancel_log.read_text(), 120, "the cancel job")
+    subprocess.run(["scancel", cancel], env=slurm["env"], check=True, timeout=30)
     for app in runs:  # requeued: one node this time, in 2 s (not Slurm's 2 min; in the second of the requeue
         # the job's old credential is still revoked and the start fails)
         wait_until(lambda: _job_state(slurm, jobs[app]).get("Restarts") == "1" and
@@ -434,6 +441,13 @@ def test_sbatch_jobs_stop_on_usr1_requeue_and_resume_on_one_node(slurm, tmp_path
             r = res["resumed"]
             assert res["ranks"] == 1 and (r["from_step"], r["ranks_then"], r["ranks_now"]) == (step, 2, 1), r
             assert_losses(res, oracle(LM_REQUEUE_ARGV), 1e-4, "lm resumed after SIGUSR1 and a requeue")
+    assert wait_until(lambda: _ended(slurm, cancel), 120, "the cancelled job's end") in ("CANCELLED", "GONE")
+    text = cancel_log.read_text(errors="replace")
+    # the step sees SIGTERM from Slurm and SIGUSR1 from the script: whichever came first
+    assert re.search(r"heat: SIG(TERM|USR1): stopped after step \d+ of 300", text) and "requeueing" not in text, text
+    assert f"to continue: CHECKPOINT=heat-{cancel}.ckpt sbatch" in text and text.count("== provenance") == 1, text
+    with np.load(tmp_path / "cancel" / f"heat-{cancel}.ckpt" / "heat.npz") as z:
+        assert 1 <= json.loads(str(z["meta"]))["step"] < 300
 
 
 @pytest.mark.parametrize("app", ["heat", "lm"])

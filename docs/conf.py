@@ -46,7 +46,8 @@ myst_heading_anchors = 3
 
 html_theme = "furo"
 html_title = "commlib"
-html_static_path = []
+html_static_path = ["_static"]
+html_css_files = ["commlib.css"]
 copybutton_prompt_text = r"\$ "
 copybutton_prompt_is_regexp = True
 

@@ -135,7 +135,7 @@ def _allreduce(r):
         cells = [_size(row["bytes"]), f"{row['MPI.Allreduce']['time_us']:.1f}"]
         cells += [f"{row[v]['time_us']:.1f} ({_x(row[v].get('ratio_vs_mpi'))})" for v in variants]
         rows.append(cells)
-    return (f"{r['ranks']} ranks, {r['mpi']}; one call's time, best of the trials; above 1 x is faster "
+    return (f"{r['ranks']} ranks, {r['mpi'].split(',')[0]}; one call's time, best of the trials; above 1 x is faster "
             f"than MPI.\n\n" + _table(head, rows))
 
 

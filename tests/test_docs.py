@@ -17,6 +17,7 @@ resolves (``docs/check_links.py`` over the built HTML).
 """
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import re
@@ -34,8 +35,20 @@ MARK = re.compile(r"<!--\s*(run|no-run):?\s*(.*?)\s*-->\s*\n```(\w*)[^\n]*\n(.*?
 FENCE = re.compile(r"^```python", re.M)
 
 
+def _excluded():
+    """The Markdown files docs/conf.py leaves out of the site (its ``exclude_patterns``)."""
+    tree = ast.parse((DOCS / "conf.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "exclude_patterns" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
 def pages():
-    return sorted([*DOCS.glob("*.md"), *DOCS.glob("guides/*.md")])
+    """The site's Markdown pages."""
+    skip = _excluded()
+    return sorted(p for p in [*DOCS.glob("*.md"), *DOCS.glob("guides/*.md")]
+                  if str(p.relative_to(DOCS)) not in skip)
 
 
 def blocks():

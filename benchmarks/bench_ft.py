@@ -186,7 +186,7 @@ def recovery(args):
         out = tempfile.mkdtemp(prefix="commlib-ftbench-")
         k = int(rng.integers(0, 2 * (args.ranks - 1)))  # one of the ring's 2 (n - 1) sends
         cmd = [mpiexec, "--oversubscribe", "--with-ft", "ulfm", "--mca", "btl", "tcp,self",
-               "--mca", "btl_tcp_flags", "send,inplace,need-ack,need-csum",  # RDMA put off: docs/FAULTS.md
+               "--mca", "btl_tcp_flags", "send,inplace,need-ack,need-csum",  # RDMA put off: docs/faults-and-security.md
                "--prtemca", "state_base_error_non_zero_exit", "0", "-n", str(args.ranks),
                sys.executable, os.path.abspath(__file__), "recovery-worker", "--out", out,
                "--kill-at", str(k), "--victim", "2"]

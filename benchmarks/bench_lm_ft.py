@@ -28,7 +28,7 @@ put), one job at a time:
 ``recovery``
     the soak's measurement over a few fixed plans (one per phase), no oracle.
 
-Reproduce (docs/FAULTS.md, docs/BENCHMARKS.md)::
+Reproduce (docs/faults-and-security.md, docs/BENCHMARKS.md)::
 
     python -P benchmarks/bench_lm_ft.py overhead --reps 5 --json lm_ft_overhead.json
     python -P benchmarks/bench_lm_ft.py soak --plans 30 --seed 38 --json lm_ft_soak.json

@@ -10,7 +10,7 @@ included).  Per run it counts
 - **victims**: planned victims that died (a victim whose timer falls after
   its call ended lives on, and is checked like any survivor);
 - **extra**: ranks that died but were not victims: a watchdog fail-stop
-  (exit 70 after Open MPI wedged the rank: docs/FAULTS.md) or any other death;
+  (exit 70 after Open MPI wedged the rank: docs/faults-and-security.md) or any other death;
   **mpi_crashes** counts the processes Open MPI crashed while recovery built a
   communicator (``test_ft_kill.mpi_crash_pids``);
 - **hang**: ``mpiexec`` did not return within its limit (``STARTUP_S + T + 5``);
@@ -27,7 +27,7 @@ The arms run the SAME kill plans and inputs, alternating run by run (plan
 job at a time.  Arms: ``put`` (Open MPI's default TCP flags,
 ``send,put,inplace,need-ack,need-csum,hetero-rdma``) and ``noput``
 (``--mca btl_tcp_flags send,inplace,need-ack,need-csum``: no RDMA put, large
-messages as pipelined sends, no ob1 FIN).  Reproduce (docs/FAULTS.md)::
+messages as pipelined sends, no ob1 FIN).  Reproduce (docs/faults-and-security.md)::
 
     python -P benchmarks/soak_ulfm.py --runs 30 --seed 2222 --json soak_ab.json
     python -P benchmarks/soak_ulfm.py --runs 70 --seed 3333 --arms noput --json soak_noput.json

@@ -18,7 +18,7 @@ Open MPI 5 (``mpiexec --with-ft ulfm``):
    MPI 5.0's TCP transport can wedge inside ``MPI_Testall``, its revoke
    then blocking too) fails itself with one line on stderr and
    ``os._exit(70)``, which the survivors recover from as from any failure
-   (:mod:`commlib.collectives.watchdog`, docs/FAULTS.md).  Without ``MPI_THREAD_MULTIPLE``
+   (:mod:`commlib.collectives.watchdog`, docs/faults-and-security.md).  Without ``MPI_THREAD_MULTIPLE``
    every wait is polled and bounded instead;
 2. every survivor then calls ``MPIX_Comm_agree`` on a success flag (bitwise AND
    over the survivors, uniform even when processes fail during it), so a rank that

@@ -18,7 +18,7 @@ __all__ = ["FAILSTOP_EXIT_STATUS", "watchdog"]
 
 FAILSTOP_EXIT_STATUS = 70
 """Exit status of a rank the watchdog ends because MPI stopped making progress
-(``EX_SOFTWARE`` of sysexits.h); see :class:`Watchdog` and docs/FAULTS.md."""
+(``EX_SOFTWARE`` of sysexits.h); see :class:`Watchdog` and docs/faults-and-security.md."""
 
 
 class Watch:
@@ -73,10 +73,10 @@ _IDLE_CPU_S = 0.01  # CPU seconds over a grace below which a thread counts as bl
 # The shrink fails a process whose threads together used under _IDLE_CPU_S of
 # CPU over this fraction of a grace: it follows an agreement every live rank
 # has joined (no peer is still in its attempt), and a live process waiting in
-# MPIX_Comm_shrink polls (measured, docs/FAULTS.md); one using none is blocked
+# MPIX_Comm_shrink polls (measured, docs/faults-and-security.md); one using none is blocked
 # in the kernel (the TCP transport's self-deadlock on its mutex).  Not the
 # agreement: there a healthy rank waiting for a peer still in its attempt was
-# seen using no CPU for over a second (tests/test_ft_kill.py, docs/FAULTS.md).
+# seen using no CPU for over a second (tests/test_ft_kill.py, docs/faults-and-security.md).
 _PROCESS_IDLE_WINDOW = 0.5
 _WAITING_STEPS = ("shrink",)
 
@@ -128,7 +128,7 @@ class Watchdog:
       revoke waits for no peer): MPI stopped making progress, as when Open MPI
       5.0's TCP transport deadlocks on its own mutex, or spins forever in
       ``mca_btl_tcp_send``, inside one ``MPI_Testall``, and the revoke then
-      blocks behind it (docs/FAULTS.md); or commlib's own code stalled.
+      blocks behind it (docs/faults-and-security.md); or commlib's own code stalled.
       Either way the rank fails.  In the shrink (which follows an agreement
       every live rank joined) a process that used no CPU at all, all threads
       together, for ``G/2`` fails at once (:meth:`_process_check`).
@@ -144,7 +144,7 @@ class Watchdog:
     The watchdog is a Python thread: it needs the GIL.  It runs while a rank is
     stuck inside an MPI call only if that call released the GIL (mpi4py's
     calls are declared ``with nogil``; this repository has no check that a given
-    call does: docs/FAULTS.md).  What the tests show is the other half: a
+    call does: docs/faults-and-security.md).  What the tests show is the other half: a
     caller blocked in a C call that released the GIL is ended by the watchdog.  Arming
     and disarming cost a lock round trip each and no thread switch (the thread
     sleeps towards the earliest deadline and is woken only when a new one is
@@ -276,7 +276,7 @@ class Watchdog:
         failure of another rank reaches it in the shrink.  Without this test
         such a rank fails only at the step's hard bound, ``T + 2G`` into the
         step, after a first fail-stop at ``T + G``: a call of about ``2T + 3G``
-        (docs/FAULTS.md).  The whole process, not the thread, because in
+        (docs/faults-and-security.md).  The whole process, not the thread, because in
         ``MPI_THREAD_MULTIPLE`` one thread may poll for another that waits on a
         condition variable."""
         cpu = time.process_time()
@@ -301,7 +301,7 @@ class Watchdog:
         msg = (f"commlib: rank {rank} (COMM_WORLD rank {world}, pid {os.getpid()}) fail-stop: {w.op} stuck in "
                f"{w.step} for {now - w.step_start:.1f} s, {now - w.start:.1f} s into the call ({why}); exiting "
                f"with status {FAILSTOP_EXIT_STATUS} so that the survivors recover without this rank "
-               f"(docs/FAULTS.md)")
+               f"(docs/faults-and-security.md)")
         self.failstops += 1
         if self._exit is not None:
             self._exit(msg)

@@ -270,7 +270,7 @@ def info(kernel_check: bool = True, kernel_timeout: float = KERNEL_CHECK_TIMEOUT
         if ft.get("hint"):
             rec["fault_tolerance_hint"] = ft["hint"]
         tcp = ft.get("tcp_rdma")
-        if tcp is not None:  # Open MPI: under ULFM the TCP BTL should do no RDMA put (docs/FAULTS.md)
+        if tcp is not None:  # Open MPI: under ULFM the TCP BTL should do no RDMA put (docs/faults-and-security.md)
             if not tcp["tcp_btl"]:
                 rec["tcp_btl_rdma"] = "n/a (TCP BTL not in use)"
             else:

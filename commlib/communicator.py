@@ -664,7 +664,7 @@ def init(comm: MPI.Comm | None = None, *, cuda_aware: bool | None = None, fault_
     check_all(base, local.detail if local else None, "init")
     if not fault_tolerant:
         return Communicator(transport=base)
-    PROCESS.warn_tcp_rdma()  # once, under ULFM with the TCP BTL's RDMA put on (docs/FAULTS.md)
+    PROCESS.warn_tcp_rdma()  # once, under ULFM with the TCP BTL's RDMA put on (docs/faults-and-security.md)
     # no blocking call of a fault-tolerant job waits for ever, MPI_Finalize included: a
     # rank that died after the last collective is seen by no survivor's recovery
     PROCESS.bound_finalize(IDLE_FINALIZE_BOUND)

@@ -256,7 +256,7 @@ def _wedge():
 
 def _wedge_shrink():
     """From now on this rank's shrink blocks forever without using CPU: the
-    shape of the second hang of the cascade in docs/FAULTS.md (a survivor whose
+    shape of the second hang of the cascade in docs/faults-and-security.md ("A rank wedged in the shrink") (a survivor whose
     Open MPI deadlocks when another rank's failure reaches it in
     ``MPIX_Comm_shrink``)."""
     def forever(*a, **k):
@@ -269,7 +269,7 @@ def _exit_in_dup():
     """From now on this rank dies (``os._exit``) ``FT_DUP_EXIT_S`` seconds
     (default 0.03) into its next ``dup`` (recovery's, after the shrink), while
     the others build the new communicator with it: the window of Open MPI's
-    crash in docs/FAULTS.md."""
+    crash in docs/faults-and-security.md."""
     import threading
 
     orig = MPITransport.dup

@@ -35,7 +35,7 @@ FINALIZE_TIMEOUT = "1"
 # Open MPI's TCP BTL flags without RDMA put (the default is
 # "send,put,inplace,need-ack,need-csum,hetero-rdma"): large messages go as
 # pipelined sends and ob1 sends no FIN, whose path wedged survivors under ULFM
-# (docs/FAULTS.md, "The put-less TCP BTL").  The same value as
+# (docs/faults-and-security.md, "The Open MPI defect and its flag").  The same value as
 # commlib.transports.mpi_process.TCP_FLAGS_WITHOUT_PUT.
 TCP_FLAGS_WITHOUT_PUT = "send,inplace,need-ack,need-csum"
 

@@ -13,7 +13,7 @@ fails.  Not part of CI (minutes on 2 cores); run it through ``tests/mutations.sh
     bash tests/mutations.sh                   # all, with the baseline
     bash tests/mutations.sh --only 03 10      # some (ids or name parts)
     bash tests/mutations.sh --no-baseline
-    bash tests/mutations.sh --markdown        # the table as Markdown (docs/TESTING.md)
+    bash tests/mutations.sh --markdown        # the table as Markdown (docs/testing.md)
 """
 from __future__ import annotations
 

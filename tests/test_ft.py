@@ -7,7 +7,7 @@ hang the suite:
 - Open MPI with ULFM: ``mpiexec --with-ft ulfm --mca btl tcp,self --mca
   btl_tcp_flags send,inplace,need-ack,need-csum --prtemca
   state_base_error_non_zero_exit 0`` (``launch.FT_ARGS``: the TCP BTL without
-  RDMA put, docs/FAULTS.md; the last, else prterun ends the whole job when a
+  RDMA put, docs/faults-and-security.md; the last, else prterun ends the whole job when a
   rank exits with a non-zero status, as ``os._exit(17)`` does); 3 to 6
   ranks, one or two victims killed (``os._exit`` or SIGKILL) before, during
   (at a random point-to-point send: any ring/tree step or the header
@@ -403,7 +403,7 @@ def test_watchdog_bounds_each_step():
 def test_watchdog_fails_an_idle_process_early_in_the_shrink():
     """A process that uses no CPU in the shrink (which follows an agreement all
     live ranks joined) is blocked inside MPI, which polls in every wait (the
-    second hang of the cascade in docs/FAULTS.md): failed within a window of
+    second hang of the cascade in docs/faults-and-security.md ("A rank wedged in the shrink")): failed within a window of
     half a grace, long before the step's hard bound.  In the agreement the
     same idleness is only judged at the hard bound."""
     wd, stops = _hooked_watchdog()

@@ -73,7 +73,7 @@ CASES = ["dup", "split", "cart", "lazy", "init"]
 def _params():
     marks = [] if _ulfm() else [pytest.mark.skip(reason="needs Open MPI with ULFM")]
     # under ULFM a lone *collective* ends with the watchdog failing the lone rank
-    # (docs/FAULTS.md: a late peer and a wedged one look the same); the duplications are bounded
+    # (docs/faults-and-security.md: a late peer and a wedged one look the same); the duplications are bounded
     return ([pytest.param(c, False, id=f"{c}-timeout") for c in CASES]
             + [pytest.param(c, True, id=f"{c}-ulfm", marks=marks) for c in ("dup", "lazy")])
 

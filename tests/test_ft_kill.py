@@ -1,12 +1,12 @@
 """Randomized kill test: ranks die at random *times* during large fault-tolerant allreduces.
 
 Each run is one ``mpiexec --with-ft ulfm`` job (``launch.FT_ARGS``: the TCP
-BTL without RDMA put, docs/FAULTS.md) of ``tests/ft_worker.py`` in
+BTL without RDMA put, docs/faults-and-security.md) of ``tests/ft_worker.py`` in
 timed mode: NP ranks, three successive float32 allreduces of MIB MiB in
 ``commlib.init(fault_tolerant=True)`` mode, and one or two victims that die a
 random 0-400 ms after entering a call (the first one included), by
 ``os._exit``, SIGKILL, or by *wedging* (from then on its MPI makes no progress
-and its revoke blocks: the shape of Open MPI's TCP deadlock, docs/FAULTS.md,
+and its revoke blocks: the shape of Open MPI's TCP deadlock, docs/faults-and-security.md,
 which the watchdog must turn into a fail-stop).  With buffers this large the
 kill lands mid-transfer.  Every run must end with
 
@@ -22,13 +22,13 @@ kill lands mid-transfer.  Every run must end with
   ``COMMLIB_FT_GRACE``), past which a call is a hang; the summary counts the
   runs with a call over the issue's target, ``T + 5`` s, which the soak asserts
   (Open MPI's own hangs of a survivor, each turned into a fail-stop, can
-  cascade past it: docs/FAULTS.md);
+  cascade past it: docs/faults-and-security.md);
 - a run that does not recover (at most one in ten in all) may also end with
   no survivor, every one failed by its own watchdog (``failstopped``: Open MPI hung inside a recovery step on all
   of them; seen once in 20 runs in CI: both survivors spinning in
   ``MPIX_Comm_shrink`` for ``T + 4G``) or crashed by Open MPI while recovery
   built a communicator (``mpi_crashed``: a second victim died in that window;
-  seen twice in CI, a SIGSEGV in ``ompi_comm_revoke_local``, docs/FAULTS.md);
+  seen twice in CI, a SIGSEGV in ``ompi_comm_revoke_local``, docs/faults-and-security.md);
   the job still ends in bounded time;
 - ``mpiexec`` returning, within the per-run limit (a subprocess timeout,
   then SIGKILL to the whole process group: a hang fails the test and never
@@ -109,7 +109,7 @@ FAILSTOP = 70   # commlib.collectives.watchdog.FAILSTOP_EXIT_STATUS
 
 
 # Open MPI 5.0's crash when a death is noticed while a communicator is being built
-# (docs/FAULTS.md, "A survivor's crash while recovery builds a communicator"): its
+# (docs/faults-and-security.md, "A crash while recovery builds a communicator"): its
 # failure handler revokes every communicator that holds the dead rank, the one still
 # in ``ompi_comm_activate`` included, whose collectives are not selected yet.  A
 # process's backtrace is that crash when it holds all three frames.
@@ -432,7 +432,7 @@ def test_mpi_crash_is_told_from_other_deaths():
 @pytest.mark.skipif(not _ulfm(), reason="needs Open MPI with ULFM")
 @pytest.mark.timeout(STARTUP_S + 30 + 5 + 60)
 def test_a_rank_wedged_in_the_shrink_is_failed_within_graces_not_timeouts():
-    """The cascade of docs/FAULTS.md, made deterministic: rank 1 dies at the
+    """The cascade of docs/faults-and-security.md, made deterministic: rank 1 dies at the
     start of a call, and rank 2's MPI then blocks (no CPU) inside the recovery's
     shrink.  The watchdog's process-idle test fails rank 2 about half a grace
     into the shrink, so every call ends within a few graces of the failure,
@@ -461,13 +461,13 @@ def test_a_second_death_inside_recovery_dup(delay_s, monkeypatch):
     (in the ``Dup``, or the barrier after it) and shrink again within the same
     call: that call ends over ranks 0 and 3, and they hold the ring oracle
     over themselves for it and the next.  Open MPI's crash in that window
-    ("mpi_crashed", docs/FAULTS.md) was not seen in 17 such runs here (rank 2
+    ("mpi_crashed", docs/faults-and-security.md) was not seen in 17 such runs here (rank 2
     dying 0-30 ms into the Dup); it is told apart, not hidden."""
     monkeypatch.setenv("FT_DUP_EXIT_S", str(delay_s))
     o = run_one([[1, 1, 0, "exit"], [2, 1, 0, "exit_in_dup"]], SEED, nprocs=4, mib=16, timeout=8.0)
     print("death in recovery's dup:", o["outcome"], o["survivors"], o["call_times"], o["mpi_crashes"])
     if o["outcome"] == "mpi_crashed":
-        pytest.xfail("Open MPI crashed the survivors while recovery built a communicator (docs/FAULTS.md)")
+        pytest.xfail("Open MPI crashed the survivors while recovery built a communicator (docs/faults-and-security.md)")
     assert o["outcome"] == "recovered", (o["outcome"], o["problems"], o.get("tail", ""))
     assert o["survivors"] == [0, 3], o
     assert o["groups"] == [[0, 1, 2, 3], [0, 3], [0, 3]], o["groups"]
@@ -504,7 +504,7 @@ def test_random_kill_times():
     # fails. The rest may end bounded without a result: every survivor raising
     # ProcessFailed/CommTimeout, every survivor failed by its watchdog (MPI hung in a
     # recovery step on all of them), or crashed by Open MPI while recovery built a
-    # communicator (docs/FAULTS.md).
+    # communicator (docs/faults-and-security.md).
     bad = [(i, o) for i, o in enumerate(outcomes)
            if o["outcome"] not in ("recovered", "raised", "failstopped", "mpi_crashed")]
     assert not bad, "\n\n".join(
@@ -522,7 +522,7 @@ def test_random_kill_times():
 # death must cost exactly that rank.  Open MPI's TCP BTL with RDMA put on
 # (its default) wedged a healthy survivor in ob1's FIN path in about one run
 # in five, which the watchdog then fail-stopped; launch.FT_ARGS turns the put
-# off (docs/FAULTS.md, "The put-less TCP BTL").  Settings: COMMLIB_SOAK_RUNS
+# off (docs/faults-and-security.md, "The Open MPI defect and its flag").  Settings: COMMLIB_SOAK_RUNS
 # (runs per case), COMMLIB_KILL_SEED.
 SOAK_RUNS = int(os.environ.get("COMMLIB_SOAK_RUNS", "4"))
 SOAK_PAR = 2  # two jobs at once on the 2-core CI box
@@ -540,7 +540,7 @@ def test_a_death_costs_only_the_victim(nprocs, mib):
     oracle over the ranks that call ended with (bit-identical), and the call
     with the kill returns within ``T`` (8 s) of it.  With Open MPI's default
     flags (``COMMLIB_TEST_FT_TCP_FLAGS=default``) the 5-rank case failed,
-    2 of its 4 runs losing a second rank (docs/FAULTS.md)."""
+    2 of its 4 runs losing a second rank (docs/faults-and-security.md)."""
     seed = SEED + nprocs
     kills = exit_plan(seed, SOAK_RUNS, nprocs)
     kills[0][0][1] = 0                                   # a kill inside the first call
@@ -558,7 +558,7 @@ def test_a_death_costs_only_the_victim(nprocs, mib):
           [(o["outcome"], o["extra_ranks"], o["recovery_s"], o["wall"]) for o in outcomes])
     # Open MPI's crash while recovery builds a communicator (a second victim died
     # then, run 1's shape): every extra death that crash, no fail-stop; tolerated in
-    # one run of a case (docs/FAULTS.md)
+    # one run of a case (docs/faults-and-security.md)
     crashed = [i for i, o in enumerate(outcomes)
                if o["outcome"] in ("recovered", "mpi_crashed") and o["extra_ranks"]
                and not o["extra_failstop_ranks"] and len(o["extra_ranks"]) <= o["mpi_crashes"]]

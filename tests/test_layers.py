@@ -1,4 +1,4 @@
-"""The architecture's rules, checked on the installed package (docs/ARCHITECTURE.md).
+"""The architecture's rules, checked on the installed package (docs/architecture.md).
 
 * layers import downward only, sibling modules import without cycles, and
   the collectives import no MPI (``mpi4py``, ``commlib.transports.mpi``)
@@ -180,7 +180,7 @@ def _contract_offenders(sources, allowed):
 
 def test_callers_use_only_the_transport_contract():
     """Above ``commlib.transports`` a transport is used only through what the
-    ``Transport`` ABC declares (docs/ARCHITECTURE.md, "where new things go"):
+    ``Transport`` ABC declares (docs/architecture.md, "Where new things go"):
     no MPI- or TCP-only method, so a new transport works wherever the contract
     is met; grid queries go through the transport too, and no module reaches
     a transport module by a name string."""

@@ -8,7 +8,7 @@ mode this run gets (:func:`ft_mode`), the thread level (the watchdog needs
 ``COMM_WORLD`` rank (for the fail-stop line), a bound on ``MPI_Finalize``
 at exit after a failure (:func:`bound_finalize_at_exit`), and whether Open
 MPI's TCP BTL does RDMA in this job (:func:`tcp_rdma_info`: under ULFM it
-should not, docs/FAULTS.md, "The put-less TCP BTL").  :data:`PROCESS`
+should not, docs/faults-and-security.md, "The Open MPI defect and its flag").  :data:`PROCESS`
 hands these to a :class:`~commlib.collectives.recovery.FaultTolerance` as its
 ``process`` hooks (the communicator does it when it is made).
 """
@@ -36,7 +36,7 @@ __all__ = ["ft_mode", "ft_mode_info", "tcp_rdma_info", "tcp_flags_text", "warn_t
 #: pipelined sends and ob1 sends no FIN.  Fault-tolerant launches pass
 #: ``--mca btl_tcp_flags send,inplace,need-ack,need-csum``: with RDMA put on, a
 #: rank's death under ULFM cost a second, healthy rank in 10 of 30 soak runs (its
-#: TCP BTL wedged in ob1's FIN path), without it in 0 of 100 (docs/FAULTS.md,
+#: TCP BTL wedged in ob1's FIN path), without it in 0 of 100 (docs/faults-and-security.md,
 #: "The put-less TCP BTL").
 TCP_FLAGS_WITHOUT_PUT = "send,inplace,need-ack,need-csum"
 _BTL_FLAG_PUT, _BTL_FLAG_GET = 0x2, 0x4  # MCA_BTL_FLAGS_PUT / _GET (ompi_info --param btl tcp --level 9)
@@ -216,7 +216,7 @@ def warn_tcp_rdma(stacklevel: int = 2) -> str | None:
     flags = tcp_flags_text(info["btl_tcp_flags"])
     msg = (f"commlib: Open MPI's TCP BTL does RDMA put under ULFM (btl_tcp_flags {flags}):"
            f" a rank's death can wedge a healthy one, which the watchdog then fail-stops; launch with"
-           f" `--mca btl_tcp_flags {TCP_FLAGS_WITHOUT_PUT}` (docs/FAULTS.md)")
+           f" `--mca btl_tcp_flags {TCP_FLAGS_WITHOUT_PUT}` (docs/faults-and-security.md)")
     warnings.warn(msg, RuntimeWarning, stacklevel=stacklevel + 1)
     return msg
 

@@ -21,7 +21,7 @@ variable                        default    meaning
 ``COMMLIB_FT_WATCHDOG``         ``1``      ``0``: no watchdog thread; every wait is polled instead
 ``COMMLIB_FT_GRACE``            ``2``      seconds past ``COMMLIB_TIMEOUT`` (after its revoke) a
                                            rank stuck inside MPI waits before it fails itself
-                                           (exit status 70; ``0``: never); docs/FAULTS.md
+                                           (exit status 70; ``0``: never); docs/faults-and-security.md
 ``COMMLIB_FT_DEBUG``            (off)      any value: trace fault-tolerance steps on stderr
 ``COMMLIB_FINALIZE_TIMEOUT``    ``3``      seconds ``MPI_Finalize`` may take at exit after a failure
 ``COMMLIB_DATATYPE_STRATEGY``   (model)    ``mpi|pack|device|mapped|staged``: force how typed

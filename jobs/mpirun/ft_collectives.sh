@@ -15,7 +15,7 @@
 # (--with-ft ulfm: survivors are told about failures; tcp: the shared-memory BTL
 #  did not report a killed rank; btl_tcp_flags without "put": with the TCP BTL's
 #  RDMA put on, a rank's death wedged a healthy survivor in about one run in five,
-#  which the watchdog then had to fail-stop (docs/FAULTS.md, "The put-less TCP BTL");
+#  which the watchdog then had to fail-stop (docs/faults-and-security.md, "The Open MPI defect and its flag");
 #  state_base_error_non_zero_exit 0: a rank that exits non-zero does not make
 #  prterun end the whole job.)
 set -euo pipefail

@@ -58,13 +58,15 @@ Example (a torch training loop; the ranks shard each sequence)::
 """
 from __future__ import annotations
 
+import functools
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from .core.errors import CommError, CommTimeout, InvalidArgument, ProcessFailed
 
-__all__ = ["Failure", "ResilientRunner", "StateLost"]
+__all__ = ["Failure", "ResilientRunner", "StateLost", "recovery_line"]
 
 
 class _Unseen(ProcessFailed):
@@ -132,6 +134,12 @@ class ResilientRunner:
         commit: end each step with a fault-tolerant barrier (the commit);
             False when the step's own last call is a collective of ``comm``
             (whose outcome is already the same on every survivor).
+        log: where rank 0 of the survivors says each recovery, in one line
+            (:func:`recovery_line`: the lost ranks, the time, the ranks left;
+            under Open MPI also what its ``NBC_Progress: an error 75 ...
+            aborting the schedule`` lines printed with the failure mean): a
+            file (default ``sys.stderr``), a callable taking the line, or None
+            (say nothing; :attr:`failures` holds the same).
 
     Attributes:
         failures: list of :class:`Failure`, in order.
@@ -145,7 +153,7 @@ class ResilientRunner:
 
     def __init__(self, comm, *, save: Callable[[], Any] | None = None,
                  load: Callable[[Any], None] | None = None, reshard: Callable[[Any], None] | None = None,
-                 max_retries: int = 8, commit: bool = True):
+                 max_retries: int = 8, commit: bool = True, log: Any = sys.stderr):
         for name, fn in (("save", save), ("load", load), ("reshard", reshard)):
             if fn is not None and not callable(fn):
                 raise InvalidArgument(f"{name} must be callable or None, got {type(fn).__name__}",
@@ -157,6 +165,10 @@ class ResilientRunner:
         self.save, self.load, self.reshard = save, load, reshard
         self.max_retries = max_retries
         self.commit = commit
+        if log is not None and not callable(log) and not callable(getattr(log, "write", None)):
+            raise InvalidArgument(f"log must be a file, a callable or None, got {type(log).__name__}",
+                                  rank=getattr(comm, "rank", None), op="ResilientRunner")
+        self.log = log
         self.failures: list[Failure] = []
         self.completed = 0
         self._revocable: list = []
@@ -212,6 +224,7 @@ class ResilientRunner:
                     rec = self._recover(failure)
                     failure = None
                     rec.recovery_s = time.monotonic() - rec.detected_s
+                    self._say(rec)
                 # the ranks lost so far (a collective that shrinks before it raises adds to them)
                 self._lost = set(self.comm.failed_ranks)
                 self._attempt_start = time.monotonic()
@@ -237,6 +250,20 @@ class ResilientRunner:
             self.completed += 1
             self.checkpoint()
             return result
+
+    def _say(self, rec: Failure) -> None:
+        """Rank 0 of the survivors writes :func:`recovery_line` to :attr:`log`."""
+        if self.log is None or self.comm.rank != 0:
+            return
+        line = recovery_line(rec, open_mpi=_open_mpi())
+        if callable(self.log):
+            self.log(line)
+            return
+        try:
+            self.log.write(line + "\n")
+            self.log.flush()
+        except (OSError, ValueError):  # a closed or broken stream: the record stays in failures
+            pass
 
     def _bound_finalize(self) -> None:
         """A failure leaves this call: bound the MPI library's finalize at exit, which
@@ -268,3 +295,29 @@ class ResilientRunner:
             self.reshard(comm)
         rec.ranks_after = comm.size
         return rec
+
+
+def recovery_line(rec: Failure, open_mpi: bool = False) -> str:
+    """One line on a recovered failure: which ``COMM_WORLD`` ranks were lost in
+    which step, how long the recovery took and on how many ranks the step is
+    redone; with ``open_mpi``, also what Open MPI's ``NBC_Progress: an error 75
+    ... aborting the schedule`` lines mean, which its non-blocking collectives
+    print (unconditionally, whatever the verbosity) when a rank dies during one
+    of them (75 is ``MPI_ERR_PROC_FAILED``)."""
+    lost = ", ".join(map(str, rec.failed)) or "unknown"
+    line = (f"commlib: step {rec.step}: lost COMM_WORLD rank{'s' * (len(rec.failed) != 1)} {lost}; recovered in "
+            f"{rec.recovery_s:.2f} s, the step redone on {rec.ranks_after} rank{'s' * (rec.ranks_after != 1)}")
+    if open_mpi:
+        line += ("; Open MPI's 'NBC_Progress: an error 75 ... aborting the schedule' lines, if printed, are that "
+                 "loss seen by a collective in flight (75: MPI_ERR_PROC_FAILED), not another fault")
+    return line
+
+
+@functools.lru_cache(maxsize=1)
+def _open_mpi() -> bool:
+    try:
+        from mpi4py import MPI  # noqa: PLC0415
+
+        return "Open MPI" in MPI.Get_library_version()
+    except Exception:  # noqa: BLE001 - no MPI: no Open MPI line to explain
+        return False

@@ -71,3 +71,73 @@ def test_allreduce_says_it_reduces_in_place_unlike_mpi4py():
     assert comm.allreduce(x) is x
     y = np.empty_like(x)
     assert comm.allreduce(x.copy(), y) is y
+
+
+class _FakeUlfmComm:
+    """TEST DOUBLE of a fault-tolerant communicator under ULFM for ResilientRunner:
+    ``recover()`` loses COMM_WORLD rank 2 (the size drops by one)."""
+
+    fault_tolerant = "ulfm"
+    ft = None
+
+    def __init__(self, rank=0, size=3):
+        self.rank, self.size, self.failed_ranks = rank, size, ()
+
+    def recover(self):
+        self.failed_ranks, self.size = (2,), self.size - 1
+        return (2,)
+
+    def barrier(self):
+        pass
+
+
+def _one_failure(comm, **kw):
+    import commlib  # noqa: PLC0415
+
+    runner = commlib.ResilientRunner(comm, **kw)
+    calls = []
+
+    def step():
+        calls.append(1)
+        if len(calls) == 1:
+            raise commlib.ProcessFailed("a peer died", failed=(2,), rank=comm.rank, op="allreduce")
+        return "done"
+
+    assert runner.run(step) == "done" and len(runner.failures) == 1
+    return runner
+
+
+def test_a_recovery_is_said_in_one_line_with_what_open_mpis_nbc_lines_mean(capsys):
+    """Rank 0 of the survivors says each recovery on stderr, one line: the lost rank,
+    the time, the ranks left ("1 rank", not "1 ranks") and, under Open MPI, what
+    the NBC_Progress lines it printed with the failure mean; other ranks say nothing;
+    log=None nothing, a callable gets the line."""
+    from commlib.resilient import recovery_line  # noqa: PLC0415
+
+    _one_failure(_FakeUlfmComm(rank=0))
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("commlib: step 1: lost COMM_WORLD rank 2; recovered in "), err
+    assert err[0].split("s, ", 1)[1].startswith("the step redone on 2 ranks"), err
+    _one_failure(_FakeUlfmComm(rank=1))
+    _one_failure(_FakeUlfmComm(rank=0), log=None)
+    assert capsys.readouterr().err == ""
+    got = []
+    runner = _one_failure(_FakeUlfmComm(rank=0, size=2), log=got.append)
+    assert got == [recovery_line(runner.failures[0], open_mpi="Open MPI" in _mpi_library())]
+    assert "the step redone on 1 rank" in got[0] and "1 ranks" not in got[0]
+    line = recovery_line(runner.failures[0], open_mpi=True)
+    assert line.count("NBC_Progress: an error 75") == 1 and "MPI_ERR_PROC_FAILED" in line and "\n" not in line
+    assert "NBC_Progress" not in recovery_line(runner.failures[0], open_mpi=False)
+
+
+def _mpi_library() -> str:
+    from mpi4py import MPI  # noqa: PLC0415
+
+    return MPI.Get_library_version()
+
+
+def test_resilient_runner_refuses_a_log_it_cannot_write_to():
+    import commlib  # noqa: PLC0415
+
+    with pytest.raises(commlib.InvalidArgument, match="log must be a file, a callable or None"):
+        commlib.ResilientRunner(_FakeUlfmComm(), log="stderr")

@@ -298,15 +298,16 @@ class ResilientRunner:
 
 
 def recovery_line(rec: Failure, open_mpi: bool = False) -> str:
-    """One line on a recovered failure: which ``COMM_WORLD`` ranks were lost in
-    which step, how long the recovery took and on how many ranks the step is
-    redone; with ``open_mpi``, also what Open MPI's ``NBC_Progress: an error 75
+    """One line on a recovered failure: which ``COMM_WORLD`` ranks were lost,
+    how long the recovery took and on how many ranks the interrupted step (a
+    :meth:`ResilientRunner.run` call) is redone; with ``open_mpi``, also what Open MPI's ``NBC_Progress: an error 75
     ... aborting the schedule`` lines mean, which its non-blocking collectives
     print (unconditionally, whatever the verbosity) when a rank dies during one
     of them (75 is ``MPI_ERR_PROC_FAILED``)."""
     lost = ", ".join(map(str, rec.failed)) or "unknown"
-    line = (f"commlib: step {rec.step}: lost COMM_WORLD rank{'s' * (len(rec.failed) != 1)} {lost}; recovered in "
-            f"{rec.recovery_s:.2f} s, the step redone on {rec.ranks_after} rank{'s' * (rec.ranks_after != 1)}")
+    line = (f"commlib: lost COMM_WORLD rank{'s' * (len(rec.failed) != 1)} {lost}; recovered in {rec.recovery_s:.2f} s, "
+            f"{rec.ranks_after} rank{'s' * (rec.ranks_after != 1)} redo{'es' * (rec.ranks_after == 1)} the interrupted "
+            "step from its last saved state")
     if open_mpi:
         line += ("; Open MPI's 'NBC_Progress: an error 75 ... aborting the schedule' lines, if printed, are that "
                  "loss seen by a collective in flight (75: MPI_ERR_PROC_FAILED), not another fault")

@@ -116,15 +116,15 @@ def test_a_recovery_is_said_in_one_line_with_what_open_mpis_nbc_lines_mean(capsy
 
     _one_failure(_FakeUlfmComm(rank=0))
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and err[0].startswith("commlib: step 1: lost COMM_WORLD rank 2; recovered in "), err
-    assert err[0].split("s, ", 1)[1].startswith("the step redone on 2 ranks"), err
+    assert len(err) == 1 and err[0].startswith("commlib: lost COMM_WORLD rank 2; recovered in "), err
+    assert err[0].split(" s, ", 1)[1].startswith("2 ranks redo the interrupted step from its last saved state"), err
     _one_failure(_FakeUlfmComm(rank=1))
     _one_failure(_FakeUlfmComm(rank=0), log=None)
     assert capsys.readouterr().err == ""
     got = []
     runner = _one_failure(_FakeUlfmComm(rank=0, size=2), log=got.append)
     assert got == [recovery_line(runner.failures[0], open_mpi="Open MPI" in _mpi_library())]
-    assert "the step redone on 1 rank" in got[0] and "1 ranks" not in got[0]
+    assert " s, 1 rank redoes the interrupted step" in got[0] and "1 ranks" not in got[0]
     line = recovery_line(runner.failures[0], open_mpi=True)
     assert line.count("NBC_Progress: an error 75") == 1 and "MPI_ERR_PROC_FAILED" in line and "\n" not in line
     assert "NBC_Progress" not in recovery_line(runner.failures[0], open_mpi=False)

@@ -39,7 +39,7 @@ source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 root_doc = "index"
 # README.md is the docs' own README (how to build); results/*.md are included by performance.md
 exclude_patterns = ["_build", "README.md", "results/*.md", "BENCHMARKS.md",
-                    "ELASTIC.md", "upstream-ompi-tcp-fin-wedge.md"]
+                    "upstream-ompi-tcp-fin-wedge.md"]
 
 myst_enable_extensions = ["colon_fence", "deflist"]
 myst_heading_anchors = 3

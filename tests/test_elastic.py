@@ -246,7 +246,7 @@ def _pair_round_bytes(nbytes):
 
 
 def _frames(nbytes, streams):
-    """Frames of one message by the striping rule of docs/ELASTIC.md."""
+    """Frames of one message by the striping rule of docs/elastic-protocol.md."""
     max_frame, stripe_min = 16 << 20, 64 << 10
     return max(-(-nbytes // max_frame), min(streams, -(-nbytes // stripe_min)), 1)
 

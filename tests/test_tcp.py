@@ -253,7 +253,7 @@ def _warm(ts):
 
 
 def _nframes(nbytes, streams):
-    """Frames of a message by the cut docs/ELASTIC.md states (an oracle independent of frame_bounds)."""
+    """Frames of a message by the cut docs/elastic-protocol.md states (an oracle independent of frame_bounds)."""
     return max(-(-nbytes // tcp.FRAME_MAX), min(streams, -(-nbytes // tcp.STRIPE_MIN)), 1)
 
 

@@ -25,7 +25,7 @@ payload with one ``sendmsg``; socket calls release the GIL.  A frame of at least
 :data:`POST_WAIT_MIN` bytes whose receive is not posted yet stays in the
 kernel's socket buffer until it is (at most :data:`POST_WAIT` seconds, or until
 another receive from that peer waits behind it).  Payloads are raw bytes, never
-unpickled.  docs/ELASTIC.md has the wire format and the measurements.
+unpickled.  docs/elastic-protocol.md has the wire format.
 
 Counters (exact once the requests are complete): ``bytes_sent`` /
 ``bytes_received`` (payload), ``wire_bytes_sent`` / ``wire_bytes_received``

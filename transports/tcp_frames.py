@@ -225,7 +225,7 @@ def _wait_io(sock: socket.socket, events: int, deadline: float) -> None:
 #: (or the rest of the read) have arrived, then takes all that is there
 #: (``SO_RCVLOWAT`` and ``poll``): a wake-up per MiB instead of one per arriving
 #: segment, 7-21% less CPU for a 16-64 MiB elastic all-reduce at 3-4 peers on
-#: loopback (docs/ELASTIC.md); the kernel caps the mark at half the receive buffer
+#: loopback (docs/elastic-protocol.md); the kernel caps the mark at half the receive buffer
 RCVLOWAT = 1 << 20
 #: reads up to this many bytes take the plain path (at 1.3 MiB the mark's extra
 #: system calls cost about what the wake-ups it saves do)

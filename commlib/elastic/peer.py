@@ -673,7 +673,7 @@ def connect(address: str, secret: bytes | str | None = None, secret_file: str | 
             them), also the most connections of a state fetch.  None (default): 1 to a
             peer whose data address is a loopback address (on one machine more
             connections gained nothing measurable and add threads competing for the
-            same cores: docs/ELASTIC.md), :data:`AUTO_STREAMS` (4) to any other.
+            same cores: docs/elastic-protocol.md), :data:`AUTO_STREAMS` (4) to any other.
         timeout: the deadline of the whole call, in seconds (> 0, finite): reaching
             the master, the handshake and its retries, the job and the master's
             welcome (after its probe of this peer's data address) share it, so

@@ -19,7 +19,7 @@ reason and the connection closed: the joiner never becomes a peer of the master,
 so the members see nothing of it (no epoch, no failed call).  A joiner whose
 probe is pending delays no other peer's join (each probe has its own thread).
 The probe proves what the master can reach; members on another network than
-the master may still fail to dial an address that passed (docs/ELASTIC.md,
+the master may still fail to dial an address that passed (docs/elastic-protocol.md,
 *Admission*).
 
 The job's description (``connect(job=...)``, ``Master(job=...)``): opaque bytes (at
@@ -120,7 +120,7 @@ Dropped members: a member whose peer-to-peer traffic overruns another member's
 receive caps (too many frames or bytes for receives never posted) is reported by
 that member (``drop``) and declared dead, as if its connection had closed.
 
-Threat model (see docs/ELASTIC.md): anyone may reach the ports; only holders
+Threat model (see docs/elastic-protocol.md): anyone may reach the ports; only holders
 of the shared secret can authenticate (HMAC-SHA256 challenge-response both
 ways, nothing but a random challenge is sent before, and a BUSY frame to a
 connection the listener evicts); the master dials a peer's data address only after

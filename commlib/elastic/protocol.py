@@ -120,7 +120,7 @@ Dropped members: a member whose peer-to-peer traffic overruns another member's
 receive caps (too many frames or bytes for receives never posted) is reported by
 that member (``drop``) and declared dead, as if its connection had closed.
 
-Threat model (see docs/elastic-protocol.md): anyone may reach the ports; only holders
+Threat model (see docs/faults-and-security.md): anyone may reach the ports; only holders
 of the shared secret can authenticate (HMAC-SHA256 challenge-response both
 ways, nothing but a random challenge is sent before, and a BUSY frame to a
 connection the listener evicts); the master dials a peer's data address only after

@@ -44,6 +44,8 @@ AREAS = {
     "heat": f"{MPIEXEC} -n 2 python -P benchmarks/bench_heat.py --trials 3 --json {{json}} --plot {{plot}}",
     "attention": f"{MPIEXEC} -n 2 python -P benchmarks/bench_attention.py --seq 4096 --json {{json}}",
     "ft_recovery": "python -P benchmarks/bench_ft.py recovery --runs 10 --json {json}",
+    "elastic": "python -P benchmarks/bench_elastic.py --sections allreduce,kill,sync --peers 2 --max-bytes 4194304 "
+               "--kill-trials 4 --sync-bytes 33554432 --sync-trials 2 --json {json}",
     "torch_backend": f"{MPIEXEC} -n 2 python -P benchmarks/bench_torch_backend.py --quick --json {{json}}",
 }
 
@@ -242,6 +244,36 @@ def _torch_backend(r):
             f"batch {d['batch_per_rank']} per rank): {d['commlib']['steps_per_s']:.1f} steps/s on commlib, "
             f"{d['gloo']['steps_per_s']:.1f} on gloo ({_x(d['ratio'])}), the same parameters "
             f"(largest difference {d['max_param_diff']:g}).\n\n" + _table(head, rows))
+
+
+@formatter("elastic")
+def _elastic(r):
+    out = []
+    for peers, a in sorted(r.get("allreduce", {}).items()):
+        base = [k for k in ("openmpi_tcp", "gloo", "python_sockets") if k in a["rows"][0]]
+        head = ["bytes", "commlib.elastic µs"] + [f"{k} µs (its time / commlib's)" for k in base]
+        rows = [[_size(x["bytes"]), f"{x['commlib.elastic']['time_us']:.0f}"]
+                + [f"{x[k]['time_us']:.0f} ({_x(x.get('ratio_vs_' + k))})" for k in base] for x in a["rows"]]
+        out.append(f"All-reduce (float32 sum) at {peers} peers on loopback, authenticated, against Open MPI's "
+                   "`Allreduce` over its TCP transport, torch's gloo and the same ring over plain Python sockets; "
+                   "best of the trials.\n\n" + _table(head, rows))
+    if "kill" in r:
+        k = r["kill"]
+        out.append(f"A peer SIGKILLed while {k['peers']} peers all-reduce 64 KiB in a loop: the next all-reduce over "
+                   f"the survivors completes {k['median_s'] * 1e3:.0f} ms after the kill (median of {k['trials']}; "
+                   f"max {k['max_s'] * 1e3:.0f} ms).")
+    if "sync" in r:
+        y = r["sync"]
+        line = (f"A joiner's state sync of {_size(y['bytes'])} ({y['tensors']} tensors, {y['donors']} donors, "
+                f"{y['fetch_connections']} connections): {y['median_sync_s']:.3f} s (median of {len(y['trials'])}), "
+                f"verified bit for bit; the same bytes over plain loopback sockets take "
+                f"{y['bytes'] / y['median_bandwidth_Bps']:.3f} s.")
+        d = y.get("donor_death")
+        if d:
+            line += (f" With its donor SIGKILLed {d['killed_after_first_byte_s']:.1f} s after the first byte "
+                     f"(donors throttled), the joiner finishes from the other donor in {d['sync_s']:.2f} s, verified.")
+        out.append(line)
+    return "\n\n".join(out)
 
 
 def render(record):

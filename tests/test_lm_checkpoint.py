@@ -254,6 +254,26 @@ def test_other_configuration(saved):
 
 
 @pytest.mark.timeout(60)
+def test_a_longer_run_may_resume_and_nothing_else_may_differ(saved):
+    """ignore=("steps", "schedule_steps") (a resume that extends --steps): the checkpoint loads and
+    the next save goes in with the new configuration; any other difference is still refused, by
+    load and save alike, and names only that key."""
+    d, _ = saved
+    extend = ("steps", "schedule_steps")
+    longer = dict(CFG, steps=9, schedule_steps=6)
+    assert ck.load_checkpoint(d, longer, ignore=extend)[0] == 2
+    other = dict(longer, lr=1e-3)
+    msg = _refused(d, lambda: ck.load_checkpoint(d, other, ignore=extend), "another configuration")
+    assert "lr 0.003 in the checkpoint, 0.001 in this run" in msg and "steps " not in msg, msg
+    _refused(d, lambda: ck.save_checkpoint(d, 3, _small_state(), other, ignore=extend),
+             "another configuration.*nothing written")
+    _refused(d, lambda: ck.load_checkpoint(d, longer), "steps 6 in the checkpoint, 9 in this run")  # no ignore
+    ck.save_checkpoint(d, 3, _small_state(3), longer, ignore=extend)
+    with open(os.path.join(d, ck.MANIFEST)) as fh:
+        assert json.load(fh)["config"]["steps"] == 9
+
+
+@pytest.mark.timeout(60)
 def test_truncated_and_flipped(saved):
     d, path = saved
     raw = open(path, "rb").read()

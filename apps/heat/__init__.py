@@ -32,6 +32,9 @@ The package, one thing per module:
 * :mod:`.cli`: the command line (``python -m commlib.apps.heat``, see
   :mod:`.__main__`): argparse, refusals, printing, ``--json``, plots and the
   progress bar.
+* :mod:`.restart`: ``--checkpoint`` / ``--resume``: the field written when
+  SIGUSR1 or SIGTERM stopped the run at a step (exit status 75) and at its
+  end, and continued on any rank count.
 
 Every name is importable from here (``from commlib.apps import heat``;
 ``heat.solve``); ``HaloExchange`` (:class:`commlib.collectives.HaloExchange`)

@@ -184,7 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
            "autograd reaches it; eval: an evaluation step only)")
     a("--checkpoint", metavar="DIR",
       help="write checkpoints (model, optimizer, data position, RNG; atomic: temporary file, checksum, rename) "
-           "into DIR, a writable folder, made if missing (the lowest rank writes)")
+           "into DIR, a writable folder, made if missing (the lowest rank writes); with it, SIGUSR1 or SIGTERM (a "
+           "time limit or a preemption coming) stop every rank after the same step, that step is checkpointed and "
+           f"the run exits {EXIT_REQUEUE} (a job script requeues on it; --resume DIR continues)")
     a("--checkpoint-every", type=int, default=None, metavar="N",
       help="steps between checkpoints (default 10 with --checkpoint); the last step is always written")
     a("--resume", metavar="DIR",

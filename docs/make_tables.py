@@ -43,6 +43,7 @@ AREAS = {
                 "--blocks 8 512 --repeat 2000 --no-progress --json {json} --plot {plot}",
     "heat": f"{MPIEXEC} -n 2 python -P benchmarks/bench_heat.py --trials 3 --json {{json}} --plot {{plot}}",
     "attention": f"{MPIEXEC} -n 2 python -P benchmarks/bench_attention.py --seq 4096 --json {{json}}",
+    "window": f"{MPIEXEC} -n 2 python -P benchmarks/bench_window.py --seq 8192 --window 512 --json {{json}}",
     "ft_recovery": "python -P benchmarks/bench_ft.py recovery --runs 10 --json {json}",
     "elastic": "python -P benchmarks/bench_elastic.py --sections allreduce,kill,sync --peers 2 --max-bytes 4194304 "
                "--kill-trials 4 --sync-bytes 33554432 --sync-trials 2 --json {json}",
@@ -274,6 +275,20 @@ def _elastic(r):
                      f"(donors throttled), the joiner finishes from the other donor in {d['sync_s']:.2f} s, verified.")
         out.append(line)
     return "\n\n".join(out)
+
+
+@formatter("window")
+def _window(r):
+    head = ["attention", "forward + backward s", "bytes received per rank", "full ring time / this time"]
+    base = r["time_s"]["full_zigzag"]
+    rows = []
+    for name, label in (("window", f"window ({r['window']} tokens back)"), ("full_zigzag", "full causal ring, zigzag"),
+                        ("full_contiguous", "full causal ring, contiguous")):
+        recv = max(b[1] for b in r["bytes_sent_received_per_rank"][name])
+        rows.append([label, f"{r['time_s'][name]:.3f}", _size(recv), _x(base / r["time_s"][name])])
+    return (f"Sliding-window causal attention (torch, CPU) at {r['ranks']} ranks, {r['seq']} tokens, "
+            f"{r['heads']} heads of {r['head_dim']}, {r['dtype']}: the window's halo exchange moves only the K/V rows "
+            "inside the window, against the full causal ring.\n\n" + _table(head, rows))
 
 
 def render(record):

@@ -41,7 +41,7 @@ status=0
 # hypothesis against MPI's own packing) and run in $SERIAL_WORKERS pytest-xdist workers.
 TIMED=${COMMLIB_TIMED_TESTS-"tests/test_ft.py tests/test_ft_heat.py tests/test_ft_kill.py
   tests/test_cli_refusal.py tests/test_ft_first_collective.py tests/test_nn_ft.py tests/test_lm_ft.py
-  tests/test_lm_resume.py tests/test_resilient_example.py tests/test_slurm.py"}
+  tests/test_lm_resume.py tests/test_resilient_example.py tests/test_slurm.py tests/test_ft_dup_after_death.py"}
 # The elastic layer, its TCP transport and the DiLoCo app run with no MPI: these
 # files run (the timing-driven ones one test at a time) with mpi4py made
 # unimportable (tests/no_mpi first on PYTHONPATH: "import mpi4py" raises there,
@@ -66,7 +66,7 @@ want serial && { stage "serial tests ($SERIAL_WORKERS workers)" timeout 1500 "$P
 # run two at a time in pytest-xdist workers; their bounds (a recovery under 2 s, a job
 # under 30 s) are far above what two side by side take. The other timing-driven tests
 # (stalls, watchdog deadlines, the kill-time runs that pace their own jobs) one at a time.
-TIMED_PAR=${COMMLIB_TIMED_PAR_TESTS-"tests/test_ft.py::test_random_kill_points tests/test_ft.py::test_kill_corners"}
+TIMED_PAR=${COMMLIB_TIMED_PAR_TESTS-"tests/test_ft.py::test_random_kill_points tests/test_ft.py::test_kill_corners tests/test_ft_dup_after_death.py"}
 timed_tests() {
   local t par="" deselect=() rc=0
   for t in $TIMED_PAR; do  # only those of files this run has in TIMED

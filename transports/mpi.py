@@ -28,7 +28,7 @@ from mpi4py import MPI
 
 from commlib.core.buffer import Buffer, as_buffer
 from commlib.core.device import cuda_aware
-from commlib.core.errors import BufferError, CommError, CommTimeout, InvalidArgument
+from commlib.core.errors import BufferError, CommError, CommTimeout, InvalidArgument, ProcessFailed
 from commlib.core.seconds import timeout_problem, wait_bound_ok
 
 from .base import CompletedRequest, Request, Transport, Wire, check_plain_dtype
@@ -648,9 +648,13 @@ class MPITransport(Topology, Transport):
             raise CommTimeout(f"{exc.detail}: the peers have not joined this MPI_Comm_idup (a collective); "
                               "it stays posted and the next duplicate of this communicator waits for it",
                               rank=self._rank, op=op) from None
-        except CommError:
+        except CommError as exc:
             del pending[:n]  # failed: its requests went to ABANDONED; its comms are kept, never freed
             ABANDONED.extend(c for c, _ in mine)
+            failed = () if isinstance(exc, ProcessFailed) else self.failed_ranks()
+            if failed:  # the duplication failed on a dead peer (ULFM): say so, whatever code MPI gave
+                raise ProcessFailed(f"rank(s) {list(failed)} failed during MPI_Comm_idup ({exc.detail})", failed=failed,
+                                    rank=self._rank, op=op) from exc
             raise
         del pending[:n]
         out = []

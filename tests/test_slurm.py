@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 
 import pytest
@@ -181,7 +182,7 @@ def _launches(slurm):
                                  {**HEAT_REQUEUE, "STEPS": "60", **ft, "EXTRA": "--kill 1:25 --checkpoint-every 10"})
         if HAVE_TORCH:
             out["sbatch_lm_ft"] = (["sbatch", "--wait", "--time=5", *CPU_JOB, LM_SBATCH],
-                                   {**LM_REQUEUE, "STEPS": "6", **ft, "EXTRA": "--eval-every 4 --kill 1:3:backward"})
+                                   {**LM_REQUEUE, **ft, "EXTRA": "--eval-every 3 --kill 1:3:backward"})
     if HAVE_TORCH:
         out["srun_lm"] = (_srun(slurm, PY, "-P", "-m", "commlib.apps.lm", *LM_SMALL, "--dp", "2", "--verify",
                                 "--no-progress", "--json", "lm.json", nodes=1), {})
@@ -216,7 +217,8 @@ class Job:
 TEST_JOB = {"test_srun_heat_on_two_nodes": "srun_heat", "test_srun_attention": "srun_attention",
             "test_sbatch_heat_script": "sbatch_heat",
             "test_sbatch_heat_script_refuses_a_launch_of_singletons": "sbatch_heat_singletons",
-            "test_srun_lm_data_parallel": "srun_lm", "test_sbatch_lm_script": "sbatch_lm"}
+            "test_srun_lm_data_parallel": "srun_lm", "test_sbatch_lm_script": "sbatch_lm",
+            "test_sbatch_jobs_stop_on_usr1_requeue_and_resume_on_one_node": "requeues"}
 #: tests that wait for several jobs: their names (parametrized: the job's name from the parameter)
 TEST_JOBS = {"test_sbatch_fault_tolerant_job_finishes_on_the_survivor":
              lambda item: f"sbatch_{item.callspec.params['app']}_ft"}
@@ -230,6 +232,9 @@ def jobs(slurm, tmp_path_factory, request):
     wanted |= {TEST_JOBS[item.originalname](item) for item in request.session.items
                if item.originalname in TEST_JOBS}
     started = {}
+    if "requeues" in wanted:
+        started["requeues"] = Requeues(slurm, tmp_path_factory.mktemp("requeues"))
+        started["requeues"].start()
     for name, (cmd, env) in _launches(slurm).items():
         if name not in wanted:
             continue
@@ -242,6 +247,8 @@ def jobs(slurm, tmp_path_factory, request):
         yield started
     finally:
         for j in started.values():
+            if isinstance(j, Requeues):
+                continue  # its jobs end with the cluster
             if j.proc.poll() is None:
                 j.proc.kill()
                 j.proc.wait()
@@ -374,80 +381,109 @@ def _ftcs_oracle(grid, steps):
     return u[inner]
 
 
-HEAT_REQUEUE = {"GRID": "12", "STEPS": "300", "BACKEND": "numpy", "PYTHON": PY}
+#: the heat run long enough (2000 steps) to be still going when the signal comes
+HEAT_REQUEUE = {"GRID": "12", "STEPS": "2000", "BACKEND": "numpy", "PYTHON": PY}
 LM_REQUEUE = {"DEVICE": "cpu", "SEQ_LEN": "64", "BATCH": "2", "D_MODEL": "32", "HEADS": "2", "KV_HEADS": "2",
-              "LAYERS": "1", "STEPS": "12", "THREADS": "1", "PYTHON": PY, "EXTRA": "--eval-every 4"}
+              "LAYERS": "1", "STEPS": "6", "THREADS": "1", "PYTHON": PY, "EXTRA": "--eval-every 3"}
 LM_REQUEUE_ARGV = ["--seq-len", "64", "--batch", "2", "--d-model", "32", "--heads", "2", "--kv-heads", "2",
-                   "--layers", "1", "--steps", "12", "--eval-every", "4"]
+                   "--layers", "1", "--steps", "6", "--eval-every", "3"]
 
 
-def test_sbatch_jobs_stop_on_usr1_requeue_and_resume_on_one_node(slurm, tmp_path):
-    """heat.sbatch and lm.sbatch, 2 nodes x 1 task: once each app says it stops on a signal, the test
-    sends SIGUSR1 to the batch script (what --signal=B:USR1@T does); the step checkpoints and exits 75,
-    the script requeues the job; the test gives the requeued job one node (and lifts Slurm's
-    requeue delay); it resumes on 1 task and ends with the heat field of plain FTCS steps bit for bit
-    and the LM losses of a single-process training. A third job, cancelled (scancel: SIGTERM),
-    checkpoints too and stays cancelled."""
+class Requeues(threading.Thread):
+    """The stop-and-requeue jobs, driven in a thread of their own so that their waits (start-up,
+    the requeue, the second run) overlap the module's other jobs: heat.sbatch and lm.sbatch at
+    2 nodes x 1 task, each sent SIGUSR1 through its batch script (what --signal=B:USR1@T does)
+    once the app says it catches it, then given one node for its requeued run (and a start in
+    2 s instead of Slurm's 2 min); beside them a heat job its user cancels (scancel: SIGTERM).
+    ``error`` holds what went wrong, ``jobs``/``cancel`` the job ids."""
+
+    def __init__(self, slurm, folder):
+        super().__init__(daemon=True)
+        self.slurm, self.folder, self.error = slurm, folder, None
+        self.jobs, self.cancel = {}, None
+
+    def log(self, app, job=None):
+        p = self.folder / app / f"{'heat' if app == 'cancel' else app}-{job or self.jobs[app]}.out"
+        return p.read_text(errors="replace") if p.exists() else ""
+
+    def run(self):
+        try:
+            self._run()
+        except BaseException as exc:  # noqa: BLE001 - the test raises it
+            self.error = exc
+
+    def _run(self):
+        slurm, mpi = self.slurm, {"SRUN_MPI": self.slurm["mpi"]}
+        runs = {"heat": (HEAT_SBATCH, {**HEAT_REQUEUE, **mpi})}
+        if HAVE_TORCH:
+            runs["lm"] = (LM_SBATCH, {**LM_REQUEUE, **mpi})
+        for app, (script, env) in runs.items():
+            (self.folder / app).mkdir()
+            self.jobs[app] = _submit(slurm, self.folder / app, script, env)
+        (self.folder / "cancel").mkdir()
+        self.cancel = _submit(slurm, self.folder / "cancel", HEAT_SBATCH, {**HEAT_REQUEUE, **mpi})
+        for app in runs:  # the app caught the signals: send one
+            wait_until(lambda: f"{app}: on SIGUSR1" in self.log(app), 180, f"{app}: the stop-signal line")
+            subprocess.run(["scancel", "--signal=USR1", "--batch", self.jobs[app]], env=slurm["env"], check=True,
+                           timeout=30)
+        wait_until(lambda: "heat: on SIGUSR1" in self.log("cancel", self.cancel), 180, "the cancel job")
+        subprocess.run(["scancel", self.cancel], env=slurm["env"], check=True, timeout=30)
+        for app in runs:  # requeued: one node this time, in 2 s (in the second of the requeue the job's
+            # old credential is still revoked and its start fails)
+            wait_until(lambda: _job_state(slurm, self.jobs[app]).get("Restarts") == "1" and
+                       _job_state(slurm, self.jobs[app]).get("JobState") == "PENDING", 180,
+                       f"{app}: requeued\n{self.log(app)}")
+            subprocess.run(["scontrol", "update", f"JobId={self.jobs[app]}", "NumNodes=1", "NumTasks=1",
+                            "StartTime=now+2"], env=slurm["env"], check=True, timeout=30)
+        for app in runs:
+            state = wait_until(lambda: _ended(slurm, self.jobs[app]), 240, f"{app}: the end")
+            assert state in ("COMPLETED", "GONE"), (state, self.log(app)[-3000:], _ctld_log(slurm, self.jobs[app]))
+        state = wait_until(lambda: _ended(slurm, self.cancel), 120, "the cancelled job's end")
+        assert state in ("CANCELLED", "GONE"), (state, self.log("cancel", self.cancel)[-3000:])
+
+
+def test_sbatch_jobs_stop_on_usr1_requeue_and_resume_on_one_node(jobs):
+    """heat.sbatch and lm.sbatch stopped by SIGUSR1 at 2 tasks (:class:`Requeues`): the step
+    checkpoints and exits 75, the script requeues the job, the requeued run resumes on 1 task and
+    ends with the heat field of plain FTCS steps bit for bit and the LM losses of a single-process
+    training. The job cancelled instead (SIGTERM) checkpoints too and stays cancelled."""
     import numpy as np  # noqa: PLC0415
 
     from lm_oracle import assert_losses, oracle  # noqa: PLC0415 - tests/lm_oracle.py
 
-    mpi = {"SRUN_MPI": slurm["mpi"]}
-    runs = {"heat": (HEAT_SBATCH, {**HEAT_REQUEUE, **mpi}, "heat: on SIGUSR1")}
-    if HAVE_TORCH:
-        runs["lm"] = (LM_SBATCH, {**LM_REQUEUE, **mpi}, "lm: on SIGUSR1")
-    jobs = {}
-    for app, (script, env, _) in runs.items():
-        (tmp_path / app).mkdir()
-        jobs[app] = _submit(slurm, tmp_path / app, script, env)
-    # beside them, a heat job cancelled by its user (scancel: SIGTERM): it checkpoints, stays cancelled
-    (tmp_path / "cancel").mkdir()
-    cancel = _submit(slurm, tmp_path / "cancel", HEAT_SBATCH, {**HEAT_REQUEUE, **mpi})
-    cancel_log = tmp_path / "cancel" / f"heat-{cancel}.out"
-
-    def log(app):
-        p = tmp_path / app / f"{app}-{jobs[app]}.out"
-        return p.read_text(errors="replace") if p.exists() else ""
-
-    for app, (_, _, ready) in runs.items():  # the app caught the signals: send one
-        wait_until(lambda: ready in log(app), 120, f"{app}: the stop-signal line")
-        subprocess.run(["scancel", "--signal=USR1", "--batch", jobs[app]], env=slurm["env"], check=True, timeout=30)
-    wait_until(lambda: cancel_log.exists() and "heat: on SIGUSR1" in cancel_log.read_text(), 120, "the cancel job")
-    subprocess.run(["scancel", cancel], env=slurm["env"], check=True, timeout=30)
-    for app in runs:  # requeued: one node this time, in 2 s (not Slurm's 2 min; in the second of the requeue
-        # the job's old credential is still revoked and the start fails)
-        wait_until(lambda: _job_state(slurm, jobs[app]).get("Restarts") == "1" and
-                   _job_state(slurm, jobs[app]).get("JobState") == "PENDING", 120, f"{app}: requeued\n{log(app)}")
-        subprocess.run(["scontrol", "update", f"JobId={jobs[app]}", "NumNodes=1", "NumTasks=1", "StartTime=now+2"],
-                       env=slurm["env"], check=True, timeout=30)
-    for app in runs:
-        state = wait_until(lambda: _ended(slurm, jobs[app]), 180, f"{app}: the end")
-        assert state in ("COMPLETED", "GONE"), (state, log(app)[-3000:], _ctld_log(slurm, jobs[app]))
-        text = log(app)
+    d = jobs["requeues"]
+    d.join(timeout=600)
+    assert not d.is_alive(), "the requeue jobs did not end within 600 s"
+    if d.error is not None:
+        raise d.error
+    steps = int(HEAT_REQUEUE["STEPS"])
+    for app, job in d.jobs.items():
+        text = d.log(app)
         print(text)
         stopped = re.search(rf"{app}: SIGUSR1: stopped after step (\d+) of (\d+)", text)
-        assert stopped and f"requeueing job {jobs[app]}" in text, text
+        assert stopped and f"requeueing job {job}" in text, text
         assert "on 1 node(s), 1 tasks" in text and "resumes from" in text, text
         step = int(stopped.group(1))
-        res = json.loads((tmp_path / app / f"{app}-{jobs[app]}.json").read_text())
+        res = json.loads((d.folder / app / f"{app}-{job}.json").read_text())
         if app == "heat":
             assert res["ranks"] == 1 and res["extra"]["resumed"]["from_step"] == step, res
             assert res["extra"]["resumed"]["ranks_then"] == 2
-            with np.load(tmp_path / app / f"heat-{jobs[app]}.ckpt" / "heat.npz") as z:
+            with np.load(d.folder / app / f"heat-{job}.ckpt" / "heat.npz") as z:
                 field, meta = z["field"], json.loads(str(z["meta"]))
-            assert meta["step"] == res["steps"] == 300
-            assert np.array_equal(field, _ftcs_oracle([12] * 3, 300)), "the resumed field differs from FTCS's"
+            assert meta["step"] == res["steps"] == steps
+            assert np.array_equal(field, _ftcs_oracle([12] * 3, steps)), "the resumed field differs from FTCS's"
         else:
             r = res["resumed"]
             assert res["ranks"] == 1 and (r["from_step"], r["ranks_then"], r["ranks_now"]) == (step, 2, 1), r
             assert_losses(res, oracle(LM_REQUEUE_ARGV), 1e-4, "lm resumed after SIGUSR1 and a requeue")
-    assert wait_until(lambda: _ended(slurm, cancel), 120, "the cancelled job's end") in ("CANCELLED", "GONE")
-    text = cancel_log.read_text(errors="replace")
+    text = d.log("cancel", d.cancel)
+    print(text)
     # the step sees SIGTERM from Slurm and SIGUSR1 from the script: whichever came first
-    assert re.search(r"heat: SIG(TERM|USR1): stopped after step \d+ of 300", text) and "requeueing" not in text, text
-    assert f"to continue: CHECKPOINT=heat-{cancel}.ckpt sbatch" in text and text.count("== provenance") == 1, text
-    with np.load(tmp_path / "cancel" / f"heat-{cancel}.ckpt" / "heat.npz") as z:
-        assert 1 <= json.loads(str(z["meta"]))["step"] < 300
+    assert re.search(rf"heat: SIG(TERM|USR1): stopped after step \d+ of {steps}", text), text
+    assert "requeueing" not in text and text.count("== provenance") == 1, text
+    assert f"to continue: CHECKPOINT=heat-{d.cancel}.ckpt sbatch" in text, text
+    with np.load(d.folder / "cancel" / f"heat-{d.cancel}.ckpt" / "heat.npz") as z:
+        assert 1 <= json.loads(str(z["meta"]))["step"] < steps
 
 
 @pytest.mark.parametrize("app", ["heat", "lm"])
@@ -481,5 +517,4 @@ def test_sbatch_fault_tolerant_job_finishes_on_the_survivor(app, jobs):
         assert res["ranks"] == 2 and res["ranks_final"] == 1, res
         assert [(f["world_rank"], f["step"]) for f in res["failures"]] == [(1, 3)], res["failures"]
         assert "failure: COMM_WORLD rank 1 lost in step 3" in text
-        argv = [a if a != "12" else "6" for a in LM_REQUEUE_ARGV]
-        assert_losses(res, oracle(argv), 1e-4, "lm under sbatch with a task killed")
+        assert_losses(res, oracle(LM_REQUEUE_ARGV), 1e-4, "lm under sbatch with a task killed")

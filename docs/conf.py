@@ -19,6 +19,7 @@ from pathlib import Path
 
 from sphinx.pycode import ModuleAnalyzer
 from sphinx.util import logging
+from sphinx.util.docutils import SphinxDirective
 
 HERE = Path(__file__).resolve().parent
 sys.path = [p for p in sys.path if Path(p or ".").resolve() not in (HERE.parent, HERE)]
@@ -97,18 +98,44 @@ def undocumented(modules=PUBLIC):
                     missing.append((modname, name))
                 continue
             # data: a "#:" comment where it is defined (or re-exported)
-            found = False
-            for src in {modname, *_defining_modules(mod, name)}:
-                try:
-                    docs = ModuleAnalyzer.for_module(src).find_attr_docs()
-                except Exception:  # noqa: BLE001 - no source: counts as undocumented
-                    continue
-                if any(key[1] == name and "".join(lines).strip() for key, lines in docs.items()):
-                    found = True
-                    break
-            if not found:
+            if not _data_doc(mod, name):
                 missing.append((modname, name))
     return missing
+
+
+def _data_doc(mod, name):
+    """The ``#:`` comment of a module-level constant, where it is defined or re-exported ([] if none)."""
+    for src in [mod.__name__, *_defining_modules(mod, name)]:
+        try:
+            docs = ModuleAnalyzer.for_module(src).find_attr_docs()
+        except Exception:  # noqa: BLE001 - no source: look further
+            continue
+        for key, lines in docs.items():
+            if key[1] == name and "".join(lines).strip():
+                return [line for line in lines if line is not None]
+    return []
+
+
+class PublicData(SphinxDirective):
+    """``.. public-data:: MODULE``: the constants of ``MODULE.__all__``, with their ``#:`` comments.
+
+    autodoc documents a re-exported constant only where its comment is (the defining module);
+    this lists each under the name users import it by.
+    """
+
+    required_arguments = 1
+
+    def run(self):
+        mod = importlib.import_module(self.arguments[0])
+        out = []
+        for name in mod.__all__:
+            obj = getattr(mod, name)
+            if inspect.isclass(obj) or inspect.isroutine(obj) or inspect.ismodule(obj) or callable(obj):
+                continue
+            value = repr(obj) if isinstance(obj, (int, float, str, bool, tuple)) else type(obj).__name__
+            out += [f".. py:data:: {name}", f"   :module: {mod.__name__}", f"   :value: {value}", ""]
+            out += [f"   {line}" for line in _data_doc(mod, name)] + [""]
+        return self.parse_text_to_nodes("\n".join(out))
 
 
 def _defining_modules(mod, name):
@@ -237,6 +264,7 @@ def _nn_init(app, env, docnames):
 
 
 def setup(app):
+    app.add_directive("public-data", PublicData)
     app.connect("builder-inited", _check_public_docs)
     app.connect("env-before-read-docs", _nn_init)
     app.connect("missing-reference", _missing_reference)

@@ -13,7 +13,6 @@ index vector), their targets and their positions in their own row.
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import platform
 import resource

@@ -45,6 +45,8 @@ AREAS = {
     "attention": f"{MPIEXEC} -n 2 python -P benchmarks/bench_attention.py --seq 4096 --json {{json}}",
     "window": f"{MPIEXEC} -n 2 python -P benchmarks/bench_window.py --seq 8192 --window 512 --json {{json}}",
     "ft_recovery": "python -P benchmarks/bench_ft.py recovery --runs 10 --json {json}",
+    "ft_overhead": f"{FT} -n 2 python -P benchmarks/bench_ft.py overhead --trials 9 --min-bytes 1048576 "
+                   "--max-bytes 16777216 --json {json}",
     "elastic": "python -P benchmarks/bench_elastic.py --sections allreduce,kill,sync --peers 2 --max-bytes 4194304 "
                "--kill-trials 4 --sync-bytes 33554432 --sync-trials 2 --json {json}",
     "torch_backend": f"{MPIEXEC} -n 2 python -P benchmarks/bench_torch_backend.py --quick --json {{json}}",
@@ -289,6 +291,18 @@ def _window(r):
     return (f"Sliding-window causal attention (torch, CPU) at {r['ranks']} ranks, {r['seq']} tokens, "
             f"{r['heads']} heads of {r['head_dim']}, {r['dtype']}: the window's halo exchange moves only the K/V rows "
             "inside the window, against the full causal ring.\n\n" + _table(head, rows))
+
+
+@formatter("ft_overhead")
+def _ft_overhead(r):
+    variants = list(r["rows"][0]["ft_over_plain"])
+    head = ["bytes"] + [f"`{v}`: fault-tolerant / plain time (floor)" for v in variants] + ["agree µs", "memcpy µs"]
+    rows = [[_size(x["bytes"])] + [f"{x['ft_over_plain'][v]:.2f} ({x['floor'][v]:.2f})" for v in variants]
+            + [f"{x['agree_us']:.1f}", f"{x['memcpy_us']:.1f}"] for x in r["rows"]]
+    return (f"What fault tolerance costs with no failure ({r['mode']}, {r['ranks']} ranks): the same all-reduce on a "
+            "fault-tolerant communicator and on a plain one, median of paired trials; below 1 is noise. The floor is "
+            "what the mode must add: one `MPIX_Comm_agree`, plus a copy of the input in place "
+            "(`recvbuf=None`).\n\n" + _table(head, rows))
 
 
 def render(record):

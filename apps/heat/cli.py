@@ -221,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "DIR is made if missing")
     p.add_argument("--resume", metavar="DIR",
                    help=f"continue the run whose checkpoint DIR/{FILE} holds (the same --grid, --steps or --t-final, "
-                        "--alpha, --cfl), on any rank count, to the field an uninterrupted run has, bit for bit")
+                        "--alpha, --cfl), on any rank count, to the field an uninterrupted run has, bit for bit (every "
+                        "rank reads the whole field: a grid that fits one process)")
     return p
 
 

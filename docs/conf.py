@@ -55,7 +55,7 @@ copybutton_prompt_is_regexp = True
 # -- autodoc -------------------------------------------------------------------------------
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
-autodoc_default_options = {"members": True, "show-inheritance": True}
+autodoc_default_options = {"members": True}  # bases: _bases below
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
@@ -236,7 +236,6 @@ def _public_index(env):
 def _missing_reference(app, env, node, contnode):
     if node.get("refdomain") != "py":
         return None
-    from docutils import nodes  # noqa: PLC0415
     from sphinx.util.nodes import make_refnode  # noqa: PLC0415
 
     target = node["reftarget"]
@@ -254,7 +253,7 @@ def _missing_reference(app, env, node, contnode):
             objtype, name = hit
             entry = env.domaindata["py"]["objects"][name]
             return make_refnode(app.builder, node["refdoc"], entry.docname, entry.node_id, contnode, name)
-        return nodes.literal(target, target.lstrip("~"))  # exists, not public: no link
+        return contnode  # exists, not public: shown as written, no link
     return None
 
 
@@ -263,8 +262,20 @@ def _nn_init(app, env, docnames):
         del env._commlib_public
 
 
+def _bases(app, what, name, obj, options, lines):
+    """A "Bases:" line for a class with a base other than ``object`` (none for the others)."""
+    if what not in ("class", "exception") or not inspect.isclass(obj):
+        return
+    bases = [b for b in obj.__bases__ if b is not object]
+    if bases:
+        refs = [f"``{b.__qualname__}``" if b.__module__ == "builtins" else f":class:`~{b.__module__}.{b.__qualname__}`"
+                for b in bases]
+        lines[:0] = ["Bases: " + ", ".join(refs), ""]
+
+
 def setup(app):
     app.add_directive("public-data", PublicData)
+    app.connect("autodoc-process-docstring", _bases)
     app.connect("builder-inited", _check_public_docs)
     app.connect("env-before-read-docs", _nn_init)
     app.connect("missing-reference", _missing_reference)

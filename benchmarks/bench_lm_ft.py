@@ -1,7 +1,7 @@
 """Fault-tolerant context-parallel training: what it costs, how fast it recovers, how often it works.
 
 Three modes, each a series of ``mpiexec`` jobs of ``python -m commlib.apps.lm``
-under the README's ULFM launch line (``--with-ft ulfm``, TCP BTL without RDMA
+under the ULFM launch line of docs/guides/fault-tolerance.md (``--with-ft ulfm``, TCP BTL without RDMA
 put), one job at a time:
 
 ``overhead``
@@ -28,7 +28,7 @@ put), one job at a time:
 ``recovery``
     the soak's measurement over a few fixed plans (one per phase), no oracle.
 
-Reproduce (docs/faults-and-security.md, docs/BENCHMARKS.md)::
+Reproduce (docs/faults-and-security.md, docs/performance.md)::
 
     python -P benchmarks/bench_lm_ft.py overhead --reps 5 --json lm_ft_overhead.json
     python -P benchmarks/bench_lm_ft.py soak --plans 30 --seed 38 --json lm_ft_soak.json

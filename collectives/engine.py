@@ -40,7 +40,7 @@ the row's own ``prepare``), in the group's kept rows
 (:class:`~.first_round.FirstRoundRows`), whose all-gather every unbounded
 first round of the group runs, planned or not (a persistent collective on MPI,
 which matches only itself).  The call costs that all-gather (plus the
-algorithm for a large allreduce) and about 1.3 us of Python (2 ranks, docs/BENCHMARKS.md).
+algorithm for a large allreduce) and about 1.3 us of Python (2 ranks; docs/performance.md).
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ carry a payload nobody reads: the plan leaves it as it was).
 On a 2-core machine the general path's per-call staging and bookkeeping took
 ~30 us a call, 15% of a 1 MiB ring at 2 ranks and 70-90% of a 2-32 KiB
 recursive doubling; a planned 8-byte allreduce at 2 ranks costs the all-gather
-(0.74 us) and about 1.3 us of Python (benchmarks/bench_small.py, docs/BENCHMARKS.md).
+(0.74 us) and about 1.3 us of Python (benchmarks/bench_small.py; docs/performance.md).
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@
 #
 # FT=1 adds the ULFM launch line (--with-ft ulfm, the TCP BTL without RDMA put, a rank
 # exiting non-zero does not end the job) and --fault-tolerant: the survivors of a dead rank
-# re-shard the sequences over themselves and redo the step (README, "The LM training app").
+# re-shard the sequences over themselves and redo the step (docs/guides/attention.md, "The LM app").
 #
 # Every rank holds 1/NP of each training sequence's tokens. Prints provenance
 # (commlib info) first, so every log says what ran. Threads per rank default

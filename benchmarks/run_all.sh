@@ -28,4 +28,10 @@ done
 run "$MPIEXEC" --oversubscribe --with-ft ulfm --mca btl tcp,self --mca btl_tcp_flags send,inplace,need-ack,need-csum --prtemca state_base_error_non_zero_exit 0 \
   -n 2 "$PY" benchmarks/bench_ft.py overhead --trials 25 --min-bytes 1048576 --json "$OUT/ft_overhead.json"
 run "$PY" benchmarks/bench_ft.py recovery --runs "${RUNS:-20}" --json "$OUT/ft_recovery.json"
+# a DDP job losing a worker: recovery over commlib (ULFM) against torchft (needs pip install torchft)
+if "$PY" -c "import torchft" 2>/dev/null; then
+  run "$PY" benchmarks/bench_recovery_torchft.py --runs 5 --json "$OUT/recovery_torchft.json"
+else
+  echo; echo "== skipped benchmarks/bench_recovery_torchft.py: torchft is not installed (pip install torchft)"
+fi
 echo; echo "results in $OUT/"

@@ -36,11 +36,19 @@ HOOKS = {
                           "    _h.remove()",
     "    dist.all_reduce(loss": "    _die('allreduce')\n    dist.all_reduce(loss",
 }
-DIE = '''import os as _os, signal as _signal
+DIE = '''import os as _os, signal as _signal, time as _time
 _KILLS = {KILLS!r}
+_TIMING = {TIMING!r}
 def _die(phase):
     if (int(comm.world_ranks[comm.rank]), runner.completed + 1, phase) in _KILLS:
+        if _TIMING:                                     # the kill's wall time, for the recovery benchmark
+            with open(_TIMING + "/kill", "w") as _f:
+                _f.write(repr(_time.time()))
         _os.kill(_os.getpid(), _signal.SIGKILL)
+def _log_step():
+    if _TIMING:                                         # steps done, group size, wall time at the step's end
+        with open(_TIMING + f"/steps.{int(comm.world_ranks[comm.rank])}", "a") as _f:
+            _f.write(f"{runner.completed} {comm.size} {_time.time()!r}\\n")
 '''
 TAIL = '''
 torch.save(torch.nn.utils.parameters_to_vector(net.parameters()), {PATH!r} + f".{comm.rank}")
@@ -48,23 +56,46 @@ print(f"recovery_s {comm.rank} {[round(f.recovery_s, 4) for f in runner.failures
 '''
 
 
-def script(kills, params_path) -> str:
+def example() -> str:
+    """The README's resilient training loop (``<!-- resilient-example -->``), as written."""
     text = (ROOT / "README.md").read_text()
-    src = text.split("<!-- resilient-example -->", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    return text.split("<!-- resilient-example -->", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def model_source() -> str:
+    """The example's data, model and optimizer: its lines from ``torch.manual_seed`` to ``opt =``
+    (they need ``torch`` imported), for other frameworks to train the same model on the same data."""
+    lines = example().splitlines()
+    first = next(i for i, s in enumerate(lines) if s.startswith("torch.manual_seed("))
+    last = next(i for i, s in enumerate(lines) if s.startswith("opt = "))
+    return "\n".join(lines[first:last + 1]) + "\n"
+
+
+def steps() -> int:
+    """How many steps the example's loop runs."""
+    return int(re.search(r"^for i in range\((\d+)\):", example(), re.M).group(1))
+
+
+def script(kills, params_path, timing=None) -> str:
+    """The example with the kill hooks; ``timing`` (a folder) makes the victim write its kill time
+    to ``timing/kill`` and every rank its steps to ``timing/steps.<world rank>``."""
+    src = example()
     for where, what in HOOKS.items():
         src = src.replace(where, what, 1)
-    src = src.replace("reshard(comm)\nrunner", DIE.replace("{KILLS!r}", repr(set(kills))) + "reshard(comm)\nrunner", 1)
+    die = DIE.replace("{KILLS!r}", repr(set(kills))).replace("{TIMING!r}", repr(timing and str(timing)))
+    src = src.replace("reshard(comm)\nrunner", die + "reshard(comm)\nrunner", 1)
+    src = src.replace("    loss = runner.run(step)", "    loss = runner.run(step)\n    _log_step()", 1)
     return src + TAIL.replace("{PATH!r}", repr(str(params_path)))
 
 
-def run(tmp, kills, n, timeout):
+def run(tmp, kills, n, timeout, timing=None):
     import torch  # noqa: PLC0415
 
     params = Path(tmp) / "params.pt"
     for f in Path(tmp).glob("params.pt.*"):
         f.unlink()
     path = Path(tmp) / "train.py"
-    path.write_text(script(kills, params))
+    path.write_text(script(kills, params, timing))
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
     cmd = ([mpiexec, "--oversubscribe", *FT_ARGS, "-n", str(n), sys.executable, str(path)] if n
            else [sys.executable, str(path)])

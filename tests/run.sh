@@ -94,8 +94,10 @@ no_mpi_tests() {
     return 1
   fi
   echo "+ PYTHONPATH=$pp (mpi4py blocked)"
-  # the timing-driven files (kills, floods, deadlines) one test at a time; the
-  # rest in $WORKERS pytest-xdist workers, as they ran before they moved here
+  # the timing-driven files (kills, floods, deadlines): each file's tests one at a
+  # time, two files side by side (--dist loadfile): most of their time is waiting
+  # out a deadline or a stalled peer (1.4 of their 3.6 minutes on a core; 2.2
+  # minutes wall instead of 3.6 here); the rest in $WORKERS pytest-xdist workers
   local f timed="" rest="" rc=0
   for f in $NO_MPI; do
     case " $NO_MPI_TIMED " in *" $f "*) timed="$timed $f" ;; *) rest="$rest $f" ;; esac
@@ -107,7 +109,8 @@ no_mpi_tests() {
   fi
   if [ -n "${timed// /}" ]; then
     # shellcheck disable=SC2086
-    PYTHONPATH=$pp timeout 1500 "$PY" -P -m pytest -q -rfEs --color=no -p no:cacheprovider --timeout=600 $timed "$@" || rc=1
+    PYTHONPATH=$pp timeout 1500 "$PY" -P -m pytest -q -rfEs --color=no -p no:cacheprovider --timeout=600 \
+      -n "$WORKERS" --dist loadfile $timed "$@" || rc=1
   fi
   return $rc
 }

@@ -124,3 +124,18 @@ class StopSignals:
         if comm.size > 1:
             comm.allreduce(buf, op="max")
         return signal.Signals(int(buf[0])).name if buf[0] else None
+
+
+def init_comm(name: str, **kwargs):
+    """``commlib.init(**kwargs)``, or ``SystemExit(2)`` after one line on stderr
+    (``NAME: error: ...``, from rank 0) when it refuses the launch with
+    :class:`commlib.InvalidArgument` (a task alone in a Slurm step of several
+    under ``COMMLIB_SLURM_SINGLETON=error``: every task refuses alike)."""
+    import commlib  # noqa: PLC0415
+
+    try:
+        return commlib.init(**kwargs)
+    except commlib.InvalidArgument as exc:
+        if exc.rank in (None, 0):
+            print(f"{name}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -77,7 +77,7 @@ from commlib.collectives.attention import (
     ulysses_attention_backward,
 )
 
-from ._cli import OneLineParser, unwritable
+from ._cli import OneLineParser, init_comm, unwritable
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 BACKENDS = ("numpy", "torch")
@@ -734,7 +734,10 @@ def main(argv=None) -> int:
         args = parse_args(argv)
     except SystemExit as exc:  # --help (0) or a refusal (2)
         return exc.code if isinstance(exc.code, int) else 2
-    comm = commlib.init()
+    try:
+        comm = init_comm("attention")
+    except SystemExit as exc:  # the launch refused: one line from rank 0
+        return exc.code
     try:
         rep = run(args, comm)
     except commlib.InvalidArgument as exc:  # raised on every rank alike: a clean exit

@@ -80,6 +80,21 @@ def test_singleton_error_mode_raises_on_every_task():
     assert "srun --mpi=" in r.stderr.splitlines()[-1]
 
 
+@pytest.mark.parametrize("app", [["heat", "--steps", "2"], ["attention", "--seq", "64", "--heads", "2"],
+                                 ["lm", "--steps", "2"], ["lm", "--steps", "2", "--fault-tolerant"]],
+                         ids=["heat", "attention", "lm", "lm-ft"])
+def test_apps_refuse_a_singleton_launch_in_one_line(app):
+    """Each app, launched as a task alone in a Slurm step of 2 under COMMLIB_SLURM_SINGLETON=error (the
+    job scripts' setting): one line on stderr, NAME: error: ..., naming the fix; exit status 2."""
+    r = subprocess.run([PY, "-P", "-m", f"commlib.apps.{app[0]}", *app[1:]], capture_output=True, text=True,
+                       env=_clean_env(SLURM_STEP_NUM_TASKS="2", SLURM_STEP_ID="0", SLURM_PROCID="0",
+                                      COMMLIB_SLURM_SINGLETON="error"), timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, (r.returncode, r.stderr[-2000:])
+    assert lines[0].startswith(f"{app[0]}: error: rank 0: init: MPI world size 1 in a Slurm step of 2 tasks"), lines
+    assert "srun --mpi=" in lines[0], lines
+
+
 @pytest.mark.parametrize("env,found", [
     ({"SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2"}, True),
     ({"SLURM_STEP_ID": "0", "SLURM_NTASKS": "3"}, True),  # a step without SLURM_STEP_NUM_TASKS

@@ -78,7 +78,7 @@ import commlib  # light: the errors only until init is used
 # the attention package imports numpy only: the layouts at no cost
 from commlib.collectives.attention import LAYOUTS, layout_of
 
-from .._cli import EXIT_REQUEUE, ULFM_LAUNCH, OneLineParser, StopSignals, unwritable, world_rank, world_size
+from .._cli import EXIT_REQUEUE, ULFM_LAUNCH, OneLineParser, StopSignals, init_comm, unwritable, world_rank, world_size
 
 __all__ = ["ATTENTIONS", "LAYOUTS", "PHASES", "lr_at", "pad_unit", "plan_attention", "build_parser", "parse_args",
            "check_sizes", "run", "main"]
@@ -462,7 +462,10 @@ def main(argv=None) -> int:
     from .resume import Stopped  # noqa: PLC0415  (no torch)
 
     ft = args.fault_tolerant or args.checkpoint is not None
-    comm = commlib.init(fault_tolerant=True, on_failure="raise") if ft else commlib.init()
+    try:
+        comm = init_comm("lm", **({"fault_tolerant": True, "on_failure": "raise"} if ft else {}))
+    except SystemExit as exc:  # the launch refused: one line from rank 0
+        return exc.code
     try:
         check_sizes(args._parser, args, comm.size)  # a launcher that did not name the size
     except SystemExit as exc:

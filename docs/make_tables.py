@@ -50,6 +50,8 @@ AREAS = {
     "elastic": "python -P benchmarks/bench_elastic.py --sections allreduce,kill,sync --peers 2 --max-bytes 4194304 "
                "--kill-trials 4 --sync-bytes 33554432 --sync-trials 2 --json {json}",
     "torch_backend": f"{MPIEXEC} -n 2 python -P benchmarks/bench_torch_backend.py --quick --json {{json}}",
+    # needs torchft (pip install torchft) in the Python on PATH
+    "recovery_torchft": "python -P benchmarks/bench_recovery_torchft.py --runs 5 --seed 11 --json {json}",
 }
 
 
@@ -303,6 +305,24 @@ def _ft_overhead(r):
             "fault-tolerant communicator and on a plain one, median of paired trials; below 1 is noise. The floor is "
             "what the mode must add: one `MPIX_Comm_agree`, plus a copy of the input in place "
             "(`recvbuf=None`).\n\n" + _table(head, rows))
+
+
+@formatter("recovery_torchft")
+def _recovery_torchft(r):
+    head = ["", "recovery median s", "min s", "max s", "runs finished", "runs with the right parameters"]
+    rows = []
+    for side in ("commlib", "torchft"):
+        if side in r:
+            m = r[side]["summary"]
+            runs = len(r[side]["runs"])
+            rows.append([side, f"{m['median_s']:.3f}", f"{m['min_s']:.3f}", f"{m['max_s']:.3f}",
+                         f"{r[side]['finished']}/{runs}", f"{r[side]['right']}/{runs}"])
+    ratio = r.get("ratio_torchft_over_commlib")
+    return (f"A DDP job of {r['workers']} workers losing one (SIGKILL at step {r['kill_step']}, {r['phase']}; the same "
+            "victims on both sides): commlib's `ResilientRunner` under ULFM against torchft (a lighthouse, one "
+            "`Manager` per worker, gloo). Recovery is the kill to the end of the survivors' first step on the "
+            "shrunk group; the right parameters are those of a one-process run."
+            + (f" torchft's median over commlib's: {ratio:.1f}x." if ratio else "") + "\n\n" + _table(head, rows))
 
 
 def render(record):

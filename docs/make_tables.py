@@ -322,7 +322,18 @@ def _recovery_torchft(r):
             "victims on both sides): commlib's `ResilientRunner` under ULFM against torchft (a lighthouse, one "
             "`Manager` per worker, gloo). Recovery is the kill to the end of the survivors' first step on the "
             "shrunk group; the right parameters are those of a one-process run."
-            + (f" torchft's median over commlib's: {ratio:.1f}x." if ratio else "") + "\n\n" + _table(head, rows))
+            + (f" torchft's median over commlib's: {ratio:.1f}x." if ratio else "") + _torchft_settings(r)
+            + "\n\n" + _table(head, rows))
+
+
+def _torchft_settings(r):
+    t = r.get("torchft_settings") or {}
+    lh, pg = t.get("lighthouse", {}), t.get("process_group", {})
+    if not lh or not pg:
+        return ""
+    return (f" torchft's timeouts, which set its floor (a survivor learns of the death when gloo's all-reduce "
+            f"times out, the quorum when the lighthouse's join timeout ends): gloo {pg.get('timeout_s')} s, "
+            f"lighthouse join {lh.get('join_timeout_ms')} ms, heartbeat {lh.get('heartbeat_timeout_ms')} ms.")
 
 
 def render(record):

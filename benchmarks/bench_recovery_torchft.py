@@ -1,11 +1,11 @@
 """Recovery of a DDP job that loses a worker: torchft against commlib, on this machine.
 
-Both sides train the README's resilient example's model, optimizer and data (float64 MLP, SGD,
+Both sides train the fault-tolerance guide's resilient example's model, optimizer and data (float64 MLP, SGD,
 240 samples split over the workers alive; taken from ``soak_torch_ddp.model_source``), one worker
 per process, for the example's 10 steps, and one worker kills itself (SIGKILL) at a chosen step
 and phase:
 
-* commlib: the README loop itself (``soak_torch_ddp.script``) under Open MPI's ULFM line, torch's
+* commlib: the guide's loop itself (``soak_torch_ddp.script``) under Open MPI's ULFM line, torch's
   DistributedDataParallel over the ``"commlib"`` backend, ``commlib.ResilientRunner`` shrinks,
   restores and redoes the step;
 * torchft: a torchft lighthouse (``LighthouseServer``, in this process) and one ``Manager`` per
@@ -57,7 +57,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import soak_torch_ddp as soak  # noqa: E402 - the README loop, its model and its kill hooks
+import soak_torch_ddp as soak  # noqa: E402 - the guide's loop, its model and its kill hooks
 
 PHASES = ("start", "backward")   # a step's start (after its quorum), inside DDP's backward all-reduces
 
@@ -75,7 +75,7 @@ def worker(a) -> int:
         logging.basicConfig(level=logging.INFO, format="%(created).3f %(name)s %(message)s")
     idx, timing = a.worker, Path(a.timing)
     env = {}
-    exec(soak.model_source(), {"torch": torch}, env)   # X, Y, net, opt as the README example makes them
+    exec(soak.model_source(), {"torch": torch}, env)   # X, Y, net, opt as the guide's example makes them
     X, Y, net, opt = env["X"], env["Y"], env["net"], env["opt"]
     store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)   # this replica group's
     pg = ProcessGroupGloo(timeout=timedelta(seconds=a.pg_timeout))

@@ -1,4 +1,4 @@
-"""Soak of torch DDP on the ``"commlib"`` backend under ULFM: the README's resilient training loop
+"""Soak of torch DDP on the ``"commlib"`` backend under ULFM: the fault-tolerance guide's resilient training loop
 (``<!-- resilient-example -->``) run as written, one rank SIGKILLed per job at a random step and
 phase (``start`` of the step, ``backward`` while DDP's bucket all-reduces run, before the loss
 ``allreduce``), victims drawn from every rank, rank 0 included.
@@ -57,8 +57,8 @@ print(f"recovery_s {comm.rank} {[round(f.recovery_s, 4) for f in runner.failures
 
 
 def example() -> str:
-    """The README's resilient training loop (``<!-- resilient-example -->``), as written."""
-    text = (ROOT / "README.md").read_text()
+    """The resilient training loop of ``docs/guides/fault-tolerance.md`` (``<!-- resilient-example -->``), as written."""
+    text = (ROOT / "docs" / "guides" / "fault-tolerance.md").read_text()
     return text.split("<!-- resilient-example -->", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
 
 

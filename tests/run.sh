@@ -65,7 +65,8 @@ want serial && { stage "serial tests ($SERIAL_WORKERS workers)" timeout 1500 "$P
 # mpiexec job of 3-6 ranks, mostly waiting on its launch: 0.9 CPU-s in 1.3 s of wall)
 # run two at a time in pytest-xdist workers; their bounds (a recovery under 2 s, a job
 # under 30 s) are far above what two side by side take. The other timing-driven tests
-# (stalls, watchdog deadlines, the kill-time runs that pace their own jobs) one at a time.
+# (stalls, watchdog deadlines, the kill-time runs that pace their own jobs) one test of
+# a file at a time, two files side by side.
 TIMED_PAR=${COMMLIB_TIMED_PAR_TESTS-"tests/test_ft.py::test_random_kill_points tests/test_ft.py::test_kill_corners tests/test_ft_dup_after_death.py"}
 timed_tests() {
   local t par="" deselect=() rc=0
@@ -76,12 +77,17 @@ timed_tests() {
     # shellcheck disable=SC2086
     timeout 1500 "$PY" -P -m pytest -q -rfEs --color=no -p no:cacheprovider --timeout=600 -n 2 $par "$@" || rc=1
   fi
+  # the rest: each file's tests one at a time, two files side by side (--dist
+  # loadfile); their bounds are seconds above what a recovery takes, and all of them
+  # passed side by side under a load of 6-12 (131 tests in 447 s; one at a time 808 s at a
+  # load of 10-18, 322 s on a quiet machine)
   # shellcheck disable=SC2086
-  timeout 1500 "$PY" -P -m pytest -q -rfEs --color=no -p no:cacheprovider --timeout=600 $TIMED "${deselect[@]}" "$@" || rc=1
+  timeout 1500 "$PY" -P -m pytest -q -rfEs --color=no -p no:cacheprovider --timeout=600 -n 2 --dist loadfile \
+    $TIMED "${deselect[@]}" "$@" || rc=1
   return $rc
 }
 if want timed && [ -n "${TIMED// /}" ]; then
-  stage "serial tests, timing-driven (the ULFM kill-point jobs two at a time, the rest one at a time)" \
+  stage "serial tests, timing-driven (the ULFM kill-point jobs two at a time, the rest two files at a time)" \
     timed_tests "$@" || status=1
 fi
 no_mpi_tests() {

@@ -49,7 +49,7 @@ AREAS = {
                    "--max-bytes 16777216 --json {json}",
     "elastic": "python -P benchmarks/bench_elastic.py --sections allreduce,kill,sync --peers 2 --max-bytes 4194304 "
                "--kill-trials 4 --sync-bytes 33554432 --sync-trials 2 --json {json}",
-    "torch_backend": f"{MPIEXEC} -n 2 python -P benchmarks/bench_torch_backend.py --quick --json {{json}}",
+    "torch_backend": f"{MPIEXEC} -n 2 python -P benchmarks/bench_torch_backend.py --json {{json}} --plot {{plot}}",
     # needs torchft (pip install torchft) in the Python on PATH
     "recovery_torchft": "python -P benchmarks/bench_recovery_torchft.py --runs 5 --seed 11 --json {json}",
 }

@@ -39,7 +39,7 @@ extensions = [
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 root_doc = "index"
 # README.md is the docs' own README (how to build); results/*.md are included by performance.md
-exclude_patterns = ["_build", "README.md", "results/*.md", "BENCHMARKS.md",
+exclude_patterns = ["_build", "README.md", "results/*.md",
                     "upstream-ompi-tcp-fin-wedge.md"]
 
 myst_enable_extensions = ["colon_fence", "deflist"]

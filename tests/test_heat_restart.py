@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import pytest
 
+from oracles import ftcs_heat  # noqa: E402 - tests/oracles.py
 from waiting import wait_until  # noqa: E402 - tests/waiting.py
 
 GRID, STEPS = 10, 20000  # steps: the first run must still be going when the signal comes
@@ -34,21 +35,7 @@ def _ftcs(n, steps):
     h = 1.0 / (n + 1)
     dt = 0.5 / (2 * 3 / h ** 2)
     c = 1.0 * dt / h ** 2
-    x = np.sin(np.pi * (np.arange(1, n + 1) / (n + 1)))
-    u = np.zeros((n + 2,) * 3)
-    u[1:-1, 1:-1, 1:-1] = x[:, None, None] * x[None, :, None] * x[None, None, :]
-    inner = (slice(1, -1),) * 3
-    for _ in range(steps):
-        centre, acc = u[inner], None
-        for i in range(3):
-            lo, hi = list(inner), list(inner)
-            lo[i], hi[i] = slice(0, -2), slice(2, None)
-            term = c * (u[tuple(lo)] - 2.0 * centre + u[tuple(hi)])
-            acc = term if acc is None else acc + term
-        un = u.copy()
-        un[inner] = centre + acc
-        u = un
-    return u[inner]
+    return ftcs_heat((n, n, n), (c, c, c), steps)
 
 
 @pytest.mark.timeout(200)

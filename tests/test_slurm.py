@@ -374,26 +374,12 @@ def _ended(slurm, job):
 def _ftcs_oracle(grid, steps):
     """The heat field after ``steps`` FTCS steps from sin(pi x) sin(pi y) sin(pi z) (alpha 1, cfl 0.5):
     plain numpy on the whole grid, the app's per-cell order of operations (bit-comparable)."""
-    import numpy as np  # noqa: PLC0415
+    from oracles import ftcs_heat  # noqa: PLC0415 - tests/oracles.py
 
     from commlib.apps.heat import time_step  # noqa: PLC0415  (dt and the coefficients)
 
     _, _, n, c = time_step(grid, 1.0, 0.5, steps, None)
-    x = [np.sin(np.pi * (np.arange(1, m + 1) / (m + 1))) for m in grid]  # x_k = (k + 1) / (n + 1)
-    u = np.zeros([m + 2 for m in grid])
-    u[1:-1, 1:-1, 1:-1] = x[0][:, None, None] * x[1][None, :, None] * x[2][None, None, :]
-    inner = (slice(1, -1),) * 3
-    for _ in range(n):
-        centre, acc = u[inner], None
-        for i in range(3):
-            lo, hi = list(inner), list(inner)
-            lo[i], hi[i] = slice(0, -2), slice(2, None)
-            term = c[i] * (u[tuple(lo)] - 2.0 * centre + u[tuple(hi)])
-            acc = term if acc is None else acc + term
-        un = u.copy()
-        un[inner] = centre + acc
-        u = un
-    return u[inner]
+    return ftcs_heat(grid, c, n)
 
 
 #: the heat run long enough (2000 steps) to be still going when the signal comes

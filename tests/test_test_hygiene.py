@@ -37,7 +37,8 @@ ALLOWED_SLEEPS = {
         "the attempt's thread blocks on purpose: the watchdog must not fail it before the bound",
     ("test_ft.py", "<string>"): "the fail-stop script's caller stuck in a sleep (a C call that released the GIL)",
     ("test_ft_dup_after_death.py", "<module>"):
-        "each survivor calls dup at a drawn delay after the death: where the failure lands in the duplication is the test",
+        "each survivor calls dup at a drawn delay after the death: where the failure lands in the "
+        "duplication is the test",
     ("test_tcp.py", "setter"): "set() calls at drawn delays race the waiters: the interleavings are the test",
     ("test_tcp.py", "test_connection_reader_survives_a_writer_with_timeouts"):
         "pacing of a stress loop so the reader blocks in recv at times; no outcome depends on it",

@@ -189,7 +189,9 @@ def worker(spec):  # noqa: C901 - one job's script, top to bottom
             if tr["phase"] == "hook":
                 hook = lambda grad: die(trial)  # noqa: E731 - backward reached the attention's output
             else:
-                state["arm"] = (tr["phase"], 1 + int(tr["u"] * counts.get(tr["phase"], 0)), trial)
+                # u in [0, 1] (rounded: 1.0 happens) picks one of the phase's n waits, 1..n
+                n = counts.get(tr["phase"], 0)
+                state["arm"] = (tr["phase"], 1 + min(int(tr["u"] * n), max(n - 1, 0)), trial)
         entry = {"degree": degree, "victim_world": comm.world_ranks[victim]}
         try:
             step(tr, degree, hook)
@@ -208,6 +210,7 @@ def worker(spec):  # noqa: C901 - one job's script, top to bottom
             save()
             raise
         state["phase"] = None
+        state["arm"] = None  # a kill point the step did not reach must not fire in the checks after it
         entry["size_after"] = comm.size
         entry["failed"] = list(comm.failed_ranks)
         report["trials"].append(entry)

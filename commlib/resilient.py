@@ -138,7 +138,9 @@ class ResilientRunner:
             (:func:`recovery_line`: the lost ranks, the time, the ranks left;
             under Open MPI also what its ``NBC_Progress: an error 75 ...
             aborting the schedule`` lines printed with the failure mean): a
-            file (default ``sys.stderr``), a callable taking the line, or None
+            file, ``"stderr"`` (the default: ``sys.stderr`` as it is when a
+            recovery is said, so a later redirection is followed), a callable
+            taking the line, or None
             (say nothing; :attr:`failures` holds the same).
 
     Attributes:
@@ -153,7 +155,7 @@ class ResilientRunner:
 
     def __init__(self, comm, *, save: Callable[[], Any] | None = None,
                  load: Callable[[Any], None] | None = None, reshard: Callable[[Any], None] | None = None,
-                 max_retries: int = 8, commit: bool = True, log: Any = sys.stderr):
+                 max_retries: int = 8, commit: bool = True, log: Any = "stderr"):
         for name, fn in (("save", save), ("load", load), ("reshard", reshard)):
             if fn is not None and not callable(fn):
                 raise InvalidArgument(f"{name} must be callable or None, got {type(fn).__name__}",
@@ -165,8 +167,9 @@ class ResilientRunner:
         self.save, self.load, self.reshard = save, load, reshard
         self.max_retries = max_retries
         self.commit = commit
-        if log is not None and not callable(log) and not callable(getattr(log, "write", None)):
-            raise InvalidArgument(f"log must be a file, a callable or None, got {type(log).__name__}",
+        stderr = isinstance(log, str) and log == "stderr"
+        if log is not None and not stderr and not callable(log) and not callable(getattr(log, "write", None)):
+            raise InvalidArgument(f"log must be a file, \"stderr\", a callable or None, got {type(log).__name__}",
                                   rank=getattr(comm, "rank", None), op="ResilientRunner")
         self.log = log
         self.failures: list[Failure] = []
@@ -259,9 +262,10 @@ class ResilientRunner:
         if callable(self.log):
             self.log(line)
             return
+        out = sys.stderr if isinstance(self.log, str) else self.log  # "stderr": the stream of now
         try:
-            self.log.write(line + "\n")
-            self.log.flush()
+            out.write(line + "\n")
+            out.flush()
         except (OSError, ValueError):  # a closed or broken stream: the record stays in failures
             pass
 

@@ -139,5 +139,28 @@ def _mpi_library() -> str:
 def test_resilient_runner_refuses_a_log_it_cannot_write_to():
     import commlib  # noqa: PLC0415
 
-    with pytest.raises(commlib.InvalidArgument, match="log must be a file, a callable or None"):
-        commlib.ResilientRunner(_FakeUlfmComm(), log="stderr")
+    with pytest.raises(commlib.InvalidArgument, match="log must be a file, \"stderr\", a callable or None"):
+        commlib.ResilientRunner(_FakeUlfmComm(), log="recovery.log")  # a path is not a stream
+
+
+def test_the_default_log_is_the_stderr_of_the_moment_it_speaks():
+    """The default log follows ``sys.stderr`` as it is at the recovery, not as it was when
+    commlib was imported or the runner made (a redirection made in between is honoured)."""
+    import contextlib  # noqa: PLC0415
+    import io  # noqa: PLC0415
+
+    import commlib  # noqa: PLC0415
+
+    runner = commlib.ResilientRunner(_FakeUlfmComm(rank=0))
+    buf = io.StringIO()
+    with contextlib.redirect_stderr(buf):
+        calls = []
+
+        def step():
+            calls.append(1)
+            if len(calls) == 1:
+                raise commlib.ProcessFailed("a peer died", failed=(2,), rank=0, op="allreduce")
+            return "done"
+
+        assert runner.run(step) == "done"
+    assert buf.getvalue().startswith("commlib: lost COMM_WORLD rank 2; recovered in "), buf.getvalue()

@@ -52,6 +52,12 @@ AREAS = {
     "torch_backend": f"{MPIEXEC} -n 2 python -P benchmarks/bench_torch_backend.py --json {{json}} --plot {{plot}}",
     # needs torchft (pip install torchft) in the Python on PATH
     "recovery_torchft": "python -P benchmarks/bench_recovery_torchft.py --runs 5 --seed 11 --json {json}",
+    # the rest need torch; each launches its own MPI jobs (the ULFM line where it kills ranks)
+    "torch_attention": "python -P benchmarks/bench_attention.py --backend torch --sections single,ranks2,bidir,error "
+                       "--seq-lens-2 4096,8192 --json {json} --plot {plot}",
+    "lm_ft_overhead": "python -P benchmarks/bench_lm_ft.py overhead --reps 5 --json {json}",
+    "lm_ft_soak": "python -P benchmarks/bench_lm_ft.py soak --plans 30 --seed 38 --json {json}",
+    "ddp_soak": "python -P benchmarks/soak_torch_ddp.py --runs 30 --seed 7 --json {json}",
 }
 
 
@@ -334,6 +340,150 @@ def _torchft_settings(r):
     return (f" torchft's timeouts, which set its floor (a survivor learns of the death when gloo's all-reduce "
             f"times out, the quorum when the lighthouse's join timeout ends): gloo {pg.get('timeout_s')} s, "
             f"lighthouse join {lh.get('join_timeout_ms')} ms, heartbeat {lh.get('heartbeat_timeout_ms')} ms.")
+
+
+def _ms(seconds):
+    v = seconds * 1e3
+    return f"{v:.0f}" if v >= 100 else f"{v:.1f}"
+
+
+def _median_max(xs):
+    """'median / max' in ms of the numbers in ``xs`` (None and NaN left out), '–' for none."""
+    xs = sorted(x for x in xs if isinstance(x, (int, float)) and math.isfinite(x))
+    if not xs:
+        return "–"
+    n = len(xs)
+    med = xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+    return f"{_ms(med)} / {_ms(xs[-1])}"
+
+
+def _span(xs):
+    """'2.00x', or '1.90x to 2.00x' where the values differ."""
+    lo, hi = _x(min(xs)), _x(max(xs))
+    return lo if lo == hi else f"{lo} to {hi}"
+
+
+def _by_phase(rows, phase_of, order):
+    """[(phase, rows)] in ``order`` (phases not in it last), then ('all', rows)."""
+    seen = list(dict.fromkeys(phase_of(x) for x in rows))
+    phases = [p for p in order if p in seen] + [p for p in seen if p not in order]
+    return [(p, [x for x in rows if phase_of(x) == p]) for p in phases] + [("all", rows)]
+
+
+@formatter("torch_attention")
+def _torch_attention(r):
+    out = []
+    single, ranks2 = r.get("single") or [], r.get("ranks2") or []
+    if single or ranks2:
+        cases = {}  # (setup, tokens, dtype, mask) -> {mode: row}
+        for x in single:
+            threads = f"{x['threads']} thread{'s' if x['threads'] > 1 else ''}"
+            setup = f"1 rank, {threads}; SDPA {threads}"
+            cases.setdefault((setup, x["seq"], x["dtype"], "causal" if x["causal"] else "full"), {})[x["mode"]] = \
+                (x["sdpa_s"], x["ring_s"], x["ratio"])
+        for x in ranks2:
+            setup = "2 ranks, 1 thread each (zigzag); SDPA 2 threads"
+            cases.setdefault((setup, x["seq"], x["dtype"], "causal"), {})[x["mode"]] = \
+                (x["sdpa_2threads_s"], x["ring_2ranks_s"], x["ratio"])
+        rows = [[setup, seq, dtype, mask]
+                + [f"{_ms(m[mode][0])} / {_ms(m[mode][1])} ({_x(m[mode][2])})" if mode in m else "–"
+                   for mode in ("fwd", "fwdbwd")] for (setup, seq, dtype, mask), m in cases.items()]
+        head = ["setup", "tokens", "dtype", "mask", "forward: SDPA / ring ms (SDPA time / ring time)",
+                "forward + backward: SDPA / ring ms (SDPA time / ring time)"]
+        out.append(f"`commlib.nn.ring_attention` against torch's `scaled_dot_product_attention` (SDPA) on the same "
+                   f"tensors (torch {r['torch']}, {r['device']}, batch {r['batch']}, {r['heads']} heads of "
+                   f"{r['head_dim']}, {r['kv_heads']} K/V heads); best of {r['trials']} timed calls after "
+                   f"{r['warmup']} warm-up, the two alternated. On 2 ranks, the slowest rank's time against one "
+                   "SDPA process with as many threads as the ring has ranks."
+                   + (" A dash: not run (half-precision backward on CPU above `--half-bwd-max-seq` tokens)."
+                      if any(len(m) < 2 for m in cases.values()) else "") + "\n\n" + _table(head, rows))
+    bidir = r.get("bidir") or []
+    if bidir:
+        cases = {}
+        for x in bidir:
+            link = "loopback" if x["link"] == "loopback" else f"emulated, {x['link_gbps']:g} GB/s a direction"
+            key = (link, f"{x['seq']} ({x['seq_local']})", x["dtype"], _size(x["expected_kv_bytes_per_step"]))
+            cases.setdefault(key, {})[x["mode"]] = x
+        rows = [list(key) + [f"{_ms(m[mode]['uni']['critical_path_s'])} / {_ms(m[mode]['bidir']['critical_path_s'])} "
+                             f"({_x(m[mode]['critical_path_ratio'])})" if mode in m else "–"
+                             for mode in ("fwd", "fwdbwd")] for key, m in cases.items()]
+        head = ["link", "tokens (per rank)", "dtype", "K/V a rank sends a step",
+                "forward: one-way / two-way ms (ratio)", "forward + backward: one-way / two-way ms (ratio)"]
+        fewer = [x["bytes_per_link_per_step_ratio"] for x in bidir if x.get("bytes_per_link_per_step_ratio")]
+        out.append(f"The two-way ring (`bidirectional=True`) against the one-way ring at {bidir[0]['ranks']} ranks, "
+                   "one thread each, not causal, contiguous layout, as many K/V heads as query heads: the critical "
+                   "path (the sum over the ring's steps of the slowest rank's step time), best of the trials. "
+                   "Loopback is this machine's shared memory; the emulated link is a full-duplex link of a given "
+                   "bandwidth in front of every pair of ranks, where communication outweighs compute."
+                   + (f" Counted from the messages sent, the two-way ring puts {_span(fewer)} fewer bytes on a "
+                      "link in a step." if fewer else "")
+                   + "\n\n" + _table(head, rows))
+    error = r.get("error") or []
+    if error:
+        grads = ("out", "dq", "dk", "dv")
+        rows = [[x["ranks"], x["layout"], "causal" if x["causal"] else "full"]
+                + [f"{x[g]['ring']:.2e} ({_x(x[g]['ratio'])})" for g in grads] for x in error]
+        head = ["ranks", "layout", "mask"] + [f"`{g}` error (ring's / SDPA's)" for g in grads]
+        out.append(f"bfloat16 error against the rank count: ring attention forward and backward on "
+                   f"{error[0]['seq']} tokens ({error[0]['device']}), gathered and compared with float64 SDPA on the "
+                   "whole sequence, the same bfloat16 inputs: the relative error ‖x − x₆₄‖ / ‖x₆₄‖ of the output and "
+                   "the three gradients, and in brackets its ratio to bfloat16 SDPA's own error (1x: the same "
+                   "error).\n\n" + _table(head, rows))
+    return "\n\n".join(out)
+
+
+@formatter("lm_ft_overhead")
+def _lm_ft_overhead(r):
+    c = r["config"]
+    head = ["job pair", "plain tokens/s", "fault-tolerant tokens/s", "fault-tolerant / plain", "load"]
+    rows = [[x["rep"] + 1, f"{x['plain_tokens_per_s']:.0f}", f"{x['ft_tokens_per_s']:.0f}", f"{x['ratio']:.2f}",
+             f"{x['load']:.1f}"] for x in r["rows"]]
+    return (f"What `--fault-tolerant` costs with no failure: the LM training app "
+            f"(`python -m commlib.apps.lm {' '.join(c['model'])}`, {c['np']} ranks, the ULFM launch line) with and "
+            "without it, in alternating jobs; tokens/s from the slowest rank's median step. Median of "
+            f"fault-tolerant / plain over {len(r['rows'])} pairs: {r['median_ratio']:.2f} (1: no cost).\n\n"
+            + _table(head, rows))
+
+
+def _lm_good(x):
+    return (x["recovered"] and x.get("extra") == 0 and x.get("failures") == 1 and x.get("losses_ok", True)
+            and bool(x.get("identical")))
+
+
+@formatter("lm_ft_soak")
+def _lm_ft_soak(r):
+    c, s = r["config"], r["summary"]
+    head = ["kill phase", "runs", "finished", "all good", "failure seen to redone step, median / max ms",
+            "kill to redone step, median / max ms", "work lost, median / max ms"]
+    rows = [[p, len(xs), sum(x["recovered"] for x in xs), sum(_lm_good(x) for x in xs),
+             _median_max(x.get("recovery_s") for x in xs), _median_max(x.get("kill_to_redo_s") for x in xs),
+             _median_max(x.get("lost_s") for x in xs)]
+            for p, xs in _by_phase(r["rows"], lambda x: x["phase"],
+                                   ("forward", "backward", "allreduce", "optimizer", "eval"))]
+    return (f"The LM training app (`python -m commlib.apps.lm {' '.join(c['model'])} --fault-tolerant`, {c['np']} "
+            "ranks, the ULFM launch line) with one rank SIGKILLed per run, the rank (rank 0 included), step and "
+            f"phase drawn at random (seed {c['seed']}). All good: the run finished with that one failure, "
+            "the survivors' parameters are identical, and every training and validation loss is within a "
+            f"relative {c['rel']:g} of a one-process run; other ranks lost in all: {s['extra_fail_stops']}. Work lost "
+            "is the failed attempt's time before the failure was seen.\n\n" + _table(head, rows))
+
+
+@formatter("ddp_soak")
+def _ddp_soak(r):
+    jobs = r["jobs"]
+    head = ["kill phase", "jobs", "finished", "right parameters", "recovery per survivor, median / max ms"]
+    rows = [[p, len(xs), sum(bool(x["finished"]) for x in xs), sum(bool(x["right"]) for x in xs),
+             _median_max(v for x in xs for v in (x.get("recovery_s") or []))]
+            for p, xs in _by_phase(jobs, lambda x: x["plan"][2], ("start", "backward", "allreduce"))]
+    hung = sum(bool(x.get("hang")) for x in jobs)
+    return (f"Torch DDP on the `\"commlib\"` backend: the fault-tolerance guide's resilient training loop as "
+            f"written, {r['ranks']} ranks under the ULFM launch line, one rank SIGKILLed per job at a random step "
+            f"(rank 0 included; seed {r['seed']}), at the step's start, in the backward pass while DDP's bucket "
+            f"all-reduces run, or before the loss all-reduce. Finished: the {r['ranks'] - 1} survivors completed "
+            "every step; right: their parameters equal a one-process run's within 1e-10 times the largest. "
+            "Recovery is from a survivor seeing the failure to its redone step's start (revoke, shrink, state "
+            "restore, process-group and DDP rebuild)." + (f" Jobs that hung: {hung}." if hung else "")
+            + "\n\n" + _table(head, rows))
 
 
 def render(record):

@@ -113,9 +113,10 @@ no_mpi_tests() {
   fi
   echo "+ PYTHONPATH=$pp (mpi4py blocked)"
   # the timing-driven files (kills, floods, deadlines): each file's tests one at a
-  # time, two files side by side (--dist loadfile): most of their time is waiting
-  # out a deadline or a stalled peer (1.4 of their 3.6 minutes on a core; 2.2
-  # minutes wall instead of 3.6 here); the rest in $WORKERS pytest-xdist workers
+  # time, three files side by side (--dist loadfile): most of their time is waiting
+  # out a deadline or a stalled peer (1.4 of their 3.6 minutes on a core; on 2 cores
+  # 86 s wall three side by side, 117-131 s two, 3.6 minutes one); the rest in
+  # $WORKERS pytest-xdist workers
   local f timed="" rest="" rc=0
   for f in $NO_MPI; do
     case " $NO_MPI_TIMED " in *" $f "*) timed="$timed $f" ;; *) rest="$rest $f" ;; esac
@@ -128,7 +129,7 @@ no_mpi_tests() {
   if [ -n "${timed// /}" ]; then
     # shellcheck disable=SC2086
     PYTHONPATH=$pp timeout 1500 "$PY" -P -m pytest -q -rfEs --color=no -p no:cacheprovider --timeout=600 \
-      -n "$WORKERS" --dist loadfile $timed "$@" || rc=1
+      -n "$((WORKERS + 1))" --dist loadfile $timed "$@" || rc=1
   fi
   return $rc
 }

@@ -24,8 +24,11 @@ export PYTHONDONTWRITEBYTECODE=  # bytecode written on first import, as in tests
 status=0
 # shellcheck source=tests/stage.sh
 . tests/stage.sh
+# three pytest-xdist workers: the bounded-error jobs mostly wait out their 2 s timeout
+# (on 2 cores 35 s, one at a time 58 s)
 stage "MPICH: serial collectives and bounded-error fault tests" timeout 900 "$PY" -P -m pytest -q -rfEs --color=no \
-  -p no:cacheprovider --timeout=300 tests/test_collectives_unit.py tests/test_ft.py tests/test_communicator.py || status=1
+  -p no:cacheprovider --timeout=300 -n 3 --dist worksteal tests/test_collectives_unit.py tests/test_ft.py \
+  tests/test_communicator.py || status=1
 # a rank's death without ULFM: every survivor exits in bounded time naming the last checkpoint, and
 # the resume on another rank count gives the uninterrupted run's losses (hydra -disable-auto-cleanup)
 stage "MPICH: LM checkpoint, kill, resume (no ULFM)" timeout 600 "$PY" -P -m pytest -q -rfEs --color=no -p no:cacheprovider \

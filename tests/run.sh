@@ -70,36 +70,46 @@ want serial && { stage "serial tests ($SERIAL_WORKERS workers)" timeout 1500 "$P
 TIMED_PAR=${COMMLIB_TIMED_PAR_TESTS-"tests/test_ft.py::test_random_kill_points tests/test_ft.py::test_kill_corners tests/test_ft_dup_after_death.py"}
 TIMED_ALONE=${COMMLIB_TIMED_ALONE_TESTS-"tests/test_slurm.py"}
 timed_tests() {
-  local t par="" deselect=() rc=0
+  local t par="" deselect=() rc=0 alone_log="" alone_pid=""
   for t in $TIMED_PAR; do  # only those of files this run has in TIMED
     case " ${TIMED//$'\n'/ } " in *" ${t%%::*} "*) par="$par $t" deselect+=("--deselect=$t") ;; esac
   done
+  local alone=() rest=() f
+  for f in $TIMED; do
+    case " $TIMED_ALONE " in *" $f "*) alone+=("$f") ;; *) rest+=("$f") ;; esac
+  done
+  # The Slurm jobs (a test cluster of their own, started by the file: daemons on
+  # ports below the ephemeral range) run in the background beside the ULFM
+  # kill-point jobs, which leave a core part idle (about 0.7 core each, two at a
+  # time); their output is printed after those.
+  if [ ${#alone[@]} -gt 0 ]; then
+    alone_log=$(mktemp "${TMPDIR:-/tmp}/commlib-alone.XXXXXX")
+    timeout 1500 "$PY" -P -m pytest -q -rfEs --color=no -p no:cacheprovider --timeout=600 "${alone[@]}" "$@" \
+      >"$alone_log" 2>&1 &
+    alone_pid=$!
+  fi
   if [ -n "${par// /}" ]; then
     # shellcheck disable=SC2086
     timeout 1500 "$PY" -P -m pytest -q -rfEs --color=no -p no:cacheprovider --timeout=600 -n 2 $par "$@" || rc=1
+  fi
+  if [ -n "$alone_pid" ]; then
+    echo "+ ${alone[*]} (run beside the kill-point jobs):"
+    wait "$alone_pid" || rc=1
+    cat "$alone_log"
+    rm -f "$alone_log"
   fi
   # the rest: each file's tests one at a time, two files side by side (--dist
   # loadfile); their bounds are seconds above what a recovery takes, and all of them
   # passed side by side under a load of 6-12 (131 tests in 447 s; one at a time 808 s at a
   # load of 10-18, 322 s on a quiet machine)
-  # The Slurm jobs (a test cluster of their own, started by the file) run after them,
-  # alone: beside the ULFM jobs' TCP traffic its slurmctld once failed to start, and
-  # the file skipped (in CI, where MPICH's leg started the same cluster alone).
-  local alone=() rest=() f
-  for f in $TIMED; do
-    case " $TIMED_ALONE " in *" $f "*) alone+=("$f") ;; *) rest+=("$f") ;; esac
-  done
   if [ ${#rest[@]} -gt 0 ]; then
     timeout 1500 "$PY" -P -m pytest -q -rfEs --color=no -p no:cacheprovider --timeout=600 -n 2 --dist loadfile \
       "${rest[@]}" "${deselect[@]}" "$@" || rc=1
   fi
-  if [ ${#alone[@]} -gt 0 ]; then
-    timeout 1500 "$PY" -P -m pytest -q -rfEs --color=no -p no:cacheprovider --timeout=600 "${alone[@]}" "$@" || rc=1
-  fi
   return $rc
 }
 if want timed && [ -n "${TIMED// /}" ]; then
-  stage "serial tests, timing-driven (the ULFM kill-point jobs two at a time, the rest two files at a time, then the Slurm jobs)" \
+  stage "serial tests, timing-driven (the ULFM kill-point jobs two at a time beside the Slurm jobs, then the rest two files at a time)" \
     timed_tests "$@" || status=1
 fi
 no_mpi_tests() {

@@ -51,12 +51,29 @@ install_slurm() {
   return 0
 }
 
-free_ports() {  # N free TCP ports on this host
+free_ports() {  # N free TCP ports on this host, below the kernel's ephemeral range
+  # (ip_local_port_range, 32768 and up by default): a port the kernel hands out for
+  # bind(0) or connect() could be taken by another job's socket (an MPI job's TCP
+  # transport) between this check and the daemons' start
   python3 - "$1" <<'EOF'
-import socket, sys
-socks = [socket.socket() for _ in range(int(sys.argv[1]))]
-for s in socks:
-    s.bind(("127.0.0.1", 0))
+import random, socket, sys
+lo = 20000
+try:
+    hi = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+except (OSError, ValueError, IndexError):
+    hi = 32768
+hi = max(hi, lo + 1000)
+socks = []
+for port in random.sample(range(lo, hi), 200):
+    s = socket.socket()
+    try:
+        s.bind(("", port))
+    except OSError:
+        s.close()
+        continue
+    socks.append(s)
+    if len(socks) == int(sys.argv[1]):
+        break
 print(" ".join(str(s.getsockname()[1]) for s in socks))
 EOF
 }

@@ -95,11 +95,16 @@ def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds, *,
     tag = next_tag(transport)
     local = work if src is None else src
     ufunc = op.ufunc
+    if save is None and head is None and not direct and maxlen * work.itemsize > SEGMENT_BYTES:
+        if timeout is None:  # exchange()'s unbounded step, without its call per step
+            step = transport.sendrecv
+        else:  # each segment within what is left of the call's deadline
+            def step(sendbuf, dest, recvbuf, source, stag, rtag):
+                exchange(transport, sendbuf, dest, recvbuf, source, stag, timeout)
+        _segmented(step, work, local, bounds, tmp, ufunc, n, r, tag)
+        return
     if timeout is None and save is None and head is None:  # exchange()'s unbounded step, without its call per step
         sendrecv = transport.sendrecv
-        if not direct and maxlen * work.itemsize > SEGMENT_BYTES:
-            _segmented(sendrecv, work, local, bounds, tmp, ufunc, n, r, tag)
-            return
         for s in range(n - 1):
             sc = (r - s - 1) % n
             rc = (sc - 1) % n
@@ -137,7 +142,8 @@ SEGMENT_BYTES = 4 << 20
 
 
 def _segmented(sendrecv, work, local, bounds, tmp, ufunc, n: int, r: int, tag: int) -> None:
-    """The unbounded in-place steps of :func:`reduce_scatter_ring_inplace` with
+    """The in-place steps of :func:`reduce_scatter_ring_inplace` (``sendrecv``:
+    the transport's, or a step bounded by the call's deadline) with
     each chunk cut into ``k`` segments (the same ``k`` on every rank, from the
     largest chunk; segment ``j`` of a chunk depends on that chunk's length only,
     so a sender's and its receiver's segments match).  Same elements combined

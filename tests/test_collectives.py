@@ -518,15 +518,26 @@ def test_recvbuf_mismatch(comm):
 
 @pytest.mark.parametrize("count", [1000, 4099, 65537])
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float64)])
-def test_segmented_ring_in_place_gives_the_ring_order(comm, monkeypatch, count, dtype):
+@pytest.mark.parametrize("timeout", [None, 60.0], ids=["unbounded", "bounded"])
+def test_segmented_ring_in_place_gives_the_ring_order(comm, monkeypatch, count, dtype, timeout):
     """A large in-place ring exchanges each chunk in segments (the partial stays in
-    cache); with the segment size cut to a few elements, every count here is cut
-    into several uneven segments, and the bits must still be the ring order's."""
+    cache), with a deadline (each segment's wait bounded by what is left of the
+    call's) or without; with the segment size cut to a few elements, every count
+    here is cut into several uneven segments, and the bits must still be the ring
+    order's."""
     from commlib.collectives import reduce_scatter_ring  # noqa: PLC0415
     monkeypatch.setattr(reduce_scatter_ring, "SEGMENT_BYTES", 7 * dtype.itemsize)
+    calls = []
+    if timeout is not None:  # the bounded path must be the one taken: its steps go through exchange()
+        real = reduce_scatter_ring.exchange
+        monkeypatch.setattr(reduce_scatter_ring, "exchange", lambda *a, **k: (calls.append(1), real(*a, **k)))
     seed = 31 + count
     inputs = [_data(dtype, count, r, seed) for r in range(comm.size)]
     x = inputs[comm.rank].copy()
-    comm.allreduce(x, op="sum", algorithm="ring")
+    comm.allreduce(x, op="sum", algorithm="ring", timeout=timeout)
+    from commlib.collectives.allreduce_ring import PAIR_BYTES  # noqa: PLC0415 - 2 ranks, small: one exchange
+    if timeout is not None and comm.size > 1 and (comm.size > 2 or count * dtype.itemsize > PAIR_BYTES):
+        chunk = -(-count // comm.size)
+        assert len(calls) >= (comm.size - 1) * -(-chunk // 7), (len(calls), count, comm.size)
     want = ring_oracle(inputs, "sum")
     assert x.tobytes() == want.tobytes(), f"rank {comm.rank}: {int((x != want).sum())} of {count} elements differ"

@@ -132,6 +132,10 @@ EOF
 
 # a recorded PID is ours while its command line still names our config (not a reused PID)
 ours() { [ -r "/proc/$1/cmdline" ] && tr '\0' ' ' <"/proc/$1/cmdline" | grep -qF -- " $DIR/slurm"; }
+# a child started by this script is running (a zombie or a gone PID is not): during the
+# start a daemon's PID can still be the forked shell before its exec (a loaded machine
+# widens that window), whose command line is not yet the daemon's, so not ours yet
+running() { [ -r "/proc/$1/status" ] && ! grep -q '^State:[[:space:]]*Z' "/proc/$1/status" 2>/dev/null; }
 
 # the step daemons of this cluster's jobs (their SLURM_CONF is one of ours), and the tasks under them
 stepds() {
@@ -206,7 +210,7 @@ start() {
   fi
   while :; do
     while read -r n pid; do
-      ours "$pid" || { say "$n (PID $pid) exited during start; its log:"; tail -n 15 "$DIR/log/${n/:/-}.log" "$DIR/log/${n/:/-}.out" 2>/dev/null; stop; exit 1; }
+      running "$pid" || { say "$n (PID $pid) exited during start; its log:"; tail -n 15 "$DIR/log/${n/:/-}.log" "$DIR/log/${n/:/-}.out" 2>/dev/null; stop; exit 1; }
     done <"$DIR/pids"
     idle=$(SLURM_CONF=$CONF timeout 5 sinfo -h -N -t idle -o %N 2>/dev/null | sort -u | wc -l) || idle=0
     [ "$idle" -ge "$NODES" ] && break

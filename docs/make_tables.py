@@ -20,6 +20,7 @@ import math
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -352,9 +353,7 @@ def _median_max(xs):
     xs = sorted(x for x in xs if isinstance(x, (int, float)) and math.isfinite(x))
     if not xs:
         return "–"
-    n = len(xs)
-    med = xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
-    return f"{_ms(med)} / {_ms(xs[-1])}"
+    return f"{_ms(statistics.median(xs))} / {_ms(xs[-1])}"
 
 
 def _span(xs):

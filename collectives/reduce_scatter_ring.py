@@ -103,7 +103,7 @@ def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds, *,
                 exchange(transport, sendbuf, dest, recvbuf, source, stag, timeout)
         _segmented(step, work, local, bounds, tmp, ufunc, n, r, tag)
         return
-    if timeout is None and save is None and head is None:  # exchange()'s unbounded step, without its call per step
+    if timeout is None and save is None and head is None:  # whole chunks, unbounded: the transport's sendrecv
         sendrecv = transport.sendrecv
         for s in range(n - 1):
             sc = (r - s - 1) % n

@@ -7,7 +7,8 @@ module: ``from commlib.collectives.allreduce_ring import allreduce_ring``):
 ``allgather_ring``, ``bcast_binomial``, ``alltoall_pairwise``, ``barrier``
 (``barrier_dissemination``).  Beside them: ``engine`` and ``specs`` (the one
 engine and its table of collective specifications), ``halo`` (Cartesian
-ghost-cell exchange), ``attention`` (sequence-parallel ring / striped / zigzag
+ghost-cell exchange) and ``halo_node`` (the same through shared memory
+on one node), ``attention`` (sequence-parallel ring / striped / zigzag
 / Ulysses attention), ``recovery`` (the one retry runner and the recovery
 policies' contract), ``ulfm`` (the ULFM policy: revoke, agree, shrink, retry)
 with its ``watchdog``, and ``ft`` (a communicator's call under its policy).
@@ -27,6 +28,7 @@ _LAZY = {
     "barrier_dissemination": ".barrier",
     **dict.fromkeys(("FaultTolerance", "recover"), ".ft"),
     **dict.fromkeys(("HaloExchange", "HaloRequest"), ".halo"),
+    "NodeHalo": ".halo_node",
     **dict.fromkeys(("OPS", "Op", "get_op"), ".ops"),
 }
 
@@ -52,6 +54,7 @@ __all__ = [
     "get_op",
     "HaloExchange",
     "HaloRequest",
+    "NodeHalo",
     "LAYOUTS",
     "local_seq_len",
     "ring_attention",

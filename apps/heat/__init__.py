@@ -60,10 +60,11 @@ __all__ = ["HeatResult", "decompose", "solve", "solve_ft", "main", "BACKENDS", "
 # The halo exchange (commlib.collectives.halo: mpi4py.MPI, numba) loads on
 # first use, so the command line refuses a bad value before paying for it.
 # The solvers look it up here at each call (a test may replace it).
-def __getattr__(name):  # PEP 562: ``heat.HaloExchange``
-    if name == "HaloExchange":
-        from commlib.collectives.halo import HaloExchange  # noqa: PLC0415
+def __getattr__(name):  # PEP 562: ``heat.HaloExchange``, ``heat.NodeHalo``
+    if name in ("HaloExchange", "NodeHalo"):
+        import commlib.collectives  # noqa: PLC0415
 
-        globals()[name] = HaloExchange
-        return HaloExchange
+        value = getattr(commlib.collectives, name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -48,6 +48,15 @@ def load_solver():
     _halo_exchange()
 
 
+#: the ``halo`` choices of :func:`solve`
+HALOS = ("auto", "shm", "mpi")
+
+
+def _node_halo():
+    """``commlib.apps.heat.NodeHalo`` (the shared-memory exchange), looked up at each call."""
+    return getattr(sys.modules[__package__], "NodeHalo")
+
+
 def _halo_exchange():
     """The halo exchange class the drivers build: the package's
     ``commlib.apps.heat.HaloExchange`` (it loads on first use), looked up at
@@ -224,13 +233,49 @@ class _Block:
         self.fields = to_backend(backend, u0)
         self.sides = neighbour_sides(cart.dims, cart.coords)
         self.exchange = any(low or high for low, high in self.sides)  # False at 1 rank: no halo call at all
+        self.node = self.exchange and hasattr(halo, "push")  # a NodeHalo: shared memory, boundary first
         self.run_all, self.run_inner, self.run_shell = region_updates(backend, self.fields, c, shape, halo.width,
                                                                        self.sides)
+        self.planes = 1
+        self._four = None  # the numba backend's four-planes-per-pass updates, tried in tune()
+        # the same verdict on every rank (tune() is collective): every block is >= 8 planes thick
+        if backend == "numba" and len(shape) == 3 and grid[0] // cart.dims[0] >= 8:
+            self._four = region_updates(backend, self.fields, c, shape, halo.width, self.sides, planes=4)
         # temporal blocking (two steps per sweep and per exchange): numba, a halo of width >= 2 with corners
         self.run_two = None
         if backend == "numba" and min(halo.width) >= 2 and halo.corners:
             self.run_two = two_step_update(self.fields, c, shape, halo.width, self.sides)
         self.sync = synchronizer(backend)
+
+    def tune(self, comm, p, overlap):
+        """Keep the faster of the one- and four-planes-per-pass updates
+        (:func:`.model.region_updates`), the same on every rank: each rank
+        times both on its own fields (the region the loop runs most: the
+        interior with overlap, else the whole block; one untimed call each,
+        a barrier, then the best of three, alternating), and one all-reduce sums the
+        ranks' times, so a rank whose clock was disturbed cannot leave the
+        ranks with different kernels.  Collective over ``comm`` (every rank
+        or none: ``_four`` is set from the global grid).  Writes only
+        ``fields[1 - p]`` (the next step overwrites it).  The field is the
+        same bit for bit either way; ``planes`` says which won."""
+        if self._four is None:
+            return
+        one, four = (self.run_all, self.run_inner, self.run_shell), self._four
+        which = 1 if (overlap and self.exchange) else 0
+        best = np.full(2, math.inf)
+        clock = time.perf_counter
+        four[which](p)  # compile
+        one[which](p)
+        comm.barrier()  # every rank times at once: the memory traffic of the run
+        for _ in range(3):
+            for k, fns in enumerate((one, four)):
+                t = clock()
+                fns[which](p)
+                best[k] = min(best[k], clock() - t)
+        best = comm.allreduce(best, op="sum")
+        if best[1] < best[0]:
+            self.run_all, self.run_inner, self.run_shell = four
+            self.planes = 4
 
     def owned(self, parity):
         """A new C-contiguous float64 host array of ``shape``: the owned
@@ -247,7 +292,7 @@ class _Timers:
 
 
 # --------------------------------------------------------------- time loop
-def run_steps(comm, blk, start, stop, overlap, timers, before_step=None, progress=None, time_block=1):
+def run_steps(comm, blk, start, stop, overlap, timers, before_step=None, progress=None, time_block=1, tune=True):
     """Take the steps ``[start, stop)`` on ``blk``: the one time loop of both drivers.
 
     First every kernel the loop uses is compiled and warmed up (numba
@@ -281,6 +326,10 @@ def run_steps(comm, blk, start, stop, overlap, timers, before_step=None, progres
         time_block: 1, or 2 for temporal blocking (``blk.run_two`` set, no
             ``before_step``): one exchange per two steps, then both steps in
             one wavefront sweep (no overlap); an odd last step is a plain one.
+        tune: with time_block 1, pick the faster update kernel first
+            (:meth:`_Block.tune`: one all-reduce over ``comm``, part of the
+            warm-up); the fault-tolerant driver passes False (its epochs
+            keep the one-plane kernel and add no collective).
 
     Returns:
         float: seconds of the steps (wall clock on this rank, device work
@@ -295,9 +344,12 @@ def run_steps(comm, blk, start, stop, overlap, timers, before_step=None, progres
     clock = time.perf_counter
     p0 = start & 1
     t_compile = clock()
-    if exchange:  # the halo's pack/unpack kernels too; step start's exchange fills the same ghost cells again
+    if exchange and not blk.node:  # the halo's pack/unpack kernels too; step start's exchange fills them again
         halo.exchange(fields[p0])
     run_all(p0)
+    if time_block == 1 and tune:
+        blk.tune(comm, p0, overlap)
+        run_all, run_inner, run_shell = blk.run_all, blk.run_inner, blk.run_shell
     run_all(p0, 0)  # compiles the many-steps kernel (zero steps: no cell written)
     if time_block == 2:
         blk.run_two(p0, 0)
@@ -313,6 +365,8 @@ def run_steps(comm, blk, start, stop, overlap, timers, before_step=None, progres
         t0 = clock()
         if time_block == 2:
             t_comm = _two_step_loop(blk, start, stop, bar)
+        elif blk.node:
+            t_comm = _node_loop(blk, start, stop, overlap, before_step, bar)
         elif not exchange and before_step is None:  # no neighbour: the steps in one call (bar: in chunks)
             chunk = stop - start if bar is None else max(1, (stop - start) // 100)
             s = start
@@ -352,6 +406,39 @@ def run_steps(comm, blk, start, stop, overlap, timers, before_step=None, progres
         if bar is not None:
             bar.close()
     return wall
+
+
+def _node_loop(blk, start, stop, overlap, before_step, bar):
+    """:func:`run_steps`' loop over a :class:`commlib.collectives.NodeHalo`
+    (shared memory); returns the seconds in halo calls.  Step ``s`` pulls its
+    ghosts, updates the shell, pushes the shell's cells as step ``s + 1``'s
+    ghosts, then updates the interior (without overlap: the whole block, then
+    the push), so a neighbour that is behind finds its next step there."""
+    fields, halo, clock = blk.fields, blk.halo, time.perf_counter
+    run_all, run_inner, run_shell = blk.run_all, blk.run_inner, blk.run_shell
+    a = clock()
+    halo.push(fields[start & 1], start)
+    t_comm = clock() - a
+    for s in range(start, stop):
+        p = s & 1
+        if before_step is not None:
+            before_step(s)
+        a = clock()
+        halo.pull(fields[p], s)
+        t_comm += clock() - a
+        if overlap:
+            run_shell(p)
+        else:
+            run_all(p)
+        if s + 1 < stop:
+            a = clock()
+            halo.push(fields[1 - p], s + 1)
+            t_comm += clock() - a
+        if overlap:
+            run_inner(p)
+        if bar is not None:
+            bar.update(1)
+    return t_comm
 
 
 def _two_step_loop(blk, start, stop, bar):
@@ -411,7 +498,7 @@ class _Stop(Exception):
 
 
 def solve(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final=None,
-          progress=None, overlap=True, time_block=1, start=None, stop=None):
+          progress=None, overlap=True, time_block=1, start=None, stop=None, halo="auto"):
     """Run the solver on ``comm``.
 
     Args:
@@ -449,6 +536,15 @@ def solve(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final=No
             the first (time_block 1), collective and alike on every rank (the
             command line's agreement on a stop signal): True ends the run
             there, the result's ``steps`` saying how many were taken.
+        halo: how ghost cells travel: ``"shm"``: through shared memory
+            (:class:`commlib.collectives.NodeHalo`: every rank on one x86-64
+            node, host backends, time_block 1), each step pulling its ghosts,
+            updating the shell and pushing the next step's edge cells before
+            the interior; ``"mpi"``: messages
+            (:class:`commlib.collectives.HaloExchange`, overlapped with the
+            interior update); ``"auto"`` (default): ``"shm"`` where it can
+            run, else ``"mpi"``.  The field is the same bit for bit.  The
+            result's ``extra["halo"]`` says which ran.
 
     Returns:
         (HeatResult, local_field): the summary (same on every rank) and this
@@ -463,8 +559,11 @@ def solve(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final=No
             another backend than numba; raised on every rank before any halo
             message moves.  With ``time_block=2``, a block thinner than 2
             cells along a dimension with neighbours (the halo exchange's
-            InvalidArgument, on every rank).  Also (on each rank that lacks it) the cupy
-            backend without CuPy or without a GPU.
+            InvalidArgument, on every rank).  ``halo`` not one of "auto",
+            "shm", "mpi", or "shm" where shared memory cannot run (a
+            device backend, time_block 2, ranks on several nodes, not
+            x86-64).  Also (on each rank that lacks it) the cupy backend
+            without CuPy or without a GPU.
     """
     op = "heat.solve"
     problem = None
@@ -473,11 +572,23 @@ def solve(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final=No
     elif time_block == 2 and backend != "numba":
         problem = InvalidArgument(f"time_block=2 (temporal blocking) runs the numba backend, not {backend!r}",
                                   rank=comm.rank, op=op)
+    elif halo not in HALOS:
+        problem = InvalidArgument(f"halo must be one of {HALOS}, got {halo!r}", rank=comm.rank, op=op)
+    elif halo == "shm" and (time_block != 1 or backend in DEVICE_BACKENDS):
+        problem = InvalidArgument(f"halo='shm' (shared memory) runs host backends with time_block=1, not "
+                                  f"backend {backend!r} with time_block={time_block}", rank=comm.rank, op=op)
     grid = _check_args(comm, grid, backend, cfl, alpha, progress, op, steps, t_final, local_error=problem)
     dx, dt, steps, c = time_step(grid, alpha, cfl, steps, t_final)
     cart, shape, offset = _setup(comm, grid, op)
     wide = time_block == 2
-    halo = _halo_exchange()(cart, shape, width=2 if wide else 1, corners=wide, dtype=np.float64)
+    plan = None
+    if halo != "mpi" and comm.size > 1 and not wide and backend not in DEVICE_BACKENDS:
+        try:
+            plan = _node_halo()(cart, shape, dtype=np.float64)
+        except InvalidArgument:  # every rank alike: no shared memory here
+            if halo == "shm":
+                raise
+    halo = plan or _halo_exchange()(cart, shape, width=2 if wide else 1, corners=wide, dtype=np.float64)
     first = 0 if start is None else int(start[0])
     blk = _Block(cart, halo, shape, offset, grid, alpha, backend, c, start=None if start is None else start[1])
     timers = _Timers()
@@ -494,7 +605,8 @@ def solve(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final=No
         done, wall = exc.step, time.perf_counter() - t0
     halo.free()
     local = blk.owned(done & 1)
-    res = _summary(comm, grid, blk, local, backend, done, alpha, dt, dx, wall, timers)
+    res = _summary(comm, grid, blk, local, backend, done, alpha, dt, dx, wall, timers,
+                   extra={"halo": "shm" if plan is not None else "mpi"})
     if first:  # the updates of this run only
         res.mlups = math.prod(grid) * (done - first) / res.wall_s / 1e6 if res.wall_s > 0 else float("nan")
         res.glups = res.mlups / 1e3
@@ -675,7 +787,7 @@ def solve_ft(comm, grid, steps=200, alpha=1.0, backend="numba", cfl=0.5, t_final
             if s in kills:
                 _kill_self()
 
-        run_steps(comm, blk, ep.step, steps, True, timers, before_step=before_step, progress=progress)
+        run_steps(comm, blk, ep.step, steps, True, timers, before_step=before_step, progress=progress, tune=False)
         ep.ck = _buddy_checkpoint(comm, blk, steps, geo, members)  # a failure in the reductions restarts here
         local = blk.owned(steps & 1)
         wall = time.perf_counter() - t_start - timers.compile_s

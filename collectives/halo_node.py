@@ -72,6 +72,8 @@ class NodeHalo:
     rank can, every segment exists, every rank has attached its neighbours').
 
     Attributes:
+        name: this rank's segment's name (unlinked once every neighbour has
+            attached it).
         shape: a field's shape (``local_shape + 2``); interior: the index of
             the owned cells; width: ghost layers per dimension (all 1);
             corners: False (faces only).
@@ -125,8 +127,9 @@ class NodeHalo:
                 offsets[k] = pos
                 pos += 2 * _round(self._face_bytes(i))
         own, problem = None, None
+        self.name = name.format(cart.rank)
         try:
-            own = shm.Segment.create(name.format(cart.rank), max(pos, _LINE))
+            own = shm.Segment.create(self.name, max(pos, _LINE))
             own.buf[table:table + offsets.nbytes] = offsets.view(np.uint8)
             self._segments.append(own)
         except OSError as exc:

@@ -173,7 +173,8 @@ BAD_CLI = [
     ["--fault-tolerant", "--steps", "10", "--kill", "0:10"], ["--fault-tolerant", "--kill", "0:1", "--kill", "0:2"],
     ["--fault-tolerant", "--kill", "0:3"], ["--dims", "3", "--grid", "4000"],
     ["--json", "/nonexistent/x.json"], ["--plot", "/nonexistent/x.png"], ["--json", "/"],
-    ["--backend", "fortran"], ["--no-such-option"],
+    ["--backend", "fortran"], ["--no-such-option"], ["--halo", "tcp"], ["--halo", "shm", "--time-block", "2"],
+    ["--halo", "shm", "--backend", "cuda"], ["--halo", "shm", "--fault-tolerant"],
 ]
 
 

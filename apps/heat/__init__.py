@@ -9,8 +9,9 @@ dimension (``dx_i = 1/(N_i+1)``) and the stable time step
 first order in time; with ``dt ~ dx^2`` the error falls as O(dx^2).
 
 The grid is split over the ranks by :func:`commlib.compute_dims` (remainders spread
-over the first ranks of each dimension); ghost cells are filled by
-:class:`commlib.collectives.HaloExchange`, whose message packing uses
+over the first ranks of each dimension); ghost cells are filled through shared memory
+(:class:`commlib.collectives.NodeHalo`) where every rank is on one node, else
+by :class:`commlib.collectives.HaloExchange`, whose message packing uses
 commlib's own datatypes; the interior update overlaps the exchange.  Every
 rank count gives the same field bit for bit as one rank (same arithmetic in
 the same order per cell).
@@ -25,10 +26,14 @@ The package, one thing per module:
   exact solution (the oracle), the FTCS step and stencil kernels, the halo
   layout (interior and shell regions) and the device launch geometry;
   nothing communicates.
-* :mod:`.solver`: the one time loop (:func:`.solver.run_steps`) and its two
-  drivers, :func:`solve` and the fault-tolerant :func:`solve_ft` (the same
-  loop plus checkpoint, kill and recovery hooks); :func:`gather_field` and
-  the single-process check.
+* :mod:`.timeloop`: a rank's block (its two fields, the halo, the region
+  updates and the kernel it picks by timing) and the one time loop
+  (:func:`.timeloop.run_steps`): message halos overlapped with the interior,
+  the shared-memory halo (shell first, then the interior), temporal
+  blocking, or every step in one call on a rank with no neighbour.
+* :mod:`.solver`: the two drivers over that loop, :func:`solve` and the
+  fault-tolerant :func:`solve_ft` (the same loop plus checkpoint, kill and
+  recovery hooks); :func:`gather_field` and the single-process check.
 * :mod:`.cli`: the command line (``python -m commlib.apps.heat``, see
   :mod:`.__main__`): argparse, refusals, printing, ``--json``, plots and the
   progress bar.

@@ -20,9 +20,9 @@ from dataclasses import asdict
 import commlib  # light: commlib's names load on first use
 
 from .._cli import EXIT_REQUEUE, OneLineParser, StopSignals, unwritable, world_size
-from .model import BACKENDS, time_step
+from .model import BACKENDS, DEVICE_BACKENDS, time_step
 from .restart import FILE, check_resume, describe, read_checkpoint, write_checkpoint
-from .solver import load_solver, gather_field, matches_one_rank
+from .solver import HALOS, load_solver, gather_field, matches_one_rank
 
 #: limits of the command line (a grid side, all grid points, steps)
 MAX_SIDE, MAX_POINTS, MAX_STEPS = 1 << 20, 1 << 36, 10 ** 9
@@ -81,6 +81,8 @@ def check_args(parser: argparse.ArgumentParser, args, size: int | None = None) -
         err(f"--cfl must be in (0, 1] (a fraction of the FTCS stability limit), got {args.cfl}")
     if args.time_block == 2 and (args.backend != "numba" or args.fault_tolerant):
         err("--time-block 2 runs the numba backend without --fault-tolerant")
+    if args.halo == "shm" and (args.backend in DEVICE_BACKENDS or args.time_block == 2 or args.fault_tolerant):
+        err("--halo shm runs the numpy or numba backend with --time-block 1 and without --fault-tolerant")
     if args.checkpoint_every < 1:
         err(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
     need = _bytes_per_rank(grid, size, args.fault_tolerant)
@@ -197,6 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(needs CuPy and a GPU; bit-identical to numpy). Device kernels: coalesced thread blocks "
                         "marching along the first axis, one launch per region (default numba)")
     p.add_argument("--no-overlap", action="store_true", help="exchange halos before updating (no overlap)")
+    p.add_argument("--halo", choices=HALOS, default="auto",
+                   help="how ghost cells travel: shm: through shared memory on one node (each rank copies its edge "
+                        "cells into its neighbours' mailboxes and raises a step counter there; no MPI message); "
+                        "mpi: MPI messages (persistent requests, packed by commlib's datatypes); auto: shm where "
+                        "every rank is on one x86-64 node and the backend is numpy or numba with --time-block 1, "
+                        "else mpi (default auto). The field is the same bit for bit")
     p.add_argument("--time-block", type=int, choices=(1, 2), default=1,
                    help="steps per sweep over the block and per halo exchange: 2 is temporal blocking (numba "
                         "backend: halos 2 cells wide, both steps in one wavefront sweep, no overlap; the same field "
@@ -269,8 +277,9 @@ def print_summary(res, grid) -> None:
     print(f"  error vs exact: L2 {res.l2_error:.3e} (relative {res.rel_l2_error:.3e}), max {res.max_error:.3e}")
     if res.compile_s is not None:
         print(f"  kernel compilation and warm-up (before the timed loop): {res.compile_s:.3f} s")
+    halo = {"shm": ", halo through shared memory", "mpi": ", halo by MPI messages"}.get(res.extra.get("halo"), "")
     print(f"  {res.mlups:.1f} MLUPS ({res.glups:.2f} GLUPS), wall {res.wall_s:.3f} s, "
-          f"comm fraction {res.comm_fraction:.1%}")
+          f"comm fraction {res.comm_fraction:.1%}{halo if res.ranks > 1 else ''}")
     if res.verified is not None:
         print(f"  single-process check: {'bit-identical' if res.verified else 'MISMATCH'}")
     elif res.extra.get("verify_skipped"):
@@ -340,7 +349,7 @@ def _main(argv=None) -> int:
         kw = {} if args.start is None and stop is None else dict(start=args.start and args.start[:2], stop=stop)
         res, local = heat.solve(comm, grid, steps=args.steps, alpha=args.alpha, backend=args.backend,
                                 cfl=args.cfl, t_final=args.t_final, progress=progress,
-                                overlap=not args.no_overlap, time_block=args.time_block, **kw)
+                                overlap=not args.no_overlap, time_block=args.time_block, halo=args.halo, **kw)
     if args.start is not None:
         res.extra["resumed"] = dict(from_step=args.start[0], checkpoint=args.resume, ranks_then=args.start[2]["ranks"],
                                     ranks_now=comm.size)

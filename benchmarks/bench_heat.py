@@ -4,7 +4,9 @@ the copy-bandwidth roofline of the same arrays, all in one run.
 Three things are timed per grid, in alternating order, ``--trials`` times:
 
 * **commlib**: ``commlib.apps.heat.solve`` (numba backend, the command line's
-  defaults: halo exchange overlapped with the interior update).
+  defaults: on one node the ghost cells travel through shared memory, the
+  shell updated and pushed before the interior; elsewhere MPI messages
+  overlapped with the interior update; ``--halo`` picks one).
 * **hand-written**: the solver a user writes with mpi4py and numba alone
   (:func:`hand_solve`): ``MPI.Compute_dims``, a Cartesian communicator, each
   face copied with ``np.ascontiguousarray`` and sent with ``Sendrecv`` (one
@@ -218,7 +220,7 @@ def _span(xs):
     return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "trials": xs}
 
 
-def bench_grid(comm, mpicomm, grid, steps, trials, overlap, time_block=False):
+def bench_grid(comm, mpicomm, grid, steps, trials, overlap, time_block=False, halo="auto"):
     """One grid: ``trials`` alternating timings of commlib, the hand-written
     solver and the roofline copy; returns the row (rank 0's numbers are the
     job's: every rate is over all ranks, with the slowest rank's seconds)."""
@@ -226,7 +228,7 @@ def bench_grid(comm, mpicomm, grid, steps, trials, overlap, time_block=False):
     from mpi4py import MPI  # noqa: PLC0415
 
     cells = int(np.prod(grid))
-    res, local = heat.solve(comm, grid, steps=2, overlap=overlap)  # compile, warm up
+    res, local = heat.solve(comm, grid, steps=2, overlap=overlap, halo=halo)  # compile, warm up
     padded = tuple(n + 2 for n in local.shape)
     hand_solve(mpicomm, grid, 2)
     if time_block:
@@ -242,7 +244,7 @@ def bench_grid(comm, mpicomm, grid, steps, trials, overlap, time_block=False):
     for t in range(trials):
         for what in names if t % 2 == 0 else names[::-1]:
             if what == "commlib":
-                res, mine = heat.solve(comm, grid, steps=steps, overlap=overlap)
+                res, mine = heat.solve(comm, grid, steps=steps, overlap=overlap, halo=halo)
                 ours.append(cells * steps / res.wall_s / 1e6)
             elif what == "blocked":
                 res2, two = heat.solve(comm, grid, steps=steps, time_block=2)
@@ -273,11 +275,13 @@ def bench_grid(comm, mpicomm, grid, steps, trials, overlap, time_block=False):
         "commlib_over_hand": _span([a / b for a, b in zip(ours, hand)]),
         "hand_over_roofline": _span([b / best_roof for b in hand]),
         "commlib_over_roofline": _span([a / best_roof for a in ours]),
-        "commlib_comm_fraction": res.comm_fraction, "same_field": same,
+        "commlib_comm_fraction": res.comm_fraction, "commlib_halo": res.extra.get("halo"), "same_field": same,
     }
 
 
 def print_rows(rows, ranks):
+    halos = sorted({str(r.get("commlib_halo")) for r in rows})
+    print(f"# commlib's ghost cells: {', '.join(halos)} (shm: shared memory; mpi: messages; none: one rank)")
     print(f"# heat, numba backend, {ranks} rank(s); MLUPS of all ranks, min-max over trials; ratios paired per "
           "trial, median [min-max]; roofline: the best copy trial; MiB: u + un of every rank on the node")
 
@@ -341,6 +345,9 @@ def build_parser():
     p.add_argument("--trials", type=int_in(1, 1000, "trials"), default=3,
                    help="timed runs of each of the three, alternating (default 3)")
     p.add_argument("--no-overlap", action="store_true", help="run commlib's solver without overlap")
+    p.add_argument("--halo", choices=("auto", "shm", "mpi"), default="auto",
+                   help="how commlib's ghost cells travel: shared memory (shm), MPI messages (mpi) or the "
+                        "solver's choice (auto: shm on one node; default)")
     p.add_argument("--time-block", action="store_true",
                    help="also time commlib's solver with temporal blocking (time_block=2: two steps per sweep and "
                         "per halo exchange), reported in a table of its own")
@@ -369,7 +376,8 @@ def main(argv=None):
     rows = []
     for g in args.grids:
         steps = args.steps or max(10, round(UPDATES_PER_RUN / int(np.prod(g))))
-        rows.append(bench_grid(comm, mpicomm, list(g), steps, args.trials, not args.no_overlap, args.time_block))
+        rows.append(bench_grid(comm, mpicomm, list(g), steps, args.trials, not args.no_overlap, args.time_block,
+                               args.halo))
     if comm.rank == 0:
         load = (load_before[0], os.getloadavg()[0])
         print_rows(rows, comm.size)

@@ -148,7 +148,8 @@ def test_solve_on_either_halo_equals_one_rank(halo, overlap, grid):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("planes", [1, 4])
-def test_solve_with_either_kernel_equals_one_rank(monkeypatch, planes):
+@pytest.mark.parametrize("dims", [2, 3])
+def test_solve_with_either_kernel_equals_one_rank(monkeypatch, planes, dims):
     """Whichever kernel the timing picks, the field is the one of one rank."""
     def tune(self, comm, p, overlap):
         if planes == 4 and self.backend == "numba":  # (not the numpy reference run)
@@ -158,7 +159,7 @@ def test_solve_with_either_kernel_equals_one_rank(monkeypatch, planes):
 
     monkeypatch.setattr(timeloop.Block, "tune", tune)
     comm = commlib.init()
-    grid = (8 * comm.size + 3, 9, 10)
+    grid = (8 * comm.size + 3, 9, 10) if dims == 3 else (8 * comm.size + 5, 13)
     _, local = heat.solve(comm, grid, steps=6)
     full = heat.gather_field(comm, list(grid), local)
     if comm.rank == 0:
@@ -167,13 +168,15 @@ def test_solve_with_either_kernel_equals_one_rank(monkeypatch, planes):
 
 
 # ------------------------------------------------------------ no MPI needed
-@pytest.mark.parametrize("shape", [(9, 7, 6), (4, 5, 6), (13, 3, 5), (1, 4, 4)])
-@pytest.mark.parametrize("sides", [((True, True),) * 3, ((False, True), (True, False), (False, False))])
-def test_four_planes_per_pass_equals_numpy(shape, sides):
+@pytest.mark.parametrize("shape", [(9, 7, 6), (4, 5, 6), (13, 3, 5), (1, 4, 4), (11, 6), (3, 9)])
+@pytest.mark.parametrize("mixed", [False, True])
+def test_four_planes_per_pass_equals_numpy(shape, mixed):
+    d = len(shape)
+    sides = ((False, True), (True, False), (False, False))[:d] if mixed else ((True, True),) * d
     rng = np.random.default_rng(sum(shape))
     u = rng.random([n + 2 for n in shape])
-    c = np.array([0.11, 0.13, 0.07])
-    width = (1, 1, 1)
+    c = np.array([0.11, 0.13, 0.07])[:d]
+    width = (1,) * d
     full_lo, full_hi = width, tuple(n + 1 for n in shape)
     ref = np.zeros_like(u)
     numpy_update(u, ref, c, full_lo, full_hi)

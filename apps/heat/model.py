@@ -142,12 +142,13 @@ def _get_numba(d):
     * ``steps(a, b, c, boxes, n)``: ``n`` steps over ``boxes`` with no
       exchange between them, ``a -> b``, ``b -> a``, ...: the whole run of a
       rank with no neighbour in one call;
-    * 3-D only, ``boxes4`` and ``steps4``: the same with four planes (first
-      axis) per pass over a box.  Which is faster depends on where the
-      fields live: on this 2-core test machine one plane per pass ran at
-      0.83x a copy of the same arrays from the last-level cache and four
-      planes at 0.67x; from DRAM (192^3) 0.61x and 0.76x.  The solver times
-      both on its own fields before it starts (:func:`region_updates`).
+    * 2-D and 3-D, ``boxes4`` and ``steps4``: the same with four planes
+      (rows in 2-D: the first axis) per pass over a box.  Which is faster
+      depends on where the fields live: on this 2-core test machine one
+      plane per pass ran at 0.83x a copy of the same arrays from the
+      last-level cache and four planes at 0.67x; from DRAM (192^3) 0.61x
+      and 0.76x (2-D, 2656^2: 0.75x and 0.94x).  The solver times both on
+      its own fields before it starts (:meth:`.timeloop.Block.tune`).
     * ``two_steps``: temporal blocking (:func:`two_step_update`).
 
     One loop nest per box indexes the fields directly (``u[i, j, l]``) with
@@ -236,7 +237,32 @@ def _get_numba(d):
                     for l in range(np.uint64(lo[2]), np.uint64(hi[2])):  # noqa: E741
                         cell(u, un, c0, c1, c2, i, j, l)
                 i += one
+    elif d == 2:
+        @numba.njit(cache=True, nogil=True, inline="always")
+        def cell(u, un, c0, c1, i, j):  # box's arithmetic for one cell, in its order
+            one = np.uint64(1)
+            ctr = u[i, j]
+            un[i, j] = ctr + (c0 * (u[i - one, j] - 2.0 * ctr + u[i + one, j])
+                              + c1 * (u[i, j - one] - 2.0 * ctr + u[i, j + one]))
 
+        @numba.njit(cache=True, nogil=True, inline="always")
+        def box4(u, un, c, lo, hi):
+            # four rows per pass (the 3-D kernel's planes, one dimension down)
+            one, two, three, four = np.uint64(1), np.uint64(2), np.uint64(3), np.uint64(4)
+            c0, c1 = c[0], c[1]
+            i, ie = np.uint64(lo[0]), np.uint64(hi[0])
+            while i + four <= ie:
+                for j in range(np.uint64(lo[1]), np.uint64(hi[1])):
+                    cell(u, un, c0, c1, i, j)
+                    cell(u, un, c0, c1, i + one, j)
+                    cell(u, un, c0, c1, i + two, j)
+                    cell(u, un, c0, c1, i + three, j)
+                i += four
+            while i < ie:
+                for j in range(np.uint64(lo[1]), np.uint64(hi[1])):
+                    cell(u, un, c0, c1, i, j)
+                i += one
+    if d in (2, 3):
         @numba.njit(cache=True, nogil=True)
         def boxes4(u, un, c, bx):
             for k in range(bx.shape[0]):
@@ -449,7 +475,7 @@ def region_updates(backend, fields, c, shape, width, sides, chunk=None, planes=1
     Device launches are configured here (kernel specialized and bound to its
     grid, arguments for both parities prepared), and the numba backend's boxes
     are built once, so a step allocates nothing.  ``planes``: 1, or 4 for the
-    numba backend's four-planes-per-pass kernels (3-D) in ``run_all`` and
+    numba backend's four-planes-per-pass kernels (2-D, 3-D) in ``run_all`` and
     ``run_inner`` (the shell's faces are one plane thick either way); the
     field is the same bit for bit.
     """
@@ -496,8 +522,8 @@ def region_updates(backend, fields, c, shape, width, sides, chunk=None, planes=1
         return run_all, run_inner, run_shell
 
     kern = _get_numba(len(shape))
-    boxes, many = (kern["boxes4"], kern["steps4"]) if planes == 4 and len(shape) == 3 else (kern["boxes"],
-                                                                                          kern["steps"])
+    boxes, many = (kern["boxes4"], kern["steps4"]) if planes == 4 and "boxes4" in kern else (kern["boxes"],
+                                                                                           kern["steps"])
     one_plane = kern["boxes"]
     whole = _box_array([(full_lo, full_hi)])
     inner = _box_array([(inner_lo, inner_hi)]) if has_inner else None

@@ -49,7 +49,7 @@ class Block:
         self.planes = 1
         self._four = None  # the numba backend's four-planes-per-pass updates, tried in tune()
         # the same verdict on every rank (tune() is collective): every block is >= 8 planes thick
-        if backend == "numba" and len(shape) == 3 and grid[0] // cart.dims[0] >= 8:
+        if backend == "numba" and len(shape) in (2, 3) and grid[0] // cart.dims[0] >= 8:
             self._four = region_updates(backend, self.fields, c, shape, halo.width, self.sides, planes=4)
         # temporal blocking (two steps per sweep and per exchange): numba, a halo of width >= 2 with corners
         self.run_two = None

@@ -215,6 +215,101 @@ def last_level_cache_bytes():
     return best
 
 
+# ---------------------------------------------------------------- profile
+PHASES = {"shm": ("wait", "ghosts in", "shell", "push", "interior"),
+          "mpi": ("start", "interior", "wait", "shell"), "none": ("update",)}
+
+
+def profile_grid(comm, mpicomm, grid, steps, halo="auto"):
+    """Where a step's time goes: the solver's own block and loop, each phase
+    timed per step (``time.perf_counter`` around it), ``steps`` steps after a
+    warm-up.  Returns ``{"halo": kind, "planes": kernel, "us_per_step":
+    {phase: [per rank]}, "total_us": [per rank], "update_alone_us": [per
+    rank]}`` (the last: the whole block's update with no halo, every rank at
+    once)."""
+    from commlib.apps import heat  # noqa: PLC0415
+    from commlib.apps.heat import timeloop  # noqa: PLC0415
+    import commlib  # noqa: PLC0415
+
+    d = len(grid)
+    cart = comm.cart_create(dims=commlib.compute_dims(comm.size, d), periods=[False] * d)
+    shape, offset = heat.block_of(grid, cart.dims, cart.coords)
+    _, _, steps, c = heat.time_step(grid, 1.0, 0.5, steps)
+    plan, kind = None, "none" if comm.size == 1 else "mpi"
+    if comm.size > 1 and halo != "mpi":
+        try:
+            plan, kind = heat.NodeHalo(cart, shape), "shm"
+        except commlib.InvalidArgument:
+            pass
+    plan = plan or heat.HaloExchange(cart, shape, width=1, corners=False)
+    blk = timeloop.Block(cart, plan, shape, offset, grid, 1.0, "numba", c)
+    f, clock = blk.fields, time.perf_counter
+    blk.run_all(0)
+    blk.tune(comm, 0, comm.size > 1)
+    blk.run_inner(0)
+    blk.run_shell(0)
+    acc = np.zeros(len(PHASES[kind]))
+    if kind == "mpi":
+        plan.exchange(f[0])
+    mpicomm.Barrier()
+    t0 = clock()
+    if kind == "shm":
+        plan.push(f[0], 0)
+    for s in range(steps):
+        p = s & 1
+        t = [clock()]
+        if kind == "shm":
+            for face in plan.faces:
+                while face.in_count[0] <= s:
+                    pass
+            t.append(clock())
+            plan.pull(f[p], s)
+            t.append(clock())
+            blk.run_shell(p)
+            t.append(clock())
+            if s + 1 < steps:
+                plan.push(f[1 - p], s + 1)
+            t.append(clock())
+            blk.run_inner(p)
+        elif kind == "mpi":
+            req = plan.start(f[p])
+            t.append(clock())
+            blk.run_inner(p)
+            t.append(clock())
+            req.wait()
+            t.append(clock())
+            blk.run_shell(p)
+        else:
+            blk.run_all(p)
+        t.append(clock())
+        acc += np.diff(t)
+    total = (clock() - t0) / steps * 1e6
+    mpicomm.Barrier()
+    t0 = clock()
+    for s in range(steps):
+        blk.run_all(s & 1)
+    alone = (clock() - t0) / steps * 1e6
+    per = mpicomm.allgather(acc / steps * 1e6)
+    out = {"halo": kind, "planes": mpicomm.allgather(blk.planes), "total_us": mpicomm.allgather(total),
+           "update_alone_us": mpicomm.allgather(alone),
+           "us_per_step": {ph: [float(r[k]) for r in per] for k, ph in enumerate(PHASES[kind])}}
+    plan.free()
+    cart.free()
+    return out
+
+
+def print_profile(grid, prof):
+    ranks = len(prof["total_us"])
+    print(f"# {'x'.join(map(str, grid))}: µs per step per rank, ghost cells: {prof['halo']}, "
+          f"update kernel: {prof['planes'][0]} plane(s) per pass")
+    names = list(prof["us_per_step"]) + ["step", "update alone"]
+    print(f"{'rank':>6} " + " ".join(f"{n:>12}" for n in names))
+    for r in range(ranks):
+        vals = [prof["us_per_step"][n][r] for n in prof["us_per_step"]] + [prof["total_us"][r],
+                                                                             prof["update_alone_us"][r]]
+        print(f"{r:>6} " + " ".join(f"{v:12.1f}" for v in vals))
+
+
 # -------------------------------------------------------------------- run
 def _span(xs):
     return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "trials": xs}
@@ -351,6 +446,10 @@ def build_parser():
     p.add_argument("--time-block", action="store_true",
                    help="also time commlib's solver with temporal blocking (time_block=2: two steps per sweep and "
                         "per halo exchange), reported in a table of its own")
+    p.add_argument("--profile", action="store_true",
+                   help="also say where a step's time goes: the solver's block and loop with each phase timed "
+                        "(shared-memory halo: wait, ghosts in, shell, push, interior; messages: start, interior, "
+                        "wait, shell; one rank: the update), per rank, beside the update alone")
     p.add_argument("--json", metavar="PATH", type=writable_file, help="write the rows to this JSON file")
     p.add_argument("--plot", metavar="PATH", type=writable_file, help="write a bar chart (PNG) of the rows")
     return p
@@ -378,9 +477,14 @@ def main(argv=None):
         steps = args.steps or max(10, round(UPDATES_PER_RUN / int(np.prod(g))))
         rows.append(bench_grid(comm, mpicomm, list(g), steps, args.trials, not args.no_overlap, args.time_block,
                                args.halo))
+        if args.profile:
+            rows[-1]["profile"] = profile_grid(comm, mpicomm, list(g), steps, args.halo)
     if comm.rank == 0:
         load = (load_before[0], os.getloadavg()[0])
         print_rows(rows, comm.size)
+        for r in rows:
+            if "profile" in r:
+                print_profile(r["grid"], r["profile"])
         print(f"# load average (1 min) before / after: {load[0]:.2f} / {load[1]:.2f} on {os.cpu_count()} CPUs "
               f"(this job's {comm.size} rank(s) included after)")
         write_json(args.json, {"ranks": comm.size, "host": socket.gethostname(), "cpus": os.cpu_count(),

@@ -42,9 +42,10 @@ AREAS = {
     "pack": "python -P benchmarks/bench_pack.py --quick --dims 1 2 --no-progress --json {json} --plot {plot}",
     "pingpong": f"{MPIEXEC} -n 2 python -P benchmarks/bench_typed_pingpong.py --sizes 256 4096 65536 "
                 "--blocks 8 512 --repeat 2000 --no-progress --json {json} --plot {plot}",
-    "heat": f"{MPIEXEC} -n 2 python -P benchmarks/bench_heat.py --trials 3 --time-block --json {{json}} --plot {{plot}}",
-    "heat_1": f"{MPIEXEC} -n 1 python -P benchmarks/bench_heat.py --trials 3 --json {{json}} --plot {{plot}}",
-    "heat_4": f"{MPIEXEC} -n 4 python -P benchmarks/bench_heat.py --trials 3 --json {{json}} --plot {{plot}}",
+    "heat": f"{MPIEXEC} -n 2 python -P benchmarks/bench_heat.py --trials 7 --time-block --profile "
+            "--json {json} --plot {plot}",
+    "heat_1": f"{MPIEXEC} -n 1 python -P benchmarks/bench_heat.py --trials 5 --json {{json}} --plot {{plot}}",
+    "heat_4": f"{MPIEXEC} -n 4 python -P benchmarks/bench_heat.py --trials 7 --json {{json}} --plot {{plot}}",
     "attention": f"{MPIEXEC} -n 2 python -P benchmarks/bench_attention.py --seq 4096 --json {{json}}",
     "window": f"{MPIEXEC} -n 2 python -P benchmarks/bench_window.py --seq 8192 --window 512 --json {{json}}",
     "ft_recovery": "python -P benchmarks/bench_ft.py recovery --runs 10 --json {json}",
@@ -263,6 +264,17 @@ def _heat(r):
                  "bound by the one-sweep roofline.\n\n"
                  + _table(["grid", "commlib, time_block=2, MLUPS", "/ hand-written", "/ one-sweep roofline"],
                           rows))
+    prof = [x for x in r["rows"] if "profile" in x]
+    if prof:
+        names = list(prof[0]["profile"]["us_per_step"])
+        rows = [["×".join(map(str, x["grid"])), x["profile"]["halo"], str(x["profile"]["planes"][0])]
+                + [f"{max(x['profile']['us_per_step'][n]):.1f}" for n in names]
+                + [f"{max(x['profile']['total_us']):.1f}", f"{max(x['profile']['update_alone_us']):.1f}"]
+                for x in prof]
+        text += ("\n\nWhere a step's time goes (`--profile`: the solver's own block and loop with each phase "
+                 "timed, µs per step, the slowest rank's; *update alone*: the whole block's update with no halo, "
+                 "both ranks at once). The timers add a few µs per phase.\n\n"
+                 + _table(["grid", "ghost cells", "planes per pass"] + names + ["step", "update alone"], rows))
     return text
 
 

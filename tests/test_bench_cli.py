@@ -105,3 +105,32 @@ def test_bench_torch_backend_quick_run_at_2_ranks(tmp_path):
     assert [r["bytes"] for r in rec["rows"]] == [8] and rec["rows"][0]["target"] == 10.0
     assert rec["rows"][0]["commlib"]["time_us"] > 0 and rec["rows"][0]["gloo"]["time_us"] > 0
     assert rec["ddp"]["max_param_diff"] <= 1e-6 * max(1.0, rec["ddp"]["param_scale"])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("halo", ["auto", "mpi"])
+def test_bench_heat_quick_run_with_profile_at_2_ranks(tmp_path, halo):
+    """Two small grids under ``mpiexec -n 2`` with ``--profile``: commlib and the hand-written
+    solver end with the same field, the ghost cells went the way asked, and every phase of the
+    profile is a share of the step it was timed in (figures themselves are the benchmark's)."""
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    mpiexec = here if os.access(here, os.X_OK) else shutil.which("mpiexec")
+    if mpiexec is None:
+        pytest.skip("no mpiexec beside this python or on PATH")
+    out = tmp_path / "heat.json"
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = [mpiexec, "--oversubscribe", "-n", "2", sys.executable, "-P", str(BENCH / "bench_heat.py"),
+           "--grids", "20x18x16", "40x36", "--steps", "12", "--trials", "1", "--profile", "--halo", halo,
+           "--json", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=env)
+    assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-2000:])
+    rec = json.loads(out.read_text())
+    want = "shm" if halo == "auto" else "mpi"
+    for row in rec["rows"]:
+        assert row["same_field"] is True and row["commlib_halo"] == want
+        prof = row["profile"]
+        assert prof["halo"] == want and len(set(prof["planes"])) == 1, prof
+        for r in range(2):
+            spent = sum(prof["us_per_step"][ph][r] for ph in prof["us_per_step"])
+            assert 0 < spent <= prof["total_us"][r], prof
+    assert "ghost cells: " + want in res.stdout

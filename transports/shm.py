@@ -60,8 +60,8 @@ class Segment:
     :meth:`close` unmaps (the arrays viewing :attr:`buf` must be dropped first).
 
     Raises:
-        OSError: from ``open``/``ftruncate``/``mmap`` (no space in
-            ``/dev/shm``, the name taken or missing, ...).
+        OSError: from ``open``/``ftruncate``/``posix_fallocate``/``mmap``
+            (no space in ``/dev/shm``, the name taken or missing, ...).
     """
 
     def __init__(self, name: str, nbytes: int | None, create: bool):
@@ -74,6 +74,8 @@ class Segment:
             size = os.fstat(fd).st_size
             if create:
                 os.ftruncate(fd, int(nbytes))  # a new file reads as zeros
+                # take the pages now: a full /dev/shm is an OSError here, not a SIGBUS at the first write
+                os.posix_fallocate(fd, 0, int(nbytes))
             elif nbytes is not None and size < nbytes:
                 raise OSError(f"shared segment {name} has {size} bytes, expected {nbytes}")
             self.nbytes = int(nbytes if create or nbytes is not None else size)

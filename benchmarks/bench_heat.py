@@ -20,7 +20,9 @@ Three things are timed per grid, in alternating order, ``--trials`` times:
   in a table of its own: it is not bound by the one-sweep roofline.
 * **roofline**: a numba copy between two float64 arrays of each rank's padded
   block shape (the solver's ``u`` and ``un``, back and forth as the solver
-  swaps them), every rank at once.  FTCS reads one value and writes one per
+  swaps them), every rank at once, in one stream and in eight interleaved
+  streams, the faster counting (from DRAM one stream is bound by the misses
+  it keeps in flight, not by the memory).  FTCS reads one value and writes one per
   update when the stencil's neighbours hit in the nearer caches: 16 bytes, the
   traffic of that copy, so ``copies x cells / seconds`` is the most updates
   per second this machine can do on these arrays in one sweep per step.  It
@@ -162,37 +164,52 @@ def hand_solve(comm, grid, steps, alpha=1.0, cfl=0.5):
 
 
 # ---------------------------------------------------------------- roofline
-_COPY = []
+_COPY = {}
+STREAMS = (1, 8)  # the copies timed: one stream, and eight interleaved streams
 
 
-def _copy_kernel():
-    if not _COPY:
+def _copy_kernel(streams):
+    """A numba copy ``a -> b, b -> a, ...`` of two float64 arrays, their flat
+    index range cut into ``streams`` parts copied side by side in one loop."""
+    if streams not in _COPY:
         import numba  # noqa: PLC0415
 
         @numba.njit(nogil=True)
         def copy(a, b, times):
             x, y = a.reshape(-1), b.reshape(-1)
+            q = x.size // streams
             for t in range(times):
                 src, dst = (x, y) if t % 2 == 0 else (y, x)
-                for i in range(src.size):
+                for i in range(q):
+                    for k in range(streams):
+                        dst[i + k * q] = src[i + k * q]
+                for i in range(streams * q, x.size):
                     dst[i] = src[i]
 
-        _COPY.append(copy)
-    return _COPY[0]
+        _COPY[streams] = copy
+    return _COPY[streams]
 
 
 def copy_seconds(comm, padded, copies):
     """Seconds (this rank's) of ``copies`` numba copies between two float64
     arrays of ``padded`` shape (a -> b, b -> a, ...), every rank starting
-    together after a barrier."""
+    together after a barrier: the faster of the one-stream and the
+    eight-stream copy.  One stream is not the memory's limit from DRAM: it
+    is bound by the misses one stream keeps in flight (2656^2 on the 2-core
+    test machine: 1466 MLUPS in one stream, 1722 in eight; the same from the
+    cache), and a stencil that keeps more rows in flight beat it."""
     a = np.ones(padded)
     b = np.zeros_like(a)  # touched: no first-touch page faults in the timing
-    copy = _copy_kernel()
-    copy(a, b, 2)
-    comm.Barrier()
-    t0 = time.perf_counter()
-    copy(a, b, copies)
-    return time.perf_counter() - t0
+    best = None
+    for streams in STREAMS:
+        copy = _copy_kernel(streams)
+        copy(a, b, 2)
+        comm.Barrier()
+        t0 = time.perf_counter()
+        copy(a, b, copies)
+        took = time.perf_counter() - t0
+        best = took if best is None else min(best, took)
+    return best
 
 
 def last_level_cache_bytes():
@@ -419,7 +436,9 @@ def plot_rows(rows, ranks, path):
         err = [[m - r[key]["min"] for m, r in zip(med, rows)], [r[key]["max"] - m for m, r in zip(med, rows)]]
         ax.bar(xs, med, width, yerr=err, capsize=3, label=label)
     ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels([f"{'x'.join(map(str, r['grid']))}\n({r['roofline_level']})" for r in rows])
+    # the working set, not a cache/DRAM label: a virtual machine may report its host's cache in /sys
+    ax.set_xticklabels([f"{'x'.join(map(str, r['grid']))}\n({r['working_set_bytes_per_node'] / 2 ** 20:.0f} MiB)"
+                        for r in rows])
     ax.set_ylabel("MLUPS (all ranks)")
     ax.set_title(f"heat solver, numba, {ranks} rank(s)")
     ax.legend(fontsize=8)

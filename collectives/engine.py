@@ -22,7 +22,9 @@ engine alone runs the steps:
    every rank computes the same bits: one round of messages instead of two;
 4. **choose** the algorithm (the row's thresholds, already applied by
    ``prepare``) and its host or device variant, stage the buffers, and
-   **snapshot** an input the algorithm overwrites (fault-tolerant mode);
+   **snapshot** an input the algorithm overwrites (fault-tolerant mode, and
+   a plain call with a ``timeout``: its ``CommTimeout`` leaves the input as
+   it was);
 5. **run** it over the transport under the recovery policy
    (:func:`commlib.collectives.ft.run_collective`: bounded waits, and under
    ULFM revoke/agree/shrink/retry, the snapshot restored before each retry);
@@ -213,7 +215,9 @@ class Engine:
             if not c.staged:  # once per call: the views the path runs on, and its snapshot
                 if spec.stage is not None:
                     spec.stage(c, payload is not None)
-                if spec.snapshot is not None and c.ft:
+                # a snapshot where an error can stop the call midway: fault-tolerant mode (a retry), and a
+                # plain call with a deadline (its CommTimeout must leave the input as it was)
+                if spec.snapshot is not None and (c.ft or deadline is not None):
                     c.snapshot = spec.snapshot(c)
                 c.staged = True
             if payload is not None:
@@ -226,6 +230,8 @@ class Engine:
             raise ProcessFailed(f"{opname} root {root_rank} failed; no survivor holds its data",
                                 failed=comm.failed_ranks, rank=comm.rank, op=opname) from None
         except CommTimeout as exc:
+            if comm.ft is None:  # no recovery policy put the input back: the call's snapshot does
+                c.restore()
             if comm.ft is not None or deadline is None or exc.op == opname:
                 raise  # named the call already (the recovery policy, or a wait under the call's deadline)
             # a plain communicator: the call's deadline passed (its requests stay posted)

@@ -95,13 +95,13 @@ def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds, *,
     tag = next_tag(transport)
     local = work if src is None else src
     ufunc = op.ufunc
-    if save is None and head is None and not direct and maxlen * work.itemsize > SEGMENT_BYTES:
+    if head is None and not direct and maxlen * work.itemsize > SEGMENT_BYTES:
         if timeout is None:  # exchange()'s unbounded step, without its call per step
             step = transport.sendrecv
         else:  # each segment within what is left of the call's deadline
             def step(sendbuf, dest, recvbuf, source, stag, rtag):
                 exchange(transport, sendbuf, dest, recvbuf, source, stag, timeout)
-        _segmented(step, work, local, bounds, tmp, ufunc, n, r, tag)
+        _segmented(step, work, local, bounds, tmp, ufunc, n, r, tag, save)
         return
     if timeout is None and save is None and head is None:  # whole chunks, unbounded: the transport's sendrecv
         sendrecv = transport.sendrecv
@@ -141,13 +141,16 @@ def reduce_scatter_ring_inplace(transport, work: np.ndarray, op, bounds, *,
 SEGMENT_BYTES = 4 << 20
 
 
-def _segmented(sendrecv, work, local, bounds, tmp, ufunc, n: int, r: int, tag: int) -> None:
+def _segmented(sendrecv, work, local, bounds, tmp, ufunc, n: int, r: int, tag: int, save=None) -> None:
     """The in-place steps of :func:`reduce_scatter_ring_inplace` (``sendrecv``:
     the transport's, or a step bounded by the call's deadline) with
     each chunk cut into ``k`` segments (the same ``k`` on every rank, from the
     largest chunk; segment ``j`` of a chunk depends on that chunk's length only,
     so a sender's and its receiver's segments match).  Same elements combined
-    in the same order: the same bits as whole chunks."""
+    in the same order: the same bits as whole chunks.  ``save`` (a
+    :class:`.snapshot.LazySnapshot`, or None): each segment is saved just
+    before it is combined into (it is in cache then), and the last step saves
+    the chunk the allgather overwrites first, as the whole-chunk steps do."""
     seg = max(1, SEGMENT_BYTES // work.itemsize)
     k = -(-max(bounds[i + 1] - bounds[i] for i in range(n)) // seg)
     for s in range(n - 1):
@@ -162,7 +165,12 @@ def _segmented(sendrecv, work, local, bounds, tmp, ufunc, n: int, r: int, tag: i
             r0, r1 = a + j * lr // k, a + (j + 1) * lr // k
             rbuf = tmp[:r1 - r0]
             sendrecv(out[s0:s1], (r + 1) % n, rbuf, (r - 1) % n, tag, tag)
+            if save is not None:
+                save.save(r0, r1)
             ufunc(rbuf, local[r0:r1], out=work[r0:r1])
+        if save is not None and s == n - 2:
+            left = (r - 1) % n
+            save.save(bounds[left], bounds[left + 1])
 
 
 def _headed_step(transport, head, chunk, right: int, rbuf, left: int, tag: int, timeout, overlap, mine, dst,

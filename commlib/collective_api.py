@@ -231,7 +231,11 @@ class CollectiveMixin:
                 waits inside the library's collective after the first round:
                 only the first round is bounded then (and, under ULFM, the
                 watchdog).  A plain communicator whose call timed out keeps the
-                call's messages posted: treat it as broken.
+                call's messages posted: treat it as broken.  In place, a
+                bounded call keeps a copy of each part of the buffer before it
+                overwrites it, so that a ``CommTimeout`` leaves the buffer
+                holding the input again, as a fault-tolerant call does; the
+                copy costs a pass over the buffer.
 
         Returns:
             The array holding the result (``recvbuf``, or ``sendbuf`` in place).
@@ -245,7 +249,8 @@ class CollectiveMixin:
                 finite number > 0 (NaN, infinite, negative, 0, a bool), on any
                 rank (on every rank, before any byte moves).
             BufferError: unsupported or non-contiguous buffers.
-            CommTimeout: ``timeout`` passed (naming the rank and the operation).
+            CommTimeout: ``timeout`` passed (naming the rank and the operation);
+                an in-place buffer holds its input again.
             ProcessFailed: fault-tolerant mode, see ``commlib.init``.
         """
         return (self._coll_engine or self._engine()).allreduce(sendbuf, recvbuf, op, algorithm, timeout)

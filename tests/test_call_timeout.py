@@ -184,6 +184,32 @@ def test_ring_allreduce_raises_within_its_timeout(stalled_comm, check_args, monk
 
 @pytest.mark.mpi(min_size=3)
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("check_args", [True, False], ids=["first-round", "ring-only"])
+@pytest.mark.parametrize("algorithm", ["ring", "segmented-ring", "recursive_doubling"])
+def test_an_in_place_allreduce_that_timed_out_holds_its_input_again(stalled_comm, check_args, algorithm,
+                                                                     monkeypatch):
+    """A plain communicator's bounded call: the ranks next to the stalled one
+    have already reduced a neighbour's chunk into the buffer when they give
+    up; the error must not leave them with a partial sum (the segmented ring:
+    chunks exchanged in 2 KiB segments, eager, so a rank combines a whole
+    chunk before the stall reaches it)."""
+    monkeypatch.setattr(config, "check_args", check_args)
+    if algorithm == "segmented-ring":
+        from commlib.collectives import reduce_scatter_ring  # noqa: PLC0415
+        monkeypatch.setattr(reduce_scatter_ring, "SEGMENT_BYTES", 2 << 10)  # eager: sends finish unreceived
+        algorithm = "ring"
+    n = 1 << 19
+    mine = np.arange(n, dtype=np.float64) * (stalled_comm.rank + 1) + 0.25
+    buf = mine.copy()
+    got, _ = _stalled_call(lambda c: c.allreduce(buf, algorithm=algorithm, timeout=T), stalled_comm)
+    if got is not None:
+        assert got[0] == "CommTimeout", got
+        bad = np.flatnonzero(buf != mine)
+        assert bad.size == 0, f"rank {stalled_comm.rank}: {bad.size} elements changed, first at {bad[:3]}"
+
+
+@pytest.mark.mpi(min_size=3)
+@pytest.mark.timeout(60)
 def test_ring_attention_raises_within_its_timeout(stalled_comm):
     torch = pytest.importorskip("torch")
     from commlib.nn import ring_attention

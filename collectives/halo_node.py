@@ -44,6 +44,7 @@ import numpy as np
 
 from commlib.core.config import config
 from commlib.core.errors import CommTimeout, InvalidArgument
+from commlib.core.seconds import timeout_problem
 from commlib.transports import shm
 
 from .agreement import agree, check_all
@@ -81,9 +82,12 @@ class NodeHalo:
     Raises:
         InvalidArgument: on every rank alike when a rank cannot share memory
             (not x86-64, no writable ``/dev/shm``), the ranks span more than
-            one node, ``local_shape`` has an empty dimension, or a segment
-            could not be created or attached (one line naming the rank and
-            the reason).
+            one node, ``local_shape`` has an empty dimension, ``timeout`` is
+            not None or a finite number > 0, a periodic dimension has one
+            rank along it (a rank its own neighbour:
+            :class:`~commlib.collectives.HaloExchange` handles that), or a
+            segment could not be created or attached (one line naming the
+            rank and the reason).
     """
 
     corners = False
@@ -97,14 +101,17 @@ class NodeHalo:
         d = len(self.local_shape)
         self.width = (1,) * d
         self.shape = tuple(n + 2 for n in self.local_shape)
-        self.timeout = config.timeout if timeout is None else float(timeout)
         self._segments: list = []
         self.faces: list[_Face] = []
-        problem = shm.supported()
+        problem = timeout_problem(timeout)
+        self.timeout = config.timeout if timeout is None or problem else float(timeout)
+        if problem is None and (len(self.local_shape) != cart.ndim or not self.local_shape
+                                or min(self.local_shape) < 1):
+            problem = f"local_shape {self.local_shape} does not fit the {cart.ndim}-D grid"
+        if problem is None:
+            problem = shm.supported()
         if problem is None and len(tp.node_peers) != tp.size:
             problem = f"the {tp.size} ranks span more than one node ({len(tp.node_peers)} on this one)"
-        if problem is None and (len(self.local_shape) != cart.ndim or min(self.local_shape) < 1):
-            problem = f"local_shape {self.local_shape} does not fit the {cart.ndim}-D grid"
         token = np.array([secrets.randbits(62) if cart.rank == 0 else 0], np.int64)
         rows = agree(tp, (), op=op, local_error=InvalidArgument(problem, rank=cart.rank, op=op) if problem else None,
                      payload=token.view(np.uint8), capacity=8)
@@ -117,7 +124,10 @@ class NodeHalo:
             off = [0] * d
             off[i] = 1 if side else -1
             peer = cart.neighbor(tuple(off))
-            if 0 <= peer < cart.size and peer != cart.rank:
+            if peer == cart.rank and problem is None:  # a periodic dimension of one rank: its own ghosts
+                problem = (f"dimension {i} is periodic with one rank along it (this rank is its own "
+                           "neighbour); use HaloExchange")
+            elif 0 <= peer < cart.size and peer != cart.rank:
                 peers[(i, side)] = peer
         table = _LINE * len(sides)
         pos = table + _LINE * (-(-8 * len(sides) // _LINE))
@@ -126,14 +136,16 @@ class NodeHalo:
             if (i, side) in peers:
                 offsets[k] = pos
                 pos += 2 * _round(self._face_bytes(i))
-        own, problem = None, None
+        own = None
         self.name = name.format(cart.rank)
         try:
+            if problem is not None:  # (a periodic dimension of one rank, found above)
+                raise OSError(problem)
             own = shm.Segment.create(self.name, max(pos, _LINE))
             own.buf[table:table + offsets.nbytes] = offsets.view(np.uint8)
             self._segments.append(own)
         except OSError as exc:
-            problem = f"cannot create a shared-memory segment in {shm.SHM_DIR}: {exc}"
+            problem = problem or f"cannot create a shared-memory segment in {shm.SHM_DIR}: {exc}"
         self._agree(tp, problem, op)
 
         problem = None

@@ -240,3 +240,22 @@ def test_solve_refuses_a_halo_it_cannot_run(kwargs):
 
 def test_supported_here():
     assert shm.supported() is None  # the test machines are x86-64 Linux
+
+
+def test_a_rank_that_is_its_own_neighbour_or_a_bad_timeout_is_refused():
+    comm = commlib.init(MPI.COMM_SELF)
+    cart = comm.cart_create(dims=[1, 1], periods=[True, False])
+    with pytest.raises(InvalidArgument, match="periodic with one rank"):
+        NodeHalo(cart, (4, 4))
+    cart.free()
+    cart = comm.cart_create(dims=[1], periods=[False])
+    for bad in (0, -1.0, float("nan"), float("inf"), True):
+        with pytest.raises(InvalidArgument, match="timeout"):
+            NodeHalo(cart, (4,), timeout=bad)
+    halo = NodeHalo(cart, (4,), timeout=0.5)  # no neighbour: nothing to share, nothing to wait for
+    f = np.full(halo.shape, SENTINEL)
+    halo.push(f, 0)
+    halo.pull(f, 0)
+    assert np.all(f[[0, -1]] == SENTINEL) and halo.faces == []
+    halo.free()
+    cart.free()

@@ -148,7 +148,8 @@ def _get_numba(d):
       plane per pass ran at 0.83x a copy of the same arrays from the
       last-level cache and four planes at 0.67x; from DRAM (192^3) 0.61x
       and 0.76x (2-D, 2656^2: 0.75x and 0.94x).  The solver times both on
-      its own fields before it starts (:meth:`.timeloop.Block.tune`).
+      its own fields before it starts (:meth:`.timeloop.Block.tune`; runs
+      of at least ``timeloop.TUNE_CELLS`` cells per rank).
     * ``two_steps``: temporal blocking (:func:`two_step_update`).
 
     One loop nest per box indexes the fields directly (``u[i, j, l]``) with

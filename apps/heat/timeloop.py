@@ -20,7 +20,11 @@ import numpy as np
 from .model import (exact_solution, field_to_host, neighbour_sides, region_updates, synchronizer, to_backend,
                     two_step_update)
 
-__all__ = ["Block", "Timers", "run_steps"]
+__all__ = ["Block", "Timers", "run_steps", "TUNE_CELLS"]
+
+#: cells per rank (on average) from which a run times its two update kernels and keeps the faster
+#: (:meth:`Block.tune`); smaller runs keep the one-plane kernel and compile nothing more
+TUNE_CELLS = 1 << 17
 
 
 class Block:
@@ -48,8 +52,10 @@ class Block:
                                                                        self.sides)
         self.planes = 1
         self._four = None  # the numba backend's four-planes-per-pass updates, tried in tune()
-        # the same verdict on every rank (tune() is collective): every block is >= 8 planes thick
-        if backend == "numba" and len(shape) in (2, 3) and grid[0] // cart.dims[0] >= 8:
+        # the same verdict on every rank (tune() is collective): every block is >= 8 planes thick and
+        # the blocks are large enough for the choice to matter (a small run is over before it pays)
+        if (backend == "numba" and len(shape) in (2, 3) and grid[0] // cart.dims[0] >= 8
+                and math.prod(grid) >= TUNE_CELLS * cart.size):
             self._four = region_updates(backend, self.fields, c, shape, halo.width, self.sides, planes=4)
         # temporal blocking (two steps per sweep and per exchange): numba, a halo of width >= 2 with corners
         self.run_two = None

@@ -193,20 +193,25 @@ def _get_numba(d):
                                               + c1 * (u[i, j - one, l] - 2.0 * ctr + u[i, j + one, l]))
                                              + c2 * (u[i, j, l - one] - 2.0 * ctr + u[i, j, l + one]))
 
-    @numba.njit(cache=True, nogil=True)
-    def boxes(u, un, c, bx):
-        for k in range(bx.shape[0]):
-            box(u, un, c, bx[k, 0], bx[k, 1])
-
-    @numba.njit(cache=True, nogil=True)
-    def steps(a, b, c, bx, n):
-        for s in range(n):
+    def drivers(update):
+        """``(boxes, steps)`` over one box kernel (one or four planes per pass)."""
+        @numba.njit(cache=True, nogil=True)
+        def boxes(u, un, c, bx):
             for k in range(bx.shape[0]):
-                if s % 2 == 0:
-                    box(a, b, c, bx[k, 0], bx[k, 1])
-                else:
-                    box(b, a, c, bx[k, 0], bx[k, 1])
+                update(u, un, c, bx[k, 0], bx[k, 1])
 
+        @numba.njit(cache=True, nogil=True)
+        def steps(a, b, c, bx, n):
+            for s in range(n):
+                for k in range(bx.shape[0]):
+                    if s % 2 == 0:
+                        update(a, b, c, bx[k, 0], bx[k, 1])
+                    else:
+                        update(b, a, c, bx[k, 0], bx[k, 1])
+
+        return boxes, steps
+
+    boxes, steps = drivers(box)
     got = {"boxes": boxes, "steps": steps}
     if d == 3:
         @numba.njit(cache=True, nogil=True, inline="always")
@@ -264,21 +269,7 @@ def _get_numba(d):
                     cell(u, un, c0, c1, i, j)
                 i += one
     if d in (2, 3):
-        @numba.njit(cache=True, nogil=True)
-        def boxes4(u, un, c, bx):
-            for k in range(bx.shape[0]):
-                box4(u, un, c, bx[k, 0], bx[k, 1])
-
-        @numba.njit(cache=True, nogil=True)
-        def steps4(a, b, c, bx, n):
-            for s in range(n):
-                for k in range(bx.shape[0]):
-                    if s % 2 == 0:
-                        box4(a, b, c, bx[k, 0], bx[k, 1])
-                    else:
-                        box4(b, a, c, bx[k, 0], bx[k, 1])
-
-        got.update(boxes4=boxes4, steps4=steps4)
+        got["boxes4"], got["steps4"] = drivers(box4)
 
     if d == 1:
         @numba.njit(cache=True, nogil=True, inline="always")

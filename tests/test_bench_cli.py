@@ -84,15 +84,21 @@ def test_bench_help_gives_units_and_defaults(script, options):
         assert "default" in own, (o, own)
 
 
+def _mpiexec() -> str:
+    """The mpiexec beside this python (the venv's), else the one on PATH; skips without one."""
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    mpiexec = here if os.access(here, os.X_OK) else shutil.which("mpiexec")
+    if mpiexec is None:
+        pytest.skip("no mpiexec beside this python or on PATH")
+    return mpiexec
+
+
 @pytest.mark.timeout(120)
 def test_bench_torch_backend_quick_run_at_2_ranks(tmp_path):
     """``--quick --sizes 8`` under ``mpiexec -n 2``: both groups run, the row, the DDP line and the
     JSON come out (the figures themselves are not judged: speed is the benchmark's, not a test's)."""
     pytest.importorskip("torch")
-    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    mpiexec = here if os.access(here, os.X_OK) else shutil.which("mpiexec")
-    if mpiexec is None:
-        pytest.skip("no mpiexec beside this python or on PATH")
+    mpiexec = _mpiexec()
     out = tmp_path / "tb.json"
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     cmd = [mpiexec, "--oversubscribe", "-n", "2", sys.executable, "-P", str(BENCH / "bench_torch_backend.py"),
@@ -113,10 +119,7 @@ def test_bench_heat_quick_run_with_profile_at_2_ranks(tmp_path, halo):
     """Two small grids under ``mpiexec -n 2`` with ``--profile``: commlib and the hand-written
     solver end with the same field, the ghost cells went the way asked, and every phase of the
     profile is a share of the step it was timed in (figures themselves are the benchmark's)."""
-    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    mpiexec = here if os.access(here, os.X_OK) else shutil.which("mpiexec")
-    if mpiexec is None:
-        pytest.skip("no mpiexec beside this python or on PATH")
+    mpiexec = _mpiexec()
     out = tmp_path / "heat.json"
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     cmd = [mpiexec, "--oversubscribe", "-n", "2", sys.executable, "-P", str(BENCH / "bench_heat.py"),

@@ -9,6 +9,8 @@ run on the whole batch (float64, within 1e-10).
 """
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -50,8 +52,49 @@ def _reference(X, Y, steps):
     return [p.detach() for p in m.parameters()]
 
 
+@pytest.fixture(scope="module")
+def async_groups(pg):
+    """A group of every rank for each ``COMMLIB_TORCH_ASYNC`` mode (``inline``:
+    asynchronous calls inside a backward pass run in the calling thread;
+    ``thread``: on the group's worker), kept for the module (FSDP2's meshes
+    over equal rank lists would find a destroyed one's name)."""
+    from commlib.core.config import config  # noqa: PLC0415
+
+    groups, saved = {}, config.torch_async
+    try:
+        for mode in ("inline", "thread"):
+            config.torch_async = mode
+            groups[mode] = dist.new_group(list(range(dist.get_world_size())))
+    finally:
+        config.torch_async = saved
+    return groups
+
+
+@pytest.fixture(params=["inline", "thread"])
+def async_group(request, async_groups, monkeypatch):
+    """``(mode, group, threads)``: ``threads`` lists, for each asynchronous call
+    made inside a backward pass, whether it ran in the main thread."""
+    from commlib.nn.distributed import ProcessGroupCommlib  # noqa: PLC0415
+
+    threads = []
+    run = ProcessGroupCommlib._run
+
+    def spy(self, fn, result, opts):
+        if not getattr(opts, "asyncOp", True) or torch._C._current_graph_task_id() < 0:
+            return run(self, fn, result, opts)  # synchronous, or outside backward (DDP's forward-time calls)
+
+        def traced():
+            threads.append(threading.current_thread() is threading.main_thread())
+            fn()
+        return run(self, traced, result, opts)
+
+    monkeypatch.setattr(ProcessGroupCommlib, "_run", spy)
+    return request.param, async_groups[request.param], threads
+
+
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
-def test_data_parallel_matches_one_process(pg, seed, wrapper):
+def test_data_parallel_matches_one_process(async_group, seed, wrapper):
+    mode, group, threads = async_group
     r, n = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(seed)
     X = torch.randn(6 * n, 8, generator=g, dtype=torch.float64)
@@ -60,11 +103,12 @@ def test_data_parallel_matches_one_process(pg, seed, wrapper):
     m = _model()
     if wrapper == "ddp":
         # a tiny bucket: one all-reduce per parameter, issued while backward runs
-        m = torch.nn.parallel.DistributedDataParallel(m, bucket_cap_mb=1e-4)
+        m = torch.nn.parallel.DistributedDataParallel(m, bucket_cap_mb=1e-4, process_group=group)
     else:
+        from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415
         from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
 
-        fully_shard(m)
+        fully_shard(m, mesh=DeviceMesh.from_group(group, "cpu"))
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     xs, ys = X[6 * r:6 * (r + 1)], Y[6 * r:6 * (r + 1)]
     for _ in range(10):
@@ -73,4 +117,9 @@ def test_data_parallel_matches_one_process(pg, seed, wrapper):
         opt.step()
     params = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in m.parameters()]
     err = max((a - b).abs().max().item() for a, b in zip(params, ref))
-    assert err <= 1e-10, f"{wrapper}: parameters differ from the single-process run by {err:.3g}"
+    assert err <= 1e-10, f"{wrapper} ({mode}): parameters differ from the single-process run by {err:.3g}"
+    # DDP's bucket all-reduces (one a parameter) ran where the mode says: all on the worker, or in this
+    # thread (one made while the worker still runs an earlier call, such as DDP's forward-time calls,
+    # waits its turn there); FSDP2 makes its calls synchronously on CPU, in this thread either way
+    if wrapper == "ddp":
+        assert any(threads) if mode == "inline" else threads and not any(threads), (mode, threads)

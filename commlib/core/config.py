@@ -45,6 +45,13 @@ variable                        default    meaning
                                            (``srun`` without the ``--mpi=`` this MPI needs):
                                            ``warn`` (once, naming it), ``error`` (``commlib.init``
                                            raises; the job scripts set it) or ``off``
+``COMMLIB_TORCH_ASYNC``         ``auto``   how the torch backend runs ``async_op=True`` calls:
+                                           ``auto`` runs those made inside a backward pass (DDP's
+                                           and FSDP's gradient buckets) in the calling thread when
+                                           the rank has no core to spare beside torch's threads,
+                                           on the group's worker thread otherwise; ``inline``:
+                                           those in the calling thread; ``thread``: all on the
+                                           worker
 ``NUMBA_ENABLE_CUDASIM``        ``0``      numba's own variable, read here too: ``1`` runs device
                                            kernels in numba's CUDA simulator (CI without a GPU)
 ==============================  =========  =====================================================
@@ -119,6 +126,8 @@ class Config:
         small_bytes: one-round threshold of the small collectives, bytes.
         device_kernels: ``"auto"`` or ``"numba"``.
         elastic_debug: trace the elastic protocol on stderr.
+        torch_async: ``"auto"``, ``"inline"`` or ``"thread"`` (the torch backend's
+            asynchronous calls; :mod:`commlib.nn.distributed`).
         elastic_serve_rate: bytes/s cap on a donor serving shared state to a
             joining elastic peer (0: no cap).
         elastic_secret: (property, read at each use) the elastic peers' shared
@@ -138,6 +147,7 @@ class Config:
     small_bytes: int = field(default_factory=lambda: int(os.environ.get("COMMLIB_SMALL_BYTES", "1024")))
     device_kernels: str = field(default_factory=lambda: _env_str("COMMLIB_DEVICE_KERNELS", "auto"))
     slurm_singleton: str = field(default_factory=lambda: _env_str("COMMLIB_SLURM_SINGLETON", "warn"))
+    torch_async: str = field(default_factory=lambda: _env_str("COMMLIB_TORCH_ASYNC", "auto"))
     elastic_debug: bool = field(default_factory=lambda: bool(os.environ.get("COMMLIB_ELASTIC_DEBUG")))
     elastic_serve_rate: float = field(
         default_factory=lambda: float(os.environ.get("COMMLIB_ELASTIC_SERVE_RATE", "0") or 0))

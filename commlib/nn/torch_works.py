@@ -174,6 +174,15 @@ class Worker:
         self._q.put((fn, fut, error, result, on_error))
         return Work(fut, error)
 
+    def run_here(self, fn, result, on_error=None) -> Work:
+        """Run ``fn()`` now, in the calling thread, as the worker would (the
+        caller holds :attr:`running` and has found the worker idle): the work
+        returned is complete, and a failure is delivered as the worker
+        delivers it (its future completes, ``wait()`` raises)."""
+        fut, error = torch.futures.Future(), []
+        _finish(fut, error, fn, result, on_error)
+        return Work(fut, error)
+
     def stop(self, timeout: float = 1.0) -> None:
         """End the thread once the calls queued before are done (waits at most ``timeout`` seconds)."""
         th = self._thread

@@ -9,8 +9,11 @@ shared machine where absolute times do not.
   ``--sizes`` (bytes; default 8 B, then powers of 4 from 64 B to 64 MiB).  Per size
   each backend is checked once (every rank gives ``rank + 1``: the sum is exact),
   warmed up, then timed in ``--reps`` repetitions that alternate commlib / gloo,
-  each repetition a barrier on the group under test and ~20 ms of back-to-back
-  calls (fewer repetitions at large sizes, within ~4 s a size).  A repetition's
+  each repetition ~60 ms of untimed calls (this VM's memory bandwidth ramps up
+  over ~50 ms of busy time after an idle spell, and each repetition follows the
+  other backend's), a barrier on the group under test and ~20 ms of
+  back-to-back timed calls (fewer repetitions at large sizes, within ~4 s a
+  size).  A repetition's
   time is the slowest rank's mean per call; the latency is the median over the
   repetitions.  busbw = 2 (n - 1) / n * bytes / time (the bytes each rank moves in
   a ring all-reduce; nccl-tests' factor).  ratio = gloo time / commlib time,
@@ -19,7 +22,7 @@ shared machine where absolute times do not.
   with DDP's bucketed all-reduces, SGD) of an MLP of ``--ddp-layers`` float32
   Linear layers of ``--ddp-width`` (4.2 M parameters by default), one copy of the
   model on each backend from the same initial weights and batches; ``--ddp-reps``
-  alternating repetitions of ``--ddp-steps`` steps; steps/s (median) and the ratio
+  alternating repetitions of an untimed step and ``--ddp-steps`` timed steps; steps/s (median) and the ratio
   commlib / gloo against the target >= 1.3x.  The two copies' parameters are
   compared at the end (they saw the same data: they differ only by rounding).
 
@@ -62,6 +65,12 @@ KIB, MIB = 1 << 10, 1 << 20
 DEFAULT_SIZES = [8] + [64 * 4 ** k for k in range(11)]  # 8 B, 64 B .. 64 MiB
 QUICK_SIZES = [8, 64 * KIB, 1 * MIB]
 REP_SECONDS = 0.02  # calls per repetition: about this long for each backend
+#: untimed calls before each repetition, about this long: this VM's memory bandwidth ramps up over
+#: ~50 ms of busy time after an idle spell (a 64 MiB numpy copy: 10 ms after a 0.1 s sleep, 4.6 ms
+#: from the fifth on), and each backend's repetition follows the other's (gloo's is mostly idle
+#: waiting); without them the repetition after it measured the ramp (64 MiB: 18 ms, against 12.5
+#: ms back to back)
+WARM_SECONDS = 0.06
 SIZE_SECONDS = 4.0  # repetitions per size: fewer when they would take longer than this
 #: the issue's targets at 2 ranks: (lowest bytes, highest bytes, gloo time / commlib time)
 TARGETS = [(8, 64 * KIB, 10.0), (1 * MIB, 64 * MIB, 3.0)]
@@ -233,10 +242,13 @@ def bench_allreduce(args, gloo, rank, n):
         iters = [max(1, min(1000, round(REP_SECONDS / max(e, 1e-7)))) for e in est]
         pair = sum(i * e for i, e in zip(iters, est))
         reps = max(min(args.reps, 3), min(args.reps, int(SIZE_SECONDS / max(pair, 1e-9))))
+        warm = [max(1, min(1000, round(WARM_SECONDS / max(e, 1e-7)))) for e in est]
         times = {name: [] for name in groups}
         for _ in range(reps):
-            for (name, grp), it in zip(groups.items(), iters):
+            for (name, grp), it, w in zip(groups.items(), iters, warm):
                 x = bufs[name]
+                for _ in range(w):
+                    dist.all_reduce(x, group=grp)
                 dist.barrier(group=grp)
                 t = time.perf_counter()
                 for _ in range(it):
@@ -303,6 +315,7 @@ def bench_ddp(args, gloo, rank, n):
     rates = {name: [] for name in models}
     for _ in range(args.ddp_reps):
         for name, grp in (("commlib", None), ("gloo", gloo)):
+            step(name)  # untimed: the host's ramp after the other backend's repetition (WARM_SECONDS)
             dist.barrier(group=grp)
             t = time.perf_counter()
             for _ in range(args.ddp_steps):

@@ -123,3 +123,16 @@ def test_data_parallel_matches_one_process(async_group, seed, wrapper):
     # waits its turn there); FSDP2 makes its calls synchronously on CPU, in this thread either way
     if wrapper == "ddp":
         assert any(threads) if mode == "inline" else threads and not any(threads), (mode, threads)
+
+
+def test_bad_async_mode_refused(pg, monkeypatch):
+    """A ``COMMLIB_TORCH_ASYNC`` that is not auto, inline or thread: InvalidArgument naming
+    the variable and the rank, before any group is made (every rank reads the same value)."""
+    import commlib  # noqa: PLC0415
+    from commlib.core.config import config  # noqa: PLC0415
+    from commlib.nn.distributed import ProcessGroupCommlib, communicator_of  # noqa: PLC0415
+
+    monkeypatch.setattr(config, "torch_async", "threads")
+    with pytest.raises(commlib.InvalidArgument, match=r"COMMLIB_TORCH_ASYNC='threads'") as info:
+        ProcessGroupCommlib(communicator_of())
+    assert f"rank {dist.get_rank()}" in str(info.value), str(info.value)

@@ -136,3 +136,25 @@ def test_bad_async_mode_refused(pg, monkeypatch):
     with pytest.raises(commlib.InvalidArgument, match=r"COMMLIB_TORCH_ASYNC='threads'") as info:
         ProcessGroupCommlib(communicator_of())
     assert f"rank {dist.get_rank()}" in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("affinity, local, threads, inline", [
+    (1, 2, 1, True),    # bound to one core (mpiexec at 1-2 ranks a node): no core for the worker
+    (3, 2, 2, False),   # bound to 3 cores, 2 torch threads: one core to spare, for the worker
+    (2, 2, 2, True),    # bound to 2 cores, both in torch's pool
+    (8, 2, 2, False),   # unbound, 8 cores shared by 2 ranks: 4 each, 2 torch threads
+    (8, 2, 4, True),    # unbound, 4 cores each, all in torch's pool
+    (8, 8, 1, True),    # unbound, 8 ranks on 8 cores
+])
+def test_auto_async_mode_follows_the_cores(pg, monkeypatch, affinity, local, threads, inline):
+    """``COMMLIB_TORCH_ASYNC=auto`` runs a backward pass's asynchronous calls in the calling
+    thread exactly when the rank has no core beside torch's intra-op threads (8-CPU node)."""
+    from commlib.core.config import config  # noqa: PLC0415
+    from commlib.nn.distributed import ProcessGroupCommlib, communicator_of  # noqa: PLC0415
+
+    monkeypatch.setattr(config, "torch_async", "auto")
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(affinity)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    assert ProcessGroupCommlib(communicator_of())._inline_backward is inline

@@ -52,11 +52,12 @@ Semantics:
   made inside a backward pass (DDP's and FSDP's gradient buckets) run in the
   calling thread and return a completed ``Work`` (a DDP step of 4.2 M
   parameters at 2 ranks on 2 cores: 1.41-1.51x gloo's steps/s, against
-  1.19-1.42x through the thread; ``benchmarks/bench_torch_backend.py``).  Calls outside a backward pass keep the
-  thread, so an ``isend`` / ``recv`` the other rank makes before its
-  collective cannot deadlock against it.  ``COMMLIB_TORCH_ASYNC=thread``
-  keeps every asynchronous call on the thread, ``inline`` runs those of a
-  backward pass in the calling thread whatever the cores.  ``wait()`` raises the call's error;
+  1.19-1.42x through the thread; ``benchmarks/bench_torch_backend.py``).
+  Calls outside a backward pass keep the thread, so an ``isend`` / ``recv``
+  the other rank makes before its collective cannot deadlock against it.
+  ``COMMLIB_TORCH_ASYNC=thread`` keeps every asynchronous call on the
+  thread, ``inline`` runs those of a backward pass in the calling thread
+  whatever the cores.  ``wait()`` raises the call's error;
   ``get_future()`` completes with the output tensors.
 * Tensors that are not contiguous are copied to a contiguous buffer and the
   result copied back (the right answer, one copy more); CUDA tensors are
@@ -165,12 +166,13 @@ class ProcessGroupCommlib(dist.ProcessGroup):
     """
 
     def __init__(self, comm, timeout: float | None = None):
+        inline = _inline_backward(comm)  # refuses a bad COMMLIB_TORCH_ASYNC before anything is made
         super().__init__(comm.rank, comm.size)
         self.comm = comm
         self.timeout = timeout
         self._done = done([])  # what a synchronous call returns (torch only waits on it)
         self._worker = Worker(f"commlib-torch-{comm.rank}")
-        self._inline_backward = _inline_backward(comm)
+        self._inline_backward = inline
         self._p2p = P2PWaiter()
         _GROUPS.add(self)
 

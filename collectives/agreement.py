@@ -65,7 +65,8 @@ def agree(transport, values: Sequence[int], *, op: str, local_error: CommError |
         local_error: this rank's own argument error, or None.
         payload: 1-D host array of at most ``capacity`` bytes carried in the row, or None.
         capacity: payload bytes per row (the same on every rank).
-        timeout: seconds each wait may take (None: native all-gather when available).
+        timeout: seconds each wait may take (None: native all-gather when available,
+            and the transport is not fault tolerant).
         native: False: always the point-to-point all-gather, whatever ``timeout``.
             For callers whose ranks may pass different timeouts (a per-call
             argument, None on one rank and a number on another): the native and
@@ -91,11 +92,16 @@ def agree(transport, values: Sequence[int], *, op: str, local_error: CommError |
     rb = row.size
     if n == 1:
         rows = row
-    elif timeout is None and native and gather is not None:
+    elif timeout is None and native and gather is not None and not transport.fault_tolerant:
         rows = gather(row)  # the kept all-gather gives its own copy of the rows
     else:
         rows = np.empty(n * rb, np.uint8)
-        if timeout is None and native and transport.has_native("allgather"):
+        # never an MPI collective on a fault-tolerant transport: Open MPI's own collectives
+        # free their pending sends when one of their requests fails (a peer died, the
+        # communicator was revoked), and a freed send that then fails aborts the process
+        # ("Send error after request freed", MPI_ERRORS_ARE_FATAL whatever the handler);
+        # the point-to-point all-gather keeps every request it posted until it completes
+        if timeout is None and native and not transport.fault_tolerant and transport.has_native("allgather"):
             transport.native_allgather(row, rows)
         else:
             allgather_bruck(transport, row, rows, timeout=timeout)

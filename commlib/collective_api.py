@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from commlib.collectives.agreement import agree_header
+from commlib.collectives.barrier import barrier_dissemination
 from commlib.collectives.engine import SPECS, Engine
 from commlib.collectives.ft import recover
 from commlib.core.errors import CommError, InvalidArgument
@@ -119,7 +120,7 @@ class CollectiveMixin:
             user.set_errors_return()
             # no survivor leaves (and maybe dies) while another still creates
             # communicators: Open MPI 5.0 can crash handling a failure then
-            new.native_barrier()
+            barrier_dissemination(new)  # commlib's own: no MPI collective when fault tolerant
         except CommError:
             user = new  # another failure: the next attempt notices and shrinks again
         self.transport = user

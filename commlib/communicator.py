@@ -17,6 +17,7 @@ from mpi4py import MPI
 
 from commlib.collective_api import CollectiveMixin
 from commlib.collectives.agreement import agree_header, check_all
+from commlib.collectives.barrier import barrier_dissemination
 from commlib.collectives.ft import ON_FAILURE, FaultTolerance
 from commlib.transports.mpi_process import IDLE_FINALIZE_BOUND, PROCESS, check_slurm_singleton, ft_mode
 from commlib.core.config import config
@@ -673,7 +674,9 @@ def init(comm: MPI.Comm | None = None, *, cuda_aware: bool | None = None, fault_
     c = Communicator(transport=tp)
     c._ft = ft
     try:
-        c.collective_transport().native_barrier()  # duplicate now, while every rank is alive
+        # duplicate now, while every rank is alive; the barrier is commlib's own (point to
+        # point): no MPI collective on a fault-tolerant communicator (see collectives.agreement.agree)
+        barrier_dissemination(c.collective_transport())
     except ProcessFailed:
         # a rank that had left the barrier died and the survivors, already in their
         # first collective, revoked the communicators: every communicator exists

@@ -124,6 +124,35 @@ def test_first_round_rows_are_the_general_paths_geometry():
     assert kept.rows.shape == (2, kept.row.size)
 
 
+class _FaultTolerantMirror(_Mirror):
+    """A fault-tolerant transport: MPI's own collectives must not be called."""
+
+    fault_tolerant = True
+
+    def native_allgather(self, row, rows):
+        raise AssertionError("an MPI collective on a fault-tolerant transport")
+
+    def allgather_plan(self, row, rows):
+        raise AssertionError("a persistent MPI collective on a fault-tolerant transport")
+
+
+@pytest.mark.parametrize("count", [3, 20000])
+def test_fault_tolerant_first_round_is_point_to_point(count):
+    """A fault-tolerant transport's first round is commlib's own all-gather:
+    Open MPI's collectives free their pending sends when a request fails, and
+    a freed send that fails later aborts the process (so the survivors of a
+    death could not recover)."""
+    from commlib.collectives.agreement import agree
+
+    comm = _Comm()
+    comm.transport = _FaultTolerantMirror()
+    x = np.arange(count, dtype=np.float64)
+    out = Engine(comm).execute("allreduce", x.copy().view(_Sub), np.empty_like(x).view(_Sub), "sum", "auto")
+    assert np.asarray(out).tobytes() == (2 * x).tobytes()  # the mirror rank holds the same x
+    rows = agree(comm.transport, [1, 2, 3], op="test", capacity=8)
+    assert rows.shape[0] == 2
+
+
 def test_front_ends_are_thin():
     src = (Path(__file__).resolve().parents[1] / "commlib" / "collective_api.py").read_text()
     cls = next(n for n in ast.parse(src).body if isinstance(n, ast.ClassDef) and n.name == "CollectiveMixin")

@@ -27,6 +27,16 @@ Three things are timed per grid, in alternating order, ``--trials`` times:
   traffic of that copy, so ``copies x cells / seconds`` is the most updates
   per second this machine can do on these arrays in one sweep per step.  It
   is a limit: the best trial counts.
+* **update in cache**: the other ceiling of the roofline model, the
+  arithmetic's.  commlib's own update kernels (one and four planes per pass,
+  the faster counting) on a block of the same row length small enough for
+  both fields to stay in the nearer caches (``CEILING_BYTES``), every rank at
+  once: the most updates per second the FTCS arithmetic (13 floating-point
+  operations per cell, in the numpy kernel's order, so that every backend and
+  run gives the same bits) does on this CPU with no memory traffic.  Where it
+  is below the copy, the update is bound by arithmetic, not by memory, and
+  ``commlib / min(copy, update in cache)`` says how close the solver comes to
+  the lower ceiling.  The best trial counts.
 
 Rates are MLUPS (million lattice-site updates per second, all ranks
 together; seconds: the slowest rank's).  Ratios are paired per trial
@@ -212,6 +222,52 @@ def copy_seconds(comm, padded, copies):
     return best
 
 
+CEILING_BYTES = 1 << 19  # u + un of the in-cache block: about a quarter of a 2 MiB L2
+
+
+def update_ceiling_seconds(comm, padded, min_seconds=0.05):
+    """``(cells, steps, seconds)`` of commlib's fastest update kernel (one or four
+    planes per pass) on a block of ``padded``'s row length that fits in
+    ``CEILING_BYTES`` with its second field (3-D: square planes of rows;
+    2-D: rows), every rank at once after a barrier; the step count makes a
+    run last about ``min_seconds`` on this rank (the same on every rank: the
+    largest)."""
+    from commlib.apps.heat.model import _box_array, _get_numba  # noqa: PLC0415
+    from mpi4py import MPI  # noqa: PLC0415
+
+    d, row = len(padded), padded[-1]
+    per_field = CEILING_BYTES // 16 // row  # padded cells per field / row length: the rows that fit
+    if d == 3:
+        side = max(3, int(per_field ** 0.5))
+        shape = (side, side, row)
+    else:
+        shape = (max(3, per_field), row)
+    kern = _get_numba(d)
+    a = np.random.default_rng(0).random(shape)
+    b = a.copy()
+    c = np.full(d, 0.1)
+    box = _box_array([((1,) * d, tuple(n - 1 for n in shape))])
+    cells = int(np.prod([n - 2 for n in shape]))
+    best = None
+    for name in ("steps", "steps4"):
+        if name not in kern:
+            continue
+        run = kern[name]
+        run(a, b, c, box, 2)  # compile, warm up
+        t0 = time.perf_counter()
+        run(a, b, c, box, 20)
+        per_step = (time.perf_counter() - t0) / 20
+        steps = comm.allreduce(max(2, int(min_seconds / max(per_step, 1e-9)) // 2 * 2), op=MPI.MAX)
+        comm.Barrier()
+        t0 = time.perf_counter()
+        run(a, b, c, box, steps)
+        took = time.perf_counter() - t0
+        rate = cells * steps / took
+        if best is None or rate > best[0]:
+            best = (rate, steps, took)
+    return cells, best[1], best[2]
+
+
 def last_level_cache_bytes():
     """Size of the largest unified/data CPU cache from ``/sys`` (None if unknown)."""
     base = "/sys/devices/system/cpu/cpu0/cache"
@@ -351,7 +407,7 @@ def bench_grid(comm, mpicomm, grid, steps, trials, overlap, time_block=False, ha
     def slowest(seconds):
         return mpicomm.allreduce(seconds, op=MPI.MAX)
 
-    ours, hand, roof, blocked, same = [], [], [], [], True
+    ours, hand, roof, blocked, ceiling, same = [], [], [], [], [], True
     names = ("commlib", "hand", "roof") + (("blocked",) if time_block else ())
     for t in range(trials):
         for what in names if t % 2 == 0 else names[::-1]:
@@ -366,6 +422,8 @@ def bench_grid(comm, mpicomm, grid, steps, trials, overlap, time_block=False, ha
                 hand.append(cells * steps / slowest(wall) / 1e6)
             else:
                 roof.append(padded_cells * steps / slowest(copy_seconds(mpicomm, padded, steps)) / 1e6)
+                n, k, took = update_ceiling_seconds(mpicomm, padded)
+                ceiling.append(mpicomm.allreduce(n) * k / slowest(took) / 1e6)
         same = same and bool(np.array_equal(mine, theirs)) and (not time_block or bool(np.array_equal(mine, two)))
     same = mpicomm.allreduce(same, op=MPI.LAND)
     ws = 2 * int(np.prod(padded)) * 8
@@ -375,6 +433,7 @@ def bench_grid(comm, mpicomm, grid, steps, trials, overlap, time_block=False, ha
     llc = last_level_cache_bytes()
     level = "unknown" if llc is None else ("cache" if node_ws <= llc else "DRAM")
     best_roof = max(roof)
+    lower = min(best_roof, max(ceiling))  # the roofline model's bound: the lower of its two ceilings
     extra = {}
     if time_block:
         extra = {"time_block2_mlups": _span(blocked),
@@ -387,6 +446,8 @@ def bench_grid(comm, mpicomm, grid, steps, trials, overlap, time_block=False, ha
         "commlib_over_hand": _span([a / b for a, b in zip(ours, hand)]),
         "hand_over_roofline": _span([b / best_roof for b in hand]),
         "commlib_over_roofline": _span([a / best_roof for a in ours]),
+        "update_in_cache_mlups": _span(ceiling),
+        "commlib_over_lower_ceiling": _span([a / lower for a in ours]),
         "commlib_comm_fraction": res.comm_fraction, "commlib_halo": res.extra.get("halo"), "same_field": same,
     }
 
@@ -395,7 +456,8 @@ def print_rows(rows, ranks):
     halos = sorted({str(r.get("commlib_halo")) for r in rows})
     print(f"# commlib's ghost cells: {', '.join(halos)} (shm: shared memory; mpi: messages; none: one rank)")
     print(f"# heat, numba backend, {ranks} rank(s); MLUPS of all ranks, min-max over trials; ratios paired per "
-          "trial, median [min-max]; roofline: the best copy trial; MiB: u + un of every rank on the node")
+          "trial, median [min-max]; roofline: the best copy trial; in-cache: commlib's update with no memory "
+          "traffic; lower: min(roofline, best in-cache); MiB: u + un of every rank on the node")
 
     def rng(s):
         return f"{s['min']:.0f}-{s['max']:.0f}"
@@ -404,12 +466,14 @@ def print_rows(rows, ranks):
         return f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]"
 
     print(f"{'grid':>12} {'steps':>5} {'MiB':>5} {'commlib':>10} {'hand':>10} {'roofline':>10} "
-          f"{'commlib/hand':>18} {'commlib/roof':>18} {'hand/roof':>18} {'same':>4}")
+          f"{'commlib/hand':>18} {'commlib/roof':>18} {'hand/roof':>18} {'in-cache':>10} {'commlib/lower':>18} "
+          f"{'same':>4}")
     for r in rows:
         print(f"{'x'.join(map(str, r['grid'])):>12} {r['steps']:>5} {r['working_set_bytes_per_node'] / 2 ** 20:5.0f} "
               f"{rng(r['commlib_mlups']):>10} {rng(r['hand_mlups']):>10} {rng(r['roofline_mlups']):>10} "
               f"{ratio(r['commlib_over_hand']):>18} {ratio(r['commlib_over_roofline']):>18} "
-              f"{ratio(r['hand_over_roofline']):>18} {'yes' if r['same_field'] else 'NO':>4}")
+              f"{ratio(r['hand_over_roofline']):>18} {rng(r['update_in_cache_mlups']):>10} "
+              f"{ratio(r['commlib_over_lower_ceiling']):>18} {'yes' if r['same_field'] else 'NO':>4}")
     if any("time_block2_mlups" in r for r in rows):
         print("# temporal blocking (time_block=2: two steps per sweep and per exchange), same trials")
         print(f"{'grid':>12} {'blocked':>10} {'blocked/hand':>18} {'blocked/roof':>18}")
@@ -427,11 +491,13 @@ def plot_rows(rows, ranks, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    fig, ax = plt.subplots(figsize=(1.9 * len(rows) + 2.5, 4))
-    width = 0.27
-    for k, (key, label) in enumerate((("commlib_mlups", "commlib"), ("hand_mlups", "hand-written mpi4py + numba"),
-                                      ("roofline_mlups", "copy roofline"))):
-        xs = [i + (k - 1) * width for i in range(len(rows))]
+    fig, ax = plt.subplots(figsize=(2.2 * len(rows) + 2.5, 4))
+    bars = [("commlib_mlups", "commlib"), ("hand_mlups", "hand-written mpi4py + numba"),
+            ("roofline_mlups", "copy roofline"), ("update_in_cache_mlups", "update in cache (arithmetic ceiling)")]
+    bars = [b for b in bars if all(b[0] in r for r in rows)]
+    width = 0.8 / len(bars)
+    for k, (key, label) in enumerate(bars):
+        xs = [i + (k - (len(bars) - 1) / 2) * width for i in range(len(rows))]
         med = [r[key]["median"] for r in rows]
         err = [[m - r[key]["min"] for m, r in zip(med, rows)], [r[key]["max"] - m for m, r in zip(med, rows)]]
         ax.bar(xs, med, width, yerr=err, capsize=3, label=label)

@@ -131,6 +131,9 @@ def test_bench_heat_quick_run_with_profile_at_2_ranks(tmp_path, halo):
     want = "shm" if halo == "auto" else "mpi"
     for row in rec["rows"]:
         assert row["same_field"] is True and row["commlib_halo"] == want
+        # the arithmetic ceiling was measured, and the lower ceiling is at most the copy roofline
+        assert row["update_in_cache_mlups"]["min"] > 0
+        assert row["commlib_over_lower_ceiling"]["median"] >= row["commlib_over_roofline"]["median"] * (1 - 1e-12)
         prof = row["profile"]
         assert prof["halo"] == want and len(set(prof["planes"])) == 1, prof
         for r in range(2):

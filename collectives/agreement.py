@@ -90,18 +90,19 @@ def agree(transport, values: Sequence[int], *, op: str, local_error: CommError |
     n, head = transport.size, 8 * (1 + len(values))
     row = encode_row(values, local_error=local_error, payload=payload, capacity=capacity)
     rb = row.size
+    # never an MPI collective on a fault-tolerant transport: Open MPI's own collectives
+    # free their pending sends when one of their requests fails (a peer died, the
+    # communicator was revoked), and a freed send that then fails aborts the process
+    # ("Send error after request freed", MPI_ERRORS_ARE_FATAL whatever the handler);
+    # the point-to-point all-gather keeps every request it posted until it completes
+    mpi = timeout is None and native and not transport.fault_tolerant
     if n == 1:
         rows = row
-    elif timeout is None and native and gather is not None and not transport.fault_tolerant:
+    elif mpi and gather is not None:
         rows = gather(row)  # the kept all-gather gives its own copy of the rows
     else:
         rows = np.empty(n * rb, np.uint8)
-        # never an MPI collective on a fault-tolerant transport: Open MPI's own collectives
-        # free their pending sends when one of their requests fails (a peer died, the
-        # communicator was revoked), and a freed send that then fails aborts the process
-        # ("Send error after request freed", MPI_ERRORS_ARE_FATAL whatever the handler);
-        # the point-to-point all-gather keeps every request it posted until it completes
-        if timeout is None and native and not transport.fault_tolerant and transport.has_native("allgather"):
+        if mpi and transport.has_native("allgather"):
             transport.native_allgather(row, rows)
         else:
             allgather_bruck(transport, row, rows, timeout=timeout)

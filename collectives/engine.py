@@ -204,8 +204,7 @@ class Engine:
             rows = None
             if tp.size > 1 and check:
                 kept = None
-                if (timeout is None and tp.first_round_tags is None and not tp.fault_tolerant
-                        and tp.has_native("allgather")):  # (no MPI collective when fault tolerant: see agree)
+                if timeout is None and tp.first_round_tags is None and tp.has_native("allgather"):
                     kept = self.first_round_rows(tp)  # the group's unbounded first rounds: one all-gather
                 rows = first_round(tp, opname, v, local_error, payload, timeout, kept)
                 c.agreed = True  # every rank entered the call (a barrier's first round is its barrier)

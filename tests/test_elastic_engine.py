@@ -246,10 +246,12 @@ def test_master_killed_mid_call_restores_the_input():
     """12 trials, the master stopped (its sockets closed, as a kill does) at a random
     point of a ring all-reduce of 4 MiB over 3 peers: a peer whose call returned
     holds the sum; one whose call raised holds its input, bit for bit.  The point
-    is drawn from 20-100% of the time the same call took just before on the same
-    group, so that under any load most stops land while the ring has written
-    into the buffers (a fixed 0-60 ms window fell before the ring's first write
-    on a loaded machine, where a buffer left unrestored went unseen)."""
+    is a random send of a random peer (the ring's 2 reduce-scatter and 2 all-gather
+    steps), counted rather than timed, so that it falls inside the call under any
+    load: that peer stops the master, waits until its own transport is revoked
+    (the loss seen), then goes on; its call must raise.  (A stop drawn from a
+    fraction of a measured call time landed after every call returned on a loaded
+    machine, where the restore went untested.)"""
     rng = random.Random(f"{test_seed()}-{1234}")
     raised = 0
     for trial in range(12):
@@ -258,16 +260,23 @@ def test_master_killed_mid_call_restores_the_input():
             data = [np.random.default_rng(trial * 10 + i).standard_normal(1 << 20).astype(np.float32)
                     for i in range(3)]
             run_peers(peers, lambda i, p: p.allreduce(np.ones(10), timeout=10))  # the epoch's connections
-            t0 = time.monotonic()
-            run_peers(peers, lambda i, p: p.allreduce(data[i].copy(), "sum", timeout=10))
-            took = time.monotonic() - t0
             bufs = [d.copy() for d in data]
             ref = (data[1] + data[2]) + data[0]  # the ring's order is checked by test_elastic; here: the values
-            delay = rng.uniform(0.2, 1.0) * took
-            killer = threading.Timer(delay, master.stop)
-            killer.start()
+            who, at = rng.randrange(3), rng.randrange(1, 5)
+            tr = peers[who]._tr
+            sends = [0]
+
+            def isend(*a, _orig=tr.isend, **k):
+                sends[0] += 1
+                if sends[0] == at:
+                    master.stop()
+                    wait_until(lambda: tr.revoked, 10, f"trial {trial}: peer {who} never saw the master's loss")
+                return _orig(*a, **k)
+
+            tr.isend = isend
             out = _outcomes(peers, lambda i, p: p.allreduce(bufs[i], "sum", timeout=10))
-            killer.join()
+            assert sends[0] >= at, (trial, who, at, sends[0])
+            assert out[who][1] is not None, f"trial {trial}: peer {who} stopped the master at send {at}, yet returned"
             for i, (r, exc, dt) in enumerate(out):
                 if exc is None:
                     np.testing.assert_allclose(bufs[i], ref, rtol=1e-5, atol=1e-5)
@@ -278,7 +287,7 @@ def test_master_killed_mid_call_restores_the_input():
                     assert dt < 10 + 3
         finally:
             _close(master, peers)
-    assert raised > 0, "no trial stopped the master inside a call"
+    assert raised >= 12
 
 
 @pytest.mark.parametrize("how", ["death", "abort"])

@@ -585,6 +585,38 @@ def test_time_block_two_matches_numpy_one_rank(grid, steps):
     assert np.array_equal(got, ref)
 
 
+@pytest.mark.parametrize("d", [1, 2, 3])
+def test_two_step_sweep_is_two_box_updates(d):
+    """The temporal-blocking sweep against its oracle, two plain box updates
+    (the first over the owned box widened by one cell on every side with a
+    neighbour, the second over the owned box), on random fields whose ghost and
+    boundary cells are random too: the same bits everywhere in both fields after
+    1-3 pairs, for 12 random layouts (block shape, halo width 2-3, which sides have
+    a neighbour)."""
+    from commlib.apps.heat import model  # noqa: PLC0415
+
+    rng = np.random.default_rng(4700 + d)
+    kernels = model._get_numba(d)
+    for trial in range(12):
+        shape = tuple(int(x) for x in rng.integers(3, 11, d))
+        width = tuple(int(x) for x in rng.integers(2, 4, d))
+        sides = tuple((bool(rng.integers(2)), bool(rng.integers(2))) for _ in range(d))
+        padded = tuple(n + 2 * w for n, w in zip(shape, width))
+        fields = [rng.standard_normal(padded) for _ in range(2)]
+        ref = [f.copy() for f in fields]
+        c = rng.uniform(0.05, 0.15, d)
+        pairs = int(rng.integers(1, 4))
+        model.two_step_update(fields, c, shape, width, sides)(0, pairs)
+        own = [(tuple(width), tuple(w + n for n, w in zip(shape, width)))]
+        ext = [(tuple(w - low for w, (low, _) in zip(width, sides)),
+                tuple(w + n + high for n, w, (_, high) in zip(shape, width, sides)))]
+        for _ in range(pairs):
+            kernels["boxes"](ref[0], ref[1], c, model._box_array(ext))
+            kernels["boxes"](ref[1], ref[0], c, model._box_array(own))
+        assert np.array_equal(fields[0], ref[0]), (trial, shape, width, sides, pairs)
+        assert np.array_equal(fields[1], ref[1]), (trial, shape, width, sides, pairs)
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("grid,steps", [((14, 11), 7), ((9, 8, 7), 6), ((9, 8, 7), 5)])

@@ -138,14 +138,19 @@ def done(result) -> dist.Work:
     return Work(fut)
 
 
-def _finish(fut, error: list, call, result, on_error=None) -> None:
-    """Run ``call()``; complete ``fut`` with ``result`` whatever happens, keeping an error in ``error``."""
+def _call(error: list, call, on_error=None) -> None:
+    """Run ``call()``, keeping an error in ``error`` (delivered by :meth:`Work.wait`)."""
     try:
         call()
     except BaseException as exc:  # noqa: BLE001 - delivered by Work.wait()
         error.append(exc)
         if on_error is not None:
             on_error(exc)
+
+
+def _finish(fut, error: list, call, result, on_error=None) -> None:
+    """Run ``call()``; complete ``fut`` with ``result`` whatever happens, keeping an error in ``error``."""
+    _call(error, call, on_error)
     fut.set_result(result)
 
 
@@ -198,10 +203,13 @@ class Worker:
             fn, fut, error, result, on_error = item
             with self.running:
                 try:
-                    _finish(fut, error, fn, result, on_error)
+                    _call(error, fn, on_error)
                 finally:
                     with self._lock:
                         self._pending -= 1
+            # completed only once the worker is idle again (when nothing else is queued):
+            # a caller woken by this work finds it idle, so its next call may run inline
+            fut.set_result(result)
 
 
 class P2PWaiter:

@@ -208,8 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-block", type=int, choices=(1, 2), default=1,
                    help="steps per sweep over the block and per halo exchange: 2 is temporal blocking (numba "
                         "backend: halos 2 cells wide, both steps in one wavefront sweep, no overlap; the same field "
-                        "bit for bit). It pays where a rank's block fits in the last-level cache (1.2x at 96^3 on one "
-                        "rank of the test machine) and can be slower from DRAM (0.85x at 192^3); default 1")
+                        "bit for bit). It pays where a rank's block fits in the last-level cache and can be slower "
+                        "when the block comes from DRAM (measured figures: the documentation's performance page); "
+                        "default 1")
     p.add_argument("--json", metavar="PATH", help="write the summary as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of the mid-plane")
     p.add_argument("--verify", action="store_true",
